@@ -1,0 +1,78 @@
+"""Array kinds and backend choice: NumPy in -> reference, GPU arrays in -> kernels, same kind out."""
+
+from __future__ import annotations
+
+import numpy as np
+
+BACKENDS = ("auto", "reference", "numba")
+_DLPACK_CUDA_DEVICES = (2, 3, 13)   # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
+
+
+def is_device_array(x) -> bool:
+    if hasattr(x, "__cuda_array_interface__"):
+        return True
+    if hasattr(x, "__dlpack_device__") and not isinstance(x, np.ndarray):
+        return x.__dlpack_device__()[0] in _DLPACK_CUDA_DEVICES
+    return False
+
+
+def as_kernel_array(x):
+    """Something numba can launch on: NumPy and CUDA-array-interface objects as they are, DLPack via CuPy."""
+    if x is None or isinstance(x, np.ndarray) or hasattr(x, "__cuda_array_interface__"):
+        return x
+    import cupy
+    return cupy.from_dlpack(x)
+
+
+def resolve_backend(backend: str, data: dict) -> str:
+    """'reference' or 'numba' for these data arrays ({document name: array or None})."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    present = {name: a for name, a in data.items() if a is not None}
+    on_device = {name for name, a in present.items() if is_device_array(a)}
+    if on_device and len(on_device) != len(present):
+        host = sorted(set(present) - on_device)
+        raise TypeError(f"{', '.join(host)}: expected GPU arrays like {', '.join(sorted(on_device))}, got NumPy arrays; "
+                        "pass every data array on the same side")
+    for name, a in present.items():
+        if not on_device and not isinstance(a, np.ndarray):
+            raise TypeError(f"{name}: expected a NumPy or GPU array, got {type(a).__name__}")
+    if backend == "auto":
+        return "numba" if on_device else "reference"
+    if backend == "numba" and not on_device:
+        from numba import cuda
+        if not cuda.is_available():
+            raise RuntimeError("backend='numba' with NumPy arrays needs a CUDA GPU or the simulator "
+                               "(NUMBA_ENABLE_CUDASIM=1 before numba is imported)")
+    return backend
+
+
+def to_host(x):
+    """A NumPy copy (or the array itself) of a NumPy, CuPy or CUDA-array-interface array; None stays None."""
+    if x is None or isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "get"):
+        return x.get()
+    if hasattr(x, "copy_to_host"):
+        return x.copy_to_host()
+    from numba import cuda
+    return cuda.as_cuda_array(x).copy_to_host()
+
+
+def index_array(name: str, x) -> np.ndarray:
+    """Host int64 copy of an index input (seqstarts, kvstarts, cachestarts, start_pos)."""
+    host = np.asarray(to_host(x))
+    if not np.issubdtype(host.dtype, np.integer):
+        raise TypeError(f"{name}: expected an integer tensor (int64), got dtype {host.dtype}")
+    return host.astype(np.int64)
+
+
+def copy_into(dst, host_src) -> None:
+    """Write a host result back into a caller's in-out tensor of any kind (cache, scale)."""
+    if isinstance(dst, np.ndarray):
+        dst[...] = host_src
+    elif hasattr(dst, "copy_to_device"):
+        dst.copy_to_device(host_src)
+    else:
+        import cupy
+        cupy.asarray(dst)[...] = cupy.asarray(host_src)

@@ -1,0 +1,71 @@
+"""Checks that run before any reference or kernel: each error names the document's parameter,
+says what was expected and what came."""
+
+from __future__ import annotations
+
+import numpy as np
+
+FLOAT_T1 = ("float16", "float32")
+
+
+def dtype_of(x) -> np.dtype:
+    return np.dtype(x.dtype)
+
+
+def check_choice(name: str, value, choices) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value not in choices:
+        raise ValueError(f"{name}: expected one of {tuple(choices)}, got {value!r}")
+
+
+def check_int(name: str, value, *, low: int, high: int | None = None) -> int:
+    """An integer attribute in [low, high] (high None: no bound)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    if value < low or (high is not None and value > high):
+        span = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name}: expected an int {span}, got {value}")
+    return int(value)
+
+
+def check_dtype(name: str, x, allowed) -> None:
+    if dtype_of(x).name not in allowed:
+        raise TypeError(f"{name}: expected dtype in {tuple(allowed)}, got {dtype_of(x).name}")
+
+
+def check_same_dtype(name: str, x, other_name: str, other) -> None:
+    if dtype_of(x) != dtype_of(other):
+        raise TypeError(f"{name}: expected the dtype of {other_name} ({dtype_of(other).name}), "
+                        f"got {dtype_of(x).name}")
+
+
+def check_shape(name: str, x, expected: tuple, meaning: str = "") -> None:
+    """expected holds ints, or None where any extent is fine."""
+    shape = tuple(int(s) for s in x.shape)
+    ok = len(shape) == len(expected) and all(e is None or e == s for e, s in zip(expected, shape))
+    if not ok:
+        want = "(" + ", ".join("*" if e is None else str(e) for e in expected) + ")"
+        raise ValueError(f"{name}: expected shape {want}{' ' + meaning if meaning else ''}, got {shape}")
+
+
+def check_contiguous(name: str, x) -> None:
+    """Kernels address in-out tensors through flat views, so they must be C-contiguous."""
+    flags = getattr(x, "flags", None)
+    contiguous = flags["C_CONTIGUOUS"] if flags is not None else True
+    if not contiguous:
+        raise ValueError(f"{name}: expected a C-contiguous tensor for the kernels, got strides {x.strides}")
+
+
+def check_starts(name: str, starts: np.ndarray, total: int | None, total_name: str) -> np.ndarray:
+    """seqstarts / kvstarts: (B+1,), starting at 0, non-decreasing, ending at the packed length. Returns lengths."""
+    if starts.ndim != 1 or starts.shape[0] < 2:
+        raise ValueError(f"{name}: expected shape (B+1,) with B >= 1, got {starts.shape}")
+    if starts[0] != 0:
+        raise ValueError(f"{name}: expected {name}[0] == 0, got {starts[0]}")
+    lengths = np.diff(starts)
+    if (lengths < 0).any():
+        b = int(np.argmax(lengths < 0))
+        raise ValueError(f"{name}: expected non-decreasing values, got {name}[{b + 1}] = {starts[b + 1]} "
+                         f"< {name}[{b}] = {starts[b]}")
+    if total is not None and starts[-1] != total:
+        raise ValueError(f"{name}: expected {name}[B] == {total} ({total_name}), got {starts[-1]}")
+    return lengths

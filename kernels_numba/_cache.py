@@ -1,0 +1,161 @@
+"""Where key t of sequence b, head h lives, and how it is stored and loaded.
+
+A *cache source* is one tuple that every kernel reads the same way:
+
+    (data, scales, starts, page, base, s_b, s_t, s_h, sc_base, sc_s_b, sc_s_t, sc_s_h)
+
+data/scales are flat 1-D views; starts is a (B, pages) int64 table. Token t of
+sequence b lives in slot `starts[b, t // page] + t % page` and its head h row
+starts at `base + b*s_b + slot*s_t + h*s_h` (scales likewise with the sc_ strides).
+That one formula covers
+  - the paged cache (cache_mode 1: starts = page table, page = page_size),
+  - the offset cache (cache_mode 0: starts = cachestarts[:, None], page = 2^62),
+  - the static per-batch cache (starts = 0, s_b = the batch stride),
+  - a packed dense tensor like `key` (T, H, Dh) (starts = kvstarts[:B, None]).
+Layouts only change the strides; layer_idx and key-vs-value only change `base`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from ._launch import OFFSET_PAGE, axis_strides, flat
+from ._numerics import rounder
+
+QMAX = {8: 127, 4: 7}
+MIN_SCALE = 1e-5
+
+
+def cache_source(data, scales, starts, page, axes: str, layer_idx: int = 0, kv: int = 0, scale_axes: str | None = None):
+    """Build the source tuple for one layer and one of key (kv=0) / value (kv=1) of a tensor with named axes."""
+    s = axis_strides(data.shape, axes)
+    base = layer_idx * s.get("L", 0) + kv * s.get("KV", 0)
+    if scales is None:
+        scales, sc = data[:1], {}                               # placeholder: never read when unquantized
+        sc_base = 0
+    else:
+        sc = axis_strides(scales.shape, scale_axes or axes)
+        sc_base = layer_idx * sc.get("L", 0) + kv * sc.get("KV", 0)
+    i64 = np.int64
+    return (flat(data), flat(scales), starts, i64(page), i64(base), i64(s.get("B", 0)), i64(s["T"]), i64(s["H"]),
+            i64(sc_base), i64(sc.get("B", 0)), i64(sc.get("T", 0)), i64(sc.get("H", 0)))
+
+
+def packed_source(tensor, row_starts):
+    """A packed (rows, H, D) tensor such as `key`: sequence b's token t is row row_starts[b] + t."""
+    return cache_source(tensor, None, row_starts, OFFSET_PAGE, "T H D")
+
+
+def make_cache_access(quant_bit: int, quant_group: int, round_scale, round_value):
+    """Device functions (row_offsets, load) for a cache of the given quantization.
+
+    load returns element d as the document's dequantized tensor holds it: q * scale rounded to the
+    scale dtype (round_scale), then to the output dtype T1 (round_value), as a float32.
+    """
+
+    @cuda.jit(device=True, inline="always")
+    def row_offsets(src, b, t, h):
+        starts, page = src[2], src[3]
+        slot = starts[b, t // page] + t % page
+        return (src[4] + b * src[5] + slot * src[6] + h * src[7],
+                src[8] + b * src[9] + slot * src[10] + h * src[11])
+
+    @cuda.jit(device=True, inline="always")
+    def load(src, row, sc_row, d):
+        data, scales = src[0], src[1]
+        if quant_bit == 0:
+            return round_value(np.float32(data[row + d]))
+        if quant_bit == 8:
+            q = np.int32(data[row + d])
+        else:
+            nibble = (np.int32(data[row + d // 2]) >> (4 * (d & 1))) & 0xF   # element 2i: low nibble
+            q = nibble - 16 if nibble >= 8 else nibble                        # two's complement
+        return round_value(round_scale(np.float32(q) * np.float32(scales[sc_row + d // quant_group])))
+
+    return row_offsets, load
+
+
+def make_store_kernel(quant_bit: int, quant_group: int, head_dim: int, input_dtype, round_scale, round_value):
+    """Kernel: quantize (or copy) current key/value and write them into their cache slots.
+
+    Grid (x: ceil(max_seqlen * H * groups / threads), y: batch); one thread per (token, head, group), so a
+    thread owns whole int4 bytes and writes its group's scale alone: no two threads touch one element.
+    """
+    round_in = rounder(input_dtype)
+    row_offsets, _ = make_cache_access(quant_bit, quant_group, round_scale, round_value)
+    qmax = QMAX.get(quant_bit, 1)
+    min_scale = np.float32(np.dtype(input_dtype).type(MIN_SCALE))   # 1e-5 as the input dtype holds it
+    groups = head_dim // quant_group
+
+    @cuda.jit(device=True, inline="always")
+    def quantize_one(v, s):
+        """clip(round_half_even(v / s), -qmax, qmax), the division in the input dtype."""
+        q = round(round_in(np.float32(v) / s))             # round() is half-to-even (cvt.rni)
+        return np.int32(min(max(q, -qmax), qmax))
+
+    @cuda.jit(device=True, inline="always")
+    def store_group(x, x_off, dst, b, t, h, grp):
+        data, scales = dst[0], dst[1]
+        row, sc_row = row_offsets(dst, b, t, h)
+        d0 = grp * quant_group
+        if quant_bit == 0:
+            for e in range(quant_group):
+                data[row + d0 + e] = x[x_off + e]
+            return
+        absmax = np.float32(0.0)
+        for e in range(quant_group):
+            absmax = max(absmax, abs(np.float32(x[x_off + e])))
+        s = max(round_in(absmax / np.float32(qmax)), min_scale)            # computed in the input dtype
+        scales[sc_row + grp] = s
+        if quant_bit == 8:
+            for e in range(quant_group):
+                data[row + d0 + e] = quantize_one(x[x_off + e], s)
+        else:                                               # int4: quant_group is even, pairs share a byte
+            for e in range(0, quant_group, 2):
+                byte = (quantize_one(x[x_off + e], s) & 0xF) | ((quantize_one(x[x_off + e + 1], s) & 0xF) << 4)
+                data[row + (d0 + e) // 2] = byte - 256 if byte >= 128 else byte
+
+    @cuda.jit
+    def store_kernel(cur_key, cur_value, seqstarts, num_heads, start_pos, key_dst, value_dst):
+        b = cuda.blockIdx.y
+        idx = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        per_token = num_heads * groups
+        i = idx // per_token
+        if i >= seqstarts[b + 1] - seqstarts[b]:
+            return
+        h = (idx % per_token) // groups
+        grp = idx % groups
+        x_off = ((seqstarts[b] + i) * num_heads + h) * head_dim + grp * quant_group   # current_key (T, H, Dh)
+        t = start_pos[b] + i
+        store_group(cur_key, x_off, key_dst, b, t, h, grp)
+        store_group(cur_value, x_off, value_dst, b, t, h, grp)
+
+    return store_kernel
+
+
+def make_gather_kernel(quant_bit: int, quant_group: int, head_dim: int, round_scale, round_value):
+    """Kernel: read positions [0, kvlen) back from the cache, dequantized, into packed (rows, H * num_repeat, Dh).
+
+    Grid (x: ceil(max_kvlen * H * Dh / threads), y: batch, z: 0 key / 1 value); one thread per element.
+    """
+    row_offsets, load = make_cache_access(quant_bit, quant_group, round_scale, round_value)
+
+    @cuda.jit
+    def gather_kernel(key_src, value_src, kvstarts, num_heads, num_repeat, key_out, value_out):
+        b = cuda.blockIdx.y
+        idx = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        per_token = num_heads * head_dim
+        t = idx // per_token
+        if t >= kvstarts[b + 1] - kvstarts[b]:
+            return
+        h = (idx % per_token) // head_dim
+        d = idx % head_dim
+        src, out = (key_src, key_out) if cuda.blockIdx.z == 0 else (value_src, value_out)
+        row, sc_row = row_offsets(src, b, t, h)
+        x = load(src, row, sc_row, d)
+        out_row = ((kvstarts[b] + t) * num_heads + h) * num_repeat
+        for r in range(num_repeat):                       # head h repeated num_repeat times in a row
+            out[(out_row + r) * head_dim + d] = x
+
+    return gather_kernel

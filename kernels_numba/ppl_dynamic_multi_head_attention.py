@@ -1,0 +1,113 @@
+"""OpenPPL `dynamic_batching.MultiHeadAttention` on the GPU: the shared online-softmax core
+(`_attention_core.py`) specialised with OpenPPL's mask rules.
+
+bias(i, j) for query i of a sequence with seqlen queries and kvlen keys:
+  - hidden (-inf) when causal applies and j > kvlen - seqlen + i (bottom-right alignment);
+    causal applies when is_causal, seqlen > 1 and b >= decoding_batches, and always with ALiBi;
+  - plus the user mask, rows offset by seqstarts[b], columns by kvstarts[b];
+  - with ALiBi, slope_h * (j - (kvlen - seqlen + i)) + mask, rounded to the query dtype as upstream forms it.
+The key range of a block stops at the last key its last row may see, so causal prefill skips the
+upper-right tiles instead of masking them.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda
+
+from ._attention_core import make_attention_kernel, plan_tiles
+from ._cache import make_cache_access, packed_source
+from ._launch import launch, caller_stream, ceil_div, empty_like_kind, flat, to_kind
+from ._numerics import keep_float32, rounder
+
+NEG_INF = np.float32(-math.inf)
+
+
+def make_ppl_bias(round_query):
+    @cuda.jit(device=True, inline="always")
+    def causal_applies(args, b, seqlen):
+        return (args[0] != 0 and seqlen > 1 and b >= args[1]) or args[2] != 0
+
+    @cuda.jit(device=True, inline="always")
+    def bias(args, b, h, i, j, seqlen, kvlen):
+        _, _, is_alibi, slopes, mask, mask_sh, mask_si, seqstarts, kvstarts, has_mask = args
+        last_visible = kvlen - seqlen + i
+        if j > last_visible and causal_applies(args, b, seqlen):
+            return NEG_INF
+        m = np.float32(0.0)
+        if has_mask != 0:
+            m = np.float32(mask[h * mask_sh + (seqstarts[b] + i) * mask_si + kvstarts[b] + j])
+        if is_alibi != 0:
+            alibi = round_query(slopes[h] * round_query(np.float32(j - last_visible)))
+            return round_query(alibi + m)
+        return m
+
+    @cuda.jit(device=True, inline="always")
+    def key_range(args, b, i_first, i_last, seqlen, kvlen):
+        if causal_applies(args, b, seqlen):
+            return 0, kvlen - seqlen + i_last + 1
+        return 0, kvlen
+
+    return bias, key_range
+
+
+@lru_cache(maxsize=None)
+def attention_kernel(quant_bit, quant_group, scale_dtype, value_dtype, query_dtype, head_dim, num_heads,
+                     num_kv_heads, max_seqlen):
+    """The core specialised for OpenPPL: cache reads of this quantization, OpenPPL's bias; plus its tile plan."""
+    row_offsets, load = make_cache_access(quant_bit, quant_group,
+                                          rounder(scale_dtype) if quant_bit else keep_float32, rounder(value_dtype))
+    bias, key_range = make_ppl_bias(rounder(query_dtype))
+    heads_per_block, q_tile, key_tile = plan_tiles(num_heads, num_kv_heads, max_seqlen, head_dim, head_dim)
+    kernel = make_attention_kernel(row_offsets, load, bias, key_range, head_dim_k=head_dim, head_dim_v=head_dim,
+                                   heads_per_block=heads_per_block, q_tile=q_tile, key_tile=key_tile,
+                                   group=num_heads // num_kv_heads)
+    return kernel, heads_per_block, q_tile
+
+
+def attend(query, key_src, value_src, seqstarts, kvstarts, decoding_batches, max_seqlen, attn_mask, *, num_heads,
+           num_kv_heads, is_causal, alibi_slopes, quant_bit, quant_group, scale_dtype, value_dtype, threads, stream):
+    """Launch the OpenPPL attention kernel over K/V sources; returns attn_output (seqstarts[B], H, Dh)."""
+    head_dim = query.shape[2]
+    batch = seqstarts.shape[0] - 1
+    kernel, heads_per_block, q_tile = attention_kernel(
+        quant_bit, quant_group, np.dtype(scale_dtype).str, np.dtype(value_dtype).str, query.dtype.str, head_dim,
+        num_heads, num_kv_heads, max_seqlen)
+    is_alibi = alibi_slopes is not None
+    # Upstream forms the ALiBi bias in the query dtype, so the slopes are rounded to it first.
+    slopes = np.asarray(alibi_slopes if is_alibi else [0.0]).astype(query.dtype).astype(np.float32)
+    if attn_mask is None:
+        mask, mask_sh, mask_si, has_mask = query[:1, 0, 0], 0, 0, 0     # placeholder, never read
+    else:
+        mask_si = attn_mask.shape[-1]
+        mask_sh = attn_mask.shape[-2] * mask_si if attn_mask.ndim == 3 else 0
+        mask, has_mask = flat(attn_mask), 1
+    bias_args = (np.int64(is_causal), np.int64(decoding_batches), np.int64(is_alibi), to_kind(query, slopes),
+                 mask, np.int64(mask_sh), np.int64(mask_si), seqstarts, kvstarts, np.int64(has_mask))
+    seqlens = seqstarts[1:] - seqstarts[:-1]
+    kvlens = kvstarts[1:] - kvstarts[:-1]
+    attn_output = empty_like_kind(query, query.shape, query.dtype)
+    geometry = (np.int64(0), np.int64(num_heads * head_dim), np.int64(head_dim))   # (s_b, s_i, s_h) of (T, H, Dh)
+    grid = (max(1, ceil_div(max_seqlen, q_tile)), num_heads // heads_per_block, batch)
+    launch(kernel, grid, threads, stream, (flat(query), seqstarts, *geometry), (flat(attn_output), seqstarts, *geometry),
+                                  seqlens, kvlens, key_src, value_src, bias_args, np.float32(1 / math.sqrt(head_dim)))
+    return attn_output
+
+
+def dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
+                                 attn_mask=None, *, num_heads, head_dim, is_causal, alibi_slopes=None, num_kv_heads=0,
+                                 threads=128):
+    """attn_output (seqstarts[B], num_heads, head_dim) from packed key/value. Inputs validated by `cacheattn`.
+
+    alibi_slopes: float32 (num_heads,) when is_alibi, else None.
+    """
+    num_kv_heads = num_kv_heads or num_heads
+    stream = caller_stream(query, key)
+    row_starts = kvstarts[:-1].reshape(-1, 1)
+    return attend(query, packed_source(key, row_starts), packed_source(value, row_starts), seqstarts, kvstarts,
+                  decoding_batches, max_seqlen, attn_mask, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                  is_causal=is_causal, alibi_slopes=alibi_slopes, quant_bit=0, quant_group=head_dim,
+                  scale_dtype=query.dtype, value_dtype=value.dtype, threads=threads, stream=stream)

@@ -1,0 +1,110 @@
+"""Compile every kernel variant the launchers produce to PTX, without a GPU.
+
+    python -m kernels_numba.ptx_check [--cc 80 90]
+
+The CUDA simulator accepts code that the real compiler rejects, so this runs in a
+process *without* NUMBA_ENABLE_CUDASIM. It drives each launcher on small NumPy
+inputs with launches recorded instead of run, then compiles each recorded kernel
+for the argument types it was given. Needs numba-cuda's cu12/cu13 extra (NVVM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import types
+
+import numpy as np
+
+
+def _allow_device_functions_without_gpu():
+    """numba-cuda asks the current device for its compute capability when a kernel calls a
+    device function; with no GPU there is none, so answer for the target being compiled."""
+    from numba.cuda import dispatcher
+    dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=_target_cc[0])
+
+
+_target_cc = [(9, 0)]
+
+
+def _ppl_launches():
+    """(label, kernel, args) for every OpenPPL kernel variant: quant 0/8/4 x float16/float32 x decode/prefill."""
+    from . import _launch
+    from .ppl_key_value_cache import key_value_cache
+    from .ppl_multi_head_cache_attention import multi_head_cache_attention
+
+    rng = np.random.default_rng(0)
+    heads, kv_heads, head_dim, group = 4, 2, 32, 8
+    out = []
+    for quant_bit in (0, 8, 4):
+        for dtype in (np.float16, np.float32):
+            stored = head_dim // 2 if quant_bit == 4 else head_dim
+            cache_dtype = np.int8 if quant_bit else dtype
+            scale = np.ones((64, 1, 2, kv_heads, head_dim // group), np.float16) if quant_bit else None
+            for seqlen, alibi in ((1, False), (3, True)):
+                seqstarts = np.array([0, seqlen, 2 * seqlen])
+                kvstarts = np.array([0, seqlen + 2, 2 * seqlen + 4])
+                cache = np.zeros((64, 1, 2, kv_heads, stored), cache_dtype)
+                q = rng.standard_normal((2 * seqlen, heads, head_dim)).astype(dtype)
+                k = rng.standard_normal((2 * seqlen, kv_heads, head_dim)).astype(dtype)
+                mask = np.zeros((2 * seqlen, kvstarts[-1]), dtype)
+                with _launch.recorded_launches() as launches:
+                    multi_head_cache_attention(
+                        q, k, k, seqstarts, kvstarts, np.array([0, 32]), np.array([2, 2]), 1, seqlen, seqlen + 2,
+                        cache, scale, mask, num_heads=heads, head_dim=head_dim, is_causal=True,
+                        alibi_slopes=np.ones(heads, np.float32) if alibi else None, num_kv_heads=kv_heads,
+                        quant_bit=quant_bit, quant_group=group, cache_axes="T L KV H D")
+                    static_cache = np.zeros((2, 1, 2, 8, kv_heads, stored), cache_dtype)
+                    static_scale = np.ones((2, 1, 2, 8, kv_heads, head_dim // group), np.float32) if quant_bit else None
+                    key_value_cache(k.reshape(2, seqlen, kv_heads, head_dim), k.reshape(2, seqlen, kv_heads, head_dim),
+                                    2, static_cache, static_scale, quant_bit=quant_bit, quant_group=group,
+                                    cache_axes="B L KV T H D")
+                label = f"quant_bit={quant_bit} {np.dtype(dtype).name} seqlen={seqlen}"
+                out += [(label, kernel, args) for kernel, args in launches]
+    return out
+
+
+def compile_all(ccs, report=print) -> int:
+    """Compile every recorded kernel for each compute capability; returns the number of failures."""
+    import numba
+    from numba import cuda
+
+    _allow_device_functions_without_gpu()
+    seen, failures = set(), 0
+    for label, kernel, args in _ppl_launches():
+        signature = tuple(numba.typeof(a) for a in args)
+        key = (kernel.py_func, signature)
+        if key in seen:
+            continue
+        seen.add(key)
+        for cc in ccs:
+            _target_cc[0] = cc
+            start = time.perf_counter()
+            try:
+                ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=cc)
+                status = f"ok  {len(ptx):7d} chars"
+            except Exception as exc:  # report every failure, then fail the run
+                failures += 1
+                status = f"FAIL {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            report(f"sm_{cc[0]}{cc[1]}  {kernel.py_func.__name__:<20} {label:<32} {status} "
+                   f"({time.perf_counter() - start:.1f}s)")
+    return failures
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cc", nargs="+", type=int, default=[80, 90], help="compute capabilities, e.g. 80 90")
+    ccs = [(c // 10, c % 10) for c in parser.parse_args(argv).cc]
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        print("ptx_check: unset NUMBA_ENABLE_CUDASIM; the simulator cannot compile PTX", file=sys.stderr)
+        return 2
+    failures = compile_all(ccs)
+    print(f"{'all kernels compiled' if not failures else f'{failures} compile failures'} for "
+          f"{', '.join(f'sm_{a}{b}' for a, b in ccs)}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""OpenPPL pmx `dynamic_batching.MultiHeadAttention`, the attention half of MultiHeadCacheAttention
+(ppl-multi-head-cache-attention.md).
+
+Batch b's queries are rows seqstarts[b]:seqstarts[b+1] of `query`; its keys and
+values are rows kvstarts[b]:kvstarts[b+1] of `key`/`value` (past + current, as
+KeyValueCache returns them). The first `decoding_batches` batches decode.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .alibi import alibi_slopes
+from .softmax import masked_softmax
+
+
+def attention_bias(b, seqlen, kvlen, q_rows, kv_cols, decoding_batches, attn_mask, *, num_heads, is_causal,
+                   is_alibi, dtype):
+    """float32 (H, S, K) bias for batch b, or None when there is nothing to add.
+
+    Alignment is bottom-right: query i is the token at position kvlen - seqlen + i, so it
+    may see keys j <= kvlen - seqlen + i (its past plus the current tokens up to itself).
+    """
+    i = np.arange(seqlen)[:, None]                                        # (S, 1)
+    j = np.arange(kvlen)[None, :]                                         # (1, K)
+    last_visible = kvlen - seqlen + i                                     # (S, 1)
+    # "is_causal: Whether apply casual mask when sequence length > 1"; decoding batches need none.
+    causal = (is_causal and seqlen > 1 and b >= decoding_batches) or is_alibi   # ALiBi always carries it
+    mask = None if attn_mask is None else attn_mask[..., q_rows, kv_cols]  # (S, K) or (H, S, K)
+    if not causal and mask is None:
+        return None
+    if is_alibi:
+        # ALiBi bias slope * (j - last_visible), plus the user mask, is formed in the query dtype.
+        slopes = alibi_slopes(num_heads).astype(dtype)[:, None, None]     # (H, 1, 1)
+        bias = slopes * (j - last_visible).astype(dtype)                  # (H, S, K), query dtype
+        if mask is not None:
+            bias = bias + mask.astype(dtype)
+    else:
+        bias = np.zeros((num_heads, seqlen, kvlen), dtype) if mask is None else mask
+    bias = np.broadcast_to(bias, (num_heads, seqlen, kvlen)).astype(np.float32)
+    if causal:
+        bias = np.where(j > last_visible, np.float32(-np.inf), bias)
+    return bias
+
+
+def dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
+                                 attn_mask=None, *, num_heads, head_dim, is_causal, is_alibi=False, num_kv_heads=0):
+    """attn_output (seqstarts[B], num_heads, head_dim) in query's dtype.
+
+    query: (seqstarts[B], num_heads, head_dim); key, value: (kvstarts[B], num_kv_heads, head_dim).
+    attn_mask: (sum seqlens, >= sum kvlens) or (num_heads, sum seqlens, >= sum kvlens).
+    """
+    num_kv_heads = num_kv_heads or num_heads                              # "Default is 0 ... num_heads is used"
+    group = num_heads // num_kv_heads
+    attn_output = np.empty(query.shape, query.dtype)
+
+    for b in range(len(seqstarts) - 1):
+        q_rows = slice(seqstarts[b], seqstarts[b + 1])
+        kv_rows = slice(kvstarts[b], kvstarts[b + 1])
+        seqlen, kvlen = q_rows.stop - q_rows.start, kv_rows.stop - kv_rows.start
+        q = query[q_rows].astype(np.float32)                              # (S, H, Dh)
+        # GQA: "repeat key and value num_heads/num_kv_heads times": query head h reads kv head h // group.
+        k = np.repeat(key[kv_rows], group, axis=1).astype(np.float32)     # (K, H, Dh)
+        v = np.repeat(value[kv_rows], group, axis=1)                      # (K, H, Dh), value dtype
+
+        scores = np.einsum("shd,khd->hsk", q, k) / np.float32(np.sqrt(head_dim))   # (H, S, K) float32
+        bias = attention_bias(b, seqlen, kvlen, q_rows, kv_rows, decoding_batches, attn_mask,
+                              num_heads=num_heads, is_causal=is_causal, is_alibi=is_alibi, dtype=query.dtype)
+        if bias is not None:
+            scores = scores + bias
+        probs = masked_softmax(scores).astype(value.dtype)                 # float32 softmax, cast to value dtype
+        # probs @ value, products accumulated in float32 as the GPU kernels do.
+        out = np.einsum("hsk,khd->shd", probs.astype(np.float32), v.astype(np.float32))  # (S, H, Dh)
+        attn_output[q_rows] = out.astype(query.dtype)
+    return attn_output
