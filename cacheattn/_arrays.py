@@ -48,9 +48,12 @@ def resolve_backend(backend: str, data: dict) -> str:
 
 
 def to_host(x):
-    """A NumPy copy (or the array itself) of a NumPy, CuPy or CUDA-array-interface array; None stays None."""
+    """A NumPy copy (or the array itself) of a NumPy, CuPy or CUDA-array-interface array, or of a Python
+    scalar or list; None stays None."""
     if x is None or isinstance(x, np.ndarray):
         return x
+    if not is_device_array(x):
+        return np.asarray(x)
     if hasattr(x, "get"):
         return x.get()
     if hasattr(x, "copy_to_host"):
