@@ -1,0 +1,155 @@
+"""Every class of bad input raises a ValueError/TypeError naming the document's parameter, before any kernel."""
+
+import numpy as np
+import pytest
+
+import cacheattn
+from kernels_numba import _launch
+from strategies import PPLCase, StaticCase, build_ppl, build_static, with_
+
+BASE = PPLCase(seqlens=(1, 3), past=(4, 2), decoding_batches=1, num_heads=4, num_kv_heads=2, head_dim=16,
+               dtype="float16", quant_bit=8, quant_group=8, scale_dtype="float16", cache_layout=1, cache_mode=1,
+               page_size=4, num_layer=2, layer_idx=1, is_causal=True, is_alibi=False, mask="3d", mask_pad=2, seed=3)
+
+
+def mhca_call(mutate, case=BASE):
+    """Valid inputs for `case`, changed by mutate(inputs, attrs)."""
+    inputs, attrs = build_ppl(case), case.attrs()
+    mutate(inputs, attrs)
+    return inputs, attrs
+
+
+def set_(**changes):
+    def mutate(inputs, attrs):
+        for k, v in changes.items():
+            (attrs if k in attrs or k == "backend" else inputs)[k] = v(inputs) if callable(v) else v
+    return mutate
+
+
+BAD_MHCA = [
+    # (id, mutation, error type, parameter named in the message, case)
+    ("query rank", set_(query=lambda x: x["query"][..., None]), ValueError, "query", BASE),
+    ("query dtype", set_(query=lambda x: x["query"].astype(np.int32)), TypeError, "query", BASE),
+    ("current_key dtype", set_(current_key=lambda x: x["current_key"].astype(np.float32)), TypeError,
+     "current_key", BASE),
+    ("current_key heads", set_(current_key=lambda x: x["current_key"][:, :1]), ValueError, "current_key", BASE),
+    ("current_value shape", set_(current_value=lambda x: x["current_value"][:-1]), ValueError, "current_value",
+     BASE),
+    ("heads not divisible", set_(num_kv_heads=3), ValueError, "num_kv_heads", BASE),
+    ("quant_group not dividing head_dim", set_(quant_group=5), ValueError, "quant_group", BASE),
+    ("odd int4 group", set_(quant_group=3), ValueError, "quant_group",
+     with_(BASE, quant_bit=4, head_dim=24, quant_group=4)),
+    ("quant_bit 2", set_(quant_bit=2), ValueError, "quant_bit", BASE),
+    ("cache_mode 2", set_(cache_mode=2), ValueError, "cache_mode", BASE),
+    ("cache_layout 4", set_(cache_layout=4), ValueError, "cache_layout", BASE),
+    ("page_size 0", set_(page_size=0), ValueError, "page_size", BASE),
+    ("layer_idx past num_layer", set_(layer_idx=2), ValueError, "layer_idx", BASE),
+    ("num_layer not the cache's", set_(num_layer=3, layer_idx=0), ValueError, "cache", BASE),
+    ("kvlen != start_pos + seqlen", set_(start_pos=np.array([4, 3])), ValueError, "kvstarts", BASE),
+    ("negative start_pos", set_(start_pos=np.array([-1, 2]), kvstarts=np.array([0, 0, 5])), ValueError,
+     "start_pos", BASE),
+    ("seqstarts not from 0", set_(seqstarts=np.array([1, 2, 4])), ValueError, "seqstarts", BASE),
+    ("seqstarts decreasing", set_(seqstarts=np.array([0, 3, 1])), ValueError, "seqstarts", BASE),
+    ("seqstarts total", set_(seqstarts=np.array([0, 1, 3])), ValueError, "seqstarts", BASE),
+    ("seqstarts float", set_(seqstarts=np.array([0.0, 1.0, 4.0])), TypeError, "seqstarts", BASE),
+    ("kvstarts length", set_(kvstarts=np.array([0, 5])), ValueError, "kvstarts", BASE),
+    ("max_seqlen too small", set_(max_seqlen=2), ValueError, "max_seqlen", BASE),
+    ("max_kvlen too small", set_(max_kvlen=4), ValueError, "max_kvlen", BASE),
+    ("decoding_batches > B", set_(decoding_batches=3), ValueError, "decoding_batches", BASE),
+    ("decoding_batches < 0", set_(decoding_batches=-1), ValueError, "decoding_batches", BASE),
+    ("page outside MaxT", set_(cachestarts=lambda x: np.where(x["cachestarts"] == x["cachestarts"].max(),
+                                                              10**6, x["cachestarts"])), ValueError, "cachestarts",
+     BASE),
+    ("last page runs past the end", set_(cachestarts=lambda x: np.where(
+        x["cachestarts"] == x["cachestarts"].max(), x["cache"].shape[1] - 2, x["cachestarts"])), ValueError,
+     "cachestarts", BASE),
+    ("negative page", set_(cachestarts=lambda x: np.where(np.arange(x["cachestarts"].size).reshape(
+        x["cachestarts"].shape) == 0, -4, x["cachestarts"])), ValueError, "cachestarts", BASE),
+    ("too few pages", set_(cachestarts=lambda x: x["cachestarts"][:, :1]), ValueError, "cachestarts", BASE),
+    ("offset past MaxT", set_(cachestarts=lambda x: x["cachestarts"] + x["cache"].shape[0]), ValueError,
+     "cachestarts", with_(BASE, cache_mode=0, cache_layout=0)),
+    ("offset cachestarts 2-D", set_(cachestarts=lambda x: x["cachestarts"][:, None]), ValueError, "cachestarts",
+     with_(BASE, cache_mode=0)),
+    ("scale missing", set_(scale=None), ValueError, "scale", BASE),
+    ("scale shape", set_(scale=lambda x: x["scale"][..., :1]), ValueError, "scale", BASE),
+    ("scale dtype", set_(scale=lambda x: x["scale"].astype(np.float64)), TypeError, "scale", BASE),
+    ("float cache with quant_bit", set_(cache=lambda x: x["cache"].astype(np.float16)), TypeError, "cache", BASE),
+    ("int8 cache without quant", set_(quant_bit=0), TypeError, "cache", BASE),
+    ("cache head count", set_(cache=lambda x: x["cache"][:, :, :, :1]), ValueError, "cache", BASE),
+    ("attn_mask too narrow", set_(attn_mask=lambda x: x["attn_mask"][..., :8]), ValueError, "attn_mask", BASE),
+    ("attn_mask rows", set_(attn_mask=lambda x: x["attn_mask"][:, :3]), ValueError, "attn_mask", BASE),
+    ("attn_mask heads", set_(attn_mask=lambda x: x["attn_mask"][:2]), ValueError, "attn_mask", BASE),
+    ("attn_mask dtype", set_(attn_mask=lambda x: x["attn_mask"].astype(np.float32)), TypeError, "attn_mask", BASE),
+    ("is_causal not bool", set_(is_causal="yes"), TypeError, "is_causal", BASE),
+    ("backend unknown", set_(backend="cuda"), ValueError, "backend", BASE),
+]
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+@pytest.mark.parametrize("name,mutate,error,param,case", BAD_MHCA, ids=[b[0] for b in BAD_MHCA])
+def test_bad_multi_head_cache_attention_input(name, mutate, error, param, case, backend):
+    inputs, attrs = mhca_call(mutate, case)
+    attrs.setdefault("backend", backend)
+    with _launch.recorded_launches() as launches, pytest.raises(error, match=rf"^{param}\b"):
+        cacheattn.multi_head_cache_attention(**inputs, **attrs)
+    assert launches == [], "a kernel launch was attempted before validation failed"
+
+
+def test_base_case_is_valid():
+    """The mutations above start from a valid call: anything that fails, fails for the mutation."""
+    inputs, attrs = mhca_call(lambda inputs, attrs: None)
+    assert cacheattn.multi_head_cache_attention(**inputs, **attrs).shape == inputs["query"].shape
+
+
+def test_non_contiguous_cache_is_refused_for_kernels():
+    inputs, attrs = mhca_call(lambda inputs, attrs: None, with_(BASE, quant_bit=0, dtype="float32"))
+    inputs["cache"] = np.asfortranarray(inputs["cache"])
+    with pytest.raises(ValueError, match=r"^cache: expected a C-contiguous"):
+        cacheattn.multi_head_cache_attention(**inputs, **attrs, backend="numba")
+
+
+STATIC = StaticCase(batch=2, max_batch=2, seqlen=3, start_pos=2, max_seqlen=6, num_heads=2, head_dim=8,
+                    dtype="float32", quant_bit=8, quant_group=4, num_layer=2, layer_idx=0, num_repeat=2,
+                    cache_layout=1, seed=5)
+STATIC_ATTRS = dict(num_layer=2, layer_idx=0, quant_bit=8, quant_group=4, num_repeat=2, cache_layout=1)
+
+BAD_STATIC = [
+    ("start_pos past MaxS", dict(start_pos=4), ValueError, "start_pos"),
+    ("start_pos two elements", dict(start_pos=np.array([1, 2])), ValueError, "start_pos"),
+    ("start_pos negative", dict(start_pos=-1), ValueError, "start_pos"),
+    ("batch past MaxB", dict(current_key=np.zeros((3, 3, 2, 8), np.float32),
+                             current_value=np.zeros((3, 3, 2, 8), np.float32)), ValueError, "current_key"),
+    ("num_repeat 0", dict(num_repeat=0), ValueError, "num_repeat"),
+    ("cache_layout 2", dict(cache_layout=2), ValueError, "cache_layout"),
+    ("current_value shape", dict(current_value=np.zeros((2, 3, 2, 4), np.float32)), ValueError, "current_value"),
+    ("current_key float64", dict(current_key=np.zeros((2, 3, 2, 8)), current_value=np.zeros((2, 3, 2, 8))),
+     TypeError, "current_key"),
+    ("layer_idx negative", dict(layer_idx=-1), ValueError, "layer_idx"),
+    ("quant_group not an int", dict(quant_group=4.0), TypeError, "quant_group"),
+]
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+@pytest.mark.parametrize("name,changes,error,param", BAD_STATIC, ids=[b[0] for b in BAD_STATIC])
+def test_bad_key_value_cache_input(name, changes, error, param, backend):
+    inputs = build_static(STATIC)
+    attrs = dict(STATIC_ATTRS, backend=backend)
+    for k, v in changes.items():
+        (attrs if k in attrs else inputs)[k] = v
+    with _launch.recorded_launches() as launches, pytest.raises(error, match=rf"^{param}\b"):
+        cacheattn.key_value_cache(**inputs, **attrs)
+    assert launches == []
+
+
+def test_static_base_case_is_valid():
+    key, value = cacheattn.key_value_cache(**build_static(STATIC), **STATIC_ATTRS)
+    assert key.shape == value.shape == (2, 5, 4, 8)
+
+
+def test_dynamic_mha_rejects_key_rows_not_matching_kvstarts():
+    case = with_(BASE, quant_bit=0, mask="none")
+    x = build_ppl(case)
+    key = np.zeros((int(x["kvstarts"][-1]) + 1, 2, 16), np.float16)
+    with pytest.raises(ValueError, match=r"^kvstarts\b"):
+        cacheattn.dynamic_multi_head_attention(x["query"], key, key, x["seqstarts"], x["kvstarts"], 1, 3, 5,
+                                               num_heads=4, head_dim=16, is_causal=True, num_kv_heads=2)
