@@ -2,8 +2,13 @@
 define them. One function per operator; NumPy arrays in -> NumPy reference, GPU arrays in -> numba.cuda
 kernels, the same array kind out. `backend="reference"` or `"numba"` forces one."""
 
-from .ppl import (KeyValue, dynamic_key_value_cache, dynamic_multi_head_attention, key_value_cache,
-                  multi_head_cache_attention)
+from .ppl import (
+                  KeyValue,
+                  dynamic_key_value_cache,
+                  dynamic_multi_head_attention,
+                  key_value_cache,
+                  multi_head_cache_attention,
+)
 
 __all__ = ["KeyValue", "dynamic_key_value_cache", "dynamic_multi_head_attention", "key_value_cache",
            "multi_head_cache_attention"]

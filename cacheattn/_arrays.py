@@ -8,6 +8,19 @@ BACKENDS = ("auto", "reference", "numba")
 _DLPACK_CUDA_DEVICES = (2, 3, 13)   # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
 
 
+def kernels():
+    """The kernels_numba package, imported on first use: numba reads NUMBA_ENABLE_CUDASIM when it is first
+    imported, and `python -m cacheattn` decides on the simulator only after importing this package."""
+    import kernels_numba
+    return kernels_numba
+
+
+def to_kind(like, host_array):
+    """host_array moved to the array kind of `like` (NumPy stays NumPy)."""
+    from kernels_numba._launch import to_kind
+    return to_kind(like, host_array)
+
+
 def is_device_array(x) -> bool:
     if hasattr(x, "__cuda_array_interface__"):
         return True
@@ -32,8 +45,8 @@ def resolve_backend(backend: str, data: dict) -> str:
     on_device = {name for name, a in present.items() if is_device_array(a)}
     if on_device and len(on_device) != len(present):
         host = sorted(set(present) - on_device)
-        raise TypeError(f"{', '.join(host)}: expected GPU arrays like {', '.join(sorted(on_device))}, got NumPy arrays; "
-                        "pass every data array on the same side")
+        raise TypeError(f"{', '.join(host)}: expected GPU arrays like {', '.join(sorted(on_device))}, "
+                        "got NumPy arrays; pass every data array on the same side")
     for name, a in present.items():
         if not on_device and not isinstance(a, np.ndarray):
             raise TypeError(f"{name}: expected a NumPy or GPU array, got {type(a).__name__}")

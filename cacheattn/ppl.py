@@ -12,15 +12,21 @@ from typing import NamedTuple
 
 import numpy as np
 
-import kernels_numba
 import reference
-from kernels_numba._launch import to_kind
 from reference.alibi import alibi_slopes
 from reference.cache_layout import DYNAMIC_LAYOUTS, STATIC_LAYOUTS
 
 from . import _arrays as arrays
-from ._validate import (FLOAT_T1, check_choice, check_contiguous, check_dtype, check_int, check_same_dtype,
-                        check_shape, check_starts)
+from ._validate import (
+    FLOAT_T1,
+    check_choice,
+    check_contiguous,
+    check_dtype,
+    check_int,
+    check_same_dtype,
+    check_shape,
+    check_starts,
+)
 
 QUANT_BITS = (0, 4, 8)
 
@@ -189,8 +195,8 @@ def _dispatch_reference(data: dict, inout_names: tuple, call):
             arrays.copy_into(data[name], host[name])
     like = next(x for x in data.values() if x is not None)
     if isinstance(result, tuple):
-        return type(result)(*(to_kind(like, r) for r in result))
-    return to_kind(like, result)
+        return type(result)(*(arrays.to_kind(like, r) for r in result))
+    return arrays.to_kind(like, result)
 
 
 # ---------------------------------------------------------------------------------------------- operators
@@ -231,7 +237,7 @@ def key_value_cache(current_key, current_value, start_pos, cache, scale=None, *,
             h["current_key"], h["current_value"], start_p, h["cache"], h["scale"], num_layer=num_layer,
             cache_layout=cache_layout, **attrs)))
     data = {name: arrays.as_kernel_array(x) for name, x in data.items()}
-    return KeyValue(*kernels_numba.key_value_cache(
+    return KeyValue(*arrays.kernels().key_value_cache(
         data["current_key"], data["current_value"], start_p, data["cache"], data["scale"],
         cache_axes=STATIC_LAYOUTS[cache_layout], threads=threads, **attrs))
 
@@ -284,8 +290,8 @@ def dynamic_key_value_cache(current_key, current_value, seqstarts, kvstarts, cac
             h["scale"], num_repeat=num_repeat, **attrs)))
     data = {name: arrays.as_kernel_array(x) for name, x in data.items()}
     del attrs["num_layer"], attrs["cache_layout"]
-    return KeyValue(*kernels_numba.dynamic_key_value_cache(
-        data["current_key"], data["current_value"], *(to_kind(data["cache"], idx[n]) for n in order), max_seqlen,
+    return KeyValue(*arrays.kernels().dynamic_key_value_cache(
+        data["current_key"], data["current_value"], *(arrays.to_kind(data["cache"], idx[n]) for n in order), max_seqlen,
         max_kvlen, data["cache"], data["scale"], num_repeat=num_repeat, cache_axes=DYNAMIC_LAYOUTS[cache_layout],
         threads=threads, **attrs))
 
@@ -322,9 +328,9 @@ def dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decodin
             h["query"], h["key"], h["value"], seqs, kvs, decoding_batches, max_seqlen, max_kvlen, h["attn_mask"],
             is_alibi=bool(is_alibi), **attrs))
     data = {name: arrays.as_kernel_array(x) for name, x in data.items()}
-    return kernels_numba.dynamic_multi_head_attention(
-        data["query"], data["key"], data["value"], to_kind(data["query"], seqs), to_kind(data["query"], kvs),
-        decoding_batches, max_seqlen, max_kvlen, data["attn_mask"],
+    return arrays.kernels().dynamic_multi_head_attention(
+        data["query"], data["key"], data["value"], arrays.to_kind(data["query"], seqs),
+        arrays.to_kind(data["query"], kvs), decoding_batches, max_seqlen, max_kvlen, data["attn_mask"],
         alibi_slopes=alibi_slopes(num_heads) if is_alibi else None, threads=threads, **attrs)
 
 
@@ -360,8 +366,9 @@ def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvs
             **cache_attrs))
     data = {name: arrays.as_kernel_array(x) for name, x in data.items()}
     del cache_attrs["num_layer"], cache_attrs["cache_layout"]
-    return kernels_numba.multi_head_cache_attention(
-        data["query"], data["current_key"], data["current_value"], *(to_kind(data["cache"], idx[n]) for n in order),
-        decoding_batches, max_seqlen, max_kvlen, data["cache"], data["scale"], data["attn_mask"],
+    return arrays.kernels().multi_head_cache_attention(
+        data["query"], data["current_key"], data["current_value"],
+        *(arrays.to_kind(data["cache"], idx[n]) for n in order), decoding_batches, max_seqlen, max_kvlen,
+        data["cache"], data["scale"], data["attn_mask"],
         alibi_slopes=alibi_slopes(num_heads) if is_alibi else None, cache_axes=DYNAMIC_LAYOUTS[cache_layout],
         threads=threads, **attrs, **cache_attrs)

@@ -9,22 +9,22 @@ change the numbers passed in.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 
 from ._cache import cache_source, make_gather_kernel, make_store_kernel
-from ._launch import launch, OFFSET_PAGE, caller_stream, ceil_div, empty_like_kind, flat
+from ._launch import OFFSET_PAGE, caller_stream, ceil_div, empty_like_kind, flat, launch
 from ._numerics import rounder
 
 
-@lru_cache(maxsize=None)
+@cache
 def _store_kernel(quant_bit, quant_group, head_dim, input_dtype, scale_dtype, value_dtype):
     return make_store_kernel(quant_bit, quant_group, head_dim, np.dtype(input_dtype),
                              rounder(scale_dtype), rounder(value_dtype))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _gather_kernel(quant_bit, quant_group, head_dim, scale_dtype, value_dtype):
     return make_gather_kernel(quant_bit, quant_group, head_dim, rounder(scale_dtype), rounder(value_dtype))
 

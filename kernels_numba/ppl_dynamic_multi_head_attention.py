@@ -13,14 +13,14 @@ upper-right tiles instead of masking them.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 from numba import cuda
 
 from ._attention_core import make_attention_kernel, plan_tiles
 from ._cache import make_cache_access, packed_source
-from ._launch import launch, caller_stream, ceil_div, empty_like_kind, flat, to_kind
+from ._launch import caller_stream, ceil_div, empty_like_kind, flat, launch, to_kind
 from ._numerics import keep_float32, rounder
 
 NEG_INF = np.float32(-math.inf)
@@ -54,7 +54,7 @@ def make_ppl_bias(round_query):
     return bias, key_range
 
 
-@lru_cache(maxsize=None)
+@cache
 def attention_kernel(quant_bit, quant_group, scale_dtype, value_dtype, query_dtype, head_dim, num_heads,
                      num_kv_heads, max_seqlen):
     """The core specialised for OpenPPL: cache reads of this quantization, OpenPPL's bias; plus its tile plan."""
@@ -92,8 +92,9 @@ def attend(query, key_src, value_src, seqstarts, kvstarts, decoding_batches, max
     attn_output = empty_like_kind(query, query.shape, query.dtype)
     geometry = (np.int64(0), np.int64(num_heads * head_dim), np.int64(head_dim))   # (s_b, s_i, s_h) of (T, H, Dh)
     grid = (max(1, ceil_div(max_seqlen, q_tile)), num_heads // heads_per_block, batch)
-    launch(kernel, grid, threads, stream, (flat(query), seqstarts, *geometry), (flat(attn_output), seqstarts, *geometry),
-                                  seqlens, kvlens, key_src, value_src, bias_args, np.float32(1 / math.sqrt(head_dim)))
+    launch(kernel, grid, threads, stream, (flat(query), seqstarts, *geometry),
+           (flat(attn_output), seqstarts, *geometry), seqlens, kvlens, key_src, value_src, bias_args,
+           np.float32(1 / math.sqrt(head_dim)))
     return attn_output
 
 

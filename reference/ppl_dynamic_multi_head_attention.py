@@ -16,7 +16,7 @@ from .softmax import masked_softmax
 
 def attention_bias(b, seqlen, kvlen, q_rows, kv_cols, decoding_batches, attn_mask, *, num_heads, is_causal,
                    is_alibi, dtype):
-    """float32 (H, S, K) bias for batch b, or None when there is nothing to add.
+    """(H, S, K) bias for batch b in float32 (float64 for float64 inputs), or None when there is nothing to add.
 
     Alignment is bottom-right: query i is the token at position kvlen - seqlen + i, so it
     may see keys j <= kvlen - seqlen + i (its past plus the current tokens up to itself).
@@ -37,9 +37,9 @@ def attention_bias(b, seqlen, kvlen, q_rows, kv_cols, decoding_batches, attn_mas
             bias = bias + mask.astype(dtype)
     else:
         bias = np.zeros((num_heads, seqlen, kvlen), dtype) if mask is None else mask
-    bias = np.broadcast_to(bias, (num_heads, seqlen, kvlen)).astype(np.float32)
+    bias = np.broadcast_to(bias, (num_heads, seqlen, kvlen)).astype(np.promote_types(dtype, np.float32))
     if causal:
-        bias = np.where(j > last_visible, np.float32(-np.inf), bias)
+        bias = np.where(j > last_visible, -np.inf, bias)
     return bias
 
 
@@ -52,24 +52,27 @@ def dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decodin
     """
     num_kv_heads = num_kv_heads or num_heads                              # "Default is 0 ... num_heads is used"
     group = num_heads // num_kv_heads
+    # Scores, softmax and P.V accumulate in float32 for T1 in {float16, float32}; float64 inputs (the
+    # tests' exact evaluation) keep float64 throughout.
+    acc = np.promote_types(query.dtype, np.float32)
     attn_output = np.empty(query.shape, query.dtype)
 
     for b in range(len(seqstarts) - 1):
         q_rows = slice(seqstarts[b], seqstarts[b + 1])
         kv_rows = slice(kvstarts[b], kvstarts[b + 1])
         seqlen, kvlen = q_rows.stop - q_rows.start, kv_rows.stop - kv_rows.start
-        q = query[q_rows].astype(np.float32)                              # (S, H, Dh)
+        q = query[q_rows].astype(acc)                                     # (S, H, Dh)
         # GQA: "repeat key and value num_heads/num_kv_heads times": query head h reads kv head h // group.
-        k = np.repeat(key[kv_rows], group, axis=1).astype(np.float32)     # (K, H, Dh)
+        k = np.repeat(key[kv_rows], group, axis=1).astype(acc)            # (K, H, Dh)
         v = np.repeat(value[kv_rows], group, axis=1)                      # (K, H, Dh), value dtype
 
-        scores = np.einsum("shd,khd->hsk", q, k) / np.float32(np.sqrt(head_dim))   # (H, S, K) float32
+        scores = np.einsum("shd,khd->hsk", q, k) / acc.type(np.sqrt(head_dim))    # (H, S, K)
         bias = attention_bias(b, seqlen, kvlen, q_rows, kv_rows, decoding_batches, attn_mask,
                               num_heads=num_heads, is_causal=is_causal, is_alibi=is_alibi, dtype=query.dtype)
         if bias is not None:
             scores = scores + bias
-        probs = masked_softmax(scores).astype(value.dtype)                 # float32 softmax, cast to value dtype
-        # probs @ value, products accumulated in float32 as the GPU kernels do.
-        out = np.einsum("hsk,khd->shd", probs.astype(np.float32), v.astype(np.float32))  # (S, H, Dh)
+        probs = masked_softmax(scores).astype(value.dtype)                 # softmax in acc, cast to value dtype
+        # probs @ value, products accumulated in float32 (acc) as the GPU kernels do.
+        out = np.einsum("hsk,khd->shd", probs.astype(acc), v.astype(acc))  # (S, H, Dh)
         attn_output[q_rows] = out.astype(query.dtype)
     return attn_output

@@ -20,13 +20,13 @@ def key_value_cache(current_key, current_value, start_pos, cache, scale=None, *,
     current_key, current_value: (B, S, H, Dh). `cache` and `scale` are modified in place.
     """
     batch, s = current_key.shape[:2]
-    start_p, l = int(np.asarray(start_pos).reshape(-1)[0]), layer_idx
+    start_p = int(np.asarray(start_pos).reshape(-1)[0])
     axes = STATIC_LAYOUTS[cache_layout]
-    k_cache, v_cache = layer_views(cache, axes, l)                     # each (MaxB, MaxS, H, Dh stored)
+    k_cache, v_cache = layer_views(cache, axes, layer_idx)                     # each (MaxB, MaxS, H, Dh stored)
 
     # "First store the input key and value in the position of start_pos indexing"
     if quant_bit:
-        k_scales, v_scales = layer_views(scale, axes, l)               # each (MaxB, MaxS, H, Dh/quant_group)
+        k_scales, v_scales = layer_views(scale, axes, layer_idx)               # each (MaxB, MaxS, H, Dh/quant_group)
         k_scale, k_quant = quantize(current_key, quant_bit, quant_group, scale.dtype)
         v_scale, v_quant = quantize(current_value, quant_bit, quant_group, scale.dtype)
         k_scales[:batch, start_p:start_p + s] = k_scale

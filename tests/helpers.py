@@ -42,17 +42,3 @@ def assert_bits_equal(name: str, got, ref) -> None:
     if bad.any():
         raise AssertionError(f"{name}: {_where(bad, got, ref)}")
 
-
-def float64_ppl_attention(inputs: dict, case, key, value):
-    """A float64 evaluation of dynamic MultiHeadAttention for a PPL case, given the key/value the cache
-    holds (exact, from the reference's KeyValueCache). Quantization is checked bit for bit elsewhere, so
-    this isolates the attention arithmetic."""
-    import reference
-
-    f64 = np.float64
-    mask = inputs["attn_mask"]
-    return reference.dynamic_multi_head_attention(
-        inputs["query"].astype(f64), np.asarray(key).astype(f64), np.asarray(value).astype(f64),
-        inputs["seqstarts"], inputs["kvstarts"], inputs["decoding_batches"], inputs["max_seqlen"],
-        inputs["max_kvlen"], None if mask is None else mask.astype(f64), num_heads=case.num_heads,
-        head_dim=case.head_dim, is_causal=case.is_causal, is_alibi=case.is_alibi, num_kv_heads=case.num_kv_heads)

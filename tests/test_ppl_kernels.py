@@ -11,26 +11,25 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cacheattn
-import reference
-from helpers import assert_bits_equal, assert_close, float64_ppl_attention
-from strategies import KERNEL, build_ppl, build_static, copy_inputs, ppl_cases, static_cases
+from cacheattn.tour import ATTENTION_CASES
+
+from helpers import assert_bits_equal, assert_close
+from strategies import (
+    KERNEL,
+    build_ppl,
+    build_static,
+    copy_inputs,
+    float64_ppl_attention,
+    ppl_cases,
+    reference_cache_state,
+    static_cases,
+)
 
 THREADS = st.sampled_from([32, 64])      # fewer threads than elements: every strided loop wraps
 
 
 def on_device(device, inputs):
     return {k: device.put(v) for k, v in inputs.items()}
-
-
-def reference_cache_state(inputs, case):
-    """The reference's key/value and cache/scale after its store: what the kernels must reproduce."""
-    x = copy_inputs(inputs)
-    key, value = reference.dynamic_key_value_cache(
-        x["current_key"], x["current_value"], x["seqstarts"], x["kvstarts"], x["cachestarts"], x["start_pos"],
-        x["max_seqlen"], x["max_kvlen"], x["cache"], x["scale"], num_layer=case.num_layer, layer_idx=case.layer_idx,
-        quant_bit=case.quant_bit, quant_group=case.quant_group, cache_mode=case.cache_mode,
-        cache_layout=case.cache_layout, page_size=case.page_size)
-    return key, value, x["cache"], x["scale"]
 
 
 @settings(max_examples=KERNEL)
@@ -100,7 +99,7 @@ def test_key_value_cache_kernel(device, case, threads):
 def test_cupy_arrays_dispatch_to_kernels_and_come_back_as_cupy():
     import cupy
 
-    case = ppl_cases().example()
+    case = next(iter(ATTENTION_CASES.values()))
     inputs = build_ppl(case)
     x = {k: cupy.asarray(v) if isinstance(v, np.ndarray) else v for k, v in inputs.items()}
     out = cacheattn.multi_head_cache_attention(**x, **case.attrs())

@@ -7,12 +7,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cacheattn
-import reference
-from helpers import assert_bits_equal, assert_close, float64_ppl_attention
 from reference.alibi import alibi_slopes
 from reference.cache_layout import DYNAMIC_LAYOUTS, STATIC_LAYOUTS, layer_views
 from reference.ppl_dynamic_key_value_cache import cache_slots
-from strategies import REFERENCE, PPLCase, build_ppl, build_static, copy_inputs, ppl_cases, static_cases, with_
+
+from helpers import assert_bits_equal, assert_close
+from strategies import (
+    REFERENCE,
+    PPLCase,
+    build_ppl,
+    build_static,
+    copy_inputs,
+    float64_ppl_attention,
+    ppl_cases,
+    reference_cache_state,
+    static_cases,
+    with_,
+)
 
 
 def run(inputs, case, **overrides):
@@ -36,12 +47,7 @@ def logical_tokens(cache, case, cachestarts, cache_layout=None, cache_mode=None)
 @given(ppl_cases())
 def test_reference_matches_float64_evaluation(case):
     inputs = build_ppl(case)
-    x = copy_inputs(inputs)
-    key, value = reference.dynamic_key_value_cache(
-        x["current_key"], x["current_value"], x["seqstarts"], x["kvstarts"], x["cachestarts"], x["start_pos"],
-        x["max_seqlen"], x["max_kvlen"], x["cache"], x["scale"], num_layer=case.num_layer, layer_idx=case.layer_idx,
-        quant_bit=case.quant_bit, quant_group=case.quant_group, cache_mode=case.cache_mode,
-        cache_layout=case.cache_layout, page_size=case.page_size)
+    key, value, _, _ = reference_cache_state(inputs, case)
     out, _, _ = run(inputs, case)
     assert out.dtype == np.dtype(case.dtype) and out.shape == inputs["query"].shape
     assert_close("attn_output", out, float64_ppl_attention(inputs, case, key, value), case.dtype)
@@ -141,7 +147,8 @@ def test_alibi_equals_explicit_bias_mask(case):
     # The same bias, written out as a (num_heads, sum seqlens, sum kvlens) attn_mask in the query dtype.
     dtype = np.dtype(case.dtype)
     c = 2 ** math.floor(math.log2(case.num_heads))
-    slopes = [2 ** (-8 * n / c) for n in range(1, c + 1)] + [2 ** (-4 * n / c) for n in range(1, 2 * (case.num_heads - c), 2)]
+    slopes = [2 ** (-8 * n / c) for n in range(1, c + 1)]
+    slopes += [2 ** (-4 * n / c) for n in range(1, 2 * (case.num_heads - c), 2)]
     user = inputs["attn_mask"]
     mask = np.zeros((case.num_heads, inputs["seqstarts"][-1], inputs["kvstarts"][-1] + case.mask_pad), dtype)
     for b, (s, kvlen) in enumerate(zip(case.seqlens, case.kvlens)):

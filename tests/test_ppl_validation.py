@@ -5,6 +5,7 @@ import pytest
 
 import cacheattn
 from kernels_numba import _launch
+
 from strategies import PPLCase, StaticCase, build_ppl, build_static, with_
 
 BASE = PPLCase(seqlens=(1, 3), past=(4, 2), decoding_batches=1, num_heads=4, num_kv_heads=2, head_dim=16,

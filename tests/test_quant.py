@@ -2,13 +2,13 @@
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from reference.quant import QMAX, dequantize, pack_int4, quantize, unpack_int4
+
 from strategies import REFERENCE
-from hypothesis import settings
 
 EXAMPLE = [0.5, -1, 0.25, 2.54, -2.54, 0.01, 1.27, -0.635]
 

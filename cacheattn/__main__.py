@@ -1,0 +1,67 @@
+"""python -m cacheattn {tour, docs, bench}.
+
+Without a GPU the kernels run in numba's CUDA simulator; that has to be chosen before numba
+is imported, so this module decides it first and imports the rest afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import sys
+from pathlib import Path
+
+
+def gpu_present() -> bool:
+    """A CUDA driver with at least one device, asked directly (numba's mode depends on the answer)."""
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        return False
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    count = ctypes.c_int(0)
+    return driver.cuInit(0) == 0 and driver.cuDeviceGetCount(ctypes.byref(count)) == 0 and count.value > 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cacheattn", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("tour", help="run every operator on the reference and the kernels; print errors vs float64")
+    docs = sub.add_parser("docs", help="run the read-and-run pages in docs/ and check their shown outputs")
+    docs.add_argument("--update", action="store_true", help="rewrite the pages' outputs with what the code prints")
+    docs.add_argument("pages", nargs="*", type=Path, help="pages to run (default: docs/*.md)")
+    bench = sub.add_parser("bench", help="time the kernels against peers measured in the same run (GPU)")
+    bench.add_argument("--repeat", type=int, default=20)
+    args = parser.parse_args(argv)
+
+    if not gpu_present():
+        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+        print("No CUDA GPU here: kernels run in numba's CUDA simulator (slow, small shapes).\n")
+
+    if args.command == "tour":
+        from .tour import tour
+        return tour()
+    if args.command == "docs":
+        from . import _docs
+        pages = args.pages or _docs.pages(Path.cwd())
+        failures = 0
+        for page in pages:
+            if args.update:
+                print(f"{page}: {_docs.update(page)} output blocks rewritten")
+                continue
+            problems = _docs.check(page)
+            failures += len(problems)
+            print(f"{page}: {'ok' if not problems else f'{len(problems)} blocks differ'}")
+            for p in problems:
+                print(p)
+        return 1 if failures else 0
+    if args.command == "bench":
+        from .bench import bench
+        return bench(repeat=args.repeat)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Read-and-run pages: a docs page is Markdown whose ```python blocks run top to bottom in one namespace.
+
+A ```text block right after a python block holds what that block prints. `check` runs a page
+and reports every block whose output differs from the page; `update` rewrites the text blocks
+with what the run printed. So every output a reader sees was produced by the code beside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+_BLOCK = re.compile(r"^```(python|text)\n(.*?)^```\n", re.S | re.M)
+
+
+@dataclass
+class Block:
+    code: str
+    code_line: int
+    output: str | None        # the page's text block, None when the page shows none
+    output_span: tuple | None  # (start, end) of that text block's body in the page
+    printed: str = ""
+
+
+def parse(page: str) -> list[Block]:
+    blocks, last_end = [], None
+    for m in _BLOCK.finditer(page):
+        kind, body = m.group(1), m.group(2)
+        if kind == "python":
+            blocks.append(Block(body, page.count("\n", 0, m.start()) + 1, None, None))
+        elif blocks and blocks[-1].output is None and page[last_end:m.start()].strip() == "":
+            blocks[-1].output, blocks[-1].output_span = body, (m.start(2), m.end(2))
+        last_end = m.end()
+    return blocks
+
+
+def run(path: Path) -> list[Block]:
+    """Execute every python block of the page in order; each block's stdout goes to .printed."""
+    blocks = parse(path.read_text())
+    namespace = {"__name__": f"docs.{path.stem}"}
+    for block in blocks:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(compile(block.code, f"{path}:{block.code_line}", "exec"), namespace)
+        block.printed = out.getvalue()
+    return blocks
+
+
+def check(path: Path) -> list[str]:
+    """Differences between what the page shows and what its code prints, one message per block."""
+    problems = []
+    for block in run(path):
+        if block.output is not None and block.output.rstrip() != block.printed.rstrip():
+            problems.append(f"{path}:{block.code_line}: the block prints\n{block.printed}\nbut the page shows\n"
+                            f"{block.output}")
+        elif block.output is None and block.printed.strip():
+            problems.append(f"{path}:{block.code_line}: the block prints output the page does not show")
+    return problems
+
+
+def update(path: Path) -> int:
+    """Rewrite the page's text blocks (adding missing ones) with what the code prints; returns blocks changed."""
+    page = path.read_text()
+    blocks = run(path)
+    changed = 0
+    for block in reversed(blocks):       # back to front keeps the earlier spans valid
+        printed = block.printed.rstrip() + "\n"
+        if block.output_span is not None:
+            if block.output != printed:
+                start, end = block.output_span
+                page = page[:start] + printed + page[end:]
+                changed += 1
+        elif block.printed.strip():
+            code_start = page.index(block.code)
+            insert_at = page.index("```\n", code_start + len(block.code)) + 4
+            page = page[:insert_at] + "\n```text\n" + printed + "```\n" + page[insert_at:]
+            changed += 1
+    path.write_text(page)
+    return changed
+
+
+def pages(root: Path) -> list[Path]:
+    return sorted((root / "docs").glob("*.md"))

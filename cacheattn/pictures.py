@@ -1,0 +1,66 @@
+"""Text pictures for the docs pages: masks and biases, page tables, cache layouts, source excerpts.
+
+Everything returns a string, so a docs page prints it and the test suite checks it.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+
+
+def bias_grid(bias: np.ndarray, *, row_label: str = "i", col_label: str = "j", width: int = 5) -> str:
+    """A (rows, cols) float bias as a table: '-inf' (hidden) drawn as '·', other values with one decimal."""
+    rows, cols = bias.shape
+    head = " " * (len(row_label) + 4) + "".join(f"{col_label}={j}".rjust(width) if j == 0 else f"{j}".rjust(width)
+                                                 for j in range(cols))
+    lines = [head]
+    for i in range(rows):
+        cells = "".join(("·" if np.isneginf(v) else f"{v:.1f}").rjust(width) for v in bias[i])
+        lines.append(f"{row_label}={i}".ljust(len(row_label) + 4) + cells)
+    return "\n".join(lines)
+
+
+def visibility_grid(visible: np.ndarray, *, row_label: str = "i") -> str:
+    """A boolean (rows, cols) mask: '■' where query row i sees key j, '·' where it does not."""
+    lines = ["     key j: " + "".join(str(j % 10) for j in range(visible.shape[1]))]
+    for i, row in enumerate(visible):
+        lines.append(f"{row_label}={i}".rjust(11) + " " + "".join("■" if v else "·" for v in row))
+    return "\n".join(lines)
+
+
+def slot_map(owners: dict, max_t: int) -> str:
+    """Which batch's token lives in each cache slot: owners maps (batch, position) -> slot."""
+    cells = ["  ."] * max_t
+    for (b, t), slot in owners.items():
+        cells[slot] = f"{'abcdefghij'[b]}{t:<2d}"
+    lines = []
+    for start in range(0, max_t, 16):
+        lines.append(f"slot {start:3d} | " + " ".join(cells[start:start + 16]))
+    return "\n".join(lines)
+
+
+def memory_order(axes: str, extents: dict, count: int) -> str:
+    """The first `count` elements of a tensor with named axes, in memory order, labelled by their indices.
+
+    Shows what a layout means: which (kv, token, head, d) sits next to which in memory.
+    """
+    names = axes.split()
+    shape = [extents[n] for n in names]
+    labels = []
+    for flat_index in range(min(count, int(np.prod(shape)))):
+        idx = dict(zip(names, np.unravel_index(flat_index, shape)))
+        kv = "KV"[idx["KV"]]
+        labels.append(f"{kv}t{idx['T']}h{idx['H']}d{idx['D']}")
+    return " ".join(labels)
+
+
+def source_lines(func, *markers: str) -> str:
+    """The lines of func's source that contain any of the markers, with file and line numbers."""
+    lines, first = inspect.getsourcelines(func)
+    path = inspect.getsourcefile(func)
+    short = path[path.rfind("/", 0, path.rfind("/")) + 1:]
+    out = [f"{short}:{first + n}: {line.strip()}" for n, line in enumerate(lines)
+           if any(m in line for m in markers)]
+    return "\n".join(out)

@@ -1,0 +1,143 @@
+"""python -m cacheattn tour: every implemented operator, on the reference and on the kernels, for a
+handful of realistic configurations, each compared with a float64 evaluation of the reference.
+
+Cache-only operators (KeyValueCache) are specified to the bit, so their error is exact: 0 or a failure.
+Attention outputs are compared with float64 at the dtype's tolerance. On a machine without a GPU
+the kernels run in numba's CUDA simulator, so the shapes stay modest.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+import cacheattn
+
+from .examples import (
+    PPLCase,
+    StaticCase,
+    build_ppl,
+    build_static,
+    copy_inputs,
+    float64_ppl_attention,
+    reference_cache_state,
+)
+
+# (atol, rtol) per output dtype, against float64.
+TOLERANCE = {np.dtype(np.float16): (4e-3, 4e-3), np.dtype(np.float32): (2e-5, 2e-5)}
+
+ATTENTION_CASES = {
+    "decode x4, GQA 8/2, Dh 64, paged int8 (page 16), fp16": PPLCase(
+        seqlens=(1, 1, 1, 1), past=(17, 33, 5, 48), decoding_batches=4, num_heads=8, num_kv_heads=2, head_dim=64,
+        dtype="float16", quant_bit=8, quant_group=8, scale_dtype="float16", cache_layout=0, cache_mode=1,
+        page_size=16, num_layer=2, layer_idx=1, is_causal=True, is_alibi=False, mask="none", mask_pad=0, seed=1),
+    "2 decode + 1 chunked prefill (12 after 20), ALiBi, fp32 offset cache L2": PPLCase(
+        seqlens=(1, 1, 12), past=(9, 30, 20), decoding_batches=2, num_heads=4, num_kv_heads=4, head_dim=32,
+        dtype="float32", quant_bit=0, quant_group=8, scale_dtype="float32", cache_layout=2, cache_mode=0,
+        page_size=128, num_layer=1, layer_idx=0, is_causal=True, is_alibi=True, mask="none", mask_pad=0, seed=2),
+    "prefill 2x9, MQA 4/1, int4 group 16, 3-D mask padded, fp16 layout 3": PPLCase(
+        seqlens=(9, 9), past=(0, 4), decoding_batches=0, num_heads=4, num_kv_heads=1, head_dim=32,
+        dtype="float16", quant_bit=4, quant_group=16, scale_dtype="float32", cache_layout=3, cache_mode=1,
+        page_size=8, num_layer=1, layer_idx=0, is_causal=True, is_alibi=False, mask="3d", mask_pad=5, seed=3),
+}
+
+STATIC_CASE = ("B 2, 4 new after 12, 4 heads x2 repeat, int8 layout 1, fp16", StaticCase(
+    batch=2, max_batch=3, seqlen=4, start_pos=12, max_seqlen=20, num_heads=4, head_dim=64, dtype="float16",
+    quant_bit=8, quant_group=8, num_layer=2, layer_idx=1, num_repeat=2, cache_layout=1, seed=4))
+
+
+def _max_error(got, want):
+    return float(np.max(np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64)), initial=0.0))
+
+
+def _close(got, want, dtype):
+    atol, rtol = TOLERANCE[np.dtype(dtype)]
+    g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return bool(np.all(np.abs(g - w) <= atol + rtol * np.abs(w)))
+
+
+def _attention_rows(label, case):
+    inputs = build_ppl(case)
+    key, value, want_cache, _ = reference_cache_state(inputs, case)
+    want = float64_ppl_attention(inputs, case, key, value)
+    rows = []
+    for backend in ("reference", "numba"):
+        x = copy_inputs(inputs)
+        out, seconds = _timed(cacheattn.multi_head_cache_attention, **x, **case.attrs(), backend=backend)
+        ok = _close(out, want, case.dtype) and np.array_equal(x["cache"], want_cache)
+        rows.append(("multi_head_cache_attention", label, backend, _max_error(out, want), ok, seconds))
+    return rows
+
+
+def _timed(fn, *args, **kwargs):
+    start = time.perf_counter()
+    result = fn(*args, **kwargs)
+    return result, time.perf_counter() - start
+
+
+def _dynamic_attention_rows(label, case):
+    """dynamic_batching.MultiHeadAttention alone, on the key/value the cache holds."""
+    inputs = build_ppl(case)
+    key, value, _, _ = reference_cache_state(inputs, case)
+    want = float64_ppl_attention(inputs, case, key, value)
+    attrs = dict(num_heads=case.num_heads, head_dim=case.head_dim, is_causal=case.is_causal,
+                 is_alibi=case.is_alibi, num_kv_heads=case.num_kv_heads)
+    args = (inputs["query"], key, value, inputs["seqstarts"], inputs["kvstarts"], case.decoding_batches,
+            inputs["max_seqlen"], inputs["max_kvlen"], inputs["attn_mask"])
+    rows = []
+    for backend in ("reference", "numba"):
+        out, seconds = _timed(cacheattn.dynamic_multi_head_attention, *args, **attrs, backend=backend)
+        rows.append(("dynamic_multi_head_attention", label, backend, _max_error(out, want),
+                     _close(out, want, case.dtype), seconds))
+    return rows
+
+
+def _quantization_bound(current, case):
+    """Half a quantization step plus the input dtype's roundings: the most a stored token may move."""
+    x = np.abs(current.astype(np.float64))
+    u = 2.0**-11 if np.dtype(case.dtype) == np.float16 else 2.0**-24
+    if not case.quant_bit:
+        return 2 * u * x
+    qmax = {8: 127, 4: 7}[case.quant_bit]
+    absmax = x.reshape(*x.shape[:-1], -1, case.quant_group).max(-1)
+    step = np.repeat(np.maximum(absmax / qmax, 1e-5), case.quant_group, axis=-1)
+    return step * (0.5 + 2 * u * qmax) + 2 * u * x
+
+
+def _key_value_rows(label, case):
+    """Static KeyValueCache: the reference against the exact inputs (the stored tokens come back within the
+    quantization bound), the kernels against the reference to the bit (dequantization is specified exactly)."""
+    inputs = build_static(case)
+    attrs = dict(num_layer=case.num_layer, layer_idx=case.layer_idx, quant_bit=case.quant_bit,
+                 quant_group=case.quant_group, num_repeat=case.num_repeat, cache_layout=case.cache_layout)
+    x, y = copy_inputs(inputs), copy_inputs(inputs)
+    want, ref_seconds = _timed(cacheattn.key_value_cache, **x, **attrs, backend="reference")
+    new = slice(case.start_pos, case.start_pos + case.seqlen)
+    ref_err, ref_ok = 0.0, True
+    for name, out in zip(("current_key", "current_value"), want):
+        stored = out[:, new, ::case.num_repeat].astype(np.float64)
+        exact = inputs[name].astype(np.float64)
+        ref_err = max(ref_err, _max_error(stored, exact))
+        ref_ok &= bool(np.all(np.abs(stored - exact) <= _quantization_bound(inputs[name], case)))
+    got, seconds = _timed(cacheattn.key_value_cache, **y, **attrs, backend="numba")
+    ok = all(np.array_equal(a, b) for a, b in zip(got, want)) and np.array_equal(x["cache"], y["cache"])
+    return [("key_value_cache", label + " (vs input)", "reference", ref_err, ref_ok, ref_seconds),
+            ("key_value_cache", label + " (vs reference)", "numba",
+             max(_max_error(a, b) for a, b in zip(got, want)), ok, seconds)]
+
+
+def tour() -> int:
+    rows = []
+    for label, case in ATTENTION_CASES.items():
+        rows += _attention_rows(label, case)
+    label, case = next(iter(ATTENTION_CASES.items()))
+    rows += _dynamic_attention_rows(label.replace("paged int8", "packed K/V"), case)
+    rows += _key_value_rows(*STATIC_CASE)
+    width = max(len(r[1]) for r in rows)
+    print(f"{'operator':<27} {'config':<{width}} {'backend':<9} {'max |err|':>10} {'result':<6} {'seconds':>7}")
+    for op, label, backend, err, ok, seconds in rows:
+        print(f"{op:<27} {label:<{width}} {backend:<9} {err:10.2e} {'pass' if ok else 'FAIL':<6} {seconds:7.2f}")
+    failed = sum(not r[4] for r in rows)
+    print(f"\n{len(rows) - failed} passed, {failed} failed")
+    return 1 if failed else 0
