@@ -2,6 +2,7 @@
 define them. One function per operator; NumPy arrays in -> NumPy reference, GPU arrays in -> numba.cuda
 kernels, the same array kind out. `backend="reference"` or `"numba"` forces one."""
 
+from .onnx import AttentionOutputs, onnx_attention
 from .ppl import (
                   KeyValue,
                   dynamic_key_value_cache,
@@ -10,5 +11,5 @@ from .ppl import (
                   multi_head_cache_attention,
 )
 
-__all__ = ["KeyValue", "dynamic_key_value_cache", "dynamic_multi_head_attention", "key_value_cache",
+__all__ = ["AttentionOutputs", "KeyValue", "onnx_attention", "dynamic_key_value_cache", "dynamic_multi_head_attention", "key_value_cache",
            "multi_head_cache_attention"]

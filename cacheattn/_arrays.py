@@ -92,3 +92,20 @@ def copy_into(dst, host_src) -> None:
     else:
         import cupy
         cupy.asarray(dst)[...] = cupy.asarray(host_src)
+
+
+def run_reference(data: dict, inout_names: tuple, call):
+    """Run `call(host_data)` on host copies of `data` (the reference is NumPy). GPU in-out tensors get
+    the new contents back, and array results return as the kind of the first data array."""
+    on_host = all(x is None or isinstance(x, np.ndarray) for x in data.values())
+    host = data if on_host else {name: to_host(x) for name, x in data.items()}
+    result = call(host)
+    if on_host:
+        return result
+    for name in inout_names:
+        if data[name] is not None:
+            copy_into(data[name], host[name])
+    like = next(x for x in data.values() if x is not None)
+    if isinstance(result, tuple):
+        return tuple(None if r is None else to_kind(like, r) for r in result)
+    return to_kind(like, result)

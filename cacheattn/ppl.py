@@ -180,25 +180,6 @@ def _check_kernel_tensors(engine, **tensors):
                 check_contiguous(name, x)
 
 
-# ---------------------------------------------------------------------------------------------- dispatch
-
-def _dispatch_reference(data: dict, inout_names: tuple, call):
-    """Run `call(host_data)` on host copies of `data`; GPU in-out tensors get the new contents back,
-    and array results come back as the kind of the first data array."""
-    on_host = all(x is None or isinstance(x, np.ndarray) for x in data.values())
-    host = data if on_host else {name: arrays.to_host(x) for name, x in data.items()}
-    result = call(host)
-    if on_host:
-        return result
-    for name in inout_names:
-        if data[name] is not None:
-            arrays.copy_into(data[name], host[name])
-    like = next(x for x in data.values() if x is not None)
-    if isinstance(result, tuple):
-        return type(result)(*(arrays.to_kind(like, r) for r in result))
-    return arrays.to_kind(like, result)
-
-
 # ---------------------------------------------------------------------------------------------- operators
 
 def key_value_cache(current_key, current_value, start_pos, cache, scale=None, *, num_layer=1, layer_idx=0,
@@ -233,7 +214,7 @@ def key_value_cache(current_key, current_value, start_pos, cache, scale=None, *,
     _check_kernel_tensors(engine, cache=cache, scale=scale)
     attrs = dict(layer_idx=layer_idx, quant_bit=quant_bit, quant_group=quant_group, num_repeat=num_repeat)
     if engine == "reference":
-        return KeyValue(*_dispatch_reference(data, ("cache", "scale"), lambda h: reference.key_value_cache(
+        return KeyValue(*arrays.run_reference(data, ("cache", "scale"), lambda h: reference.key_value_cache(
             h["current_key"], h["current_value"], start_p, h["cache"], h["scale"], num_layer=num_layer,
             cache_layout=cache_layout, **attrs)))
     data = {name: arrays.as_kernel_array(x) for name, x in data.items()}
@@ -285,7 +266,7 @@ def dynamic_key_value_cache(current_key, current_value, seqstarts, kvstarts, cac
     _check_kernel_tensors(engine, cache=cache, scale=scale)
     order = ("seqstarts", "kvstarts", "cachestarts", "start_pos")
     if engine == "reference":
-        return KeyValue(*_dispatch_reference(data, ("cache", "scale"), lambda h: reference.dynamic_key_value_cache(
+        return KeyValue(*arrays.run_reference(data, ("cache", "scale"), lambda h: reference.dynamic_key_value_cache(
             h["current_key"], h["current_value"], *(idx[n] for n in order), max_seqlen, max_kvlen, h["cache"],
             h["scale"], num_repeat=num_repeat, **attrs)))
     data = {name: arrays.as_kernel_array(x) for name, x in data.items()}
@@ -324,7 +305,7 @@ def dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decodin
     _check_kernel_tensors(engine, query=query, key=key, value=value, attn_mask=attn_mask)
     attrs = dict(num_heads=num_heads, head_dim=head_dim, is_causal=bool(is_causal), num_kv_heads=num_kv_heads)
     if engine == "reference":
-        return _dispatch_reference(data, (), lambda h: reference.dynamic_multi_head_attention(
+        return arrays.run_reference(data, (), lambda h: reference.dynamic_multi_head_attention(
             h["query"], h["key"], h["value"], seqs, kvs, decoding_batches, max_seqlen, max_kvlen, h["attn_mask"],
             is_alibi=bool(is_alibi), **attrs))
     data = {name: arrays.as_kernel_array(x) for name, x in data.items()}
@@ -360,7 +341,7 @@ def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvs
     order = ("seqstarts", "kvstarts", "cachestarts", "start_pos")
     attrs = dict(num_heads=num_heads, head_dim=head_dim, is_causal=bool(is_causal), num_kv_heads=num_kv_heads)
     if engine == "reference":
-        return _dispatch_reference(data, ("cache", "scale"), lambda h: reference.multi_head_cache_attention(
+        return arrays.run_reference(data, ("cache", "scale"), lambda h: reference.multi_head_cache_attention(
             h["query"], h["current_key"], h["current_value"], *(idx[n] for n in order), decoding_batches,
             max_seqlen, max_kvlen, h["cache"], h["scale"], h["attn_mask"], is_alibi=bool(is_alibi), **attrs,
             **cache_attrs))

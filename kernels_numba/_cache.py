@@ -47,6 +47,18 @@ def packed_source(tensor, row_starts):
     return cache_source(tensor, None, row_starts, OFFSET_PAGE, "T H D")
 
 
+@cuda.jit(device=True, inline="always")
+def token_head_item(starts, num_heads, items_per_head):
+    """This thread's (b, i, h, item) in a grid of (x: tokens * heads * items, y: batch b), where batch b has
+    starts[b+1] - starts[b] tokens; i is -1 for a thread past them."""
+    b = cuda.blockIdx.y
+    idx = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    i = idx // (num_heads * items_per_head)
+    if i >= starts[b + 1] - starts[b]:
+        i = -1
+    return b, i, (idx // items_per_head) % num_heads, idx % items_per_head
+
+
 def make_cache_access(quant_bit: int, quant_group: int, round_scale, round_value):
     """Device functions (row_offsets, load) for a cache of the given quantization.
 
@@ -118,14 +130,9 @@ def make_store_kernel(quant_bit: int, quant_group: int, head_dim: int, input_dty
 
     @cuda.jit
     def store_kernel(cur_key, cur_value, seqstarts, num_heads, start_pos, key_dst, value_dst):
-        b = cuda.blockIdx.y
-        idx = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-        per_token = num_heads * groups
-        i = idx // per_token
-        if i >= seqstarts[b + 1] - seqstarts[b]:
+        b, i, h, grp = token_head_item(seqstarts, num_heads, groups)
+        if i < 0:
             return
-        h = (idx % per_token) // groups
-        grp = idx % groups
         x_off = ((seqstarts[b] + i) * num_heads + h) * head_dim + grp * quant_group   # current_key (T, H, Dh)
         t = start_pos[b] + i
         store_group(cur_key, x_off, key_dst, b, t, h, grp)
@@ -143,14 +150,9 @@ def make_gather_kernel(quant_bit: int, quant_group: int, head_dim: int, round_sc
 
     @cuda.jit
     def gather_kernel(key_src, value_src, kvstarts, num_heads, num_repeat, key_out, value_out):
-        b = cuda.blockIdx.y
-        idx = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-        per_token = num_heads * head_dim
-        t = idx // per_token
-        if t >= kvstarts[b + 1] - kvstarts[b]:
+        b, t, h, d = token_head_item(kvstarts, num_heads, head_dim)
+        if t < 0:
             return
-        h = (idx % per_token) // head_dim
-        d = idx % head_dim
         src, out = (key_src, key_out) if cuda.blockIdx.z == 0 else (value_src, value_out)
         row, sc_row = row_offsets(src, b, t, h)
         x = load(src, row, sc_row, d)

@@ -1,5 +1,6 @@
 """NumPy references that mirror the source documents line by line; no numba or cupy here."""
 
+from .onnx_attention import onnx_attention
 from .ppl_dynamic_key_value_cache import dynamic_key_value_cache
 from .ppl_dynamic_multi_head_attention import dynamic_multi_head_attention
 from .ppl_key_value_cache import key_value_cache
@@ -10,4 +11,5 @@ __all__ = [
     "dynamic_multi_head_attention",
     "key_value_cache",
     "multi_head_cache_attention",
+    "onnx_attention",
 ]

@@ -1,0 +1,159 @@
+"""ONNX `Attention`, opsets 23 and 24 (onnx-attention-23-24.zh.md; English text:
+`onnx.defs.get_schema("Attention", 24).doc`), plus opset 25's left/right window.
+
+The schema draws this dataflow; the body below follows it step by step, with the onnx
+1.23.x reference's errata (softcap comes *before* the mask, so a -inf mask stays -inf):
+
+      Q             K              V
+      |             |              |
+   Q*sqrt(scale) K*sqrt(scale)     |        (each scaled in the input dtype)
+      |             |              |
+      |          Transpose         |
+      ----MatMul----               |        -> qk_matmul_output_mode 0
+            |                      |
+         softcap (if > 0)          |        -> mode 1
+            |                      |
+  attn_bias-Add                    |        -> mode 2   (mask, causal, window, padding)
+            |                      |
+         Softmax                   |        -> mode 3   (in softmax_precision if given)
+            |                      |
+            --------MatMul----------
+                      |
+                      Y
+
+Where the text and the reference disagree, the node test cases decide: mode 1 is the
+softcapped score and mode 2 the score plus bias (the reference's stage order); is_causal
+and attn_mask may be combined at opset 23 too. Where no case decides, the text does:
+mode 0 is the raw matmul even when softcap is set. A row whose bias is entirely -inf
+gives zeros (Y and mode 3), never NaN.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# TensorProto element types that softmax_precision may name.
+SOFTMAX_PRECISIONS = {1: np.float32, 10: np.float16, 11: np.float64}
+BFLOAT16 = 16
+
+
+def _dtype_of_precision(code):
+    if code == BFLOAT16:
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(SOFTMAX_PRECISIONS[code])
+
+
+def _to_4d(x, num_heads):
+    """(batch, seq, heads * size) -> (batch, heads, seq, size); 4-D input passes through."""
+    if x.ndim == 4:
+        return x
+    batch, seq, hidden = x.shape
+    return x.reshape(batch, seq, num_heads, hidden // num_heads).transpose(0, 2, 1, 3)
+
+
+def _matmul(a, b):
+    """MatMul in the inputs' dtype (numpy promotes bfloat16; the result is cast back, as ONNX types it)."""
+    return np.matmul(a, b).astype(a.dtype)
+
+
+def key_offsets(batch, q_len, past_len, nonpad_kv_seqlen):
+    """(batch,) position of each batch's first query among the keys: the causal/window alignment.
+
+    With past_key: past length (the queries follow the cache). Without past but with
+    nonpad_kv_seqlen: nonpad_kv_seqlen[b] - q_len (the queries are the last valid tokens of
+    an external cache). Otherwise 0: top-left alignment.
+    """
+    if past_len:
+        return np.full(batch, past_len, np.int64)
+    if nonpad_kv_seqlen is not None:
+        return np.asarray(nonpad_kv_seqlen, np.int64).reshape(-1) - q_len
+    return np.zeros(batch, np.int64)
+
+
+def attention_bias(attn_mask, batch, q_len, kv_len, offsets, nonpad_kv_seqlen, *, is_causal,
+                   left_window_size, right_window_size, dtype):
+    """The additive bias, broadcastable to (batch, q_num_heads, q_len, kv_len), in `dtype`."""
+    neg_inf, zero = dtype.type(-np.inf), dtype.type(0)
+    bias = np.zeros((1, 1, q_len, kv_len), dtype)
+    if attn_mask is not None:
+        # A mask shorter than the total key length is padded with False / -inf.
+        pad = kv_len - attn_mask.shape[-1]
+        if pad > 0:
+            fill = False if attn_mask.dtype == np.bool_ else -np.inf
+            attn_mask = np.pad(attn_mask, [(0, 0)] * (attn_mask.ndim - 1) + [(0, pad)], constant_values=fill)
+        # bool: True = attend. Select, never multiply: 0 * -inf would be NaN.
+        mask = np.where(attn_mask, zero, neg_inf) if attn_mask.dtype == np.bool_ else attn_mask.astype(dtype)
+        bias = bias + mask                                                        # right-aligned broadcast
+    i = np.arange(q_len)[:, None]                                                 # (q, 1)
+    j = np.arange(kv_len)[None, :]                                                # (1, kv)
+    position = offsets[:, None, None, None] + i                                   # (batch, 1, q, 1)
+    hidden = np.zeros((batch, 1, q_len, kv_len), bool)
+    if is_causal:
+        hidden |= j > position                                                    # key after the query
+    if left_window_size >= 0:
+        hidden |= j < position - left_window_size                                 # too far back
+    if right_window_size >= 0:
+        hidden |= j > position + right_window_size                                # too far ahead
+    if nonpad_kv_seqlen is not None:
+        hidden |= j >= np.asarray(nonpad_kv_seqlen).reshape(-1, 1, 1, 1)          # padding keys
+    return np.where(hidden, neg_inf, bias).astype(dtype)
+
+
+def _softmax(x):
+    row_max = x.max(axis=-1, keepdims=True)
+    row_max = np.where(np.isneginf(row_max), x.dtype.type(0), row_max)
+    e = np.exp(x - row_max)
+    total = e.sum(axis=-1, keepdims=True)
+    return e / np.where(total == 0, x.dtype.type(1), total)
+
+
+def onnx_attention(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv_seqlen=None, *,
+                   is_causal=0, kv_num_heads=None, q_num_heads=None, qk_matmul_output_mode=0, scale=None,
+                   softcap=0.0, softmax_precision=None, left_window_size=-1, right_window_size=-1,
+                   return_qk_matmul_output=False):
+    """Returns (Y, present_key, present_value, qk_matmul_output or None)."""
+    three_d = Q.ndim == 3
+    # 3-D inputs are (batch, seq, heads * size): reshape and transpose to (batch, heads, seq, size).
+    q = _to_4d(Q, q_num_heads)                                                    # (B, Hq, S, D)
+    k = _to_4d(K, kv_num_heads)                                                   # (B, Hkv, L, D)
+    v = _to_4d(V, kv_num_heads)                                                   # (B, Hkv, L, Dv)
+    batch, heads, q_len, head_size = q.shape
+
+    # "scale: default 1/sqrt(head_size) ... Q and K are scaled by sqrt(scale) before the matmul"
+    scale = 1 / np.sqrt(head_size) if scale is None else scale
+    root = q.dtype.type(np.sqrt(scale))                                           # in the input dtype
+
+    # KV cache inside the operator: present = concat(past, current) on the sequence axis.
+    present_key = k if past_key is None else np.concatenate([past_key, k], axis=2)       # (B, Hkv, T, D)
+    present_value = v if past_value is None else np.concatenate([past_value, v], axis=2)  # (B, Hkv, T, Dv)
+    kv_len = present_key.shape[2]
+    past_len = 0 if past_key is None else past_key.shape[2]
+
+    offsets = key_offsets(batch, q_len, past_len, nonpad_kv_seqlen)
+    bias = attention_bias(attn_mask, batch, q_len, kv_len, offsets, nonpad_kv_seqlen, is_causal=bool(is_causal),
+                          left_window_size=left_window_size, right_window_size=right_window_size, dtype=q.dtype)
+
+    # GQA / MQA: each kv head serves q_num_heads / kv_num_heads consecutive query heads.
+    group = heads // present_key.shape[1]
+    keys = np.repeat(present_key, group, axis=1)                                  # (B, Hq, T, D)
+    values = np.repeat(present_value, group, axis=1)                              # (B, Hq, T, Dv)
+
+    raw = _matmul(q * root, (keys * root).transpose(0, 1, 3, 2))                  # (B, Hq, S, T), mode 0
+    # softcap before the mask: softcap * tanh(x / softcap) would turn -inf into -softcap.
+    capped = raw if softcap <= 0 else (np.tanh(raw / raw.dtype.type(softcap)) * raw.dtype.type(softcap))
+    biased = capped + bias                                                        # mode 2
+    if softmax_precision is not None:
+        biased = biased.astype(_dtype_of_precision(softmax_precision))
+    probs = _softmax(biased)
+    # A row with no visible key (its bias all -inf) gives zeros, decided on the bias, not the scores.
+    no_key = np.isneginf(bias.max(axis=-1, keepdims=True))
+    probs = np.where(no_key, probs.dtype.type(0), probs)                          # mode 3
+
+    y = _matmul(probs.astype(q.dtype), values)                                    # (B, Hq, S, Dv)
+    if three_d:
+        y = y.transpose(0, 2, 1, 3).reshape(batch, q_len, -1)                     # (B, S, Hq * Dv)
+    qk = None
+    if return_qk_matmul_output:
+        qk = (raw, capped, biased, probs)[qk_matmul_output_mode].astype(q.dtype)
+    return y, present_key, present_value, qk
