@@ -11,5 +11,5 @@ from .ppl import (
                   multi_head_cache_attention,
 )
 
-__all__ = ["AttentionOutputs", "KeyValue", "onnx_attention", "dynamic_key_value_cache", "dynamic_multi_head_attention", "key_value_cache",
-           "multi_head_cache_attention"]
+__all__ = ["AttentionOutputs", "KeyValue", "dynamic_key_value_cache", "dynamic_multi_head_attention",
+           "key_value_cache", "multi_head_cache_attention", "onnx_attention"]

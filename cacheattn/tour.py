@@ -134,10 +134,12 @@ def tour() -> int:
     label, case = next(iter(ATTENTION_CASES.items()))
     rows += _dynamic_attention_rows(label.replace("paged int8", "packed K/V"), case)
     rows += _key_value_rows(*STATIC_CASE)
-    width = max(len(r[1]) for r in rows)
-XX {'backend':<9} {'max |err|':>10} {'result':<6} {'seconds':>7}")
+    op_width, width = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
+    print(f"{'operator':<{op_width}} {'config':<{width}} {'backend':<9} {'max |err|':>10} {'result':<6} "
+          f"{'seconds':>7}")
     for op, label, backend, err, ok, seconds in rows:
-        print(f"{op:<27} {label:<{width}} {backend:<9} {err:10.2e} {'pass' if ok else 'FAIL':<6} {seconds:7.2f}")
+        print(f"{op:<{op_width}} {label:<{width}} {backend:<9} {err:10.2e} {'pass' if ok else 'FAIL':<6} "
+              f"{seconds:7.2f}")
     failed = sum(not r[4] for r in rows)
     print(f"\n{len(rows) - failed} passed, {failed} failed")
     return 1 if failed else 0
