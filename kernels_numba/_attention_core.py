@@ -10,16 +10,18 @@ tiles of KEY_TILE:
     3. scores S[r, j] = q_r . k_j * scale (+ bias) for all rows r, keys j of the tile
     4. online softmax, one thread per row: m' = max(m, max_j S), alpha = e^(m - m'),
        p_j = e^(S[r, j] - m'), l = alpha * l + sum_j p_j
-    5. acc[r, :] = alpha * acc[r, :] + sum_j p_j v_j
+    5. acc[r, :] = alpha * acc[r, :] + sum_j p_j v_j   (acc_rows)
 and finally writes acc / l (0 for a row that saw no key). No seqlen x kvlen score
 matrix and no gathered copy of K/V ever exists in global memory.
 
 What differs between operators is passed in as device functions:
     row_offsets(src, b, t, h) -> (row, scale_row)   where key t of sequence b, kv head h lives
-    load(src, row, scale_row, d) -> float32           element d of that row, dequantized
-    bias(args, b, h, i, j, seqlen, kvlen) -> float32 what query i of head h adds to key j (-inf: hidden)
+    load(src, row, scale_row, d) -> float           element d of that row, dequantized
+    score(args, qk, b, h, i, j, seqlen, kvlen)      the logit of query i (head h) for key j, given
+                                                    qk = scale * q.k: softcap, bias, -inf for hidden
     key_range(args, b, i_first, i_last, seqlen, kvlen) -> (lo, hi)   keys any of these rows can see
-Everything block-uniform (head dims, tile sizes, group) is a compile-time constant of the factory.
+Everything block-uniform (head dims, tile sizes, group, the accumulation dtype: float32, or float64
+for float64 inputs) is a compile-time constant of the factory.
 
 Query and output are flat arrays with geometry (data, starts, s_b, s_i, s_h): element d of
 query i, head h, sequence b is at b*s_b + (starts[b] + i)*s_i + h*s_h + d.
@@ -35,13 +37,14 @@ from numba import cuda
 SHARED_BYTES = 48 * 1024   # static shared memory a block may declare
 
 
-def shared_bytes(rows: int, key_tile: int, head_dim_k: int, head_dim_v: int) -> int:
+def shared_bytes(rows: int, key_tile: int, head_dim_k: int, head_dim_v: int, elem_bytes: int = 4) -> int:
     """Shared memory of one block: K, V tiles, Q rows, scores, accumulators, row stats, slot offsets."""
     floats = key_tile * (head_dim_k + head_dim_v) + rows * (head_dim_k + key_tile + head_dim_v + 3)
-    return 4 * floats + 8 * 4 * key_tile
+    return elem_bytes * floats + 8 * 4 * key_tile
 
 
-def plan_tiles(num_heads: int, num_kv_heads: int, max_seqlen: int, head_dim_k: int, head_dim_v: int):
+def plan_tiles(num_heads: int, num_kv_heads: int, max_seqlen: int, head_dim_k: int, head_dim_v: int,
+               elem_bytes: int = 4):
     """(heads_per_block, q_tile, key_tile) that fit the shared-memory budget.
 
     A whole GQA group per block when it fits, so each K/V element is read once per group;
@@ -53,22 +56,26 @@ def plan_tiles(num_heads: int, num_kv_heads: int, max_seqlen: int, head_dim_k: i
         heads_per_block //= 2
     q_tile = 1 if max_seqlen <= 1 else max(1, min(16 // heads_per_block, max_seqlen))
     key_tile = 32
-    while key_tile > 8 and shared_bytes(heads_per_block * q_tile, key_tile, head_dim_k, head_dim_v) > SHARED_BYTES:
+    def fits():
+        return shared_bytes(heads_per_block * q_tile, key_tile, head_dim_k, head_dim_v, elem_bytes) <= SHARED_BYTES
+
+    while key_tile > 8 and not fits():
         key_tile //= 2
-    while q_tile > 1 and shared_bytes(heads_per_block * q_tile, key_tile, head_dim_k, head_dim_v) > SHARED_BYTES:
+    while q_tile > 1 and not fits():
         q_tile //= 2
     return heads_per_block, q_tile, key_tile
 
 
-def make_attention_kernel(row_offsets, load, bias, key_range, *, head_dim_k: int, head_dim_v: int,
-                          heads_per_block: int, q_tile: int, key_tile: int, group: int):
+def make_attention_kernel(row_offsets, load, score, key_range, *, head_dim_k: int, head_dim_v: int,
+                          heads_per_block: int, q_tile: int, key_tile: int, group: int, acc_dtype=np.float32):
     """Build the kernel. Launch grid (ceil(max_seqlen / q_tile), num_heads / heads_per_block, B)."""
     HPB, DK, DV, KT = heads_per_block, head_dim_k, head_dim_v, key_tile
     ROWS = HPB * q_tile
-    NEG_INF = np.float32(-math.inf)
+    acc_t = np.float64 if np.dtype(acc_dtype) == np.float64 else np.float32
+    NEG_INF = acc_t(-math.inf)
 
     @cuda.jit
-    def attention_kernel(q_geom, out_geom, seqlens, kvlens, k_src, v_src, bias_args, sm_scale):
+    def attention_kernel(q_geom, out_geom, seqlens, kvlens, k_src, v_src, score_args, sm_scale):
         b = cuda.blockIdx.z
         seqlen, kvlen = seqlens[b], kvlens[b]
         i0 = cuda.blockIdx.x * q_tile
@@ -78,14 +85,14 @@ def make_attention_kernel(row_offsets, load, bias, key_range, *, head_dim_k: int
         g = h0 // group                              # the kv head every row of this block reads
         tid, nthreads = cuda.threadIdx.x, cuda.blockDim.x
 
-        q_s = cuda.shared.array((ROWS, DK), np.float32)
-        k_s = cuda.shared.array((KT, DK), np.float32)
-        v_s = cuda.shared.array((KT, DV), np.float32)
-        p_s = cuda.shared.array((ROWS, KT), np.float32)      # scores, then probabilities
-        acc = cuda.shared.array((ROWS, DV), np.float32)
-        row_max = cuda.shared.array(ROWS, np.float32)
-        row_sum = cuda.shared.array(ROWS, np.float32)
-        rescale = cuda.shared.array(ROWS, np.float32)
+        q_s = cuda.shared.array((ROWS, DK), acc_t)
+        k_s = cuda.shared.array((KT, DK), acc_t)
+        v_s = cuda.shared.array((KT, DV), acc_t)
+        p_s = cuda.shared.array((ROWS, KT), acc_t)      # scores, then probabilities
+        acc_rows = cuda.shared.array((ROWS, DV), acc_t)
+        row_max = cuda.shared.array(ROWS, acc_t)
+        row_sum = cuda.shared.array(ROWS, acc_t)
+        rescale = cuda.shared.array(ROWS, acc_t)
         k_rows = cuda.shared.array((KT, 2), np.int64)
         v_rows = cuda.shared.array((KT, 2), np.int64)
 
@@ -96,14 +103,14 @@ def make_attention_kernel(row_offsets, load, bias, key_range, *, head_dim_k: int
             i = i0 + r // HPB
             q_s[r, d] = 0.0
             if i < seqlen:
-                q_s[r, d] = np.float32(q[b * q_sb + (q_starts[b] + i) * q_si + (h0 + r % HPB) * q_sh + d])
+                q_s[r, d] = acc_t(q[b * q_sb + (q_starts[b] + i) * q_si + (h0 + r % HPB) * q_sh + d])
         for e in range(tid, ROWS * DV, nthreads):
-            acc[e // DV, e % DV] = 0.0
+            acc_rows[e // DV, e % DV] = 0.0
         for r in range(tid, ROWS, nthreads):
             row_max[r] = NEG_INF
             row_sum[r] = 0.0
         i_last = min(i0 + q_tile, seqlen) - 1
-        lo, hi = key_range(bias_args, b, i0, i_last, seqlen, kvlen)
+        lo, hi = key_range(score_args, b, i0, i_last, seqlen, kvlen)
         cuda.syncthreads()
 
         for t0 in range(lo - lo % KT, hi, KT):
@@ -127,10 +134,10 @@ def make_attention_kernel(row_offsets, load, bias, key_range, *, head_dim_k: int
                 i, t = i0 + r // HPB, t0 + j
                 s = NEG_INF
                 if i < seqlen and lo <= t < hi:
-                    dot = np.float32(0.0)
+                    dot = acc_t(0.0)
                     for d in range(DK):
                         dot += q_s[r, d] * k_s[j, d]
-                    s = dot * sm_scale + bias(bias_args, b, h0 + r % HPB, i, t, seqlen, kvlen)
+                    s = score(score_args, dot * sm_scale, b, h0 + r % HPB, i, t, seqlen, kvlen)
                 p_s[r, j] = s
             cuda.syncthreads()
             # 4. online softmax, one thread per row
@@ -138,8 +145,8 @@ def make_attention_kernel(row_offsets, load, bias, key_range, *, head_dim_k: int
                 new_max = row_max[r]
                 for j in range(KT):
                     new_max = max(new_max, p_s[r, j])
-                alpha = np.float32(1.0)
-                tile_sum = np.float32(0.0)
+                alpha = acc_t(1.0)
+                tile_sum = acc_t(0.0)
                 if new_max != NEG_INF:                # all hidden so far: nothing to rescale or add
                     alpha = math.exp(row_max[r] - new_max)
                     for j in range(KT):
@@ -156,10 +163,10 @@ def make_attention_kernel(row_offsets, load, bias, key_range, *, head_dim_k: int
             # 5. accumulate P V
             for e in range(tid, ROWS * DV, nthreads):
                 r, d = e // DV, e % DV
-                total = acc[r, d] * rescale[r]
+                total = acc_rows[r, d] * rescale[r]
                 for j in range(KT):
                     total += p_s[r, j] * v_s[j, d]
-                acc[r, d] = total
+                acc_rows[r, d] = total
             cuda.syncthreads()
 
         out, o_starts, o_sb, o_si, o_sh = out_geom
@@ -168,7 +175,7 @@ def make_attention_kernel(row_offsets, load, bias, key_range, *, head_dim_k: int
             i = i0 + r // HPB
             if i < seqlen:
                 total = row_sum[r]
-                value = acc[r, d] / total if total > 0.0 else np.float32(0.0)
+                value = acc_rows[r, d] / total if total > 0.0 else acc_t(0.0)
                 out[b * o_sb + (o_starts[b] + i) * o_si + (h0 + r % HPB) * o_sh + d] = value
 
     return attention_kernel

@@ -59,11 +59,12 @@ def token_head_item(starts, num_heads, items_per_head):
     return b, i, (idx // items_per_head) % num_heads, idx % items_per_head
 
 
-def make_cache_access(quant_bit: int, quant_group: int, round_scale, round_value):
+def make_cache_access(quant_bit: int, quant_group: int, round_scale, round_value, value_type=np.float32):
     """Device functions (row_offsets, load) for a cache of the given quantization.
 
     load returns element d as the document's dequantized tensor holds it: q * scale rounded to the
-    scale dtype (round_scale), then to the output dtype T1 (round_value), as a float32.
+    scale dtype (round_scale), then to the output dtype T1 (round_value), as a float32 (value_type:
+    float64 for an unquantized float64 tensor).
     """
 
     @cuda.jit(device=True, inline="always")
@@ -77,7 +78,7 @@ def make_cache_access(quant_bit: int, quant_group: int, round_scale, round_value
     def load(src, row, sc_row, d):
         data, scales = src[0], src[1]
         if quant_bit == 0:
-            return round_value(np.float32(data[row + d]))
+            return round_value(value_type(data[row + d]))
         if quant_bit == 8:
             q = np.int32(data[row + d])
         else:

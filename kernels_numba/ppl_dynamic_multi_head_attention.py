@@ -1,7 +1,7 @@
 """OpenPPL `dynamic_batching.MultiHeadAttention` on the GPU: the shared online-softmax core
 (`_attention_core.py`) specialised with OpenPPL's mask rules.
 
-bias(i, j) for query i of a sequence with seqlen queries and kvlen keys:
+The logit of query i for key j, in a sequence of seqlen queries and kvlen keys, is q.k / sqrt(head_dim):
   - hidden (-inf) when causal applies and j > kvlen - seqlen + i (bottom-right alignment);
     causal applies when is_causal, seqlen > 1 and b >= decoding_batches, and always with ALiBi;
   - plus the user mask, rows offset by seqstarts[b], columns by kvstarts[b];
@@ -26,13 +26,14 @@ from ._numerics import keep_float32, rounder
 NEG_INF = np.float32(-math.inf)
 
 
-def make_ppl_bias(round_query):
+def make_ppl_score(round_query):
     @cuda.jit(device=True, inline="always")
     def causal_applies(args, b, seqlen):
         return (args[0] != 0 and seqlen > 1 and b >= args[1]) or args[2] != 0
 
     @cuda.jit(device=True, inline="always")
-    def bias(args, b, h, i, j, seqlen, kvlen):
+    def score(args, qk, b, h, i, j, seqlen, kvlen):
+        """qk / sqrt(head_dim) plus the bias; -inf for a hidden key."""
         _, _, is_alibi, slopes, mask, mask_sh, mask_si, seqstarts, kvstarts, has_mask = args
         last_visible = kvlen - seqlen + i
         if j > last_visible and causal_applies(args, b, seqlen):
@@ -42,8 +43,8 @@ def make_ppl_bias(round_query):
             m = np.float32(mask[h * mask_sh + (seqstarts[b] + i) * mask_si + kvstarts[b] + j])
         if is_alibi != 0:
             alibi = round_query(slopes[h] * round_query(np.float32(j - last_visible)))
-            return round_query(alibi + m)
-        return m
+            m = round_query(alibi + m)
+        return qk + m
 
     @cuda.jit(device=True, inline="always")
     def key_range(args, b, i_first, i_last, seqlen, kvlen):
@@ -51,7 +52,7 @@ def make_ppl_bias(round_query):
             return 0, kvlen - seqlen + i_last + 1
         return 0, kvlen
 
-    return bias, key_range
+    return score, key_range
 
 
 @cache
@@ -60,9 +61,9 @@ def attention_kernel(quant_bit, quant_group, scale_dtype, value_dtype, query_dty
     """The core specialised for OpenPPL: cache reads of this quantization, OpenPPL's bias; plus its tile plan."""
     row_offsets, load = make_cache_access(quant_bit, quant_group,
                                           rounder(scale_dtype) if quant_bit else keep_float32, rounder(value_dtype))
-    bias, key_range = make_ppl_bias(rounder(query_dtype))
+    score, key_range = make_ppl_score(rounder(query_dtype))
     heads_per_block, q_tile, key_tile = plan_tiles(num_heads, num_kv_heads, max_seqlen, head_dim, head_dim)
-    kernel = make_attention_kernel(row_offsets, load, bias, key_range, head_dim_k=head_dim, head_dim_v=head_dim,
+    kernel = make_attention_kernel(row_offsets, load, score, key_range, head_dim_k=head_dim, head_dim_v=head_dim,
                                    heads_per_block=heads_per_block, q_tile=q_tile, key_tile=key_tile,
                                    group=num_heads // num_kv_heads)
     return kernel, heads_per_block, q_tile
@@ -85,7 +86,7 @@ def attend(query, key_src, value_src, seqstarts, kvstarts, decoding_batches, max
         mask_si = attn_mask.shape[-1]
         mask_sh = attn_mask.shape[-2] * mask_si if attn_mask.ndim == 3 else 0
         mask, has_mask = flat(attn_mask), 1
-    bias_args = (np.int64(is_causal), np.int64(decoding_batches), np.int64(is_alibi), to_kind(query, slopes),
+    score_args = (np.int64(is_causal), np.int64(decoding_batches), np.int64(is_alibi), to_kind(query, slopes),
                  mask, np.int64(mask_sh), np.int64(mask_si), seqstarts, kvstarts, np.int64(has_mask))
     seqlens = seqstarts[1:] - seqstarts[:-1]
     kvlens = kvstarts[1:] - kvstarts[:-1]
@@ -93,7 +94,7 @@ def attend(query, key_src, value_src, seqstarts, kvstarts, decoding_batches, max
     geometry = (np.int64(0), np.int64(num_heads * head_dim), np.int64(head_dim))   # (s_b, s_i, s_h) of (T, H, Dh)
     grid = (max(1, ceil_div(max_seqlen, q_tile)), num_heads // heads_per_block, batch)
     launch(kernel, grid, threads, stream, (flat(query), seqstarts, *geometry),
-           (flat(attn_output), seqstarts, *geometry), seqlens, kvlens, key_src, value_src, bias_args,
+           (flat(attn_output), seqstarts, *geometry), seqlens, kvlens, key_src, value_src, score_args,
            np.float32(1 / math.sqrt(head_dim)))
     return attn_output
 

@@ -66,6 +66,31 @@ def _ppl_launches():
     return out
 
 
+def _onnx_launches():
+    """(label, kernel, args) for the ONNX kernels: float16/32/64 x 3-D with past and mask x 4-D with nonpad,
+    and the qk_matmul_output kernels of every mode."""
+    from . import _launch
+    from .onnx_attention import onnx_attention
+
+    rng = np.random.default_rng(0)
+    out = []
+    for dtype in (np.float16, np.float32, np.float64):
+        for mode in (0, 1, 2, 3):
+            q = rng.standard_normal((2, 3, 4 * 8)).astype(dtype)
+            k = rng.standard_normal((2, 3, 2 * 8)).astype(dtype)
+            past = rng.standard_normal((2, 2, 5, 8)).astype(dtype)
+            with _launch.recorded_launches() as launches:
+                onnx_attention(q, k, k, np.ones((3, 8), bool), past, past, None, is_causal=1, q_num_heads=4,
+                               kv_num_heads=2, qk_matmul_output_mode=mode, softcap=1.0,
+                               return_qk_matmul_output=True)
+                q4, k4 = q.reshape(2, 3, 4, 8).transpose(0, 2, 1, 3).copy(), past
+                onnx_attention(q4, k4, k4, np.zeros((2, 1, 3, 4), dtype), nonpad_kv_seqlen=np.array([3, 5]),
+                               left_window_size=2, right_window_size=0)
+            label = f"onnx {np.dtype(dtype).name} qk mode {mode}"
+            out += [(label, kernel, args) for kernel, args in launches]
+    return out
+
+
 def compile_all(ccs, report=print) -> int:
     """Compile every recorded kernel for each compute capability; returns the number of failures."""
     import numba
@@ -73,7 +98,7 @@ def compile_all(ccs, report=print) -> int:
 
     _allow_device_functions_without_gpu()
     seen, failures = set(), 0
-    for label, kernel, args in _ppl_launches():
+    for label, kernel, args in _ppl_launches() + _onnx_launches():
         signature = tuple(numba.typeof(a) for a in args)
         key = (kernel.py_func, signature)
         if key in seen:

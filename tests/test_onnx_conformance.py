@@ -1,0 +1,41 @@
+"""The onnx node test cases for Attention (onnx >= 1.23.2), on the reference and on the kernels.
+
+Every case runs on the reference. The kernels run every case too; an `_expanded` twin carries the
+same inputs, attributes and expected outputs as its twin (the test below checks that), so on the
+kernels the twin's result stands for both, and the simulator time goes to distinct cases.
+"""
+
+import numpy as np
+import pytest
+
+from cacheattn.onnx_conformance import node_cases, run_case
+
+CASES = {case.name: case for case in node_cases()}
+DISTINCT = [name for name in CASES if not name.endswith("_expanded")]
+
+
+def test_all_node_cases_are_loaded():
+    assert len(CASES) == 186 and len(DISTINCT) == 93
+    assert {c.opset for c in CASES.values()} == {23, 24, 25}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_reference_passes_node_case(name):
+    ok, detail = run_case(CASES[name], "reference")
+    assert ok, detail
+
+
+@pytest.mark.parametrize("name", DISTINCT)
+def test_kernels_pass_node_case(name):
+    ok, detail = run_case(CASES[name], "numba")
+    assert ok, detail
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n.endswith("_expanded")])
+def test_expanded_twin_has_its_twins_data(name):
+    twin, expanded = CASES[name.removesuffix("_expanded")], CASES[name]
+    assert (twin.opset, twin.attrs) == (expanded.opset, expanded.attrs)
+    for a, b in ((twin.inputs, expanded.inputs), (twin.outputs, expanded.outputs)):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key].dtype == b[key].dtype and np.array_equal(a[key], b[key], equal_nan=True), key
