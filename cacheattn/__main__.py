@@ -32,6 +32,8 @@ def main(argv=None) -> int:
     docs = sub.add_parser("docs", help="run the read-and-run pages in docs/ and check their shown outputs")
     docs.add_argument("--update", action="store_true", help="rewrite the pages' outputs with what the code prints")
     docs.add_argument("pages", nargs="*", type=Path, help="pages to run (default: docs/*.md)")
+    conf = sub.add_parser("conformance", help="run the onnx node test cases for Attention; print the table")
+    conf.add_argument("--backend", choices=("reference", "numba", "both"), default="both")
     bench = sub.add_parser("bench", help="time the kernels against peers measured in the same run (GPU)")
     bench.add_argument("--repeat", type=int, default=20)
     args = parser.parse_args(argv)
@@ -57,6 +59,10 @@ def main(argv=None) -> int:
             for p in problems:
                 print(p)
         return 1 if failures else 0
+    if args.command == "conformance":
+        from .onnx_conformance import conformance
+        backends = ("reference", "numba") if args.backend == "both" else (args.backend,)
+        return 1 if conformance(backends) else 0
     if args.command == "bench":
         from .bench import bench
         return bench(repeat=args.repeat)

@@ -190,3 +190,89 @@ def reference_cache_state(inputs: dict, case: PPLCase):
         quant_bit=case.quant_bit, quant_group=case.quant_group, cache_mode=case.cache_mode,
         cache_layout=case.cache_layout, page_size=case.page_size)
     return key, value, x["cache"], x["scale"]
+
+
+@dataclass(frozen=True)
+class OnnxCase:
+    """One ONNX Attention call; tensors come from `seed`."""
+    batch: int
+    q_heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    past_len: int               # 0: no past_key / past_value
+    head_size: int
+    v_head_size: int
+    three_d: bool
+    dtype: str
+    mask: str                   # "none", "bool", "float"
+    mask_shape: tuple           # broadcastable to (batch, q_heads, q_len, total), last dim maybe shorter
+    is_causal: int
+    nonpad: tuple | None        # nonpad_kv_seqlen (only without past)
+    softcap: float
+    scale: float | None
+    left_window_size: int
+    right_window_size: int
+    qk_matmul_output_mode: int
+    seed: int
+
+    @property
+    def total(self):
+        return self.past_len + self.kv_len
+
+    @property
+    def opset(self):
+        return 25 if (self.left_window_size, self.right_window_size) != (-1, -1) else 24
+
+    def attrs(self):
+        heads = dict(q_num_heads=self.q_heads, kv_num_heads=self.kv_heads) if self.three_d else {}
+        return dict(is_causal=self.is_causal, softcap=self.softcap, scale=self.scale,
+                    left_window_size=self.left_window_size, right_window_size=self.right_window_size,
+                    qk_matmul_output_mode=self.qk_matmul_output_mode, opset=self.opset, **heads)
+
+
+def onnx_dtype(name):
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def build_onnx(case: OnnxCase) -> dict:
+    """ONNX-named inputs (Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen) for a case."""
+    rng = np.random.default_rng(case.seed)
+    dtype = onnx_dtype(case.dtype)
+
+    def tensor(heads, seq, size):
+        x = rng.standard_normal((case.batch, heads, seq, size))
+        if case.three_d:
+            x = x.transpose(0, 2, 1, 3).reshape(case.batch, seq, heads * size)
+        return np.ascontiguousarray(x).astype(dtype)
+
+    past = case.past_len > 0
+    mask = None
+    if case.mask == "bool":
+        mask = rng.random(case.mask_shape) < 0.8
+    elif case.mask == "float":
+        mask = (rng.standard_normal(case.mask_shape) * 0.5).astype(dtype)
+        mask[rng.random(case.mask_shape) < 0.1] = -np.inf
+    pk = rng.standard_normal((case.batch, case.kv_heads, case.past_len, case.head_size)).astype(dtype)
+    pv = rng.standard_normal((case.batch, case.kv_heads, case.past_len, case.v_head_size)).astype(dtype)
+    return dict(Q=tensor(case.q_heads, case.q_len, case.head_size),
+                K=tensor(case.kv_heads, case.kv_len, case.head_size),
+                V=tensor(case.kv_heads, case.kv_len, case.v_head_size),
+                attn_mask=mask, past_key=pk if past else None, past_value=pv if past else None,
+                nonpad_kv_seqlen=None if case.nonpad is None else np.asarray(case.nonpad, np.int64))
+
+
+def float64_onnx(inputs: dict, case: OnnxCase, **overrides):
+    """The reference on float64 copies; sqrt(scale) is first rounded as the case's dtype holds it, so the
+    evaluation differs from a run in that dtype only by its arithmetic."""
+    dtype = onnx_dtype(case.dtype)
+    root = float(np.asarray(np.sqrt(case.scale or 1 / np.sqrt(case.head_size))).astype(dtype))
+    # Floating tensors (bfloat16's numpy kind is "V") widen to float64; bool masks and lengths stay.
+    x = {k: v.astype(np.float64) if isinstance(v, np.ndarray) and v.dtype.kind in "fV" else v
+         for k, v in inputs.items()}
+    attrs = {**case.attrs(), "scale": root * root, **overrides}
+    return reference.onnx_attention(**x, **{k: v for k, v in attrs.items() if k != "opset"},
+                                    return_qk_matmul_output=True)

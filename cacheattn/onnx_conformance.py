@@ -109,7 +109,7 @@ def conformance(backends=("reference", "numba"), report=print) -> int:
             ok, detail = run_case(case, backend)
             if not ok:
                 failures[backend].append((case.name, detail))
-            cells.append(f"{'pass' if ok else 'FAIL'} {detail if not ok else ''}"[:24].ljust(24))
+            cells.append(f"{'pass' if ok else 'FAIL'} {detail}"[:24].ljust(24))
         report(f"{case.name:<{width}} {case.opset:>5} " + " ".join(cells))
     report("")
     for backend in backends:

@@ -15,11 +15,14 @@ import numpy as np
 import cacheattn
 
 from .examples import (
+    OnnxCase,
     PPLCase,
     StaticCase,
+    build_onnx,
     build_ppl,
     build_static,
     copy_inputs,
+    float64_onnx,
     float64_ppl_attention,
     reference_cache_state,
 )
@@ -127,6 +130,34 @@ def _key_value_rows(label, case):
              max(_max_error(a, b) for a, b in zip(got, want)), ok, seconds)]
 
 
+ONNX_CASES = {
+    "opset 24 decode with past (11), GQA 8/2, causal, fp16 4-D": OnnxCase(
+        batch=2, q_heads=8, kv_heads=2, q_len=1, kv_len=1, past_len=11, head_size=32, v_head_size=32,
+        three_d=False, dtype="float16", mask="none", mask_shape=(), is_causal=1, nonpad=None, softcap=0.0,
+        scale=None, left_window_size=-1, right_window_size=-1, qk_matmul_output_mode=0, seed=5),
+    "opset 24 external cache, nonpad (5, 9), bool mask, softcap 30, fp32 3-D": OnnxCase(
+        batch=2, q_heads=4, kv_heads=4, q_len=3, kv_len=12, past_len=0, head_size=32, v_head_size=16,
+        three_d=True, dtype="float32", mask="bool", mask_shape=(1, 3, 12), is_causal=1, nonpad=(5, 9),
+        softcap=30.0, scale=None, left_window_size=-1, right_window_size=-1, qk_matmul_output_mode=0, seed=6),
+    "opset 25 sliding window 4, padded float mask, qk mode 3, fp32": OnnxCase(
+        batch=1, q_heads=2, kv_heads=1, q_len=6, kv_len=6, past_len=4, head_size=16, v_head_size=16,
+        three_d=False, dtype="float32", mask="float", mask_shape=(6, 7), is_causal=1, nonpad=None, softcap=0.0,
+        scale=0.1, left_window_size=4, right_window_size=-1, qk_matmul_output_mode=3, seed=7),
+}
+
+
+def _onnx_rows(label, case):
+    inputs = build_onnx(case)
+    want = float64_onnx(inputs, case)
+    rows = []
+    for backend in ("reference", "numba"):
+        got, seconds = _timed(cacheattn.onnx_attention, **inputs, **case.attrs(), return_qk_matmul_output=True,
+                              backend=backend)
+        ok = _close(got.Y, want[0], case.dtype)
+        rows.append(("onnx_attention", label, backend, _max_error(got.Y, want[0]), ok, seconds))
+    return rows
+
+
 def tour() -> int:
     rows = []
     for label, case in ATTENTION_CASES.items():
@@ -134,6 +165,8 @@ def tour() -> int:
     label, case = next(iter(ATTENTION_CASES.items()))
     rows += _dynamic_attention_rows(label.replace("paged int8", "packed K/V"), case)
     rows += _key_value_rows(*STATIC_CASE)
+    for label, case in ONNX_CASES.items():
+        rows += _onnx_rows(label, case)
     op_width, width = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
     print(f"{'operator':<{op_width}} {'config':<{width}} {'backend':<9} {'max |err|':>10} {'result':<6} "
           f"{'seconds':>7}")

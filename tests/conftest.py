@@ -9,18 +9,11 @@ GPU = os.environ.get("CACHEATTN_TEST_GPU") == "1"
 if not GPU:
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
-import sys  # noqa: E402
-
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 from kernels_numba import _launch  # noqa: E402
-
-if not GPU:
-    # The simulator runs each GPU thread as a Python thread while the launching thread polls them; a short
-    # GIL switch interval cuts that polling's share (measured: 2.1 s -> 0.6 s for one ONNX case).
-    sys.setswitchinterval(0.0005)
 
 # Simulator launches take seconds: no deadline, and fewer examples for kernel tests (see strategies.KERNEL).
 settings.register_profile("default", deadline=None, print_blob=True)

@@ -10,11 +10,14 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from cacheattn.examples import (  # noqa: F401
+    OnnxCase,
     PPLCase,
     StaticCase,
+    build_onnx,
     build_ppl,
     build_static,
     copy_inputs,
+    float64_onnx,
     float64_ppl_attention,
     reference_cache_state,
     with_,
@@ -65,3 +68,37 @@ def static_cases(draw, quant_bits=(0, 8, 4)):
                       seed=draw(st.integers(0, 2**32 - 1)))
 
 
+
+
+@st.composite
+def onnx_cases(draw, *, dtypes=("float16", "float32", "float64"), past=True, windows=True, masks=("none", "bool",
+               "float"), modes=(0, 1, 2, 3)):
+    batch = draw(st.integers(1, 2))
+    kv_heads = draw(st.integers(1, 2))
+    q_len, kv_len = draw(st.integers(1, 4)), draw(st.integers(1, 6))
+    past_len = draw(st.integers(1, 4)) if past and draw(st.booleans()) else 0
+    total = past_len + kv_len
+    q_heads = kv_heads * draw(st.sampled_from([1, 2, 3]))
+    nonpad = None
+    if not past_len and draw(st.booleans()):
+        nonpad = tuple(draw(st.integers(0, kv_len)) for _ in range(batch))
+    mask = draw(st.sampled_from(masks))
+    shape = ()
+    if mask != "none":
+        # Right-aligned against (batch, q_heads, q_len, total): each leading axis full or 1, rank 1 to 4,
+        # the last dim possibly shorter (padded) but covering the nonpad lengths.
+        rank = draw(st.integers(1, 4))
+        full = (batch, q_heads, q_len)
+        lead = tuple(draw(st.sampled_from([1, n])) for n in full[3 - (rank - 1):]) if rank > 1 else ()
+        shortest = max(1, max(nonpad) if nonpad else 1)
+        shape = lead + (draw(st.integers(shortest, total)),)
+    windowed = windows and draw(st.booleans())
+    return OnnxCase(
+        batch=batch, q_heads=q_heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, past_len=past_len,
+        head_size=draw(st.sampled_from([4, 8, 12])), v_head_size=draw(st.sampled_from([4, 6, 8])),
+        three_d=draw(st.booleans()), dtype=draw(st.sampled_from(dtypes)), mask=mask, mask_shape=shape,
+        is_causal=int(draw(st.booleans())), nonpad=nonpad, softcap=draw(st.sampled_from([0.0, 0.0, 1.5, 30.0])),
+        scale=draw(st.sampled_from([None, None, 0.05, 0.7])),
+        left_window_size=draw(st.integers(-1, 3)) if windowed else -1,
+        right_window_size=draw(st.integers(-1, 2)) if windowed else -1,
+        qk_matmul_output_mode=draw(st.sampled_from(modes)), seed=draw(st.integers(0, 2**32 - 1)))
