@@ -109,8 +109,8 @@ def validate(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, *, is_c
             raise TypeError(f"attn_mask: expected bool or Q's dtype ({_dtype_name(Q)}), got {_dtype_name(attn_mask)}")
         target = (batch, q_heads, q_len, total)
         shape = tuple(int(s) for s in attn_mask.shape)
-        lead_ok = len(shape) <= 4 and all(s in (1, t) for s, t in zip(shape[-2::-1], target[-2::-1]))
-        if not lead_ok or shape[-1] < 1 or shape[-1] > total:
+        lead_ok = 1 <= len(shape) <= 4 and all(s in (1, t) for s, t in zip(shape[-2::-1], target[-2::-1]))
+        if not lead_ok or shape[-1] > total:
             raise ValueError(f"attn_mask: expected a shape broadcastable to {target} (last dim may be shorter), "
                              f"got {shape}")
         if nonpad is not None and shape[-1] < nonpad.max(initial=0):
