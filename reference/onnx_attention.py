@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .softmax import masked_softmax
+
 # TensorProto element types that softmax_precision may name.
 SOFTMAX_PRECISIONS = {1: np.float32, 10: np.float16, 11: np.float64}
 BFLOAT16 = 16
@@ -100,14 +102,6 @@ def attention_bias(attn_mask, batch, q_len, kv_len, offsets, nonpad_kv_seqlen, *
     return np.where(hidden, neg_inf, bias).astype(dtype)
 
 
-def _softmax(x):
-    row_max = x.max(axis=-1, keepdims=True)
-    row_max = np.where(np.isneginf(row_max), x.dtype.type(0), row_max)
-    e = np.exp(x - row_max)
-    total = e.sum(axis=-1, keepdims=True)
-    return e / np.where(total == 0, x.dtype.type(1), total)
-
-
 def onnx_attention(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv_seqlen=None, *,
                    is_causal=0, kv_num_heads=None, q_num_heads=None, qk_matmul_output_mode=0, scale=None,
                    softcap=0.0, softmax_precision=None, left_window_size=-1, right_window_size=-1,
@@ -145,7 +139,7 @@ def onnx_attention(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonp
     biased = capped + bias                                                        # mode 2
     if softmax_precision is not None:
         biased = biased.astype(_dtype_of_precision(softmax_precision))
-    probs = _softmax(biased)
+    probs = masked_softmax(biased)
     # A row with no visible key (its bias all -inf) gives zeros, decided on the bias, not the scores.
     no_key = np.isneginf(bias.max(axis=-1, keepdims=True))
     probs = np.where(no_key, probs.dtype.type(0), probs)                          # mode 3
