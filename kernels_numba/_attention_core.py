@@ -63,6 +63,11 @@ def plan_tiles(num_heads: int, num_kv_heads: int, max_seqlen: int, head_dim_k: i
         key_tile //= 2
     while q_tile > 1 and not fits():
         q_tile //= 2
+    while heads_per_block % 2 == 0 and not fits():     # large head_dim with a wide group: split the group
+        heads_per_block //= 2
+    if not fits():
+        raise ValueError(f"head_dim: {head_dim_k}/{head_dim_v} needs more than {SHARED_BYTES} bytes of shared "
+                         "memory per block in this kernel")
     return heads_per_block, q_tile, key_tile
 
 

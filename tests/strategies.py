@@ -7,6 +7,8 @@ divide the lengths, GQA groups of 3, unused page-table entries holding -1.
 
 from __future__ import annotations
 
+import os
+
 from hypothesis import strategies as st
 
 from cacheattn.examples import (  # noqa: F401
@@ -24,8 +26,10 @@ from cacheattn.examples import (  # noqa: F401
 )
 
 # Example counts: reference tests are cheap; simulator kernel tests cost about a second per launch.
-REFERENCE = 60
-KERNEL = 12
+# CACHEATTN_EXAMPLES=10 multiplies both, for a long hunt before a release.
+_SCALE = int(os.environ.get("CACHEATTN_EXAMPLES", "1"))
+REFERENCE = 60 * _SCALE
+KERNEL = 12 * _SCALE
 
 
 @st.composite
