@@ -272,7 +272,7 @@ def _attention(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, *, is
     y_shape = (batch, q_heads, q_len, v_dim) if four_d else (batch, q_len, q_heads * v_dim)
     Y = empty_like_kind(Q, y_shape, Q.dtype)
     kernel, heads_per_block, q_tile = _attention_kernel(np.dtype(Q.dtype).str, head_dim, v_dim, q_heads, kv_heads,
-                                                        q_len)
+                                                        min(q_len, 16))   # one kernel for every length past 16
     zero_starts = to_kind(Q, np.zeros(batch, np.int64))
     lens = to_kind(Q, np.full(batch, q_len, np.int64)), to_kind(Q, np.full(batch, total, np.int64))
     grid = (max(1, ceil_div(q_len, q_tile)), q_heads // heads_per_block, batch)

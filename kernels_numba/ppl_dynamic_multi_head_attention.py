@@ -29,7 +29,8 @@ NEG_INF = np.float32(-math.inf)
 def make_ppl_score(round_query):
     @cuda.jit(device=True, inline="always")
     def causal_applies(args, b, seqlen):
-        return (args[0] != 0 and seqlen > 1 and b >= args[1]) or args[2] != 0
+        is_causal, decoding_batches, is_alibi = args[0], args[1], args[2]
+        return (is_causal != 0 and seqlen > 1 and b >= decoding_batches) or is_alibi != 0
 
     @cuda.jit(device=True, inline="always")
     def score(args, qk, b, h, i, j, seqlen, kvlen):
@@ -74,9 +75,10 @@ def attend(query, key_src, value_src, seqstarts, kvstarts, decoding_batches, max
     """Launch the OpenPPL attention kernel over K/V sources; returns attn_output (seqstarts[B], H, Dh)."""
     head_dim = query.shape[2]
     batch = seqstarts.shape[0] - 1
+    # Query tiles stop growing at 16 rows, so lengths past 16 share one compiled kernel.
     kernel, heads_per_block, q_tile = attention_kernel(
         quant_bit, quant_group, np.dtype(scale_dtype).str, np.dtype(value_dtype).str, query.dtype.str, head_dim,
-        num_heads, num_kv_heads, max_seqlen)
+        num_heads, num_kv_heads, min(max_seqlen, 16))
     is_alibi = alibi_slopes is not None
     # Upstream forms the ALiBi bias in the query dtype, so the slopes are rounded to it first.
     slopes = np.asarray(alibi_slopes if is_alibi else [0.0]).astype(query.dtype).astype(np.float32)
@@ -87,7 +89,7 @@ def attend(query, key_src, value_src, seqstarts, kvstarts, decoding_batches, max
         mask_sh = attn_mask.shape[-2] * mask_si if attn_mask.ndim == 3 else 0
         mask, has_mask = flat(attn_mask), 1
     score_args = (np.int64(is_causal), np.int64(decoding_batches), np.int64(is_alibi), to_kind(query, slopes),
-                 mask, np.int64(mask_sh), np.int64(mask_si), seqstarts, kvstarts, np.int64(has_mask))
+                  mask, np.int64(mask_sh), np.int64(mask_si), seqstarts, kvstarts, np.int64(has_mask))
     seqlens = seqstarts[1:] - seqstarts[:-1]
     kvlens = kvstarts[1:] - kvstarts[:-1]
     attn_output = empty_like_kind(query, query.shape, query.dtype)
