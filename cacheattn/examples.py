@@ -12,6 +12,22 @@ import numpy as np
 
 import reference
 from reference.cache_layout import DYNAMIC_LAYOUTS, STATIC_LAYOUTS
+from reference.quant import stored_head_dim
+
+# (atol, rtol) against a float64 evaluation of the reference. float16 carries 11 significand bits (unit
+# roundoff 4.9e-4); the probabilities are rounded to it before P.V, so a few roundoffs add up.
+TOLERANCE = {
+    np.dtype(np.float16): (4e-3, 4e-3),
+    np.dtype(np.float32): (2e-5, 2e-5),
+    np.dtype(np.float64): (1e-12, 1e-12),
+}
+
+
+def within_tolerance(got, want, dtype, scale: float = 1.0) -> np.ndarray:
+    """Elementwise: is got within `dtype`'s tolerance (widened by `scale`) of the float64 `want`? NaN is not."""
+    atol, rtol = (t * scale for t in TOLERANCE[np.dtype(dtype)])
+    g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return np.abs(g - w) <= atol + rtol * np.abs(w)
 
 
 @dataclass(frozen=True)
@@ -100,7 +116,7 @@ def build_ppl(case: PPLCase) -> dict:
     kvstarts = np.concatenate([[0], np.cumsum(case.kvlens)]).astype(np.int64)
     tokens, total_kv = int(seqstarts[-1]), int(kvstarts[-1])
     cachestarts, max_t = place_batches(rng, case.kvlens, case)
-    stored = case.head_dim // 2 if case.quant_bit == 4 else case.head_dim
+    stored = stored_head_dim(case.head_dim, case.quant_bit)
     extents = dict(L=case.num_layer, KV=2, T=max_t, H=case.num_kv_heads, D=stored)
     shape = cache_shape(DYNAMIC_LAYOUTS[case.cache_layout], extents)
     scale = None
@@ -150,7 +166,7 @@ class StaticCase:
 def build_static(case: StaticCase) -> dict:
     rng = np.random.default_rng(case.seed)
     dtype = np.dtype(case.dtype)
-    stored = case.head_dim // 2 if case.quant_bit == 4 else case.head_dim
+    stored = stored_head_dim(case.head_dim, case.quant_bit)
     extents = dict(B=case.max_batch, L=case.num_layer, KV=2, T=case.max_seqlen, H=case.num_heads, D=stored)
     axes = STATIC_LAYOUTS[case.cache_layout]
     current = (case.batch, case.seqlen, case.num_heads, case.head_dim)

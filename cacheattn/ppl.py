@@ -15,6 +15,7 @@ import numpy as np
 import reference
 from reference.alibi import alibi_slopes
 from reference.cache_layout import DYNAMIC_LAYOUTS, STATIC_LAYOUTS
+from reference.quant import stored_head_dim
 
 from . import _arrays as arrays
 from ._validate import (
@@ -64,7 +65,7 @@ def _check_current(current_key, current_value, rank_shape, meaning):
 def _check_cache_tensors(cache, scale, axes, *, num_layer, num_heads, head_dim, quant_bit, quant_group):
     """cache / scale against a layout's named axes; returns {axis name: extent} of the cache."""
     names = axes.split()
-    stored_dim = head_dim // 2 if quant_bit == 4 else head_dim
+    stored_dim = stored_head_dim(head_dim, quant_bit)
     want = {"L": num_layer, "KV": 2, "H": num_heads, "D": stored_dim}
     if quant_bit:
         if np.dtype(cache.dtype) != np.int8:

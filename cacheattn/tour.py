@@ -25,10 +25,8 @@ from .examples import (
     float64_onnx,
     float64_ppl_attention,
     reference_cache_state,
+    within_tolerance,
 )
-
-# (atol, rtol) per output dtype, against float64.
-TOLERANCE = {np.dtype(np.float16): (4e-3, 4e-3), np.dtype(np.float32): (2e-5, 2e-5)}
 
 ATTENTION_CASES = {
     "decode x4, GQA 8/2, Dh 64, paged int8 (page 16), fp16": PPLCase(
@@ -55,9 +53,7 @@ def _max_error(got, want):
 
 
 def _close(got, want, dtype):
-    atol, rtol = TOLERANCE[np.dtype(dtype)]
-    g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return bool(np.all(np.abs(g - w) <= atol + rtol * np.abs(w)))
+    return bool(np.all(within_tolerance(got, want, dtype)))
 
 
 def _attention_rows(label, case):

@@ -25,7 +25,7 @@ from numba import cuda
 
 from ._attention_core import make_attention_kernel, plan_tiles
 from ._cache import cache_source, make_cache_access, token_head_item
-from ._launch import OFFSET_PAGE, caller_stream, ceil_div, empty_like_kind, flat, launch, to_kind
+from ._launch import OFFSET_PAGE, caller_stream, ceil_div, element_strides, empty_like_kind, flat, launch, to_kind
 from ._numerics import keep_float32
 
 
@@ -217,11 +217,7 @@ def _mask_args(attn_mask, like):
     if attn_mask is None:
         return (to_kind(like, np.zeros(1, np.float32)), *(np.int64(0),) * 4, np.int64(0))
     shape = (1,) * (4 - attn_mask.ndim) + tuple(int(s) for s in attn_mask.shape)
-    strides, step = [], 1
-    for extent in reversed(shape):
-        strides.append(0 if extent == 1 else step)
-        step *= extent
-    s_b, s_h, s_i, _ = reversed(strides)
+    s_b, s_h, s_i, _ = (0 if extent == 1 else stride for extent, stride in zip(shape, element_strides(shape)))
     kind = 1 if np.dtype(attn_mask.dtype) == np.bool_ else 2
     return (flat(attn_mask), np.int64(s_b), np.int64(s_h), np.int64(s_i), np.int64(shape[-1]), np.int64(kind))
 

@@ -4,13 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-# (atol, rtol) against a float64 evaluation of the reference. float16 carries 11 significand bits (unit
-# roundoff 4.9e-4); the probabilities are rounded to it before P.V, so a few roundoffs add up.
-TOLERANCE = {
-    np.dtype(np.float16): (4e-3, 4e-3),
-    np.dtype(np.float32): (2e-5, 2e-5),
-    np.dtype(np.float64): (1e-12, 1e-12),
-}
+from cacheattn.examples import TOLERANCE, within_tolerance
 
 
 def _where(bad: np.ndarray, got: np.ndarray, ref: np.ndarray, shown: int = 5) -> str:
@@ -26,7 +20,7 @@ def assert_close(name: str, got, ref, dtype, *, scale: float = 1.0) -> None:
     assert got.shape == ref.shape, f"{name}: shape {got.shape}, expected {ref.shape}"
     atol, rtol = (t * scale for t in TOLERANCE[np.dtype(dtype)])
     g, r = got.astype(np.float64), ref.astype(np.float64)
-    bad = ~(np.abs(g - r) <= atol + rtol * np.abs(r))       # NaN (a poisoned, unwritten element) counts as bad
+    bad = ~within_tolerance(g, r, dtype, scale)              # NaN (a poisoned, unwritten element) counts as bad
     if bad.any():
         raise AssertionError(f"{name} ({np.dtype(dtype).name}, atol {atol:g}, rtol {rtol:g}): {_where(bad, g, r)}")
 
