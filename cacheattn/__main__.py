@@ -28,7 +28,8 @@ def gpu_present() -> bool:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cacheattn", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("tour", help="run every operator on the reference and the kernels; print errors vs float64")
+    tour = sub.add_parser("tour", help="run every operator on the reference and the kernels; print errors vs float64")
+    tour.add_argument("--quick", action="store_true", help="the same configurations on smaller shapes")
     docs = sub.add_parser("docs", help="run the read-and-run pages in docs/ and check their shown outputs")
     docs.add_argument("--update", action="store_true", help="rewrite the pages' outputs with what the code prints")
     docs.add_argument("pages", nargs="*", type=Path, help="pages to run (default: docs/*.md)")
@@ -44,7 +45,7 @@ def main(argv=None) -> int:
 
     if args.command == "tour":
         from .tour import tour
-        return tour()
+        return tour(quick=args.quick)
     if args.command == "docs":
         from . import _docs
         pages = args.pages or _docs.pages(Path.cwd())

@@ -3,7 +3,9 @@ handful of realistic configurations, each compared with a float64 evaluation of 
 
 Cache-only operators (KeyValueCache) are specified to the bit, so their error is exact: 0 or a failure.
 Attention outputs are compared with float64 at the dtype's tolerance. On a machine without a GPU
-the kernels run in numba's CUDA simulator, so the shapes stay modest.
+the kernels run in numba's CUDA simulator, so the shapes stay modest; `--quick` runs the same
+configurations on smaller shapes (head dims of at most 16, at most 6 cached tokens per request), which
+is what the test suite runs.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from .examples import (
     float64_onnx,
     float64_ppl_attention,
     reference_cache_state,
+    with_,
     within_tolerance,
 )
 
@@ -154,15 +157,43 @@ def _onnx_rows(label, case):
     return rows
 
 
-def tour() -> int:
+QUICK_HEAD_DIM, QUICK_PAST = 16, 6
+
+
+def _quick(case):
+    """The case on smaller shapes: every configuration choice (quantization, layout, GQA, masks, phases) kept,
+    head dims cut to QUICK_HEAD_DIM and cached tokens to QUICK_PAST, so the simulator runs it in seconds."""
+    if isinstance(case, PPLCase):
+        head_dim = min(case.head_dim, QUICK_HEAD_DIM)
+        return with_(case, head_dim=head_dim, past=tuple(min(p, QUICK_PAST) for p in case.past),
+                     seqlens=tuple(min(s, QUICK_PAST) for s in case.seqlens),
+                     quant_group=min(case.quant_group, head_dim))
+    if isinstance(case, StaticCase):
+        return with_(case, head_dim=min(case.head_dim, QUICK_HEAD_DIM), start_pos=min(case.start_pos, QUICK_PAST),
+                     max_seqlen=min(case.start_pos, QUICK_PAST) + case.seqlen)
+    past = min(case.past_len, QUICK_PAST)
+    return with_(case, head_size=min(case.head_size, QUICK_HEAD_DIM),
+                 v_head_size=min(case.v_head_size, QUICK_HEAD_DIM), past_len=past,
+                 mask_shape=case.mask_shape[:-1] + (min(case.mask_shape[-1], past + case.kv_len),)
+                 if case.mask_shape else ())
+
+
+def tour(quick: bool = False) -> int:
+    """Run every row; returns 0 when all pass. quick: the same configurations on smaller shapes."""
+    shrink = _quick if quick else (lambda case: case)
+    suffix = " (quick)" if quick else ""
     rows = []
     for label, case in ATTENTION_CASES.items():
-        rows += _attention_rows(label, case)
+        rows += _attention_rows(label + suffix, shrink(case))
     label, case = next(iter(ATTENTION_CASES.items()))
-    rows += _dynamic_attention_rows(label.replace("paged int8", "packed K/V"), case)
-    rows += _key_value_rows(*STATIC_CASE)
+    rows += _dynamic_attention_rows(label.replace("paged int8", "packed K/V") + suffix, shrink(case))
+    label, case = STATIC_CASE
+    rows += _key_value_rows(label + suffix, shrink(case))
     for label, case in ONNX_CASES.items():
-        rows += _onnx_rows(label, case)
+        rows += _onnx_rows(label + suffix, shrink(case))
+    if quick:
+        print(f"quick: the same configurations with head dims <= {QUICK_HEAD_DIM} and at most {QUICK_PAST} cached "
+              "tokens per request\n")
     op_width, width = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
     print(f"{'operator':<{op_width}} {'config':<{width}} {'backend':<9} {'max |err|':>10} {'result':<6} "
           f"{'seconds':>7}")

@@ -1,11 +1,18 @@
-"""Compile every kernel variant the launchers produce to PTX, without a GPU.
+"""Compile the kernel variants the launchers produce to PTX, without a GPU.
 
-    python -m kernels_numba.ptx_check [--cc 80 90]
+    python -m kernels_numba.ptx_check [--cc 80 90] [--family ppl onnx] [--full]
 
 The CUDA simulator accepts code that the real compiler rejects, so this runs in a
 process *without* NUMBA_ENABLE_CUDASIM. It drives each launcher on small NumPy
 inputs with launches recorded instead of run, then compiles each recorded kernel
 for the argument types it was given. Needs numba-cuda's cu12/cu13 extra (NVVM).
+
+Kernels come in families (one per operator module). By default each family compiles one
+representative per code path: every kernel body, every quantization and rounding path,
+every compile-time branch (decode/prefill, ALiBi, each qk_matmul_output stage) at least
+once. `--full` compiles the whole cross product (quantization x dtype x shape), which a
+release or a session with a GPU can afford; CI runs the representatives, one test per
+family and compute capability, so pytest-xdist spreads them.
 """
 
 from __future__ import annotations
@@ -29,76 +36,94 @@ def _allow_device_functions_without_gpu():
 _target_cc = [(9, 0)]
 
 
-def _ppl_launches():
-    """(label, kernel, args) for every OpenPPL kernel variant: quant 0/8/4 x float16/float32 x decode/prefill."""
+# One (quant_bit, dtype, seqlen, alibi) per code path: each quantization's load and store, each rounding
+# (float16 / float32), decode and prefill tiles, with and without ALiBi.
+PPL_REPRESENTATIVES = ((0, np.float32, 1, False), (8, np.float16, 3, True), (4, np.float32, 3, False),
+                       (4, np.float16, 1, True))
+
+
+def _ppl_launches(full: bool):
+    """(label, kernel, args) for the OpenPPL kernels: quant 0/8/4 x float16/float32 x decode/prefill when
+    full, else PPL_REPRESENTATIVES."""
     from . import _launch
     from .ppl_key_value_cache import key_value_cache
     from .ppl_multi_head_cache_attention import multi_head_cache_attention
 
     rng = np.random.default_rng(0)
     heads, kv_heads, head_dim, group = 4, 2, 32, 8
+    variants = [(quant_bit, dtype, seqlen, alibi) for quant_bit in (0, 8, 4) for dtype in (np.float16, np.float32)
+                for seqlen, alibi in ((1, False), (3, True))] if full else PPL_REPRESENTATIVES
     out = []
-    for quant_bit in (0, 8, 4):
-        for dtype in (np.float16, np.float32):
-            stored = head_dim // 2 if quant_bit == 4 else head_dim
-            cache_dtype = np.int8 if quant_bit else dtype
-            scale = np.ones((64, 1, 2, kv_heads, head_dim // group), np.float16) if quant_bit else None
-            for seqlen, alibi in ((1, False), (3, True)):
-                seqstarts = np.array([0, seqlen, 2 * seqlen])
-                kvstarts = np.array([0, seqlen + 2, 2 * seqlen + 4])
-                cache = np.zeros((64, 1, 2, kv_heads, stored), cache_dtype)
-                q = rng.standard_normal((2 * seqlen, heads, head_dim)).astype(dtype)
-                k = rng.standard_normal((2 * seqlen, kv_heads, head_dim)).astype(dtype)
-                mask = np.zeros((2 * seqlen, kvstarts[-1]), dtype)
-                with _launch.recorded_launches() as launches:
-                    multi_head_cache_attention(
-                        q, k, k, seqstarts, kvstarts, np.array([0, 32]), np.array([2, 2]), 1, seqlen, seqlen + 2,
-                        cache, scale, mask, num_heads=heads, head_dim=head_dim, is_causal=True,
-                        alibi_slopes=np.ones(heads, np.float32) if alibi else None, num_kv_heads=kv_heads,
-                        quant_bit=quant_bit, quant_group=group, cache_axes="T L KV H D")
-                    static_cache = np.zeros((2, 1, 2, 8, kv_heads, stored), cache_dtype)
-                    static_scale = np.ones((2, 1, 2, 8, kv_heads, head_dim // group), np.float32) if quant_bit else None
-                    key_value_cache(k.reshape(2, seqlen, kv_heads, head_dim), k.reshape(2, seqlen, kv_heads, head_dim),
-                                    2, static_cache, static_scale, quant_bit=quant_bit, quant_group=group,
-                                    cache_axes="B L KV T H D")
-                label = f"quant_bit={quant_bit} {np.dtype(dtype).name} seqlen={seqlen}"
-                out += [(label, kernel, args) for kernel, args in launches]
+    for quant_bit, dtype, seqlen, alibi in variants:
+        stored = head_dim // 2 if quant_bit == 4 else head_dim
+        cache_dtype = np.int8 if quant_bit else dtype
+        scale = np.ones((64, 1, 2, kv_heads, head_dim // group), np.float16) if quant_bit else None
+        seqstarts = np.array([0, seqlen, 2 * seqlen])
+        kvstarts = np.array([0, seqlen + 2, 2 * seqlen + 4])
+        cache = np.zeros((64, 1, 2, kv_heads, stored), cache_dtype)
+        q = rng.standard_normal((2 * seqlen, heads, head_dim)).astype(dtype)
+        k = rng.standard_normal((2 * seqlen, kv_heads, head_dim)).astype(dtype)
+        mask = np.zeros((2 * seqlen, kvstarts[-1]), dtype)
+        with _launch.recorded_launches() as launches:
+            multi_head_cache_attention(
+                q, k, k, seqstarts, kvstarts, np.array([0, 32]), np.array([2, 2]), 1, seqlen, seqlen + 2,
+                cache, scale, mask, num_heads=heads, head_dim=head_dim, is_causal=True,
+                alibi_slopes=np.ones(heads, np.float32) if alibi else None, num_kv_heads=kv_heads,
+                quant_bit=quant_bit, quant_group=group, cache_axes="T L KV H D")
+            static_cache = np.zeros((2, 1, 2, 8, kv_heads, stored), cache_dtype)
+            static_scale = np.ones((2, 1, 2, 8, kv_heads, head_dim // group), np.float32) if quant_bit else None
+            key_value_cache(k.reshape(2, seqlen, kv_heads, head_dim), k.reshape(2, seqlen, kv_heads, head_dim),
+                            2, static_cache, static_scale, quant_bit=quant_bit, quant_group=group,
+                            cache_axes="B L KV T H D")
+        label = f"quant_bit={quant_bit} {np.dtype(dtype).name} seqlen={seqlen}"
+        out += [(label, kernel, args) for kernel, args in launches]
     return out
 
 
-def _onnx_launches():
-    """(label, kernel, args) for the ONNX kernels: float16/32/64 x 3-D with past and mask x 4-D with nonpad,
-    and the qk_matmul_output kernels of every mode."""
+# One qk_matmul_output mode per dtype: mode 3 compiles every stage (softcap, bias, softmax rows), mode 0 the
+# plain product; each dtype's loads and accumulator type once.
+ONNX_REPRESENTATIVES = ((np.float16, 3), (np.float32, 2), (np.float64, 0))
+
+
+def _onnx_launches(full: bool):
+    """(label, kernel, args) for the ONNX kernels: 3-D with past and mask and 4-D with nonpad and windows, with
+    the qk_matmul_output kernels; float16/32/64 x every mode when full, else ONNX_REPRESENTATIVES."""
     from . import _launch
     from .onnx_attention import onnx_attention
 
     rng = np.random.default_rng(0)
     out = []
-    for dtype in (np.float16, np.float32, np.float64):
-        for mode in (0, 1, 2, 3):
-            q = rng.standard_normal((2, 3, 4 * 8)).astype(dtype)
-            k = rng.standard_normal((2, 3, 2 * 8)).astype(dtype)
-            past = rng.standard_normal((2, 2, 5, 8)).astype(dtype)
-            with _launch.recorded_launches() as launches:
-                onnx_attention(q, k, k, np.ones((3, 8), bool), past, past, None, is_causal=1, q_num_heads=4,
-                               kv_num_heads=2, qk_matmul_output_mode=mode, softcap=1.0,
-                               return_qk_matmul_output=True)
-                q4, k4 = q.reshape(2, 3, 4, 8).transpose(0, 2, 1, 3).copy(), past
-                onnx_attention(q4, k4, k4, np.zeros((2, 1, 3, 4), dtype), nonpad_kv_seqlen=np.array([3, 5]),
-                               left_window_size=2, right_window_size=0)
-            label = f"onnx {np.dtype(dtype).name} qk mode {mode}"
-            out += [(label, kernel, args) for kernel, args in launches]
+    variants = [(dtype, mode) for dtype in (np.float16, np.float32, np.float64) for mode in (0, 1, 2, 3)]
+    for dtype, mode in variants if full else ONNX_REPRESENTATIVES:
+        q = rng.standard_normal((2, 3, 4 * 8)).astype(dtype)
+        k = rng.standard_normal((2, 3, 2 * 8)).astype(dtype)
+        past = rng.standard_normal((2, 2, 5, 8)).astype(dtype)
+        with _launch.recorded_launches() as launches:
+            onnx_attention(q, k, k, np.ones((3, 8), bool), past, past, None, is_causal=1, q_num_heads=4,
+                           kv_num_heads=2, qk_matmul_output_mode=mode, softcap=1.0,
+                           return_qk_matmul_output=True)
+            q4, k4 = q.reshape(2, 3, 4, 8).transpose(0, 2, 1, 3).copy(), past
+            onnx_attention(q4, k4, k4, np.zeros((2, 1, 3, 4), dtype), nonpad_kv_seqlen=np.array([3, 5]),
+                           left_window_size=2, right_window_size=0)
+        label = f"onnx {np.dtype(dtype).name} qk mode {mode}"
+        out += [(label, kernel, args) for kernel, args in launches]
     return out
 
 
-def compile_all(ccs, report=print) -> int:
-    """Compile every recorded kernel for each compute capability; returns the number of failures."""
+# Kernel families: name -> launches(full). A new operator module adds its family here; tests/test_ptx.py runs
+# one test per family and compute capability.
+FAMILIES = {"ppl": _ppl_launches, "onnx": _onnx_launches}
+
+
+def compile_all(ccs, families=tuple(FAMILIES), full=False, report=print) -> int:
+    """Compile the recorded kernels of `families` for each compute capability; returns the number of failures."""
     import numba
     from numba import cuda
 
     _allow_device_functions_without_gpu()
     seen, failures = set(), 0
-    for label, kernel, args in _ppl_launches() + _onnx_launches():
+    launches = [launch for family in families for launch in FAMILIES[family](full)]
+    for label, kernel, args in launches:
         signature = tuple(numba.typeof(a) for a in args)
         key = (kernel.py_func, signature)
         if key in seen:
@@ -121,11 +146,15 @@ def compile_all(ccs, report=print) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cc", nargs="+", type=int, default=[80, 90], help="compute capabilities, e.g. 80 90")
-    ccs = [(c // 10, c % 10) for c in parser.parse_args(argv).cc]
+    parser.add_argument("--family", nargs="+", choices=tuple(FAMILIES), default=tuple(FAMILIES),
+                        help="kernel families to compile (default: all)")
+    parser.add_argument("--full", action="store_true", help="every variant, not one representative per code path")
+    args = parser.parse_args(argv)
+    ccs = [(c // 10, c % 10) for c in args.cc]
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         print("ptx_check: unset NUMBA_ENABLE_CUDASIM; the simulator cannot compile PTX", file=sys.stderr)
         return 2
-    failures = compile_all(ccs)
+    failures = compile_all(ccs, args.family, args.full)
     print(f"{'all kernels compiled' if not failures else f'{failures} compile failures'} for "
           f"{', '.join(f'sm_{a}{b}' for a, b in ccs)}")
     return 1 if failures else 0
