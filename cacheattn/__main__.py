@@ -37,6 +37,7 @@ def main(argv=None) -> int:
     conf.add_argument("--backend", choices=("reference", "numba", "both"), default="both")
     bench = sub.add_parser("bench", help="time the kernels against peers measured in the same run (GPU)")
     bench.add_argument("--repeat", type=int, default=20)
+    bench.add_argument("--cpu", action="store_true", help="the NumPy references against onnx's evaluator instead")
     args = parser.parse_args(argv)
 
     if not gpu_present():
@@ -64,6 +65,9 @@ def main(argv=None) -> int:
         from .onnx_conformance import conformance
         backends = ("reference", "numba") if args.backend == "both" else (args.backend,)
         return 1 if conformance(backends) else 0
+    if args.command == "bench" and args.cpu:
+        from .bench_cpu import bench_cpu
+        return bench_cpu(repeat=args.repeat)
     if args.command == "bench":
         from .bench import bench
         return bench(repeat=args.repeat)

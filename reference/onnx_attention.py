@@ -56,7 +56,7 @@ def _to_4d(x, num_heads):
 
 def _matmul(a, b):
     """MatMul in the inputs' dtype (numpy promotes bfloat16; the result is cast back, as ONNX types it)."""
-    return np.matmul(a, b).astype(a.dtype)
+    return np.matmul(a, b).astype(a.dtype, copy=False)
 
 
 def key_offsets(batch, q_len, past_len, nonpad_kv_seqlen):
@@ -75,7 +75,11 @@ def key_offsets(batch, q_len, past_len, nonpad_kv_seqlen):
 
 def attention_bias(attn_mask, batch, q_len, kv_len, offsets, nonpad_kv_seqlen, *, is_causal,
                    left_window_size, right_window_size, dtype):
-    """The additive bias, broadcastable to (batch, q_num_heads, q_len, kv_len), in `dtype`."""
+    """The additive bias, broadcastable to (batch, q_num_heads, q_len, kv_len), in `dtype`; None when there is
+    nothing to add (no mask, no causal, no window, no padding)."""
+    if attn_mask is None and not is_causal and left_window_size < 0 and right_window_size < 0 \
+            and nonpad_kv_seqlen is None:
+        return None
     neg_inf, zero = dtype.type(-np.inf), dtype.type(0)
     bias = np.zeros((1, 1, q_len, kv_len), dtype)
     if attn_mask is not None:
@@ -128,23 +132,30 @@ def onnx_attention(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonp
     bias = attention_bias(attn_mask, batch, q_len, kv_len, offsets, nonpad_kv_seqlen, is_causal=bool(is_causal),
                           left_window_size=left_window_size, right_window_size=right_window_size, dtype=q.dtype)
 
-    # GQA / MQA: each kv head serves q_num_heads / kv_num_heads consecutive query heads.
-    group = heads // present_key.shape[1]
-    keys = np.repeat(present_key, group, axis=1)                                  # (B, Hq, T, D)
-    values = np.repeat(present_value, group, axis=1)                              # (B, Hq, T, Dv)
+    # GQA / MQA: each kv head serves q_num_heads / kv_num_heads consecutive query heads. Grouping the query
+    # heads as (B, Hkv, group, S, D) against K/V viewed as (B, Hkv, 1, T, D) broadcasts each kv head over
+    # its group: the same products as repeating K/V along the head axis, without copying them.
+    kv_heads = present_key.shape[1]
+    group = heads // kv_heads
+    q_grouped = q.reshape(batch, kv_heads, group, q_len, head_size)              # (B, Hkv, G, S, D)
+    keys = present_key[:, :, None]                                                # (B, Hkv, 1, T, D)
+    values = present_value[:, :, None]                                            # (B, Hkv, 1, T, Dv)
 
-    raw = _matmul(q * root, (keys * root).transpose(0, 1, 3, 2))                  # (B, Hq, S, T), mode 0
+    raw = _matmul(q_grouped * root, (keys * root).swapaxes(-1, -2))               # (B, Hkv, G, S, T)
+    raw = raw.reshape(batch, heads, q_len, kv_len)                                # (B, Hq, S, T), mode 0
     # softcap before the mask: softcap * tanh(x / softcap) would turn -inf into -softcap.
     capped = raw if softcap <= 0 else (np.tanh(raw / raw.dtype.type(softcap)) * raw.dtype.type(softcap))
-    biased = capped + bias                                                        # mode 2
+    biased = capped if bias is None else capped + bias                            # mode 2
     if softmax_precision is not None:
         biased = biased.astype(_dtype_of_precision(softmax_precision))
     probs = masked_softmax(biased)
-    # A row with no visible key (its bias all -inf) gives zeros, decided on the bias, not the scores.
-    no_key = np.isneginf(bias.max(axis=-1, keepdims=True))
-    probs = np.where(no_key, probs.dtype.type(0), probs)                          # mode 3
+    if bias is not None:
+        # A row with no visible key (its bias all -inf) gives zeros, decided on the bias, not the scores.
+        no_key = np.isneginf(bias.max(axis=-1, keepdims=True))
+        probs = np.where(no_key, probs.dtype.type(0), probs)                      # mode 3
 
-    y = _matmul(probs.astype(q.dtype), values)                                    # (B, Hq, S, Dv)
+    p_grouped = probs.astype(q.dtype).reshape(batch, kv_heads, group, q_len, kv_len)
+    y = _matmul(p_grouped, values).reshape(batch, heads, q_len, -1)               # (B, Hq, S, Dv)
     if three_d:
         y = y.transpose(0, 2, 1, 3).reshape(batch, q_len, -1)                     # (B, S, Hq * Dv)
     qk = None

@@ -11,4 +11,5 @@ def masked_softmax(scores: np.ndarray) -> np.ndarray:
     row_max = np.where(np.isneginf(row_max), 0, row_max)   # fully masked row: exp(-inf) = 0 everywhere
     e = np.exp(scores - row_max)
     total = e.sum(axis=-1, keepdims=True)
-    return np.divide(e, total, out=np.zeros_like(e), where=total > 0)
+    e /= np.where(total > 0, total, 1)                     # a fully masked row stays 0 / 1 = 0
+    return e
