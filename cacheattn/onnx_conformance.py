@@ -67,14 +67,15 @@ def node_cases() -> tuple:
     return tuple(cases)
 
 
-def run_case(case: NodeCase, backend: str) -> tuple[bool, str]:
-    """(passed, detail) for one case on one backend."""
+def run_case(case: NodeCase, backend: str, threads: int = 128) -> tuple[bool, str]:
+    """(passed, detail) for one case on one backend (threads: the kernels' block size)."""
     kwargs = {k: v for k, v in case.attrs.items()}
     if "softcap" in kwargs:
         kwargs["softcap"] = float(kwargs["softcap"])
     try:
         got = cacheattn.onnx_attention(**case.inputs, **kwargs, opset=case.opset,
-                                       return_qk_matmul_output="qk_matmul_output" in case.outputs, backend=backend)
+                                       return_qk_matmul_output="qk_matmul_output" in case.outputs, backend=backend,
+                                       threads=threads)
     except Exception as exc:  # reported in the table, never hidden
         return False, f"{type(exc).__name__}: {exc}"
     worst = []
