@@ -38,6 +38,8 @@ def main(argv=None) -> int:
     bench = sub.add_parser("bench", help="time the kernels against peers measured in the same run (GPU)")
     bench.add_argument("--repeat", type=int, default=20)
     bench.add_argument("--cpu", action="store_true", help="the NumPy references against onnx's evaluator instead")
+    bench.add_argument("--tiny", action="store_true", help="the GPU harness in the simulator on tiny shapes")
+    bench.add_argument("--out", default=".", help="folder for bench.json and bench.md (default: here)")
     args = parser.parse_args(argv)
 
     if not gpu_present():
@@ -70,7 +72,7 @@ def main(argv=None) -> int:
         return bench_cpu(repeat=args.repeat)
     if args.command == "bench":
         from .bench import bench
-        return bench(repeat=args.repeat)
+        return bench(repeat=args.repeat, tiny=args.tiny, out_dir=args.out)
     return 2
 
 

@@ -1,13 +1,9 @@
-"""python -m cacheattn bench: kernel timings against peers measured in the same run.
+"""python -m cacheattn bench: kernel timings against ceilings and peers measured in the same run.
 
-On a GPU, for a decode batch shaped like a served 8B-class model (32 query heads, 8 kv heads,
-head_dim 128, paged cache), it times
-  - fused   : multi_head_cache_attention (store + attention straight from the paged cache)
-  - unfused : dynamic_key_value_cache (dequantized packed K/V) + dynamic_multi_head_attention
-  - torch   : torch's scaled_dot_product_attention on dense float16 K/V with the heads repeated
-              (when torch is installed), the attention alone, no cache work
-and reports median milliseconds, the fused kernel's ratio to each peer, and the cache bytes it
-reads per second. Without a GPU there is nothing to time: it says so and times the reference.
+On a GPU it runs the harness in `cacheattn.bench_gpu` (decode and prefill shaped like a served
+8B-class model: 32 query heads, 8 kv heads, head_dim 128, paged and offset caches, float16 and int8)
+and writes bench.json and bench.md. `--tiny` runs that harness in the simulator on tiny shapes (CI
+keeps it working). Without a GPU there is nothing to time: it says so and times the reference.
 """
 
 from __future__ import annotations
@@ -40,71 +36,24 @@ def _median_ms(fn, repeat, sync):
     return float(np.median(times))
 
 
-def bench(repeat: int = 20) -> int:
-    if not _gpu():
-        case = _decode_case(4, (100, 200, 300, 400), 8)
-        inputs = build_ppl(case)
-        ms = _median_ms(lambda: cacheattn.multi_head_cache_attention(**copy_inputs(inputs), **case.attrs()),
-                        max(3, repeat // 4), lambda: None)
-        print("No GPU: kernel benchmarks need one (python -m cacheattn bench on a CUDA machine).")
-        print(f"reference (NumPy) decode, 4 requests, 32/8 heads, Dh 128, int8 paged: {ms:.1f} ms per call")
+def bench(repeat: int = 20, tiny: bool = False, out_dir: str = ".") -> int:
+    """On a GPU: the harness (cacheattn.bench_gpu). tiny: the same harness in the simulator on tiny shapes.
+    Without a GPU: says so and times the reference."""
+    if tiny or _gpu():
+        from .bench_gpu import run_harness
+        run_harness(tiny=tiny, repeat=repeat, out_dir=out_dir)
         return 0
-    return _bench_gpu(repeat)
+    case = _decode_case(4, (100, 200, 300, 400), 8)
+    inputs = build_ppl(case)
+    ms = _median_ms(lambda: cacheattn.multi_head_cache_attention(**copy_inputs(inputs), **case.attrs()),
+                    max(3, repeat // 4), lambda: None)
+    print("No GPU: kernel benchmarks need one (python -m cacheattn bench on a CUDA machine; --tiny runs the "
+          "harness in the simulator).")
+    print(f"reference (NumPy) decode, 4 requests, 32/8 heads, Dh 128, int8 paged: {ms:.1f} ms per call")
+    return 0
 
 
 def _gpu() -> bool:
     """`python -m cacheattn` switched numba to the simulator when it found no GPU."""
     from numba import config
     return not config.ENABLE_CUDASIM
-
-
-def _bench_gpu(repeat):
-    import cupy
-
-    rng = np.random.default_rng(0)
-    print(f"{'config':<44} {'fused ms':>9} {'unfused ms':>11} {'torch ms':>9} {'fused/unfused':>14} "
-          f"{'fused/torch':>12} {'cache GB/s':>11}")
-    for batch, mean_past in ((16, 1024), (32, 2048), (64, 4096)):
-        for quant_bit in (0, 8):
-            past = tuple(int(p) for p in rng.integers(mean_past // 2, mean_past * 3 // 2, batch))
-            case = _decode_case(batch, past, quant_bit)
-            host = build_ppl(case)
-            dev = {k: cupy.asarray(v) if isinstance(v, np.ndarray) else v for k, v in host.items()}
-            sync = cupy.cuda.get_current_stream().synchronize
-            fused = _median_ms(lambda dev=dev, case=case: cacheattn.multi_head_cache_attention(**dev, **case.attrs()),
-                               repeat, sync)
-            unfused = _median_ms(lambda dev=dev, case=case: _unfused(dev, case), repeat, sync)
-            torch_ms = _torch_peer(host, case, repeat)
-            kv_bytes = sum(case.kvlens) * case.num_kv_heads * 2 * (
-                case.head_dim * (1 if quant_bit else 2) + (case.head_dim // 8) * 2 * bool(quant_bit))
-            label = f"decode B={batch} kv~{mean_past} {'int8' if quant_bit else 'fp16'} cache"
-            torch_text = f"{torch_ms:9.3f}" if torch_ms else f"{'-':>9}"
-            ratio_torch = f"{fused / torch_ms:12.2f}" if torch_ms else f"{'-':>12}"
-            print(f"{label:<44} {fused:9.3f} {unfused:11.3f} {torch_text} {fused / unfused:14.2f} {ratio_torch} "
-                  f"{kv_bytes / fused / 1e6:11.1f}")
-    return 0
-
-
-def _unfused(dev, case):
-    key, value = cacheattn.dynamic_key_value_cache(
-        dev["current_key"], dev["current_value"], dev["seqstarts"], dev["kvstarts"], dev["cachestarts"],
-        dev["start_pos"], dev["max_seqlen"], dev["max_kvlen"], dev["cache"], dev["scale"], quant_bit=case.quant_bit,
-        quant_group=case.quant_group, cache_mode=case.cache_mode, page_size=case.page_size)
-    return cacheattn.dynamic_multi_head_attention(
-        dev["query"], key, value, dev["seqstarts"], dev["kvstarts"], case.decoding_batches, dev["max_seqlen"],
-        dev["max_kvlen"], num_heads=case.num_heads, head_dim=case.head_dim, is_causal=True,
-        num_kv_heads=case.num_kv_heads)
-
-
-def _torch_peer(host, case, repeat):
-    """torch SDPA on padded dense K/V (B, H, max_kvlen, Dh); None without torch."""
-    try:
-        import torch
-        import torch.nn.functional as F
-    except ImportError:
-        return None
-    batch, heads, dim, kv = case.batch, case.num_heads, case.head_dim, max(case.kvlens)
-    q = torch.randn(batch, heads, 1, dim, device="cuda", dtype=torch.float16)
-    k = torch.randn(batch, heads, kv, dim, device="cuda", dtype=torch.float16)
-    v = torch.randn(batch, heads, kv, dim, device="cuda", dtype=torch.float16)
-    return _median_ms(lambda: F.scaled_dot_product_attention(q, k, v), repeat, torch.cuda.synchronize)

@@ -1,0 +1,305 @@
+"""The GPU benchmark harness behind `python -m cacheattn bench` (and `bench --tiny` in the simulator).
+
+What a figure needs before it means anything:
+  - device time from CUDA events after a warm-up, the median of many calls;
+  - inputs rotated through enough copies that their bytes exceed the L2 cache four times over, so a
+    decode kernel reads HBM and not a cache the previous call warmed;
+  - ceilings measured in the same run on the same device: device-to-device copy bandwidth (what a
+    memory-bound decode kernel can at best reach) and a large float16 matmul rate (what a prefill can);
+  - peers measured in the same run on the same problem: torch `scaled_dot_product_attention` with
+    `enable_gqa` on the same K/V made contiguous, a plain CuPy implementation, FlashInfer if installed;
+  - the host time of one call (launch and validation cost, measured without a sync), shown beside it.
+Every row reports time, bytes moved and GB/s with its share of the copy bandwidth, TFLOP/s, and the
+ratio to each peer; the run is written as JSON and as a markdown table with the GPU, driver and versions.
+
+`--tiny` runs the same harness in numba's CUDA simulator on tiny shapes, with the NumPy reference as the
+peer and host timers instead of events: its figures mean nothing, but CI keeps every line of it working.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+import cacheattn
+
+from .examples import PPLCase, build_ppl, copy_inputs
+
+L2_MULTIPLE = 4          # rotate inputs until their bytes exceed the L2 cache this many times
+
+
+@dataclass(frozen=True)
+class BenchCase:
+    """One benchmark problem: an OpenPPL MultiHeadCacheAttention call (decode or prefill)."""
+    label: str
+    batch: int
+    context: int                 # cached tokens per request before this call
+    new_tokens: int              # tokens per request in this call (1: decode)
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    quant_bit: int = 0
+    cache_mode: int = 1          # 1 paged, 0 offset
+    page_size: int = 64
+
+    def ppl_case(self) -> PPLCase:
+        decode = self.new_tokens == 1
+        return PPLCase(seqlens=(self.new_tokens,) * self.batch, past=(self.context,) * self.batch,
+                       decoding_batches=self.batch if decode else 0, num_heads=self.num_heads,
+                       num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype="float16",
+                       quant_bit=self.quant_bit, quant_group=8, scale_dtype="float16", cache_layout=0,
+                       cache_mode=self.cache_mode, page_size=self.page_size, num_layer=1, layer_idx=0,
+                       is_causal=True, is_alibi=False, mask="none", mask_pad=0, seed=0)
+
+    def cache_bytes_read(self) -> int:
+        """K and V bytes the attention reads: every cached and new token, every kv head, plus int8 scales."""
+        tokens = self.batch * (self.context + self.new_tokens)
+        per_token = self.head_dim * (1 if self.quant_bit == 8 else 2)
+        scales = (self.head_dim // 8) * 2 if self.quant_bit else 0
+        return 2 * tokens * self.num_kv_heads * (per_token + scales)
+
+    def flops(self) -> float:
+        """2 * (QK^T + PV) multiply-adds over the visible keys (causal: the new tokens see half their own block)."""
+        visible = self.context * self.new_tokens + self.new_tokens * (self.new_tokens + 1) / 2
+        return 4.0 * self.batch * self.num_heads * self.head_dim * visible
+
+
+GPU_CASES = (
+    BenchCase("decode B64 ctx4096 paged fp16", 64, 4096, 1),
+    BenchCase("decode B64 ctx4096 paged int8", 64, 4096, 1, quant_bit=8),
+    BenchCase("decode B64 ctx4096 offset fp16", 64, 4096, 1, cache_mode=0),
+    BenchCase("decode B1 ctx32768 paged fp16", 1, 32768, 1),
+    BenchCase("prefill B1 4096 tokens fp16", 1, 0, 4096),
+)
+TINY_CASES = (
+    BenchCase("tiny decode B2 ctx12 paged int8", 2, 12, 1, num_heads=2, num_kv_heads=1, head_dim=8, page_size=4,
+              quant_bit=8),
+    BenchCase("tiny prefill B1 5 tokens fp16", 1, 0, 5, num_heads=2, num_kv_heads=1, head_dim=8, page_size=4),
+)
+TINY_THREADS = 32        # the simulator's cost is per thread
+
+
+@dataclass
+class Row:
+    label: str
+    ms: float
+    host_ms: float
+    gb_per_s: float
+    bandwidth_share: float       # of the measured copy bandwidth
+    tflops: float
+    peers_ms: dict = field(default_factory=dict)
+
+
+class Device:
+    """Arrays, timers and ceilings of where the harness runs: a CUDA GPU through CuPy, or the simulator."""
+
+    def __init__(self, tiny: bool):
+        self.tiny = tiny
+        if tiny:
+            self.xp = np
+        else:
+            import cupy
+            self.xp = cupy
+
+    def put(self, x):
+        return x if self.tiny or not isinstance(x, np.ndarray) else self.xp.asarray(x)
+
+    def median_ms(self, calls, repeat: int) -> float:
+        """Median device milliseconds of calls[k % len(calls)]() after one warm-up call of each (none in the
+        simulator, which compiles nothing)."""
+        if self.tiny:
+            times = []
+            for k in range(repeat):
+                start = time.perf_counter()
+                calls[k % len(calls)]()
+                times.append((time.perf_counter() - start) * 1e3)
+            return float(np.median(times))
+        import cupy
+        for call in calls:
+            call()
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        times = []
+        for k in range(repeat):
+            start.record()
+            calls[k % len(calls)]()
+            end.record()
+            end.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, end))
+        return float(np.median(times))
+
+    def host_ms(self, call, repeat: int) -> float:
+        """Median wall milliseconds of issuing one call (no sync): launch, validation and argument costs."""
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            call()
+            times.append((time.perf_counter() - start) * 1e3)
+            self.sync()
+        return float(np.median(times))
+
+    def sync(self):
+        if not self.tiny:
+            self.xp.cuda.get_current_stream().synchronize()
+
+    def l2_bytes(self) -> int:
+        if self.tiny:
+            return 0
+        return int(self.xp.cuda.runtime.getDeviceProperties(0)["l2CacheSize"])
+
+    def copy_bandwidth(self, repeat: int) -> float:
+        """Bytes per second of a device-to-device copy (read + write), the memory-bound ceiling."""
+        n = (1 << 20) if self.tiny else (1 << 30)
+        src = self.xp.ones(n, np.uint8)
+        dst = self.xp.empty_like(src)
+        ms = self.median_ms([lambda: dst.__setitem__(Ellipsis, src)], repeat)
+        return 2 * n / (ms * 1e-3)
+
+    def matmul_rate(self, repeat: int) -> float:
+        """float16 FLOP/s of an n x n x n matmul, the compute-bound ceiling."""
+        n = 64 if self.tiny else 8192
+        a = self.xp.ones((n, n), np.float16)
+        ms = self.median_ms([lambda: a @ a], repeat)
+        return 2.0 * n**3 / (ms * 1e-3)
+
+    def describe(self) -> dict:
+        info = {"python": platform.python_version(), "numpy": np.__version__}
+        import numba
+        info["numba"] = numba.__version__
+        if self.tiny:
+            info["device"] = "numba CUDA simulator (figures are not timings)"
+            return info
+        import cupy
+        props = cupy.cuda.runtime.getDeviceProperties(0)
+        info.update(device=props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
+                    sms=props["multiProcessorCount"], l2_bytes=props["l2CacheSize"],
+                    driver=cupy.cuda.runtime.driverGetVersion(), cuda_runtime=cupy.cuda.runtime.runtimeGetVersion(),
+                    cupy=cupy.__version__)
+        try:
+            import torch
+            info["torch"] = torch.__version__
+        except ImportError:
+            pass
+        return info
+
+
+def _rotated_inputs(device: Device, case: BenchCase):
+    """Enough device copies of the inputs that their bytes exceed L2_MULTIPLE x the L2 cache."""
+    host = build_ppl(case.ppl_case())
+    one = sum(v.nbytes for v in host.values() if isinstance(v, np.ndarray))
+    copies = max(1, math.ceil(L2_MULTIPLE * device.l2_bytes() / one))
+    return host, [{k: device.put(v) for k, v in copy_inputs(host).items()} for _ in range(copies)]
+
+
+def _peers(device: Device, case: BenchCase, host: dict, repeat: int, threads: int) -> dict:
+    """{peer: median ms} on the same problem; peers that are not installed are left out."""
+    ppl = case.ppl_case()
+    x = {k: device.put(v) for k, v in copy_inputs(host).items()}
+    peers = {"unfused (KeyValueCache + MultiHeadAttention)": device.median_ms([lambda: _unfused(x, ppl, threads)],
+                                                                              repeat)}
+    if device.tiny:
+        ref = copy_inputs(host)
+        peers["reference (NumPy)"] = device.median_ms(
+            [lambda: cacheattn.multi_head_cache_attention(**ref, **ppl.attrs(), backend="reference")], repeat)
+        return peers
+    xp = device.xp
+    batch, heads, kv_heads, dim = case.batch, case.num_heads, case.num_kv_heads, case.head_dim
+    total, new = case.context + case.new_tokens, case.new_tokens
+    # Dense contiguous K/V of the same sizes: what the peers get instead of our paged cache.
+    def normal(*shape):
+        return xp.random.standard_normal(shape, dtype=np.float32).astype(np.float16)
+
+    k, v, q = normal(batch, kv_heads, total, dim), normal(batch, kv_heads, total, dim), normal(batch, heads, new, dim)
+    group = heads // kv_heads
+
+    def plain_cupy():
+        qg = q.reshape(batch, kv_heads, group * new, dim)
+        scores = (qg @ k.transpose(0, 1, 3, 2)).astype(np.float32) / math.sqrt(dim)
+        if new > 1:                                            # bottom-right causal on the new tokens
+            i = xp.arange(group * new).reshape(-1, 1) % new
+            j = xp.arange(total).reshape(1, -1)
+            scores = xp.where(j > total - new + i, -xp.inf, scores)
+        scores -= scores.max(axis=-1, keepdims=True)
+        p = xp.exp(scores)
+        p /= p.sum(axis=-1, keepdims=True)
+        return p.astype(np.float16) @ v
+
+    peers["plain CuPy"] = device.median_ms([plain_cupy], repeat)
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        return peers
+    tq, tk, tv = (torch.as_tensor(x, device="cuda") for x in (q, k, v))
+    causal = new > 1
+    peers["torch SDPA (enable_gqa)"] = device.median_ms(
+        [lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal, enable_gqa=True)], repeat)
+    try:
+        import flashinfer  # noqa: F401
+        peers["FlashInfer"] = float("nan")     # installed: its paged-decode wrapper is the next peer to wire in
+    except ImportError:
+        pass
+    return peers
+
+
+def _unfused(x: dict, case: PPLCase, threads: int):
+    """Our own two-kernel path: dequantized packed K/V written out by KeyValueCache, then MultiHeadAttention."""
+    key, value = cacheattn.dynamic_key_value_cache(
+        x["current_key"], x["current_value"], x["seqstarts"], x["kvstarts"], x["cachestarts"], x["start_pos"],
+        x["max_seqlen"], x["max_kvlen"], x["cache"], x["scale"], quant_bit=case.quant_bit,
+        quant_group=case.quant_group, cache_mode=case.cache_mode, page_size=case.page_size, backend="numba",
+        threads=threads)
+    return cacheattn.dynamic_multi_head_attention(
+        x["query"], key, value, x["seqstarts"], x["kvstarts"], case.decoding_batches, x["max_seqlen"],
+        x["max_kvlen"], num_heads=case.num_heads, head_dim=case.head_dim, is_causal=True,
+        num_kv_heads=case.num_kv_heads, backend="numba", threads=threads)
+
+
+def run_harness(*, tiny: bool = False, repeat: int = 50, out_dir: Path | str = ".", report=print) -> dict:
+    """Run every case; write bench.json and bench.md into out_dir; return the JSON object."""
+    device = Device(tiny)
+    repeat = 1 if tiny else repeat
+    threads = TINY_THREADS if tiny else 128
+    copy_bw = device.copy_bandwidth(repeat)
+    matmul = device.matmul_rate(repeat)
+    rows = []
+    for case in TINY_CASES if tiny else GPU_CASES:
+        host, inputs = _rotated_inputs(device, case)
+        attrs = dict(case.ppl_case().attrs(), backend="numba", threads=threads)
+        calls = [lambda x=x, attrs=attrs: cacheattn.multi_head_cache_attention(**x, **attrs) for x in inputs]
+        ms = device.median_ms(calls, repeat)
+        host_ms = device.host_ms(calls[0], max(1, repeat // 5))
+        gb_per_s = case.cache_bytes_read() / (ms * 1e-3) / 1e9
+        rows.append(Row(case.label, ms, host_ms, gb_per_s, gb_per_s * 1e9 / copy_bw, case.flops() / (ms * 1e-3) / 1e12,
+                        _peers(device, case, host, repeat, threads)))
+        report(f"  {case.label}: {ms:.3f} ms")
+    result = {"device": device.describe(), "copy_bandwidth_gb_per_s": copy_bw / 1e9,
+              "fp16_matmul_tflops": matmul / 1e12, "repeat": repeat, "rows": [asdict(r) for r in rows]}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "bench.md").write_text(markdown_table(result))
+    report(markdown_table(result))
+    return result
+
+
+def markdown_table(result: dict) -> str:
+    """The run as a markdown table: ceilings first, then one row per case with each peer's ratio."""
+    d = result["device"]
+    lines = [f"Device: {d['device']}" + "".join(f", {k} {d[k]}" for k in ("driver", "cupy", "torch", "numba")
+                                               if k in d),
+             f"Ceilings measured in this run: copy {result['copy_bandwidth_gb_per_s']:.0f} GB/s, "
+             f"float16 matmul {result['fp16_matmul_tflops']:.1f} TFLOP/s; median of {result['repeat']} calls.", "",
+             "| case | ms | host ms | GB/s | % of copy | TFLOP/s | peers (ms, ratio peer/ours) |",
+             "|---|---:|---:|---:|---:|---:|---|"]
+    for r in result["rows"]:
+        peers = ", ".join(f"{name} {ms:.3f} ({ms / r['ms']:.2f}x)" for name, ms in r["peers_ms"].items()
+                          if not math.isnan(ms)) or "-"
+        lines.append(f"| {r['label']} | {r['ms']:.3f} | {r['host_ms']:.3f} | {r['gb_per_s']:.1f} | "
+                     f"{100 * r['bandwidth_share']:.1f} | {r['tflops']:.2f} | {peers} |")
+    return "\n".join(lines) + "\n"
