@@ -18,6 +18,7 @@ import numpy as np
 
 import cacheattn
 
+from . import _console
 from .examples import PPLCase, build_ppl, copy_inputs
 
 
@@ -46,8 +47,8 @@ def bench(repeat: int = 20) -> int:
         inputs = build_ppl(case)
         ms = _median_ms(lambda: cacheattn.multi_head_cache_attention(**copy_inputs(inputs), **case.attrs()),
                         max(3, repeat // 4), lambda: None)
-        print("No GPU: kernel benchmarks need one (python -m cacheattn bench on a CUDA machine).")
-        print(f"reference (NumPy) decode, 4 requests, 32/8 heads, Dh 128, int8 paged: {ms:.1f} ms per call")
+        _console.say("No GPU: kernel benchmarks need one (python -m cacheattn bench on a CUDA machine).")
+        _console.say(f"reference (NumPy) decode, 4 requests, 32/8 heads, Dh 128, int8 paged: {ms:.1f} ms per call")
         return 0
     return _bench_gpu(repeat)
 
@@ -58,14 +59,18 @@ def _gpu() -> bool:
     return not config.ENABLE_CUDASIM
 
 
+BENCH_COLUMNS = ("config", "fused ms", "unfused ms", "torch ms", "fused/unfused", "fused/torch", "cache GB/s")
+
+
 def _bench_gpu(repeat):
     import cupy
 
     rng = np.random.default_rng(0)
-    print(f"{'config':<44} {'fused ms':>9} {'unfused ms':>11} {'torch ms':>9} {'fused/unfused':>14} "
-          f"{'fused/torch':>12} {'cache GB/s':>11}")
-    for batch, mean_past in ((16, 1024), (32, 2048), (64, 4096)):
-        for quant_bit in (0, 8):
+    configs = [(batch, mean_past, quant_bit) for batch, mean_past in ((16, 1024), (32, 2048), (64, 4096))
+               for quant_bit in (0, 8)]
+    rows = []
+    with _console.progress(len(configs), "bench") as step:
+        for batch, mean_past, quant_bit in configs:
             past = tuple(int(p) for p in rng.integers(mean_past // 2, mean_past * 3 // 2, batch))
             case = _decode_case(batch, past, quant_bit)
             host = build_ppl(case)
@@ -78,10 +83,12 @@ def _bench_gpu(repeat):
             kv_bytes = sum(case.kvlens) * case.num_kv_heads * 2 * (
                 case.head_dim * (1 if quant_bit else 2) + (case.head_dim // 8) * 2 * bool(quant_bit))
             label = f"decode B={batch} kv~{mean_past} {'int8' if quant_bit else 'fp16'} cache"
-            torch_text = f"{torch_ms:9.3f}" if torch_ms else f"{'-':>9}"
-            ratio_torch = f"{fused / torch_ms:12.2f}" if torch_ms else f"{'-':>12}"
-            print(f"{label:<44} {fused:9.3f} {unfused:11.3f} {torch_text} {fused / unfused:14.2f} {ratio_torch} "
-                  f"{kv_bytes / fused / 1e6:11.1f}")
+            rows.append((label, f"{fused:.3f}", f"{unfused:.3f}", f"{torch_ms:.3f}" if torch_ms else "-",
+                         f"{fused / unfused:.2f}", f"{fused / torch_ms:.2f}" if torch_ms else "-",
+                         f"{kv_bytes / fused / 1e6:.1f}"))
+            step(label)
+    _console.table("fused cache attention vs peers (median of the repeats)", BENCH_COLUMNS, rows,
+                   right=BENCH_COLUMNS[1:])
     return 0
 
 

@@ -132,6 +132,7 @@ def validate(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, *, is_c
     return nonpad
 
 
+@arrays.accepts_torch
 def onnx_attention(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv_seqlen=None, *, is_causal=0,
                    kv_num_heads=None, q_num_heads=None, qk_matmul_output_mode=0, scale=None, softcap=0.0,
                    softmax_precision=None, left_window_size=-1, right_window_size=-1, opset=24,

@@ -97,23 +97,37 @@ def run_case(case: NodeCase, backend: str) -> tuple[bool, str]:
     return True, f"max |err| {max(worst):.2e}"
 
 
-def conformance(backends=("reference", "numba"), report=print) -> int:
-    """Print the table (case, opset, one column per backend) and a total; returns the number of failures."""
-    cases = node_cases()
-    width = max(len(c.name) for c in cases)
-    report(f"{'case':<{width}} opset " + " ".join(f"{b:<24}" for b in backends))
-    failures = {b: [] for b in backends}
-    for case in cases:
-        cells = []
-        for backend in backends:
-            ok, detail = run_case(case, backend)
-            if not ok:
-                failures[backend].append((case.name, detail))
-            cells.append(f"{'pass' if ok else 'FAIL'} {detail}"[:24].ljust(24))
-        report(f"{case.name:<{width}} {case.opset:>5} " + " ".join(cells))
-    report("")
+def results(backends=("reference", "numba"), on_case=lambda label: None) -> list[tuple]:
+    """[(case, {backend: (passed, detail)})] for every node case; on_case(label) after each case (progress)."""
+    rows = []
+    for case in node_cases():
+        rows.append((case, {backend: run_case(case, backend) for backend in backends}))
+        on_case(case.name)
+    return rows
+
+
+def summary(rows, backends) -> list[str]:
+    """One line per backend ("reference: 186 of 186 cases pass"), then each failure with its detail."""
+    lines = []
     for backend in backends:
-        report(f"{backend}: {len(cases) - len(failures[backend])} of {len(cases)} cases pass")
-        for name, detail in failures[backend]:
-            report(f"  {name}: {detail}")
-    return sum(len(f) for f in failures.values())
+        failed = [(case.name, cells[backend][1]) for case, cells in rows if not cells[backend][0]]
+        lines.append(f"{backend}: {len(rows) - len(failed)} of {len(rows)} cases pass")
+        lines.extend(f"  {name}: {detail}" for name, detail in failed)
+    return lines
+
+
+def conformance(backends=("reference", "numba")) -> int:
+    """Run every case with a progress bar (on a terminal), print the table and a total; returns the failures."""
+    from . import _console
+
+    with _console.status("loading the onnx node test cases (onnx builds every operator's cases)"):
+        count = len(node_cases())
+    with _console.progress(count, "onnx Attention node cases") as step:
+        rows = results(backends, on_case=step)
+    _console.table(None, ("case", "opset", *backends),
+                   ((case.name, case.opset, *(f"{'pass' if ok else 'FAIL'} {detail}" for ok, detail in
+                                              (cells[b] for b in backends)))
+                    for case, cells in rows), right=("opset",))
+    for line in summary(rows, backends):
+        _console.say(line)
+    return sum(not cells[b][0] for _, cells in rows for b in backends)

@@ -183,6 +183,7 @@ def _check_kernel_tensors(engine, **tensors):
 
 # ---------------------------------------------------------------------------------------------- operators
 
+@arrays.accepts_torch
 def key_value_cache(current_key, current_value, start_pos, cache, scale=None, *, num_layer=1, layer_idx=0,
                     quant_bit=0, quant_group=8, num_repeat=1, cache_layout=0, backend="auto", threads=128):
     """OpenPPL `KeyValueCache`: store current key/value at start_pos, return the whole key/value so far.
@@ -245,6 +246,7 @@ def _dynamic_cache_checks(current_key, current_value, seqstarts, kvstarts, cache
     return idx
 
 
+@arrays.accepts_torch
 def dynamic_key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
                             max_kvlen, cache, scale=None, *, num_layer=1, layer_idx=0, quant_bit=0, quant_group=8,
                             num_repeat=1, cache_mode=0, cache_layout=0, page_size=128, backend="auto", threads=128):
@@ -278,6 +280,7 @@ def dynamic_key_value_cache(current_key, current_value, seqstarts, kvstarts, cac
         threads=threads, **attrs))
 
 
+@arrays.accepts_torch
 def dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
                                  attn_mask=None, *, num_heads, head_dim, is_causal, is_alibi=False, num_kv_heads=0,
                                  backend="auto", threads=128):
@@ -316,6 +319,7 @@ def dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decodin
         alibi_slopes=alibi_slopes(num_heads) if is_alibi else None, threads=threads, **attrs)
 
 
+@arrays.accepts_torch
 def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,
                                decoding_batches, max_seqlen, max_kvlen, cache, scale=None, attn_mask=None, *,
                                num_heads, head_dim, is_causal, is_alibi=False, num_kv_heads=0, num_layer=1,
