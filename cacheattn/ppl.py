@@ -67,6 +67,7 @@ def _check_cache_tensors(cache, scale, axes, *, num_layer, num_heads, head_dim, 
     names = axes.split()
     stored_dim = stored_head_dim(head_dim, quant_bit)
     want = {"L": num_layer, "KV": 2, "H": num_heads, "D": stored_dim}
+    # spec: ppl-kvc/quant-skip, ppl-mhca/types
     if quant_bit:
         if np.dtype(cache.dtype) != np.int8:
             raise TypeError(f"cache: expected int8 for quant_bit {quant_bit}, got {np.dtype(cache.dtype).name}")
@@ -76,6 +77,7 @@ def _check_cache_tensors(cache, scale, axes, *, num_layer, num_heads, head_dim, 
     check_shape("cache", cache, tuple(want.get(n) for n in names), f"for layout {layout_text}")
     extents = dict(zip(names, (int(s) for s in cache.shape)))
     if quant_bit:
+        # spec: ppl-mhca/scale-required
         if scale is None:
             raise ValueError(f"scale: required when quant_bit is {quant_bit}, got None")
         check_dtype("scale", scale, FLOAT_T1)
@@ -100,6 +102,7 @@ def _check_dynamic_indices(seqstarts, kvstarts, cachestarts, start_pos, max_seql
         b = int(bad[0])
         raise ValueError(f"kvstarts: expected kvlen = start_pos + seqlen for every batch; batch {b} has kvlen "
                          f"{kvlens[b]}, start_pos {start_pos[b]} + seqlen {seqlens[b]}")
+    # spec: ppl-mhca/max-lens
     _check_max("max_seqlen", max_seqlen, seqlens)
     _check_max("max_kvlen", max_kvlen, kvlens)
     _check_cachestarts(cachestarts, kvlens, max_t, cache_mode=cache_mode, page_size=page_size)
@@ -143,6 +146,7 @@ def _check_attention_attrs(num_heads, head_dim, num_kv_heads, is_causal, is_alib
     check_int("head_dim", head_dim, low=1)
     check_int("num_kv_heads", num_kv_heads, low=0)
     kv_heads = num_kv_heads or num_heads
+    # spec: ppl-mhca/gqa-divisible
     if num_heads % kv_heads:
         raise ValueError(f"num_kv_heads: expected a divisor of num_heads ({num_heads}), got {num_kv_heads}")
     for name, flag in (("is_causal", is_causal), ("is_alibi", is_alibi)):

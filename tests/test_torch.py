@@ -59,7 +59,7 @@ def test_multi_head_cache_attention_takes_and_returns_cpu_tensors():
     assert not np.array_equal(want_inputs["cache"], inputs["cache"])    # the call did store something
 
 
-@pytest.mark.spec("ppl-kvc/store-then-extract")
+@pytest.mark.spec("ppl-kvc/store", "ppl-kvc/extract", "ppl-kvc/in-out")
 def test_static_key_value_cache_with_cpu_tensors():
     case = StaticCase(batch=2, max_batch=3, seqlen=2, start_pos=3, max_seqlen=8, num_heads=2, head_dim=8,
                       dtype="float32", quant_bit=0, quant_group=8, num_layer=1, layer_idx=0, num_repeat=2,
@@ -77,7 +77,7 @@ def test_static_key_value_cache_with_cpu_tensors():
     assert_bits_equal("cache", as_numpy(tensors["cache"]), want_inputs["cache"])
 
 
-@pytest.mark.spec("onnx/pattern", "onnx/t1-types")
+@pytest.mark.spec("onnx/pattern", "onnx/types")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_onnx_attention_takes_and_returns_cpu_tensors(dtype):
     case = OnnxCase(batch=2, q_heads=4, kv_heads=2, q_len=3, kv_len=5, past_len=2, head_size=8, v_head_size=6,
