@@ -1,7 +1,8 @@
 """The onnx node test cases for Attention as the conformance bar: `python -m cacheattn conformance`.
 
-Every `test_attention*` case that onnx's own loader builds (`load_model_tests(kind="node")`;
-the `_expanded` twins carry the same data through the function body, so they are run too)
+Every `test_attention*` case that onnx's own loader builds (`load_model_tests(kind="node")`; the
+same cases are built here from onnx's Attention case module alone, which is faster; the `_expanded`
+twins carry the same data through the function body, so they are run too)
 is fed to `cacheattn.onnx_attention` by input name, with the node's attributes, and its
 outputs are compared with the stored expected outputs at the case's rtol/atol.
 """
@@ -39,11 +40,10 @@ class NodeCase:
 def node_cases() -> tuple:
     """All Attention node cases, expanded twins included, as NodeCase."""
     import onnx
-    from onnx.backend.test.loader import load_model_tests
 
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")     # the loader builds every op's cases; some warn about their data
-        tests = [t for t in load_model_tests(kind="node") if t.name.startswith("test_attention")]
+        warnings.simplefilter("ignore")     # building cases runs onnx's reference; some warn about their data
+        tests = _attention_node_tests()
     # An `_expanded` graph replaces the node by its function body; its twin's node gives the interface.
     nodes = {t.name: next(n for n in t.model.graph.node if n.op_type == "Attention")
              for t in tests if not t.name.endswith("_expanded")}
@@ -65,6 +65,24 @@ def node_cases() -> tuple:
                        if graph_name}
             cases.append(NodeCase(test.name, opset, attrs, inputs, outputs, test.rtol, test.atol))
     return tuple(cases)
+
+
+def _attention_node_tests() -> list:
+    """The Attention node tests. `load_model_tests(kind="node")` builds every operator's cases (about 15 s);
+    importing only onnx's Attention case module builds its cases alone (its exports run on import and
+    register with the node package's list). Falls back to the full loader if that layout ever changes."""
+    import importlib
+
+    try:
+        importlib.import_module("onnx.backend.test.case.node.attention")
+        from onnx.backend.test.case.node import _NodeTestCases
+        tests = [t for t in _NodeTestCases if t.name.startswith("test_attention")]
+    except (ImportError, AttributeError):
+        tests = []
+    if not tests:
+        from onnx.backend.test.loader import load_model_tests
+        tests = [t for t in load_model_tests(kind="node") if t.name.startswith("test_attention")]
+    return tests
 
 
 def run_case(case: NodeCase, backend: str) -> tuple[bool, str]:
