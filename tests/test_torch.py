@@ -14,7 +14,9 @@ from cacheattn.examples import (
     build_static,
     copy_inputs,
     float64_onnx,
+    float64_ppl_attention,
     onnx_dtype,
+    reference_cache_state,
 )
 
 from helpers import assert_bits_equal, assert_close
@@ -100,3 +102,22 @@ def test_torch_inputs_are_validated_by_document_name():
     inputs["query"] = inputs["query"].float()            # query float32, current_key float16
     with pytest.raises(TypeError, match=r"^current_key"):
         cacheattn.multi_head_cache_attention(**inputs, **PPL.attrs())
+
+
+@pytest.mark.gpu
+@pytest.mark.spec("ppl-mhca/fused", "ppl-mhca/cache-in-out")
+def test_multi_head_cache_attention_cuda_tensors_run_the_kernels_in_place():
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device here")
+    inputs = build_ppl(PPL)
+    key, value, want_cache, want_scale = reference_cache_state(inputs, PPL)
+    want = float64_ppl_attention(inputs, PPL, key, value)
+    tensors = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in as_torch(inputs).items()}
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):                     # the kernels must follow torch's current stream
+        got = cacheattn.multi_head_cache_attention(**tensors, **PPL.attrs())
+    stream.synchronize()
+    assert isinstance(got, torch.Tensor) and got.device == tensors["query"].device
+    assert_close("attn_output", got.cpu().numpy(), want, PPL.dtype)
+    assert_bits_equal("cache", tensors["cache"].cpu().numpy(), want_cache)        # written in place (DLPack view)
+    assert_bits_equal("scale", tensors["scale"].cpu().numpy(), want_scale)
