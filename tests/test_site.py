@@ -26,3 +26,17 @@ def test_site_builds_strictly(tmp_path):
     assert 'src="../figures/page-table.svg"' in paged
     assert (site / "figures" / "page-table.svg").read_text().startswith("<svg")
     assert "multi_head_cache_attention" in (site / "api" / "index.html").read_text()
+
+
+def test_build_reruns_the_generated_pages():
+    from types import SimpleNamespace
+
+    from cacheattn import _site_hooks
+
+    stale = (ROOT / "docs" / "traceability.md").read_text().replace("covered         28", "STALE", 1)
+    page = SimpleNamespace(file=SimpleNamespace(src_uri="traceability.md"))
+    assert "STALE" in stale
+    fresh = _site_hooks.on_page_markdown(stale, page)
+    assert fresh == (ROOT / "docs" / "traceability.md").read_text()
+    other = SimpleNamespace(file=SimpleNamespace(src_uri="ppl.md"))
+    assert _site_hooks.on_page_markdown("```python\nprint(1)\n```\n", other) == "```python\nprint(1)\n```\n"
