@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import sys
+
 import numpy as np
 
 BACKENDS = ("auto", "reference", "numba")
@@ -109,3 +112,70 @@ def run_reference(data: dict, inout_names: tuple, call):
     if isinstance(result, tuple):
         return tuple(None if r is None else to_kind(like, r) for r in result)
     return to_kind(like, result)
+
+
+# ---------------------------------------------------------------------------------------------- torch tensors
+# torch is optional: these helpers only act on objects whose type comes from the torch package, and import
+# torch only when they meet one. CPU tensors become NumPy views (the reference writes in-out caches in place
+# through them), CUDA tensors become CuPy arrays through DLPack (no copy; the kernels write in place), and
+# every array result goes back to torch on the device the inputs were on.
+
+def is_torch(x) -> bool:
+    torch = sys.modules.get("torch")       # a caller holding a tensor has imported torch already
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _torch_to_native(x):
+    """A torch tensor as the array the rest of cacheattn speaks: NumPy on the CPU, CuPy on a GPU; no copy."""
+    x = x.detach()
+    if x.device.type == "cuda":
+        import cupy
+        return cupy.from_dlpack(x)
+    import torch
+    if x.dtype == torch.bfloat16:          # NumPy has no bfloat16: reinterpret the bits as ml_dtypes' type
+        import ml_dtypes
+        return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return x.numpy()
+
+
+def _native_to_torch(x, device):
+    import torch
+    if isinstance(x, np.ndarray):
+        if x.dtype.name == "bfloat16":
+            return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).view(torch.bfloat16).to(device)
+        return torch.from_numpy(np.ascontiguousarray(x)).to(device)
+    if is_device_array(x):
+        return torch.from_dlpack(x)
+    return x
+
+
+def _results_to_torch(result, device):
+    if isinstance(result, tuple):
+        converted = [None if r is None else _native_to_torch(r, device) for r in result]
+        return type(result)(*converted) if hasattr(result, "_fields") else tuple(converted)
+    return _native_to_torch(result, device)
+
+
+def accepts_torch(operator):
+    """Decorator for a public operator: torch tensors in, torch tensors out, through the NumPy / CuPy paths.
+
+    Every operator of cacheattn carries it, so torch support is this one mechanism: arguments that are
+    torch tensors are swapped for zero-copy NumPy (CPU) or CuPy (CUDA, via DLPack, run on torch's current
+    stream) arrays before validation, and the array results come back as torch tensors on that device.
+    """
+    @functools.wraps(operator)
+    def call(*args, **kwargs):
+        tensors = [a for a in (*args, *kwargs.values()) if is_torch(a)]
+        if not tensors:
+            return operator(*args, **kwargs)
+        device = tensors[0].device
+        args = tuple(_torch_to_native(a) if is_torch(a) else a for a in args)
+        kwargs = {k: _torch_to_native(v) if is_torch(v) else v for k, v in kwargs.items()}
+        if device.type == "cuda":
+            import cupy
+            import torch
+            with cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream):
+                return _results_to_torch(operator(*args, **kwargs), device)
+        return _results_to_torch(operator(*args, **kwargs), device)
+
+    return call

@@ -14,6 +14,7 @@ import numpy as np
 
 import cacheattn
 
+from . import _console
 from .examples import PPLCase, build_ppl, copy_inputs
 
 
@@ -47,9 +48,9 @@ def bench(repeat: int = 20, tiny: bool = False, out_dir: str = ".") -> int:
     inputs = build_ppl(case)
     ms = _median_ms(lambda: cacheattn.multi_head_cache_attention(**copy_inputs(inputs), **case.attrs()),
                     max(3, repeat // 4), lambda: None)
-    print("No GPU: kernel benchmarks need one (python -m cacheattn bench on a CUDA machine; --tiny runs the "
-          "harness in the simulator).")
-    print(f"reference (NumPy) decode, 4 requests, 32/8 heads, Dh 128, int8 paged: {ms:.1f} ms per call")
+    _console.say("No GPU: kernel benchmarks need one (python -m cacheattn bench on a CUDA machine; --tiny runs the "
+                 "harness in the simulator).")
+    _console.say(f"reference (NumPy) decode, 4 requests, 32/8 heads, Dh 128, int8 paged: {ms:.1f} ms per call")
     return 0
 
 

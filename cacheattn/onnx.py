@@ -81,6 +81,7 @@ def validate(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, *, is_c
         raise ValueError(f"kv_num_heads: expected a divisor of q_num_heads ({q_heads}), got {kv_heads}")
 
     past_len = 0
+    # spec: onnx/past-together
     if (past_key is None) != (past_value is None):
         missing = "past_value" if past_value is None else "past_key"
         raise ValueError(f"{missing}: past_key and past_value come together; got only one of them")
@@ -97,6 +98,7 @@ def validate(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, *, is_c
     if nonpad_kv_seqlen is not None:
         if opset < 24:
             raise ValueError(f"nonpad_kv_seqlen: an opset 24 input, got it at opset {opset}")
+        # spec: onnx/nonpad-no-past
         if past_key is not None:
             raise ValueError("nonpad_kv_seqlen: not allowed with past_key / past_value (two KV-cache use cases)")
         nonpad = arrays.index_array("nonpad_kv_seqlen", nonpad_kv_seqlen)
@@ -132,6 +134,7 @@ def validate(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, *, is_c
     return nonpad
 
 
+@arrays.accepts_torch
 def onnx_attention(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv_seqlen=None, *, is_causal=0,
                    kv_num_heads=None, q_num_heads=None, qk_matmul_output_mode=0, scale=None, softcap=0.0,
                    softmax_precision=None, left_window_size=-1, right_window_size=-1, opset=24,

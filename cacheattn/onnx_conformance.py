@@ -1,7 +1,8 @@
 """The onnx node test cases for Attention as the conformance bar: `python -m cacheattn conformance`.
 
-Every `test_attention*` case that onnx's own loader builds (`load_model_tests(kind="node")`;
-the `_expanded` twins carry the same data through the function body, so they are run too)
+Every `test_attention*` case that onnx's own loader builds (`load_model_tests(kind="node")`; the
+same cases are built here from onnx's Attention case module alone, which is faster; the `_expanded`
+twins carry the same data through the function body, so they are run too)
 is fed to `cacheattn.onnx_attention` by input name, with the node's attributes, and its
 outputs are compared with the stored expected outputs at the case's rtol/atol.
 """
@@ -39,11 +40,10 @@ class NodeCase:
 def node_cases() -> tuple:
     """All Attention node cases, expanded twins included, as NodeCase."""
     import onnx
-    from onnx.backend.test.loader import load_model_tests
 
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")     # the loader builds every op's cases; some warn about their data
-        tests = [t for t in load_model_tests(kind="node") if t.name.startswith("test_attention")]
+        warnings.simplefilter("ignore")     # building cases runs onnx's reference; some warn about their data
+        tests = _attention_node_tests()
     # An `_expanded` graph replaces the node by its function body; its twin's node gives the interface.
     nodes = {t.name: next(n for n in t.model.graph.node if n.op_type == "Attention")
              for t in tests if not t.name.endswith("_expanded")}
@@ -65,6 +65,24 @@ def node_cases() -> tuple:
                        if graph_name}
             cases.append(NodeCase(test.name, opset, attrs, inputs, outputs, test.rtol, test.atol))
     return tuple(cases)
+
+
+def _attention_node_tests() -> list:
+    """The Attention node tests. `load_model_tests(kind="node")` builds every operator's cases (about 15 s);
+    importing only onnx's Attention case module builds its cases alone (its exports run on import and
+    register with the node package's list). Falls back to the full loader if that layout ever changes."""
+    import importlib
+
+    try:
+        importlib.import_module("onnx.backend.test.case.node.attention")
+        from onnx.backend.test.case.node import _NodeTestCases
+        tests = [t for t in _NodeTestCases if t.name.startswith("test_attention")]
+    except (ImportError, AttributeError):
+        tests = []
+    if not tests:
+        from onnx.backend.test.loader import load_model_tests
+        tests = [t for t in load_model_tests(kind="node") if t.name.startswith("test_attention")]
+    return tests
 
 
 def run_case(case: NodeCase, backend: str, threads: int = 128) -> tuple[bool, str]:
@@ -98,23 +116,37 @@ def run_case(case: NodeCase, backend: str, threads: int = 128) -> tuple[bool, st
     return True, f"max |err| {max(worst):.2e}"
 
 
-def conformance(backends=("reference", "numba"), report=print) -> int:
-    """Print the table (case, opset, one column per backend) and a total; returns the number of failures."""
-    cases = node_cases()
-    width = max(len(c.name) for c in cases)
-    report(f"{'case':<{width}} opset " + " ".join(f"{b:<24}" for b in backends))
-    failures = {b: [] for b in backends}
-    for case in cases:
-        cells = []
-        for backend in backends:
-            ok, detail = run_case(case, backend)
-            if not ok:
-                failures[backend].append((case.name, detail))
-            cells.append(f"{'pass' if ok else 'FAIL'} {detail}"[:24].ljust(24))
-        report(f"{case.name:<{width}} {case.opset:>5} " + " ".join(cells))
-    report("")
+def results(backends=("reference", "numba"), on_case=lambda label: None) -> list[tuple]:
+    """[(case, {backend: (passed, detail)})] for every node case; on_case(label) after each case (progress)."""
+    rows = []
+    for case in node_cases():
+        rows.append((case, {backend: run_case(case, backend) for backend in backends}))
+        on_case(case.name)
+    return rows
+
+
+def summary(rows, backends) -> list[str]:
+    """One line per backend ("reference: 186 of 186 cases pass"), then each failure with its detail."""
+    lines = []
     for backend in backends:
-        report(f"{backend}: {len(cases) - len(failures[backend])} of {len(cases)} cases pass")
-        for name, detail in failures[backend]:
-            report(f"  {name}: {detail}")
-    return sum(len(f) for f in failures.values())
+        failed = [(case.name, cells[backend][1]) for case, cells in rows if not cells[backend][0]]
+        lines.append(f"{backend}: {len(rows) - len(failed)} of {len(rows)} cases pass")
+        lines.extend(f"  {name}: {detail}" for name, detail in failed)
+    return lines
+
+
+def conformance(backends=("reference", "numba")) -> int:
+    """Run every case with a progress bar (on a terminal), print the table and a total; returns the failures."""
+    from . import _console
+
+    with _console.status("loading the onnx node test cases (onnx builds every operator's cases)"):
+        count = len(node_cases())
+    with _console.progress(count, "onnx Attention node cases") as step:
+        rows = results(backends, on_case=step)
+    _console.table(None, ("case", "opset", *backends),
+                   ((case.name, case.opset, *(f"{'pass' if ok else 'FAIL'} {detail}" for ok, detail in
+                                              (cells[b] for b in backends)))
+                    for case, cells in rows), right=("opset",))
+    for line in summary(rows, backends):
+        _console.say(line)
+    return sum(not cells[b][0] for _, cells in rows for b in backends)

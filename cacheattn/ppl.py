@@ -67,6 +67,7 @@ def _check_cache_tensors(cache, scale, axes, *, num_layer, num_heads, head_dim, 
     names = axes.split()
     stored_dim = stored_head_dim(head_dim, quant_bit)
     want = {"L": num_layer, "KV": 2, "H": num_heads, "D": stored_dim}
+    # spec: ppl-kvc/quant-skip, ppl-mhca/types
     if quant_bit:
         if np.dtype(cache.dtype) != np.int8:
             raise TypeError(f"cache: expected int8 for quant_bit {quant_bit}, got {np.dtype(cache.dtype).name}")
@@ -76,6 +77,7 @@ def _check_cache_tensors(cache, scale, axes, *, num_layer, num_heads, head_dim, 
     check_shape("cache", cache, tuple(want.get(n) for n in names), f"for layout {layout_text}")
     extents = dict(zip(names, (int(s) for s in cache.shape)))
     if quant_bit:
+        # spec: ppl-mhca/scale-required
         if scale is None:
             raise ValueError(f"scale: required when quant_bit is {quant_bit}, got None")
         check_dtype("scale", scale, FLOAT_T1)
@@ -100,6 +102,7 @@ def _check_dynamic_indices(seqstarts, kvstarts, cachestarts, start_pos, max_seql
         b = int(bad[0])
         raise ValueError(f"kvstarts: expected kvlen = start_pos + seqlen for every batch; batch {b} has kvlen "
                          f"{kvlens[b]}, start_pos {start_pos[b]} + seqlen {seqlens[b]}")
+    # spec: ppl-mhca/max-lens
     _check_max("max_seqlen", max_seqlen, seqlens)
     _check_max("max_kvlen", max_kvlen, kvlens)
     _check_cachestarts(cachestarts, kvlens, max_t, cache_mode=cache_mode, page_size=page_size)
@@ -143,6 +146,7 @@ def _check_attention_attrs(num_heads, head_dim, num_kv_heads, is_causal, is_alib
     check_int("head_dim", head_dim, low=1)
     check_int("num_kv_heads", num_kv_heads, low=0)
     kv_heads = num_kv_heads or num_heads
+    # spec: ppl-mhca/gqa-divisible
     if num_heads % kv_heads:
         raise ValueError(f"num_kv_heads: expected a divisor of num_heads ({num_heads}), got {num_kv_heads}")
     for name, flag in (("is_causal", is_causal), ("is_alibi", is_alibi)):
@@ -183,6 +187,7 @@ def _check_kernel_tensors(engine, **tensors):
 
 # ---------------------------------------------------------------------------------------------- operators
 
+@arrays.accepts_torch
 def key_value_cache(current_key, current_value, start_pos, cache, scale=None, *, num_layer=1, layer_idx=0,
                     quant_bit=0, quant_group=8, num_repeat=1, cache_layout=0, backend="auto", threads=128):
     """OpenPPL `KeyValueCache`: store current key/value at start_pos, return the whole key/value so far.
@@ -245,6 +250,7 @@ def _dynamic_cache_checks(current_key, current_value, seqstarts, kvstarts, cache
     return idx
 
 
+@arrays.accepts_torch
 def dynamic_key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
                             max_kvlen, cache, scale=None, *, num_layer=1, layer_idx=0, quant_bit=0, quant_group=8,
                             num_repeat=1, cache_mode=0, cache_layout=0, page_size=128, backend="auto", threads=128):
@@ -278,6 +284,7 @@ def dynamic_key_value_cache(current_key, current_value, seqstarts, kvstarts, cac
         threads=threads, **attrs))
 
 
+@arrays.accepts_torch
 def dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
                                  attn_mask=None, *, num_heads, head_dim, is_causal, is_alibi=False, num_kv_heads=0,
                                  backend="auto", threads=128):
@@ -316,6 +323,7 @@ def dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decodin
         alibi_slopes=alibi_slopes(num_heads) if is_alibi else None, threads=threads, **attrs)
 
 
+@arrays.accepts_torch
 def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,
                                decoding_batches, max_seqlen, max_kvlen, cache, scale=None, attn_mask=None, *,
                                num_heads, head_dim, is_causal, is_alibi=False, num_kv_heads=0, num_layer=1,

@@ -87,6 +87,7 @@ def make_attention_kernel(row_offsets, load, score, key_range, *, head_dim_k: in
         if i0 >= seqlen:
             return                                   # block-uniform exit: no thread waits at a barrier
         h0 = cuda.blockIdx.y * HPB                   # first query head of this block
+        # spec: ppl-mhca/gqa, onnx/gqa
         g = h0 // group                              # the kv head every row of this block reads
         tid, nthreads = cuda.threadIdx.x, cuda.blockDim.x
 

@@ -68,6 +68,7 @@ def make_cache_access(quant_bit: int, quant_group: int, round_scale, round_value
     """
 
     @cuda.jit(device=True, inline="always")
+    # spec: ppl-mhca/offset-mode, ppl-mhca/paged-mode, ppl-mhca/layouts
     def row_offsets(src, b, t, h):
         starts, page = src[2], src[3]
         slot = starts[b, t // page] + t % page
@@ -130,6 +131,7 @@ def make_store_kernel(quant_bit: int, quant_group: int, head_dim: int, input_dty
                 data[row + (d0 + e) // 2] = byte - 256 if byte >= 128 else byte
 
     @cuda.jit
+    # spec: ppl-kvc/store, ppl-mhca/quant-bit, ppl-mhca/quant-group
     def store_kernel(cur_key, cur_value, seqstarts, num_heads, start_pos, key_dst, value_dst):
         b, i, h, grp = token_head_item(seqstarts, num_heads, groups)
         if i < 0:
@@ -150,6 +152,7 @@ def make_gather_kernel(quant_bit: int, quant_group: int, head_dim: int, round_sc
     row_offsets, load = make_cache_access(quant_bit, quant_group, round_scale, round_value)
 
     @cuda.jit
+    # spec: ppl-kvc/extract, ppl-kvc/num-repeat, ppl-kvc/dequant
     def gather_kernel(key_src, value_src, kvstarts, num_heads, num_repeat, key_out, value_out):
         b, t, h, d = token_head_item(kvstarts, num_heads, head_dim)
         if t < 0:

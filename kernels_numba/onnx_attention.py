@@ -43,6 +43,7 @@ def make_onnx_score(acc_t):
         return 0
 
     @cuda.jit(device=True, inline="always")
+    # spec: onnx/mask-kinds, onnx/mask-short, onnx/is-causal-top-left, onnx/nonpad
     def bias(args, b, h, i, j, seqlen, kvlen):
         """The additive bias of (query i, key j): mask value, or -inf when hidden."""
         mask, m_sb, m_sh, m_si, mask_cols, mask_kind, is_causal, left, right, _, nonpad, has_nonpad, _, _ = args
@@ -64,6 +65,7 @@ def make_onnx_score(acc_t):
         return m
 
     @cuda.jit(device=True, inline="always")
+    # spec: onnx/softcap, onnx/pattern
     def capped(args, qk):
         softcap = args[12]
         if softcap > 0:
@@ -113,6 +115,7 @@ def _attention_kernel(dtype, head_dim, v_head_dim, q_heads, kv_heads, q_len):
 
 
 @cache
+# spec: onnx/qk-output-modes
 def _qk_kernels(dtype, head_dim, mode):
     """Kernels for qk_matmul_output (batch, q_heads, q_seq, total_seq): one thread per element writes
     mode 0: q.k*scale, 1: softcapped, 2: + bias (modes 3 too); then, for mode 3 only, one thread per row
@@ -194,6 +197,7 @@ def _q_geometry(x, heads):
     return np.int64(h * seq * dim), np.int64(dim), np.int64(seq * dim)
 
 
+# spec: onnx/cache-inside, onnx/present-shape
 def _present(new, past, heads, batch, like, threads, stream):
     """present = concat(past, new) as (B, H, T, D); a 4-D `new` without past is returned as is."""
     if past is None and new.ndim == 4:

@@ -28,6 +28,7 @@ NEG_INF = np.float32(-math.inf)
 
 def make_ppl_score(round_query):
     @cuda.jit(device=True, inline="always")
+    # spec: ppl-mhca/causal, ppl-mhca/decoding-batches, ppl-mhca/alibi
     def causal_applies(args, b, seqlen):
         is_causal, decoding_batches, is_alibi = args[0], args[1], args[2]
         return (is_causal != 0 and seqlen > 1 and b >= decoding_batches) or is_alibi != 0

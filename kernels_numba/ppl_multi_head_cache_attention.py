@@ -14,6 +14,7 @@ from .ppl_dynamic_key_value_cache import cache_sources, page_table, store_curren
 from .ppl_dynamic_multi_head_attention import attend
 
 
+# spec: ppl-mhca/fused
 def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,
                                decoding_batches, max_seqlen, max_kvlen, cache, scale=None, attn_mask=None, *,
                                num_heads, head_dim, is_causal, alibi_slopes=None, num_kv_heads=0, layer_idx=0,

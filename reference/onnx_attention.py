@@ -81,13 +81,16 @@ def attention_bias(attn_mask, batch, q_len, kv_len, offsets, nonpad_kv_seqlen, *
             and nonpad_kv_seqlen is None:
         return None
     neg_inf, zero = dtype.type(-np.inf), dtype.type(0)
+    # spec: onnx/bias-sources, onnx/mask-shape, onnx/opset23-one-bias
     bias = np.zeros((1, 1, q_len, kv_len), dtype)
     if attn_mask is not None:
+        # spec: onnx/mask-short, onnx/nonpad-mask-length
         # A mask shorter than the total key length is padded with False / -inf.
         pad = kv_len - attn_mask.shape[-1]
         if pad > 0:
             fill = False if attn_mask.dtype == np.bool_ else -np.inf
             attn_mask = np.pad(attn_mask, [(0, 0)] * (attn_mask.ndim - 1) + [(0, pad)], constant_values=fill)
+        # spec: onnx/mask-kinds
         # bool: True = attend. Select, never multiply: 0 * -inf would be NaN.
         mask = np.where(attn_mask, zero, neg_inf) if attn_mask.dtype == np.bool_ else attn_mask.astype(dtype)
         bias = bias + mask                                                        # right-aligned broadcast
@@ -95,12 +98,14 @@ def attention_bias(attn_mask, batch, q_len, kv_len, offsets, nonpad_kv_seqlen, *
     j = np.arange(kv_len)[None, :]                                                # (1, kv)
     position = offsets[:, None, None, None] + i                                   # (batch, 1, q, 1)
     hidden = np.zeros((batch, 1, q_len, kv_len), bool)
+    # spec: onnx/is-causal-top-left, onnx/causal-with-mask, onnx/self-cross
     if is_causal:
         hidden |= j > position                                                    # key after the query
     if left_window_size >= 0:
         hidden |= j < position - left_window_size                                 # too far back
     if right_window_size >= 0:
         hidden |= j > position + right_window_size                                # too far ahead
+    # spec: onnx/nonpad, onnx/cache-outside
     if nonpad_kv_seqlen is not None:
         hidden |= j >= np.asarray(nonpad_kv_seqlen).reshape(-1, 1, 1, 1)          # padding keys
     return np.where(hidden, neg_inf, bias).astype(dtype)
@@ -112,16 +117,19 @@ def onnx_attention(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonp
                    return_qk_matmul_output=False):
     """Returns (Y, present_key, present_value, qk_matmul_output or None)."""
     three_d = Q.ndim == 3
+    # spec: onnx/q-shape, onnx/kv-shape, onnx/num-heads-3d
     # 3-D inputs are (batch, seq, heads * size): reshape and transpose to (batch, heads, seq, size).
     q = _to_4d(Q, q_num_heads)                                                    # (B, Hq, S, D)
     k = _to_4d(K, kv_num_heads)                                                   # (B, Hkv, L, D)
     v = _to_4d(V, kv_num_heads)                                                   # (B, Hkv, L, Dv)
     batch, heads, q_len, head_size = q.shape
 
+    # spec: onnx/scale, onnx/pattern
     # "scale: default 1/sqrt(head_size) ... Q and K are scaled by sqrt(scale) before the matmul"
     scale = 1 / np.sqrt(head_size) if scale is None else scale
     root = q.dtype.type(np.sqrt(scale))                                           # in the input dtype
 
+    # spec: onnx/cache-inside, onnx/past-shape, onnx/present-shape
     # KV cache inside the operator: present = concat(past, current) on the sequence axis.
     present_key = k if past_key is None else np.concatenate([past_key, k], axis=2)       # (B, Hkv, T, D)
     present_value = v if past_value is None else np.concatenate([past_value, v], axis=2)  # (B, Hkv, T, Dv)
@@ -132,6 +140,7 @@ def onnx_attention(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonp
     bias = attention_bias(attn_mask, batch, q_len, kv_len, offsets, nonpad_kv_seqlen, is_causal=bool(is_causal),
                           left_window_size=left_window_size, right_window_size=right_window_size, dtype=q.dtype)
 
+    # spec: onnx/gqa
     # GQA / MQA: each kv head serves q_num_heads / kv_num_heads consecutive query heads. Grouping the query
     # heads as (B, Hkv, group, S, D) against K/V viewed as (B, Hkv, 1, T, D) broadcasts each kv head over
     # its group: the same products as repeating K/V along the head axis, without copying them.
@@ -143,9 +152,11 @@ def onnx_attention(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonp
 
     raw = _matmul(q_grouped * root, (keys * root).swapaxes(-1, -2))               # (B, Hkv, G, S, T)
     raw = raw.reshape(batch, heads, q_len, kv_len)                                # (B, Hq, S, T), mode 0
+    # spec: onnx/softcap
     # softcap before the mask: softcap * tanh(x / softcap) would turn -inf into -softcap.
     capped = raw if softcap <= 0 else (np.tanh(raw / raw.dtype.type(softcap)) * raw.dtype.type(softcap))
     biased = capped if bias is None else capped + bias                            # mode 2
+    # spec: onnx/softmax-precision
     if softmax_precision is not None:
         biased = biased.astype(_dtype_of_precision(softmax_precision))
     probs = masked_softmax(biased)
@@ -154,11 +165,13 @@ def onnx_attention(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonp
         no_key = np.isneginf(bias.max(axis=-1, keepdims=True))
         probs = np.where(no_key, probs.dtype.type(0), probs)                      # mode 3
 
+    # spec: onnx/y-shape, onnx/types
     p_grouped = probs.astype(q.dtype).reshape(batch, kv_heads, group, q_len, kv_len)
     y = _matmul(p_grouped, values).reshape(batch, heads, q_len, -1)               # (B, Hq, S, Dv)
     if three_d:
         y = y.transpose(0, 2, 1, 3).reshape(batch, q_len, -1)                     # (B, S, Hq * Dv)
     qk = None
     if return_qk_matmul_output:
+        # spec: onnx/qk-output-modes, onnx/qk-output-shape
         qk = (raw, capped, biased, probs)[qk_matmul_output_mode].astype(q.dtype)
     return y, present_key, present_value, qk

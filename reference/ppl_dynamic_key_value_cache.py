@@ -20,6 +20,7 @@ def cache_slots(b, positions, cachestarts, cache_mode, page_size):
     cache_mode 0: cachestarts[b] + t.  cache_mode 1: cachestarts[b, t // page_size] + t % page_size
     (the page table holds token offsets into MaxT, not page numbers).
     """
+    # spec: ppl-mhca/offset-mode, ppl-mhca/paged-mode, ppl-mhca/page-size
     if cache_mode == 0:
         return cachestarts[b] + positions
     return cachestarts[b, positions // page_size] + positions % page_size
@@ -34,6 +35,7 @@ def dynamic_key_value_cache(current_key, current_value, seqstarts, kvstarts, cac
     max_seqlen and max_kvlen only size parallel work; the result does not depend on them.
     """
     axes = DYNAMIC_LAYOUTS[cache_layout]
+    # spec: ppl-mhca/layouts, ppl-mhca/layer-idx, ppl-mhca/cache-in-out
     k_cache, v_cache = layer_views(cache, axes, layer_idx)              # each (MaxT, H, Dh stored)
     if quant_bit:
         k_scales, v_scales = layer_views(scale, axes, layer_idx)        # each (MaxT, H, Dh/quant_group)
@@ -46,6 +48,7 @@ def dynamic_key_value_cache(current_key, current_value, seqstarts, kvstarts, cac
     for b in batches:
         seq = slice(seqstarts[b], seqstarts[b + 1])
         start_p = int(start_pos[b])
+        # spec: ppl-mhca/start-pos, ppl-mhca/seqstarts
         # Current tokens go to positions [start_pos, start_pos + s) of batch b.
         stored = cache_slots(b, np.arange(start_p, start_p + seq.stop - seq.start), cachestarts, cache_mode,
                              page_size)
@@ -58,6 +61,7 @@ def dynamic_key_value_cache(current_key, current_value, seqstarts, kvstarts, cac
             k_cache[stored], v_cache[stored] = current_key[seq], current_value[seq]
 
     for b in batches:
+        # spec: ppl-mhca/kvstarts
         # Read back positions [0, kvlen) of batch b; kvlen = start_pos + s.
         kv = slice(kvstarts[b], kvstarts[b + 1])
         read = cache_slots(b, np.arange(kv.stop - kv.start), cachestarts, cache_mode, page_size)

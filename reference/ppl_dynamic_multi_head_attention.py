@@ -24,12 +24,15 @@ def attention_bias(b, seqlen, kvlen, q_rows, kv_cols, decoding_batches, attn_mas
     i = np.arange(seqlen)[:, None]                                        # (S, 1)
     j = np.arange(kvlen)[None, :]                                         # (1, K)
     last_visible = kvlen - seqlen + i                                     # (S, 1)
+    # spec: ppl-mhca/causal, ppl-mhca/decoding-batches
     # "is_causal: Whether apply casual mask when sequence length > 1"; decoding batches need none.
     causal = (is_causal and seqlen > 1 and b >= decoding_batches) or is_alibi   # ALiBi always carries it
+    # spec: ppl-mhca/mask-offsets, ppl-mhca/mask-shape, ppl-mhca/mask-padded
     mask = None if attn_mask is None else attn_mask[..., q_rows, kv_cols]  # (S, K) or (H, S, K)
     if not causal and mask is None:
         return None
     if is_alibi:
+        # spec: ppl-mhca/alibi
         # ALiBi bias slope * (j - last_visible), plus the user mask, is formed in the query dtype.
         slopes = alibi_slopes(num_heads).astype(dtype)[:, None, None]     # (H, 1, 1)
         bias = slopes * (j - last_visible).astype(dtype)                  # (H, S, K), query dtype
@@ -50,8 +53,10 @@ def dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decodin
     query: (seqstarts[B], num_heads, head_dim); key, value: (kvstarts[B], num_kv_heads, head_dim).
     attn_mask: (sum seqlens, >= sum kvlens) or (num_heads, sum seqlens, >= sum kvlens).
     """
+    # spec: ppl-mhca/kv-heads-default
     num_kv_heads = num_kv_heads or num_heads                              # "Default is 0 ... num_heads is used"
     group = num_heads // num_kv_heads
+    # spec: ppl-mhca/types
     # Scores, softmax and P.V accumulate in float32 for T1 in {float16, float32}; float64 inputs (the
     # tests' exact evaluation) keep float64 throughout.
     acc = np.promote_types(query.dtype, np.float32)
@@ -62,10 +67,12 @@ def dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decodin
         kv_rows = slice(kvstarts[b], kvstarts[b + 1])
         seqlen, kvlen = q_rows.stop - q_rows.start, kv_rows.stop - kv_rows.start
         q = query[q_rows].astype(acc)                                     # (S, H, Dh)
+        # spec: ppl-mhca/gqa
         # GQA: "repeat key and value num_heads/num_kv_heads times": query head h reads kv head h // group.
         k = np.repeat(key[kv_rows], group, axis=1).astype(acc)            # (K, H, Dh)
         v = np.repeat(value[kv_rows], group, axis=1)                      # (K, H, Dh), value dtype
 
+        # spec: ppl-mhca/head-dim, ppl-mhca/shapes
         scores = np.einsum("shd,khd->hsk", q, k) / acc.type(np.sqrt(head_dim))    # (H, S, K)
         bias = attention_bias(b, seqlen, kvlen, q_rows, kv_rows, decoding_batches, attn_mask,
                               num_heads=num_heads, is_causal=is_causal, is_alibi=is_alibi, dtype=query.dtype)

@@ -22,8 +22,10 @@ def key_value_cache(current_key, current_value, start_pos, cache, scale=None, *,
     batch, s = current_key.shape[:2]
     start_p = int(np.asarray(start_pos).reshape(-1)[0])
     axes = STATIC_LAYOUTS[cache_layout]
+    # spec: ppl-kvc/layer-idx, ppl-kvc/layouts, ppl-kvc/in-out
     k_cache, v_cache = layer_views(cache, axes, layer_idx)                     # each (MaxB, MaxS, H, Dh stored)
 
+    # spec: ppl-kvc/store, ppl-kvc/start-pos
     # "First store the input key and value in the position of start_pos indexing"
     if quant_bit:
         k_scales, v_scales = layer_views(scale, axes, layer_idx)               # each (MaxB, MaxS, H, Dh/quant_group)
@@ -37,6 +39,7 @@ def key_value_cache(current_key, current_value, start_pos, cache, scale=None, *,
         k_cache[:batch, start_p:start_p + s] = current_key
         v_cache[:batch, start_p:start_p + s] = current_value
 
+    # spec: ppl-kvc/extract, ppl-kvc/dequant, ppl-kvc/outputs
     # "Then extract the key and value from the begining to start_pos + sequence_length"
     if quant_bit:
         key = dequantize(k_cache[:batch, :start_p + s], k_scales[:batch, :start_p + s],
@@ -47,5 +50,6 @@ def key_value_cache(current_key, current_value, start_pos, cache, scale=None, *,
         key = k_cache[:batch, :start_p + s].astype(current_key.dtype)
         value = v_cache[:batch, :start_p + s].astype(current_value.dtype)
 
+    # spec: ppl-kvc/num-repeat
     # num_repeat (GQA): each head repeated num_repeat times in a row on the head axis.
     return np.repeat(key, num_repeat, axis=2), np.repeat(value, num_repeat, axis=2)

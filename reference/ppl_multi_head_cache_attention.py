@@ -15,6 +15,7 @@ def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvs
                                num_heads, head_dim, is_causal, is_alibi=False, num_kv_heads=0, num_layer=1,
                                layer_idx=0, quant_bit=0, quant_group=8, cache_mode=0, cache_layout=0, page_size=128):
     """attn_output (seqstarts[B], num_heads, head_dim); `cache` and `scale` are modified in place."""
+    # spec: ppl-mhca/fused
     key, value = dynamic_key_value_cache(
         current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen, max_kvlen, cache,
         scale, num_layer=num_layer, layer_idx=layer_idx, quant_bit=quant_bit, quant_group=quant_group,

@@ -24,6 +24,7 @@ QMAX = {8: 127, 4: 7}
 MIN_SCALE = 1e-5
 
 
+# spec: ppl-kvc/quant-bit, ppl-kvc/quant-group, ppl-mhca/quant-bit, ppl-mhca/quant-group
 def quantize(x: np.ndarray, quant_bit: int, quant_group: int, scale_dtype) -> tuple[np.ndarray, np.ndarray]:
     """Return (scale, q) for x (..., Dh); the document's order is `k_scale, k_quant = quant(current_key)`.
 
@@ -41,6 +42,7 @@ def quantize(x: np.ndarray, quant_bit: int, quant_group: int, scale_dtype) -> tu
     return scale.astype(scale_dtype), q
 
 
+# spec: ppl-kvc/dequant
 def dequantize(q: np.ndarray, scale: np.ndarray, quant_bit: int, quant_group: int, out_dtype) -> np.ndarray:
     """x' = q * scale, multiplied in the scale's dtype, then cast to out_dtype. Returns (..., Dh)."""
     if quant_bit == 4:

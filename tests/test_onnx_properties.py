@@ -1,6 +1,7 @@
 """ONNX Attention: the reference held to the invariants the schema implies, the kernels to the reference."""
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,6 +21,7 @@ def to_4d(x, heads):
     return np.ascontiguousarray(x.reshape(batch, seq, heads, hidden // heads).transpose(0, 2, 1, 3))
 
 
+@pytest.mark.spec("onnx/q-shape", "onnx/kv-shape", "onnx/y-shape", "onnx/num-heads-3d")
 @settings(max_examples=REFERENCE)
 @given(onnx_cases().filter(lambda c: c.three_d))
 def test_3d_equals_4d(case):
@@ -34,6 +36,7 @@ def test_3d_equals_4d(case):
         assert_bits_equal(name, getattr(three, name), getattr(four, name))
 
 
+@pytest.mark.spec("onnx/gqa")
 @settings(max_examples=REFERENCE)
 @given(onnx_cases(past=False).filter(lambda c: c.q_heads > c.kv_heads and not c.three_d))
 def test_gqa_equals_repeated_heads(case):
@@ -45,6 +48,7 @@ def test_gqa_equals_repeated_heads(case):
     assert_bits_equal("qk_matmul_output", gqa.qk_matmul_output, mha.qk_matmul_output)
 
 
+@pytest.mark.spec("onnx/mask-kinds", "onnx/bias-sources")
 @settings(max_examples=REFERENCE)
 @given(onnx_cases(masks=("bool",)))
 def test_bool_mask_equals_float_zero_minus_inf_mask(case):
@@ -79,6 +83,7 @@ def explicit_mask(case, inputs, offsets):
     return keep
 
 
+@pytest.mark.spec("onnx/cache-inside", "onnx/past-shape", "onnx/present-shape")
 @settings(max_examples=REFERENCE)
 @given(onnx_cases(masks=("none", "bool")).filter(lambda c: c.past_len > 0))
 def test_past_and_present_equal_concatenated_kv_without_past(case):
@@ -99,6 +104,7 @@ def test_past_and_present_equal_concatenated_kv_without_past(case):
     assert_bits_equal("Y", y, without.Y)
 
 
+@pytest.mark.spec("onnx/nonpad", "onnx/cache-outside", "onnx/nonpad-mask-length")
 @settings(max_examples=REFERENCE)
 @given(onnx_cases(past=False, masks=("none", "bool")).filter(lambda c: c.nonpad is not None))
 def test_nonpad_kv_seqlen_equals_its_padding_mask(case):
@@ -110,6 +116,7 @@ def test_nonpad_kv_seqlen_equals_its_padding_mask(case):
     assert_bits_equal("Y", a.Y, b.Y)
 
 
+@pytest.mark.spec("onnx/mask-short", "onnx/mask-shape")
 @settings(max_examples=REFERENCE)
 @given(onnx_cases(masks=("bool", "float")).filter(lambda c: c.mask_shape[-1] < c.total))
 def test_short_mask_equals_explicitly_padded_mask(case):
@@ -122,6 +129,7 @@ def test_short_mask_equals_explicitly_padded_mask(case):
     assert_bits_equal("Y", a.Y, b.Y)
 
 
+@pytest.mark.spec("onnx/softcap")
 @settings(max_examples=REFERENCE)
 @given(onnx_cases(dtypes=("float64",)).filter(lambda c: c.softcap == 0))
 def test_softcap_tends_to_identity(case):
@@ -142,6 +150,7 @@ def test_fully_masked_rows_give_zeros():
     assert np.isfinite(out.Y).all()
 
 
+@pytest.mark.spec("onnx/pattern", "onnx/scale")
 @settings(max_examples=REFERENCE)
 @given(onnx_cases())
 def test_reference_matches_float64_evaluation(case):

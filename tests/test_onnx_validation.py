@@ -61,6 +61,8 @@ BAD = [
 ]
 
 
+@pytest.mark.spec("onnx/past-together", "onnx/nonpad-no-past", "onnx/types", "onnx/num-heads-3d", "onnx/mask-shape",
+                  "onnx/nonpad-mask-length", "onnx/gqa", "onnx/qk-output-modes")
 @pytest.mark.parametrize("backend", ["reference", "numba"])
 @pytest.mark.parametrize("name,args,error,param", BAD, ids=[b[0] for b in BAD])
 def test_bad_onnx_attention_input(name, args, error, param, backend):

@@ -3,6 +3,7 @@
 import math
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -43,6 +44,7 @@ def logical_tokens(cache, case, cachestarts, cache_layout=None, cache_mode=None)
     return k[slots], v[slots]
 
 
+@pytest.mark.spec("ppl-mhca/fused", "ppl-mhca/types", "ppl-mhca/head-dim", "ppl-mhca/shapes")
 @settings(max_examples=REFERENCE)
 @given(ppl_cases())
 def test_reference_matches_float64_evaluation(case):
@@ -53,6 +55,7 @@ def test_reference_matches_float64_evaluation(case):
     assert_close("attn_output", out, float64_ppl_attention(inputs, case, key, value), case.dtype)
 
 
+@pytest.mark.spec("ppl-mhca/layouts", "ppl-mhca/layer-idx", "ppl-mhca/cache-in-out")
 @settings(max_examples=REFERENCE)
 @given(ppl_cases(modes=(0,)))
 def test_cache_layouts_agree(case):
@@ -102,6 +105,7 @@ def to_paged(inputs, case, page_size, rng):
     return x
 
 
+@pytest.mark.spec("ppl-mhca/offset-mode", "ppl-mhca/paged-mode", "ppl-mhca/page-size")
 @settings(max_examples=REFERENCE)
 @given(ppl_cases(modes=(0,)), st.sampled_from([1, 2, 3, 5]), st.integers(0, 2**32 - 1))
 def test_offset_cache_equals_paged_cache(case, page_size, seed):
@@ -117,6 +121,7 @@ def test_offset_cache_equals_paged_cache(case, page_size, seed):
         assert_bits_equal("cache tokens", got, want)
 
 
+@pytest.mark.spec("ppl-mhca/gqa")
 @settings(max_examples=REFERENCE)
 @given(ppl_cases().filter(lambda c: c.num_heads > c.num_kv_heads))
 def test_gqa_equals_mha_with_repeated_heads(case):
@@ -132,6 +137,7 @@ def test_gqa_equals_mha_with_repeated_heads(case):
     assert_bits_equal("attn_output", gqa_out, mha_out)
 
 
+@pytest.mark.spec("ppl-mhca/alibi")
 def test_alibi_slopes_known_values():
     assert alibi_slopes(8).tolist() == [2.0**-n for n in range(1, 9)]
     # 12 heads: the 8-head slopes, then 2^-0.5, 2^-1.5, 2^-2.5, 2^-3.5 (odd steps of a 16-head model).
@@ -139,6 +145,7 @@ def test_alibi_slopes_known_values():
     assert np.allclose(alibi_slopes(12), want, rtol=1e-7)
 
 
+@pytest.mark.spec("ppl-mhca/alibi", "ppl-mhca/mask-offsets")
 @settings(max_examples=REFERENCE)
 @given(ppl_cases(alibi=(True,), masks=("none", "2d")))
 def test_alibi_equals_explicit_bias_mask(case):
@@ -168,6 +175,7 @@ def test_alibi_equals_explicit_bias_mask(case):
     assert_bits_equal("attn_output", alibi_out, explicit_out)
 
 
+@pytest.mark.spec("ppl-mhca/seqstarts", "ppl-mhca/kvstarts", "ppl-mhca/mask-offsets", "ppl-mhca/start-pos")
 @settings(max_examples=REFERENCE)
 @given(ppl_cases(masks=("none",)))
 def test_batched_requests_equal_each_request_alone(case):
@@ -189,6 +197,7 @@ def test_batched_requests_equal_each_request_alone(case):
 @given(ppl_cases(max_batch=1, masks=("none",)).map(lambda c: with_(c, past=(0,), decoding_batches=0,
                                                                     is_causal=True)),
        st.integers(0, 2**32 - 1))
+@pytest.mark.spec("ppl-mhca/causal", "ppl-mhca/decoding-batches", "ppl-mhca/start-pos")
 def test_prefill_equals_chunked_prefill_equals_decode(case, seed):
     """One prompt attended three ways: all at once, in random chunks, one token per call."""
     inputs = build_ppl(with_(case, seqlens=(case.seqlens[0] + 2,)))
@@ -208,6 +217,8 @@ def test_prefill_equals_chunked_prefill_equals_decode(case, seed):
         assert_close(f"{len(bounds) - 1} calls", np.concatenate(pieces), full, case.dtype)
 
 
+@pytest.mark.spec("ppl-kvc/store", "ppl-kvc/extract", "ppl-kvc/dequant", "ppl-kvc/layouts", "ppl-kvc/num-repeat",
+                  "ppl-kvc/layer-idx", "ppl-kvc/start-pos", "ppl-kvc/outputs", "ppl-kvc/in-out")
 @settings(max_examples=REFERENCE)
 @given(static_cases())
 def test_static_key_value_cache_equals_dynamic(case):
@@ -255,6 +266,7 @@ def written_elements(case, inputs):
     return marks
 
 
+@pytest.mark.spec("ppl-mhca/cache-in-out", "ppl-mhca/layer-idx")
 @settings(max_examples=REFERENCE)
 @given(ppl_cases())
 def test_untouched_cache_bits_stay(case):

@@ -86,6 +86,10 @@ BAD_MHCA = [
 ]
 
 
+@pytest.mark.spec("ppl-mhca/gqa-divisible", "ppl-mhca/scale-required", "ppl-mhca/max-lens", "ppl-mhca/mask-shape",
+                  "ppl-mhca/mask-padded", "ppl-mhca/decoding-batches", "ppl-mhca/seqstarts", "ppl-mhca/kvstarts",
+                  "ppl-mhca/quant-bit", "ppl-mhca/quant-group", "ppl-mhca/layouts", "ppl-mhca/offset-mode",
+                  "ppl-mhca/paged-mode", "ppl-mhca/page-size", "ppl-mhca/shapes", "ppl-mhca/types")
 @pytest.mark.parametrize("backend", ["reference", "numba"])
 @pytest.mark.parametrize("name,mutate,error,param,case", BAD_MHCA, ids=[b[0] for b in BAD_MHCA])
 def test_bad_multi_head_cache_attention_input(name, mutate, error, param, case, backend):
@@ -130,6 +134,8 @@ BAD_STATIC = [
 ]
 
 
+@pytest.mark.spec("ppl-kvc/start-pos", "ppl-kvc/layouts", "ppl-kvc/num-repeat", "ppl-kvc/layer-idx",
+                  "ppl-kvc/quant-group")
 @pytest.mark.parametrize("backend", ["reference", "numba"])
 @pytest.mark.parametrize("name,changes,error,param", BAD_STATIC, ids=[b[0] for b in BAD_STATIC])
 def test_bad_key_value_cache_input(name, changes, error, param, backend):

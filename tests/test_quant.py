@@ -13,6 +13,7 @@ from strategies import REFERENCE
 EXAMPLE = [0.5, -1, 0.25, 2.54, -2.54, 0.01, 1.27, -0.635]
 
 
+@pytest.mark.spec("ppl-kvc/quant-bit", "ppl-mhca/quant-bit", "ppl-kvc/quant-group", "ppl-mhca/quant-group")
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_worked_example_int8(dtype):
     # DESIGN.md: scale 0.02, q = [25,-50,12,127,-127,0,64,-32]; 12.5 -> 12 and 63.5 -> 64 show half-to-even.
@@ -28,6 +29,7 @@ def test_float16_inputs_quantize_in_float16():
     assert q.tolist() == [25, -50, 13, 127, -127, 1, 64, -32]
 
 
+@pytest.mark.spec("ppl-mhca/types")
 def test_int4_packing_is_low_nibble_first():
     values = np.array([1, -1, -8, 7], np.int8)
     packed = pack_int4(values)
@@ -43,6 +45,7 @@ UNIT_ROUNDOFF = {np.float16: 2.0**-11, np.float32: 2.0**-24, np.float64: 2.0**-5
 @given(dtype=st.sampled_from([np.float16, np.float32, np.float64]), quant_bit=st.sampled_from([8, 4]),
        group=st.sampled_from([2, 4, 8, 16]), groups=st.integers(1, 4), magnitude=st.sampled_from([1e-6, 1e-2, 1, 300]),
        seed=st.integers(0, 2**32 - 1))
+@pytest.mark.spec("ppl-kvc/dequant", "ppl-kvc/quant-group", "ppl-mhca/quant-group")
 def test_round_trip_error_is_half_a_step(dtype, quant_bit, group, groups, magnitude, seed):
     x = (np.random.default_rng(seed).standard_normal((3, groups * group)) * magnitude).astype(dtype)
     scale, q = quantize(x, quant_bit, group, np.float32)

@@ -1,0 +1,182 @@
+"""SVG pictures for the docs site, drawn from the same rules the references use (no plotting library).
+
+`write_all(directory)` writes every figure; the mkdocs hook (cacheattn/_site_hooks.py) calls it
+before each build, so a picture can never disagree with the code. The figures are git-ignored.
+Each figure function returns the SVG text, so a docs page or a test can also look at it.
+"""
+
+from __future__ import annotations
+
+from html import escape
+from pathlib import Path
+
+import numpy as np
+
+CELL = 22                   # side of one grid cell, px
+FONT = "font-family='DejaVu Sans Mono, monospace' font-size='11'"
+# One colour per request / kind of cell; kept few and distinguishable in grey scale too.
+PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#b07aa1", "#76b7b2")
+HIDDEN, EMPTY, SINK = "#eeeeee", "#ffffff", "#9c755f"
+
+
+class Svg:
+    """An SVG canvas that grows to fit what is drawn on it."""
+
+    def __init__(self):
+        self.items: list[str] = []
+        self.width = self.height = 0
+
+    def _fit(self, x, y):
+        self.width, self.height = max(self.width, x + 4), max(self.height, y + 4)
+
+    def rect(self, x, y, w, h, fill, label="", text_fill="#000"):
+        self.items.append(f"<rect x='{x}' y='{y}' width='{w}' height='{h}' fill='{fill}' stroke='#555' "
+                          "stroke-width='0.5'/>")
+        if str(label):                           # token 0 is a label too
+            self.text(x + w / 2, y + h / 2 + 4, label, anchor="middle", fill=text_fill)
+        self._fit(x + w, y + h)
+
+    def text(self, x, y, text, anchor="start", fill="#000", bold=False):
+        weight = " font-weight='bold'" if bold else ""
+        self.items.append(f"<text x='{x}' y='{y}' text-anchor='{anchor}' fill='{fill}' {FONT}{weight}>"
+                          f"{escape(str(text))}</text>")
+        self._fit(x + (0 if anchor != "start" else 7 * len(str(text))), y)
+
+    def line(self, x1, y1, x2, y2, colour="#555"):
+        self.items.append(f"<line x1='{x1}' y1='{y1}' x2='{x2}' y2='{y2}' stroke='{colour}' stroke-width='1.2' "
+                          "marker-end='url(#arrow)'/>")
+        self._fit(max(x1, x2), max(y1, y2))
+
+    def render(self) -> str:
+        arrow = ("<defs><marker id='arrow' markerWidth='8' markerHeight='8' refX='7' refY='4' orient='auto'>"
+                 "<path d='M0,0 L8,4 L0,8 z' fill='#555'/></marker></defs>")
+        return (f"<svg xmlns='http://www.w3.org/2000/svg' width='{self.width}' height='{self.height}' "
+                f"viewBox='0 0 {self.width} {self.height}'>{arrow}" + "".join(self.items) + "</svg>\n")
+
+
+def visibility(visible: np.ndarray, title: str, *, row_label="query i", col_label="key j") -> str:
+    """A (rows, cols) boolean mask: filled where query row i sees key j."""
+    svg, left, top = Svg(), 70, 54
+    svg.text(4, 14, title, bold=True)
+    svg.text(left, top - 18, col_label)
+    for j in range(visible.shape[1]):
+        svg.text(left + j * CELL + CELL / 2, top - 4, j, anchor="middle")
+    for i, row in enumerate(visible):
+        svg.text(left - 8, top + i * CELL + CELL / 2 + 4, f"{row_label.split()[-1]}={i}", anchor="end")
+        for j, seen in enumerate(row):
+            svg.rect(left + j * CELL, top + i * CELL, CELL, CELL, PALETTE[0] if seen else HIDDEN)
+    return svg.render()
+
+
+def causal_masks(seqlen: int = 3, kvlen: int = 7) -> tuple[str, str]:
+    """OpenPPL's bottom-right causal (query i sees j <= kvlen - seqlen + i: the new tokens follow the cached
+    ones) and ONNX's top-left one without past (query i sees j <= i), for the same shapes."""
+    i, j = np.arange(seqlen)[:, None], np.arange(kvlen)[None, :]
+    bottom_right = visibility(j <= kvlen - seqlen + i, f"OpenPPL causal, seqlen {seqlen}, kvlen {kvlen}: bottom-right")
+    top_left = visibility(j <= i, f"ONNX is_causal=1 without past, {seqlen} x {kvlen}: top-left")
+    return bottom_right, top_left
+
+
+def page_table(cachestarts: np.ndarray, kvlens, page_size: int, max_t: int) -> str:
+    """Each request's logical pages (top) and where its page table puts them among the cache's MaxT slots
+    (bottom); entries are token offsets into MaxT, as in OpenPPL's cache_mode 1."""
+    svg, left = Svg(), 80
+    svg.text(4, 14, f"paged cache: page_size {page_size}, MaxT {max_t}; cachestarts[b, p] = first slot of page p",
+             bold=True)
+    slots_top = 40 + len(kvlens) * (CELL + 10) + 30
+    for b, kvlen in enumerate(kvlens):
+        y = 36 + b * (CELL + 10)
+        svg.text(4, y + CELL / 2 + 4, f"request {'abcdef'[b]}")
+        for t in range(kvlen):
+            page, row = divmod(t, page_size)
+            x = left + (page * (page_size + 1) + row) * CELL
+            svg.rect(x, y, CELL, CELL, PALETTE[b], f"{t}", text_fill="#fff")
+            if row == 0:
+                slot = int(cachestarts[b, page])
+                svg.line(x + CELL / 2, y + CELL, left + slot * CELL + CELL / 2, slots_top - 2, PALETTE[b])
+    owner = {}
+    for b, kvlen in enumerate(kvlens):
+        for t in range(kvlen):
+            owner[int(cachestarts[b, t // page_size]) + t % page_size] = (b, t)
+    svg.text(4, slots_top + CELL / 2 + 4, "cache slot")
+    for s in range(max_t):
+        b, t = owner.get(s, (None, None))
+        svg.rect(left + s * CELL, slots_top, CELL, CELL, EMPTY if b is None else PALETTE[b],
+                 "" if b is None else f"{'abcdef'[b]}{t}", text_fill="#fff")
+        if s % page_size == 0:
+            svg.text(left + s * CELL + 2, slots_top + CELL + 14, s)
+    return svg.render()
+
+
+def memory_order(axes: str, extents: dict, count: int, title: str) -> str:
+    """The first `count` elements of a cache with named axes in memory order, coloured K / V, labelled by token.
+    Shows what a layout means: which tokens and heads sit next to each other."""
+    svg, names = Svg(), axes.split()
+    shape = [extents[n] for n in names]
+    svg.text(4, 14, title, bold=True)
+    for flat in range(min(count, int(np.prod(shape)))):
+        idx = dict(zip(names, (int(v) for v in np.unravel_index(flat, shape))))
+        fill = PALETTE[0] if idx.get("KV", 0) == 0 else PALETTE[1]
+        label = f"t{idx.get('T', 0)}" if idx.get("D", 0) == 0 else ""
+        svg.rect(4 + flat * 12, 24, 12, CELL, fill if idx.get("H", 0) == 0 else _lighter(fill))
+        if label:
+            svg.text(4 + flat * 12, 24 + CELL + 12, label)
+    svg.text(4, 24 + CELL + 28, "blue K, orange V; pale = head 1; a label marks d = 0 of a token t")
+    return svg.render()
+
+
+def _lighter(colour: str) -> str:
+    rgb = [int(colour[i:i + 2], 16) for i in (1, 3, 5)]
+    return "#" + "".join(f"{(c + 255) // 2:02x}" for c in rgb)
+
+
+def cyclic_slot(t: int, window: int, sinks: int, bubble: int = 0) -> int:
+    """Slot of token t in a cyclic cache of `window` slots whose first `sinks` tokens stay (StreamingLLM)."""
+    return t if t < sinks else sinks + bubble + (t - sinks) % (window - sinks)
+
+
+def cyclic_cache(window: int = 8, sinks: int = 2, tokens: int = 14) -> str:
+    """Which token each slot of a cyclic KV cache holds after each step: sinks stay, the rest wrap."""
+    svg, left = Svg(), 90
+    svg.text(4, 14, f"cyclic KV cache, window {window}, {sinks} sink tokens: slot of token t after each step",
+             bold=True)
+    for s in range(window):
+        svg.text(left + s * CELL + CELL / 2, 36, s, anchor="middle")
+    held = [None] * window
+    for t in range(tokens):
+        held[cyclic_slot(t, window, sinks)] = t
+        y = 42 + t * (CELL + 2)
+        svg.text(4, y + CELL / 2 + 4, f"after t={t}")
+        for s, token in enumerate(held):
+            fill = EMPTY if token is None else SINK if token < sinks else PALETTE[0]
+            colour = "#fff" if token is not None else "#000"
+            svg.rect(left + s * CELL, y, CELL, CELL, fill, "" if token is None else token, text_fill=colour)
+    return svg.render()
+
+
+def figures() -> dict[str, str]:
+    """{file name: SVG text} of every figure the pages embed."""
+    from reference.cache_layout import DYNAMIC_LAYOUTS
+
+    bottom_right, top_left = causal_masks()
+    out = {"causal-bottom-right.svg": bottom_right, "causal-top-left.svg": top_left,
+           "page-table.svg": page_table(np.array([[12, 0], [24, -1], [4, 28]]), (6, 3, 7), 4, 32),
+           "cyclic-sinks.svg": cyclic_cache()}
+    extents = dict(L=1, KV=2, T=3, H=2, D=2)
+    for layout, axes in DYNAMIC_LAYOUTS.items():
+        out[f"ppl-layout-{layout}.svg"] = memory_order(
+            axes, extents, 24, f"cache_layout {layout}: ({', '.join(axes.split())}) with T=3 tokens, H=2, Dh=2")
+    return out
+
+
+def write_all(directory: Path) -> list[Path]:
+    """Write every figure into directory; a file whose text is unchanged is left alone (so `mkdocs serve`,
+    which rebuilds on change, does not loop). Returns the paths."""
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, text in figures().items():
+        path = directory / name
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
+        paths.append(path)
+    return paths
