@@ -1,5 +1,10 @@
-"""python -m cacheattn tour: every implemented operator, on the reference and on the kernels, for a
-handful of realistic configurations, each compared with a float64 evaluation of the reference.
+"""python -m cacheattn tour: a tiny LLM served end to end, then every implemented operator on its own.
+
+First a serving loop (`cacheattn.serving`): a seeded random decoder-only model serves several prompts
+with in-flight batching through `multi_head_cache_attention` on a paged int8 cache, on the reference and
+on the kernels, every step's attention checked against float64, and the greedy tokens of the two runs
+compared. Then every implemented operator, on the reference and on the kernels, for a handful of
+realistic configurations, each compared with a float64 evaluation of the reference.
 
 Cache-only operators (KeyValueCache) are specified to the bit, so their error is exact: 0 or a failure.
 Attention outputs are compared with float64 at the dtype's tolerance. On a machine without a GPU
@@ -16,6 +21,7 @@ import numpy as np
 
 import cacheattn
 
+from . import _console, serving
 from .examples import (
     OnnxCase,
     PPLCase,
@@ -178,28 +184,58 @@ def _quick(case):
                  if case.mask_shape else ())
 
 
+def _serving_rows(quick: bool):
+    """The serving loop on each backend: (backend, requests, tokens, steps, peak pages, max err, same tokens, s)."""
+    model = serving.TinyModel(serving.ModelConfig())
+    requests = serving.QUICK_REQUESTS if quick else serving.DEFAULT_REQUESTS
+    results = []
+    for backend in ("reference", "numba"):
+        with _console.progress(sum(r.max_new_tokens for r in requests), f"serving ({backend})") as step:
+            results.append(serving.serve(model, requests, backend=backend, threads=32,
+                                         on_step=lambda i, what: step(f"step {i}: {what}")))
+    tolerance_ok = [r.max_error <= TOLERANCE_F32 for r in results]
+    same = [r.generated == results[0].generated for r in results]
+    return [(r.backend, len(requests), r.tokens_processed, r.steps, r.peak_pages, r.max_error, s, ok, r.seconds)
+            for r, s, ok in zip(results, same, tolerance_ok)]
+
+
+TOLERANCE_F32 = 1e-4     # a float32 model's attention output against float64, absolute
+
+
 def tour(quick: bool = False) -> int:
-    """Run every row; returns 0 when all pass. quick: the same configurations on smaller shapes."""
+    """Run the serving loop and every operator row; returns 0 when all pass. quick: smaller shapes."""
+    serve_rows = _serving_rows(quick)
+    _console.table("A tiny model served with in-flight batching: multi_head_cache_attention, paged int8 cache "
+                   "(page 4, pages return to a free list)",
+                   ("backend", "requests", "tokens", "steps", "peak pages", "max |err| vs float64",
+                    "greedy tokens = reference", "result", "seconds"),
+                   [(b, n, t, st, p, f"{e:.2e}", "yes" if same else "NO", "pass" if same and ok else "FAIL",
+                     f"{sec:.2f}") for b, n, t, st, p, e, same, ok, sec in serve_rows],
+                   right=("requests", "tokens", "steps", "peak pages", "max |err| vs float64", "seconds"))
+    serve_failed = sum(not (same and ok) for *_, same, ok, _ in serve_rows)
+
     shrink = _quick if quick else (lambda case: case)
     suffix = " (quick)" if quick else ""
-    rows = []
-    for label, case in ATTENTION_CASES.items():
-        rows += _attention_rows(label + suffix, shrink(case))
+    cases = [("attention", label, case) for label, case in ATTENTION_CASES.items()]
     label, case = next(iter(ATTENTION_CASES.items()))
-    rows += _dynamic_attention_rows(label.replace("paged int8", "packed K/V") + suffix, shrink(case))
-    label, case = STATIC_CASE
-    rows += _key_value_rows(label + suffix, shrink(case))
-    for label, case in ONNX_CASES.items():
-        rows += _onnx_rows(label + suffix, shrink(case))
+    cases.append(("dynamic", label.replace("paged int8", "packed K/V"), case))
+    cases.append(("static", *STATIC_CASE))
+    cases += [("onnx", label, case) for label, case in ONNX_CASES.items()]
+    run = {"attention": _attention_rows, "dynamic": _dynamic_attention_rows, "static": _key_value_rows,
+           "onnx": _onnx_rows}
+    rows = []
+    with _console.progress(len(cases), "operators") as step:
+        for kind, label, case in cases:
+            rows += run[kind](label + suffix, shrink(case))
+            step(label)
     if quick:
-        print(f"quick: the same configurations with head dims <= {QUICK_HEAD_DIM} and at most {QUICK_PAST} cached "
-              "tokens per request\n")
-    op_width, width = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
-    print(f"{'operator':<{op_width}} {'config':<{width}} {'backend':<9} {'max |err|':>10} {'result':<6} "
-          f"{'seconds':>7}")
-    for op, label, backend, err, ok, seconds in rows:
-        print(f"{op:<{op_width}} {label:<{width}} {backend:<9} {err:10.2e} {'pass' if ok else 'FAIL':<6} "
-              f"{seconds:7.2f}")
+        _console.say(f"quick: the same configurations with head dims <= {QUICK_HEAD_DIM} and at most {QUICK_PAST} "
+                     "cached tokens per request")
+    _console.table("Every operator on both backends, against a float64 evaluation",
+                   ("operator", "config", "backend", "max |err|", "result", "seconds"),
+                   [(op, label, backend, f"{err:.2e}", "pass" if ok else "FAIL", f"{sec:.2f}")
+                    for op, label, backend, err, ok, sec in rows], right=("max |err|", "seconds"))
     failed = sum(not r[4] for r in rows)
-    print(f"\n{len(rows) - failed} passed, {failed} failed")
-    return 1 if failed else 0
+    _console.say(f"{len(rows) - failed} passed, {failed} failed; serving loop: "
+                 f"{len(serve_rows) - serve_failed} passed, {serve_failed} failed")
+    return 1 if failed or serve_failed else 0

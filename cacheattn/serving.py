@@ -1,0 +1,218 @@
+"""A tiny LLM server loop: what these operators are for, run end to end.
+
+A decoder-only model with seeded random weights (a few layers, GQA, RoPE, RMSNorm, a SwiGLU MLP) serves
+several prompts of different lengths with in-flight batching: requests arrive on later steps and join the
+batch with their whole prompt (a prefill) while others decode one token each; a request that has produced
+its tokens leaves, and its cache pages go back to the free list for the next arrival. Every layer's
+attention runs through `cacheattn.multi_head_cache_attention` on one paged int8 cache (all layers in one
+tensor, `layer_idx` picks the slab) and is checked against a float64 evaluation of the reference on the
+very cache contents the call wrote. Run once with backend="reference" and once with backend="numba"
+(the kernels; the simulator without a GPU), the greedy tokens of the two runs are compared.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+import cacheattn
+import reference
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab: int = 48
+    d_model: int = 32
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 8
+    rope_base: float = 10000.0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: tuple
+    max_new_tokens: int
+    arrival_step: int
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    page_size: int = 4
+    num_pages: int = 24              # the pool; pages return to the free list when a request finishes
+    quant_bit: int = 8
+    quant_group: int = 4
+
+
+DEFAULT_REQUESTS = (Request((3, 14, 15, 9, 2), 5, 0), Request((6, 5, 35, 8, 9, 7, 9, 3, 2), 3, 0),
+                    Request((38, 4), 6, 2), Request((6, 2, 6, 4, 33, 8), 4, 4))
+QUICK_REQUESTS = (Request((3, 14, 15), 3, 0), Request((6, 5, 35, 8, 9), 2, 0), Request((38, 4), 3, 2))
+
+
+class TinyModel:
+    """Seeded random weights; float32 everywhere except the int8 cache."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+        rng = np.random.default_rng(cfg.seed)
+        d, hq, hkv, dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+        def w(*shape):
+            return (rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32)
+
+        self.embed = rng.standard_normal((cfg.vocab, d)).astype(np.float32)
+        self.lm_head = w(d, cfg.vocab)          # untied: a tied head mostly predicts the token it was given
+        self.layers = [dict(wq=w(d, hq * dh), wk=w(d, hkv * dh), wv=w(d, hkv * dh), wo=w(hq * dh, d),
+                            w_gate=w(d, 2 * d), w_up=w(d, 2 * d), w_down=w(2 * d, d)) for _ in range(cfg.num_layers)]
+        half = dh // 2
+        self.inv_freq = 1.0 / cfg.rope_base ** (np.arange(half) * 2.0 / dh)
+
+    def rope(self, x, positions):
+        """GPT-NeoX rotation of (tokens, heads, head_dim) at the tokens' positions."""
+        half = self.cfg.head_dim // 2
+        angle = positions[:, None, None] * self.inv_freq[None, None, :]          # (T, 1, half)
+        cos, sin = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+        x1, x2 = x[..., :half], x[..., half:]
+        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _rms_norm(x):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+@dataclass
+class _Live:
+    request: Request
+    tokens: list                     # prompt + generated so far
+    cached: int = 0                  # tokens already in the cache
+    pages: list = field(default_factory=list)
+
+
+@dataclass
+class ServeResult:
+    backend: str
+    generated: list                  # per request, its greedy tokens
+    steps: int
+    tokens_processed: int
+    peak_pages: int
+    max_error: float                 # attention output vs float64, over every layer and step
+    seconds: float
+
+
+class PagePool:
+    """A free list of page numbers; a request takes pages as its tokens need them and returns them all."""
+
+    def __init__(self, num_pages: int):
+        self.free = list(range(num_pages))
+        self.in_use = 0
+        self.peak = 0
+
+    def take(self) -> int:
+        if not self.free:
+            raise RuntimeError("the page pool is exhausted: raise ServeConfig.num_pages")
+        self.in_use += 1
+        self.peak = max(self.peak, self.in_use)
+        return self.free.pop(0)
+
+    def give_back(self, pages: list) -> None:
+        self.free[:0] = pages            # reused first, as a server's allocator hands out recently freed pages
+        self.in_use -= len(pages)
+
+
+def serve(model: TinyModel, requests=DEFAULT_REQUESTS, cfg: ServeConfig = ServeConfig(), *, backend="reference",
+          threads: int = 128, on_step=None) -> ServeResult:
+    """Serve the requests to completion; on_step(step, batch_description) is called after each step."""
+    m = model.cfg
+    pool = PagePool(cfg.num_pages)
+    cache = np.zeros((cfg.num_pages * cfg.page_size, m.num_layers, 2, m.num_kv_heads, m.head_dim), np.int8)
+    scale = np.zeros((*cache.shape[:-1], m.head_dim // cfg.quant_group), np.float32)
+    waiting = sorted(range(len(requests)), key=lambda r: requests[r].arrival_step)
+    live: dict[int, _Live] = {}
+    generated = {r: [] for r in range(len(requests))}
+    step, processed, worst = 0, 0, 0.0
+    start = time.perf_counter()
+    while waiting or live:
+        while waiting and requests[waiting[0]].arrival_step <= step:          # arrivals join this step
+            r = waiting.pop(0)
+            live[r] = _Live(requests[r], list(requests[r].prompt))
+        # Decoding requests first, then the new prompts: the document's decoding_batches come first.
+        order = sorted(live, key=lambda r: live[r].cached == 0)
+        if not order:
+            step += 1
+            continue
+        new = [live[r].tokens[live[r].cached:] for r in order]                 # one token, or the prompt
+        for r in order:                                                      # pages for every token of this step
+            need = -(-len(live[r].tokens) // cfg.page_size)
+            live[r].pages += [pool.take() for _ in range(need - len(live[r].pages))]
+        logits, err = _forward(model, [live[r] for r in order], new, cache, scale, cfg, backend, threads)
+        worst = max(worst, err)
+        processed += sum(len(t) for t in new)
+        for r, row in zip(order, logits):
+            state = live[r]
+            state.cached = len(state.tokens)
+            token = int(np.argmax(row))
+            state.tokens.append(token)
+            generated[r].append(token)
+            if len(generated[r]) == state.request.max_new_tokens:           # done: leave, pages back to the pool
+                pool.give_back(state.pages)
+                del live[r]
+        if on_step:
+            on_step(step, f"{sum(1 for t in new if len(t) == 1)} decoding, {sum(1 for t in new if len(t) > 1)} prefill")
+        step += 1
+    return ServeResult(backend, [generated[r] for r in range(len(requests))], step, processed, pool.peak, worst,
+                       time.perf_counter() - start)
+
+
+def _forward(model: TinyModel, states, new_tokens, cache, scale, cfg: ServeConfig, backend, threads):
+    """One step for the batch; returns (last-token logits per request, max attention error vs float64)."""
+    m = model.cfg
+    seqlens = np.array([len(t) for t in new_tokens])
+    past = np.array([s.cached for s in states])
+    seqstarts = np.concatenate([[0], np.cumsum(seqlens)]).astype(np.int64)
+    kvstarts = np.concatenate([[0], np.cumsum(past + seqlens)]).astype(np.int64)
+    table = np.full((len(states), max(len(s.pages) for s in states)), -1, np.int64)
+    for b, s in enumerate(states):
+        table[b, :len(s.pages)] = np.array(s.pages) * cfg.page_size                 # token offsets of the pages
+    positions = np.concatenate([np.arange(p, p + n) for p, n in zip(past, seqlens)])
+    decoding = int(np.sum(past > 0))
+    attrs = dict(num_heads=m.num_heads, head_dim=m.head_dim, is_causal=True, num_kv_heads=m.num_kv_heads,
+                 num_layer=m.num_layers, quant_bit=cfg.quant_bit, quant_group=cfg.quant_group, cache_mode=1,
+                 page_size=cfg.page_size)
+    x = model.embed[np.concatenate(new_tokens)]                                      # (tokens, d_model)
+    worst = 0.0
+    for layer_idx, w in enumerate(model.layers):
+        h = _rms_norm(x)
+        q = model.rope((h @ w["wq"]).reshape(-1, m.num_heads, m.head_dim), positions)
+        k = model.rope((h @ w["wk"]).reshape(-1, m.num_kv_heads, m.head_dim), positions)
+        v = (h @ w["wv"]).reshape(-1, m.num_kv_heads, m.head_dim)
+        args = (q, k, v, seqstarts, kvstarts, table, past, decoding, int(seqlens.max()), int((past + seqlens).max()))
+        before = (cache.copy(), scale.copy())
+        out = cacheattn.multi_head_cache_attention(*args, cache, scale, layer_idx=layer_idx, **attrs, backend=backend,
+                                                   **({"threads": threads} if backend == "numba" else {}))
+        worst = max(worst, _error_vs_float64(args, before, attrs, layer_idx, out))
+        x = x + out.reshape(len(x), -1) @ w["wo"]
+        h = _rms_norm(x)
+        gate = h @ w["w_gate"]
+        x = x + (gate / (1 + np.exp(-gate)) * (h @ w["w_up"])) @ w["w_down"]
+    last = seqstarts[1:] - 1
+    return _rms_norm(x[last]) @ model.lm_head, worst
+
+
+def _error_vs_float64(args, before, attrs, layer_idx, out) -> float:
+    """Max |out - float64 attention| over the K/V the cache holds after this call (the reference's store on a
+    copy of the cache before it: quantization is specified to the bit, so this isolates the attention)."""
+    q, k, v, seqstarts, kvstarts, table, past, decoding, max_seqlen, max_kvlen = args
+    cache, scale = before
+    key, value = reference.dynamic_key_value_cache(
+        k, v, seqstarts, kvstarts, table, past, max_seqlen, max_kvlen, cache, scale, num_layer=attrs["num_layer"],
+        layer_idx=layer_idx, quant_bit=attrs["quant_bit"], quant_group=attrs["quant_group"], cache_mode=1,
+        page_size=attrs["page_size"])
+    f64 = np.float64
+    want = reference.dynamic_multi_head_attention(
+        q.astype(f64), key.astype(f64), value.astype(f64), seqstarts, kvstarts, decoding, max_seqlen, max_kvlen,
+        num_heads=attrs["num_heads"], head_dim=attrs["head_dim"], is_causal=True, num_kv_heads=attrs["num_kv_heads"])
+    return float(np.max(np.abs(np.asarray(out, f64) - want)))
