@@ -1,10 +1,11 @@
 """Where key t of sequence b, head h lives, and how it is stored and loaded.
 
-A *cache source* is one tuple that every kernel reads the same way:
+A *cache source* is one `CacheSource` named tuple that every kernel reads the same way:
 
-    (data, scales, starts, page, base, s_b, s_t, s_h, sc_base, sc_s_b, sc_s_t, sc_s_h)
+    CacheSource(data, scales, starts, page, base, s_b, s_t, s_h, sc_base, sc_s_b, sc_s_t, sc_s_h)
 
-data/scales are flat 1-D views; starts is a (B, pages) int64 table. Token t of
+(numba-cuda passes a named tuple to a kernel as one argument and the device functions read its fields
+by name.) data/scales are flat 1-D views; starts is a (B, pages) int64 table. Token t of
 sequence b lives in slot `starts[b, t // page] + t % page` and its head h row
 starts at `base + b*s_b + slot*s_t + h*s_h` (scales likewise with the sc_ strides).
 That one formula covers
@@ -17,6 +18,8 @@ Layouts only change the strides; layer_idx and key-vs-value only change `base`.
 
 from __future__ import annotations
 
+from collections import namedtuple
+
 import numpy as np
 from numba import cuda
 
@@ -26,9 +29,12 @@ from ._numerics import rounder
 QMAX = {8: 127, 4: 7}
 MIN_SCALE = 1e-5
 
+# Element (b, token slot, head) of the data starts at base + b*s_b + slot*s_t + h*s_h; its scales likewise.
+CacheSource = namedtuple("CacheSource", "data scales starts page base s_b s_t s_h sc_base sc_s_b sc_s_t sc_s_h")
+
 
 def cache_source(data, scales, starts, page, axes: str, layer_idx: int = 0, kv: int = 0, scale_axes: str | None = None):
-    """Build the source tuple for one layer and one of key (kv=0) / value (kv=1) of a tensor with named axes."""
+    """Build the CacheSource for one layer and one of key (kv=0) / value (kv=1) of a tensor with named axes."""
     s = axis_strides(data.shape, axes)
     base = layer_idx * s.get("L", 0) + kv * s.get("KV", 0)
     if scales is None:
@@ -38,8 +44,8 @@ def cache_source(data, scales, starts, page, axes: str, layer_idx: int = 0, kv: 
         sc = axis_strides(scales.shape, scale_axes or axes)
         sc_base = layer_idx * sc.get("L", 0) + kv * sc.get("KV", 0)
     i64 = np.int64
-    return (flat(data), flat(scales), starts, i64(page), i64(base), i64(s.get("B", 0)), i64(s["T"]), i64(s["H"]),
-            i64(sc_base), i64(sc.get("B", 0)), i64(sc.get("T", 0)), i64(sc.get("H", 0)))
+    return CacheSource(flat(data), flat(scales), starts, i64(page), i64(base), i64(s.get("B", 0)), i64(s["T"]),
+                       i64(s["H"]), i64(sc_base), i64(sc.get("B", 0)), i64(sc.get("T", 0)), i64(sc.get("H", 0)))
 
 
 def packed_source(tensor, row_starts):
@@ -70,14 +76,13 @@ def make_cache_access(quant_bit: int, quant_group: int, round_scale, round_value
     @cuda.jit(device=True, inline="always")
     # spec: ppl-mhca/offset-mode, ppl-mhca/paged-mode, ppl-mhca/layouts
     def row_offsets(src, b, t, h):
-        starts, page = src[2], src[3]
-        slot = starts[b, t // page] + t % page
-        return (src[4] + b * src[5] + slot * src[6] + h * src[7],
-                src[8] + b * src[9] + slot * src[10] + h * src[11])
+        slot = src.starts[b, t // src.page] + t % src.page
+        return (src.base + b * src.s_b + slot * src.s_t + h * src.s_h,
+                src.sc_base + b * src.sc_s_b + slot * src.sc_s_t + h * src.sc_s_h)
 
     @cuda.jit(device=True, inline="always")
     def load(src, row, sc_row, d):
-        data, scales = src[0], src[1]
+        data, scales = src.data, src.scales
         if quant_bit == 0:
             return round_value(value_type(data[row + d]))
         if quant_bit == 8:
@@ -110,7 +115,7 @@ def make_store_kernel(quant_bit: int, quant_group: int, head_dim: int, input_dty
 
     @cuda.jit(device=True, inline="always")
     def store_group(x, x_off, dst, b, t, h, grp):
-        data, scales = dst[0], dst[1]
+        data, scales = dst.data, dst.scales
         row, sc_row = row_offsets(dst, b, t, h)
         d0 = grp * quant_group
         if quant_bit == 0:

@@ -18,6 +18,7 @@ widened to float32 on the host, computed in float32, and the outputs rounded bac
 from __future__ import annotations
 
 import math
+from collections import namedtuple
 from functools import cache
 
 import numpy as np
@@ -28,6 +29,12 @@ from ._cache import cache_source, make_cache_access, token_head_item
 from ._launch import OFFSET_PAGE, caller_stream, ceil_div, element_strides, empty_like_kind, flat, launch, to_kind
 from ._numerics import keep_float32
 
+# What ONNX's score needs besides q.k: the mask read in place (element (b, h, i, j) at b*m_sb + h*m_sh + i*m_si + j,
+# strides 0 on broadcast axes, mask_cols columns, mask_kind 0 none / 1 bool / 2 float), causal and window bounds,
+# the alignment inputs (past_len, nonpad_kv_seqlen), softcap, and the query row starts (b * q_seq).
+OnnxScoreArgs = namedtuple("OnnxScoreArgs", "mask m_sb m_sh m_si mask_cols mask_kind is_causal left right past_len "
+                                            "nonpad has_nonpad softcap row_starts")
+
 
 def make_onnx_score(acc_t):
     NEG_INF = acc_t(-math.inf)
@@ -35,39 +42,38 @@ def make_onnx_score(acc_t):
     @cuda.jit(device=True, inline="always")
     def offset_of(args, b, seqlen):
         """Position of query 0 among the keys: past length, nonpad_kv_seqlen[b] - q_seq, or 0."""
-        _, _, _, _, _, _, _, _, _, past_len, nonpad, has_nonpad, _, _ = args
-        if past_len > 0:
-            return past_len
-        if has_nonpad != 0:
-            return nonpad[b] - seqlen
+        if args.past_len > 0:
+            return args.past_len
+        if args.has_nonpad != 0:
+            return args.nonpad[b] - seqlen
         return 0
 
     @cuda.jit(device=True, inline="always")
     # spec: onnx/mask-kinds, onnx/mask-short, onnx/is-causal-top-left, onnx/nonpad
     def bias(args, b, h, i, j, seqlen, kvlen):
         """The additive bias of (query i, key j): mask value, or -inf when hidden."""
-        mask, m_sb, m_sh, m_si, mask_cols, mask_kind, is_causal, left, right, _, nonpad, has_nonpad, _, _ = args
         position = offset_of(args, b, seqlen) + i
-        if is_causal != 0 and j > position:
+        if args.is_causal != 0 and j > position:
             return NEG_INF
+        left, right = args.left, args.right
         if (left >= 0 and j < position - left) or (right >= 0 and j > position + right):
             return NEG_INF
-        if has_nonpad != 0 and j >= nonpad[b]:
+        if args.has_nonpad != 0 and j >= args.nonpad[b]:
             return NEG_INF
-        if mask_kind == 0:
+        if args.mask_kind == 0:
             return acc_t(0.0)
-        if j >= mask_cols:                                  # a shorter mask is padded with False / -inf
+        if j >= args.mask_cols:                             # a shorter mask is padded with False / -inf
             return NEG_INF
         # Widen first: testing a float16 value's truth directly is IR that NVVM rejects.
-        m = acc_t(mask[b * m_sb + h * m_sh + i * m_si + j])
-        if mask_kind == 1:                                  # bool: True = attend
+        m = acc_t(args.mask[b * args.m_sb + h * args.m_sh + i * args.m_si + j])
+        if args.mask_kind == 1:                             # bool: True = attend
             return acc_t(0.0) if m != 0 else NEG_INF
         return m
 
     @cuda.jit(device=True, inline="always")
     # spec: onnx/softcap, onnx/pattern
     def capped(args, qk):
-        softcap = args[12]
+        softcap = args.softcap
         if softcap > 0:
             return softcap * math.tanh(qk / softcap)
         return qk
@@ -81,17 +87,16 @@ def make_onnx_score(acc_t):
 
     @cuda.jit(device=True, inline="always")
     def key_range(args, b, i_first, i_last, seqlen, kvlen):
-        _, _, _, _, _, _, is_causal, left, right, _, nonpad, has_nonpad, _, _ = args
         offset = offset_of(args, b, seqlen)
         lo, hi = 0, kvlen
-        if has_nonpad != 0:
-            hi = min(hi, nonpad[b])
-        if is_causal != 0:
+        if args.has_nonpad != 0:
+            hi = min(hi, args.nonpad[b])
+        if args.is_causal != 0:
             hi = min(hi, offset + i_last + 1)
-        if right >= 0:
-            hi = min(hi, offset + i_last + right + 1)
-        if left >= 0:
-            lo = max(lo, offset + i_first - left)
+        if args.right >= 0:
+            hi = min(hi, offset + i_last + args.right + 1)
+        if args.left >= 0:
+            lo = max(lo, offset + i_first - args.left)
         return max(lo, 0), max(hi, 0)
 
     return score, key_range, bias, capped
@@ -128,8 +133,7 @@ def _qk_kernels(dtype, head_dim, mode):
     @cuda.jit
     def scores_kernel(q_geom, k_src, group, seqlen, kvlen, args, sm_scale, out):
         q, q_sb, q_si, q_sh = q_geom
-        starts = args[13]                                    # (B+1,) query row starts: b * seqlen
-        b, i, h, t = token_head_item(starts, out.shape[1], kvlen)
+        b, i, h, t = token_head_item(args.row_starts, out.shape[1], kvlen)
         if i < 0:
             return
         row, sc_row = row_offsets(k_src, b, t, h // group)
@@ -264,10 +268,10 @@ def _attention(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, *, is
     sm_scale = _acc_type(Q.dtype)(float(root) ** 2)     # sqrt(scale), held in Q's dtype, on each side
     nonpad = nonpad_kv_seqlen if nonpad_kv_seqlen is not None else to_kind(Q, np.zeros(batch, np.int64))
     starts = to_kind(Q, np.arange(batch + 1, dtype=np.int64) * q_len)
-    # score args: mask, its strides, cols, kind | is_causal, windows | past_len, nonpad | softcap | row starts
-    args = (*_mask_args(attn_mask, Q), np.int64(is_causal), np.int64(left_window_size),
-            np.int64(right_window_size), np.int64(past_len), nonpad, np.int64(nonpad_kv_seqlen is not None),
-            _acc_type(Q.dtype)(softcap), starts)
+    args = OnnxScoreArgs(*_mask_args(attn_mask, Q), is_causal=np.int64(is_causal), left=np.int64(left_window_size),
+                         right=np.int64(right_window_size), past_len=np.int64(past_len), nonpad=nonpad,
+                         has_nonpad=np.int64(nonpad_kv_seqlen is not None), softcap=_acc_type(Q.dtype)(softcap),
+                         row_starts=starts)
 
     y_shape = (batch, q_heads, q_len, v_dim) if four_d else (batch, q_len, q_heads * v_dim)
     Y = empty_like_kind(Q, y_shape, Q.dtype)

@@ -13,6 +13,7 @@ upper-right tiles instead of masking them.
 from __future__ import annotations
 
 import math
+from collections import namedtuple
 from functools import cache
 
 import numpy as np
@@ -25,26 +26,29 @@ from ._numerics import keep_float32, rounder
 
 NEG_INF = np.float32(-math.inf)
 
+# What OpenPPL's score needs besides q.k: the causal rule's inputs, ALiBi slopes, and the user mask with its
+# row/column offsets (mask element (h, i, j) of batch b at h*mask_sh + (seqstarts[b]+i)*mask_si + kvstarts[b]+j).
+PPLScoreArgs = namedtuple("PPLScoreArgs", "is_causal decoding_batches is_alibi slopes mask mask_sh mask_si seqstarts "
+                                          "kvstarts has_mask")
+
 
 def make_ppl_score(round_query):
     @cuda.jit(device=True, inline="always")
     # spec: ppl-mhca/causal, ppl-mhca/decoding-batches, ppl-mhca/alibi
     def causal_applies(args, b, seqlen):
-        is_causal, decoding_batches, is_alibi = args[0], args[1], args[2]
-        return (is_causal != 0 and seqlen > 1 and b >= decoding_batches) or is_alibi != 0
+        return (args.is_causal != 0 and seqlen > 1 and b >= args.decoding_batches) or args.is_alibi != 0
 
     @cuda.jit(device=True, inline="always")
     def score(args, qk, b, h, i, j, seqlen, kvlen):
         """qk / sqrt(head_dim) plus the bias; -inf for a hidden key."""
-        _, _, is_alibi, slopes, mask, mask_sh, mask_si, seqstarts, kvstarts, has_mask = args
         last_visible = kvlen - seqlen + i
         if j > last_visible and causal_applies(args, b, seqlen):
             return NEG_INF
         m = np.float32(0.0)
-        if has_mask != 0:
-            m = np.float32(mask[h * mask_sh + (seqstarts[b] + i) * mask_si + kvstarts[b] + j])
-        if is_alibi != 0:
-            alibi = round_query(slopes[h] * round_query(np.float32(j - last_visible)))
+        if args.has_mask != 0:
+            m = np.float32(args.mask[h * args.mask_sh + (args.seqstarts[b] + i) * args.mask_si + args.kvstarts[b] + j])
+        if args.is_alibi != 0:
+            alibi = round_query(args.slopes[h] * round_query(np.float32(j - last_visible)))
             m = round_query(alibi + m)
         return qk + m
 
@@ -89,8 +93,9 @@ def attend(query, key_src, value_src, seqstarts, kvstarts, decoding_batches, max
         mask_si = attn_mask.shape[-1]
         mask_sh = attn_mask.shape[-2] * mask_si if attn_mask.ndim == 3 else 0
         mask, has_mask = flat(attn_mask), 1
-    score_args = (np.int64(is_causal), np.int64(decoding_batches), np.int64(is_alibi), to_kind(query, slopes),
-                  mask, np.int64(mask_sh), np.int64(mask_si), seqstarts, kvstarts, np.int64(has_mask))
+    score_args = PPLScoreArgs(np.int64(is_causal), np.int64(decoding_batches), np.int64(is_alibi),
+                              to_kind(query, slopes), mask, np.int64(mask_sh), np.int64(mask_si), seqstarts, kvstarts,
+                              np.int64(has_mask))
     seqlens = seqstarts[1:] - seqstarts[:-1]
     kvlens = kvstarts[1:] - kvstarts[:-1]
     attn_output = empty_like_kind(query, query.shape, query.dtype)
