@@ -33,6 +33,7 @@ from ._launch import caller_stream, ceil_div, empty_like_kind, flat, launch, to_
 from ._numerics import rounder
 
 SUM_EPSILON = 1e-6        # FasterTransformer's inv_sum = 1 / (sum + 1e-6)
+ELEMENTS_PER_THREAD = 16  # layout kernel: enough blocks to fill a GPU for real L, one block for a test's few keys
 
 
 # ---------------------------------------------------------------------------------------------- cache addressing
@@ -98,27 +99,27 @@ def _attention_kernel(head_dim: int):
 @cache
 def _layout_kernel(dtype: str, use_ia3: bool):
     """Kernel: step 1's [B, L, H*Dh] projection into the cache, biased (then IA3-scaled) where FasterTransformer's
-    attention kernel would write back: t < length and the sequence not finished. Grid (x: L*H*Dh / threads, y: B,
-    z: 0 key / 1 value); one thread per element, so no element is touched twice."""
+    attention kernel would write back: t < length and the sequence not finished. Grid (x: a few blocks, y: B,
+    z: 0 key / 1 value); a grid-stride loop gives each element of [L, H*Dh] to one thread, so no element is
+    touched twice."""
     round_t = rounder(dtype)
 
     @cuda.jit
     def layout_kernel(k_proj, v_proj, k_bias, v_bias, lengths, finished, tasks, ia3_k, ia3_v, k_dst, v_dst,
                       mem_len, head_dim, hidden):
         b = cuda.blockIdx.y
-        e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x         # (t, h, d) of [L, H, Dh]
-        if e >= mem_len * hidden:
-            return
-        t, h, d = e // hidden, (e % hidden) // head_dim, e % head_dim
         key = cuda.blockIdx.z == 0
         proj, bias, ia3, dst = (k_proj, k_bias, ia3_k, k_dst) if key else (v_proj, v_bias, ia3_v, v_dst)
-        value = np.float32(proj[b * mem_len * hidden + e])
-        if t < lengths[b] and not finished[b]:
-            value = round_t(value + np.float32(bias[h * head_dim + d]))          # bias in T
-            if use_ia3:
-                value = round_t(value * np.float32(ia3[tasks[b] * hidden + h * head_dim + d]))
-        row, _ = chunked_row(dst, b, t, h)
-        dst[0][row + chunk_offset(dst, d)] = value
+        biased = lengths[b] if not finished[b] else 0                     # positions [0, biased) get the bias
+        for e in range(cuda.grid(1), mem_len * hidden, cuda.gridsize(1)):    # (t, h, d) of [L, H, Dh]
+            t, h, d = e // hidden, (e % hidden) // head_dim, e % head_dim
+            value = np.float32(proj[b * mem_len * hidden + e])
+            if t < biased:
+                value = round_t(value + np.float32(bias[h * head_dim + d]))      # bias in T
+                if use_ia3:
+                    value = round_t(value * np.float32(ia3[tasks[b] * hidden + h * head_dim + d]))
+            row, _ = chunked_row(dst, b, t, h)
+            dst[0][row + chunk_offset(dst, d)] = value
 
     return layout_kernel
 
@@ -213,7 +214,7 @@ def cross_attention(input_query, encoder_output, encoder_sequence_length, step, 
         q_bias = bias(weights.query_weight)
         ia3 = (weights.ia3_key_weight.kernel, weights.ia3_value_weight.kernel) if use_ia3 else (q_bias, q_bias)
         tasks = ia3_tasks if use_ia3 else to_kind(like, np.zeros(batch, np.int64))
-        grid = (max(1, ceil_div(mem_len * hidden, threads)), batch, 2)
+        grid = (max(1, ceil_div(mem_len * hidden, threads * ELEMENTS_PER_THREAD)), batch, 2)
         launch(_layout_kernel(dtype.str, use_ia3), grid, threads, stream, flat(k_proj), flat(v_proj),
                bias(weights.key_weight), bias(weights.value_weight), encoder_sequence_length, finished, tasks,
                flat(ia3[0]), flat(ia3[1]), k_src, v_src, np.int64(mem_len), np.int64(size_per_head),
