@@ -185,8 +185,8 @@ def make_attention_kernel(row_offsets, load, score, key_range, *, head_dim_k: in
             r, d = e // DV, e % DV
             i = i0 + r // HPB
             if i < seqlen:
-                total = row_sum[r]
-                value = acc_rows[r, d] / (total + EPS) if total > 0.0 else acc_t(0.0)
+                total = row_sum[r] + EPS
+                value = acc_rows[r, d] / total if total > 0.0 else acc_t(0.0)
                 out[b * o_sb + (o_starts[b] + i) * o_si + (h0 + r % HPB) * o_sh + d] = value
 
     return attention_kernel

@@ -248,3 +248,25 @@ def test_kernels_for_every_head_size(device, size_per_head):
         assert_bits_equal("key_cache", device.get(x["key_cache"]), ref_state["key_cache"])
         assert_bits_equal("value_cache", device.get(x["value_cache"]), ref_state["value_cache"])
     assert_close("cross_attentions", device.get(x["cross_attentions"]), ref_state["cross_attentions"], case.dtype)
+
+
+@pytest.mark.gpu
+def test_cupy_in_cupy_out_on_the_callers_stream():
+    """Real GPU only: CuPy arrays in (weights too) -> kernels on the caller's stream -> CuPy out, caches in place."""
+    import cupy
+
+    case = FTCase(lengths=(3, 5), mem_len=5, head_num=2, size_per_head=64, d_model=16, mem_d_model=12,
+                  dtype="float16", is_batch_major_cache=True, step=1, finished=(False, True), num_tasks=2,
+                  ia3_tasks=(1, 0), max_decoder_seq_len=2, context_buf=True, q_scaling=1.0, seed=11)
+    inputs = build_ft(case)
+    wide = float64_ft(copy_inputs(inputs), case)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        x = {k: cupy.asarray(v) if isinstance(v, np.ndarray) else v for k, v in copy_inputs(inputs).items()}
+        x["weights"] = AttentionWeight(*(None if w is None else DenseWeight(cupy.asarray(w.kernel), w.bias if
+                                         w.bias is None else cupy.asarray(w.bias)) for w in inputs["weights"]))
+        out = cacheattn.cross_attention(**x, **case.attrs())
+        stream.synchronize()
+    assert isinstance(out.hidden_features, cupy.ndarray) and out.context is x["context_buf"]
+    assert_close("context", out.context.get(), wide[1], case.dtype, scale=2.0)
+    assert_close("key_cache", x["key_cache"].get(), wide[2], case.dtype)
