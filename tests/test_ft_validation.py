@@ -102,3 +102,13 @@ def test_ia3_weights_without_tasks_are_ignored_and_the_base_call_is_valid():
     with_weights = cacheattn.cross_attention(**copy_inputs(call(ia3_tasks=None)))
     assert plain.hidden_features.shape == (2, 16) and plain.context.shape == (2, 64)
     assert np.array_equal(plain.hidden_features, with_weights.hidden_features)
+
+
+def test_weights_are_duck_typed():
+    """Any object with FasterTransformer's attribute names works, not only cacheattn's NamedTuples."""
+    from types import SimpleNamespace
+
+    ns = SimpleNamespace(**{name: SimpleNamespace(kernel=d.kernel, bias=d.bias) for name, d in W._asdict().items()})
+    a = cacheattn.cross_attention(**copy_inputs(call(weights=ns)))
+    b = cacheattn.cross_attention(**copy_inputs(call()))
+    assert np.array_equal(a.hidden_features, b.hidden_features) and np.array_equal(a.context, b.context)
