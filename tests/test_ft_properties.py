@@ -195,7 +195,7 @@ def test_every_head_size_matches_float64_evaluation(size_per_head):
         assert_close("context", out.context, float64_ft(copy_inputs(inputs), case)[1], case.dtype, scale=2.0)
 
 
-@settings(max_examples=2 * KERNEL)           # small launches: twice the PPL kernel budget
+@settings(max_examples=KERNEL)
 @given(ft_cases(max_batch=2, max_mem_len=5, max_heads=2), st.sampled_from([32, 64]))
 def test_kernels_match_the_reference(device, case, threads):
     inputs = build_ft(case)
