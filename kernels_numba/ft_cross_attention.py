@@ -211,8 +211,8 @@ def cross_attention(input_query, encoder_output, encoder_sequence_length, step, 
         memory = encoder_output.reshape(batch * mem_len, -1)                     # [B*L, mem_d_model]
         k_proj = _gemm(xp, memory, weights.key_weight.kernel)                    # [B*L, H*Dh]
         v_proj = _gemm(xp, memory, weights.value_weight.kernel)
-        q_bias = bias(weights.query_weight)
-        ia3 = (weights.ia3_key_weight.kernel, weights.ia3_value_weight.kernel) if use_ia3 else (q_bias, q_bias)
+        unread = bias(weights.key_weight)                     # stands in for absent IA3 weights (never read)
+        ia3 = (weights.ia3_key_weight.kernel, weights.ia3_value_weight.kernel) if use_ia3 else (unread, unread)
         tasks = ia3_tasks if use_ia3 else to_kind(like, np.zeros(batch, np.int64))
         grid = (max(1, ceil_div(mem_len * hidden, threads * ELEMENTS_PER_THREAD)), batch, 2)
         launch(_layout_kernel(dtype.str, use_ia3), grid, threads, stream, flat(k_proj), flat(v_proj),
