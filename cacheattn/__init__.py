@@ -2,6 +2,7 @@
 define them. One function per operator; NumPy arrays in -> NumPy reference, GPU arrays in -> numba.cuda
 kernels, the same array kind out. `backend="reference"` or `"numba"` forces one."""
 
+from .ft import AttentionWeight, CrossAttentionOutputs, DenseWeight, cross_attention
 from .onnx import AttentionOutputs, onnx_attention
 from .ppl import (
                   KeyValue,
@@ -12,4 +13,5 @@ from .ppl import (
 )
 
 __all__ = ["AttentionOutputs", "KeyValue", "dynamic_key_value_cache", "dynamic_multi_head_attention",
-           "key_value_cache", "multi_head_cache_attention", "onnx_attention"]
+           "key_value_cache", "multi_head_cache_attention", "onnx_attention",
+           "AttentionWeight", "CrossAttentionOutputs", "DenseWeight", "cross_attention"]

@@ -292,3 +292,89 @@ def float64_onnx(inputs: dict, case: OnnxCase, **overrides):
     attrs = {**case.attrs(), "scale": root * root, **overrides}
     return reference.onnx_attention(**x, **{k: v for k, v in attrs.items() if k != "opset"},
                                     return_qk_matmul_output=True)
+
+
+# ---- FasterTransformer cross attention
+
+@dataclass(frozen=True)
+class FTCase:
+    """One cacheattn.cross_attention step; tensors (weights, old caches and buffers too) come from `seed`."""
+    lengths: tuple              # encoder_sequence_length per batch, in [1, mem_len]
+    mem_len: int                # mem_max_seq_len
+    head_num: int
+    size_per_head: int
+    d_model: int
+    mem_d_model: int
+    dtype: str
+    is_batch_major_cache: bool
+    step: int
+    finished: tuple | None      # bool per batch, or None
+    num_tasks: int              # 0: no IA3 weights
+    ia3_tasks: tuple | None     # needs num_tasks > 0
+    max_decoder_seq_len: int    # 0: no cross_attentions output
+    context_buf: bool           # pass an old context buffer to write into
+    q_scaling: float
+    seed: int
+
+    @property
+    def batch(self):
+        return len(self.lengths)
+
+    def attrs(self):
+        return dict(head_num=self.head_num, size_per_head=self.size_per_head, q_scaling=self.q_scaling,
+                    is_batch_major_cache=self.is_batch_major_cache)
+
+
+def build_ft(case: FTCase) -> dict:
+    """Arguments of cacheattn.cross_attention for a case (weights included); caches hold plausible old data."""
+    from reference.ft_cross_attention import chunk_elements
+
+    from .ft import AttentionWeight, DenseWeight
+
+    rng = np.random.default_rng(case.seed)
+    dtype = np.dtype(case.dtype)
+    batch, length, heads, dim = case.batch, case.mem_len, case.head_num, case.size_per_head
+    hidden = heads * dim
+
+    def normal(*shape, scale=1.0):
+        return (rng.standard_normal(shape) * scale).astype(dtype)
+
+    def dense(rows, cols):      # weights scaled by 1/sqrt(rows): projections stay O(1) in float16
+        return DenseWeight(normal(rows, cols, scale=rows ** -0.5), normal(cols, scale=0.5))
+
+    ia3 = (None, None)
+    if case.num_tasks:
+        ia3 = tuple(DenseWeight((1 + rng.standard_normal((case.num_tasks, hidden)) * 0.25).astype(dtype))
+                    for _ in range(2))
+    weights = AttentionWeight(dense(case.d_model, hidden), dense(case.mem_d_model, hidden),
+                              dense(case.mem_d_model, hidden), dense(hidden, case.d_model), *ia3)
+    x = chunk_elements(dtype)
+    if case.is_batch_major_cache:
+        k_shape, v_shape = (batch, heads, dim // x, length, x), (batch, heads, length, dim)
+    else:
+        k_shape = v_shape = (batch, length, heads, dim)
+    cross = None
+    if case.max_decoder_seq_len:
+        cross = rng.random((batch, heads, case.max_decoder_seq_len, length)).astype(np.float32)
+    return dict(
+        input_query=normal(batch, case.d_model), encoder_output=normal(batch, length, case.mem_d_model),
+        encoder_sequence_length=np.asarray(case.lengths, np.int64), step=case.step,
+        key_cache=normal(*k_shape), value_cache=normal(*v_shape),
+        finished=None if case.finished is None else np.asarray(case.finished, bool),
+        ia3_tasks=None if case.ia3_tasks is None else np.asarray(case.ia3_tasks, np.int64),
+        context_buf=normal(batch, hidden) if case.context_buf else None, cross_attentions=cross, weights=weights)
+
+
+def float64_ft(inputs: dict, case: FTCase):
+    """The reference on float64 copies of every floating tensor (weights too): (hidden_features, context,
+    key_cache, value_cache, cross_attentions)."""
+    from .ft import AttentionWeight, DenseWeight
+
+    def wide(a):
+        return a.astype(np.float64) if isinstance(a, np.ndarray) and a.dtype.kind == "f" else a
+
+    x = {k: wide(v) for k, v in inputs.items()}
+    x["weights"] = AttentionWeight(*(None if w is None else DenseWeight(wide(w.kernel), wide(w.bias))
+                                     for w in inputs["weights"]))
+    hidden, context = reference.cross_attention(**x, **case.attrs())
+    return hidden, context, x["key_cache"], x["value_cache"], x["cross_attentions"]

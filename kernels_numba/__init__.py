@@ -5,6 +5,7 @@ launch on: CuPy / `__cuda_array_interface__` arrays on a GPU, or NumPy arrays un
 the CUDA simulator (NUMBA_ENABLE_CUDASIM=1). This package never imports `reference`.
 """
 
+from .ft_cross_attention import cross_attention
 from .onnx_attention import onnx_attention
 from .ppl_dynamic_key_value_cache import dynamic_key_value_cache
 from .ppl_dynamic_multi_head_attention import dynamic_multi_head_attention
@@ -12,4 +13,5 @@ from .ppl_key_value_cache import key_value_cache
 from .ppl_multi_head_cache_attention import multi_head_cache_attention
 
 __all__ = ["dynamic_key_value_cache", "dynamic_multi_head_attention", "key_value_cache",
-           "multi_head_cache_attention", "onnx_attention"]
+           "multi_head_cache_attention", "onnx_attention",
+           "cross_attention"]

@@ -72,12 +72,18 @@ def plan_tiles(num_heads: int, num_kv_heads: int, max_seqlen: int, head_dim_k: i
 
 
 def make_attention_kernel(row_offsets, load, score, key_range, *, head_dim_k: int, head_dim_v: int,
-                          heads_per_block: int, q_tile: int, key_tile: int, group: int, acc_dtype=np.float32):
-    """Build the kernel. Launch grid (ceil(max_seqlen / q_tile), num_heads / heads_per_block, B)."""
+                          heads_per_block: int, q_tile: int, key_tile: int, group: int, acc_dtype=np.float32,
+                          sum_epsilon: float = 0.0):
+    """Build the kernel. Launch grid (ceil(max_seqlen / q_tile), num_heads / heads_per_block, B).
+
+    sum_epsilon: the final division is acc / (l + sum_epsilon) (FasterTransformer's 1 / (sum + 1e-6));
+    0.0 leaves acc / l exactly.
+    """
     HPB, DK, DV, KT = heads_per_block, head_dim_k, head_dim_v, key_tile
     ROWS = HPB * q_tile
     acc_t = np.float64 if np.dtype(acc_dtype) == np.float64 else np.float32
     NEG_INF = acc_t(-math.inf)
+    EPS = acc_t(sum_epsilon)
 
     @cuda.jit
     def attention_kernel(q_geom, out_geom, seqlens, kvlens, k_src, v_src, score_args, sm_scale):
@@ -180,7 +186,7 @@ def make_attention_kernel(row_offsets, load, score, key_range, *, head_dim_k: in
             r, d = e // DV, e % DV
             i = i0 + r // HPB
             if i < seqlen:
-                total = row_sum[r]
+                total = row_sum[r] + EPS
                 value = acc_rows[r, d] / total if total > 0.0 else acc_t(0.0)
                 out[b * o_sb + (o_starts[b] + i) * o_si + (h0 + r % HPB) * o_sh + d] = value
 

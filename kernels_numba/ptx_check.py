@@ -110,9 +110,53 @@ def _onnx_launches(full: bool):
     return out
 
 
+# (is_batch_major_cache, dtype, step, ia3, head size) per code path: each layout's addressing, float16 and
+# float32 rounding, step 1 (layout kernel, with and without IA3) and a later step, the smallest and largest
+# head size (the largest tests the shared-memory plan); every launch also runs the probabilities kernel.
+FT_REPRESENTATIVES = ((True, np.float16, 1, True, 32), (False, np.float32, 1, False, 256),
+                      (True, np.float32, 2, False, 256), (False, np.float16, 3, False, 32))
+
+
+def _ft_launches(full: bool):
+    """(label, kernel, args) for the FasterTransformer cross-attention kernels: both layouts x float16/float32 x
+    step 1 with/without IA3 and a later step x every head size when full, else FT_REPRESENTATIVES."""
+    from cacheattn.ft import HEAD_SIZES, AttentionWeight, DenseWeight
+
+    from . import _launch
+    from .ft_cross_attention import cross_attention
+
+    rng = np.random.default_rng(0)
+    variants = [(major, dtype, step, ia3, size) for major in (True, False) for dtype in (np.float16, np.float32)
+                for step, ia3 in ((1, False), (1, True), (2, False)) for size in HEAD_SIZES] if full \
+        else FT_REPRESENTATIVES
+    out = []
+    batch, heads, length, d_model = 2, 2, 5, 16
+    for major, dtype, step, ia3, size in variants:
+        hidden = heads * size
+        x = 16 // np.dtype(dtype).itemsize
+
+        def dense(rows, cols, dtype=dtype):
+            return DenseWeight(rng.standard_normal((rows, cols)).astype(dtype), np.zeros(cols, dtype))
+
+        ia3_weights = (DenseWeight(np.ones((3, hidden), dtype)),) * 2 if ia3 else (None, None)
+        weights = AttentionWeight(dense(d_model, hidden), dense(d_model, hidden), dense(d_model, hidden),
+                                  dense(hidden, d_model), *ia3_weights)
+        k_shape = (batch, heads, size // x, length, x) if major else (batch, length, heads, size)
+        v_shape = (batch, heads, length, size) if major else k_shape
+        with _launch.recorded_launches() as launches:
+            cross_attention(rng.standard_normal((batch, d_model)).astype(dtype),
+                            rng.standard_normal((batch, length, d_model)).astype(dtype), np.array([3, 5]), step,
+                            np.zeros(k_shape, dtype), np.zeros(v_shape, dtype), np.array([False, True]),
+                            np.array([0, 2]) if ia3 else None, None, np.zeros((batch, heads, 4, length), np.float32),
+                            weights=weights, head_num=heads, size_per_head=size, is_batch_major_cache=major)
+        label = f"ft {'batch-major' if major else 'plain'} {np.dtype(dtype).name} step {step}{' ia3' * ia3} Dh {size}"
+        out += [(label, kernel, args) for kernel, args in launches]
+    return out
+
+
 # Kernel families: name -> launches(full). A new operator module adds its family here; tests/test_ptx.py runs
 # one test per family and compute capability.
-FAMILIES = {"ppl": _ppl_launches, "onnx": _onnx_launches}
+FAMILIES = {"ppl": _ppl_launches, "onnx": _onnx_launches, "ft": _ft_launches}
 
 
 def compile_all(ccs, families=tuple(FAMILIES), full=False, report=print) -> int:

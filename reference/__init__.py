@@ -1,5 +1,6 @@
 """NumPy references that mirror the source documents line by line; no numba or cupy here."""
 
+from .ft_cross_attention import cross_attention
 from .onnx_attention import onnx_attention
 from .ppl_dynamic_key_value_cache import dynamic_key_value_cache
 from .ppl_dynamic_multi_head_attention import dynamic_multi_head_attention
@@ -12,4 +13,5 @@ __all__ = [
     "key_value_cache",
     "multi_head_cache_attention",
     "onnx_attention",
+    "cross_attention",
 ]

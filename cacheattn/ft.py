@@ -1,0 +1,201 @@
+"""FasterTransformer decoder cross attention: `cacheattn.cross_attention`.
+
+Arguments keep FasterTransformer's tensor names (DecoderCrossAttentionLayer's input/output TensorMaps) and
+`weights` its AttentionWeight attribute names. Validation names the argument at fault, then NumPy arrays go
+to `reference.cross_attention` and GPU arrays (or backend="numba") to the kernels.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+import reference
+from reference.ft_cross_attention import chunk_elements
+
+from . import _arrays as arrays
+from ._validate import FLOAT_T1, check_contiguous, check_dtype, check_int, check_same_dtype, check_shape
+
+# FasterTransformer's masked-MHA dispatch: one kernel per head size (built for the next power of two).
+HEAD_SIZES = (32, 48, 64, 80, 96, 112, 128, 144, 160, 192, 224, 256)
+
+
+class DenseWeight(NamedTuple):
+    """FasterTransformer's DenseWeight: kernel [in, out], bias [out] (or None)."""
+    kernel: object
+    bias: object = None
+
+
+class AttentionWeight(NamedTuple):
+    """FasterTransformer's AttentionWeight, the members cross attention reads. ia3_*_weight: DenseWeight whose
+    kernel is [num_tasks, H*Dh] (bias unused), or None."""
+    query_weight: DenseWeight
+    key_weight: DenseWeight
+    value_weight: DenseWeight
+    attention_output_weight: DenseWeight
+    ia3_key_weight: DenseWeight | None = None
+    ia3_value_weight: DenseWeight | None = None
+
+
+class CrossAttentionOutputs(NamedTuple):
+    """hidden_features [B, d_model] (before the caller's output bias) and context [B, H*Dh] (context_buf)."""
+    hidden_features: object
+    context: object
+
+
+def _weight_arrays(weights, use_ia3) -> dict:
+    """{'query_weight.kernel': array, ...}: every weight array the call reads, named as the error names it."""
+    out = {}
+    names = ["query_weight", "key_weight", "value_weight", "attention_output_weight"]
+    if use_ia3:
+        names += ["ia3_key_weight", "ia3_value_weight"]
+    for name in names:
+        dense = getattr(weights, name, None)
+        if name.startswith("ia3") and dense is None:
+            raise ValueError(f"ia3_tasks: given, but weights.{name} is None (IA3 needs both IA3 weights)")
+        if dense is None or not hasattr(dense, "kernel"):
+            raise ValueError(f"weights.{name}: expected a DenseWeight-like object with .kernel, got {dense!r}")
+        out[f"weights.{name}.kernel"] = dense.kernel
+        if name.startswith("ia3"):
+            continue
+        bias = getattr(dense, "bias", None)
+        if bias is not None and name != "attention_output_weight":   # the output bias is the caller's to add
+            out[f"weights.{name}.bias"] = bias
+    return out
+
+
+def validate(input_query, encoder_output, encoder_sequence_length, step, key_cache, value_cache, finished, ia3_tasks,
+             context_buf, cross_attentions, weight_arrays, *, head_num, size_per_head, q_scaling,
+             is_batch_major_cache):
+    """Checks every argument; returns host (lengths, finished or None, ia3_tasks or None)."""
+    check_int("step", step, low=1)
+    check_int("head_num", head_num, low=1)
+    if isinstance(size_per_head, bool) or size_per_head not in HEAD_SIZES:
+        raise ValueError(f"size_per_head: expected one of {HEAD_SIZES}, got {size_per_head!r}")
+    if not isinstance(q_scaling, (int, float, np.floating)) or not q_scaling > 0:
+        raise ValueError(f"q_scaling: expected a positive float, got {q_scaling!r}")
+    if is_batch_major_cache not in (True, False):
+        raise ValueError(f"is_batch_major_cache: expected True or False, got {is_batch_major_cache!r}")
+    hidden = head_num * size_per_head
+
+    check_dtype("input_query", input_query, FLOAT_T1)
+    check_shape("input_query", input_query, (None, None), "[batch_size, d_model]")
+    batch, d_model = (int(s) for s in input_query.shape)
+    check_same_dtype("encoder_output", encoder_output, "input_query", input_query)
+    check_shape("encoder_output", encoder_output, (batch, None, None), "[batch_size, mem_max_seq_len, mem_d_model]")
+    mem_len, mem_d = int(encoder_output.shape[1]), int(encoder_output.shape[2])
+    if mem_len < 1:
+        raise ValueError("encoder_output: expected mem_max_seq_len >= 1, got 0")
+
+    x = chunk_elements(input_query.dtype)
+    if is_batch_major_cache:
+        k_want, k_text = (batch, head_num, size_per_head // x, mem_len, x), f"[B, H, Dh/x, mem_max_seq_len, x={x}]"
+        v_want, v_text = (batch, head_num, mem_len, size_per_head), "[B, H, mem_max_seq_len, Dh]"
+    else:
+        k_want = v_want = (batch, mem_len, head_num, size_per_head)
+        k_text = v_text = "[B, mem_max_seq_len, H, Dh]"
+    for name, cache, want, text in (("key_cache", key_cache, k_want, k_text),
+                                    ("value_cache", value_cache, v_want, v_text)):
+        check_same_dtype(name, cache, "input_query", input_query)
+        check_shape(name, cache, want, text)
+        check_contiguous(name, cache)
+
+    shapes = {"query_weight": (d_model, hidden), "key_weight": (mem_d, hidden), "value_weight": (mem_d, hidden),
+              "attention_output_weight": (hidden, d_model)}
+    num_tasks = None
+    for name, w in weight_arrays.items():
+        check_same_dtype(name, w, "input_query", input_query)
+        member, part = name.split(".")[1:]
+        if member.startswith("ia3"):
+            num_tasks = int(w.shape[0]) if getattr(w, "ndim", 0) == 2 else num_tasks
+            check_shape(name, w, (num_tasks, hidden), "[num_tasks, H*Dh]")
+        elif part == "kernel":
+            check_shape(name, w, shapes[member], "[in, out]")
+        else:
+            check_shape(name, w, (hidden,), "[H*Dh]")
+
+    lengths = arrays.index_array("encoder_sequence_length", encoder_sequence_length)
+    check_shape("encoder_sequence_length", lengths, (batch,), "[batch_size]")
+    if (lengths < 1).any() or (lengths > mem_len).any():
+        raise ValueError(f"encoder_sequence_length: expected values in [1, {mem_len}] (mem_max_seq_len), "
+                         f"got {lengths.tolist()}")
+    done = None
+    if finished is not None:
+        done = np.asarray(arrays.to_host(finished))
+        if done.dtype != np.bool_:
+            raise TypeError(f"finished: expected a bool tensor, got dtype {done.dtype}")
+        check_shape("finished", done, (batch,), "[batch_size]")
+    tasks = None
+    if ia3_tasks is not None:
+        if num_tasks is None:
+            raise ValueError("ia3_tasks: given, but weights has no ia3_key_weight / ia3_value_weight")
+        tasks = arrays.index_array("ia3_tasks", ia3_tasks)
+        check_shape("ia3_tasks", tasks, (batch,), "[batch_size]")
+        if (tasks < 0).any() or (tasks >= num_tasks).any():
+            raise ValueError(f"ia3_tasks: expected values in [0, {num_tasks}) (num_tasks), got {tasks.tolist()}")
+    if context_buf is not None:
+        check_same_dtype("context_buf", context_buf, "input_query", input_query)
+        check_shape("context_buf", context_buf, (batch, hidden), "[batch_size, H*Dh]")
+        check_contiguous("context_buf", context_buf)
+    if cross_attentions is not None:
+        check_dtype("cross_attentions", cross_attentions, ("float32",))
+        check_shape("cross_attentions", cross_attentions, (batch, head_num, None, mem_len),
+                    "[B, H, max_decoder_seq_len, mem_max_seq_len]")
+        check_contiguous("cross_attentions", cross_attentions)
+        if cross_attentions.shape[2] < step:
+            raise ValueError(f"cross_attentions: expected max_decoder_seq_len >= step ({step}), "
+                             f"got {cross_attentions.shape[2]}")
+    return lengths, done, tasks
+
+
+def cross_attention(input_query, encoder_output, encoder_sequence_length, step, key_cache, value_cache,
+                    finished=None, ia3_tasks=None, context_buf=None, cross_attentions=None, *, weights, head_num,
+                    size_per_head, q_scaling=1.0, is_batch_major_cache=True, backend="auto", threads=128):
+    """One decoder step of FasterTransformer's cross attention. Returns CrossAttentionOutputs(hidden_features,
+    context).
+
+    input_query [B, d_model]; encoder_output [B, mem_max_seq_len, mem_d_model]; encoder_sequence_length [B] in
+    [1, mem_max_seq_len]; step counts from 1. key_cache / value_cache: one layer's caches, batch-major
+    (K [B, H, Dh/x, L, x] with x = 16 bytes / sizeof(T), V [B, H, L, Dh]) or both [B, L, H, Dh]; step 1 writes
+    them (in place), later steps only read them. finished [B] bool: a finished row's context row, probabilities
+    and cache are left alone. ia3_tasks [B] picks a row of weights.ia3_key_weight / ia3_value_weight (step 1).
+    context_buf [B, H*Dh] is written in place; without it a new zero-filled buffer is used, so a finished row of
+    `context` is zeros. cross_attentions (float32 [B, H, max_decoder_seq_len, mem_max_seq_len]) receives the
+    probabilities of positions [0, length) in row step - 1. hidden_features = context . Wo in the input dtype,
+    without the output bias (FasterTransformer adds it outside the layer).
+    """
+    use_ia3 = ia3_tasks is not None
+    weight_arrays = _weight_arrays(weights, use_ia3)
+    data = dict(input_query=input_query, encoder_output=encoder_output, key_cache=key_cache,
+                value_cache=value_cache, context_buf=context_buf, cross_attentions=cross_attentions, **weight_arrays)
+    engine = arrays.resolve_backend(backend, data)
+    attrs = dict(head_num=head_num, size_per_head=size_per_head, q_scaling=q_scaling,
+                 is_batch_major_cache=is_batch_major_cache)
+    lengths, done, tasks = validate(input_query, encoder_output, encoder_sequence_length, step, key_cache,
+                                    value_cache, finished, ia3_tasks, context_buf, cross_attentions, weight_arrays,
+                                    **attrs)
+    if engine == "reference":
+        def call(h):
+            return reference.cross_attention(
+                h["input_query"], h["encoder_output"], lengths, step, h["key_cache"], h["value_cache"], done, tasks,
+                h["context_buf"], h["cross_attentions"], weights=_host_weights(h, use_ia3), **attrs)
+        return CrossAttentionOutputs(*arrays.run_reference(
+            data, ("key_cache", "value_cache", "context_buf", "cross_attentions"), call))
+    data = {name: arrays.as_kernel_array(x) for name, x in data.items()}
+    like = data["input_query"]
+    return CrossAttentionOutputs(*arrays.kernels().cross_attention(
+        data["input_query"], data["encoder_output"], arrays.to_kind(like, lengths), step, data["key_cache"],
+        data["value_cache"], None if done is None else arrays.to_kind(like, done),
+        None if tasks is None else arrays.to_kind(like, tasks), data["context_buf"], data["cross_attentions"],
+        weights=_host_weights(data, use_ia3), threads=threads, **attrs))
+
+
+def _host_weights(h: dict, use_ia3: bool) -> AttentionWeight:
+    """An AttentionWeight over the (host or kernel) arrays of `h`, whatever object the caller passed."""
+    def dense(name):
+        kernel = h.get(f"weights.{name}.kernel")
+        return None if kernel is None else DenseWeight(kernel, h.get(f"weights.{name}.bias"))
+    ia3 = (dense("ia3_key_weight"), dense("ia3_value_weight")) if use_ia3 else (None, None)
+    return AttentionWeight(dense("query_weight"), dense("key_weight"), dense("value_weight"),
+                           dense("attention_output_weight"), *ia3)
