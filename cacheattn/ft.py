@@ -149,6 +149,7 @@ def validate(input_query, encoder_output, encoder_sequence_length, step, key_cac
     return lengths, done, tasks
 
 
+@arrays.accepts_torch
 def cross_attention(input_query, encoder_output, encoder_sequence_length, step, key_cache, value_cache,
                     finished=None, ia3_tasks=None, context_buf=None, cross_attentions=None, *, weights, head_num,
                     size_per_head, q_scaling=1.0, is_batch_major_cache=True, backend="auto", threads=128):
