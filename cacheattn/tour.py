@@ -23,13 +23,16 @@ import cacheattn
 
 from . import _console, serving
 from .examples import (
+    FTCase,
     OnnxCase,
     PPLCase,
     StaticCase,
+    build_ft,
     build_onnx,
     build_ppl,
     build_static,
     copy_inputs,
+    float64_ft,
     float64_onnx,
     float64_ppl_attention,
     reference_cache_state,
@@ -163,6 +166,32 @@ def _onnx_rows(label, case):
     return rows
 
 
+FT_CASES = {
+    "step 1 (fill + bias), B3, 4 heads x 64, batch-major K, IA3, 1 finished, fp16": FTCase(
+        lengths=(9, 4, 12), mem_len=12, head_num=4, size_per_head=64, d_model=96, mem_d_model=80, dtype="float16",
+        is_batch_major_cache=True, step=1, finished=(False, True, False), num_tasks=2, ia3_tasks=(1, 0, 1),
+        max_decoder_seq_len=4, context_buf=True, q_scaling=1.0, seed=8),
+    "step 3 (reads the cache), B2, 4 heads x 48, plain layout, q_scaling 2, fp32": FTCase(
+        lengths=(7, 13), mem_len=13, head_num=4, size_per_head=48, d_model=64, mem_d_model=64, dtype="float32",
+        is_batch_major_cache=False, step=3, finished=None, num_tasks=0, ia3_tasks=None, max_decoder_seq_len=0,
+        context_buf=False, q_scaling=2.0, seed=9),
+}
+
+
+def _ft_rows(label, case):
+    """FasterTransformer cross attention: context (scale 2) and hidden_features (scale 4, after the output GEMM)
+    within the dtype's tolerance of float64, as tests/test_ft_properties.py holds them."""
+    inputs = build_ft(case)
+    want_hidden, want_context, *_ = float64_ft(copy_inputs(inputs), case)
+    rows = []
+    for backend in ("reference", "numba"):
+        got, seconds = _timed(cacheattn.cross_attention, **copy_inputs(inputs), **case.attrs(), backend=backend)
+        ok = (bool(np.all(within_tolerance(got.context, want_context, case.dtype, 2.0)))
+              and bool(np.all(within_tolerance(got.hidden_features, want_hidden, case.dtype, 4.0))))
+        rows.append(("cross_attention", label, backend, _max_error(got.hidden_features, want_hidden), ok, seconds))
+    return rows
+
+
 QUICK_HEAD_DIM, QUICK_PAST = 16, 6
 
 
@@ -174,6 +203,10 @@ def _quick(case):
         return with_(case, head_dim=head_dim, past=tuple(min(p, QUICK_PAST) for p in case.past),
                      seqlens=tuple(min(s, QUICK_PAST) for s in case.seqlens),
                      quant_group=min(case.quant_group, head_dim))
+    if isinstance(case, FTCase):                  # head sizes are FasterTransformer's list: keep the smallest
+        return with_(case, size_per_head=min(case.size_per_head, 32 if case.size_per_head % 32 == 0 else 48),
+                     mem_len=min(case.mem_len, 2 * QUICK_PAST),
+                     lengths=tuple(min(n, 2 * QUICK_PAST) for n in case.lengths))
     if isinstance(case, StaticCase):
         return with_(case, head_dim=min(case.head_dim, QUICK_HEAD_DIM), start_pos=min(case.start_pos, QUICK_PAST),
                      max_seqlen=min(case.start_pos, QUICK_PAST) + case.seqlen)
@@ -221,8 +254,9 @@ def tour(quick: bool = False) -> int:
     cases.append(("dynamic", label.replace("paged int8", "packed K/V"), case))
     cases.append(("static", *STATIC_CASE))
     cases += [("onnx", label, case) for label, case in ONNX_CASES.items()]
+    cases += [("ft", label, case) for label, case in FT_CASES.items()]
     run = {"attention": _attention_rows, "dynamic": _dynamic_attention_rows, "static": _key_value_rows,
-           "onnx": _onnx_rows}
+           "onnx": _onnx_rows, "ft": _ft_rows}
     rows = []
     with _console.progress(len(cases), "operators") as step:
         for kind, label, case in cases:

@@ -5,15 +5,16 @@ the README's command."""
 
 from cacheattn.tour import tour
 
-OPERATORS = ("multi_head_cache_attention", "dynamic_multi_head_attention", "key_value_cache", "onnx_attention")
+OPERATORS = ("multi_head_cache_attention", "dynamic_multi_head_attention", "key_value_cache", "onnx_attention",
+             "cross_attention")
 
 
 def test_tour_passes_every_row(capsys):
     assert tour(quick=True) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.split()[:1] and line.split()[0] in OPERATORS]
-    assert len(rows) == 16 and all(" pass " in row for row in rows), out
-    assert {row.split()[0] for row in rows} >= {"multi_head_cache_attention", "onnx_attention"}
+    assert len(rows) == 20 and all(" pass " in row for row in rows), out
+    assert {row.split()[0] for row in rows} == set(OPERATORS)
     serving = [line.split() for line in out.splitlines() if line.split()[:1] in (["reference"], ["numba"])]
     assert len(serving) == 2 and all(row[6] == "yes" and row[7] == "pass" for row in serving), out
-    assert "16 passed, 0 failed; serving loop: 2 passed, 0 failed" in out
+    assert "20 passed, 0 failed; serving loop: 2 passed, 0 failed" in out
