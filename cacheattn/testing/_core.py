@@ -274,25 +274,25 @@ def _describe(inputs: dict) -> str:
     return ", ".join(parts)
 
 
-def impl_source(impl) -> tuple[list, str]:
-    """(import lines, expression) that rebuild impl in a fresh interpreter, when its origin says how."""
+def impl_source(impl) -> tuple[list, str, str]:
+    """(import lines, expression, comment) that rebuild impl in a fresh interpreter, when its origin says how;
+    the comment asks for the definition when it cannot be imported (a function of a script or a notebook)."""
     if isinstance(impl, functools.partial):
-        imports, inner = impl_source(impl.func)
+        imports, inner, comment = impl_source(impl.func)
         args = [repr(a) for a in impl.args] + [f"{k}={v!r}" for k, v in impl.keywords.items()]
-        return ["import functools"] + imports, f"functools.partial({', '.join([inner] + args)})"
+        return ["import functools"] + imports, f"functools.partial({', '.join([inner] + args)})", comment
     module, name = getattr(impl, "__module__", None), getattr(impl, "__qualname__", None)
     if module and name and "<locals>" not in name and module != "__main__" and not module.startswith("docs."):
-        top = name.split(".")[0]
-        return [f"from {module} import {top}"], name
-    return [], f"{name or 'impl'}  # defined in {module or 'your code'}: paste or import it here"
+        return [f"from {module} import {name.split('.')[0]}"], name, ""
+    return [], name or "impl", f"  # {name or 'impl'} from {module or 'your code'}: paste or import it above"
 
 
 def reproducer(op: Operator, impl, case) -> str:
-    imports, expression = impl_source(impl)
+    imports, expression, comment = impl_source(impl)
     names = ", ".join(sorted({type(case).__name__, *op.case_imports, "check_case", "problem"}))
     lines = imports + [f"from cacheattn.testing import {names}",
                        "",
-                       f"impl = {expression}",
+                       f"impl = {expression}{comment}",
                        f"case = {case!r}",
                        f"args, attrs = problem({op.name!r}, case)     # NumPy inputs rebuilt from case.seed",
                        "result = impl(*args, **attrs)",
