@@ -31,6 +31,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("cacheattn.testing needs hypothesis: pip install 'cacheattn[testing]' "
                       "(or pip install 'hypothesis>=6.100')") from exc
 
+from collections.abc import Callable, Iterable
+
 from cacheattn.examples import OnnxCase, PPLCase, StaticCase
 
 from ._core import ConformanceError, Report, call, run_check, run_example
@@ -45,7 +47,8 @@ def _operator(op: str):
     return OPERATORS[op]
 
 
-def check(op: str, impl, *, max_examples: int = 100, dtypes=None, features=None, seed: int | None = None) -> Report:
+def check(op: str, impl: Callable, *, max_examples: int = 100, dtypes: Iterable[str] | None = None,
+          features: Iterable[str] | None = None, seed: int | None = None) -> Report:
     """Check impl against operator `op` (a key of OPERATORS) on up to max_examples drawn problems."""
     return run_check(_operator(op), impl, max_examples=max_examples, dtypes=dtypes, features=features, seed=seed)
 
@@ -57,7 +60,7 @@ def problem(op: str, case) -> tuple[tuple, dict]:
     return tuple(inputs[n] for n in operator.positional), attrs
 
 
-def check_case(op: str, impl, case) -> None:
+def check_case(op: str, impl: Callable, case) -> None:
     """One problem, as a reproducer replays it: raises ConformanceError unless impl conforms on it."""
     run_example(_operator(op), impl, case)
 
@@ -72,7 +75,8 @@ def reference(op: str, case):
 def _checker(op: str):
     operator = OPERATORS[op]
 
-    def checker(impl, *, max_examples: int = 100, dtypes=None, features=None, seed: int | None = None) -> Report:
+    def checker(impl: Callable, *, max_examples: int = 100, dtypes: Iterable[str] | None = None,
+                features: Iterable[str] | None = None, seed: int | None = None) -> Report:
         return check(op, impl, max_examples=max_examples, dtypes=dtypes, features=features, seed=seed)
 
     checker.__name__ = checker.__qualname__ = f"check_{op}"

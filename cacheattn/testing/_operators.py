@@ -93,7 +93,7 @@ def _mhca_expect(case: PPLCase, inputs, attrs):
 
 
 MULTI_HEAD_CACHE_ATTENTION = Operator(
-    name="multi_head_cache_attention", function=cacheattn.multi_head_cache_attention, case_type=PPLCase,
+    name="multi_head_cache_attention", function=cacheattn.multi_head_cache_attention,
     features={**ATTENTION_FEATURES, **CACHE_FEATURES}, dtypes=PPL_DTYPES,
     strategy=lambda f, d: strategies.ppl_cases(**_ppl_space(f, d)),
     uses=lambda c: frozenset(_attention_uses(c) | _cache_uses(c)),
@@ -116,7 +116,7 @@ def _dmha_expect(case: PPLCase, inputs, attrs):
 
 
 DYNAMIC_MULTI_HEAD_ATTENTION = Operator(
-    name="dynamic_multi_head_attention", function=cacheattn.dynamic_multi_head_attention, case_type=PPLCase,
+    name="dynamic_multi_head_attention", function=cacheattn.dynamic_multi_head_attention,
     features=ATTENTION_FEATURES, dtypes=PPL_DTYPES,
     strategy=lambda f, d: strategies.ppl_cases(
         **{**_ppl_space(f, d), "quant_bits": (0,), "layouts": (0,), "modes": (0,)}),
@@ -143,7 +143,7 @@ def _bits_of_reference(op_name):
 
 
 DYNAMIC_KEY_VALUE_CACHE = Operator(
-    name="dynamic_key_value_cache", function=cacheattn.dynamic_key_value_cache, case_type=DynamicCacheCase,
+    name="dynamic_key_value_cache", function=cacheattn.dynamic_key_value_cache,
     features={**CACHE_FEATURES, "num_repeat": "num_repeat > 1"}, dtypes=PPL_DTYPES,
     strategy=lambda f, d: strategies.ppl_cases(**_ppl_space(f, d)).flatmap(
         lambda base: st.builds(DynamicCacheCase, st.just(base), st.sampled_from(_repeats(f)))),
@@ -163,7 +163,7 @@ def _static_attrs(case: StaticCase) -> dict:
 
 
 KEY_VALUE_CACHE = Operator(
-    name="key_value_cache", function=cacheattn.key_value_cache, case_type=StaticCase, features=STATIC_FEATURES,
+    name="key_value_cache", function=cacheattn.key_value_cache, features=STATIC_FEATURES,
     dtypes=PPL_DTYPES,
     strategy=lambda f, d: strategies.static_cases(
         dtypes=d, quant_bits=_quant_bits(f), layouts=tuple(n for n in range(2) if f"cache_layout_{n}" in f),
@@ -244,7 +244,7 @@ def _onnx_expect(request: OnnxRequest, inputs, attrs):
 
 
 ONNX_ATTENTION = Operator(
-    name="onnx_attention", function=cacheattn.onnx_attention, case_type=OnnxRequest, features=ONNX_FEATURES,
+    name="onnx_attention", function=cacheattn.onnx_attention, features=ONNX_FEATURES,
     dtypes=("float16", "float32", "float64"), strategy=_onnx_strategy, uses=_onnx_uses, problem=_onnx_problem,
     expect=_onnx_expect, outputs=("Y", "present_key", "present_value", "qk_matmul_output"),
     case_imports=("OnnxCase",))
