@@ -172,6 +172,13 @@ def test_import_cacheattn_does_not_import_hypothesis():
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "ok\n"
 
 
+def test_without_hypothesis_the_kit_says_what_to_install():
+    code = ("import sys; sys.modules['hypothesis'] = None\n"
+            "try:\n    import cacheattn.testing\nexcept ImportError as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.startswith("cacheattn.testing needs hypothesis: pip install 'cacheattn[testing]'")
+
+
 def test_pytest_plugin_runs_the_check_as_one_test(tmp_path):
     (tmp_path / "tiny_impls.py").write_text(textwrap.dedent("""
         import functools
