@@ -378,6 +378,8 @@ def _index_host(a, E, ci, slots, cache_dims, paged):
 
 
 def _encoder_lengths(a, E):
+    if a["encoder_input_lengths"] is None:
+        raise ValueError("encoder_input_lengths: required with do_cross_attention=True, got None")
     enc = _per_entry("encoder_input_lengths", a["encoder_input_lengths"], E)
     if (enc < 1).any():
         raise ValueError(f"encoder_input_lengths: expected values >= 1, got {enc.tolist()}")
