@@ -219,6 +219,9 @@ def validate(a: dict) -> dict:
             raise ValueError(f"rotary_embedding_base: expected base > 0 and rotary_embedding_scale > 0, got "
                              f"{a['rotary_embedding_base']!r}, {a['rotary_embedding_scale']!r}")
         check_int("rotary_embedding_max_positions", a["rotary_embedding_max_positions"], low=1)
+        if scale_type == RotaryScalingType.dynamic and rot <= 2 and a["rotary_inv_freq"] is None:
+            raise ValueError(f"rotary_embedding_dim: dynamic NTK scaling raises the base to d / (d - 2), so it needs "
+                             f"a rotary_embedding_dim > 2, got {rot}")
     elif rot:
         raise ValueError(f"rotary_embedding_dim: expected 0 without a RoPE position_embedding_type, got {rot}")
 

@@ -365,10 +365,11 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
             if needed.size:
                 rows = np.full(needed.shape, e)
                 if not is_context[e]:
+                    # Beam search (never with a wrapped cache, so the indirection's index is the position).
                     bi, w = divmod(e - num_context, beam_width)
                     first = num_context + bi * beam_width
                     rows = np.where(needed < context_lengths[e], first,
-                                    first + cache_indirection[bi, w, needed])
+                                    first + cache_indirection[bi, w, cyclic_slot(needed, window, sinks)])
                 slots = cyclic_slot(needed, window, sinks, bubble)
                 keys[needed] = load(cache.read(rows, 0, slots))
                 vals[needed] = load(cache.read(rows, 1, slots))

@@ -114,6 +114,8 @@ BAD = [
      ValueError, "rotary_inv_freq"),
     ("llama3 without frequencies", call(rotary_embedding_dim=4, rotary_embedding_scale_type=4, **ROPE), ValueError,
      "rotary_inv_freq"),
+    ("dynamic scaling of 2 dims", call(rotary_embedding_dim=2, rotary_embedding_scale_type=2, **ROPE), ValueError,
+     "rotary_embedding_dim"),
     ("yarn scaling", call(rotary_embedding_dim=4, rotary_embedding_scale_type=5, **ROPE), ValueError,
      "rotary_embedding_scale_type"),
     ("long_rope", call(position_embedding_type=3), ValueError, "position_embedding_type"),
