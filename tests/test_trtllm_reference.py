@@ -58,18 +58,20 @@ def written(case: TrtCase, args) -> np.ndarray:
 
 
 def gather_paged(case: TrtCase, args, pool) -> np.ndarray:
-    """The pool's contents as a contiguous cache (E, 2, Hkv, slots, Dh), row e through its block table;
+    """The pool's contents as a contiguous cache (E, 2, Hkv, slots, Dh), row e through its block table read
+    the KV cache manager's way (offset = block * num_layers * 2 + kv, this layer's slab of that block);
     slot c sits at paged slot c + bubble past the sinks."""
-    blocks = pool.reshape(-1, *pool.shape[3:])
+    layers = pool.shape[1]
     contiguous_slots = np.arange(case.capacity)
     paged_slots = np.where(contiguous_slots < case.sinks, contiguous_slots,
                            contiguous_slots + ref.paged_bubble(case.sinks, case.tokens_per_block))
     out = np.empty((case.entries, 2, case.num_kv_heads, case.capacity, case.head_size), pool.dtype)
     for e in range(case.entries):
         for kv in (0, 1):
-            table = args["kv_cache_block_offsets"][0, e, kv]
-            b = table[paged_slots // case.tokens_per_block] + 2 * case.layer_idx
-            out[e, kv] = blocks[b, :, paged_slots % case.tokens_per_block].transpose(1, 0, 2)
+            offsets = args["kv_cache_block_offsets"][0, e, kv][paged_slots // case.tokens_per_block]
+            assert (offsets % (2 * layers) == kv).all()
+            out[e, kv] = pool[offsets // (2 * layers), case.layer_idx, kv, :,
+                              paged_slots % case.tokens_per_block].transpose(1, 0, 2)
     return out
 
 
@@ -271,6 +273,19 @@ def test_window_at_least_the_length_is_no_window(case):
     out_none, cache_none = run(args)
     assert_bits_equal("output", out_window, out_none)
     assert_bits_equal("cache", cache_window, cache_none)
+
+
+@settings(max_examples=FEW)
+@given(st.integers(1, 6), st.sampled_from([1, 2]), st.integers(0, 2**32 - 1))
+def test_sliding_window_is_the_explicit_window_mask(window, mask_type, seed):
+    """Query i sees keys (i - W, i]: the same as a custom mask saying so, without a window."""
+    case = replace(SMALL, contexts=((0, 7),), capacity=7, window=window, mask_type=mask_type, seed=seed)
+    args = build_trt(case)
+    i, j = np.arange(7)[:, None], np.arange(7)[None, :]
+    got, _ = run(args)
+    want, _ = run(dict(args, mask_type=6, attention_mask=(j <= i) & (j > i - window),
+                       host_max_attention_window_sizes=np.asarray([7], np.int32)))
+    assert_bits_equal("window", got, want)
 
 
 # ---- beam search ---------------------------------------------------------------------------------------------------
