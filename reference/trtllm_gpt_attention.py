@@ -286,15 +286,12 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     else:
         rope_position_divisor = 1.0
 
-    # Packed ([num_tokens, hidden]) or padded ([batch_beam, max_seqlen, hidden]) QKV: entry e's tokens.
+    # Packed ([num_tokens, hidden]) or padded ([batch_beam, max_seqlen, hidden]) QKV: entry e's tokens are
+    # packed rows starts[e]:starts[e+1], or padded rows qkv[e, :new_tokens[e]].
     starts = np.concatenate([[0], np.cumsum(new_tokens)])
-    if remove_input_padding:
-        token_rows = [slice(starts[e], starts[e + 1]) for e in range(num_entries)]
-        rows_of = lambda e: qkv[token_rows[e]]                              # noqa: E731  (n_e, hidden)
-        output = np.zeros((qkv.shape[0], H * Dh), dtype)
-    else:
-        rows_of = lambda e: qkv[e, :new_tokens[e]]                          # noqa: E731  (n_e, hidden)
-        output = np.zeros((qkv.shape[0], qkv.shape[1], H * Dh), dtype)     # padding rows stay zero
+    tokens_of = [slice(starts[e], starts[e + 1]) if remove_input_padding else (e, slice(0, new_tokens[e]))
+                 for e in range(num_entries)]
+    output = np.zeros(qkv.shape[:-1] + (H * Dh,), dtype)                   # padding rows stay zero
     encoder_starts = None
     if do_cross_attention:
         context_encoder_lengths = np.where(is_context, encoder_input_lengths, 0)
@@ -309,7 +306,7 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     for e in range(num_entries):
         P, n, N = int(past[e]), int(new_tokens[e]), int(lengths[e])
         # The QKV split (MHA / MQA / GQA): [Q | K | V] along the hidden axis, H, Hkv, Hkv heads of Dh.
-        x = rows_of(e).astype(acc)                                           # (n, (H + 2 Hkv) Dh)
+        x = qkv[tokens_of[e]].astype(acc)                                    # (n, (H + 2 Hkv) Dh)
         if qkv_bias is not None:
             x = x + qkv_bias.astype(acc)                                     # the preprocessing adds the bias
         x = x.astype(dtype).astype(acc)                                      # ... and writes the input dtype
@@ -340,9 +337,7 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
             mt = PADDING if mask_type == CUSTOM_MASK else mask_type
             visible = visible_keys(positions, N, mask_type=mt, window=window, sinks=sinks, dense=dense)
             if mask_type == CUSTOM_MASK:
-                custom = (attention_mask[starts[e]:starts[e + 1]] if remove_input_padding
-                          else attention_mask[e, :n])                        # (n, >= N) bool, True = attend
-                visible &= custom[:, :N]
+                visible &= attention_mask[tokens_of[e]][:, :N]                  # (n, N) bool, True = attend
 
             # RoPE of the new tokens: at their positions; StreamingLLM generation uses the position in the cache.
             freq = None
@@ -408,11 +403,7 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
         out = _attend(q, keys_h, vals_h, visible, bias, norm_factor=norm_factor,
                       softcap=attn_logit_softcapping_scale, fp8_fmha=fp8_fmha,
                       kv_scales=(kv_orig_quant_scale, kv_quant_orig_scale))
-        out = out.reshape(n, H * Dh).astype(dtype)
-        if remove_input_padding:
-            output[token_rows[e]] = out
-        else:
-            output[e, :n] = out
+        output[tokens_of[e]] = out.reshape(n, H * Dh).astype(dtype)
 
     present = past_key_value if (use_cache and not paged_kv_cache) else None
     return output, present
