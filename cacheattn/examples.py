@@ -431,15 +431,17 @@ def build_trt(case: TrtCase) -> dict:
 
 
 def float64_trt(inputs: dict) -> tuple:
-    """gpt_attention on float64 copies of the floating inputs (quantized caches keep their codes): the exact
-    evaluation the tests compare with. Returns (output, cache after the call)."""
+    """gpt_attention on float64 copies of the floating inputs (an INT8/FP8 cache keeps its codes, the scales and
+    ALiBi slopes their float32): the exact evaluation the tests compare with. Returns (output, cache after)."""
     import cacheattn
-    x = {k: (v.astype(np.float64) if isinstance(v, np.ndarray) and v.dtype.kind in "fV"
-             and k not in ("alibi_slopes", "kv_orig_quant_scale", "kv_quant_orig_scale") else
-             v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
-    if x.get("past_key_value") is not None and inputs["past_key_value"].dtype.itemsize == 1:
-        x["past_key_value"] = inputs["past_key_value"].copy()
-    if x.get("kv_cache_pool") is not None and inputs["kv_cache_pool"].dtype.itemsize == 1:
-        x["kv_cache_pool"] = inputs["kv_cache_pool"].copy()
+    widened = ("qkv", "qkv_bias", "relative_attention_bias", "cross_kv", "past_key_value", "kv_cache_pool")
+
+    def exact(name, value):
+        if not isinstance(value, np.ndarray):
+            return value
+        quantized_cache = name in ("past_key_value", "kv_cache_pool") and value.dtype.itemsize == 1
+        return value.astype(np.float64) if name in widened and not quantized_cache else value.copy()
+
+    x = {name: exact(name, value) for name, value in inputs.items()}
     out, _ = cacheattn.gpt_attention(**x)
     return out, x["kv_cache_pool"] if x.get("kv_cache_pool") is not None else x["past_key_value"]

@@ -291,7 +291,7 @@ def validate(a: dict) -> dict:
         if not is_context.all() or past.any():
             raise ValueError("use_cache: without a cache every request is a whole context (no past, no "
                              "generation)")
-        out.update(_index_host(a, E, None, None, None, False))
+        out.update(_host_lengths_and_cache(a, E, None, None, None, False))
         return _cross(a, out, qkv, is_context, E, Hkv, Dh, pos_type, lengths, None)
 
     ci = arrays.index_array("cache_indirection", a["cache_indirection"])
@@ -321,7 +321,7 @@ def validate(a: dict) -> dict:
         slots_needed = int(enc.max())
     else:
         slots_needed = int(ref.cyclic_slot(np.arange(min(longest, window)), window, sinks, bubble).max()) + 1
-    out.update(_index_host(a, E, ci, slots_needed, (Hkv, Dh, quant), bool(a["paged_kv_cache"])))
+    out.update(_host_lengths_and_cache(a, E, ci, slots_needed, (Hkv, Dh, quant), bool(a["paged_kv_cache"])))
     out.update(cache_indirection=ci, host_max_attention_window_sizes=windows, host_sink_token_length=sinks_host)
     return _cross(a, out, qkv, is_context, E, Hkv, Dh, pos_type, lengths, enc)
 
@@ -332,8 +332,9 @@ def _cache_dtype_ok(name, x, qkv, quant):
         raise TypeError(f"{name}: expected dtype {want.name} for kv_cache_quant_mode {quant}, got {dtype_of(x).name}")
 
 
-def _index_host(a, E, ci, slots, cache_dims, paged):
-    """Per-entry host tensors, and the cache tensors checked against the slots the call reads or writes."""
+def _host_lengths_and_cache(a, E, ci, slots, cache_dims, paged):
+    """Host int64 copies of the per-entry tensors (and the block table); the cache tensors are checked against
+    the slots the call reads or writes."""
     host = {name: arrays.index_array(name, a[name]) for name in
             ("sequence_length", "host_past_key_value_lengths", "context_lengths", "host_request_types")}
     if cache_dims is None:

@@ -253,11 +253,15 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
                   alibi_slopes=None, kv_cache_block_offsets=None, do_cross_attention=False, cross_kv=None,
                   encoder_input_lengths=None, relative_attention_bias=None, max_distance=0, qkv_bias=None,
                   use_cache=True, remove_input_padding=True, paged_kv_cache=False, tokens_per_block=64,
-                  streamingllm=False, use_fp8_context_fmha=False, kv_cache_pool=None, **_unused):
+                  streamingllm=False, use_fp8_context_fmha=False, kv_cache_pool=None, context_fmha_type=1,
+                  multi_block_mode=True, max_context_length=None, host_context_lengths=None, cross_kv_length=None,
+                  host_kv_cache_block_offsets=None):
     """(output, present_key_value); the cache (past_key_value or kv_cache_pool) is written in place.
 
     Inputs are validated by cacheattn.gpt_attention; here they are host NumPy arrays and plain ints.
-    Shapes: see cacheattn.gpt_attention.
+    Shapes: see cacheattn.gpt_attention. The last six arguments choose kernels or size buffers on a GPU and
+    do not change the result (context_fmha_type: see the docs page on accumulation); host copies are checked
+    against their device tensors by the validation.
     """
     H, Hkv, Dh = num_heads, num_kv_heads, hidden_size_per_head
     group = H // Hkv                                                         # GQA: query head h reads h // group

@@ -157,6 +157,18 @@ BAD = [
                                    cross_kv=np.zeros((6, 32), np.float32), cross_kv_length=2), ValueError,
      "cross_kv_length"),
     ("use_cache off with generation", call(use_cache=False), ValueError, "use_cache"),
+    ("encoder length 0", call(do_cross_attention=True, encoder_input_lengths=np.array([3, 0, 3, 3], np.int32),
+                              cross_kv=np.zeros((3, 32), np.float32)), ValueError, "encoder_input_lengths"),
+    ("sinks shape", call(host_sink_token_length=np.zeros(2, np.int32)), ValueError, "host_sink_token_length"),
+    ("window not above the sinks", call(streamingllm=True, host_sink_token_length=np.array([8], np.int32),
+                                        host_past_key_value_lengths=np.array([0, 0, 4, 4], np.int32),
+                                        sequence_length=np.array([3, 2, 5, 5], np.int32)), ValueError,
+     "host_max_attention_window_sizes"),
+    ("quant mode as a string", call(kv_cache_quant_mode="int8"), ValueError, "kv_cache_quant_mode"),
+    ("rotary base 0", call(rotary_embedding_dim=4, rotary_embedding_base=0.0, **ROPE), ValueError,
+     "rotary_embedding_base"),
+    ("host block table differs", call(PAGED, host_kv_cache_block_offsets=offsets_with(0)), ValueError,
+     "host_kv_cache_block_offsets"),
 ]
 
 
@@ -196,3 +208,30 @@ def test_enums_keep_tensorrt_llm_values():
     assert cacheattn.PositionEmbeddingType.rope_gpt_neox == 2 and cacheattn.PositionEmbeddingType.alibi == 4
     assert cacheattn.RotaryScalingType.llama3 == 4 and cacheattn.RequestType.generation == 1
     assert cacheattn.QuantMode.INT8_KV_CACHE == 64 and cacheattn.QuantMode.FP8_KV_CACHE == 128
+
+
+class FakeDeviceArray:
+    """Looks like a GPU array to the dispatcher (CUDA array interface), holds a NumPy array for the checks."""
+
+    def __init__(self, host):
+        self.host, self.shape, self.dtype, self.ndim = host, host.shape, host.dtype, host.ndim
+        self.__cuda_array_interface__ = {"shape": host.shape, "typestr": host.dtype.str, "data": (0, False),
+                                         "version": 3}
+
+
+def test_gpu_arrays_are_validated_before_the_part_two_error():
+    args = call(qkv=FakeDeviceArray(A["qkv"]), past_key_value=FakeDeviceArray(A["past_key_value"]))
+    with pytest.raises(ValueError, match="^num_kv_heads"):
+        cacheattn.gpt_attention(**dict(args, num_kv_heads=4))
+    with pytest.raises(NotImplementedError, match="part 2"):
+        cacheattn.gpt_attention(**args)
+
+
+def test_without_a_cache_whole_contexts_run_and_nothing_is_returned():
+    case = TrtCase(**{**BASE.__dict__, "contexts": ((0, 3), (0, 2)), "generations": ()})
+    args = build_trt(case)
+    with_cache, _ = cacheattn.gpt_attention(**{k: (v.copy() if isinstance(v, np.ndarray) else v)
+                                               for k, v in args.items()})
+    output, present = cacheattn.gpt_attention(**dict(args, use_cache=False, past_key_value=None))
+    assert present is None
+    assert np.array_equal(output, with_cache)
