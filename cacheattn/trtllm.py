@@ -269,10 +269,10 @@ def validate(a: dict) -> dict:
     # Window, sinks, cache capacity.
     layer_idx = check_int("layer_idx", a["layer_idx"], low=0)
     windows = arrays.index_array("host_max_attention_window_sizes", a["host_max_attention_window_sizes"])
-    if windows.ndim != 1 or windows.shape[0] <= layer_idx:
-        raise ValueError(f"host_max_attention_window_sizes: expected one window per layer (> layer_idx = "
-                         f"{layer_idx} entries), got shape {windows.shape}")
-    window = int(windows[layer_idx])
+    if windows.ndim != 1 or windows.shape[0] < 1:
+        raise ValueError(f"host_max_attention_window_sizes: expected a 1-D tensor of windows (repeated over the "
+                         f"layers when shorter), got shape {windows.shape}")
+    window = int(windows[layer_idx % windows.shape[0]])
     sinks_host = arrays.index_array("host_sink_token_length", a["host_sink_token_length"])
     check_shape("host_sink_token_length", sinks_host, (1,), "(1,)")
     sinks = int(sinks_host[0])
@@ -406,9 +406,19 @@ def _cross(a, out, qkv, is_context, E, Hkv, Dh, pos_type, lengths, enc):
     if is_context.any():
         if a["cross_kv"] is None:
             raise ValueError("cross_kv: required when a context request does cross attention, got None")
-        _float_tensor("cross_kv", a["cross_kv"], qkv)
-        check_shape("cross_kv", a["cross_kv"], (encoder_tokens, 2 * Hkv * Dh),
-                    "(encoder tokens of the context requests, 2 num_kv_heads hidden_size_per_head)")
+        cross_kv = a["cross_kv"]
+        _float_tensor("cross_kv", cross_kv, qkv)
+        if a["remove_input_padding"]:
+            if cross_kv.ndim == 3 and cross_kv.shape[0] == 1:
+                cross_kv = cross_kv.reshape(cross_kv.shape[1:])               # TensorRT-LLM's [1, num_tokens, .]
+            check_shape("cross_kv", cross_kv, (encoder_tokens, 2 * Hkv * Dh),
+                        "([1,] encoder tokens of the context requests, 2 num_kv_heads hidden_size_per_head)")
+        else:
+            check_shape("cross_kv", cross_kv, (E, None, 2 * Hkv * Dh),
+                        "(batch_beam, max encoder length, 2 num_kv_heads hidden_size_per_head)")
+            if cross_kv.shape[1] < enc.max():
+                raise ValueError(f"cross_kv: expected a padded length >= max(encoder_input_lengths) = "
+                                 f"{int(enc.max())}, got {cross_kv.shape[1]}")
     out["encoder_input_lengths"] = enc
     return out
 
@@ -440,7 +450,8 @@ def gpt_attention(*, qkv, past_key_value, attention_mask=None, sequence_length, 
         mask_type custom_mask. Row = query token, column = key position.
     sequence_length (E,): length after this step (past + new tokens).
     host_past_key_value_lengths (E,): tokens already in the cache.
-    host_max_attention_window_sizes (num_layers,): the attention window W of each layer.
+    host_max_attention_window_sizes (num_layers,) or shorter: the attention window W of each layer (repeated over
+        the layers when shorter, as TensorRT-LLM's runtime does).
     host_sink_token_length (1,): StreamingLLM sink tokens S (0 without streamingllm).
     context_lengths (E,): new tokens of a context request (prompt or chunk); prompt length of a generation request.
     cache_indirection (>= generation sequences, beam_width, capacity): beam of each cached token; capacity is the
@@ -463,7 +474,8 @@ def gpt_attention(*, qkv, past_key_value, attention_mask=None, sequence_length, 
     alibi_slopes (H,) float32: with alibi / alibi_with_scale; bias slope (j - i).
     kv_cache_block_offsets (1, >= E, 2, max_blocks): paged block table, TensorRT-LLM's runtime meaning (offset o of
         layer l is block o + 2 l of the pool seen as blocks). host_kv_cache_block_offsets: its host copy (optional).
-    do_cross_attention, cross_kv (encoder tokens of the context requests, 2 Hkv Dh) [K | V], cross_kv_length,
+    do_cross_attention, cross_kv ([1,] encoder tokens of the context requests, 2 Hkv Dh) packed or
+        (E, max encoder length, 2 Hkv Dh) padded, [K | V], cross_kv_length (longest encoder length),
         encoder_input_lengths (E,): cross attention over the encoder states, cached in the context phase.
     relative_attention_bias: (H, L, L) regular, or (H, num_buckets) with max_distance > 0 (implicit T5 buckets).
     host_context_lengths (E,): host copy of context_lengths (optional). qkv_bias ((H + 2 Hkv) Dh,): added to qkv.

@@ -317,7 +317,8 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     new_tokens = lengths - past                                              # prompt/chunk, or 1 per beam
     num_context = int(is_context.sum())
     beam_width = int(cache_indirection.shape[1]) if cache_indirection is not None else 1
-    window = int(host_max_attention_window_sizes[layer_idx])
+    # One window per layer; a shorter list repeats over the layers.
+    window = int(host_max_attention_window_sizes[layer_idx % len(host_max_attention_window_sizes)])
     sinks = int(host_sink_token_length[0])
     quantized = bool(kv_cache_quant_mode & (INT8_KV_CACHE | FP8_KV_CACHE))
     cache = None
@@ -341,6 +342,8 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     output = np.zeros(qkv.shape[:-1] + (H * Dh,), dtype)                   # padding rows stay zero
     encoder_starts = None
     if do_cross_attention:
+        if remove_input_padding and cross_kv is not None and cross_kv.ndim == 3:
+            cross_kv = cross_kv[0]                                           # [1, num_tokens, 2 Hkv Dh]
         context_encoder_lengths = np.where(is_context, encoder_input_lengths, 0)
         encoder_starts = np.concatenate([[0], np.cumsum(context_encoder_lengths)])
 
@@ -361,7 +364,8 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
             # (no RoPE, not causal), only read in generation.
             L, slots = int(encoder_input_lengths[e]), np.arange(int(encoder_input_lengths[e]))
             if is_context[e]:
-                enc = cross_kv[encoder_starts[e]:encoder_starts[e + 1]]     # (L, 2 Hkv Dh): [K | V]
+                enc = (cross_kv[encoder_starts[e]:encoder_starts[e + 1]] if remove_input_padding
+                       else cross_kv[e, :L])                                 # (L, 2 Hkv Dh): [K | V]
                 keys = enc[:, :Hkv * Dh].reshape(L, Hkv, Dh).astype(acc)
                 vals = enc[:, Hkv * Dh:].reshape(L, Hkv, Dh).astype(acc)
                 if cache is not None:
