@@ -91,7 +91,10 @@ def test_reference_matches_float64_evaluation(case):
     before = cache_of(args).copy()
     output, cache = run(args)
     want, _ = float64_trt(args)
-    assert_close("output", output, want, case.dtype)
+    # q and k are rounded to the input dtype after the bias and RoPE (the GPU preprocessing writes them back),
+    # which the float64 evaluation does not do; with q_scaling 0.5 the scores reach about +-15, and float16's
+    # 2^-11 of that moves the probabilities by up to ~1.5%: twice the plain float16 tolerance.
+    assert_close("output", output, want, case.dtype, scale=2 if case.dtype == "float16" else 1)
     untouched = ~written(case, args)
     if untouched.any():
         assert_bits_equal("untouched cache", cache[untouched], before[untouched])
