@@ -42,7 +42,7 @@ PPL_REPRESENTATIVES = ((0, np.float32, 1, False), (8, np.float16, 3, True), (4, 
                        (4, np.float16, 1, True))
 
 
-def _ppl_launches(full: bool):
+def _ppl_launches(full: bool, rung: int = 1):
     """(label, kernel, args) for the OpenPPL kernels: quant 0/8/4 x float16/float32 x decode/prefill when
     full, else PPL_REPRESENTATIVES."""
     from . import _launch
@@ -69,7 +69,7 @@ def _ppl_launches(full: bool):
                 q, k, k, seqstarts, kvstarts, np.array([0, 32]), np.array([2, 2]), 1, seqlen, seqlen + 2,
                 cache, scale, mask, num_heads=heads, head_dim=head_dim, is_causal=True,
                 alibi_slopes=np.ones(heads, np.float32) if alibi else None, num_kv_heads=kv_heads,
-                quant_bit=quant_bit, quant_group=group, cache_axes="T L KV H D")
+                quant_bit=quant_bit, quant_group=group, cache_axes="T L KV H D", rung=rung)
             static_cache = np.zeros((2, 1, 2, 8, kv_heads, stored), cache_dtype)
             static_scale = np.ones((2, 1, 2, 8, kv_heads, head_dim // group), np.float32) if quant_bit else None
             key_value_cache(k.reshape(2, seqlen, kv_heads, head_dim), k.reshape(2, seqlen, kv_heads, head_dim),
@@ -156,7 +156,14 @@ def _ft_launches(full: bool):
 
 # Kernel families: name -> launches(full). A new operator module adds its family here; tests/test_ptx.py runs
 # one test per family and compute capability.
-FAMILIES = {"ppl": _ppl_launches, "onnx": _onnx_launches, "ft": _ft_launches}
+def _ladder_launches(full: bool):
+    """The kernel ladder's later rungs (rung 2: a warp per key, warp shuffles) on the OpenPPL launches; the
+    cache-store kernels they share with rung 1 are the "ppl" family's."""
+    return [(f"rung 2 {label}", kernel, args) for label, kernel, args in _ppl_launches(full, rung=2)
+            if kernel.py_func.__name__ == "warp_attention_kernel"]
+
+
+FAMILIES = {"ppl": _ppl_launches, "onnx": _onnx_launches, "ft": _ft_launches, "ladder": _ladder_launches}
 
 
 def compile_all(ccs, families=tuple(FAMILIES), full=False, report=print) -> int:
