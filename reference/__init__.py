@@ -13,3 +13,7 @@ __all__ = [
     "multi_head_cache_attention",
     "onnx_attention",
 ]
+
+from .trtllm_gpt_attention import combine_partials, gpt_attention, split_attention  # noqa: E402
+
+__all__ += ["combine_partials", "gpt_attention", "split_attention"]
