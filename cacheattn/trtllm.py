@@ -481,8 +481,7 @@ def gpt_attention(*, qkv, past_key_value, attention_mask=None, sequence_length, 
     engine = arrays.resolve_backend(backend, data)
     checked = validate(args)
     if engine != "reference":
-        raise NotImplementedError("backend: the numba.cuda gpt_attention kernels are part 2 of issue 6 and not "
-                                  "written yet; use NumPy arrays (backend='reference')")
+        return arrays.kernels().gpt_attention(**{**checked, **{k: arrays.as_kernel_array(x) for k, x in data.items()}})
 
     def call(host):
         return reference.gpt_attention(**{**checked, **host})

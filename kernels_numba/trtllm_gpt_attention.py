@@ -1,0 +1,479 @@
+"""TensorRT-LLM `gpt_attention` on the GPU (trtllm-gpt-attention.md), through the shared online-softmax core.
+
+Two kernels per call, on the caller's stream, context and generation entries together (in-flight batching):
+
+1. preprocess (one thread per element of a token's Q, K or V head): QKV bias, rounding to the input dtype,
+   RoPE (GPT-J / GPT-NeoX, partial, linear or dynamic scaling; frequencies per entry from the host, or
+   `rotary_inv_freq` as given), then
+   - Q, K, V of the new tokens -> scratch (T, heads, Dh) in the accumulation dtype (the current tokens attend
+     with their own unquantized K/V, as the reference's `keys[P:] = k_rot`),
+   - K, V -> their cache slot (contiguous row, or paged block through the block offsets; cyclic with sinks and
+     the paged bubble), quantized to INT8 or FP8 e4m3 bits on the fly. The same thread that read a token's
+     K/V from `qkv` writes it: one pass.
+2. attention (the core): entry b's key t comes from the cache for t < past (beam indirection, cyclic slot,
+   INT8 dequant / e4m3 decode) and from the scratch for t >= past; scores get softcap, ALiBi and the
+   causal / window / sinks mask in `score`, whose visible range `key_range` bounds the walk.
+
+Read before write: the reference reads the cached keys and only then writes the new ones. Writing first is
+the same unless a multi-token chunk wraps a cyclic cache (N > W): then a cached key a query still sees would be
+overwritten, so that call writes the cache in a second launch of the preprocess kernel, after attention. Of
+several new tokens that wrap onto one slot only the latest writes (as the reference's `_last_writer`).
+
+The cache sources and score arguments are namedtuples read by field name. Not covered yet (NotImplementedError,
+raised by `unsupported`): custom masks, relative attention bias, cross attention, StreamingLLM, FP8 context
+FMHA, bfloat16, a separate multi-block split (one block walks all keys; the result is the same).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import namedtuple
+from functools import cache
+
+import numpy as np
+from numba import cuda
+
+from ._attention_core import make_attention_kernel, plan_tiles
+from ._cache import token_head_item
+from ._launch import caller_stream, ceil_div, empty_like_kind, flat, launch, to_kind
+from ._numerics import keep_float32, round_to_float16
+
+# TensorRT-LLM enum values (tensorrt_llm.functional), as cacheattn.trtllm validates them.
+CAUSAL, SLIDING_WINDOW_CAUSAL, CUSTOM_MASK = 1, 2, 6
+ROPE_GPTJ, ROPE_GPT_NEOX, ALIBI, ALIBI_WITH_SCALE, RELATIVE = 1, 2, 4, 5, 6
+SCALING_LINEAR, SCALING_DYNAMIC = 1, 2
+CONTEXT = 0
+INT8_KV_CACHE, FP8_KV_CACHE = 64, 128
+FP8_MAX = 448.0
+
+# Per-entry table columns (int64): where the entry's tokens are in qkv/output, its lengths, its cache rows.
+TOKEN_START, PAST, NEW, FIRST_ROW, BEAM, SEQUENCE, PROMPT, IS_CONTEXT = range(8)
+TABLE_COLUMNS = 8
+
+# Where cached token slots live. Contiguous: row r, slot s at r*s_row + kv*s_kv + h*s_head + s*Dh.
+# Paged: block = offsets[r, kv, s // tokens_per_block] + layer_blocks, at block*s_block + h*s_head + (s % tpb)*Dh.
+KVSource = namedtuple("KVSource", "cache scratch table offsets indirection kv paged tokens_per_block layer_blocks "
+                                  "s_row s_kv s_head s_block window sinks bubble scale")
+
+
+def unsupported(a: dict) -> str | None:
+    """The first feature of a validated call these kernels do not run yet, named as TensorRT-LLM names it."""
+    if np.dtype(a["qkv"].dtype).name == "bfloat16":
+        return "qkv: bfloat16 (numba has no bfloat16 arithmetic)"
+    if a["mask_type"] == CUSTOM_MASK:
+        return "mask_type: custom_mask"
+    if a["position_embedding_type"] == RELATIVE:
+        return "position_embedding_type: relative (relative_attention_bias)"
+    if a["do_cross_attention"]:
+        return "do_cross_attention"
+    if a["streamingllm"]:
+        return "streamingllm"
+    if a["use_fp8_context_fmha"] and (np.asarray(a["host_request_types"]) == CONTEXT).any():
+        return "use_fp8_context_fmha"
+    return None
+
+
+# ---- FP8 e4m3 (fn) from the bits: the simulator has no fp8 type, the cache holds the codes as bytes -----------
+
+@cuda.jit(device=True, inline="always")
+def e4m3_encode(x):
+    """float32 -> e4m3fn code (0..255): saturate to +-448, round to nearest even (subnormals too); NaN -> 0x7F."""
+    if x != x:
+        return np.int32(0x7F)
+    sign = np.int32(0x80) if (x < 0 or (x == 0 and math.copysign(1.0, x) < 0)) else np.int32(0)
+    a = min(abs(np.float64(x)), FP8_MAX)
+    if a < 2.0 ** -6:                                   # subnormal: multiples of 2^-9 (8 rounds up to the normal 2^-6)
+        return sign | np.int32(round(a * 512.0))
+    exponent, power = 8, 256.0                          # largest 2^e <= a, e in [-6, 8]
+    while power > a:
+        power *= 0.5
+        exponent -= 1
+    mantissa = np.int32(round((a / power - 1.0) * 8.0))  # exact scaled fraction, round() is half to even
+    if mantissa == 8:                                   # rounded up to the next power of two
+        mantissa = np.int32(0)
+        exponent += 1
+    return sign | np.int32((exponent + 7) << 3) | mantissa
+
+
+@cuda.jit(device=True, inline="always")
+def e4m3_decode(code):
+    """e4m3fn code (0..255) -> its exact value as float32 (0x7F / 0xFF are NaN)."""
+    c = np.int32(code) & 0xFF
+    exponent, mantissa = (c >> 3) & 0xF, c & 7
+    if exponent == 15 and mantissa == 7:
+        return np.float32(math.nan)
+    if exponent == 0:
+        value = np.float64(mantissa) * 2.0 ** -9
+    else:
+        value = np.float64(8 + mantissa) * 2.0 ** (exponent - 10)
+    return np.float32(-value if c & 0x80 else value)
+
+
+def make_kv_codec(quant: int, acc_t):
+    """(encode(x, inv_scale), decode(code, scale)): the cache's storage of a K/V element and its load as acc_t.
+
+    INT8: sat(rint(float32(x) * (1/s))), load float32(q) * s. FP8: e4m3(sat(float32(x) * (1/s))), load e4m3 * s.
+    Unquantized: the value itself (the cache array's dtype rounds it on store)."""
+
+    @cuda.jit(device=True, inline="always")
+    def encode(x, inv_scale):
+        if quant == INT8_KV_CACHE:
+            q = round(np.float32(np.float32(x) * inv_scale))
+            return np.int32(min(max(q, -128), 127))
+        if quant == FP8_KV_CACHE:
+            return e4m3_encode(np.float32(np.float32(x) * inv_scale))
+        return x
+
+    @cuda.jit(device=True, inline="always")
+    def decode(code, scale):
+        if quant == INT8_KV_CACHE:
+            return acc_t(np.float32(np.float32(code) * scale))
+        if quant == FP8_KV_CACHE:
+            return acc_t(np.float32(e4m3_decode(code) * scale))
+        return acc_t(code)
+
+    return encode, decode
+
+
+# ---- The cache: slots, rows, addresses -----------------------------------------------------------------------
+
+@cuda.jit(device=True, inline="always")
+def cyclic_slot(t, window, sinks):
+    """Slot of token position t: sinks stay put, the rest cycle through the window's W - S slots."""
+    if t < sinks:
+        return t
+    return sinks + (t - sinks) % (window - sinks)
+
+
+def make_cache_address(head_size: int):
+    @cuda.jit(device=True, inline="always")
+    def cache_address(src, row, slot, h):
+        """Element 0 of kv head h at cache slot `slot` (before the paged bubble) of cache row `row`.
+        Consecutive slots are head_size elements apart in both layouts."""
+        if slot >= src.sinks:
+            slot += src.bubble                          # paged: the sinks have their blocks to themselves
+        if src.paged != 0:
+            block = src.offsets[row, src.kv, slot // src.tokens_per_block] + src.layer_blocks
+            return block * src.s_block + h * src.s_head + (slot % src.tokens_per_block) * head_size
+        return row * src.s_row + src.kv * src.s_kv + h * src.s_head + slot * head_size
+
+    return cache_address
+
+
+def make_trt_access(quant: int, num_kv_heads: int, head_size: int, acc_t):
+    """Device functions (row_offsets, load) of the core for a TensorRT-LLM K or V source (KVSource).
+
+    row_offsets(src, b, t, h) -> (element index, 1 = cache / 0 = scratch)."""
+    _, decode = make_kv_codec(quant, acc_t)
+    cache_address = make_cache_address(head_size)
+
+    @cuda.jit(device=True, inline="always")
+    def row_offsets(src, b, t, h):
+        table = src.table
+        past = table[b, PAST]
+        if t >= past:                                   # a new token: its unquantized K/V from the scratch
+            return ((table[b, TOKEN_START] + t - past) * num_kv_heads + h) * head_size, 0
+        row = b
+        slot = cyclic_slot(t, src.window, src.sinks)
+        if table[b, IS_CONTEXT] == 0:
+            # Beam search: the prompt from the sequence's first row, later tokens from the beam the indirection names.
+            row = table[b, FIRST_ROW]
+            if t >= table[b, PROMPT]:
+                row += src.indirection[table[b, SEQUENCE], table[b, BEAM], slot]
+        return cache_address(src, row, slot, h), 1
+
+    @cuda.jit(device=True, inline="always")
+    def load(src, index, from_cache, d):
+        if from_cache == 0:
+            return acc_t(src.scratch[index + d])
+        return decode(src.cache[index + d], src.scale)
+
+    return row_offsets, load
+
+
+def make_trt_score(acc_t):
+    """(score, key_range) of the core: causal / window / sinks visibility, softcap, then ALiBi (ScoreArgs)."""
+    NEG_INF = acc_t(-math.inf)
+
+    @cuda.jit(device=True, inline="always")
+    def score(args, qk, b, h, i, j, seqlen, kvlen):
+        p = args.table[b, PAST] + i                     # query i sits at position past + i (bottom-right causal)
+        if args.causal != 0 and j > p:
+            return NEG_INF
+        if j <= p - (args.window - args.sinks) and j >= args.sinks:
+            return NEG_INF                              # out of the window and not a sink
+        s = qk
+        if args.softcap > 0:                            # after the scaling, before the bias
+            s = args.softcap * math.tanh(s / args.softcap)
+        if args.alibi_on != 0:
+            s = s + acc_t(args.alibi[h]) * acc_t(j - p)
+        return s
+
+    @cuda.jit(device=True, inline="always")
+    def key_range(args, b, i_first, i_last, seqlen, kvlen):
+        past = args.table[b, PAST]
+        hi = kvlen
+        if args.causal != 0:
+            hi = min(hi, past + i_last + 1)
+        lo = 0
+        if args.sinks == 0:                             # with sinks the first keys stay in view
+            lo = max(0, past + i_first - args.window + 1)
+        return lo, hi
+
+    return score, key_range
+
+
+ScoreArgs = namedtuple("ScoreArgs", "table alibi alibi_on softcap causal window sinks")
+
+
+def _acc_type(dtype):
+    return np.float64 if np.dtype(dtype) == np.float64 else np.float32
+
+
+@cache
+def _attention_kernel(dtype, num_heads, num_kv_heads, head_size, quant, q_len):
+    acc_t = _acc_type(dtype)
+    row_offsets, load = make_trt_access(quant, num_kv_heads, head_size, acc_t)
+    score, key_range = make_trt_score(acc_t)
+    heads_per_block, q_tile, key_tile = plan_tiles(num_heads, num_kv_heads, q_len, head_size, head_size,
+                                                   elem_bytes=np.dtype(acc_t).itemsize)
+    kernel = make_attention_kernel(row_offsets, load, score, key_range, head_dim_k=head_size, head_dim_v=head_size,
+                                   heads_per_block=heads_per_block, q_tile=q_tile, key_tile=key_tile,
+                                   group=num_heads // num_kv_heads, acc_dtype=acc_t)
+    return kernel, heads_per_block, q_tile
+
+
+@cache
+def _preprocess_kernel(dtype, num_heads, num_kv_heads, head_size, rotary_dim, rope_style, quant, has_bias):
+    """Kernel: bias, dtype rounding, RoPE of one element of a new token's Q/K/V head, then scratch and cache.
+
+    Grid (x: ceil(max new tokens * (H + 2 Hkv) * Dh / threads), y: entries); one thread per element. A rotated
+    element reads its pair partner too (both threads of a pair compute the same two inputs)."""
+    acc_t = _acc_type(dtype)
+    round_dtype = round_to_float16 if np.dtype(dtype) == np.float16 else keep_float32
+    encode, _ = make_kv_codec(quant, acc_t)
+    cache_address = make_cache_address(head_size)
+    H, HKV, DH, HALF = num_heads, num_kv_heads, head_size, rotary_dim // 2
+    HEADS = H + 2 * HKV
+
+    @cuda.jit(device=True, inline="always")
+    def element(pre, token, hh, d):
+        """qkv + bias, written in the input dtype (as the preprocessing does), held in acc_t."""
+        x = acc_t(pre.qkv[(token * HEADS + hh) * DH + d])
+        if has_bias:
+            x = round_dtype(x + acc_t(pre.bias[hh * DH + d]))
+        return x
+
+    @cuda.jit(device=True, inline="always")
+    def rotated(pre, b, token, position, hh, d):
+        """Element d of head hh after RoPE at `position` (Q and K heads; V and d >= rotary_dim pass through)."""
+        x = element(pre, token, hh, d)
+        if rope_style == 0 or hh >= H + HKV or d >= rotary_dim:
+            return x
+        if rope_style == ROPE_GPTJ:                     # interleaved pairs (2i, 2i + 1)
+            pair, first = d // 2, d % 2 == 0
+            partner = d + 1 if first else d - 1
+        else:                                           # GPT-NeoX: halves (i, i + rotary_dim / 2)
+            pair, first = d % HALF, d < HALF
+            partner = d + HALF if first else d - HALF
+        other = element(pre, token, hh, partner)
+        angle = acc_t(np.float64(position) / pre.position_divisor) * acc_t(pre.inv_freq[b, pair])
+        cos, sin = acc_t(math.cos(angle)), acc_t(math.sin(angle))
+        if first:
+            return round_dtype(x * cos - other * sin)
+        return round_dtype(x * cos + other * sin)
+
+    @cuda.jit(device=True, inline="always")
+    def store(dst, pre, b, position, g, d, x):
+        """x -> cache row b at the position's cyclic slot, unless a later new token of this call takes the slot."""
+        src = dst
+        length = pre.table[b, PAST] + pre.table[b, NEW]
+        if position < src.sinks or position + (src.window - src.sinks) >= length:
+            index = cache_address(src, b, cyclic_slot(position, src.window, src.sinks), g)
+            src.cache[index + d] = encode(x, pre.inv_scale)
+
+    @cuda.jit
+    def preprocess_kernel(pre, new_starts):
+        b, i, hh, d = token_head_item(new_starts, HEADS, DH)
+        if i < 0:
+            return
+        token = pre.table[b, TOKEN_START] + i
+        position = pre.table[b, PAST] + i
+        y = rotated(pre, b, token, position, hh, d)
+        if hh < H:
+            if pre.write_scratch != 0:
+                pre.q_out[(token * H + hh) * DH + d] = y
+        elif hh < H + HKV:
+            g = hh - H
+            if pre.write_scratch != 0:
+                pre.k_out[(token * HKV + g) * DH + d] = y
+            if pre.write_cache != 0:
+                store(pre.k_dst, pre, b, position, g, d, y)
+        else:
+            g = hh - H - HKV
+            if pre.write_scratch != 0:
+                pre.v_out[(token * HKV + g) * DH + d] = y
+            if pre.write_cache != 0:
+                store(pre.v_dst, pre, b, position, g, d, y)
+
+    return preprocess_kernel
+
+
+Preprocess = namedtuple("Preprocess", "qkv bias table inv_freq position_divisor inv_scale q_out k_out v_out k_dst "
+                                      "v_dst write_scratch write_cache")
+
+
+# ---- Host side -----------------------------------------------------------------------------------------------
+
+def rope_inv_freq(rotary_inv_freq, rotary_dim, base, scale_type, scale, max_positions, lengths, acc_t):
+    """(entries, rotary_dim / 2) frequencies: `rotary_inv_freq` as given, or 1 / base^(2i / rotary_dim) with
+    dynamic NTK scaling raising the base past max_positions for an entry of that length (after this step)."""
+    if rotary_inv_freq is not None:
+        freq = np.asarray(rotary_inv_freq).astype(acc_t)
+        return np.ascontiguousarray(np.broadcast_to(freq, (len(lengths), freq.shape[0])))
+    exponents = np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim
+    rows = []
+    for length in lengths:
+        entry_base = float(base)
+        if scale_type == SCALING_DYNAMIC and length > max_positions:
+            entry_base *= ((scale * length / max_positions) - (scale - 1)) ** (rotary_dim / (rotary_dim - 2))
+        rows.append((1.0 / np.float64(entry_base) ** exponents).astype(acc_t))
+    return np.stack(rows)
+
+
+def entry_table(num_context, beam_width, past, new, context_lengths, token_starts) -> np.ndarray:
+    """(entries, TABLE_COLUMNS) int64: see the column names. Generation entry e = C + bi*W + w reads the prompt
+    from row C + bi*W and later tokens from row C + bi*W + cache_indirection[bi, w, slot]."""
+    E = len(past)
+    table = np.zeros((E, TABLE_COLUMNS), np.int64)
+    table[:, TOKEN_START], table[:, PAST], table[:, NEW] = token_starts, past, new
+    table[:num_context, IS_CONTEXT] = 1
+    generation = np.arange(num_context, E)
+    sequence, beam = np.divmod(generation - num_context, beam_width)
+    table[num_context:, SEQUENCE], table[num_context:, BEAM] = sequence, beam
+    table[num_context:, FIRST_ROW] = num_context + sequence * beam_width
+    table[:, PROMPT] = context_lengths
+    return table
+
+
+def _kv_sources(*, cache_array, paged, block_offsets, indirection, table, k_scratch, v_scratch, layer_idx,
+                tokens_per_block, window, sinks, scale, num_kv_heads, head_size, like):
+    """KVSource for K and for V over the contiguous cache (rows, 2, Hkv, slots, Dh) or the paged pool
+    (blocks, layers, 2, Hkv, tokens_per_block, Dh); e4m3 caches are read and written as their bytes."""
+    if cache_array is None:                             # use_cache=False: every key is a new token
+        cache_array, paged = k_scratch, False
+    elif np.dtype(cache_array.dtype).itemsize == 1 and np.dtype(cache_array.dtype).kind not in "iu":
+        cache_array = cache_array.view(np.uint8)        # float8_e4m3fn: numba has no fp8 type
+    i64 = np.int64
+    if paged:
+        tpb = tokens_per_block
+        s_head, s_block, s_row, s_kv = tpb * head_size, num_kv_heads * tpb * head_size, 0, 0
+        bubble = (tpb - sinks % tpb) % tpb
+    else:
+        slots = cache_array.shape[3] if cache_array.ndim == 5 else 1
+        s_head, s_block = slots * head_size, 0
+        s_kv = num_kv_heads * s_head
+        s_row, bubble = 2 * s_kv, 0
+    offsets = block_offsets[0] if block_offsets is not None else np.zeros((1, 2, 1), np.int32)
+    if indirection is None:
+        indirection = np.zeros((1, 1, 1), np.int32)
+    common = dict(cache=flat(cache_array), table=table, offsets=to_kind(like, offsets),
+                  indirection=to_kind(like, indirection), paged=i64(paged), tokens_per_block=i64(tokens_per_block),
+                  layer_blocks=i64(2 * layer_idx), s_row=i64(s_row), s_kv=i64(s_kv), s_head=i64(s_head),
+                  s_block=i64(s_block), window=i64(window), sinks=i64(sinks), bubble=i64(bubble),
+                  scale=np.float32(scale))
+    return KVSource(scratch=k_scratch, kv=i64(0), **common), KVSource(scratch=v_scratch, kv=i64(1), **common)
+
+
+def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_past_key_value_lengths,
+                  host_max_attention_window_sizes, host_sink_token_length, context_lengths, cache_indirection,
+                  host_request_types, layer_idx, num_heads, num_kv_heads, hidden_size_per_head, q_scaling,
+                  attn_logit_softcapping_scale=0.0, rotary_embedding_dim=0, rotary_embedding_base=10000.0,
+                  rotary_embedding_scale_type=0, rotary_embedding_scale=1.0, rotary_embedding_max_positions=1024,
+                  position_embedding_type=0, rotary_inv_freq=None, kv_orig_quant_scale=None, kv_quant_orig_scale=None,
+                  kv_cache_quant_mode=0, mask_type=CAUSAL, alibi_slopes=None, kv_cache_block_offsets=None,
+                  do_cross_attention=False, cross_kv=None, encoder_input_lengths=None, relative_attention_bias=None,
+                  max_distance=0, qkv_bias=None, use_cache=True, remove_input_padding=True, paged_kv_cache=False,
+                  tokens_per_block=64, streamingllm=False, use_fp8_context_fmha=False, kv_cache_pool=None,
+                  context_fmha_type=1, multi_block_mode=True, max_context_length=None, host_context_lengths=None,
+                  cross_kv_length=None, host_kv_cache_block_offsets=None, threads=128):
+    """(output, present_key_value), the cache written in place: reference.gpt_attention's arguments (validated
+    by cacheattn.gpt_attention; index tensors on the host), data arrays CuPy / CAI, or NumPy in the simulator.
+
+    context_fmha_type and multi_block_mode choose TensorRT-LLM kernels and do not change the result: every
+    entry runs the fused online-softmax kernel, one block per (entry, query tile, head group)."""
+    reason = unsupported(dict(qkv=qkv, mask_type=mask_type, position_embedding_type=position_embedding_type,
+                              do_cross_attention=do_cross_attention, streamingllm=streamingllm,
+                              use_fp8_context_fmha=use_fp8_context_fmha, host_request_types=host_request_types))
+    if reason is not None:
+        raise NotImplementedError(f"{reason}: not in the numba.cuda gpt_attention kernels yet; "
+                                  "use NumPy arrays with backend='reference'")
+    stream = caller_stream(qkv, past_key_value, kv_cache_pool)
+    H, Hkv, Dh = num_heads, num_kv_heads, hidden_size_per_head
+    dtype = np.dtype(qkv.dtype)
+    acc_t = _acc_type(dtype)
+    past = np.asarray(host_past_key_value_lengths, np.int64)
+    lengths = np.asarray(sequence_length, np.int64)
+    new = lengths - past
+    E = len(past)
+    num_context = int((np.asarray(host_request_types) == CONTEXT).sum())
+    beam_width = int(cache_indirection.shape[1]) if cache_indirection is not None else 1
+    window = int(host_max_attention_window_sizes[layer_idx])
+    sinks = int(host_sink_token_length[0])
+    quant = kv_cache_quant_mode & (INT8_KV_CACHE | FP8_KV_CACHE)
+
+    # Token rows: packed entries follow each other; padded entry e owns rows e * max_seqlen + i.
+    new_starts = np.concatenate([[0], np.cumsum(new)]).astype(np.int64)
+    token_starts = new_starts[:-1] if remove_input_padding else np.arange(E, dtype=np.int64) * qkv.shape[1]
+    num_tokens = qkv.shape[0] if remove_input_padding else E * qkv.shape[1]
+    table = to_kind(qkv, entry_table(num_context, beam_width, past, new, np.asarray(context_lengths, np.int64),
+                                     token_starts))
+    q_scratch = empty_like_kind(qkv, (num_tokens * H * Dh,), acc_t)
+    k_scratch = empty_like_kind(qkv, (num_tokens * Hkv * Dh,), acc_t)
+    v_scratch = empty_like_kind(qkv, (num_tokens * Hkv * Dh,), acc_t)
+
+    cache_array = (kv_cache_pool if paged_kv_cache else past_key_value) if use_cache else None
+    k_src, v_src = _kv_sources(cache_array=cache_array, paged=paged_kv_cache, block_offsets=kv_cache_block_offsets,
+                               indirection=cache_indirection, table=table, k_scratch=k_scratch, v_scratch=v_scratch,
+                               layer_idx=layer_idx, tokens_per_block=tokens_per_block, window=window, sinks=sinks,
+                               scale=kv_quant_orig_scale if quant else 1.0, num_kv_heads=Hkv, head_size=Dh, like=qkv)
+
+    rope_style = position_embedding_type if position_embedding_type in (ROPE_GPTJ, ROPE_GPT_NEOX) else 0
+    rotary_dim = rotary_embedding_dim if rope_style else 0
+    inv_freq = rope_inv_freq(rotary_inv_freq, rotary_dim, rotary_embedding_base, rotary_embedding_scale_type,
+                             rotary_embedding_scale, rotary_embedding_max_positions, lengths, acc_t)
+    divisor = float(rotary_embedding_scale) if rope_style and rotary_embedding_scale_type == SCALING_LINEAR else 1.0
+    # A chunk that wraps the cyclic cache would overwrite keys its own queries read: write after attention.
+    write_after = bool(use_cache) and bool(((new > 1) & (lengths > window)).any())
+    pre = Preprocess(qkv=flat(qkv), bias=flat(qkv_bias) if qkv_bias is not None else flat(qkv)[:1],
+                     table=table, inv_freq=to_kind(qkv, inv_freq), position_divisor=np.float64(divisor),
+                     inv_scale=np.float32(kv_orig_quant_scale if quant else 1.0), q_out=q_scratch, k_out=k_scratch,
+                     v_out=v_scratch, k_dst=k_src, v_dst=v_src, write_scratch=np.int64(1),
+                     write_cache=np.int64(bool(use_cache) and not write_after))
+    preprocess = _preprocess_kernel(dtype.str, H, Hkv, Dh, rotary_dim, rope_style, quant, qkv_bias is not None)
+    max_new = int(new.max())
+    pre_grid = (max(1, ceil_div(max_new * (H + 2 * Hkv) * Dh, threads)), E)
+    starts_arg = to_kind(qkv, new_starts)
+    launch(preprocess, pre_grid, threads, stream, pre, starts_arg)
+
+    output = empty_like_kind(qkv, qkv.shape[:-1] + (H * Dh,), dtype)
+    if not remove_input_padding:
+        output[...] = 0                                 # padding rows are zero, as the reference's
+    alibi_on = position_embedding_type in (ALIBI, ALIBI_WITH_SCALE)
+    args = ScoreArgs(table=table, alibi=alibi_slopes if alibi_on else to_kind(qkv, np.zeros(1, np.float32)),
+                     alibi_on=np.int64(alibi_on), softcap=acc_t(attn_logit_softcapping_scale),
+                     causal=np.int64(mask_type in (CAUSAL, SLIDING_WINDOW_CAUSAL)), window=np.int64(window),
+                     sinks=np.int64(sinks))
+    kernel, heads_per_block, q_tile = _attention_kernel(dtype.str, H, Hkv, Dh, quant, min(max_new, 16))
+    q_geom = (q_scratch, to_kind(qkv, token_starts), np.int64(0), np.int64(H * Dh), np.int64(Dh))
+    out_geom = (flat(output), q_geom[1], np.int64(0), np.int64(H * Dh), np.int64(Dh))
+    grid = (max(1, ceil_div(max_new, q_tile)), H // heads_per_block, E)
+    sm_scale = acc_t(1.0 / (q_scaling * math.sqrt(Dh)))
+    launch(kernel, grid, threads, stream, q_geom, out_geom, to_kind(qkv, new), to_kind(qkv, lengths), k_src, v_src,
+           args, sm_scale)
+
+    if write_after:
+        launch(preprocess, pre_grid, threads, stream, pre._replace(write_scratch=np.int64(0), write_cache=np.int64(1)),
+               starts_arg)
+    present = past_key_value if (use_cache and not paged_kv_cache) else None
+    return output, present
