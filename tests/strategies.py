@@ -149,3 +149,10 @@ def trt_cases(draw, *, dtypes=("float16", "float32"), paged=(False, True), quant
         softcap=draw(st.sampled_from([0.0, 0.0, 3.0])) if softcap else 0.0, q_scaling=draw(st.sampled_from([1.0, 0.5])),
         relative=draw(st.sampled_from(["regular", "t5"])), qkv_bias=draw(st.booleans()),
         num_layers=num_layers, layer_idx=draw(st.integers(0, num_layers - 1)), seed=draw(st.integers(0, 2**32 - 1)))
+
+
+# ---- TensorRT-LLM kernels
+def trt_kernel_cases(**kw):
+    """gpt_attention calls in what the numba kernels run today: no custom mask, relative bias, cross attention,
+    StreamingLLM or FP8 context FMHA (trt_cases never draws the last three)."""
+    return trt_cases(positions=(0, 1, 2, 4, 5), masks=(1, 1, 2, 0, 3), **kw)

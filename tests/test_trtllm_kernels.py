@@ -1,0 +1,153 @@
+"""TensorRT-LLM gpt_attention kernels (kernels_numba/trtllm_gpt_attention.py) under the simulator: outputs against
+the float64 evaluation, caches bit-identical to the reference's, every slot a call must not read poisoned, every
+slot it must not write unchanged; FP8 e4m3 bits against ml_dtypes; the features not run yet refused by name."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+import cacheattn
+from kernels_numba import _launch
+from kernels_numba.trtllm_gpt_attention import e4m3_decode, e4m3_encode
+from reference import trtllm_gpt_attention as ref
+
+from helpers import assert_bits_equal, assert_close
+from strategies import KERNEL, TrtCase, build_trt, float64_trt, trt_kernel_cases
+
+BASE = TrtCase(contexts=((0, 5), (2, 3)), generations=((3, 4),), beam_width=2, num_heads=4, num_kv_heads=2,
+               head_size=8, dtype="float32", capacity=8, window=8, seed=3)
+
+
+def cache_name(case: TrtCase) -> str:
+    return "kv_cache_pool" if case.paged else "past_key_value"
+
+
+def holding(case: TrtCase, args, positions_of) -> np.ndarray:
+    """bool mask over the cache: the elements of row e that hold the token positions positions_of(e)."""
+    cache = args[cache_name(case)]
+    mask = np.zeros(cache.shape, bool)
+    blocks = mask.reshape(-1, *mask.shape[3:])                                  # paged: (blocks, Hkv, tpb, Dh)
+    bubble = ref.paged_bubble(case.sinks, case.tokens_per_block) if case.paged else 0
+    for e in range(case.entries):
+        slots = ref.cyclic_slot(np.asarray(positions_of(e), np.int64), case.window, case.sinks, bubble)
+        for kv in (0, 1):
+            if case.paged:
+                table = args["kv_cache_block_offsets"][0, e, kv]
+                blocks[table[slots // case.tokens_per_block] + 2 * case.layer_idx, :,
+                       slots % case.tokens_per_block] = True
+            else:
+                mask[e, kv, :, slots] = True
+    return mask
+
+
+def poison_unread(case: TrtCase, args) -> None:
+    """NaN (e4m3: 0x7F) in every cache element that holds no token cached before this call (INT8 has no NaN)."""
+    if case.quant == 64:
+        return
+    cache = args[cache_name(case)]
+    readable = holding(case, args, lambda e: np.arange(case.past[e]))
+    if case.quant == 128:
+        cache.view(np.uint8)[~readable] = 0x7F
+    else:
+        cache[~readable] = np.nan
+
+
+def run(args, backend):
+    args = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in args.items()}
+    output, _ = cacheattn.gpt_attention(**args, backend=backend)
+    return output, args
+
+
+def assert_same_cache(case: TrtCase, got, want, written) -> None:
+    """Bit for bit; with RoPE, the written keys may differ by one step of the stored type: the kernel's cos/sin are
+    the GPU's (float64 rounded to float32 in the simulator), NumPy's float32 ones can differ in the last bit."""
+    if case.position not in (1, 2):
+        assert_bits_equal("cache", got, want)
+        return
+    if not written.all():
+        assert_bits_equal("cache (not written)", got[~written], want[~written])
+    if case.quant == 0:
+        assert_close("cache", got[written], want[written], case.dtype)
+    elif written.any():
+        code_type = np.int8 if case.quant == 64 else np.uint8           # e4m3 codes are monotonic per sign
+        step = np.abs(got.view(code_type)[written].astype(np.int32) - want.view(code_type)[written].astype(np.int32))
+        assert step.max() <= 1, f"cache: a code {step.max()} steps from the reference's"
+
+
+def check_kernels(case: TrtCase) -> None:
+    """Kernel output = float64 evaluation; kernel cache = reference cache, bit for bit; unwritten bytes unchanged."""
+    args = build_trt(case)
+    poison_unread(case, args)
+    before = args[cache_name(case)].copy()
+    output, after = run(args, "numba")
+    _, ref_after = run(args, "reference")
+    want, _ = float64_trt(args)
+    assert_close("output", output, want, case.dtype)
+    written = holding(case, args, lambda e: np.arange(case.past[e], case.lengths[e]))
+    assert_same_cache(case, after[cache_name(case)], ref_after[cache_name(case)], written)
+    if not written.all():
+        assert_bits_equal("untouched cache", after[cache_name(case)][~written], before[~written])
+
+
+@settings(max_examples=KERNEL)
+@given(trt_kernel_cases())
+def test_kernels_match_the_reference(case):
+    check_kernels(case)
+
+
+@pytest.mark.parametrize("case", [
+    BASE,                                                                     # in-flight: chunk + beams, GQA 2
+    replace(BASE, paged=True, tokens_per_block=4, quant=128, dtype="float16", layer_idx=1, num_layers=2),
+    replace(BASE, contexts=((3, 6),), generations=((2, 5),), beam_width=1, window=4, capacity=4,
+            paged=True, tokens_per_block=2, quant=64),                     # a chunk wrapping the cyclic cache
+    replace(BASE, position=2, rotary_dim=6, rotary_scale_type=2, rotary_scale=2.0, qkv_bias=True, packed=False),
+], ids=["inflight-beams", "paged-fp8-layer1", "wrapping-chunk-int8", "neox-dynamic-bias-padded"])
+def test_kernels_on_chosen_calls(case):
+    check_kernels(case)
+
+
+# ---- FP8 e4m3 from the bits ------------------------------------------------------------------------------------
+
+def test_e4m3_codec_matches_ml_dtypes():
+    from numba import cuda
+
+    @cuda.jit
+    def codec(x, codes, decoded):
+        i = cuda.grid(1)
+        if i < x.shape[0]:
+            codes[i] = e4m3_encode(x[i])
+        if i < 256:
+            decoded[i] = e4m3_decode(i)
+
+    fp8 = ref.fp8_e4m3()
+    every = np.arange(256, dtype=np.uint8).view(fp8).astype(np.float32)
+    finite = every[np.isfinite(every)]
+    rng = np.random.default_rng(0)
+    halfway = (finite[:-1] + finite[1:]) / 2                                   # ties between neighbours
+    x = np.concatenate([finite, halfway[np.isfinite(halfway)], rng.standard_normal(200).astype(np.float32) * 50,
+                        np.float32([500, -1e6, 448, 464, 2.0 ** -10, -(2.0 ** -10), 2.0 ** -12])]).astype(np.float32)
+    codes, decoded = np.zeros(x.shape, np.uint8), np.zeros(256, np.float32)
+    codec[(x.size + 255) // 256, 256](x, codes, decoded)
+    want = np.clip(x, -448, 448).astype(fp8).view(np.uint8)
+    assert_bits_equal("e4m3 codes", codes, want)
+    assert_bits_equal("e4m3 values", decoded, every)
+
+
+# ---- not run by the kernels yet: refused by name, after validation, before any launch ------------------------------
+
+@pytest.mark.parametrize("change,feature", [
+    (dict(mask_type=6), "mask_type"),
+    (dict(position=6), "position_embedding_type"),
+    (dict(streamingllm=True, sinks=1), "streamingllm"),
+    (dict(fp8_context_fmha=True, quant=128), "use_fp8_context_fmha"),
+])
+def test_features_not_run_yet_are_refused_by_name(change, feature):
+    case = replace(BASE, **change)
+    args = build_trt(case)
+    before = args[cache_name(case)].copy()
+    with _launch.recorded_launches() as launches, pytest.raises(NotImplementedError, match=rf"^{feature}\b"):
+        cacheattn.gpt_attention(**args, backend="numba")
+    assert launches == []
+    assert_bits_equal("cache", args[cache_name(case)], before)
