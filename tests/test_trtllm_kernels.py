@@ -82,9 +82,12 @@ def check_kernels(case: TrtCase) -> None:
     poison_unread(case, args)
     before = args[cache_name(case)].copy()
     output, after = run(args, "numba")
-    _, ref_after = run(args, "reference")
+    ref_output, ref_after = run(args, "reference")
     want, _ = float64_trt(args)
-    assert_close("output", output, want, case.dtype)
+    # Against the reference at the dtype's tolerance: both round Q/K to the input dtype after bias and RoPE, so a
+    # sharp softmax (q_scaling 0.5) of float16 inputs can put both 1.5 tolerances from the float64 evaluation.
+    assert_close("output vs reference", output, ref_output.astype(np.float64), case.dtype)
+    assert_close("output vs float64", output, want, case.dtype, scale=4.0)
     written = holding(case, args, lambda e: np.arange(case.past[e], case.lengths[e]))
     assert_same_cache(case, after[cache_name(case)], ref_after[cache_name(case)], written)
     if not written.all():
