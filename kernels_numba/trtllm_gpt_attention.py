@@ -13,6 +13,8 @@ Two kernels per call, on the caller's stream, context and generation entries tog
 2. attention (the core): entry b's key t comes from the cache for t < past (beam indirection, cyclic slot,
    INT8 dequant / e4m3 decode) and from the scratch for t >= past; scores get softcap, ALiBi and the
    causal / window / sinks mask in `score`, whose visible range `key_range` bounds the walk.
+StreamingLLM: K is cached before RoPE; generation rotates the new token at min(past, W) and each cached key at
+its index in the cache as it loads it (the context phase is dense: no window).
 
 Read before write: the reference reads the cached keys and only then writes the new ones. Writing first is
 the same unless a multi-token chunk wraps a cyclic cache (N > W): then a cached key a query still sees would be
@@ -20,8 +22,8 @@ overwritten, so that call writes the cache in a second launch of the preprocess 
 several new tokens that wrap onto one slot only the latest writes (as the reference's `_last_writer`).
 
 The cache sources and score arguments are namedtuples read by field name. Not covered yet (NotImplementedError,
-raised by `unsupported`): custom masks, relative attention bias, cross attention, StreamingLLM, FP8 context
-FMHA, bfloat16, a separate multi-block split (one block walks all keys; the result is the same).
+raised by `unsupported`): custom masks, relative attention bias, cross attention, FP8 context FMHA, bfloat16;
+and a separate multi-block split (one block walks all keys; the result is the same).
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ TABLE_COLUMNS = 8
 # Where cached token slots live. Contiguous: row r, slot s at r*s_row + kv*s_kv + h*s_head + s*Dh.
 # Paged: block = offsets[r, kv, s // tokens_per_block] + layer_blocks, at block*s_block + h*s_head + (s % tpb)*Dh.
 KVSource = namedtuple("KVSource", "cache scratch table offsets indirection kv paged tokens_per_block layer_blocks "
-                                  "s_row s_kv s_head s_block window sinks bubble scale")
+                                  "s_row s_kv s_head s_block window sinks bubble scale "
+                                  "rotate inv_freq position_divisor")
 
 
 def unsupported(a: dict) -> str | None:
@@ -66,8 +69,6 @@ def unsupported(a: dict) -> str | None:
         return "position_embedding_type: relative (relative_attention_bias)"
     if a["do_cross_attention"]:
         return "do_cross_attention"
-    if a["streamingllm"]:
-        return "streamingllm"
     if a["use_fp8_context_fmha"] and (np.asarray(a["host_request_types"]) == CONTEXT).any():
         return "use_fp8_context_fmha"
     return None
@@ -101,8 +102,8 @@ def e4m3_decode(code):
     c = np.int32(code) & 0xFF
     exponent, mantissa = (c >> 3) & 0xF, c & 7
     if exponent == 15 and mantissa == 7:
-        return np.float32(math.nan)
-    if exponent == 0:
+        value = math.nan                                # signed like the code, as ml_dtypes widens it
+    elif exponent == 0:
         value = np.float64(mantissa) * 2.0 ** -9
     else:
         value = np.float64(8 + mantissa) * 2.0 ** (exponent - 10)
@@ -160,12 +161,41 @@ def make_cache_address(head_size: int):
     return cache_address
 
 
-def make_trt_access(quant: int, num_kv_heads: int, head_size: int, acc_t):
+def make_rope(rope_style: int, rotary_dim: int, round_dtype, acc_t):
+    """(pair_of, rotate): RoPE of one element given its pair partner, the result rounded to the input dtype."""
+    HALF = rotary_dim // 2
+
+    @cuda.jit(device=True, inline="always")
+    def pair_of(d):
+        """(frequency index, is the pair's first element, partner element) of element d < rotary_dim."""
+        if rope_style == ROPE_GPTJ:                     # interleaved pairs (2i, 2i + 1)
+            first = d % 2 == 0
+            return d // 2, first, d + 1 if first else d - 1
+        first = d < HALF                                # GPT-NeoX: halves (i, i + rotary_dim / 2)
+        return d % HALF, first, d + HALF if first else d - HALF
+
+    @cuda.jit(device=True, inline="always")
+    def rotate(x, other, first, position, divisor, freq):
+        """x rotated with its partner at angle (position / divisor) * freq, formed in acc_t."""
+        angle = acc_t(np.float64(position) / divisor) * acc_t(freq)
+        cos, sin = acc_t(math.cos(angle)), acc_t(math.sin(angle))
+        if first:
+            return round_dtype(x * cos - other * sin)
+        return round_dtype(x * cos + other * sin)
+
+    return pair_of, rotate
+
+
+def make_trt_access(quant: int, num_kv_heads: int, head_size: int, acc_t, round_dtype=keep_float32,
+                    rope_style: int = 0, rotary_dim: int = 0):
     """Device functions (row_offsets, load) of the core for a TensorRT-LLM K or V source (KVSource).
 
-    row_offsets(src, b, t, h) -> (element index, 1 = cache / 0 = scratch)."""
+    row_offsets(src, b, t, h) -> (element index, where): where = 0 for the scratch, else (slot << 32) | (b + 1):
+    the cached key's cyclic slot and entry, which StreamingLLM needs to rotate it at its index in the cache
+    (rope_style != 0 only for StreamingLLM; `src.rotate` says whether this source is K)."""
     _, decode = make_kv_codec(quant, acc_t)
     cache_address = make_cache_address(head_size)
+    pair_of, rotate = make_rope(rope_style, rotary_dim, round_dtype, acc_t)
 
     @cuda.jit(device=True, inline="always")
     def row_offsets(src, b, t, h):
@@ -180,13 +210,19 @@ def make_trt_access(quant: int, num_kv_heads: int, head_size: int, acc_t):
             row = table[b, FIRST_ROW]
             if t >= table[b, PROMPT]:
                 row += src.indirection[table[b, SEQUENCE], table[b, BEAM], slot]
-        return cache_address(src, row, slot, h), 1
+        return cache_address(src, row, slot, h), (slot << 32) | (b + 1)
 
     @cuda.jit(device=True, inline="always")
-    def load(src, index, from_cache, d):
-        if from_cache == 0:
+    def load(src, index, where, d):
+        if where == 0:
             return acc_t(src.scratch[index + d])
-        return decode(src.cache[index + d], src.scale)
+        x = decode(src.cache[index + d], src.scale)
+        if rope_style == 0 or src.rotate == 0 or d >= rotary_dim:
+            return x
+        b, slot = (where & 0xFFFFFFFF) - 1, where >> 32
+        pair, first, partner = pair_of(d)
+        other = decode(src.cache[index + partner], src.scale)
+        return rotate(x, other, first, slot, src.position_divisor, src.inv_freq[b, pair])
 
     return row_offsets, load
 
@@ -200,7 +236,8 @@ def make_trt_score(acc_t):
         p = args.table[b, PAST] + i                     # query i sits at position past + i (bottom-right causal)
         if args.causal != 0 and j > p:
             return NEG_INF
-        if j <= p - (args.window - args.sinks) and j >= args.sinks:
+        dense = args.streaming != 0 and args.table[b, IS_CONTEXT] != 0   # StreamingLLM prefill: no window
+        if not dense and j <= p - (args.window - args.sinks) and j >= args.sinks:
             return NEG_INF                              # out of the window and not a sink
         s = qk
         if args.softcap > 0:                            # after the scaling, before the bias
@@ -216,14 +253,14 @@ def make_trt_score(acc_t):
         if args.causal != 0:
             hi = min(hi, past + i_last + 1)
         lo = 0
-        if args.sinks == 0:                             # with sinks the first keys stay in view
+        if args.sinks == 0 and args.streaming == 0:     # with sinks the first keys stay in view
             lo = max(0, past + i_first - args.window + 1)
         return lo, hi
 
     return score, key_range
 
 
-ScoreArgs = namedtuple("ScoreArgs", "table alibi alibi_on softcap causal window sinks")
+ScoreArgs = namedtuple("ScoreArgs", "table alibi alibi_on softcap causal window sinks streaming")
 
 
 def _acc_type(dtype):
@@ -231,9 +268,11 @@ def _acc_type(dtype):
 
 
 @cache
-def _attention_kernel(dtype, num_heads, num_kv_heads, head_size, quant, q_len):
+def _attention_kernel(dtype, num_heads, num_kv_heads, head_size, quant, q_len, rope_style=0, rotary_dim=0):
+    """The core for these shapes; rope_style/rotary_dim only for StreamingLLM (cached keys rotated on load)."""
     acc_t = _acc_type(dtype)
-    row_offsets, load = make_trt_access(quant, num_kv_heads, head_size, acc_t)
+    round_dtype = round_to_float16 if np.dtype(dtype) == np.float16 else keep_float32
+    row_offsets, load = make_trt_access(quant, num_kv_heads, head_size, acc_t, round_dtype, rope_style, rotary_dim)
     score, key_range = make_trt_score(acc_t)
     heads_per_block, q_tile, key_tile = plan_tiles(num_heads, num_kv_heads, q_len, head_size, head_size,
                                                    elem_bytes=np.dtype(acc_t).itemsize)
@@ -253,7 +292,8 @@ def _preprocess_kernel(dtype, num_heads, num_kv_heads, head_size, rotary_dim, ro
     round_dtype = round_to_float16 if np.dtype(dtype) == np.float16 else keep_float32
     encode, _ = make_kv_codec(quant, acc_t)
     cache_address = make_cache_address(head_size)
-    H, HKV, DH, HALF = num_heads, num_kv_heads, head_size, rotary_dim // 2
+    pair_of, rotate = make_rope(rope_style, rotary_dim, round_dtype, acc_t)
+    H, HKV, DH = num_heads, num_kv_heads, head_size
     HEADS = H + 2 * HKV
 
     @cuda.jit(device=True, inline="always")
@@ -270,18 +310,9 @@ def _preprocess_kernel(dtype, num_heads, num_kv_heads, head_size, rotary_dim, ro
         x = element(pre, token, hh, d)
         if rope_style == 0 or hh >= H + HKV or d >= rotary_dim:
             return x
-        if rope_style == ROPE_GPTJ:                     # interleaved pairs (2i, 2i + 1)
-            pair, first = d // 2, d % 2 == 0
-            partner = d + 1 if first else d - 1
-        else:                                           # GPT-NeoX: halves (i, i + rotary_dim / 2)
-            pair, first = d % HALF, d < HALF
-            partner = d + HALF if first else d - HALF
-        other = element(pre, token, hh, partner)
-        angle = acc_t(np.float64(position) / pre.position_divisor) * acc_t(pre.inv_freq[b, pair])
-        cos, sin = acc_t(math.cos(angle)), acc_t(math.sin(angle))
-        if first:
-            return round_dtype(x * cos - other * sin)
-        return round_dtype(x * cos + other * sin)
+        pair, first, partner = pair_of(d)
+        return rotate(x, element(pre, token, hh, partner), first, position, pre.position_divisor,
+                      pre.inv_freq[b, pair])
 
     @cuda.jit(device=True, inline="always")
     def store(dst, pre, b, position, g, d, x):
@@ -299,7 +330,10 @@ def _preprocess_kernel(dtype, num_heads, num_kv_heads, head_size, rotary_dim, ro
             return
         token = pre.table[b, TOKEN_START] + i
         position = pre.table[b, PAST] + i
-        y = rotated(pre, b, token, position, hh, d)
+        rope_position = position
+        if pre.streaming != 0 and pre.table[b, IS_CONTEXT] == 0:
+            rope_position = min(position, pre.k_dst.window)   # StreamingLLM generation: the index in the cache
+        y = rotated(pre, b, token, rope_position, hh, d)
         if hh < H:
             if pre.write_scratch != 0:
                 pre.q_out[(token * H + hh) * DH + d] = y
@@ -307,8 +341,8 @@ def _preprocess_kernel(dtype, num_heads, num_kv_heads, head_size, rotary_dim, ro
             g = hh - H
             if pre.write_scratch != 0:
                 pre.k_out[(token * HKV + g) * DH + d] = y
-            if pre.write_cache != 0:
-                store(pre.k_dst, pre, b, position, g, d, y)
+            if pre.write_cache != 0:               # StreamingLLM caches K before RoPE
+                store(pre.k_dst, pre, b, position, g, d, element(pre, token, hh, d) if pre.streaming != 0 else y)
         else:
             g = hh - H - HKV
             if pre.write_scratch != 0:
@@ -320,7 +354,7 @@ def _preprocess_kernel(dtype, num_heads, num_kv_heads, head_size, rotary_dim, ro
 
 
 Preprocess = namedtuple("Preprocess", "qkv bias table inv_freq position_divisor inv_scale q_out k_out v_out k_dst "
-                                      "v_dst write_scratch write_cache")
+                                      "v_dst write_scratch write_cache streaming")
 
 
 # ---- Host side -----------------------------------------------------------------------------------------------
@@ -357,7 +391,7 @@ def entry_table(num_context, beam_width, past, new, context_lengths, token_start
 
 
 def _kv_sources(*, cache_array, paged, block_offsets, indirection, table, k_scratch, v_scratch, layer_idx,
-                tokens_per_block, window, sinks, scale, num_kv_heads, head_size, like):
+                tokens_per_block, window, sinks, scale, num_kv_heads, head_size, like, inv_freq, divisor, rotate_keys):
     """KVSource for K and for V over the contiguous cache (rows, 2, Hkv, slots, Dh) or the paged pool
     (blocks, layers, 2, Hkv, tokens_per_block, Dh); e4m3 caches are read and written as their bytes."""
     if cache_array is None:                             # use_cache=False: every key is a new token
@@ -381,8 +415,9 @@ def _kv_sources(*, cache_array, paged, block_offsets, indirection, table, k_scra
                   indirection=to_kind(like, indirection), paged=i64(paged), tokens_per_block=i64(tokens_per_block),
                   layer_blocks=i64(2 * layer_idx), s_row=i64(s_row), s_kv=i64(s_kv), s_head=i64(s_head),
                   s_block=i64(s_block), window=i64(window), sinks=i64(sinks), bubble=i64(bubble),
-                  scale=np.float32(scale))
-    return KVSource(scratch=k_scratch, kv=i64(0), **common), KVSource(scratch=v_scratch, kv=i64(1), **common)
+                  scale=np.float32(scale), inv_freq=inv_freq, position_divisor=np.float64(divisor))
+    return (KVSource(scratch=k_scratch, kv=i64(0), rotate=i64(rotate_keys), **common),
+            KVSource(scratch=v_scratch, kv=i64(1), rotate=i64(0), **common))
 
 
 def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_past_key_value_lengths,
@@ -403,7 +438,7 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     context_fmha_type and multi_block_mode choose TensorRT-LLM kernels and do not change the result: every
     entry runs the fused online-softmax kernel, one block per (entry, query tile, head group)."""
     reason = unsupported(dict(qkv=qkv, mask_type=mask_type, position_embedding_type=position_embedding_type,
-                              do_cross_attention=do_cross_attention, streamingllm=streamingllm,
+                              do_cross_attention=do_cross_attention,
                               use_fp8_context_fmha=use_fp8_context_fmha, host_request_types=host_request_types))
     if reason is not None:
         raise NotImplementedError(f"{reason}: not in the numba.cuda gpt_attention kernels yet; "
@@ -432,24 +467,27 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     k_scratch = empty_like_kind(qkv, (num_tokens * Hkv * Dh,), acc_t)
     v_scratch = empty_like_kind(qkv, (num_tokens * Hkv * Dh,), acc_t)
 
+    rope_style = position_embedding_type if position_embedding_type in (ROPE_GPTJ, ROPE_GPT_NEOX) else 0
+    rotary_dim = rotary_embedding_dim if rope_style else 0
+    inv_freq = to_kind(qkv, rope_inv_freq(rotary_inv_freq, rotary_dim, rotary_embedding_base,
+                                          rotary_embedding_scale_type, rotary_embedding_scale,
+                                          rotary_embedding_max_positions, lengths, acc_t))
+    divisor = float(rotary_embedding_scale) if rope_style and rotary_embedding_scale_type == SCALING_LINEAR else 1.0
+    rotate_cached = bool(streamingllm and rope_style)   # StreamingLLM: cached K rotated at its cache index on load
+
     cache_array = (kv_cache_pool if paged_kv_cache else past_key_value) if use_cache else None
     k_src, v_src = _kv_sources(cache_array=cache_array, paged=paged_kv_cache, block_offsets=kv_cache_block_offsets,
                                indirection=cache_indirection, table=table, k_scratch=k_scratch, v_scratch=v_scratch,
                                layer_idx=layer_idx, tokens_per_block=tokens_per_block, window=window, sinks=sinks,
-                               scale=kv_quant_orig_scale if quant else 1.0, num_kv_heads=Hkv, head_size=Dh, like=qkv)
-
-    rope_style = position_embedding_type if position_embedding_type in (ROPE_GPTJ, ROPE_GPT_NEOX) else 0
-    rotary_dim = rotary_embedding_dim if rope_style else 0
-    inv_freq = rope_inv_freq(rotary_inv_freq, rotary_dim, rotary_embedding_base, rotary_embedding_scale_type,
-                             rotary_embedding_scale, rotary_embedding_max_positions, lengths, acc_t)
-    divisor = float(rotary_embedding_scale) if rope_style and rotary_embedding_scale_type == SCALING_LINEAR else 1.0
+                               scale=kv_quant_orig_scale if quant else 1.0, num_kv_heads=Hkv, head_size=Dh, like=qkv,
+                               inv_freq=inv_freq, divisor=divisor, rotate_keys=rotate_cached)
     # A chunk that wraps the cyclic cache would overwrite keys its own queries read: write after attention.
     write_after = bool(use_cache) and bool(((new > 1) & (lengths > window)).any())
     pre = Preprocess(qkv=flat(qkv), bias=flat(qkv_bias) if qkv_bias is not None else flat(qkv)[:1],
-                     table=table, inv_freq=to_kind(qkv, inv_freq), position_divisor=np.float64(divisor),
+                     table=table, inv_freq=inv_freq, position_divisor=np.float64(divisor),
                      inv_scale=np.float32(kv_orig_quant_scale if quant else 1.0), q_out=q_scratch, k_out=k_scratch,
                      v_out=v_scratch, k_dst=k_src, v_dst=v_src, write_scratch=np.int64(1),
-                     write_cache=np.int64(bool(use_cache) and not write_after))
+                     write_cache=np.int64(bool(use_cache) and not write_after), streaming=np.int64(streamingllm))
     preprocess = _preprocess_kernel(dtype.str, H, Hkv, Dh, rotary_dim, rope_style, quant, qkv_bias is not None)
     max_new = int(new.max())
     pre_grid = (max(1, ceil_div(max_new * (H + 2 * Hkv) * Dh, threads)), E)
@@ -463,8 +501,9 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     args = ScoreArgs(table=table, alibi=alibi_slopes if alibi_on else to_kind(qkv, np.zeros(1, np.float32)),
                      alibi_on=np.int64(alibi_on), softcap=acc_t(attn_logit_softcapping_scale),
                      causal=np.int64(mask_type in (CAUSAL, SLIDING_WINDOW_CAUSAL)), window=np.int64(window),
-                     sinks=np.int64(sinks))
-    kernel, heads_per_block, q_tile = _attention_kernel(dtype.str, H, Hkv, Dh, quant, min(max_new, 16))
+                     sinks=np.int64(sinks), streaming=np.int64(streamingllm))
+    kernel, heads_per_block, q_tile = _attention_kernel(dtype.str, H, Hkv, Dh, quant, min(max_new, 16),
+                                                        *((rope_style, rotary_dim) if rotate_cached else ()))
     q_geom = (q_scratch, to_kind(qkv, token_starts), np.int64(0), np.int64(H * Dh), np.int64(Dh))
     out_geom = (flat(output), q_geom[1], np.int64(0), np.int64(H * Dh), np.int64(Dh))
     grid = (max(1, ceil_div(max_new, q_tile)), H // heads_per_block, E)

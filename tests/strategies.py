@@ -152,7 +152,17 @@ def trt_cases(draw, *, dtypes=("float16", "float32"), paged=(False, True), quant
 
 
 # ---- TensorRT-LLM kernels
-def trt_kernel_cases(**kw):
-    """gpt_attention calls in what the numba kernels run today: no custom mask, relative bias, cross attention,
-    StreamingLLM or FP8 context FMHA (trt_cases never draws the last three)."""
-    return trt_cases(positions=(0, 1, 2, 4, 5), masks=(1, 1, 2, 0, 3), **kw)
+from dataclasses import replace  # noqa: E402
+
+
+def trt_kernel_cases(positions=(0, 1, 2, 4, 5), masks=(1, 1, 2, 0, 3), **kw):
+    """gpt_attention calls in what the numba kernels run today: no custom mask or relative bias (trt_cases draws
+    neither cross attention, StreamingLLM nor FP8 context FMHA)."""
+    return trt_cases(positions=positions, masks=masks, **kw)
+
+
+@st.composite
+def trt_streaming_cases(draw):
+    """StreamingLLM calls: whole contexts (no chunks), sink tokens below the window, RoPE most of the time."""
+    case = draw(trt_kernel_cases(chunked=False, beams=(1,), positions=(1, 2, 2, 0)))
+    return replace(case, streamingllm=True, sinks=draw(st.integers(0, min(2, case.window - 1))))

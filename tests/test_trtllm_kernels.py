@@ -7,6 +7,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from numba import cuda
 
 import cacheattn
 from kernels_numba import _launch
@@ -14,7 +15,7 @@ from kernels_numba.trtllm_gpt_attention import e4m3_decode, e4m3_encode
 from reference import trtllm_gpt_attention as ref
 
 from helpers import assert_bits_equal, assert_close
-from strategies import KERNEL, TrtCase, build_trt, float64_trt, trt_kernel_cases
+from strategies import KERNEL, TrtCase, build_trt, float64_trt, trt_kernel_cases, trt_streaming_cases
 
 BASE = TrtCase(contexts=((0, 5), (2, 3)), generations=((3, 4),), beam_width=2, num_heads=4, num_kv_heads=2,
                head_size=8, dtype="float32", capacity=8, window=8, seed=3)
@@ -100,30 +101,39 @@ def test_kernels_match_the_reference(case):
     check_kernels(case)
 
 
+@settings(max_examples=max(KERNEL // 2, 3))
+@given(trt_streaming_cases())
+def test_streamingllm_kernels_match_the_reference(case):
+    check_kernels(case)
+
+
 @pytest.mark.parametrize("case", [
     BASE,                                                                     # in-flight: chunk + beams, GQA 2
     replace(BASE, paged=True, tokens_per_block=4, quant=128, dtype="float16", layer_idx=1, num_layers=2),
     replace(BASE, contexts=((3, 6),), generations=((2, 5),), beam_width=1, window=4, capacity=4,
             paged=True, tokens_per_block=2, quant=64),                     # a chunk wrapping the cyclic cache
     replace(BASE, position=2, rotary_dim=6, rotary_scale_type=2, rotary_scale=2.0, qkv_bias=True, packed=False),
-], ids=["inflight-beams", "paged-fp8-layer1", "wrapping-chunk-int8", "neox-dynamic-bias-padded"])
+    replace(BASE, contexts=((0, 7),), generations=((2, 6),), beam_width=1, window=5, capacity=5, sinks=2,
+            streamingllm=True, paged=True, tokens_per_block=4, position=1, rotary_dim=8, quant=128,
+            dtype="float16"),                                                # sinks + bubble, keys rotated on load
+], ids=["inflight-beams", "paged-fp8-layer1", "wrapping-chunk-int8", "neox-dynamic-bias-padded", "streamingllm"])
 def test_kernels_on_chosen_calls(case):
     check_kernels(case)
 
 
 # ---- FP8 e4m3 from the bits ------------------------------------------------------------------------------------
 
+@cuda.jit
+def codec(x, codes, decoded):
+    """codes[i] = e4m3 code of x[i]; decoded[c] = the value of code c."""
+    i = cuda.grid(1)
+    if i < x.shape[0]:
+        codes[i] = e4m3_encode(x[i])
+    if i < 256:
+        decoded[i] = e4m3_decode(i)
+
+
 def test_e4m3_codec_matches_ml_dtypes():
-    from numba import cuda
-
-    @cuda.jit
-    def codec(x, codes, decoded):
-        i = cuda.grid(1)
-        if i < x.shape[0]:
-            codes[i] = e4m3_encode(x[i])
-        if i < 256:
-            decoded[i] = e4m3_decode(i)
-
     fp8 = ref.fp8_e4m3()
     every = np.arange(256, dtype=np.uint8).view(fp8).astype(np.float32)
     finite = every[np.isfinite(every)]
@@ -143,7 +153,6 @@ def test_e4m3_codec_matches_ml_dtypes():
 @pytest.mark.parametrize("change,feature", [
     (dict(mask_type=6), "mask_type"),
     (dict(position=6), "position_embedding_type"),
-    (dict(streamingllm=True, sinks=1), "streamingllm"),
     (dict(fp8_context_fmha=True, quant=128), "use_fp8_context_fmha"),
 ])
 def test_features_not_run_yet_are_refused_by_name(change, feature):
