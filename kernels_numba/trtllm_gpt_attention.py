@@ -13,6 +13,9 @@ Two kernels per call, on the caller's stream, context and generation entries tog
 2. attention (the core): entry b's key t comes from the cache for t < past (beam indirection, cyclic slot,
    INT8 dequant / e4m3 decode) and from the scratch for t >= past; scores get softcap, ALiBi and the
    causal / window / sinks mask in `score`, whose visible range `key_range` bounds the walk.
+Cross attention: a third kernel copies the context entries' encoder K/V (`cross_kv`) to the scratch and to
+cache slots 0..L-1 in one pass; keys are then the encoder's (scratch in the context phase, the cache in
+generation), every one visible, and the decoder's own K/V are not cached.
 StreamingLLM: K is cached before RoPE; generation rotates the new token at min(past, W) and each cached key at
 its index in the cache as it loads it (the context phase is dense: no window).
 
@@ -22,7 +25,7 @@ overwritten, so that call writes the cache in a second launch of the preprocess 
 several new tokens that wrap onto one slot only the latest writes (as the reference's `_last_writer`).
 
 The cache sources and score arguments are namedtuples read by field name. Not covered yet (NotImplementedError,
-raised by `unsupported`): custom masks, relative attention bias, cross attention, FP8 context FMHA, bfloat16;
+raised by `unsupported`): custom masks, relative attention bias, FP8 context FMHA, bfloat16;
 and a separate multi-block split (one block walks all keys; the result is the same).
 """
 
@@ -67,8 +70,6 @@ def unsupported(a: dict) -> str | None:
         return "mask_type: custom_mask"
     if a["position_embedding_type"] == RELATIVE:
         return "position_embedding_type: relative (relative_attention_bias)"
-    if a["do_cross_attention"]:
-        return "do_cross_attention"
     if a["use_fp8_context_fmha"] and (np.asarray(a["host_request_types"]) == CONTEXT).any():
         return "use_fp8_context_fmha"
     return None
@@ -353,6 +354,39 @@ def _preprocess_kernel(dtype, num_heads, num_kv_heads, head_size, rotary_dim, ro
     return preprocess_kernel
 
 
+@cache
+def _cross_kernel(dtype, num_kv_heads, head_size, quant):
+    """Kernel: the context entries' encoder K/V -> scratch (encoder token rows) and cache slots 0..L-1, encoded.
+
+    Grid (x: ceil(longest encoder input * 2 Hkv * Dh / threads), y: entries); generation entries have no rows
+    in enc_starts, so no thread."""
+    acc_t = _acc_type(dtype)
+    round_dtype = round_to_float16 if np.dtype(dtype) == np.float16 else keep_float32
+    encode, _ = make_kv_codec(quant, acc_t)
+    cache_address = make_cache_address(head_size)
+    HKV, DH = num_kv_heads, head_size
+
+    @cuda.jit(device=True, inline="always")
+    def copy(out, dst, b, token, t, g, d, x, inv_scale, write_cache):
+        out[(token * HKV + g) * DH + d] = x
+        if write_cache != 0:
+            dst.cache[cache_address(dst, b, t, g) + d] = encode(x, inv_scale)
+
+    @cuda.jit
+    def cross_kernel(cross_kv, enc_starts, k_out, v_out, k_dst, v_dst, inv_scale, write_cache):
+        b, t, item, d = token_head_item(enc_starts, 2 * HKV, DH)
+        if t < 0:
+            return
+        token = enc_starts[b] + t                       # cross_kv (encoder tokens, [K heads | V heads], Dh)
+        x = round_dtype(acc_t(cross_kv[(token * 2 * HKV + item) * DH + d]))
+        if item < HKV:
+            copy(k_out, k_dst, b, token, t, item, d, x, inv_scale, write_cache)
+        else:
+            copy(v_out, v_dst, b, token, t, item - HKV, d, x, inv_scale, write_cache)
+
+    return cross_kernel
+
+
 Preprocess = namedtuple("Preprocess", "qkv bias table inv_freq position_divisor inv_scale q_out k_out v_out k_dst "
                                       "v_dst write_scratch write_cache streaming")
 
@@ -420,6 +454,38 @@ def _kv_sources(*, cache_array, paged, block_offsets, indirection, table, k_scra
             KVSource(scratch=v_scratch, kv=i64(1), rotate=i64(0), **common))
 
 
+def _cross_keys(qkv, cross_kv, encoder_input_lengths, num_context, table, k_src, v_src, dtype, Hkv, Dh, quant,
+                kv_orig_quant_scale, use_cache, threads, stream):
+    """Cross attention's keys: launch the cross kernel, and return (key table, kv lengths, K source, V source).
+
+    In the key table a context entry has past 0 (every key from the scratch, at its encoder token rows), a
+    generation entry past L (every key from cache slot t of its own row: FIRST_ROW = itself, no prompt to share).
+    The window is unbounded: the encoder's L slots never cycle."""
+    lengths = np.asarray(encoder_input_lengths, np.int64)
+    E = lengths.shape[0]
+    context_lengths = np.where(np.arange(E) < num_context, lengths, 0)
+    enc_starts = np.concatenate([[0], np.cumsum(context_lengths)]).astype(np.int64)
+    rows = max(1, int(enc_starts[-1]))
+    k_scratch = empty_like_kind(qkv, (rows * Hkv * Dh,), k_src.scratch.dtype)
+    v_scratch = empty_like_kind(qkv, (rows * Hkv * Dh,), k_src.scratch.dtype)
+    unbounded = np.int64(1 << 40)
+    k_src = k_src._replace(scratch=k_scratch, window=unbounded)
+    v_src = v_src._replace(scratch=v_scratch, window=unbounded)
+    if enc_starts[-1] > 0:
+        grid = (max(1, ceil_div(int(context_lengths.max()) * 2 * Hkv * Dh, threads)), E)
+        launch(_cross_kernel(dtype.str, Hkv, Dh, quant), grid, threads, stream, flat(cross_kv),
+               to_kind(qkv, enc_starts), k_scratch, v_scratch, k_src, v_src,
+               np.float32(kv_orig_quant_scale if quant else 1.0), np.int64(use_cache))
+    keys = np.zeros((E, TABLE_COLUMNS), np.int64)
+    keys[:, TOKEN_START] = enc_starts[:-1]
+    keys[:, PAST] = lengths - context_lengths
+    keys[:num_context, IS_CONTEXT] = 1
+    keys[:, FIRST_ROW] = np.arange(E)
+    keys[:, PROMPT] = unbounded
+    table = to_kind(qkv, keys)
+    return table, lengths, k_src._replace(table=table), v_src._replace(table=table)
+
+
 def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_past_key_value_lengths,
                   host_max_attention_window_sizes, host_sink_token_length, context_lengths, cache_indirection,
                   host_request_types, layer_idx, num_heads, num_kv_heads, hidden_size_per_head, q_scaling,
@@ -438,7 +504,6 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     context_fmha_type and multi_block_mode choose TensorRT-LLM kernels and do not change the result: every
     entry runs the fused online-softmax kernel, one block per (entry, query tile, head group)."""
     reason = unsupported(dict(qkv=qkv, mask_type=mask_type, position_embedding_type=position_embedding_type,
-                              do_cross_attention=do_cross_attention,
                               use_fp8_context_fmha=use_fp8_context_fmha, host_request_types=host_request_types))
     if reason is not None:
         raise NotImplementedError(f"{reason}: not in the numba.cuda gpt_attention kernels yet; "
@@ -482,12 +547,13 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
                                scale=kv_quant_orig_scale if quant else 1.0, num_kv_heads=Hkv, head_size=Dh, like=qkv,
                                inv_freq=inv_freq, divisor=divisor, rotate_keys=rotate_cached)
     # A chunk that wraps the cyclic cache would overwrite keys its own queries read: write after attention.
-    write_after = bool(use_cache) and bool(((new > 1) & (lengths > window)).any())
+    write_after = bool(use_cache) and not do_cross_attention and bool(((new > 1) & (lengths > window)).any())
     pre = Preprocess(qkv=flat(qkv), bias=flat(qkv_bias) if qkv_bias is not None else flat(qkv)[:1],
                      table=table, inv_freq=inv_freq, position_divisor=np.float64(divisor),
                      inv_scale=np.float32(kv_orig_quant_scale if quant else 1.0), q_out=q_scratch, k_out=k_scratch,
                      v_out=v_scratch, k_dst=k_src, v_dst=v_src, write_scratch=np.int64(1),
-                     write_cache=np.int64(bool(use_cache) and not write_after), streaming=np.int64(streamingllm))
+                     write_cache=np.int64(bool(use_cache) and not write_after and not do_cross_attention),
+                     streaming=np.int64(streamingllm))
     preprocess = _preprocess_kernel(dtype.str, H, Hkv, Dh, rotary_dim, rope_style, quant, qkv_bias is not None)
     max_new = int(new.max())
     pre_grid = (max(1, ceil_div(max_new * (H + 2 * Hkv) * Dh, threads)), E)
@@ -498,9 +564,15 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     if not remove_input_padding:
         output[...] = 0                                 # padding rows are zero, as the reference's
     alibi_on = position_embedding_type in (ALIBI, ALIBI_WITH_SCALE)
+    kvlens = lengths
+    if do_cross_attention:
+        table, kvlens, k_src, v_src = _cross_keys(qkv, cross_kv, encoder_input_lengths, num_context, table,
+                                                  k_src, v_src, dtype, Hkv, Dh, quant, kv_orig_quant_scale,
+                                                  bool(use_cache), threads, stream)
     args = ScoreArgs(table=table, alibi=alibi_slopes if alibi_on else to_kind(qkv, np.zeros(1, np.float32)),
                      alibi_on=np.int64(alibi_on), softcap=acc_t(attn_logit_softcapping_scale),
-                     causal=np.int64(mask_type in (CAUSAL, SLIDING_WINDOW_CAUSAL)), window=np.int64(window),
+                     causal=np.int64(mask_type in (CAUSAL, SLIDING_WINDOW_CAUSAL) and not do_cross_attention),
+                     window=k_src.window,
                      sinks=np.int64(sinks), streaming=np.int64(streamingllm))
     kernel, heads_per_block, q_tile = _attention_kernel(dtype.str, H, Hkv, Dh, quant, min(max_new, 16),
                                                         *((rope_style, rotary_dim) if rotate_cached else ()))
@@ -508,7 +580,7 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     out_geom = (flat(output), q_geom[1], np.int64(0), np.int64(H * Dh), np.int64(Dh))
     grid = (max(1, ceil_div(max_new, q_tile)), H // heads_per_block, E)
     sm_scale = acc_t(1.0 / (q_scaling * math.sqrt(Dh)))
-    launch(kernel, grid, threads, stream, q_geom, out_geom, to_kind(qkv, new), to_kind(qkv, lengths), k_src, v_src,
+    launch(kernel, grid, threads, stream, q_geom, out_geom, to_kind(qkv, new), to_kind(qkv, kvlens), k_src, v_src,
            args, sm_scale)
 
     if write_after:

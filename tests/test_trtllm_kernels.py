@@ -163,3 +163,34 @@ def test_features_not_run_yet_are_refused_by_name(change, feature):
         cacheattn.gpt_attention(**args, backend="numba")
     assert launches == []
     assert_bits_equal("cache", args[cache_name(case)], before)
+
+
+# ---- cross attention: context entries cache the encoder K/V, generation entries read them back ------------------
+
+@pytest.mark.parametrize("case", [
+    replace(BASE, mask_type=0, capacity=6, window=6),
+    replace(BASE, mask_type=0, capacity=6, window=6, paged=True, tokens_per_block=4, quant=128, dtype="float16",
+            qkv_bias=True, contexts=((0, 1),)),
+    replace(BASE, mask_type=3, capacity=6, window=6, quant=64, num_heads=2, num_kv_heads=1, softcap=3.0),
+], ids=["contiguous", "paged-fp8-bias", "int8-mqa-softcap"])
+def test_cross_attention_kernels_match_the_reference(case):
+    args = build_trt(case)
+    rng = np.random.default_rng(case.seed)
+    encoder = rng.integers(1, case.capacity + 1, case.entries).astype(np.int32)
+    contexts = len(case.contexts)
+    cross_kv = rng.standard_normal((int(encoder[:contexts].sum()), 2 * case.num_kv_heads * case.head_size))
+    args.update(do_cross_attention=True, cross_kv=cross_kv.astype(case.dtype), encoder_input_lengths=encoder)
+    # Poison what cross attention must not read: generation rows past their encoder length (int8 has no NaN).
+    if case.quant != 64:
+        unread = ~holding(case, args, lambda e: np.arange(encoder[e] if e >= contexts else 0))
+        cache = args[cache_name(case)]
+        if case.quant == 128:
+            cache.view(np.uint8)[unread] = 0x7F
+        else:
+            cache[unread] = np.nan
+    output, after = run(args, "numba")
+    ref_output, ref_after = run(args, "reference")
+    want, _ = float64_trt(args)
+    assert_close("output vs reference", output, ref_output.astype(np.float64), case.dtype)
+    assert_close("output vs float64", output, want, case.dtype, scale=4.0)
+    assert_bits_equal("cache", after[cache_name(case)], ref_after[cache_name(case)])
