@@ -25,8 +25,9 @@ overwritten, so that call writes the cache in a second launch of the preprocess 
 several new tokens that wrap onto one slot only the latest writes (as the reference's `_last_writer`).
 
 The cache sources and score arguments are namedtuples read by field name. Not covered yet (NotImplementedError,
-raised by `unsupported`): custom masks, relative attention bias, FP8 context FMHA, bfloat16;
-and a separate multi-block split (one block walks all keys; the result is the same).
+raised by `unsupported`): custom masks, relative attention bias, FP8 context FMHA, bfloat16.
+Multi-block: with few blocks for the SMs, each block walks one of num_splits key ranges and writes (m, l, o);
+a combine kernel reduces them (`choose_splits` picks the count; `num_splits` forces it).
 """
 
 from __future__ import annotations
@@ -269,8 +270,10 @@ def _acc_type(dtype):
 
 
 @cache
-def _attention_kernel(dtype, num_heads, num_kv_heads, head_size, quant, q_len, rope_style=0, rotary_dim=0):
-    """The core for these shapes; rope_style/rotary_dim only for StreamingLLM (cached keys rotated on load)."""
+def _attention_kernel(dtype, num_heads, num_kv_heads, head_size, quant, q_len, rope_style=0, rotary_dim=0,
+                      partials=False):
+    """The core for these shapes; rope_style/rotary_dim only for StreamingLLM (cached keys rotated on load);
+    partials: the multi-block kernel writing (m, l, o) per split."""
     acc_t = _acc_type(dtype)
     round_dtype = round_to_float16 if np.dtype(dtype) == np.float16 else keep_float32
     row_offsets, load = make_trt_access(quant, num_kv_heads, head_size, acc_t, round_dtype, rope_style, rotary_dim)
@@ -279,8 +282,57 @@ def _attention_kernel(dtype, num_heads, num_kv_heads, head_size, quant, q_len, r
                                                    elem_bytes=np.dtype(acc_t).itemsize)
     kernel = make_attention_kernel(row_offsets, load, score, key_range, head_dim_k=head_size, head_dim_v=head_size,
                                    heads_per_block=heads_per_block, q_tile=q_tile, key_tile=key_tile,
-                                   group=num_heads // num_kv_heads, acc_dtype=acc_t)
+                                   group=num_heads // num_kv_heads, acc_dtype=acc_t, partials=partials)
     return kernel, heads_per_block, q_tile
+
+
+@cache
+def _combine_kernel(dtype, num_heads, head_size):
+    """Kernel: the multi-block reduction of the splits' (m, l, o): M = max m_c, L = sum e^(m_c - M) l_c,
+    out = sum e^(m_c - M) o_c / L (0 for a row no split saw). One thread per output element; grid
+    (x: ceil(max new tokens * H * Dh / threads), y: entries)."""
+    acc_t = _acc_type(dtype)
+    H, DH = num_heads, head_size
+    NEG_INF = acc_t(-math.inf)
+
+    @cuda.jit
+    def combine_kernel(o_part, m_part, l_part, num_splits, token_starts, new_starts, out):
+        b, i, h, d = token_head_item(new_starts, H, DH)
+        if i < 0:
+            return
+        rows = m_part.shape[0] // num_splits
+        row = (token_starts[b] + i) * H + h             # (token, head): the index of m, l; o adds d
+        big_m = NEG_INF
+        for c in range(num_splits):
+            big_m = max(big_m, m_part[c * rows + row])
+        total, value = acc_t(0.0), acc_t(0.0)
+        if big_m != NEG_INF:
+            for c in range(num_splits):
+                m = m_part[c * rows + row]
+                if m != NEG_INF:                        # a split that saw no key adds nothing
+                    weight = math.exp(m - big_m)
+                    total += weight * l_part[c * rows + row]
+                    value += weight * o_part[(c * rows + row) * DH + d]
+        out[row * DH + d] = value / total if total > 0 else acc_t(0.0)
+
+    return combine_kernel
+
+
+def sm_count() -> int:
+    """The current GPU's multiprocessor count; 132 (an H100 SXM) when there is none, as in the simulator."""
+    try:
+        return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+    except Exception:  # no device, or the simulator's, which has no attributes
+        return 132
+
+
+def choose_splits(blocks: int, max_kv_len: int, key_tile: int, num_sms: int | None = None) -> int:
+    """Multi-block heuristic: split the keys only when the grid (entries x head groups x query tiles) leaves
+    SMs idle; as many splits as fill them, never more than the longest sequence has key tiles, at most 64."""
+    num_sms = sm_count() if num_sms is None else num_sms
+    if blocks >= num_sms:
+        return 1
+    return max(1, min(num_sms // blocks, ceil_div(max_kv_len, key_tile), 64))
 
 
 @cache
@@ -497,12 +549,14 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
                   max_distance=0, qkv_bias=None, use_cache=True, remove_input_padding=True, paged_kv_cache=False,
                   tokens_per_block=64, streamingllm=False, use_fp8_context_fmha=False, kv_cache_pool=None,
                   context_fmha_type=1, multi_block_mode=True, max_context_length=None, host_context_lengths=None,
-                  cross_kv_length=None, host_kv_cache_block_offsets=None, threads=128):
+                  cross_kv_length=None, host_kv_cache_block_offsets=None, num_splits=None, num_sms=None, threads=128):
     """(output, present_key_value), the cache written in place: reference.gpt_attention's arguments (validated
     by cacheattn.gpt_attention; index tensors on the host), data arrays CuPy / CAI, or NumPy in the simulator.
 
-    context_fmha_type and multi_block_mode choose TensorRT-LLM kernels and do not change the result: every
-    entry runs the fused online-softmax kernel, one block per (entry, query tile, head group)."""
+    context_fmha_type chooses TensorRT-LLM kernels and does not change the result: every entry runs the fused
+    online-softmax kernel, one block per (entry, query tile, head group). multi_block_mode lets `choose_splits`
+    split each such block's keys over several blocks when the grid is smaller than num_sms (default: the GPU's,
+    132 without one); num_splits forces a count (1: never split)."""
     reason = unsupported(dict(qkv=qkv, mask_type=mask_type, position_embedding_type=position_embedding_type,
                               use_fp8_context_fmha=use_fp8_context_fmha, host_request_types=host_request_types))
     if reason is not None:
@@ -574,14 +628,30 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
                      causal=np.int64(mask_type in (CAUSAL, SLIDING_WINDOW_CAUSAL) and not do_cross_attention),
                      window=k_src.window,
                      sinks=np.int64(sinks), streaming=np.int64(streamingllm))
+    rope_on_load = (rope_style, rotary_dim) if rotate_cached else (0, 0)
+    heads_per_block, q_tile, key_tile = plan_tiles(H, Hkv, min(max_new, 16), Dh, Dh, np.dtype(acc_t).itemsize)
+    q_blocks = max(1, ceil_div(max_new, q_tile)) * (H // heads_per_block) * E
+    if num_splits is None:
+        num_splits = choose_splits(q_blocks, int(np.max(kvlens)), key_tile, num_sms) if multi_block_mode else 1
     kernel, heads_per_block, q_tile = _attention_kernel(dtype.str, H, Hkv, Dh, quant, min(max_new, 16),
-                                                        *((rope_style, rotary_dim) if rotate_cached else ()))
+                                                        *rope_on_load, num_splits > 1)
     q_geom = (q_scratch, to_kind(qkv, token_starts), np.int64(0), np.int64(H * Dh), np.int64(Dh))
     out_geom = (flat(output), q_geom[1], np.int64(0), np.int64(H * Dh), np.int64(Dh))
-    grid = (max(1, ceil_div(max_new, q_tile)), H // heads_per_block, E)
+    grid = (max(1, ceil_div(max_new, q_tile)), H // heads_per_block, E * num_splits)
     sm_scale = acc_t(1.0 / (q_scaling * math.sqrt(Dh)))
-    launch(kernel, grid, threads, stream, q_geom, out_geom, to_kind(qkv, new), to_kind(qkv, kvlens), k_src, v_src,
-           args, sm_scale)
+    lens = to_kind(qkv, new), to_kind(qkv, kvlens)
+    if num_splits == 1:
+        launch(kernel, grid, threads, stream, q_geom, out_geom, *lens, k_src, v_src, args, sm_scale)
+    else:
+        # Multi-block: each split's (m, l, unnormalised o) per row, then one combine pass over the splits.
+        rows = num_tokens * H
+        o_part = empty_like_kind(qkv, (num_splits * rows * Dh,), acc_t)
+        m_part, l_part = (empty_like_kind(qkv, (num_splits * rows,), acc_t) for _ in range(2))
+        split_geom = (o_part, q_geom[1], np.int64(0), np.int64(H * Dh), np.int64(Dh), np.int64(num_splits),
+                      np.int64(rows * Dh), np.int64(rows), np.int64(H), m_part, l_part)
+        launch(kernel, grid, threads, stream, q_geom, split_geom, *lens, k_src, v_src, args, sm_scale)
+        launch(_combine_kernel(dtype.str, H, Dh), pre_grid, threads, stream, o_part, m_part, l_part,
+               np.int64(num_splits), q_geom[1], starts_arg, flat(output))
 
     if write_after:
         launch(preprocess, pre_grid, threads, stream, pre._replace(write_scratch=np.int64(0), write_cache=np.int64(1)),

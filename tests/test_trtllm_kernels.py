@@ -194,3 +194,40 @@ def test_cross_attention_kernels_match_the_reference(case):
     assert_close("output vs reference", output, ref_output.astype(np.float64), case.dtype)
     assert_close("output vs float64", output, want, case.dtype, scale=4.0)
     assert_bits_equal("cache", after[cache_name(case)], ref_after[cache_name(case)])
+
+
+# ---- multi-block: split keys, (m, l, o) partials, combine ----------------------------------------------------------
+
+def test_multi_block_equals_single_block(monkeypatch):
+    """Several split counts, one with splits that see no key (the window leaves the early ones empty): the combined
+    output matches one block per row and the reference, and the cache is written the same."""
+    from kernels_numba import trtllm_gpt_attention as kernels
+    case = replace(BASE, contexts=((3, 2),), generations=((2, 8),), beam_width=1, capacity=9, window=5,
+                   quant=64, position=4, softcap=3.0)
+    args = build_trt(case)
+    outputs, caches, launch_counts = {}, {}, {}
+    for splits in (1, 2, 5):
+        launched = []
+
+        def counted(kernel, *rest, log=launched):
+            log.append(kernel)
+            _launch.launch(kernel, *rest)
+
+        monkeypatch.setattr(kernels, "choose_splits", lambda *_, count=splits, **__: count)
+        monkeypatch.setattr(kernels, "launch", counted)
+        outputs[splits], caches[splits] = run(args, "numba")
+        launch_counts[splits] = len(launched)
+        assert_bits_equal(f"cache, {splits} splits", caches[splits][cache_name(case)], caches[1][cache_name(case)])
+    assert launch_counts[2] == launch_counts[5] == launch_counts[1] + 1          # + the combine kernel
+    ref_output, _ = run(args, "reference")
+    for splits in (2, 5):
+        assert_close(f"{splits} splits vs 1", outputs[splits], outputs[1].astype(np.float64), case.dtype)
+        assert_close(f"{splits} splits vs reference", outputs[splits], ref_output.astype(np.float64), case.dtype)
+
+
+def test_choose_splits_fills_idle_sms_only():
+    from kernels_numba.trtllm_gpt_attention import choose_splits
+    assert choose_splits(blocks=132, max_kv_len=4096, key_tile=32, num_sms=132) == 1       # the grid fills the GPU
+    assert choose_splits(blocks=8, max_kv_len=4096, key_tile=32, num_sms=132) == 16        # 132 // 8
+    assert choose_splits(blocks=8, max_kv_len=40, key_tile=32, num_sms=132) == 2           # two key tiles only
+    assert choose_splits(blocks=1, max_kv_len=1 << 20, key_tile=32, num_sms=132) == 64     # capped
