@@ -25,7 +25,7 @@ overwritten, so that call writes the cache in a second launch of the preprocess 
 several new tokens that wrap onto one slot only the latest writes (as the reference's `_last_writer`).
 
 The cache sources and score arguments are namedtuples read by field name. Not covered yet (NotImplementedError,
-raised by `unsupported`): custom masks, relative attention bias, FP8 context FMHA, bfloat16.
+raised by `unsupported`): FP8 context FMHA, bfloat16.
 Multi-block: with few blocks for the SMs, each block walks one of num_splits key ranges and writes (m, l, o);
 a combine kernel reduces them (`choose_splits` picks the count; `num_splits` forces it).
 """
@@ -45,7 +45,7 @@ from ._launch import caller_stream, ceil_div, empty_like_kind, flat, launch, to_
 from ._numerics import keep_float32, round_to_float16
 
 # TensorRT-LLM enum values (tensorrt_llm.functional), as cacheattn.trtllm validates them.
-CAUSAL, SLIDING_WINDOW_CAUSAL, CUSTOM_MASK = 1, 2, 6
+PADDING, CAUSAL, SLIDING_WINDOW_CAUSAL, BIDIRECTIONAL = 0, 1, 2, 3
 ROPE_GPTJ, ROPE_GPT_NEOX, ALIBI, ALIBI_WITH_SCALE, RELATIVE = 1, 2, 4, 5, 6
 SCALING_LINEAR, SCALING_DYNAMIC = 1, 2
 CONTEXT = 0
@@ -63,15 +63,11 @@ KVSource = namedtuple("KVSource", "cache scratch table offsets indirection kv pa
                                   "rotate inv_freq position_divisor")
 
 
-def unsupported(a: dict) -> str | None:
+def unsupported(qkv, use_fp8_context_fmha, host_request_types) -> str | None:
     """The first feature of a validated call these kernels do not run yet, named as TensorRT-LLM names it."""
-    if np.dtype(a["qkv"].dtype).name == "bfloat16":
+    if np.dtype(qkv.dtype).name == "bfloat16":
         return "qkv: bfloat16 (numba has no bfloat16 arithmetic)"
-    if a["mask_type"] == CUSTOM_MASK:
-        return "mask_type: custom_mask"
-    if a["position_embedding_type"] == RELATIVE:
-        return "position_embedding_type: relative (relative_attention_bias)"
-    if a["use_fp8_context_fmha"] and (np.asarray(a["host_request_types"]) == CONTEXT).any():
+    if use_fp8_context_fmha and (np.asarray(host_request_types) == CONTEXT).any():
         return "use_fp8_context_fmha"
     return None
 
@@ -229,8 +225,29 @@ def make_trt_access(quant: int, num_kv_heads: int, head_size: int, acc_t, round_
     return row_offsets, load
 
 
+@cuda.jit(device=True, inline="always")
+def t5_bucket(relative_position, num_buckets, max_distance, bidirectional):
+    """T5's bucket of key position - query position, its log math in float32 as the reference's."""
+    bucket = 0
+    if bidirectional != 0:
+        num_buckets //= 2
+        if relative_position > 0:
+            bucket += num_buckets
+        distance = abs(relative_position)
+    else:
+        distance = -min(relative_position, 0)
+    max_exact = num_buckets // 2
+    if distance < max_exact:                            # exact buckets for the near keys
+        return bucket + distance
+    ratio = np.float32(np.float32(distance) / np.float32(max_exact))
+    log_ratio = np.float32(np.float32(math.log(ratio)) / np.float32(math.log(max_distance / max_exact)))
+    large = max_exact + np.int64(np.float32(log_ratio * np.float32(num_buckets - max_exact)))
+    return bucket + min(large, num_buckets - 1)
+
+
 def make_trt_score(acc_t):
-    """(score, key_range) of the core: causal / window / sinks visibility, softcap, then ALiBi (ScoreArgs)."""
+    """(score, key_range) of the core: custom mask, causal / window / sinks visibility, softcap, then ALiBi or
+    the relative attention bias (a regular (H, L, L) table or implicit T5 buckets) (ScoreArgs)."""
     NEG_INF = acc_t(-math.inf)
 
     @cuda.jit(device=True, inline="always")
@@ -241,11 +258,18 @@ def make_trt_score(acc_t):
         dense = args.streaming != 0 and args.table[b, IS_CONTEXT] != 0   # StreamingLLM prefill: no window
         if not dense and j <= p - (args.window - args.sinks) and j >= args.sinks:
             return NEG_INF                              # out of the window and not a sink
+        if args.mask_cols > 0 and not args.mask[(args.table[b, TOKEN_START] + i) * args.mask_cols + j]:
+            return NEG_INF                              # custom mask: row = query token, True = attend
         s = qk
         if args.softcap > 0:                            # after the scaling, before the bias
             s = args.softcap * math.tanh(s / args.softcap)
         if args.alibi_on != 0:
             s = s + acc_t(args.alibi[h]) * acc_t(j - p)
+        if args.relative == 1:                          # regular: relative_attention_bias[h, p, j]
+            s = s + acc_t(args.bias[(h * args.bias_len + p) * args.bias_len + j])
+        elif args.relative == 2:                        # implicit: relative_attention_bias[h, bucket(j - p)]
+            bucket = t5_bucket(j - p, args.bias_len, args.max_distance, args.bidirectional)
+            s = s + acc_t(args.bias[h * args.bias_len + bucket])
         return s
 
     @cuda.jit(device=True, inline="always")
@@ -262,7 +286,8 @@ def make_trt_score(acc_t):
     return score, key_range
 
 
-ScoreArgs = namedtuple("ScoreArgs", "table alibi alibi_on softcap causal window sinks streaming")
+ScoreArgs = namedtuple("ScoreArgs", "table alibi alibi_on softcap causal window sinks streaming mask mask_cols "
+                                    "bias relative bias_len max_distance bidirectional")
 
 
 def _acc_type(dtype):
@@ -506,6 +531,21 @@ def _kv_sources(*, cache_array, paged, block_offsets, indirection, table, k_scra
             KVSource(scratch=v_scratch, kv=i64(1), rotate=i64(0), **common))
 
 
+def _mask_and_bias(attention_mask, relative_attention_bias, position_embedding_type, max_distance, mask_type, like):
+    """ScoreArgs fields of the custom mask (mask_cols 0: none) and the relative attention bias (relative 0: none,
+    1: the regular (H, L, L) table, 2: T5 buckets (H, num_buckets) with max_distance)."""
+    placeholder = to_kind(like, np.zeros(1, np.float32))
+    fields = dict(mask=to_kind(like, np.ones(1, np.bool_)), mask_cols=np.int64(0), bias=placeholder,
+                  relative=np.int64(0), bias_len=np.int64(0), max_distance=np.int64(max_distance),
+                  bidirectional=np.int64(mask_type in (PADDING, BIDIRECTIONAL)))
+    if attention_mask is not None:
+        fields.update(mask=flat(attention_mask), mask_cols=np.int64(attention_mask.shape[-1]))
+    if position_embedding_type == RELATIVE and relative_attention_bias is not None:
+        fields.update(bias=flat(relative_attention_bias), relative=np.int64(2 if max_distance > 0 else 1),
+                      bias_len=np.int64(relative_attention_bias.shape[1]))
+    return fields
+
+
 def _cross_keys(qkv, cross_kv, encoder_input_lengths, num_context, table, k_src, v_src, dtype, Hkv, Dh, quant,
                 kv_orig_quant_scale, use_cache, threads, stream):
     """Cross attention's keys: launch the cross kernel, and return (key table, kv lengths, K source, V source).
@@ -557,8 +597,7 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     online-softmax kernel, one block per (entry, query tile, head group). multi_block_mode lets `choose_splits`
     split each such block's keys over several blocks when the grid is smaller than num_sms (default: the GPU's,
     132 without one); num_splits forces a count (1: never split)."""
-    reason = unsupported(dict(qkv=qkv, mask_type=mask_type, position_embedding_type=position_embedding_type,
-                              use_fp8_context_fmha=use_fp8_context_fmha, host_request_types=host_request_types))
+    reason = unsupported(qkv, use_fp8_context_fmha, host_request_types)
     if reason is not None:
         raise NotImplementedError(f"{reason}: not in the numba.cuda gpt_attention kernels yet; "
                                   "use NumPy arrays with backend='reference'")
@@ -627,7 +666,9 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
                      alibi_on=np.int64(alibi_on), softcap=acc_t(attn_logit_softcapping_scale),
                      causal=np.int64(mask_type in (CAUSAL, SLIDING_WINDOW_CAUSAL) and not do_cross_attention),
                      window=k_src.window,
-                     sinks=np.int64(sinks), streaming=np.int64(streamingllm))
+                     sinks=np.int64(sinks), streaming=np.int64(streamingllm),
+                     **_mask_and_bias(attention_mask, relative_attention_bias, position_embedding_type, max_distance,
+                                      mask_type, qkv))
     rope_on_load = (rope_style, rotary_dim) if rotate_cached else (0, 0)
     heads_per_block, q_tile, key_tile = plan_tiles(H, Hkv, min(max_new, 16), Dh, Dh, np.dtype(acc_t).itemsize)
     q_blocks = max(1, ceil_div(max_new, q_tile)) * (H // heads_per_block) * E

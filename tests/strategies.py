@@ -155,10 +155,10 @@ def trt_cases(draw, *, dtypes=("float16", "float32"), paged=(False, True), quant
 from dataclasses import replace  # noqa: E402
 
 
-def trt_kernel_cases(positions=(0, 1, 2, 4, 5), masks=(1, 1, 2, 0, 3), **kw):
-    """gpt_attention calls in what the numba kernels run today: no custom mask or relative bias (trt_cases draws
-    neither cross attention, StreamingLLM nor FP8 context FMHA)."""
-    return trt_cases(positions=positions, masks=masks, **kw)
+def trt_kernel_cases(**kw):
+    """gpt_attention calls in what the numba kernels run today: trt_cases (which draws neither cross attention,
+    StreamingLLM nor FP8 context FMHA)."""
+    return trt_cases(**kw)
 
 
 @st.composite
