@@ -113,8 +113,9 @@ def _positive_scale(name, x):
 
 
 def validate(a: dict) -> dict:
-    """Check every argument of gpt_attention (a: the call's keyword arguments). Returns the normalised ones the
-    reference takes: host int arrays for index tensors, ints for enums, floats for scales."""
+    """Check every argument of gpt_attention (a: the call's keyword arguments), in the order the reference uses
+    them. Returns the normalised arguments the reference takes: host int arrays for index tensors, ints for enums,
+    floats for scales."""
     out = dict(a)
     qkv = a["qkv"]
     _float_tensor("qkv", qkv)
@@ -130,46 +131,7 @@ def validate(a: dict) -> dict:
     else:
         check_shape("qkv", qkv, (None, None, hidden),
                     "(batch_beam, max_seqlen, (num_heads + 2 num_kv_heads) hidden_size_per_head)")
-
-    # Per-entry tensors and the request order.
-    types = _per_entry("host_request_types", a["host_request_types"], None)
-    E = types.shape[0]
-    if E < 1:
-        raise ValueError("host_request_types: expected at least one request, got none")
-    if not np.isin(types, (0, 1)).all():
-        raise ValueError(f"host_request_types: expected RequestType values 0 (context) or 1 (generation), "
-                         f"got {types.tolist()}")
-    if (np.diff(types) < 0).any():
-        raise ValueError(f"host_request_types: context requests must come before generation requests, "
-                         f"got {types.tolist()}")
-    past = _per_entry("host_past_key_value_lengths", a["host_past_key_value_lengths"], E)
-    lengths = _per_entry("sequence_length", a["sequence_length"], E)
-    ctx_len = _per_entry("context_lengths", a["context_lengths"], E)
-    if a.get("host_context_lengths") is not None:
-        host_ctx = _per_entry("host_context_lengths", a["host_context_lengths"], E)
-        if (host_ctx != ctx_len).any():
-            raise ValueError(f"host_context_lengths: expected the values of context_lengths {ctx_len.tolist()}, "
-                             f"got {host_ctx.tolist()}")
-    if (past < 0).any():
-        raise ValueError(f"host_past_key_value_lengths: expected values >= 0, got {past.tolist()}")
-    is_context = types == 0
-    if (ctx_len < 1).any():
-        raise ValueError(f"context_lengths: expected values >= 1, got {ctx_len.tolist()}")
-    new = np.where(is_context, ctx_len, 1)
-    if (lengths != past + new).any():
-        raise ValueError(f"sequence_length: expected host_past_key_value_lengths + new tokens (context_lengths for "
-                         f"a context request, 1 per beam in generation) = {(past + new).tolist()}, "
-                         f"got {lengths.tolist()}")
-    if (~is_context & (ctx_len > past)).any():
-        raise ValueError(f"context_lengths: a generation request's prompt must be in the cache already "
-                         f"(<= host_past_key_value_lengths {past.tolist()}), got {ctx_len.tolist()}")
-    if packed and qkv.shape[0] != new.sum():
-        raise ValueError(f"qkv: expected {int(new.sum())} packed tokens (context_lengths of the context requests "
-                         f"+ one per generation beam), got {qkv.shape[0]}")
-    if not packed and (qkv.shape[0] != E or qkv.shape[1] < new.max()):
-        raise ValueError(f"qkv: expected padded shape ({E}, >= {int(new.max())}, {hidden}), got {tuple(qkv.shape)}")
-    if a.get("max_context_length") is not None:
-        check_int("max_context_length", a["max_context_length"], low=int(new[is_context].max(initial=1)))
+    E, is_context, past, lengths = _check_requests(a, qkv, packed, hidden)
 
     # Enums and scalar attributes.
     mask_type = _enum("mask_type", a["mask_type"], AttentionMaskType, MASK_TYPES)
@@ -177,102 +139,18 @@ def validate(a: dict) -> dict:
     scale_type = _enum("rotary_embedding_scale_type", a["rotary_embedding_scale_type"], RotaryScalingType,
                        SCALING_TYPES)
     out.update(mask_type=mask_type, position_embedding_type=pos_type, rotary_embedding_scale_type=scale_type)
-    if not a["q_scaling"] > 0:
-        raise ValueError(f"q_scaling: expected a float > 0, got {a['q_scaling']!r}")
-    if not a["attn_logit_softcapping_scale"] >= 0:
-        raise ValueError(f"attn_logit_softcapping_scale: expected a float >= 0 (0 disables it), "
-                         f"got {a['attn_logit_softcapping_scale']!r}")
-    check_choice("context_fmha_type", a["context_fmha_type"], (0, 1, 2))
-    tpb = check_int("tokens_per_block", a["tokens_per_block"], low=1)
-    if tpb & (tpb - 1):
-        raise ValueError(f"tokens_per_block: expected a power of two, got {tpb}")
-    quant = a["kv_cache_quant_mode"]
-    if isinstance(quant, bool) or not isinstance(quant, (int, np.integer)) or int(quant) & ~(64 | 128) \
-            or int(quant) == 64 | 128:
-        raise ValueError(f"kv_cache_quant_mode: expected QuantMode(0), INT8_KV_CACHE (64) or FP8_KV_CACHE (128), "
-                         f"got {quant!r}")
-    quant = out["kv_cache_quant_mode"] = int(quant)
-    if quant:
-        out["kv_orig_quant_scale"] = _positive_scale("kv_orig_quant_scale", a["kv_orig_quant_scale"])
-        out["kv_quant_orig_scale"] = _positive_scale("kv_quant_orig_scale", a["kv_quant_orig_scale"])
-    if a["use_fp8_context_fmha"] and not quant & 128:
-        raise ValueError("use_fp8_context_fmha: needs an FP8 KV cache (kv_cache_quant_mode = FP8_KV_CACHE), "
-                         f"got kv_cache_quant_mode {quant}")
-    if a["qkv_bias"] is not None:
-        _float_tensor("qkv_bias", a["qkv_bias"], qkv)
-        check_shape("qkv_bias", a["qkv_bias"], (hidden,), "((num_heads + 2 num_kv_heads) hidden_size_per_head,)")
-
-    # RoPE.
-    rot = check_int("rotary_embedding_dim", a["rotary_embedding_dim"], low=0)
-    if pos_type in ROPE_TYPES:
-        if rot == 0 or rot % 2 or rot > Dh:
-            raise ValueError(f"rotary_embedding_dim: expected an even value in [2, hidden_size_per_head = {Dh}] "
-                             f"for {PositionEmbeddingType(pos_type).name}, got {rot}")
-        if a["rotary_inv_freq"] is not None:
-            freq = np.asarray(arrays.to_host(a["rotary_inv_freq"]))
-            check_shape("rotary_inv_freq", freq, (rot // 2,), "(rotary_embedding_dim / 2,)")
-            out["rotary_inv_freq"] = freq.astype(np.float32)
-        elif scale_type == RotaryScalingType.llama3:
-            raise ValueError("rotary_inv_freq: llama3 scaling needs the host-computed frequencies "
-                             "(reference.rope.llama3_inv_freq), got None")
-        if not a["rotary_embedding_base"] > 0 or not a["rotary_embedding_scale"] > 0:
-            raise ValueError(f"rotary_embedding_base: expected base > 0 and rotary_embedding_scale > 0, got "
-                             f"{a['rotary_embedding_base']!r}, {a['rotary_embedding_scale']!r}")
-        check_int("rotary_embedding_max_positions", a["rotary_embedding_max_positions"], low=1)
-        if scale_type == RotaryScalingType.dynamic and rot <= 2 and a["rotary_inv_freq"] is None:
-            raise ValueError(f"rotary_embedding_dim: dynamic NTK scaling raises the base to d / (d - 2), so it needs "
-                             f"a rotary_embedding_dim > 2, got {rot}")
-    elif rot:
-        raise ValueError(f"rotary_embedding_dim: expected 0 without a RoPE position_embedding_type, got {rot}")
-
-    # ALiBi and relative attention bias.
-    slopes = a["alibi_slopes"]
-    if (slopes is not None) != (pos_type in ALIBI_TYPES):
-        raise ValueError(f"alibi_slopes: given exactly when position_embedding_type is alibi or alibi_with_scale; "
-                         f"got {'slopes' if slopes is not None else 'None'} with "
-                         f"{PositionEmbeddingType(pos_type).name}")
-    if slopes is not None:
-        _float_tensor("alibi_slopes", slopes)
-        check_shape("alibi_slopes", slopes, (H,), "(num_heads,)")
-    rab = a["relative_attention_bias"]
-    if (rab is not None) != (pos_type == PositionEmbeddingType.relative):
-        raise ValueError("relative_attention_bias: given exactly when position_embedding_type is relative")
-    max_distance = check_int("max_distance", a["max_distance"], low=0)
-    if rab is not None:
-        _float_tensor("relative_attention_bias", rab, qkv)
-        if max_distance > 0:
-            check_shape("relative_attention_bias", rab, (H, None), "(num_heads, num_buckets) with max_distance > 0")
-            buckets = rab.shape[1]
-            if buckets < 2 or max_distance <= buckets // 2:
-                raise ValueError(f"relative_attention_bias: expected num_buckets >= 2 and max_distance "
-                                 f"> num_buckets / 2 ({max_distance}), got num_buckets {buckets}")
-        else:
-            longest = int(lengths.max())
-            check_shape("relative_attention_bias", rab, (H, None, None), "(num_heads, L, L)")
-            if rab.shape[1] < longest or rab.shape[2] < longest:
-                raise ValueError(f"relative_attention_bias: expected (num_heads, L, L) with L >= {longest} "
-                                 f"(the longest sequence_length), got {tuple(rab.shape)}")
-
-    # Masks.
-    mask = a["attention_mask"]
-    if (mask is not None) != (mask_type == AttentionMaskType.custom_mask):
-        raise ValueError("attention_mask: given exactly when mask_type is custom_mask")
-    if mask is not None:
-        if dtype_of(mask) != np.bool_:
-            raise TypeError(f"attention_mask: expected a bool tensor (True = attend), got {dtype_of(mask).name}")
-        rows = (qkv.shape[0],) if packed else (E, qkv.shape[1])
-        check_shape("attention_mask", mask, rows + (None,), "(num_tokens or (batch_beam, max_seqlen), max_kv_len)")
-        if mask.shape[-1] < lengths.max():
-            raise ValueError(f"attention_mask: expected a last dim >= the longest sequence_length "
-                             f"({int(lengths.max())}), got {mask.shape[-1]}")
+    tpb, quant = _check_scalars_and_quantization(a, out, qkv, hidden)
+    _check_rope(a, out, pos_type, scale_type, Dh)
+    _check_position_biases(a, pos_type, H, qkv, lengths)
+    _check_mask(a, mask_type, qkv, packed, E, lengths)
 
     # Window, sinks, cache capacity.
     layer_idx = check_int("layer_idx", a["layer_idx"], low=0)
     windows = arrays.index_array("host_max_attention_window_sizes", a["host_max_attention_window_sizes"])
-    if windows.ndim != 1 or windows.shape[0] <= layer_idx:
-        raise ValueError(f"host_max_attention_window_sizes: expected one window per layer (> layer_idx = "
-                         f"{layer_idx} entries), got shape {windows.shape}")
-    window = int(windows[layer_idx])
+    if windows.ndim != 1 or windows.shape[0] < 1:
+        raise ValueError(f"host_max_attention_window_sizes: expected a 1-D tensor of windows (repeated over the "
+                         f"layers when shorter), got shape {windows.shape}")
+    window = int(windows[layer_idx % windows.shape[0]])
     sinks_host = arrays.index_array("host_sink_token_length", a["host_sink_token_length"])
     check_shape("host_sink_token_length", sinks_host, (1,), "(1,)")
     sinks = int(sinks_host[0])
@@ -324,6 +202,149 @@ def validate(a: dict) -> dict:
     out.update(_host_lengths_and_cache(a, E, ci, slots_needed, (Hkv, Dh, quant), bool(a["paged_kv_cache"])))
     out.update(cache_indirection=ci, host_max_attention_window_sizes=windows, host_sink_token_length=sinks_host)
     return _cross(a, out, qkv, is_context, E, Hkv, Dh, pos_type, lengths, enc)
+
+
+def _check_requests(a, qkv, packed, hidden):
+    """Per-entry tensors and the request order: (entries, is_context, past, sequence_length)."""
+    types = _per_entry("host_request_types", a["host_request_types"], None)
+    E = types.shape[0]
+    if E < 1:
+        raise ValueError("host_request_types: expected at least one request, got none")
+    if not np.isin(types, (0, 1)).all():
+        raise ValueError(f"host_request_types: expected RequestType values 0 (context) or 1 (generation), "
+                         f"got {types.tolist()}")
+    if (np.diff(types) < 0).any():
+        raise ValueError(f"host_request_types: context requests must come before generation requests, "
+                         f"got {types.tolist()}")
+    past = _per_entry("host_past_key_value_lengths", a["host_past_key_value_lengths"], E)
+    lengths = _per_entry("sequence_length", a["sequence_length"], E)
+    ctx_len = _per_entry("context_lengths", a["context_lengths"], E)
+    if a.get("host_context_lengths") is not None:
+        host_ctx = _per_entry("host_context_lengths", a["host_context_lengths"], E)
+        if (host_ctx != ctx_len).any():
+            raise ValueError(f"host_context_lengths: expected the values of context_lengths {ctx_len.tolist()}, "
+                             f"got {host_ctx.tolist()}")
+    if (past < 0).any():
+        raise ValueError(f"host_past_key_value_lengths: expected values >= 0, got {past.tolist()}")
+    is_context = types == 0
+    if (ctx_len < 1).any():
+        raise ValueError(f"context_lengths: expected values >= 1, got {ctx_len.tolist()}")
+    new = np.where(is_context, ctx_len, 1)
+    if (lengths != past + new).any():
+        raise ValueError(f"sequence_length: expected host_past_key_value_lengths + new tokens (context_lengths for "
+                         f"a context request, 1 per beam in generation) = {(past + new).tolist()}, "
+                         f"got {lengths.tolist()}")
+    if (~is_context & (ctx_len > past)).any():
+        raise ValueError(f"context_lengths: a generation request's prompt must be in the cache already "
+                         f"(<= host_past_key_value_lengths {past.tolist()}), got {ctx_len.tolist()}")
+    if packed and qkv.shape[0] != new.sum():
+        raise ValueError(f"qkv: expected {int(new.sum())} packed tokens (context_lengths of the context requests "
+                         f"+ one per generation beam), got {qkv.shape[0]}")
+    if not packed and (qkv.shape[0] != E or qkv.shape[1] < new.max()):
+        raise ValueError(f"qkv: expected padded shape ({E}, >= {int(new.max())}, {hidden}), got {tuple(qkv.shape)}")
+    if a.get("max_context_length") is not None:
+        check_int("max_context_length", a["max_context_length"], low=int(new[is_context].max(initial=1)))
+    return E, is_context, past, lengths
+
+
+def _check_scalars_and_quantization(a, out, qkv, hidden):
+    """Scalar attributes, the plugin settings, the KV cache quantization and its scales, qkv_bias.
+    Returns (tokens_per_block, quant mode)."""
+    if not a["q_scaling"] > 0:
+        raise ValueError(f"q_scaling: expected a float > 0, got {a['q_scaling']!r}")
+    if not a["attn_logit_softcapping_scale"] >= 0:
+        raise ValueError(f"attn_logit_softcapping_scale: expected a float >= 0 (0 disables it), "
+                         f"got {a['attn_logit_softcapping_scale']!r}")
+    check_choice("context_fmha_type", a["context_fmha_type"], (0, 1, 2))
+    tpb = check_int("tokens_per_block", a["tokens_per_block"], low=1)
+    if tpb & (tpb - 1):
+        raise ValueError(f"tokens_per_block: expected a power of two, got {tpb}")
+    quant = a["kv_cache_quant_mode"]
+    if isinstance(quant, bool) or not isinstance(quant, (int, np.integer)) or int(quant) & ~(64 | 128) \
+            or int(quant) == 64 | 128:
+        raise ValueError(f"kv_cache_quant_mode: expected QuantMode(0), INT8_KV_CACHE (64) or FP8_KV_CACHE (128), "
+                         f"got {quant!r}")
+    quant = out["kv_cache_quant_mode"] = int(quant)
+    if quant:
+        out["kv_orig_quant_scale"] = _positive_scale("kv_orig_quant_scale", a["kv_orig_quant_scale"])
+        out["kv_quant_orig_scale"] = _positive_scale("kv_quant_orig_scale", a["kv_quant_orig_scale"])
+    if a["use_fp8_context_fmha"] and not quant & 128:
+        raise ValueError("use_fp8_context_fmha: needs an FP8 KV cache (kv_cache_quant_mode = FP8_KV_CACHE), "
+                         f"got kv_cache_quant_mode {quant}")
+    if a["qkv_bias"] is not None:
+        _float_tensor("qkv_bias", a["qkv_bias"], qkv)
+        check_shape("qkv_bias", a["qkv_bias"], (hidden,), "((num_heads + 2 num_kv_heads) hidden_size_per_head,)")
+    return tpb, quant
+
+
+def _check_rope(a, out, pos_type, scale_type, Dh):
+    """rotary_embedding_dim and the RoPE attributes; a RoPE dim only with a RoPE position type."""
+    rot = check_int("rotary_embedding_dim", a["rotary_embedding_dim"], low=0)
+    if pos_type in ROPE_TYPES:
+        if rot == 0 or rot % 2 or rot > Dh:
+            raise ValueError(f"rotary_embedding_dim: expected an even value in [2, hidden_size_per_head = {Dh}] "
+                             f"for {PositionEmbeddingType(pos_type).name}, got {rot}")
+        if a["rotary_inv_freq"] is not None:
+            freq = np.asarray(arrays.to_host(a["rotary_inv_freq"]))
+            check_shape("rotary_inv_freq", freq, (rot // 2,), "(rotary_embedding_dim / 2,)")
+            out["rotary_inv_freq"] = freq.astype(np.float32)
+        elif scale_type == RotaryScalingType.llama3:
+            raise ValueError("rotary_inv_freq: llama3 scaling needs the host-computed frequencies "
+                             "(reference.rope.llama3_inv_freq), got None")
+        if not a["rotary_embedding_base"] > 0 or not a["rotary_embedding_scale"] > 0:
+            raise ValueError(f"rotary_embedding_base: expected base > 0 and rotary_embedding_scale > 0, got "
+                             f"{a['rotary_embedding_base']!r}, {a['rotary_embedding_scale']!r}")
+        check_int("rotary_embedding_max_positions", a["rotary_embedding_max_positions"], low=1)
+        if scale_type == RotaryScalingType.dynamic and rot <= 2 and a["rotary_inv_freq"] is None:
+            raise ValueError(f"rotary_embedding_dim: dynamic NTK scaling raises the base to d / (d - 2), so it needs "
+                             f"a rotary_embedding_dim > 2, got {rot}")
+    elif rot:
+        raise ValueError(f"rotary_embedding_dim: expected 0 without a RoPE position_embedding_type, got {rot}")
+
+
+def _check_position_biases(a, pos_type, H, qkv, lengths):
+    """ALiBi slopes and the relative attention bias, each given exactly with its position type."""
+    slopes = a["alibi_slopes"]
+    if (slopes is not None) != (pos_type in ALIBI_TYPES):
+        raise ValueError(f"alibi_slopes: given exactly when position_embedding_type is alibi or alibi_with_scale; "
+                         f"got {'slopes' if slopes is not None else 'None'} with "
+                         f"{PositionEmbeddingType(pos_type).name}")
+    if slopes is not None:
+        _float_tensor("alibi_slopes", slopes)
+        check_shape("alibi_slopes", slopes, (H,), "(num_heads,)")
+    rab = a["relative_attention_bias"]
+    if (rab is not None) != (pos_type == PositionEmbeddingType.relative):
+        raise ValueError("relative_attention_bias: given exactly when position_embedding_type is relative")
+    max_distance = check_int("max_distance", a["max_distance"], low=0)
+    if rab is not None:
+        _float_tensor("relative_attention_bias", rab, qkv)
+        if max_distance > 0:
+            check_shape("relative_attention_bias", rab, (H, None), "(num_heads, num_buckets) with max_distance > 0")
+            buckets = rab.shape[1]
+            if buckets < 2 or max_distance <= buckets // 2:
+                raise ValueError(f"relative_attention_bias: expected num_buckets >= 2 and max_distance "
+                                 f"> num_buckets / 2 ({max_distance}), got num_buckets {buckets}")
+        else:
+            longest = int(lengths.max())
+            check_shape("relative_attention_bias", rab, (H, None, None), "(num_heads, L, L)")
+            if rab.shape[1] < longest or rab.shape[2] < longest:
+                raise ValueError(f"relative_attention_bias: expected (num_heads, L, L) with L >= {longest} "
+                                 f"(the longest sequence_length), got {tuple(rab.shape)}")
+
+
+def _check_mask(a, mask_type, qkv, packed, E, lengths):
+    """attention_mask: bool, one row per query token, given exactly with custom_mask."""
+    mask = a["attention_mask"]
+    if (mask is not None) != (mask_type == AttentionMaskType.custom_mask):
+        raise ValueError("attention_mask: given exactly when mask_type is custom_mask")
+    if mask is not None:
+        if dtype_of(mask) != np.bool_:
+            raise TypeError(f"attention_mask: expected a bool tensor (True = attend), got {dtype_of(mask).name}")
+        rows = (qkv.shape[0],) if packed else (E, qkv.shape[1])
+        check_shape("attention_mask", mask, rows + (None,), "(num_tokens or (batch_beam, max_seqlen), max_kv_len)")
+        if mask.shape[-1] < lengths.max():
+            raise ValueError(f"attention_mask: expected a last dim >= the longest sequence_length "
+                             f"({int(lengths.max())}), got {mask.shape[-1]}")
 
 
 def _cache_dtype_ok(name, x, qkv, quant):
@@ -406,9 +427,19 @@ def _cross(a, out, qkv, is_context, E, Hkv, Dh, pos_type, lengths, enc):
     if is_context.any():
         if a["cross_kv"] is None:
             raise ValueError("cross_kv: required when a context request does cross attention, got None")
-        _float_tensor("cross_kv", a["cross_kv"], qkv)
-        check_shape("cross_kv", a["cross_kv"], (encoder_tokens, 2 * Hkv * Dh),
-                    "(encoder tokens of the context requests, 2 num_kv_heads hidden_size_per_head)")
+        cross_kv = a["cross_kv"]
+        _float_tensor("cross_kv", cross_kv, qkv)
+        if a["remove_input_padding"]:
+            if cross_kv.ndim == 3 and cross_kv.shape[0] == 1:
+                cross_kv = cross_kv.reshape(cross_kv.shape[1:])               # TensorRT-LLM's [1, num_tokens, .]
+            check_shape("cross_kv", cross_kv, (encoder_tokens, 2 * Hkv * Dh),
+                        "([1,] encoder tokens of the context requests, 2 num_kv_heads hidden_size_per_head)")
+        else:
+            check_shape("cross_kv", cross_kv, (E, None, 2 * Hkv * Dh),
+                        "(batch_beam, max encoder length, 2 num_kv_heads hidden_size_per_head)")
+            if cross_kv.shape[1] < enc.max():
+                raise ValueError(f"cross_kv: expected a padded length >= max(encoder_input_lengths) = "
+                                 f"{int(enc.max())}, got {cross_kv.shape[1]}")
     out["encoder_input_lengths"] = enc
     return out
 
@@ -440,7 +471,8 @@ def gpt_attention(*, qkv, past_key_value, attention_mask=None, sequence_length, 
         mask_type custom_mask. Row = query token, column = key position.
     sequence_length (E,): length after this step (past + new tokens).
     host_past_key_value_lengths (E,): tokens already in the cache.
-    host_max_attention_window_sizes (num_layers,): the attention window W of each layer.
+    host_max_attention_window_sizes (num_layers,) or shorter: the attention window W of each layer (repeated over
+        the layers when shorter, as TensorRT-LLM's runtime does).
     host_sink_token_length (1,): StreamingLLM sink tokens S (0 without streamingllm).
     context_lengths (E,): new tokens of a context request (prompt or chunk); prompt length of a generation request.
     cache_indirection (>= generation sequences, beam_width, capacity): beam of each cached token; capacity is the
@@ -463,7 +495,8 @@ def gpt_attention(*, qkv, past_key_value, attention_mask=None, sequence_length, 
     alibi_slopes (H,) float32: with alibi / alibi_with_scale; bias slope (j - i).
     kv_cache_block_offsets (1, >= E, 2, max_blocks): paged block table, TensorRT-LLM's runtime meaning (offset o of
         layer l is block o + 2 l of the pool seen as blocks). host_kv_cache_block_offsets: its host copy (optional).
-    do_cross_attention, cross_kv (encoder tokens of the context requests, 2 Hkv Dh) [K | V], cross_kv_length,
+    do_cross_attention, cross_kv ([1,] encoder tokens of the context requests, 2 Hkv Dh) packed or
+        (E, max encoder length, 2 Hkv Dh) padded, [K | V], cross_kv_length (longest encoder length),
         encoder_input_lengths (E,): cross attention over the encoder states, cached in the context phase.
     relative_attention_bias: (H, L, L) regular, or (H, num_buckets) with max_distance > 0 (implicit T5 buckets).
     host_context_lengths (E,): host copy of context_lengths (optional). qkv_bias ((H + 2 Hkv) Dh,): added to qkv.

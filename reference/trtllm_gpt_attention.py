@@ -212,6 +212,49 @@ def _rope_freq(rotary_inv_freq, rotary_embedding_dim, rotary_embedding_base, rot
     return rope.inv_freq(rotary_embedding_dim, base, acc)
 
 
+def _split_qkv(rows, qkv_bias, H, Hkv, Dh, dtype, acc):
+    """The QKV split (MHA / MQA / GQA): [Q | K | V] along the hidden axis, H, Hkv and Hkv heads of Dh.
+
+    The bias is added as the preprocessing step adds it, which writes the input dtype back.
+    """
+    n = rows.shape[0]
+    x = rows.astype(acc)                                                     # (n, (H + 2 Hkv) Dh)
+    if qkv_bias is not None:
+        x = x + qkv_bias.astype(acc)
+    x = x.astype(dtype).astype(acc)
+    q = x[:, :H * Dh].reshape(n, H, Dh)                                      # (n, H, Dh)
+    k = x[:, H * Dh:(H + Hkv) * Dh].reshape(n, Hkv, Dh)                      # (n, Hkv, Dh)
+    v = x[:, (H + Hkv) * Dh:].reshape(n, Hkv, Dh)                            # (n, Hkv, Dh)
+    return q, k, v
+
+
+def _beam_rows(e, positions, *, num_context, beam_width, context_length, cache_indirection, window, sinks):
+    """Cache row of each cached position read by generation entry e = C + bi * W + w: the prompt from beam 0's
+    row (written once, shared by the beams), later tokens from the row cache_indirection[bi, w, t] names.
+    Beam search never runs on a wrapped cache, so the indirection's token index is the position."""
+    bi, w = divmod(e - num_context, beam_width)
+    first = num_context + bi * beam_width
+    return np.where(positions < context_length, first,
+                    first + cache_indirection[bi, w, cyclic_slot(positions, window, sinks)])
+
+
+def _position_bias(position_embedding_type, positions, num_keys, *, alibi_slopes, relative_attention_bias,
+                   max_distance, mask_type, acc):
+    """(H, n, num_keys) bias added to the scaled scores, or None: ALiBi slope * (j - i), or the relative attention
+    bias (regular table at [h, query position, key position], or T5 buckets of key - query position)."""
+    j = np.arange(num_keys)[None, :]                                         # (1, K)
+    i = positions[:, None]                                                   # (n, 1)
+    if position_embedding_type in (ALIBI, ALIBI_WITH_SCALE):
+        return alibi_slopes.astype(acc)[:, None, None] * (j - i).astype(acc)
+    if position_embedding_type != RELATIVE:
+        return None
+    if max_distance > 0:
+        bidirectional = mask_type in (PADDING, BIDIRECTIONAL)               # encoders see keys ahead too
+        buckets = t5_bucket(j - i, relative_attention_bias.shape[1], max_distance, bidirectional)   # (n, K)
+        return relative_attention_bias[:, buckets].astype(acc)
+    return relative_attention_bias[:, positions][:, :, :num_keys].astype(acc)
+
+
 def _attend(q, k, v, visible, bias, *, norm_factor, softcap, fp8_fmha, kv_scales):
     """One entry's attention: q (n, H, Dh), k, v (K, H, Dh) in acc, visible (n, K), bias (H, n, K) or None.
 
@@ -274,7 +317,8 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     new_tokens = lengths - past                                              # prompt/chunk, or 1 per beam
     num_context = int(is_context.sum())
     beam_width = int(cache_indirection.shape[1]) if cache_indirection is not None else 1
-    window = int(host_max_attention_window_sizes[layer_idx])
+    # One window per layer; a shorter list repeats over the layers.
+    window = int(host_max_attention_window_sizes[layer_idx % len(host_max_attention_window_sizes)])
     sinks = int(host_sink_token_length[0])
     quantized = bool(kv_cache_quant_mode & (INT8_KV_CACHE | FP8_KV_CACHE))
     cache = None
@@ -298,6 +342,8 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     output = np.zeros(qkv.shape[:-1] + (H * Dh,), dtype)                   # padding rows stay zero
     encoder_starts = None
     if do_cross_attention:
+        if remove_input_padding and cross_kv is not None and cross_kv.ndim == 3:
+            cross_kv = cross_kv[0]                                           # [1, num_tokens, 2 Hkv Dh]
         context_encoder_lengths = np.where(is_context, encoder_input_lengths, 0)
         encoder_starts = np.concatenate([[0], np.cumsum(context_encoder_lengths)])
 
@@ -309,51 +355,45 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
 
     for e in range(num_entries):
         P, n, N = int(past[e]), int(new_tokens[e]), int(lengths[e])
-        # The QKV split (MHA / MQA / GQA): [Q | K | V] along the hidden axis, H, Hkv, Hkv heads of Dh.
-        x = qkv[tokens_of[e]].astype(acc)                                    # (n, (H + 2 Hkv) Dh)
-        if qkv_bias is not None:
-            x = x + qkv_bias.astype(acc)                                     # the preprocessing adds the bias
-        x = x.astype(dtype).astype(acc)                                      # ... and writes the input dtype
-        q = x[:, :H * Dh].reshape(n, H, Dh)                                  # (n, H, Dh)
-        k_new = x[:, H * Dh:(H + Hkv) * Dh].reshape(n, Hkv, Dh)             # (n, Hkv, Dh)
-        v_new = x[:, (H + Hkv) * Dh:].reshape(n, Hkv, Dh)                    # (n, Hkv, Dh)
+        q, k_new, v_new = _split_qkv(qkv[tokens_of[e]], qkv_bias, H, Hkv, Dh, dtype, acc)
         positions = np.arange(P, N)                                          # query i sits at position P + i
         bias = None
 
         if do_cross_attention:
             # Cross attention: keys are the encoder's L_e tokens, written to the cache in the context phase
             # (no RoPE, not causal), only read in generation.
-            L = int(encoder_input_lengths[e])
+            L, slots = int(encoder_input_lengths[e]), np.arange(int(encoder_input_lengths[e]))
             if is_context[e]:
-                enc = cross_kv[encoder_starts[e]:encoder_starts[e + 1]].astype(acc)   # (L, 2 Hkv Dh)
-                keys = enc[:, :Hkv * Dh].reshape(L, Hkv, Dh).astype(dtype).astype(acc)
-                vals = enc[:, Hkv * Dh:].reshape(L, Hkv, Dh).astype(dtype).astype(acc)
+                enc = (cross_kv[encoder_starts[e]:encoder_starts[e + 1]] if remove_input_padding
+                       else cross_kv[e, :L])                                 # (L, 2 Hkv Dh): [K | V]
+                keys = enc[:, :Hkv * Dh].reshape(L, Hkv, Dh).astype(acc)
+                vals = enc[:, Hkv * Dh:].reshape(L, Hkv, Dh).astype(acc)
                 if cache is not None:
-                    cache.write(e, 0, np.arange(L), store(keys))
-                    cache.write(e, 1, np.arange(L), store(vals))
+                    cache.write(e, 0, slots, store(keys))
+                    cache.write(e, 1, slots, store(vals))
             else:
-                rows, slots = np.full(L, e), np.arange(L)
-                keys, vals = load(cache.read(rows, 0, slots)), load(cache.read(rows, 1, slots))
+                keys, vals = load(cache.read(np.full(L, e), 0, slots)), load(cache.read(np.full(L, e), 1, slots))
             visible = np.ones((n, L), bool)
         else:
             # Which key positions each query sees (mask type, window, sinks); custom masks replace the causal rule.
             dense = streamingllm and bool(is_context[e])
-            mt = PADDING if mask_type == CUSTOM_MASK else mask_type
-            visible = visible_keys(positions, N, mask_type=mt, window=window, sinks=sinks, dense=dense)
+            visible = visible_keys(positions, N, mask_type=PADDING if mask_type == CUSTOM_MASK else mask_type,
+                                   window=window, sinks=sinks, dense=dense)
             if mask_type == CUSTOM_MASK:
                 visible &= attention_mask[tokens_of[e]][:, :N]                  # (n, N) bool, True = attend
 
-            # RoPE of the new tokens: at their positions; StreamingLLM generation uses the position in the cache.
-            freq = None
+            # RoPE of the new tokens at their positions; StreamingLLM generation rotates them at the position in
+            # the cache, min(past, W).
             if rope_style is not None:
                 freq = _rope_freq(rotary_inv_freq, rotary_embedding_dim, rotary_embedding_base,
                                   rotary_embedding_scale_type, rotary_embedding_scale, rotary_embedding_max_positions,
                                   N, acc)
-                rope_positions = positions / rope_position_divisor
-                if streamingllm and not is_context[e]:
-                    rope_positions = np.full(n, min(P, window)) / rope_position_divisor
-                q = rope.rotate(q, rope_positions, freq, rope_style).astype(dtype).astype(acc)
-                k_rot = rope.rotate(k_new, rope_positions, freq, rope_style).astype(dtype).astype(acc)
+
+                def rotate(x, at, freq=freq):
+                    return rope.rotate(x, at / rope_position_divisor, freq, rope_style).astype(dtype).astype(acc)
+
+                at = np.full(n, min(P, window)) if streamingllm and not is_context[e] else positions
+                q, k_rot = rotate(q, at), rotate(k_new, at)
             else:
                 k_rot = k_new
 
@@ -364,18 +404,15 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
             if needed.size:
                 rows = np.full(needed.shape, e)
                 if not is_context[e]:
-                    # Beam search (never with a wrapped cache, so the indirection's index is the position).
-                    bi, w = divmod(e - num_context, beam_width)
-                    first = num_context + bi * beam_width
-                    rows = np.where(needed < context_lengths[e], first,
-                                    first + cache_indirection[bi, w, cyclic_slot(needed, window, sinks)])
+                    rows = _beam_rows(e, needed, num_context=num_context, beam_width=beam_width,
+                                      context_length=context_lengths[e], cache_indirection=cache_indirection,
+                                      window=window, sinks=sinks)
                 slots = cyclic_slot(needed, window, sinks, bubble)
                 keys[needed] = load(cache.read(rows, 0, slots))
                 vals[needed] = load(cache.read(rows, 1, slots))
                 if streamingllm and rope_style is not None:
                     # StreamingLLM caches K without RoPE and rotates it at its index in the cache.
-                    keys[needed] = rope.rotate(keys[needed], cyclic_slot(needed, window, sinks) / rope_position_divisor,
-                                               freq, rope_style).astype(dtype).astype(acc)
+                    keys[needed] = rotate(keys[needed], cyclic_slot(needed, window, sinks))
             # The current tokens attend with their own (unquantized) K/V.
             keys[P:], vals[P:] = k_rot, v_new
 
@@ -387,18 +424,9 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
                 cache.write(e, 0, slots[kept], store(k_stored[kept]))
                 cache.write(e, 1, slots[kept], store(v_new[kept]))
 
-            # Position biases: ALiBi slope * (j - i), relative attention bias (regular table or T5 buckets).
-            j = np.arange(N)[None, :]
-            if position_embedding_type in (ALIBI, ALIBI_WITH_SCALE):
-                bias = alibi_slopes.astype(acc)[:, None, None] * (j - positions[:, None]).astype(acc)   # (H, n, N)
-            elif position_embedding_type == RELATIVE and relative_attention_bias is not None:
-                if max_distance > 0:
-                    bidirectional = mask_type in (PADDING, BIDIRECTIONAL)
-                    buckets = t5_bucket(j - positions[:, None], relative_attention_bias.shape[1], max_distance,
-                                        bidirectional)                      # (n, N)
-                    bias = relative_attention_bias[:, buckets].astype(acc)  # (H, n, N)
-                else:
-                    bias = relative_attention_bias[:, positions][:, :, :N].astype(acc)   # (H, n, N)
+            bias = _position_bias(position_embedding_type, positions, N, alibi_slopes=alibi_slopes,
+                                  relative_attention_bias=relative_attention_bias, max_distance=max_distance,
+                                  mask_type=mask_type, acc=acc)
 
         # GQA: query head h reads kv head h // group.
         keys_h = np.repeat(keys, group, axis=1)                              # (K, H, Dh)

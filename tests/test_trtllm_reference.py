@@ -91,7 +91,10 @@ def test_reference_matches_float64_evaluation(case):
     before = cache_of(args).copy()
     output, cache = run(args)
     want, _ = float64_trt(args)
-    assert_close("output", output, want, case.dtype)
+    # q and k are rounded to the input dtype after the bias and RoPE (the GPU preprocessing writes them back),
+    # which the float64 evaluation does not do; with q_scaling 0.5 the scores reach about +-15, and float16's
+    # 2^-11 of that moves the probabilities by up to ~1.5%: twice the plain float16 tolerance.
+    assert_close("output", output, want, case.dtype, scale=2 if case.dtype == "float16" else 1)
     untouched = ~written(case, args)
     if untouched.any():
         assert_bits_equal("untouched cache", cache[untouched], before[untouched])
@@ -262,6 +265,16 @@ def test_generation_after_context_equals_one_context_pass(data):
 
 
 # ---- windows -------------------------------------------------------------------------------------------------------
+
+def test_a_shorter_window_list_repeats_over_the_layers():
+    case = replace(SMALL, contexts=((0, 7),), capacity=7, window=3, num_layers=3, layer_idx=2)
+    args = build_trt(case)
+    per_layer, _ = run(args)
+    repeated, _ = run(dict(args, host_max_attention_window_sizes=np.asarray([3], np.int32)))
+    other, _ = run(dict(args, host_max_attention_window_sizes=np.asarray([3, 7], np.int32)))   # layer 2 -> 3
+    assert_bits_equal("[W] repeated", repeated, per_layer)
+    assert_bits_equal("[W, W'] repeated", other, per_layer)
+
 
 @settings(max_examples=FEW)
 @given(trt_cases(windowed=False))
@@ -577,6 +590,13 @@ def test_cross_attention_is_attention_over_the_encoder_states(encoder_lengths, s
         assert_close(f"context {e}", got[2 * e:2 * e + 2], want, "float64")
         assert_bits_equal(f"encoder K cached {e}", cache[e, 0, :, :enc[e]],
                           kv[:enc[e], :16].reshape(-1, 2, 8).transpose(1, 0, 2))
+    # TensorRT-LLM's packed [1, num_tokens, .] form, and the padded mode with cross_kv (E, max length, .).
+    assert_bits_equal("[1, num_tokens, .]", run(dict(args, cross_kv=cross_kv[None]))[0], got)
+    padded_kv = np.zeros((E, 5, 32))
+    for e in range(E):
+        padded_kv[e, :enc[e]] = cross_kv[starts[e]:starts[e + 1]]
+    padded, _ = run(dict(to_padded(case, args), cross_kv=padded_kv))
+    assert_bits_equal("padded", padded.reshape(-1, 32), got)
     # A generation step reads the encoder states back from the cache and writes nothing.
     gen = dict(args, qkv=rng.standard_normal((E, 64)), sequence_length=np.full(E, 3, np.int32),
                host_past_key_value_lengths=np.full(E, 2, np.int32), host_request_types=np.ones(E, np.int32),

@@ -1,6 +1,8 @@
 """Bad gpt_attention input raises a ValueError/TypeError naming TensorRT-LLM's argument, before any backend runs,
 and leaves the cache untouched."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -11,8 +13,8 @@ from kernels_numba import _launch
 # Two context requests (one chunked), one generation sequence of two beams; 6 query heads over 2 KV heads.
 BASE = TrtCase(contexts=((0, 3), (2, 2)), generations=((2, 4),), beam_width=2, num_heads=6, num_kv_heads=2,
                head_size=8, dtype="float32", capacity=8, window=8, num_layers=2, layer_idx=1, seed=3)
-PAGED = TrtCase(**{**BASE.__dict__, "paged": True, "tokens_per_block": 2})
-INT8 = TrtCase(**{**BASE.__dict__, "quant": 64})
+PAGED = replace(BASE, paged=True, tokens_per_block=2)
+INT8 = replace(BASE, quant=64)
 
 
 def call(case=BASE, **changes):
@@ -85,8 +87,11 @@ BAD = [
      "sequence_length"),
     ("beam search past the window", call(host_max_attention_window_sizes=np.full(2, 4, np.int32)), ValueError,
      "host_max_attention_window_sizes"),
-    ("window per layer missing", call(host_max_attention_window_sizes=np.array([8], np.int32)), ValueError,
+    ("no window", call(host_max_attention_window_sizes=np.zeros(0, np.int32)), ValueError,
      "host_max_attention_window_sizes"),
+    ("padded cross_kv short", call(remove_input_padding=False, qkv=np.zeros((4, 3, 80), np.float32),
+                                   do_cross_attention=True, encoder_input_lengths=np.full(4, 3, np.int32),
+                                   cross_kv=np.zeros((4, 2, 32), np.float32)), ValueError, "cross_kv"),
     ("sinks without streamingllm", call(host_sink_token_length=np.array([1], np.int32)), ValueError,
      "host_sink_token_length"),
     ("streamingllm chunked context", call(streamingllm=True), ValueError, "host_past_key_value_lengths"),
@@ -228,7 +233,7 @@ def test_gpu_arrays_are_validated_before_the_part_two_error():
 
 
 def test_without_a_cache_whole_contexts_run_and_nothing_is_returned():
-    case = TrtCase(**{**BASE.__dict__, "contexts": ((0, 3), (0, 2)), "generations": ()})
+    case = replace(BASE, contexts=((0, 3), (0, 2)), generations=())
     args = build_trt(case)
     with_cache, _ = cacheattn.gpt_attention(**{k: (v.copy() if isinstance(v, np.ndarray) else v)
                                                for k, v in args.items()})
