@@ -312,6 +312,71 @@ def _attention_kernel(dtype, num_heads, num_kv_heads, head_size, quant, q_len, r
 
 
 @cache
+def _unfused_kernels(dtype, num_heads, num_kv_heads, head_size, quant, rope_style=0, rotary_dim=0):
+    """context_fmha_type 0: scores to global memory, softmax, P V, one thread per element each.
+
+    scores (E, H, max new tokens, max keys): the (b, h, i, j) logit from the same score function as the fused
+    kernel (hidden: -inf); then one thread per (b, h, i) row turns it into probabilities in place (a row with
+    no visible key gives zeros); then one thread per output element sums P V. Grids: (x: elements / threads,
+    y: entries), rows of an entry with no new tokens here (seqlens 0) do nothing."""
+    acc_t = _acc_type(dtype)
+    round_dtype = round_to_float16 if np.dtype(dtype) == np.float16 else keep_float32
+    row_offsets, load = make_trt_access(quant, num_kv_heads, head_size, acc_t, round_dtype, rope_style, rotary_dim)
+    score, _ = make_trt_score(acc_t)
+    H, DH, GROUP = num_heads, head_size, num_heads // num_kv_heads
+    NEG_INF = acc_t(-math.inf)
+
+    @cuda.jit
+    def scores_kernel(q, token_starts, seqlens, kvlens, k_src, args, sm_scale, scores):
+        b = cuda.blockIdx.y
+        idx = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        keys = scores.shape[3]
+        i, h, j = idx // (H * keys), (idx // keys) % H, idx % keys
+        if i >= seqlens[b] or j >= kvlens[b]:
+            return
+        index, where = row_offsets(k_src, b, j, h // GROUP)
+        q_row = ((token_starts[b] + i) * H + h) * DH
+        dot = acc_t(0.0)
+        for d in range(DH):
+            dot += acc_t(q[q_row + d]) * load(k_src, index, where, d)
+        scores[b, h, i, j] = score(args, dot * sm_scale, b, h, i, j, seqlens[b], kvlens[b])
+
+    @cuda.jit
+    def softmax_kernel(seqlens, kvlens, scores):
+        b = cuda.blockIdx.y
+        idx = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        i, h = idx // H, idx % H
+        if i >= seqlens[b]:
+            return
+        row_max = NEG_INF
+        for j in range(kvlens[b]):
+            row_max = max(row_max, scores[b, h, i, j])
+        total = acc_t(0.0)
+        if row_max != NEG_INF:
+            for j in range(kvlens[b]):
+                total += math.exp(scores[b, h, i, j] - row_max)
+        for j in range(kvlens[b]):
+            scores[b, h, i, j] = math.exp(scores[b, h, i, j] - row_max) / total if total > 0 else acc_t(0.0)
+
+    @cuda.jit
+    def pv_kernel(token_starts, seqlens, kvlens, v_src, scores, out):
+        b = cuda.blockIdx.y
+        idx = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        i, h, d = idx // (H * DH), (idx // DH) % H, idx % DH
+        if i >= seqlens[b]:
+            return
+        total = acc_t(0.0)
+        for j in range(kvlens[b]):
+            p = scores[b, h, i, j]
+            if p != 0:                                  # a hidden key's value is never read
+                index, where = row_offsets(v_src, b, j, h // GROUP)
+                total += p * load(v_src, index, where, d)
+        out[((token_starts[b] + i) * H + h) * DH + d] = total
+
+    return scores_kernel, softmax_kernel, pv_kernel
+
+
+@cache
 def _combine_kernel(dtype, num_heads, head_size):
     """Kernel: the multi-block reduction of the splits' (m, l, o): M = max m_c, L = sum e^(m_c - M) l_c,
     out = sum e^(m_c - M) o_c / L (0 for a row no split saw). One thread per output element; grid
@@ -531,6 +596,24 @@ def _kv_sources(*, cache_array, paged, block_offsets, indirection, table, k_scra
             KVSource(scratch=v_scratch, kv=i64(1), rotate=i64(0), **common))
 
 
+def _unfused_context(q_scratch, token_starts, new, kvlens, num_context, k_src, v_src, args, sm_scale, output,
+                     kernel_key, acc_t, threads, stream):
+    """context_fmha_type 0: the context entries' scores in global memory (E, H, max new, max keys), softmax rows,
+    then P V into the output; generation entries have 0 rows here."""
+    E, H, Dh = len(new), kernel_key[1], kernel_key[3]
+    context_new = np.where(np.arange(E) < num_context, new, 0)
+    rows, keys = int(context_new.max()), int(np.max(kvlens[:num_context]))
+    like = q_scratch
+    scores = empty_like_kind(like, (E, H, rows, keys), acc_t)
+    seqlens, kv = to_kind(like, context_new), to_kind(like, kvlens)
+    scores_kernel, softmax_kernel, pv_kernel = _unfused_kernels(*kernel_key)
+    launch(scores_kernel, (max(1, ceil_div(rows * H * keys, threads)), E), threads, stream, q_scratch, token_starts,
+           seqlens, kv, k_src, args, sm_scale, scores)
+    launch(softmax_kernel, (max(1, ceil_div(rows * H, threads)), E), threads, stream, seqlens, kv, scores)
+    launch(pv_kernel, (max(1, ceil_div(rows * H * Dh, threads)), E), threads, stream, token_starts, seqlens, kv,
+           v_src, scores, flat(output))
+
+
 def _mask_and_bias(attention_mask, relative_attention_bias, position_embedding_type, max_distance, mask_type, like):
     """ScoreArgs fields of the custom mask (mask_cols 0: none) and the relative attention bias (relative 0: none,
     1: the regular (H, L, L) table, 2: T5 buckets (H, num_buckets) with max_distance)."""
@@ -593,10 +676,11 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     """(output, present_key_value), the cache written in place: reference.gpt_attention's arguments (validated
     by cacheattn.gpt_attention; index tensors on the host), data arrays CuPy / CAI, or NumPy in the simulator.
 
-    context_fmha_type chooses TensorRT-LLM kernels and does not change the result: every entry runs the fused
-    online-softmax kernel, one block per (entry, query tile, head group). multi_block_mode lets `choose_splits`
-    split each such block's keys over several blocks when the grid is smaller than num_sms (default: the GPU's,
-    132 without one); num_splits forces a count (1: never split)."""
+    Every entry runs the fused online-softmax kernel, one block per (entry, query tile, head group), except the
+    context entries with context_fmha_type 0 (disabled), which take the unfused path (scores in global memory,
+    softmax, P V) as TensorRT-LLM's unfused context attention; both compute the same. multi_block_mode lets
+    `choose_splits` split each block's keys over several blocks when the grid is smaller than num_sms (default:
+    the GPU's, 132 without one); num_splits forces a count (1: never split)."""
     reason = unsupported(qkv, use_fp8_context_fmha, host_request_types)
     if reason is not None:
         raise NotImplementedError(f"{reason}: not in the numba.cuda gpt_attention kernels yet; "
@@ -680,10 +764,16 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     out_geom = (flat(output), q_geom[1], np.int64(0), np.int64(H * Dh), np.int64(Dh))
     grid = (max(1, ceil_div(max_new, q_tile)), H // heads_per_block, E * num_splits)
     sm_scale = acc_t(1.0 / (q_scaling * math.sqrt(Dh)))
-    lens = to_kind(qkv, new), to_kind(qkv, kvlens)
-    if num_splits == 1:
+    # context_fmha_type 0 (disabled): the context entries take the unfused path, the fused kernel the rest.
+    unfused = context_fmha_type == 0 and num_context > 0
+    fused_new = np.where(np.arange(E) < num_context, 0, new) if unfused else new
+    lens = to_kind(qkv, fused_new), to_kind(qkv, kvlens)
+    if unfused:
+        _unfused_context(q_scratch, q_geom[1], new, kvlens, num_context, k_src, v_src, args, sm_scale, output,
+                         (dtype.str, H, Hkv, Dh, quant, *rope_on_load), acc_t, threads, stream)
+    if fused_new.any() and num_splits == 1:
         launch(kernel, grid, threads, stream, q_geom, out_geom, *lens, k_src, v_src, args, sm_scale)
-    else:
+    elif fused_new.any():
         # Multi-block: each split's (m, l, unnormalised o) per row, then one combine pass over the splits.
         rows = num_tokens * H
         o_part = empty_like_kind(qkv, (num_splits * rows * Dh,), acc_t)
@@ -691,8 +781,9 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
         split_geom = (o_part, q_geom[1], np.int64(0), np.int64(H * Dh), np.int64(Dh), np.int64(num_splits),
                       np.int64(rows * Dh), np.int64(rows), np.int64(H), m_part, l_part)
         launch(kernel, grid, threads, stream, q_geom, split_geom, *lens, k_src, v_src, args, sm_scale)
+        fused_starts = to_kind(qkv, np.concatenate([[0], np.cumsum(fused_new)]).astype(np.int64))
         launch(_combine_kernel(dtype.str, H, Dh), pre_grid, threads, stream, o_part, m_part, l_part,
-               np.int64(num_splits), q_geom[1], starts_arg, flat(output))
+               np.int64(num_splits), q_geom[1], fused_starts, flat(output))
 
     if write_after:
         launch(preprocess, pre_grid, threads, stream, pre._replace(write_scratch=np.int64(0), write_cache=np.int64(1)),

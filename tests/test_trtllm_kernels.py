@@ -116,7 +116,8 @@ def test_streamingllm_kernels_match_the_reference(case):
     replace(BASE, contexts=((0, 7),), generations=((2, 6),), beam_width=1, window=5, capacity=5, sinks=2,
             streamingllm=True, paged=True, tokens_per_block=4, position=1, rotary_dim=8, quant=128,
             dtype="float16"),                                                # sinks + bubble, keys rotated on load
-], ids=["inflight-beams-custom-mask-t5", "paged-fp8-layer1", "wrapping-chunk-int8-relative", "neox-dynamic-bias-padded", "streamingllm"])
+], ids=["inflight-beams-custom-mask-t5", "paged-fp8-layer1", "wrapping-chunk-int8-relative",
+        "neox-dynamic-bias-padded", "streamingllm"])
 def test_kernels_on_chosen_calls(case):
     check_kernels(case)
 
@@ -229,3 +230,22 @@ def test_choose_splits_fills_idle_sms_only():
     assert choose_splits(blocks=8, max_kv_len=4096, key_tile=32, num_sms=132) == 16        # 132 // 8
     assert choose_splits(blocks=8, max_kv_len=40, key_tile=32, num_sms=132) == 2           # two key tiles only
     assert choose_splits(blocks=1, max_kv_len=1 << 20, key_tile=32, num_sms=132) == 64     # capped
+
+
+# ---- context_fmha_type 0: the unfused context path next to the fused one -------------------------------------------
+
+@pytest.mark.parametrize("case", [
+    replace(BASE, mask_type=6, position=6, relative="t5", softcap=3.0),
+    replace(BASE, generations=(), beam_width=1, contexts=((3, 6),), window=4, capacity=4, paged=True,
+            tokens_per_block=2, quant=64, position=4, dtype="float16"),
+], ids=["inflight-custom-mask-t5", "paged-int8-wrapping-chunk-alibi"])
+def test_unfused_context_matches_fused_and_reference(case):
+    args = dict(build_trt(case), context_fmha_type=0)
+    poison_unread(case, args)
+    unfused, after = run(args, "numba")
+    fused, fused_after = run(dict(args, context_fmha_type=1), "numba")
+    ref_output, ref_after = run(args, "reference")
+    assert_close("unfused vs fused", unfused, fused.astype(np.float64), case.dtype)
+    assert_close("unfused vs reference", unfused, ref_output.astype(np.float64), case.dtype)
+    assert_bits_equal("cache", after[cache_name(case)], ref_after[cache_name(case)])
+    assert_bits_equal("cache, fused", fused_after[cache_name(case)], ref_after[cache_name(case)])
