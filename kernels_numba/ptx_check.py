@@ -114,13 +114,14 @@ def _onnx_launches(full: bool):
 # and accumulator, the INT8 / e4m3 stores and loads, GPT-J / GPT-NeoX RoPE, ALiBi, both cache layouts, StreamingLLM
 # (keys rotated on load), cross attention (its copy kernel), multi-block (the partials and combine kernels), custom
 # mask with T5 relative bias (the regular table is a runtime branch of the same score) on the unfused context path
-# (context_fmha_type 0) next to fused generation.
+# (context_fmha_type 0) next to fused generation, FP8 context FMHA (its unfused variant).
 # Self attention runs a context chunk that wraps its cyclic cache (the write-after-attention launch) next to two
 # beams.
 TRTLLM_REPRESENTATIVES = ((np.float16, 0, 2, True, True, "self"), (np.float32, 64, 1, False, False, "self"),
                           (np.float16, 128, 4, True, False, "self"), (np.float64, 0, 0, False, True, "self"),
                           (np.float16, 128, 2, True, False, "streaming"), (np.float32, 64, 0, True, True, "cross"),
-                          (np.float16, 0, 4, False, False, "multi-block"), (np.float32, 0, 6, False, False, "t5-mask"))
+                          (np.float16, 0, 4, False, False, "multi-block"), (np.float32, 0, 6, False, False, "t5-mask"),
+                          (np.float16, 128, 0, True, False, "fp8-fmha"))
 
 
 def _trtllm_launches(full: bool):
@@ -160,6 +161,8 @@ def _trtllm_launches(full: bool):
             call.update(mask_type=6, attention_mask=np.ones((int(new.sum()), 8), bool), max_distance=12,
                         context_fmha_type=0,
                         relative_attention_bias=rng.standard_normal((H, 8)).astype(dtype))
+        if kind == "fp8-fmha":
+            call.update(use_fp8_context_fmha=True)
         if kind == "cross":
             call.update(do_cross_attention=True, encoder_input_lengths=np.array([3, 2, 2]),
                         cross_kv=rng.standard_normal((3, 2 * Hkv * Dh)).astype(dtype))

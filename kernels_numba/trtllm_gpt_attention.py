@@ -25,7 +25,8 @@ overwritten, so that call writes the cache in a second launch of the preprocess 
 several new tokens that wrap onto one slot only the latest writes (as the reference's `_last_writer`).
 
 The cache sources and score arguments are namedtuples read by field name. Not covered yet (NotImplementedError,
-raised by `unsupported`): FP8 context FMHA, bfloat16.
+raised by `unsupported`): bfloat16. FP8 context FMHA runs on the unfused path (it needs each row's
+final max before rounding the probabilities to e4m3, which the online softmax does not have).
 Multi-block: with few blocks for the SMs, each block walks one of num_splits key ranges and writes (m, l, o);
 a combine kernel reduces them (`choose_splits` picks the count; `num_splits` forces it).
 """
@@ -63,12 +64,10 @@ KVSource = namedtuple("KVSource", "cache scratch table offsets indirection kv pa
                                   "rotate inv_freq position_divisor")
 
 
-def unsupported(qkv, use_fp8_context_fmha, host_request_types) -> str | None:
+def unsupported(qkv) -> str | None:
     """The first feature of a validated call these kernels do not run yet, named as TensorRT-LLM names it."""
     if np.dtype(qkv.dtype).name == "bfloat16":
         return "qkv: bfloat16 (numba has no bfloat16 arithmetic)"
-    if use_fp8_context_fmha and (np.asarray(host_request_types) == CONTEXT).any():
-        return "use_fp8_context_fmha"
     return None
 
 
@@ -312,22 +311,34 @@ def _attention_kernel(dtype, num_heads, num_kv_heads, head_size, quant, q_len, r
 
 
 @cache
-def _unfused_kernels(dtype, num_heads, num_kv_heads, head_size, quant, rope_style=0, rotary_dim=0):
+def _unfused_kernels(dtype, num_heads, num_kv_heads, head_size, quant, rope_style=0, rotary_dim=0, fp8_fmha=False):
     """context_fmha_type 0: scores to global memory, softmax, P V, one thread per element each.
 
     scores (E, H, max new tokens, max keys): the (b, h, i, j) logit from the same score function as the fused
     kernel (hidden: -inf); then one thread per (b, h, i) row turns it into probabilities in place (a row with
     no visible key gives zeros); then one thread per output element sums P V. Grids: (x: elements / threads,
-    y: entries), rows of an entry with no new tokens here (seqlens 0) do nothing."""
+    y: entries), rows of an entry with no new tokens here (seqlens 0) do nothing.
+
+    fp8_fmha (use_fp8_context_fmha): Q, K, V enter as e4m3 of x / s (the cache's scale; sm_scale carries s^2),
+    the row's exp(score - max) is rounded to e4m3 for P V while its sum (`totals`) stays float32, and the output
+    is (P V) * s / sum."""
     acc_t = _acc_type(dtype)
     round_dtype = round_to_float16 if np.dtype(dtype) == np.float16 else keep_float32
     row_offsets, load = make_trt_access(quant, num_kv_heads, head_size, acc_t, round_dtype, rope_style, rotary_dim)
     score, _ = make_trt_score(acc_t)
     H, DH, GROUP = num_heads, head_size, num_heads // num_kv_heads
     NEG_INF = acc_t(-math.inf)
+    to_e4m3, _ = make_kv_codec(FP8_KV_CACHE, acc_t)
+
+    @cuda.jit(device=True, inline="always")
+    def fmha_input(x, inv_scale):
+        """What the FMHA reads: x itself, or (FP8 context FMHA) the e4m3 value of x / s."""
+        if fp8_fmha:
+            return acc_t(e4m3_decode(to_e4m3(x, inv_scale)))
+        return x
 
     @cuda.jit
-    def scores_kernel(q, token_starts, seqlens, kvlens, k_src, args, sm_scale, scores):
+    def scores_kernel(q, token_starts, seqlens, kvlens, k_src, args, sm_scale, inv_scale, scores):
         b = cuda.blockIdx.y
         idx = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
         keys = scores.shape[3]
@@ -338,11 +349,11 @@ def _unfused_kernels(dtype, num_heads, num_kv_heads, head_size, quant, rope_styl
         q_row = ((token_starts[b] + i) * H + h) * DH
         dot = acc_t(0.0)
         for d in range(DH):
-            dot += acc_t(q[q_row + d]) * load(k_src, index, where, d)
+            dot += fmha_input(acc_t(q[q_row + d]), inv_scale) * fmha_input(load(k_src, index, where, d), inv_scale)
         scores[b, h, i, j] = score(args, dot * sm_scale, b, h, i, j, seqlens[b], kvlens[b])
 
     @cuda.jit
-    def softmax_kernel(seqlens, kvlens, scores):
+    def softmax_kernel(seqlens, kvlens, scores, totals):
         b = cuda.blockIdx.y
         idx = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
         i, h = idx // H, idx % H
@@ -355,11 +366,18 @@ def _unfused_kernels(dtype, num_heads, num_kv_heads, head_size, quant, rope_styl
         if row_max != NEG_INF:
             for j in range(kvlens[b]):
                 total += math.exp(scores[b, h, i, j] - row_max)
+        if fp8_fmha:                                    # unnormalised e4m3 probabilities, the float32 sum apart
+            totals[b, h, i] = total
+            shift = acc_t(0.0) if row_max == NEG_INF else row_max
+            for j in range(kvlens[b]):
+                p = math.exp(scores[b, h, i, j] - shift)
+                scores[b, h, i, j] = e4m3_decode(to_e4m3(p, np.float32(1.0)))
+            return
         for j in range(kvlens[b]):
             scores[b, h, i, j] = math.exp(scores[b, h, i, j] - row_max) / total if total > 0 else acc_t(0.0)
 
     @cuda.jit
-    def pv_kernel(token_starts, seqlens, kvlens, v_src, scores, out):
+    def pv_kernel(token_starts, seqlens, kvlens, v_src, scores, totals, scale, inv_scale, out):
         b = cuda.blockIdx.y
         idx = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
         i, h, d = idx // (H * DH), (idx // DH) % H, idx % DH
@@ -370,7 +388,10 @@ def _unfused_kernels(dtype, num_heads, num_kv_heads, head_size, quant, rope_styl
             p = scores[b, h, i, j]
             if p != 0:                                  # a hidden key's value is never read
                 index, where = row_offsets(v_src, b, j, h // GROUP)
-                total += p * load(v_src, index, where, d)
+                total += p * fmha_input(load(v_src, index, where, d), inv_scale)
+        if fp8_fmha:
+            row_sum = totals[b, h, i]
+            total = total * scale / row_sum if row_sum > 0 else acc_t(0.0)
         out[((token_starts[b] + i) * H + h) * DH + d] = total
 
     return scores_kernel, softmax_kernel, pv_kernel
@@ -597,7 +618,7 @@ def _kv_sources(*, cache_array, paged, block_offsets, indirection, table, k_scra
 
 
 def _unfused_context(q_scratch, token_starts, new, kvlens, num_context, k_src, v_src, args, sm_scale, output,
-                     kernel_key, acc_t, threads, stream):
+                     kernel_key, acc_t, threads, stream, fp8_scales=None):
     """context_fmha_type 0: the context entries' scores in global memory (E, H, max new, max keys), softmax rows,
     then P V into the output; generation entries have 0 rows here."""
     E, H, Dh = len(new), kernel_key[1], kernel_key[3]
@@ -606,12 +627,16 @@ def _unfused_context(q_scratch, token_starts, new, kvlens, num_context, k_src, v
     like = q_scratch
     scores = empty_like_kind(like, (E, H, rows, keys), acc_t)
     seqlens, kv = to_kind(like, context_new), to_kind(like, kvlens)
-    scores_kernel, softmax_kernel, pv_kernel = _unfused_kernels(*kernel_key)
+    totals = empty_like_kind(like, (E, H, rows), acc_t)
+    inv_s, s = (np.float32(x) for x in (fp8_scales or (1.0, 1.0)))
+    if fp8_scales:
+        sm_scale = acc_t(float(sm_scale) * float(s) * float(s))   # (q / s).(k / s) * s^2 = q.k
+    scores_kernel, softmax_kernel, pv_kernel = _unfused_kernels(*kernel_key, fp8_scales is not None)
     launch(scores_kernel, (max(1, ceil_div(rows * H * keys, threads)), E), threads, stream, q_scratch, token_starts,
-           seqlens, kv, k_src, args, sm_scale, scores)
-    launch(softmax_kernel, (max(1, ceil_div(rows * H, threads)), E), threads, stream, seqlens, kv, scores)
+           seqlens, kv, k_src, args, sm_scale, inv_s, scores)
+    launch(softmax_kernel, (max(1, ceil_div(rows * H, threads)), E), threads, stream, seqlens, kv, scores, totals)
     launch(pv_kernel, (max(1, ceil_div(rows * H * Dh, threads)), E), threads, stream, token_starts, seqlens, kv,
-           v_src, scores, flat(output))
+           v_src, scores, totals, acc_t(s), inv_s, flat(output))
 
 
 def _mask_and_bias(attention_mask, relative_attention_bias, position_embedding_type, max_distance, mask_type, like):
@@ -681,7 +706,7 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     softmax, P V) as TensorRT-LLM's unfused context attention; both compute the same. multi_block_mode lets
     `choose_splits` split each block's keys over several blocks when the grid is smaller than num_sms (default:
     the GPU's, 132 without one); num_splits forces a count (1: never split)."""
-    reason = unsupported(qkv, use_fp8_context_fmha, host_request_types)
+    reason = unsupported(qkv)
     if reason is not None:
         raise NotImplementedError(f"{reason}: not in the numba.cuda gpt_attention kernels yet; "
                                   "use NumPy arrays with backend='reference'")
@@ -765,12 +790,14 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     grid = (max(1, ceil_div(max_new, q_tile)), H // heads_per_block, E * num_splits)
     sm_scale = acc_t(1.0 / (q_scaling * math.sqrt(Dh)))
     # context_fmha_type 0 (disabled): the context entries take the unfused path, the fused kernel the rest.
-    unfused = context_fmha_type == 0 and num_context > 0
+    fp8_fmha = bool(use_fp8_context_fmha) and num_context > 0
+    unfused = (context_fmha_type == 0 or fp8_fmha) and num_context > 0
     fused_new = np.where(np.arange(E) < num_context, 0, new) if unfused else new
     lens = to_kind(qkv, fused_new), to_kind(qkv, kvlens)
     if unfused:
         _unfused_context(q_scratch, q_geom[1], new, kvlens, num_context, k_src, v_src, args, sm_scale, output,
-                         (dtype.str, H, Hkv, Dh, quant, *rope_on_load), acc_t, threads, stream)
+                         (dtype.str, H, Hkv, Dh, quant, *rope_on_load), acc_t, threads, stream,
+                         (kv_orig_quant_scale, kv_quant_orig_scale) if fp8_fmha else None)
     if fused_new.any() and num_splits == 1:
         launch(kernel, grid, threads, stream, q_geom, out_geom, *lens, k_src, v_src, args, sm_scale)
     elif fused_new.any():
