@@ -1,6 +1,7 @@
 """TensorRT-LLM `gpt_attention` on the GPU (trtllm-gpt-attention.md), through the shared online-softmax core.
 
-Two kernels per call, on the caller's stream, context and generation entries together (in-flight batching):
+Two kernels per call in the common case, all on the caller's stream with no host sync between them, context and
+generation entries together (in-flight batching); the variants below add a launch each:
 
 1. preprocess (one thread per element of a token's Q, K or V head): QKV bias, rounding to the input dtype,
    RoPE (GPT-J / GPT-NeoX, partial, linear or dynamic scaling; frequencies per entry from the host, or
@@ -10,9 +11,10 @@ Two kernels per call, on the caller's stream, context and generation entries tog
    - K, V -> their cache slot (contiguous row, or paged block through the block offsets; cyclic with sinks and
      the paged bubble), quantized to INT8 or FP8 e4m3 bits on the fly. The same thread that read a token's
      K/V from `qkv` writes it: one pass.
-2. attention (the core): entry b's key t comes from the cache for t < past (beam indirection, cyclic slot,
-   INT8 dequant / e4m3 decode) and from the scratch for t >= past; scores get softcap, ALiBi and the
-   causal / window / sinks mask in `score`, whose visible range `key_range` bounds the walk.
+2. attention (the core, fused): entry b's key t comes from the cache for t < past (beam indirection, cyclic slot,
+   INT8 dequant / e4m3 decode) and from the scratch for t >= past; `score` applies the causal / window / sinks /
+   custom mask, softcap, then ALiBi or the relative bias; `key_range` bounds the walk to the visible keys.
+Unfused context (context_fmha_type 0, and FP8 context FMHA): scores in global memory, softmax rows, P V.
 Cross attention: a third kernel copies the context entries' encoder K/V (`cross_kv`) to the scratch and to
 cache slots 0..L-1 in one pass; keys are then the encoder's (scratch in the context phase, the cache in
 generation), every one visible, and the decoder's own K/V are not cached.
