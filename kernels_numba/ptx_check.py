@@ -110,18 +110,17 @@ def _onnx_launches(full: bool):
     return out
 
 
-# One (dtype, kv cache quant mode, position embedding, paged, qkv bias, kind) per code path: each dtype's rounding
-# and accumulator, the INT8 / e4m3 stores and loads, GPT-J / GPT-NeoX RoPE, ALiBi, both cache layouts, StreamingLLM
-# (keys rotated on load), cross attention (its copy kernel), multi-block (the partials and combine kernels), custom
-# mask with T5 relative bias (the regular table is a runtime branch of the same score) on the unfused context path
-# (context_fmha_type 0) next to fused generation, FP8 context FMHA (its unfused variant).
-# Self attention runs a context chunk that wraps its cyclic cache (the write-after-attention launch) next to two
-# beams.
-TRTLLM_REPRESENTATIVES = ((np.float16, 0, 2, True, True, "self"), (np.float32, 64, 1, False, False, "self"),
-                          (np.float16, 128, 4, True, False, "self"), (np.float64, 0, 0, False, True, "self"),
-                          (np.float16, 128, 2, True, False, "streaming"), (np.float32, 64, 0, True, True, "cross"),
-                          (np.float16, 0, 4, False, False, "multi-block"), (np.float32, 0, 6, False, False, "t5-mask"),
-                          (np.float16, 128, 0, True, False, "fp8-fmha"))
+# One (dtype, kv cache quant mode, position embedding, paged, qkv bias, extras) per code path, five calls in all:
+# each dtype's rounding and accumulator, the INT8 / e4m3 stores and loads, GPT-J / GPT-NeoX RoPE, ALiBi, T5 bias
+# and custom mask, both cache layouts, the unfused context path plain and FP8 (context_fmha_type 0 /
+# use_fp8_context_fmha), StreamingLLM (keys rotated on load), cross attention (its copy kernel), multi-block
+# (partials and combine). Each call has a context chunk that wraps the cyclic cache (the write-after launch)
+# next to two beams.
+TRTLLM_REPRESENTATIVES = ((np.float16, 0, 2, True, True, {"unfused"}),
+                          (np.float32, 64, 4, False, False, {"multi-block"}),
+                          (np.float16, 128, 6, True, False, {"t5-mask", "fp8-fmha"}),
+                          (np.float16, 128, 1, True, False, {"streaming"}),
+                          (np.float64, 0, 0, False, True, {"cross"}))
 
 
 def _trtllm_launches(full: bool):
@@ -133,11 +132,11 @@ def _trtllm_launches(full: bool):
     rng = np.random.default_rng(0)
     H, Hkv, Dh, window, tpb = 4, 2, 16, 4, 2
     past, new = np.array([2, 3, 3]), np.array([5, 1, 1])                  # a chunk, then one sequence's two beams
-    variants = [(dtype, quant, position, paged, bias, "self") for dtype in (np.float16, np.float32, np.float64)
+    variants = [(dtype, quant, position, paged, bias, set()) for dtype in (np.float16, np.float32, np.float64)
                 for quant in (0, 64, 128) for position in (0, 1, 2, 4) for paged in (False, True)
                 for bias in (False, True)] if full else []
     out = []
-    for dtype, quant, position, paged, bias, kind in variants + list(TRTLLM_REPRESENTATIVES):
+    for dtype, quant, position, paged, bias, extras in variants + list(TRTLLM_REPRESENTATIVES):
         cache_dtype = {0: dtype, 64: np.int8, 128: np.uint8}[quant]
         slots = -(-window // tpb) * tpb
         call = dict(qkv=rng.standard_normal((int(new.sum()), (H + 2 * Hkv) * Dh)).astype(dtype),
@@ -154,21 +153,23 @@ def _trtllm_launches(full: bool):
                     alibi_slopes=np.ones(H, np.float32) if position == 4 else None,
                     qkv_bias=np.ones((H + 2 * Hkv) * Dh, dtype) if bias else None, paged_kv_cache=paged,
                     tokens_per_block=tpb)
-        if kind == "streaming":
+        if "unfused" in extras:
+            call.update(context_fmha_type=0)
+        if "streaming" in extras:
             call.update(streamingllm=True, host_sink_token_length=np.array([1]),
                         host_past_key_value_lengths=np.array([0, 3, 3]), sequence_length=np.array([5, 4, 4]))
-        if kind == "t5-mask":
+        if "t5-mask" in extras:
             call.update(mask_type=6, attention_mask=np.ones((int(new.sum()), 8), bool), max_distance=12,
-                        context_fmha_type=0,
                         relative_attention_bias=rng.standard_normal((H, 8)).astype(dtype))
-        if kind == "fp8-fmha":
+        if "fp8-fmha" in extras:
             call.update(use_fp8_context_fmha=True)
-        if kind == "cross":
+        if "cross" in extras:
             call.update(do_cross_attention=True, encoder_input_lengths=np.array([3, 2, 2]),
                         cross_kv=rng.standard_normal((3, 2 * Hkv * Dh)).astype(dtype))
         with _launch.recorded_launches() as launches:
-            gpt_attention(**call, num_splits=3 if kind == "multi-block" else None)
-        label = f"trtllm {kind} {np.dtype(dtype).name} quant {quant} pos {position}{' paged' if paged else ''}"
+            gpt_attention(**call, num_splits=3 if "multi-block" in extras else None)
+        label = (f"trtllm {'+'.join(sorted(extras)) or 'self'} {np.dtype(dtype).name} quant {quant} pos {position}"
+                 f"{' paged' if paged else ''}")
         out += [(label, kernel, args) for kernel, args in launches]
     return out
 
