@@ -505,7 +505,7 @@ def gpt_attention(*, qkv, past_key_value, attention_mask=None, sequence_length, 
     remove_input_padding, paged_kv_cache, tokens_per_block (power of two), streamingllm, context_fmha_type
         (0 disabled, 1 enabled, 2 enabled_with_fp32_acc), use_fp8_context_fmha, multi_block_mode: plugin config.
     kv_cache_pool (num_blocks, num_layers, 2, Hkv, tokens_per_block, Dh): the paged pool, written in place.
-    backend: "auto", "reference" or "numba" (the kernels are part 2 of issue 6).
+    backend: "auto", "reference" or "numba" (kernels_numba/trtllm_gpt_attention.py; bfloat16 on the reference only).
     output: (num_tokens, H Dh) packed or (E, max_seqlen, H Dh) padded (padding rows zero), qkv's dtype.
     """
     args = {k: v for k, v in locals().items() if k != "backend"}
@@ -515,8 +515,7 @@ def gpt_attention(*, qkv, past_key_value, attention_mask=None, sequence_length, 
     engine = arrays.resolve_backend(backend, data)
     checked = validate(args)
     if engine != "reference":
-        raise NotImplementedError("backend: the numba.cuda gpt_attention kernels are part 2 of issue 6 and not "
-                                  "written yet; use NumPy arrays (backend='reference')")
+        return arrays.kernels().gpt_attention(**{**checked, **{k: arrays.as_kernel_array(x) for k, x in data.items()}})
 
     def call(host):
         return reference.gpt_attention(**{**checked, **host})

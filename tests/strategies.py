@@ -106,3 +106,20 @@ def trt_cases(draw, *, dtypes=("float16", "float32"), paged=(False, True), quant
         softcap=draw(st.sampled_from([0.0, 0.0, 3.0])) if softcap else 0.0, q_scaling=draw(st.sampled_from([1.0, 0.5])),
         relative=draw(st.sampled_from(["regular", "t5"])), qkv_bias=draw(st.booleans()),
         num_layers=num_layers, layer_idx=draw(st.integers(0, num_layers - 1)), seed=draw(st.integers(0, 2**32 - 1)))
+
+
+# ---- TensorRT-LLM kernels
+from dataclasses import replace  # noqa: E402
+
+
+def trt_kernel_cases(**kw):
+    """gpt_attention calls in what the numba kernels run today: trt_cases (which draws neither cross attention,
+    StreamingLLM nor FP8 context FMHA)."""
+    return trt_cases(**kw)
+
+
+@st.composite
+def trt_streaming_cases(draw):
+    """StreamingLLM calls: whole contexts (no chunks), sink tokens below the window, RoPE most of the time."""
+    case = draw(trt_kernel_cases(chunked=False, beams=(1,), positions=(1, 2, 2, 0)))
+    return replace(case, streamingllm=True, sinks=draw(st.integers(0, min(2, case.window - 1))))
