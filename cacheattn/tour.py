@@ -60,6 +60,13 @@ STATIC_CASE = ("B 2, 4 new after 12, 4 heads x2 repeat, int8 layout 1, fp16", St
     quant_bit=8, quant_group=8, num_layer=2, layer_idx=1, num_repeat=2, cache_layout=1, seed=4))
 
 
+def _launch(backend):
+    """Keyword arguments for a call on `backend`: under the simulator, whose cost is per thread, 32-thread blocks
+    (every strided loop of a block then wraps more, not less); on a GPU the launchers' defaults."""
+    from numba import config
+    return {"threads": 32} if backend == "numba" and config.ENABLE_CUDASIM else {}
+
+
 def _max_error(got, want):
     return float(np.max(np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64)), initial=0.0))
 
@@ -75,7 +82,8 @@ def _attention_rows(label, case):
     rows = []
     for backend in ("reference", "numba"):
         x = copy_inputs(inputs)
-        out, seconds = _timed(cacheattn.multi_head_cache_attention, **x, **case.attrs(), backend=backend)
+        out, seconds = _timed(cacheattn.multi_head_cache_attention, **x, **case.attrs(), backend=backend,
+                              **_launch(backend))
         ok = _close(out, want, case.dtype) and np.array_equal(x["cache"], want_cache)
         rows.append(("multi_head_cache_attention", label, backend, _max_error(out, want), ok, seconds))
     return rows
@@ -98,7 +106,8 @@ def _dynamic_attention_rows(label, case):
             inputs["max_seqlen"], inputs["max_kvlen"], inputs["attn_mask"])
     rows = []
     for backend in ("reference", "numba"):
-        out, seconds = _timed(cacheattn.dynamic_multi_head_attention, *args, **attrs, backend=backend)
+        out, seconds = _timed(cacheattn.dynamic_multi_head_attention, *args, **attrs, backend=backend,
+                              **_launch(backend))
         rows.append(("dynamic_multi_head_attention", label, backend, _max_error(out, want),
                      _close(out, want, case.dtype), seconds))
     return rows
@@ -131,7 +140,7 @@ def _key_value_rows(label, case):
         exact = inputs[name].astype(np.float64)
         ref_err = max(ref_err, _max_error(stored, exact))
         ref_ok &= bool(np.all(np.abs(stored - exact) <= _quantization_bound(inputs[name], case)))
-    got, seconds = _timed(cacheattn.key_value_cache, **y, **attrs, backend="numba")
+    got, seconds = _timed(cacheattn.key_value_cache, **y, **attrs, backend="numba", **_launch("numba"))
     ok = all(np.array_equal(a, b) for a, b in zip(got, want)) and np.array_equal(x["cache"], y["cache"])
     return [("key_value_cache", label + " (vs input)", "reference", ref_err, ref_ok, ref_seconds),
             ("key_value_cache", label + " (vs reference)", "numba",
@@ -160,7 +169,7 @@ def _onnx_rows(label, case):
     rows = []
     for backend in ("reference", "numba"):
         got, seconds = _timed(cacheattn.onnx_attention, **inputs, **case.attrs(), return_qk_matmul_output=True,
-                              backend=backend)
+                              backend=backend, **_launch(backend))
         ok = _close(got.Y, want[0], case.dtype)
         rows.append(("onnx_attention", label, backend, _max_error(got.Y, want[0]), ok, seconds))
     return rows
@@ -185,7 +194,8 @@ def _ft_rows(label, case):
     want_hidden, want_context, *_ = float64_ft(copy_inputs(inputs), case)
     rows = []
     for backend in ("reference", "numba"):
-        got, seconds = _timed(cacheattn.cross_attention, **copy_inputs(inputs), **case.attrs(), backend=backend)
+        got, seconds = _timed(cacheattn.cross_attention, **copy_inputs(inputs), **case.attrs(), backend=backend,
+                              **_launch(backend))
         ok = (bool(np.all(within_tolerance(got.context, want_context, case.dtype, 2.0)))
               and bool(np.all(within_tolerance(got.hidden_features, want_hidden, case.dtype, 4.0))))
         rows.append(("cross_attention", label, backend, _max_error(got.hidden_features, want_hidden), ok, seconds))
@@ -228,7 +238,8 @@ def _serving_rows(quick: bool):
         results = []
         for backend in backends:
             with _console.progress(sum(r.max_new_tokens for r in requests), f"{operator} ({backend})") as step:
-                results.append(serving.serve(model, requests, backend=backend, operator=operator, threads=32,
+                results.append(serving.serve(model, requests, backend=backend, operator=operator,
+                                             threads=_launch(backend).get("threads", 128),
                                              on_step=lambda i, what: step(f"step {i}: {what}")))
         rows += [(operator, r.backend, len(requests), r.tokens_processed, r.steps, r.peak_pages, r.max_error,
                   r.generated == results[0].generated, r.max_error <= TOLERANCE_F32, r.seconds) for r in results]
