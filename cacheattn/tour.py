@@ -27,14 +27,17 @@ from .examples import (
     OnnxCase,
     PPLCase,
     StaticCase,
+    TrtCase,
     build_ft,
     build_onnx,
     build_ppl,
     build_static,
+    build_trt,
     copy_inputs,
     float64_ft,
     float64_onnx,
     float64_ppl_attention,
+    float64_trt,
     reference_cache_state,
     with_,
     within_tolerance,
@@ -202,6 +205,31 @@ def _ft_rows(label, case):
     return rows
 
 
+TRT_CASES = {
+    "in-flight chunk + 2 beams, GQA 8/2, paged INT8 pool layer 1, NeoX RoPE, fp16": TrtCase(
+        contexts=((4, 5),), generations=((6, 9),), beam_width=2, num_heads=8, num_kv_heads=2, head_size=32,
+        dtype="float16", capacity=16, window=16, paged=True, tokens_per_block=4, quant=64, position=2, rotary_dim=32,
+        num_layers=2, layer_idx=1, seed=10),
+    "StreamingLLM: 2 sinks, window 8, cyclic contiguous FP8 cache, GPT-J RoPE, fp32": TrtCase(
+        contexts=((0, 6),), generations=((4, 11),), beam_width=1, num_heads=4, num_kv_heads=4, head_size=16,
+        dtype="float32", capacity=8, window=8, sinks=2, streamingllm=True, quant=128, position=1, rotary_dim=16,
+        seed=11),
+}
+
+
+def _trt_rows(label, case):
+    """TensorRT-LLM gpt_attention: the output within 4x the dtype's tolerance of float64 (both backends round Q/K to
+    the input dtype after bias and RoPE, as tests/test_trtllm_kernels.py holds them)."""
+    inputs = build_trt(case)
+    want, _ = float64_trt(copy_inputs(inputs))
+    rows = []
+    for backend in ("reference", "numba"):
+        (out, _), seconds = _timed(cacheattn.gpt_attention, **copy_inputs(inputs), backend=backend)
+        ok = bool(np.all(within_tolerance(out, want, case.dtype, 4.0)))
+        rows.append(("gpt_attention", label, backend, _max_error(out, want), ok, seconds))
+    return rows
+
+
 QUICK_HEAD_DIM, QUICK_PAST = 16, 6
 
 
@@ -217,6 +245,9 @@ def _quick(case):
         return with_(case, size_per_head=min(case.size_per_head, 32 if case.size_per_head % 32 == 0 else 48),
                      mem_len=min(case.mem_len, 2 * QUICK_PAST),
                      lengths=tuple(min(n, 2 * QUICK_PAST) for n in case.lengths))
+    if isinstance(case, TrtCase):
+        return with_(case, head_size=min(case.head_size, QUICK_HEAD_DIM),
+                     rotary_dim=min(case.rotary_dim, QUICK_HEAD_DIM))
     if isinstance(case, StaticCase):
         return with_(case, head_dim=min(case.head_dim, QUICK_HEAD_DIM), start_pos=min(case.start_pos, QUICK_PAST),
                      max_seqlen=min(case.start_pos, QUICK_PAST) + case.seqlen)
@@ -273,11 +304,12 @@ def tour(quick: bool = False) -> int:
     cases.append(("dynamic", label.replace("paged int8", "packed K/V"), case))
     cases.append(("static", *STATIC_CASE))
     cases += [("onnx", label, case) for label, case in ONNX_CASES.items()]
+    cases += [("trt", label, case) for label, case in TRT_CASES.items()]
     cases += [("ft", label, case) for label, case in FT_CASES.items()]
     if quick:                                         # the first configuration of each operator
         cases = [c for n, c in enumerate(cases) if all(c[0] != other[0] for other in cases[:n])]
     run = {"attention": _attention_rows, "dynamic": _dynamic_attention_rows, "static": _key_value_rows,
-           "onnx": _onnx_rows, "ft": _ft_rows}
+           "onnx": _onnx_rows, "trt": _trt_rows, "ft": _ft_rows}
     rows = []
     with _console.progress(len(cases), "operators") as step:
         for kind, label, case in cases:
