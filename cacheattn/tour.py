@@ -8,9 +8,9 @@ realistic configurations, each compared with a float64 evaluation of the referen
 
 Cache-only operators (KeyValueCache) are specified to the bit, so their error is exact: 0 or a failure.
 Attention outputs are compared with float64 at the dtype's tolerance. On a machine without a GPU
-the kernels run in numba's CUDA simulator, so the shapes stay modest; `--quick` runs the same
-configurations on smaller shapes (head dims of at most 16, at most 6 cached tokens per request), which
-is what the test suite runs.
+the kernels run in numba's CUDA simulator, so the shapes stay modest; `--quick` (what the test suite runs)
+serves three short requests through a one-layer model and runs the first configuration of each operator
+on smaller shapes (head dims of at most 16, at most 6 cached tokens per request).
 """
 
 from __future__ import annotations
@@ -23,13 +23,16 @@ import cacheattn
 
 from . import _console, serving
 from .examples import (
+    FTCase,
     OnnxCase,
     PPLCase,
     StaticCase,
+    build_ft,
     build_onnx,
     build_ppl,
     build_static,
     copy_inputs,
+    float64_ft,
     float64_onnx,
     float64_ppl_attention,
     reference_cache_state,
@@ -163,6 +166,32 @@ def _onnx_rows(label, case):
     return rows
 
 
+FT_CASES = {
+    "step 1 (fill + bias), B3, 4 heads x 64, batch-major K, IA3, 1 finished, fp16": FTCase(
+        lengths=(9, 4, 12), mem_len=12, head_num=4, size_per_head=64, d_model=96, mem_d_model=80, dtype="float16",
+        is_batch_major_cache=True, step=1, finished=(False, True, False), num_tasks=2, ia3_tasks=(1, 0, 1),
+        max_decoder_seq_len=4, context_buf=True, q_scaling=1.0, seed=8),
+    "step 3 (reads the cache), B2, 4 heads x 48, plain layout, q_scaling 2, fp32": FTCase(
+        lengths=(7, 13), mem_len=13, head_num=4, size_per_head=48, d_model=64, mem_d_model=64, dtype="float32",
+        is_batch_major_cache=False, step=3, finished=None, num_tasks=0, ia3_tasks=None, max_decoder_seq_len=0,
+        context_buf=False, q_scaling=2.0, seed=9),
+}
+
+
+def _ft_rows(label, case):
+    """FasterTransformer cross attention: context (scale 2) and hidden_features (scale 4, after the output GEMM)
+    within the dtype's tolerance of float64, as tests/test_ft_properties.py holds them."""
+    inputs = build_ft(case)
+    want_hidden, want_context, *_ = float64_ft(copy_inputs(inputs), case)
+    rows = []
+    for backend in ("reference", "numba"):
+        got, seconds = _timed(cacheattn.cross_attention, **copy_inputs(inputs), **case.attrs(), backend=backend)
+        ok = (bool(np.all(within_tolerance(got.context, want_context, case.dtype, 2.0)))
+              and bool(np.all(within_tolerance(got.hidden_features, want_hidden, case.dtype, 4.0))))
+        rows.append(("cross_attention", label, backend, _max_error(got.hidden_features, want_hidden), ok, seconds))
+    return rows
+
+
 QUICK_HEAD_DIM, QUICK_PAST = 16, 6
 
 
@@ -174,6 +203,10 @@ def _quick(case):
         return with_(case, head_dim=head_dim, past=tuple(min(p, QUICK_PAST) for p in case.past),
                      seqlens=tuple(min(s, QUICK_PAST) for s in case.seqlens),
                      quant_group=min(case.quant_group, head_dim))
+    if isinstance(case, FTCase):                  # head sizes are FasterTransformer's list: keep the smallest
+        return with_(case, size_per_head=min(case.size_per_head, 32 if case.size_per_head % 32 == 0 else 48),
+                     mem_len=min(case.mem_len, 2 * QUICK_PAST),
+                     lengths=tuple(min(n, 2 * QUICK_PAST) for n in case.lengths))
     if isinstance(case, StaticCase):
         return with_(case, head_dim=min(case.head_dim, QUICK_HEAD_DIM), start_pos=min(case.start_pos, QUICK_PAST),
                      max_seqlen=min(case.start_pos, QUICK_PAST) + case.seqlen)
@@ -185,18 +218,26 @@ def _quick(case):
 
 
 def _serving_rows(quick: bool):
-    """The serving loop on each backend: (backend, requests, tokens, steps, peak pages, max err, same tokens, s)."""
-    model = serving.TinyModel(serving.ModelConfig())
+    """The serving loop for each operator and backend: (operator, backend, requests, tokens, steps, peak pages,
+    max err, tokens equal the reference backend's, within tolerance, seconds)."""
+    model = serving.TinyModel(serving.ModelConfig(num_layers=1 if quick else 2))
     requests = serving.QUICK_REQUESTS if quick else serving.DEFAULT_REQUESTS
-    results = []
-    for backend in ("reference", "numba"):
-        with _console.progress(sum(r.max_new_tokens for r in requests), f"serving ({backend})") as step:
-            results.append(serving.serve(model, requests, backend=backend, threads=32,
-                                         on_step=lambda i, what: step(f"step {i}: {what}")))
-    tolerance_ok = [r.max_error <= TOLERANCE_F32 for r in results]
-    same = [r.generated == results[0].generated for r in results]
-    return [(r.backend, len(requests), r.tokens_processed, r.steps, r.peak_pages, r.max_error, s, ok, r.seconds)
-            for r, s, ok in zip(results, same, tolerance_ok)]
+    rows = []
+    for operator in serving.PATHS:
+        backends = ("reference", "numba") if _has_kernels(operator) else ("reference",)
+        results = []
+        for backend in backends:
+            with _console.progress(sum(r.max_new_tokens for r in requests), f"{operator} ({backend})") as step:
+                results.append(serving.serve(model, requests, backend=backend, operator=operator, threads=32,
+                                             on_step=lambda i, what: step(f"step {i}: {what}")))
+        rows += [(operator, r.backend, len(requests), r.tokens_processed, r.steps, r.peak_pages, r.max_error,
+                  r.generated == results[0].generated, r.max_error <= TOLERANCE_F32, r.seconds) for r in results]
+    return rows
+
+
+def _has_kernels(operator: str) -> bool:
+    from . import _arrays
+    return hasattr(_arrays.kernels(), operator)
 
 
 TOLERANCE_F32 = 1e-4     # a float32 model's attention output against float64, absolute
@@ -205,12 +246,12 @@ TOLERANCE_F32 = 1e-4     # a float32 model's attention output against float64, a
 def tour(quick: bool = False) -> int:
     """Run the serving loop and every operator row; returns 0 when all pass. quick: smaller shapes."""
     serve_rows = _serving_rows(quick)
-    _console.table("A tiny model served with in-flight batching: multi_head_cache_attention, paged int8 cache "
-                   "(page 4, pages return to a free list)",
-                   ("backend", "requests", "tokens", "steps", "peak pages", "max |err| vs float64",
-                    "greedy tokens = reference", "result", "seconds"),
-                   [(b, n, t, st, p, f"{e:.2e}", "yes" if same else "NO", "pass" if same and ok else "FAIL",
-                     f"{sec:.2f}") for b, n, t, st, p, e, same, ok, sec in serve_rows],
+    _console.table("A tiny model served with in-flight batching on a paged cache (page 4; finished requests return "
+                   "their pages): OpenPPL int8 cache, TensorRT-LLM float32 pool",
+                   ("operator", "backend", "requests", "tokens", "steps", "peak pages", "max |err| vs float64",
+                    "tokens = reference's", "result", "seconds"),
+                   [(o, b, n, t, st, p, f"{e:.2e}", "yes" if same else "NO", "pass" if same and ok else "FAIL",
+                     f"{sec:.2f}") for o, b, n, t, st, p, e, same, ok, sec in serve_rows],
                    right=("requests", "tokens", "steps", "peak pages", "max |err| vs float64", "seconds"))
     serve_failed = sum(not (same and ok) for *_, same, ok, _ in serve_rows)
 
@@ -221,16 +262,19 @@ def tour(quick: bool = False) -> int:
     cases.append(("dynamic", label.replace("paged int8", "packed K/V"), case))
     cases.append(("static", *STATIC_CASE))
     cases += [("onnx", label, case) for label, case in ONNX_CASES.items()]
+    cases += [("ft", label, case) for label, case in FT_CASES.items()]
+    if quick:                                         # the first configuration of each operator
+        cases = [c for n, c in enumerate(cases) if all(c[0] != other[0] for other in cases[:n])]
     run = {"attention": _attention_rows, "dynamic": _dynamic_attention_rows, "static": _key_value_rows,
-           "onnx": _onnx_rows}
+           "onnx": _onnx_rows, "ft": _ft_rows}
     rows = []
     with _console.progress(len(cases), "operators") as step:
         for kind, label, case in cases:
             rows += run[kind](label + suffix, shrink(case))
             step(label)
     if quick:
-        _console.say(f"quick: the same configurations with head dims <= {QUICK_HEAD_DIM} and at most {QUICK_PAST} "
-                     "cached tokens per request")
+        _console.say(f"quick: one layer serving three requests; the first configuration of each operator, head dims "
+                     f"<= {QUICK_HEAD_DIM} and at most {QUICK_PAST} cached tokens per request")
     _console.table("Every operator on both backends, against a float64 evaluation",
                    ("operator", "config", "backend", "max |err|", "result", "seconds"),
                    [(op, label, backend, f"{err:.2e}", "pass" if ok else "FAIL", f"{sec:.2f}")

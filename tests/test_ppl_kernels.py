@@ -1,98 +1,61 @@
-"""numba.cuda kernels = the OpenPPL reference, across the attribute space.
+"""numba.cuda kernels = the OpenPPL reference, across the attribute space, checked by the conformance kit.
 
-Under the simulator (CI) these run NumPy arrays through backend="numba"; with CACHEATTN_TEST_GPU=1 the
-same tests run CuPy arrays on the GPU. Output buffers start poisoned with NaN (conftest), caches and
-scales must come out bit-identical to the reference's, outputs close to a float64 evaluation.
+The kit (`cacheattn.testing`) is what an outside implementation is held to; our kernels go through the same
+code: caches and scales bit-identical to the reference's (untouched slots included), dequantized keys and
+values bit-exact, attention outputs close to a float64 evaluation. Output buffers start poisoned with NaN
+(conftest), so an element a kernel never writes fails. Under the simulator (CI) the kernels get NumPy
+arrays through backend="numba"; with CACHEATTN_TEST_GPU=1 the same checks run them on CuPy arrays.
 """
+
+import functools
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import cacheattn
+import cacheattn.testing as kit
 from cacheattn.tour import ATTENTION_CASES
 
 from helpers import assert_bits_equal, assert_close
-from strategies import (
-    KERNEL,
-    build_ppl,
-    build_static,
-    copy_inputs,
-    float64_ppl_attention,
-    ppl_cases,
-    reference_cache_state,
-    static_cases,
-)
+from strategies import KERNEL, build_ppl, float64_ppl_attention, reference_cache_state
 
-THREADS = st.sampled_from([32, 64])      # fewer threads than elements: every strided loop wraps
+# Fewer threads than elements: every strided loop wraps. The budget is split between the two block sizes.
+THREADS = (32, 64)
+EXAMPLES = max(1, KERNEL // len(THREADS))
 
 
-def on_device(device, inputs):
-    return {k: device.put(v) for k, v in inputs.items()}
+def kernels(device, function, threads, **launch):
+    """`function` on the kernels, called as the document says with NumPy arrays (what the kit passes). On a
+    GPU the arrays go over as CuPy and the in-place ones (cache, scale) come back into the caller's arrays."""
+    fn = functools.partial(function, backend="numba", threads=threads, **launch)
+    if not device.gpu:
+        return fn
+
+    @functools.wraps(fn)
+    def on_gpu(*args, **attrs):
+        moved = [device.put(a) for a in args]
+        out = fn(*moved, **attrs)
+        for host, there in zip(args, moved):
+            if there is not host:
+                host[...] = device.get(there)
+        return tuple(device.get(o) for o in out) if isinstance(out, tuple) else device.get(out)
+    return on_gpu
 
 
-@settings(max_examples=KERNEL)
-@given(ppl_cases(), THREADS)
-def test_multi_head_cache_attention_kernel(device, case, threads):
-    inputs = build_ppl(case)
-    key, value, want_cache, want_scale = reference_cache_state(inputs, case)
-    x = on_device(device, copy_inputs(inputs))
-    out = cacheattn.multi_head_cache_attention(**x, **case.attrs(), backend="numba", threads=threads)
-    assert_bits_equal("cache", device.get(x["cache"]), want_cache)
-    if case.quant_bit:
-        assert_bits_equal("scale", device.get(x["scale"]), want_scale)
-    assert_close("attn_output", device.get(out), float64_ppl_attention(inputs, case, key, value), case.dtype)
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("op", ["multi_head_cache_attention", "dynamic_multi_head_attention",
+                                "dynamic_key_value_cache", "key_value_cache"])
+def test_kernels_conform(device, op, threads):
+    report = kit.check(op, kernels(device, getattr(cacheattn, op), threads), max_examples=EXAMPLES)
+    assert report.examples >= 1
 
 
-@settings(max_examples=KERNEL)
-@given(ppl_cases(quant_bits=(0,)), THREADS)
-def test_dynamic_multi_head_attention_kernel(device, case, threads):
-    inputs = build_ppl(case)
-    key, value, _, _ = reference_cache_state(inputs, case)
-    x = on_device(device, dict(query=inputs["query"], key=key, value=value, attn_mask=inputs["attn_mask"]))
-    attrs = dict(num_heads=case.num_heads, head_dim=case.head_dim, is_causal=case.is_causal, is_alibi=case.is_alibi,
-                 num_kv_heads=case.num_kv_heads)
-    out = cacheattn.dynamic_multi_head_attention(
-        x["query"], x["key"], x["value"], inputs["seqstarts"], inputs["kvstarts"], case.decoding_batches,
-        inputs["max_seqlen"], inputs["max_kvlen"], x["attn_mask"], **attrs, backend="numba", threads=threads)
-    assert_close("attn_output", device.get(out), float64_ppl_attention(inputs, case, key, value), case.dtype)
-
-
-@settings(max_examples=KERNEL)
-@given(ppl_cases(), st.integers(1, 3), THREADS)
-def test_dynamic_key_value_cache_kernel(device, case, num_repeat, threads):
-    inputs = build_ppl(case)
-    names = ("current_key", "current_value", "seqstarts", "kvstarts", "cachestarts", "start_pos", "max_seqlen",
-             "max_kvlen", "cache", "scale")
-    attrs = dict(num_layer=case.num_layer, layer_idx=case.layer_idx, quant_bit=case.quant_bit,
-                 quant_group=case.quant_group, num_repeat=num_repeat, cache_mode=case.cache_mode,
-                 cache_layout=case.cache_layout, page_size=case.page_size)
-    r = copy_inputs(inputs)
-    want = cacheattn.dynamic_key_value_cache(*(r[n] for n in names), **attrs)
-    x = on_device(device, copy_inputs(inputs))
-    got = cacheattn.dynamic_key_value_cache(*(x[n] for n in names), **attrs, backend="numba", threads=threads)
-    # Dequantization is specified to the bit (products in the scale dtype, then the output dtype).
-    assert_bits_equal("key", device.get(got.key), want.key)
-    assert_bits_equal("value", device.get(got.value), want.value)
-    assert_bits_equal("cache", device.get(x["cache"]), r["cache"])
-
-
-@settings(max_examples=KERNEL)
-@given(static_cases(), THREADS)
-def test_key_value_cache_kernel(device, case, threads):
-    inputs = build_static(case)
-    attrs = dict(num_layer=case.num_layer, layer_idx=case.layer_idx, quant_bit=case.quant_bit,
-                 quant_group=case.quant_group, num_repeat=case.num_repeat, cache_layout=case.cache_layout)
-    r = copy_inputs(inputs)
-    want = cacheattn.key_value_cache(**r, **attrs)
-    x = on_device(device, copy_inputs(inputs))
-    got = cacheattn.key_value_cache(**x, **attrs, backend="numba", threads=threads)
-    assert_bits_equal("key", device.get(got.key), want.key)
-    assert_bits_equal("value", device.get(got.value), want.value)
-    assert_bits_equal("cache", device.get(x["cache"]), r["cache"])
-    if case.quant_bit:
-        assert_bits_equal("scale", device.get(x["scale"]), r["scale"])
+@pytest.mark.parametrize("op", ["multi_head_cache_attention", "dynamic_multi_head_attention"])
+def test_rung_2_kernel_conforms(device, op):
+    """The kernel ladder's second rung (a warp per key; docs/kernel-ladder.md) on the same checks. Its simulator
+    path syncs the block at every warp reduction, so it gets a third of the budget and one block size."""
+    report = kit.check(op, kernels(device, getattr(cacheattn, op), 64, rung=2), max_examples=max(1, KERNEL // 3))
+    assert report.examples >= 1
 
 
 @pytest.mark.gpu

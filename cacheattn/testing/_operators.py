@@ -1,0 +1,254 @@
+"""The registry: one `Operator` per cacheattn function, saying what an implementation may claim (features),
+how a drawn case becomes the documented arguments, and what each output must be."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import strategies as st
+
+import cacheattn
+from cacheattn.examples import (
+    OnnxCase,
+    PPLCase,
+    StaticCase,
+    build_onnx,
+    build_ppl,
+    build_static,
+    copy_inputs,
+    float64_onnx,
+    float64_ppl_attention,
+    reference_cache_state,
+)
+
+from . import strategies
+from ._core import Expect, Operator, call
+
+PPL_DTYPES = ("float16", "float32")
+
+CACHE_FEATURES = {
+    "int8": "quant_bit 8: int8 cache with per-group scales",
+    "int4": "quant_bit 4: two int4 codes per byte",
+    **{f"cache_layout_{n}": f"cache_layout {n}" for n in range(4)},
+    "cache_mode_0": "cache_mode 0: one contiguous region per batch at cachestarts[b]",
+    "cache_mode_1": "cache_mode 1: paged, cachestarts a (B, MaxP) page table (shuffled pages, -1 unused)",
+}
+ATTENTION_FEATURES = {
+    "causal": "is_causal: bottom-right aligned causal mask",
+    "alibi": "is_alibi: ALiBi slopes, non-power-of-two head counts included",
+    "gqa": "num_kv_heads < num_heads (groups of 2 and 3)",
+    "mask_2d": "attn_mask (sum seqlens, >= sum kvlens), -inf entries included",
+    "mask_3d": "attn_mask (num_heads, sum seqlens, >= sum kvlens)",
+    "decoding": "decoding_batches > 0: the first batches have one query each",
+}
+CACHE_REQUIRES = (tuple(f"cache_layout_{n}" for n in range(4)), ("cache_mode_0", "cache_mode_1"))
+
+
+def _quant_bits(f: frozenset) -> tuple:
+    return (0,) + tuple(b for b, name in ((8, "int8"), (4, "int4")) if name in f)
+
+
+def _repeats(f: frozenset) -> tuple:
+    return (1, 2, 3) if "num_repeat" in f else (1,)
+
+
+def _ppl_space(f: frozenset, dtypes: tuple) -> dict:
+    """ppl_cases keywords for the declared features."""
+    return dict(dtypes=dtypes, quant_bits=_quant_bits(f),
+                layouts=tuple(n for n in range(4) if f"cache_layout_{n}" in f) or (0,),
+                modes=tuple(n for n in range(2) if f"cache_mode_{n}" in f) or (0,),
+                masks=("none",) + tuple(m for m in ("2d", "3d") if f"mask_{m}" in f),
+                alibi=(False, True) if "alibi" in f else (False,), causal=(False, True) if "causal" in f else (False,),
+                groups=(1, 2, 3) if "gqa" in f else (1,), decoding="decoding" in f)
+
+
+def _cache_uses(case) -> set:
+    used = {f"cache_layout_{case.cache_layout}", f"cache_mode_{case.cache_mode}"}
+    return used | ({"int8"} if case.quant_bit == 8 else set()) | ({"int4"} if case.quant_bit == 4 else set())
+
+
+def _attention_uses(case: PPLCase) -> set:
+    flags = {"causal": case.is_causal, "alibi": case.is_alibi, "gqa": case.num_heads > case.num_kv_heads,
+             "mask_2d": case.mask == "2d", "mask_3d": case.mask == "3d", "decoding": case.decoding_batches > 0}
+    return {name for name, on in flags.items() if on}
+
+
+def _cache_attrs(case) -> dict:
+    return dict(num_layer=case.num_layer, layer_idx=case.layer_idx, quant_bit=case.quant_bit,
+                quant_group=case.quant_group, cache_mode=case.cache_mode, cache_layout=case.cache_layout,
+                page_size=case.page_size)
+
+
+def _reference(op_name, inputs, attrs):
+    """The reference's outputs on copies of the inputs (the copies' caches absorb its writes)."""
+    op = OPERATORS[op_name]
+    return call(op, op.function, copy_inputs(inputs), attrs, backend="reference")
+
+
+# ---------------------------------------------------------------------------------------------- OpenPPL
+
+def _mhca_expect(case: PPLCase, inputs, attrs):
+    key, value, _, _ = reference_cache_state(inputs, case)
+    return {"attn_output": Expect("close", float64_ppl_attention(inputs, case, key, value), case.dtype)}
+
+
+MULTI_HEAD_CACHE_ATTENTION = Operator(
+    name="multi_head_cache_attention", function=cacheattn.multi_head_cache_attention,
+    features={**ATTENTION_FEATURES, **CACHE_FEATURES}, dtypes=PPL_DTYPES,
+    strategy=lambda f, d: strategies.ppl_cases(**_ppl_space(f, d)),
+    uses=lambda c: frozenset(_attention_uses(c) | _cache_uses(c)),
+    problem=lambda c: (build_ppl(c), c.attrs()), expect=_mhca_expect,
+    outputs=("attn_output",), in_place=("cache", "scale"), requires=CACHE_REQUIRES)
+
+
+def _dmha_problem(case: PPLCase):
+    inputs = build_ppl(case)
+    key, value, _, _ = reference_cache_state(inputs, case)
+    names = ("query", "seqstarts", "kvstarts", "decoding_batches", "max_seqlen", "max_kvlen", "attn_mask")
+    attrs = dict(num_heads=case.num_heads, head_dim=case.head_dim, is_causal=case.is_causal, is_alibi=case.is_alibi,
+                 num_kv_heads=case.num_kv_heads)
+    return dict({n: inputs[n] for n in names}, key=key, value=value), attrs
+
+
+def _dmha_expect(case: PPLCase, inputs, attrs):
+    return {"attn_output": Expect("close", float64_ppl_attention(inputs, case, inputs["key"], inputs["value"]),
+                                  case.dtype)}
+
+
+DYNAMIC_MULTI_HEAD_ATTENTION = Operator(
+    name="dynamic_multi_head_attention", function=cacheattn.dynamic_multi_head_attention,
+    features=ATTENTION_FEATURES, dtypes=PPL_DTYPES,
+    strategy=lambda f, d: strategies.ppl_cases(
+        **{**_ppl_space(f, d), "quant_bits": (0,), "layouts": (0,), "modes": (0,)}),
+    uses=lambda c: frozenset(_attention_uses(c)), problem=_dmha_problem, expect=_dmha_expect,
+    outputs=("attn_output",))
+
+
+@dataclass(frozen=True)
+class DynamicCacheCase:
+    """A dynamic_batching.KeyValueCache call: the cache part of a PPLCase plus num_repeat."""
+    base: PPLCase
+    num_repeat: int
+
+    @property
+    def dtype(self):
+        return self.base.dtype
+
+
+def _bits_of_reference(op_name):
+    def expect(case, inputs, attrs):
+        key, value = _reference(op_name, inputs, attrs)
+        return {"key": Expect("bits", key), "value": Expect("bits", value)}
+    return expect
+
+
+DYNAMIC_KEY_VALUE_CACHE = Operator(
+    name="dynamic_key_value_cache", function=cacheattn.dynamic_key_value_cache,
+    features={**CACHE_FEATURES, "num_repeat": "num_repeat > 1"}, dtypes=PPL_DTYPES,
+    strategy=lambda f, d: strategies.ppl_cases(**_ppl_space(f, d)).flatmap(
+        lambda base: st.builds(DynamicCacheCase, st.just(base), st.sampled_from(_repeats(f)))),
+    uses=lambda c: frozenset(_cache_uses(c.base) | ({"num_repeat"} if c.num_repeat > 1 else set())),
+    problem=lambda c: (build_ppl(c.base), dict(_cache_attrs(c.base), num_repeat=c.num_repeat)),
+    expect=_bits_of_reference("dynamic_key_value_cache"), outputs=("key", "value"), in_place=("cache", "scale"),
+    requires=CACHE_REQUIRES, case_imports=("PPLCase",))
+
+STATIC_FEATURES = {"int8": CACHE_FEATURES["int8"], "int4": CACHE_FEATURES["int4"],
+                   "cache_layout_0": "cache_layout 0: (MaxB, L, 2, MaxS, H, Dh)",
+                   "cache_layout_1": "cache_layout 1: (L, MaxB, 2, H, MaxS, Dh)", "num_repeat": "num_repeat > 1"}
+
+
+def _static_attrs(case: StaticCase) -> dict:
+    return dict(num_layer=case.num_layer, layer_idx=case.layer_idx, quant_bit=case.quant_bit,
+                quant_group=case.quant_group, num_repeat=case.num_repeat, cache_layout=case.cache_layout)
+
+
+KEY_VALUE_CACHE = Operator(
+    name="key_value_cache", function=cacheattn.key_value_cache, features=STATIC_FEATURES,
+    dtypes=PPL_DTYPES,
+    strategy=lambda f, d: strategies.static_cases(
+        dtypes=d, quant_bits=_quant_bits(f), layouts=tuple(n for n in range(2) if f"cache_layout_{n}" in f),
+        repeats=_repeats(f)),
+    uses=lambda c: frozenset({f"cache_layout_{c.cache_layout}"} | ({"int8"} if c.quant_bit == 8 else set())
+                             | ({"int4"} if c.quant_bit == 4 else set())
+                             | ({"num_repeat"} if c.num_repeat > 1 else set())),
+    problem=lambda c: (build_static(c), _static_attrs(c)), expect=_bits_of_reference("key_value_cache"),
+    outputs=("key", "value"), in_place=("cache", "scale"), requires=(("cache_layout_0", "cache_layout_1"),))
+
+
+# ---------------------------------------------------------------------------------------------- ONNX
+
+ONNX_FEATURES = {
+    "past": "past_key / past_value (the causal offset is past_sequence_length)",
+    "nonpad_kv_seqlen": "nonpad_kv_seqlen (opset 24 external cache)",
+    "mask_bool": "bool attn_mask, broadcast, last dim possibly shorter than the keys",
+    "mask_float": "float attn_mask (added), -inf entries included",
+    "causal": "is_causal 1",
+    "gqa": "kv_num_heads < q_num_heads (groups of 2 and 3)",
+    "3d": "3-D Q/K/V (batch, seq, heads * size) with q_num_heads / kv_num_heads",
+    "softcap": "softcap > 0",
+    "scale": "an explicit scale attribute",
+    "window": "opset 25 left_window_size / right_window_size",
+    "qk_matmul_output": "the fourth output, qk_matmul_output_mode 0 to 3",
+}
+
+
+@dataclass(frozen=True)
+class OnnxRequest:
+    """An ONNX Attention call: the case plus whether the optional fourth output is asked for."""
+    base: OnnxCase
+    return_qk_matmul_output: bool
+
+    @property
+    def dtype(self):
+        return self.base.dtype
+
+
+def _onnx_uses(request: OnnxRequest) -> frozenset:
+    case = request.base
+    flags = {"past": case.past_len > 0, "nonpad_kv_seqlen": case.nonpad is not None,
+             "mask_bool": case.mask == "bool", "mask_float": case.mask == "float", "causal": bool(case.is_causal),
+             "gqa": case.q_heads > case.kv_heads, "3d": case.three_d, "softcap": case.softcap > 0,
+             "scale": case.scale is not None, "window": case.opset == 25,
+             "qk_matmul_output": request.return_qk_matmul_output}
+    return frozenset(name for name, on in flags.items() if on)
+
+
+def _onnx_strategy(f: frozenset, dtypes: tuple):
+    qk = "qk_matmul_output" in f
+    cases = strategies.onnx_cases(
+        dtypes=dtypes, past="past" in f, windows="window" in f, nonpad="nonpad_kv_seqlen" in f,
+        masks=("none",) + tuple(m for m in ("bool", "float") if f"mask_{m}" in f),
+        modes=(0, 1, 2, 3) if qk else (0,), causal=(0, 1) if "causal" in f else (0,),
+        groups=(1, 2, 3) if "gqa" in f else (1,), three_d=(False, True) if "3d" in f else (False,),
+        softcaps=(0.0, 0.0, 1.5, 30.0) if "softcap" in f else (0.0,),
+        scales=(None, None, 0.05, 0.7) if "scale" in f else (None,))
+    return st.builds(OnnxRequest, cases, st.just(True) if qk else st.just(False))
+
+
+def _onnx_problem(request: OnnxRequest):
+    return build_onnx(request.base), dict(request.base.attrs(),
+                                          return_qk_matmul_output=request.return_qk_matmul_output)
+
+
+def _onnx_expect(request: OnnxRequest, inputs, attrs):
+    case = request.base
+    ref = _reference("onnx_attention", inputs, attrs)
+    f64 = float64_onnx(inputs, case)
+    qk = Expect("close", f64[3], case.dtype) if request.return_qk_matmul_output else None
+    # "nonpad_kv_seqlen ... should not be used together with ... present_key and present_value outputs":
+    # with it, an implementation may leave the presents out, so they are checked only without it.
+    external_cache = case.nonpad is not None
+    presents = {name: None if external_cache else Expect("bits", getattr(ref, name))
+                for name in ("present_key", "present_value")}
+    return {"Y": Expect("close", f64[0], case.dtype), **presents, "qk_matmul_output": qk}
+
+
+ONNX_ATTENTION = Operator(
+    name="onnx_attention", function=cacheattn.onnx_attention, features=ONNX_FEATURES,
+    dtypes=("float16", "float32", "float64"), strategy=_onnx_strategy, uses=_onnx_uses, problem=_onnx_problem,
+    expect=_onnx_expect, outputs=("Y", "present_key", "present_value", "qk_matmul_output"),
+    case_imports=("OnnxCase",))
+
+
+OPERATORS = {op.name: op for op in (MULTI_HEAD_CACHE_ATTENTION, DYNAMIC_MULTI_HEAD_ATTENTION, DYNAMIC_KEY_VALUE_CACHE,
+                                    KEY_VALUE_CACHE, ONNX_ATTENTION)}

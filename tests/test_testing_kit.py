@@ -1,0 +1,204 @@
+"""The conformance kit itself: it passes the reference, catches planted bugs with a reproducer that replays
+them, keeps to the declared features, refuses unknown features and wrong signatures, and runs from pytest.
+
+Implementations here are the reference (backend="reference") or the reference with one bug planted, so
+these tests cost NumPy time only; the kernels go through the kit in test_ppl_kernels / test_onnx_properties.
+"""
+
+import functools
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import cacheattn
+import cacheattn.testing as kit
+from cacheattn.testing import ConformanceError
+
+FEW = 15
+
+
+def reference(op):
+    return functools.partial(getattr(cacheattn, op), backend="reference")
+
+
+# ---------------------------------------------------------------------------------------------- planted bugs
+
+def clears_the_cache(current_key, current_value, start_pos, cache, scale=None, **attrs):
+    """Zeroes the whole cache first: every slot the call must not touch changes."""
+    cache[...] = 0
+    return cacheattn.key_value_cache(current_key, current_value, start_pos, cache, scale, **attrs)
+
+
+def int8_one_code_off(current_key, current_value, start_pos, cache, scale=None, **attrs):
+    """Stores the right codes, then one written int8 code off by one (a rounding slip)."""
+    key, value = cacheattn.key_value_cache(current_key, current_value, start_pos, cache, scale, **attrs)
+    if attrs["quant_bit"] == 8:
+        view = cache[:current_key.shape[0], attrs["layer_idx"]] if attrs["cache_layout"] == 0 else None
+        if view is not None:
+            view[0, 0, start_pos, 0, 0] = np.int8(view[0, 0, start_pos, 0, 0] ^ 1)
+    return key, value
+
+
+def forgets_the_last_query(Q, K, V, *args, **attrs):
+    """Leaves the last query row of Y unwritten (NaN), as a kernel with a short grid would."""
+    y, pk, pv, qk = cacheattn.onnx_attention(Q, K, V, *args, **attrs)
+    y[..., -1, :] = np.nan
+    return y, pk, pv, qk
+
+
+def qk_without_scale(Q, K, V, *args, **attrs):
+    """Returns qk_matmul_output multiplied by 2: wrong only in the fourth output."""
+    y, pk, pv, qk = cacheattn.onnx_attention(Q, K, V, *args, **attrs)
+    return y, pk, pv, None if qk is None else qk * 2
+
+
+def failure(op, impl, **options):
+    with pytest.raises(ConformanceError) as info:
+        kit.check(op, impl, max_examples=30, seed=0, **options)
+    return str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------- tests
+
+@pytest.mark.parametrize("op", list(kit.OPERATORS))
+def test_the_reference_conforms_and_the_report_names_what_ran(op):
+    report = kit.check(op, reference(op), max_examples=FEW, seed=3)
+    assert report.operator == op and report.examples == FEW
+    assert set(report.features) | set(report.not_covered) == set(kit.FEATURES[op])
+    assert report.features and f"{op}: {FEW} examples pass" in str(report)
+
+
+def test_untouched_cache_slots_are_checked_and_labelled():
+    message = failure("key_value_cache", clears_the_cache, features={"cache_layout_1"})
+    assert message.startswith("key_value_cache does not conform")
+    assert "cache (bit-exact)" in message and "[a slot this call must leave untouched]" in message
+
+
+def test_a_wrong_int8_code_is_caught_at_its_index_as_a_written_slot():
+    message = failure("key_value_cache", int8_one_code_off, features={"int8", "cache_layout_0"})
+    assert "quant_bit=8" in message and "[a slot this call writes]" in message
+    assert "at (0, 0, 0, " in message
+
+
+def test_an_unwritten_output_row_is_caught():
+    message = failure("onnx_attention", forgets_the_last_query, dtypes=["float32"], features=[])
+    assert "Y (float32 tolerance" in message and "got nan" in message
+
+
+def test_only_the_claimed_outputs_are_checked():
+    message = failure("onnx_attention", qk_without_scale, features={"qk_matmul_output"})
+    assert "qk_matmul_output (" in message and "return_qk_matmul_output=True" in message
+    without_qk = [f for f in kit.FEATURES["onnx_attention"] if f != "qk_matmul_output"]
+    assert kit.check("onnx_attention", qk_without_scale, max_examples=FEW, seed=0, features=without_qk).examples
+
+
+def test_the_reproducer_replays_the_failure_and_a_seed_repeats_the_run():
+    message = failure("key_value_cache", clears_the_cache)
+    assert message == failure("key_value_cache", clears_the_cache)
+    code = message.split("reproducer:\n", 1)[1]
+    assert "from test_testing_kit import clears_the_cache" in code
+    with pytest.raises(ConformanceError) as replay:
+        exec(textwrap.dedent(code), {})
+    assert str(replay.value) == message
+
+
+def test_declared_features_bound_the_drawn_problems():
+    seen = []
+
+    def recording(*args, **attrs):
+        seen.append((attrs["cache_layout"], attrs["cache_mode"], attrs["quant_bit"], attrs["is_alibi"],
+                     attrs["num_heads"] == (attrs["num_kv_heads"] or attrs["num_heads"]), args[12] is None))
+        return cacheattn.multi_head_cache_attention(*args, **attrs)
+
+    declared = {"cache_layout_2", "cache_mode_1", "causal", "int4"}
+    report = kit.check("multi_head_cache_attention", recording, max_examples=FEW, seed=1, features=declared)
+    assert {s[:4] for s in seen} <= {(2, 1, 0, False), (2, 1, 4, False)}
+    assert all(no_gqa and no_mask for *_, no_gqa, no_mask in seen)
+    assert set(report.features) <= declared
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(features={"causal", "rope"}), "features: unknown for multi_head_cache_attention: rope"),
+    (dict(features={"causal", "cache_mode_0"}), "features: multi_head_cache_attention needs at least one of "
+                                                "cache_layout_0"),
+    (dict(dtypes=["bfloat16"]), "dtypes: expected a non-empty subset of ('float16', 'float32')"),
+    (dict(max_examples=0), "max_examples: expected a positive int"),
+])
+def test_bad_options_are_refused(options, message):
+    with pytest.raises(ValueError) as info:
+        kit.check_multi_head_cache_attention(reference("multi_head_cache_attention"), **options)
+    assert str(info.value).startswith(message)
+
+
+def renamed(current_key, current_value, start, cache, scale=None, **attrs):
+    pass
+
+
+def no_num_repeat(current_key, current_value, start_pos, cache, scale=None, *, num_layer=1, layer_idx=0,
+                  quant_bit=0, quant_group=8, cache_layout=0):
+    pass
+
+
+def needs_a_stream(current_key, current_value, start_pos, cache, scale, stream, **attrs):
+    pass
+
+
+@pytest.mark.parametrize("impl, problem", [
+    (renamed, "positional argument 2 is named 'start', expected 'start_pos'"),
+    (no_num_repeat, "it does not accept the attribute 'num_repeat' by keyword"),
+    (needs_a_stream, "it requires arguments the document does not have: stream"),
+    (lambda current_key, current_value: None, "it takes 2 positional arguments, the document has 5"),
+])
+def test_a_wrong_signature_is_refused_before_any_call(impl, problem):
+    with pytest.raises(TypeError) as info:
+        kit.check_key_value_cache(impl)
+    text = str(info.value)
+    assert text.startswith("impl: expected the signature key_value_cache(current_key, current_value, start_pos, "
+                           "cache, scale, *, num_layer, layer_idx, quant_bit, quant_group, num_repeat, cache_layout)")
+    assert problem in text
+
+
+def test_unknown_operator_is_refused():
+    with pytest.raises(ValueError, match="^op: expected one of multi_head_cache_attention"):
+        kit.check("gpt_attention", print)
+
+
+def test_import_cacheattn_does_not_import_hypothesis():
+    code = "import sys, cacheattn; assert 'hypothesis' not in sys.modules; print('ok')"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "ok\n"
+
+
+def test_without_hypothesis_the_kit_says_what_to_install():
+    code = ("import sys; sys.modules['hypothesis'] = None\n"
+            "try:\n    import cacheattn.testing\nexcept ImportError as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.startswith("cacheattn.testing needs hypothesis: pip install 'cacheattn[testing]'")
+
+
+def test_pytest_plugin_runs_the_check_as_one_test(tmp_path):
+    (tmp_path / "tiny_impls.py").write_text(textwrap.dedent("""
+        import functools
+        import cacheattn
+        good = functools.partial(cacheattn.key_value_cache, backend="reference")
+
+        def clears(current_key, current_value, start_pos, cache, scale=None, **attrs):
+            cache[...] = 0
+            return cacheattn.key_value_cache(current_key, current_value, start_pos, cache, scale, **attrs)
+    """))
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+
+    def pytest_run(name, *extra):
+        args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--cacheattn-impl=tiny_impls:{name}",
+                "--cacheattn-op=key_value_cache", "--cacheattn-examples=10", "--cacheattn-seed=0", *extra]
+        return subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True)
+
+    passed = pytest_run("good", "--cacheattn-features=int8,cache_layout_1")
+    assert passed.returncode == 0 and "1 passed" in passed.stdout, passed.stdout + passed.stderr
+    failed = pytest_run("clears")
+    assert failed.returncode == 1 and "ConformanceError: key_value_cache does not conform" in failed.stdout
+    assert "from tiny_impls import clears" in failed.stdout
