@@ -18,6 +18,7 @@ from . import _arrays as arrays
 from ._validate import FLOAT_T1, check_contiguous, check_dtype, check_int, check_same_dtype, check_shape
 
 # FasterTransformer's masked-MHA dispatch: one kernel per head size (built for the next power of two).
+# spec: ft/head-size-dispatch
 HEAD_SIZES = (32, 48, 64, 80, 96, 112, 128, 144, 160, 192, 224, 256)
 
 
@@ -69,8 +70,10 @@ def validate(input_query, encoder_output, encoder_sequence_length, step, key_cac
              context_buf, cross_attentions, weight_arrays, *, head_num, size_per_head, q_scaling,
              is_batch_major_cache):
     """Checks every argument; returns host (lengths, finished or None, ia3_tasks or None)."""
+    # spec: ft/step
     check_int("step", step, low=1)
     check_int("head_num", head_num, low=1)
+    # spec: ft/head-size-dispatch
     if isinstance(size_per_head, bool) or size_per_head not in HEAD_SIZES:
         raise ValueError(f"size_per_head: expected one of {HEAD_SIZES}, got {size_per_head!r}")
     if not isinstance(q_scaling, (int, float, np.floating)) or not q_scaling > 0:
@@ -79,15 +82,18 @@ def validate(input_query, encoder_output, encoder_sequence_length, step, key_cac
         raise ValueError(f"is_batch_major_cache: expected True or False, got {is_batch_major_cache!r}")
     hidden = head_num * size_per_head
 
+    # spec: ft/input-query
     check_dtype("input_query", input_query, FLOAT_T1)
     check_shape("input_query", input_query, (None, None), "[batch_size, d_model]")
     batch, d_model = (int(s) for s in input_query.shape)
+    # spec: ft/encoder-output
     check_same_dtype("encoder_output", encoder_output, "input_query", input_query)
     check_shape("encoder_output", encoder_output, (batch, None, None), "[batch_size, mem_max_seq_len, mem_d_model]")
     mem_len, mem_d = int(encoder_output.shape[1]), int(encoder_output.shape[2])
     if mem_len < 1:
         raise ValueError("encoder_output: expected mem_max_seq_len >= 1, got 0")
 
+    # spec: ft/caches
     x = chunk_elements(input_query.dtype)
     if is_batch_major_cache:
         k_want, k_text = (batch, head_num, size_per_head // x, mem_len, x), f"[B, H, Dh/x, mem_max_seq_len, x={x}]"
@@ -115,11 +121,13 @@ def validate(input_query, encoder_output, encoder_sequence_length, step, key_cac
         else:
             check_shape(name, w, (hidden,), "[H*Dh]")
 
+    # spec: ft/encoder-lengths
     lengths = arrays.index_array("encoder_sequence_length", encoder_sequence_length)
     check_shape("encoder_sequence_length", lengths, (batch,), "[batch_size]")
     if (lengths < 1).any() or (lengths > mem_len).any():
         raise ValueError(f"encoder_sequence_length: expected values in [1, {mem_len}] (mem_max_seq_len), "
                          f"got {lengths.tolist()}")
+    # spec: ft/finished
     done = None
     if finished is not None:
         done = np.asarray(arrays.to_host(finished))

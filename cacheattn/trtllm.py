@@ -101,6 +101,7 @@ def _per_entry(name, x, entries):
 
 
 def _positive_scale(name, x):
+    # spec: trtllm/quant-inverse-scale
     if x is None:
         raise ValueError(f"{name}: required with an INT8/FP8 KV cache (kv_cache_quant_mode), got None")
     host = np.asarray(arrays.to_host(x))
@@ -122,13 +123,16 @@ def validate(a: dict) -> dict:
     H = check_int("num_heads", a["num_heads"], low=1)
     Hkv = check_int("num_kv_heads", a["num_kv_heads"], low=1)
     Dh = check_int("hidden_size_per_head", a["hidden_size_per_head"], low=1)
+    # spec: trtllm/mha-mqa-gqa
     if H % Hkv:
         raise ValueError(f"num_kv_heads: expected a divisor of num_heads ({H}), got {Hkv}")
     hidden = (H + 2 * Hkv) * Dh
     packed = bool(a["remove_input_padding"])
     if packed:
+        # spec: trtllm/packed-qkv-shape, trtllm/qkv-packing
         check_shape("qkv", qkv, (None, hidden), "(num_tokens, (num_heads + 2 num_kv_heads) hidden_size_per_head)")
     else:
+        # spec: trtllm/padded-qkv-shape
         check_shape("qkv", qkv, (None, None, hidden),
                     "(batch_beam, max_seqlen, (num_heads + 2 num_kv_heads) hidden_size_per_head)")
     E, is_context, past, lengths = _check_requests(a, qkv, packed, hidden)
@@ -146,6 +150,7 @@ def validate(a: dict) -> dict:
 
     # Window, sinks, cache capacity.
     layer_idx = check_int("layer_idx", a["layer_idx"], low=0)
+    # spec: trtllm/window-per-layer, trtllm/window-repeat
     windows = arrays.index_array("host_max_attention_window_sizes", a["host_max_attention_window_sizes"])
     if windows.ndim != 1 or windows.shape[0] < 1:
         raise ValueError(f"host_max_attention_window_sizes: expected a 1-D tensor of windows (repeated over the "
@@ -180,6 +185,7 @@ def validate(a: dict) -> dict:
     if beam < 1 or num_gen % beam or ci.shape[0] < num_gen // beam:
         raise ValueError(f"cache_indirection: expected (>= {num_gen // max(beam, 1)} generation sequences, "
                          f"beam_width dividing the {num_gen} generation entries, max_seqlen), got {ci.shape}")
+    # spec: trtllm/cache-indirection
     if ((ci < 0) | (ci >= beam)).any():
         raise ValueError(f"cache_indirection: expected values in [0, beam_width = {beam}), got "
                          f"[{int(ci.min())}, {int(ci.max())}]")
@@ -213,6 +219,7 @@ def _check_requests(a, qkv, packed, hidden):
     if not np.isin(types, (0, 1)).all():
         raise ValueError(f"host_request_types: expected RequestType values 0 (context) or 1 (generation), "
                          f"got {types.tolist()}")
+    # spec: trtllm/inflight-order
     if (np.diff(types) < 0).any():
         raise ValueError(f"host_request_types: context requests must come before generation requests, "
                          f"got {types.tolist()}")
@@ -229,6 +236,7 @@ def _check_requests(a, qkv, packed, hidden):
     is_context = types == 0
     if (ctx_len < 1).any():
         raise ValueError(f"context_lengths: expected values >= 1, got {ctx_len.tolist()}")
+    # spec: trtllm/beam-context, trtllm/generation-beam-tokens
     new = np.where(is_context, ctx_len, 1)
     if (lengths != past + new).any():
         raise ValueError(f"sequence_length: expected host_past_key_value_lengths + new tokens (context_lengths for "
@@ -255,6 +263,7 @@ def _check_scalars_and_quantization(a, out, qkv, hidden):
     if not a["attn_logit_softcapping_scale"] >= 0:
         raise ValueError(f"attn_logit_softcapping_scale: expected a float >= 0 (0 disables it), "
                          f"got {a['attn_logit_softcapping_scale']!r}")
+    # spec: trtllm/context-unfused, trtllm/context-fmha-fp32-acc
     check_choice("context_fmha_type", a["context_fmha_type"], (0, 1, 2))
     tpb = check_int("tokens_per_block", a["tokens_per_block"], low=1)
     if tpb & (tpb - 1):
@@ -367,6 +376,7 @@ def _host_lengths_and_cache(a, E, ci, slots, cache_dims, paged):
         if pkv is None:
             raise ValueError("past_key_value: required for the contiguous cache (paged_kv_cache=False), got None")
         _cache_dtype_ok("past_key_value", pkv, qkv, quant)
+        # spec: trtllm/contiguous-shape
         check_shape("past_key_value", pkv, (None, 2, Hkv, None, Dh),
                     "(batch_beam, 2, num_kv_heads, max_seqlen, hidden_size_per_head)")
         if pkv.shape[0] < E or pkv.shape[3] < slots:
@@ -378,6 +388,7 @@ def _host_lengths_and_cache(a, E, ci, slots, cache_dims, paged):
         raise ValueError("kv_cache_pool: required with paged_kv_cache=True, got None")
     _cache_dtype_ok("kv_cache_pool", pool, qkv, quant)
     tpb = int(a["tokens_per_block"])
+    # spec: trtllm/paged-blocks, trtllm/cache-per-layer
     check_shape("kv_cache_pool", pool, (None, None, 2, Hkv, tpb, Dh),
                 "(num_blocks, num_layers, 2, num_kv_heads, tokens_per_block, hidden_size_per_head)")
     if a["layer_idx"] >= pool.shape[1]:

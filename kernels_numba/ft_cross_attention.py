@@ -90,6 +90,7 @@ def length_range(args, b, i_first, i_last, seqlen, kvlen):
 @cache
 def _attention_kernel(head_dim: int):
     """The core specialised for one head size (compiled per size: FasterTransformer dispatches 12 of them)."""
+    # spec: ft/head-size-dispatch
     heads_per_block, q_tile, key_tile = plan_tiles(1, 1, 1, head_dim, head_dim)
     return make_attention_kernel(chunked_row, chunked_load, plain_score, length_range, head_dim_k=head_dim,
                                  head_dim_v=head_dim, heads_per_block=heads_per_block, q_tile=q_tile,
@@ -110,6 +111,7 @@ def _layout_kernel(dtype: str, use_ia3: bool):
         b = cuda.blockIdx.y
         key = cuda.blockIdx.z == 0
         proj, bias, ia3, dst = (k_proj, k_bias, ia3_k, k_dst) if key else (v_proj, v_bias, ia3_v, v_dst)
+        # spec: ft/finished
         biased = lengths[b] if not finished[b] else 0                     # positions [0, biased) get the bias
         for e in range(cuda.grid(1), mem_len * hidden, cuda.gridsize(1)):    # (t, h, d) of [L, H, Dh]
             t, h, d = e // hidden, (e % hidden) // head_dim, e % head_dim
@@ -205,8 +207,10 @@ def cross_attention(input_query, encoder_output, encoder_sequence_length, step, 
         return xp.zeros(hidden, dtype) if dense.bias is None else dense.bias
 
     # 1. QKV generation: Q every step, K/V of the encoder output at step 1; no bias in any GEMM.
+    # spec: ft/q-every-step
     q_buf = _gemm(xp, input_query, weights.query_weight.kernel)                 # [B, H*Dh]
     k_src, v_src = cache_sources(key_cache, value_cache, is_batch_major_cache)
+    # spec: ft/step, ft/kv-from-encoder, ft/kv-once, ft/store-first-step
     if step == 1:
         memory = encoder_output.reshape(batch * mem_len, -1)                     # [B*L, mem_d_model]
         k_proj = _gemm(xp, memory, weights.key_weight.kernel)                    # [B*L, H*Dh]
@@ -226,9 +230,11 @@ def cross_attention(input_query, encoder_output, encoder_sequence_length, step, 
            bias(weights.query_weight), np.int64(hidden), flat(q))
     context = xp.zeros((batch, hidden), dtype) if context_buf is None else context_buf
     sm_scale = np.float32(1.0 / (math.sqrt(size_per_head) * q_scaling))
+    # spec: ft/finished
     seqlens = (~xp.asarray(finished)).astype(np.int64)          # one query row; a finished sequence has none
     zero_starts = to_kind(like, np.zeros(batch, np.int64))
     geometry = (zero_starts, np.int64(hidden), np.int64(0), np.int64(size_per_head))    # [B, H*Dh], one row
+    # spec: ft/read-from-cache
     launch(_attention_kernel(size_per_head), (1, head_num, batch), threads, stream, (flat(q), *geometry),
            (flat(context), *geometry), seqlens, encoder_sequence_length, k_src, v_src, (np.int64(0),), sm_scale)
     if cross_attentions is not None:
@@ -237,4 +243,5 @@ def cross_attention(input_query, encoder_output, encoder_sequence_length, step, 
                cross_attentions)
 
     # 3. output linear over every row (a finished row's context is whatever the buffer held).
+    # spec: ft/output-linear, ft/hidden-features
     return _gemm(xp, context, weights.attention_output_weight.kernel), context

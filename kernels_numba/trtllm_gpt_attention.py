@@ -140,6 +140,7 @@ def make_kv_codec(quant: int, acc_t):
 @cuda.jit(device=True, inline="always")
 def cyclic_slot(t, window, sinks):
     """Slot of token position t: sinks stay put, the rest cycle through the window's W - S slots."""
+    # spec: trtllm/cyclic-cache, trtllm/sink-tokens
     if t < sinks:
         return t
     return sinks + (t - sinks) % (window - sinks)
@@ -162,6 +163,7 @@ def make_cache_address(head_size: int):
 
 def make_rope(rope_style: int, rotary_dim: int, round_dtype, acc_t):
     """(pair_of, rotate): RoPE of one element given its pair partner, the result rounded to the input dtype."""
+    # spec: trtllm/rope
     HALF = rotary_dim // 2
 
     @cuda.jit(device=True, inline="always")
@@ -229,6 +231,7 @@ def make_trt_access(quant: int, num_kv_heads: int, head_size: int, acc_t, round_
 @cuda.jit(device=True, inline="always")
 def t5_bucket(relative_position, num_buckets, max_distance, bidirectional):
     """T5's bucket of key position - query position, its log math in float32 as the reference's."""
+    # spec: trtllm/rab-implicit
     bucket = 0
     if bidirectional != 0:
         num_buckets //= 2
@@ -455,6 +458,7 @@ def _preprocess_kernel(dtype, num_heads, num_kv_heads, head_size, rotary_dim, ro
     Grid (x: ceil(max new tokens * (H + 2 Hkv) * Dh / threads), y: entries); one thread per element. A rotated
     element reads its pair partner too (both threads of a pair compute the same two inputs)."""
     acc_t = _acc_type(dtype)
+    # spec: trtllm/generation-mmha
     round_dtype = round_to_float16 if np.dtype(dtype) == np.float16 else keep_float32
     encode, _ = make_kv_codec(quant, acc_t)
     cache_address = make_cache_address(head_size)
@@ -525,6 +529,7 @@ def _cross_kernel(dtype, num_kv_heads, head_size, quant):
 
     Grid (x: ceil(longest encoder input * 2 Hkv * Dh / threads), y: entries); generation entries have no rows
     in enc_starts, so no thread."""
+    # spec: trtllm/cross-attention
     acc_t = _acc_type(dtype)
     round_dtype = round_to_float16 if np.dtype(dtype) == np.float16 else keep_float32
     encode, _ = make_kv_codec(quant, acc_t)
@@ -783,6 +788,7 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     rope_on_load = (rope_style, rotary_dim) if rotate_cached else (0, 0)
     heads_per_block, q_tile, key_tile = plan_tiles(H, Hkv, min(max_new, 16), Dh, Dh, np.dtype(acc_t).itemsize)
     q_blocks = max(1, ceil_div(max_new, q_tile)) * (H // heads_per_block) * E
+    # spec: trtllm/multi-block
     if num_splits is None:
         num_splits = choose_splits(q_blocks, int(np.max(kvlens)), key_tile, num_sms) if multi_block_mode else 1
     kernel, heads_per_block, q_tile = _attention_kernel(dtype.str, H, Hkv, Dh, quant, min(max_new, 16),
@@ -790,8 +796,10 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     q_geom = (q_scratch, to_kind(qkv, token_starts), np.int64(0), np.int64(H * Dh), np.int64(Dh))
     out_geom = (flat(output), q_geom[1], np.int64(0), np.int64(H * Dh), np.int64(Dh))
     grid = (max(1, ceil_div(max_new, q_tile)), H // heads_per_block, E * num_splits)
+    # spec: trtllm/norm-factor
     sm_scale = acc_t(1.0 / (q_scaling * math.sqrt(Dh)))
     # context_fmha_type 0 (disabled): the context entries take the unfused path, the fused kernel the rest.
+    # spec: trtllm/context-unfused, trtllm/fp8-context-fmha
     fp8_fmha = bool(use_fp8_context_fmha) and num_context > 0
     unfused = (context_fmha_type == 0 or fp8_fmha) and num_context > 0
     fused_new = np.where(np.arange(E) < num_context, 0, new) if unfused else new

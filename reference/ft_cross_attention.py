@@ -87,6 +87,7 @@ def cross_attention(input_query, encoder_output, encoder_sequence_length, step, 
 
     key_cache / value_cache (and context_buf, cross_attentions when given) are written in place.
     """
+    # spec: ft/input-query, ft/encoder-output, ft/encoder-lengths
     dtype = input_query.dtype
     acc = np.float64 if dtype == np.float64 else np.float32
     batch, mem_len = encoder_output.shape[:2]
@@ -97,8 +98,10 @@ def cross_attention(input_query, encoder_output, encoder_sequence_length, step, 
     use_ia3 = ia3_tasks is not None
 
     # ---- 1. QKV generation
+    # spec: ft/q-every-step
     # Q every step, without its bias: the attention kernel adds it.
     q_buf = _gemm(input_query, weights.query_weight.kernel)                       # [B, H*Dh]
+    # spec: ft/step, ft/kv-from-encoder, ft/kv-once, ft/store-first-step
     if step == 1:
         # K and V of the whole encoder output, once: one GEMM over B*L rows each, no bias.
         memory = encoder_output.reshape(batch * mem_len, -1)                      # [B*L, mem_d_model]
@@ -109,6 +112,7 @@ def cross_attention(input_query, encoder_output, encoder_sequence_length, step, 
                is_batch_major_cache)
 
     # ---- 2. output generation (cross_attention_dispatch -> masked multi-head attention kernel)
+    # spec: ft/read-from-cache, ft/caches
     keys, values = logical_caches(key_cache, value_cache, is_batch_major_cache)  # [B, H, L, Dh] each
     context = np.zeros((batch, hidden), dtype) if context_buf is None else context_buf
     q_bias = _bias(weights.query_weight, hidden, dtype).reshape(heads, dim)
@@ -116,6 +120,7 @@ def cross_attention(input_query, encoder_output, encoder_sequence_length, step, 
     v_bias = _bias(weights.value_weight, hidden, dtype).reshape(heads, 1, dim)
     inv_sqrt_dh = acc(1.0 / (np.sqrt(dim) * q_scaling))
     for b in range(batch):
+        # spec: ft/finished
         if done[b]:
             continue      # the kernel returns early: context row, probabilities and cache stay as they are
         n = int(lengths[b])                   # keys past the length are not visited (not masked: not read)
@@ -138,9 +143,11 @@ def cross_attention(input_query, encoder_output, encoder_sequence_length, step, 
             cross_attentions[b, :, step - 1, :n] = probs                          # row step - 1; [n, L) untouched
         out = np.einsum("ht,htd->hd", probs, v.astype(acc))                       # [H, Dh]
         context[b] = out.reshape(hidden).astype(dtype)
+    # spec: ft/store-first-step
     if step == 1:
         _store(key_cache, value_cache, keys, values, is_batch_major_cache)
 
     # ---- 3. output linear: over every row, finished ones too (their context row is whatever it held)
+    # spec: ft/output-linear, ft/hidden-features
     hidden_features = _gemm(context, weights.attention_output_weight.kernel)     # [B, d_model], no bias
     return hidden_features, context

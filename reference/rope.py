@@ -61,6 +61,7 @@ def rotate(x: np.ndarray, positions: np.ndarray, freq: np.ndarray, style: str) -
     The angles are formed in x's dtype (float32 for the float16/float32 inputs the operator promotes,
     float64 for float64).
     """
+    # spec: trtllm/rope
     half = freq.shape[0]
     rot_dim = 2 * half
     angle = positions.astype(x.dtype)[:, None] * freq.astype(x.dtype)[None, :]   # (T, rot_dim/2)

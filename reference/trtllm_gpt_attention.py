@@ -46,6 +46,7 @@ def fp8_e4m3():
 
 def accumulation_dtype(dtype) -> np.dtype:
     """Scores in float32 (as the GPU kernels) for float16/bfloat16/float32, float64 for float64 inputs."""
+    # spec: trtllm/context-fmha-fp32-acc
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
@@ -53,6 +54,7 @@ def accumulation_dtype(dtype) -> np.dtype:
 
 def quantize_kv(x: np.ndarray, kv_orig_quant_scale: float, quant_mode: int) -> np.ndarray:
     """x (float) -> int8 or float8_e4m3fn codes. "fp_value * (1.0 / kv_cache_scaling_factor)", in float32."""
+    # spec: trtllm/int8-fp8-cache, trtllm/quant-inverse-scale
     scaled = x.astype(np.float32) * np.float32(kv_orig_quant_scale)
     if quant_mode & INT8_KV_CACHE:
         return np.clip(np.rint(scaled), INT8_MIN, INT8_MAX).astype(np.int8)    # rint: round half to even
@@ -62,6 +64,7 @@ def quantize_kv(x: np.ndarray, kv_orig_quant_scale: float, quant_mode: int) -> n
 
 def dequantize_kv(codes: np.ndarray, kv_quant_orig_scale: float) -> np.ndarray:
     """codes -> float32: "quantized_value * kv_cache_scaling_factor"."""
+    # spec: trtllm/dequant
     return codes.astype(np.float32) * np.float32(kv_quant_orig_scale)
 
 
@@ -74,6 +77,7 @@ def paged_bubble(sinks: int, tokens_per_block: int) -> int:
 
 def cyclic_slot(t: np.ndarray, window: int, sinks: int, bubble: int = 0) -> np.ndarray:
     """Cache slot of token position t: sinks stay put; the others cycle through the window's W - S slots."""
+    # spec: trtllm/cyclic-cache, trtllm/sink-tokens
     t = np.asarray(t)
     return np.where(t < sinks, t, sinks + bubble + (t - sinks) % (window - sinks))
 
@@ -86,11 +90,13 @@ def visible_keys(positions: np.ndarray, num_keys: int, *, mask_type: int, window
     at position p iff j <= p. The window keeps keys in (p - W, p]; with StreamingLLM sinks, the S first tokens
     plus the last W - S. The StreamingLLM context phase is dense (`dense`): no window there.
     """
+    # spec: trtllm/sliding-window-context, trtllm/sink-tokens
     p = positions[:, None]                                                   # (n, 1)
     j = np.arange(num_keys)[None, :]                                         # (1, K)
     visible = np.ones((positions.shape[0], num_keys), bool)
     if mask_type in (CAUSAL, SLIDING_WINDOW_CAUSAL):
         visible &= j <= p
+    # spec: trtllm/streaming-context-dense
     if not dense:
         visible &= (j > p - (window - sinks)) | (j < sinks)
     return visible
@@ -105,6 +111,7 @@ def t5_bucket(relative_position: np.ndarray, num_buckets: int, max_distance: int
     logarithmic up to max_distance, capped at num_buckets - 1. Bidirectional halves the buckets and adds
     num_buckets/2 for keys ahead of the query.
     """
+    # spec: trtllm/rab-implicit
     rel = np.asarray(relative_position, np.int64)
     bucket = np.zeros_like(rel)
     if bidirectional:
@@ -129,6 +136,7 @@ def split_attention(scores: np.ndarray, values: np.ndarray, num_splits: int):
     o (splits, H, n, Dv): tile c's max score m_c, sum l_c = sum exp(s - m_c) and unnormalised o_c =
     sum exp(s - m_c) v. A tile with no visible key has m = -inf, l = 0, o = 0.
     """
+    # spec: trtllm/multi-block
     ms, ls, os_ = [], [], []
     for tile in np.array_split(np.arange(scores.shape[-1]), num_splits):
         s = scores[..., tile]                                                # (H, n, k)
@@ -146,6 +154,7 @@ def combine_partials(m: np.ndarray, l: np.ndarray, o: np.ndarray) -> np.ndarray:
 
     A row no tile sees (L = 0) gives zeros, as masked_softmax does.
     """
+    # spec: trtllm/multi-block
     big_m = m.max(axis=0)                                                    # (H, n)
     safe = np.where(np.isneginf(big_m), 0, big_m)
     weight = np.where(np.isneginf(m), 0, np.exp(m - safe))                   # (splits, H, n)
@@ -173,11 +182,13 @@ class KVCache:
     tokens_per_block: int
 
     def _where(self, rows, kv: int, slots: np.ndarray):
+        # spec: trtllm/paged-blocks, trtllm/cache-per-layer
         block = self.block_offsets[0, rows, kv, slots // self.tokens_per_block] + 2 * self.layer_idx
         return block, slots % self.tokens_per_block
 
     def read(self, rows: np.ndarray, kv: int, slots: np.ndarray) -> np.ndarray:
         """(n, Hkv, Dh) stored codes of slots[i] in rows[i]."""
+        # spec: trtllm/contiguous-shape
         if self.contiguous is not None:
             return self.contiguous[rows, kv, :, slots]                       # (n, Hkv, Dh)
         block, within = self._where(rows, kv, slots)
@@ -196,6 +207,7 @@ class KVCache:
 
 def _last_writer(slots: np.ndarray) -> np.ndarray:
     """Indices of the tokens that end up in the cache when several wrap onto one slot: the latest of each."""
+    # spec: trtllm/cyclic-overwrite
     reversed_first = np.unique(slots[::-1], return_index=True)[1]
     return np.sort(slots.shape[0] - 1 - reversed_first)
 
@@ -217,8 +229,10 @@ def _split_qkv(rows, qkv_bias, H, Hkv, Dh, dtype, acc):
 
     The bias is added as the preprocessing step adds it, which writes the input dtype back.
     """
+    # spec: trtllm/qkv-packing, trtllm/mha-mqa-gqa
     n = rows.shape[0]
     x = rows.astype(acc)                                                     # (n, (H + 2 Hkv) Dh)
+    # spec: trtllm/generation-mmha
     if qkv_bias is not None:
         x = x + qkv_bias.astype(acc)
     x = x.astype(dtype).astype(acc)
@@ -232,6 +246,7 @@ def _beam_rows(e, positions, *, num_context, beam_width, context_length, cache_i
     """Cache row of each cached position read by generation entry e = C + bi * W + w: the prompt from beam 0's
     row (written once, shared by the beams), later tokens from the row cache_indirection[bi, w, t] names.
     Beam search never runs on a wrapped cache, so the indirection's token index is the position."""
+    # spec: trtllm/cache-indirection
     bi, w = divmod(e - num_context, beam_width)
     first = num_context + bi * beam_width
     return np.where(positions < context_length, first,
@@ -244,10 +259,13 @@ def _position_bias(position_embedding_type, positions, num_keys, *, alibi_slopes
     bias (regular table at [h, query position, key position], or T5 buckets of key - query position)."""
     j = np.arange(num_keys)[None, :]                                         # (1, K)
     i = positions[:, None]                                                   # (n, 1)
+    # spec: trtllm/alibi
     if position_embedding_type in (ALIBI, ALIBI_WITH_SCALE):
         return alibi_slopes.astype(acc)[:, None, None] * (j - i).astype(acc)
+    # spec: trtllm/rab, trtllm/rab-modes
     if position_embedding_type != RELATIVE:
         return None
+    # spec: trtllm/rab-implicit
     if max_distance > 0:
         bidirectional = mask_type in (PADDING, BIDIRECTIONAL)               # encoders see keys ahead too
         buckets = t5_bucket(j - i, relative_attention_bias.shape[1], max_distance, bidirectional)   # (n, K)
@@ -263,6 +281,7 @@ def _attend(q, k, v, visible, bias, *, norm_factor, softcap, fp8_fmha, kv_scales
     the unnormalised probabilities exp(s - max) rounded to e4m3 before P.V, the sum kept in float32.
     """
     acc = q.dtype
+    # spec: trtllm/fp8-context-fmha
     if fp8_fmha:
         inv_s, s = kv_scales
         q, k, v = (quantize_kv(x, inv_s, FP8_KV_CACHE).astype(acc) for x in (q, k, v))
@@ -307,6 +326,7 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     against their device tensors by the validation.
     """
     H, Hkv, Dh = num_heads, num_kv_heads, hidden_size_per_head
+    # spec: trtllm/mha-mqa-gqa
     group = H // Hkv                                                         # GQA: query head h reads h // group
     dtype = np.dtype(qkv.dtype)
     acc = accumulation_dtype(dtype)
@@ -314,26 +334,34 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     past = host_past_key_value_lengths.astype(np.int64)
     lengths = sequence_length.astype(np.int64)
     is_context = host_request_types == CONTEXT
+    # spec: trtllm/chunked-context, trtllm/beam-context, trtllm/generation-beam-tokens
     new_tokens = lengths - past                                              # prompt/chunk, or 1 per beam
+    # spec: trtllm/inflight-order
     num_context = int(is_context.sum())
     beam_width = int(cache_indirection.shape[1]) if cache_indirection is not None else 1
+    # spec: trtllm/window-per-layer, trtllm/window-repeat
     # One window per layer; a shorter list repeats over the layers.
     window = int(host_max_attention_window_sizes[layer_idx % len(host_max_attention_window_sizes)])
     sinks = int(host_sink_token_length[0])
+    # spec: trtllm/int8-fp8-cache
     quantized = bool(kv_cache_quant_mode & (INT8_KV_CACHE | FP8_KV_CACHE))
     cache = None
+    # spec: trtllm/cache-per-layer, trtllm/paged-blocks, trtllm/contiguous-shape
     if use_cache:
         pool_blocks = None if not paged_kv_cache else kv_cache_pool.reshape(-1, *kv_cache_pool.shape[3:])
         cache = KVCache(None if paged_kv_cache else past_key_value, pool_blocks, kv_cache_block_offsets,
                         layer_idx, tokens_per_block)
     bubble = paged_bubble(sinks, tokens_per_block) if paged_kv_cache else 0
+    # spec: trtllm/norm-factor
     norm_factor = 1.0 / (q_scaling * math.sqrt(Dh))                          # scales QK^T only
+    # spec: trtllm/rope
     rope_style = {ROPE_GPTJ: rope.GPTJ, ROPE_GPT_NEOX: rope.GPT_NEOX}.get(position_embedding_type)
     if rope_style is not None and rotary_embedding_scale_type == SCALING_LINEAR:
         rope_position_divisor = rotary_embedding_scale                      # linear scaling divides the position
     else:
         rope_position_divisor = 1.0
 
+    # spec: trtllm/padded-packed, trtllm/packed-lengths, trtllm/padded-qkv-shape, trtllm/packed-qkv-shape
     # Packed ([num_tokens, hidden]) or padded ([batch_beam, max_seqlen, hidden]) QKV: entry e's tokens are
     # packed rows starts[e]:starts[e+1], or padded rows qkv[e, :new_tokens[e]].
     starts = np.concatenate([[0], np.cumsum(new_tokens)])
@@ -347,6 +375,7 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
         context_encoder_lengths = np.where(is_context, encoder_input_lengths, 0)
         encoder_starts = np.concatenate([[0], np.cumsum(context_encoder_lengths)])
 
+    # spec: trtllm/dequant, trtllm/quant-inverse-scale, trtllm/generation-mmha
     def load(codes):
         return (dequantize_kv(codes, kv_quant_orig_scale) if quantized else codes).astype(acc)
 
@@ -359,6 +388,7 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
         positions = np.arange(P, N)                                          # query i sits at position P + i
         bias = None
 
+        # spec: trtllm/cross-attention
         if do_cross_attention:
             # Cross attention: keys are the encoder's L_e tokens, written to the cache in the context phase
             # (no RoPE, not causal), only read in generation.
@@ -376,6 +406,7 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
             visible = np.ones((n, L), bool)
         else:
             # Which key positions each query sees (mask type, window, sinks); custom masks replace the causal rule.
+            # spec: trtllm/streaming-context-dense
             dense = streamingllm and bool(is_context[e])
             visible = visible_keys(positions, N, mask_type=PADDING if mask_type == CUSTOM_MASK else mask_type,
                                    window=window, sinks=sinks, dense=dense)
@@ -384,6 +415,7 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
 
             # RoPE of the new tokens at their positions; StreamingLLM generation rotates them at the position in
             # the cache, min(past, W).
+            # spec: trtllm/rope, trtllm/generation-mmha
             if rope_style is not None:
                 freq = _rope_freq(rotary_inv_freq, rotary_embedding_dim, rotary_embedding_base,
                                   rotary_embedding_scale_type, rotary_embedding_scale, rotary_embedding_max_positions,
@@ -392,6 +424,7 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
                 def rotate(x, at, freq=freq):
                     return rope.rotate(x, at / rope_position_divisor, freq, rope_style).astype(dtype).astype(acc)
 
+                # spec: trtllm/streaming-positions
                 at = np.full(n, min(P, window)) if streamingllm and not is_context[e] else positions
                 q, k_rot = rotate(q, at), rotate(k_new, at)
             else:
@@ -403,13 +436,16 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
             needed = np.flatnonzero(visible[:, :P].any(axis=0))              # cached positions in view
             if needed.size:
                 rows = np.full(needed.shape, e)
+                # spec: trtllm/cache-indirection, trtllm/beam-context
                 if not is_context[e]:
                     rows = _beam_rows(e, needed, num_context=num_context, beam_width=beam_width,
                                       context_length=context_lengths[e], cache_indirection=cache_indirection,
                                       window=window, sinks=sinks)
+                # spec: trtllm/cyclic-cache
                 slots = cyclic_slot(needed, window, sinks, bubble)
                 keys[needed] = load(cache.read(rows, 0, slots))
                 vals[needed] = load(cache.read(rows, 1, slots))
+                # spec: trtllm/streaming-positions
                 if streamingllm and rope_style is not None:
                     # StreamingLLM caches K without RoPE and rotates it at its index in the cache.
                     keys[needed] = rotate(keys[needed], cyclic_slot(needed, window, sinks))
@@ -418,6 +454,7 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
 
             # Write the new K/V (after RoPE; StreamingLLM: before it) at their cyclic slots, latest writer wins.
             if cache is not None:
+                # spec: trtllm/cyclic-overwrite
                 slots = cyclic_slot(positions, window, sinks, bubble)
                 kept = _last_writer(slots)
                 k_stored = k_new if streamingllm else k_rot
@@ -429,8 +466,10 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
                                   mask_type=mask_type, acc=acc)
 
         # GQA: query head h reads kv head h // group.
+        # spec: trtllm/mha-mqa-gqa
         keys_h = np.repeat(keys, group, axis=1)                              # (K, H, Dh)
         vals_h = np.repeat(vals, group, axis=1)
+        # spec: trtllm/fp8-context-fmha
         fp8_fmha = use_fp8_context_fmha and bool(is_context[e])
         out = _attend(q, keys_h, vals_h, visible, bias, norm_factor=norm_factor,
                       softcap=attn_logit_softcapping_scale, fp8_fmha=fp8_fmha,

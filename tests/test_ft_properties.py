@@ -40,6 +40,7 @@ def unfinished(case):
     return np.ones(case.batch, bool) if case.finished is None else ~np.asarray(case.finished)
 
 
+@pytest.mark.spec("ft/kv-once", "ft/store-first-step", "ft/read-from-cache", "ft/step", "ft/caches")
 @settings(max_examples=REFERENCE // 2)
 @given(ft_cases(steps=(1,)), st.integers(2, 4))
 def test_steps_after_the_first_equal_recomputing_biased_kv(case, steps):
@@ -61,6 +62,7 @@ def test_steps_after_the_first_equal_recomputing_biased_kv(case, steps):
                               recomputed["cross_attentions"][b, :, 0, :n])
 
 
+@pytest.mark.spec("ft/caches")
 @settings(max_examples=REFERENCE)
 @given(ft_cases())
 def test_the_two_cache_layouts_agree(case):
@@ -82,6 +84,7 @@ def zero_biases(weights):
     return AttentionWeight(*(DenseWeight(w.kernel, np.zeros_like(w.bias)) for w in weights[:4]))
 
 
+@pytest.mark.spec("ft/finished")
 @settings(max_examples=REFERENCE)
 @given(ft_cases(steps=(1, 2)).filter(lambda c: c.finished is not None and any(c.finished)))
 def test_a_finished_row_is_left_alone(case):
@@ -118,6 +121,7 @@ def mask_padding_and_attend(inputs, case, state):
     return (probs @ v).reshape(case.batch, -1), probs[:, :, 0]
 
 
+@pytest.mark.spec("ft/encoder-lengths", "ft/input-query", "ft/read-from-cache")
 @settings(max_examples=REFERENCE)
 @given(ft_cases(finished=False), st.integers(0, 2**32 - 1))
 def test_lengths_equal_an_explicit_mask_over_padded_encoder_states(case, seed):
@@ -182,6 +186,47 @@ def test_reference_matches_float64_evaluation(case):
         assert_close("cross_attentions", state["cross_attentions"], cross, case.dtype, scale=2.0)
 
 
+@pytest.mark.spec("ft/kv-from-encoder", "ft/store-first-step", "ft/output-linear", "ft/hidden-features")
+@settings(max_examples=REFERENCE // 2)
+@given(ft_cases(steps=(1,), finished=False, ia3=False))
+def test_first_step_caches_the_projected_encoder_output_and_projects_the_context(case):
+    """The article's formulas in float64, apart from the reference: after step 1 the caches hold
+    encoder_output . Wk / Wv plus the bias at every position a row reads, and hidden_features, the size of
+    input_query, is context . Wo."""
+    inputs = build_ft(case)
+    out, state = run(inputs, case)
+    w = inputs["weights"]
+    memory = inputs["encoder_output"].astype(np.float64)                                 # [B, L, mem_d_model]
+    for name, dense, got in zip(("key_cache", "value_cache"), (w.key_weight, w.value_weight), logical(state, case)):
+        want = (memory @ dense.kernel.astype(np.float64) + dense.bias).reshape(
+            case.batch, case.mem_len, case.head_num, case.size_per_head).transpose(0, 2, 1, 3)   # [B, H, L, Dh]
+        for b, n in enumerate(case.lengths):
+            assert_close(f"{name} row {b}", got[b, :, :n], want[b, :, :n], case.dtype, scale=2.0)
+    assert out.hidden_features.shape == inputs["input_query"].shape
+    wo = w.attention_output_weight.kernel.astype(np.float64)
+    assert_close("hidden_features", out.hidden_features, out.context.astype(np.float64) @ wo, case.dtype)
+
+
+@pytest.mark.spec("ft/q-every-step", "ft/read-from-cache", "ft/kv-once", "ft/step")
+@settings(max_examples=REFERENCE // 2)
+@given(ft_cases(steps=(1,)), st.integers(0, 2**32 - 1))
+def test_a_later_step_projects_its_new_query_and_ignores_the_encoder_output(case, seed):
+    """Step 2 with a new input_query and a different encoder_output gives the bits of step 1 with that query
+    over the original encoder output: Q comes from this step's input, K/V from the cache alone."""
+    case = with_(case, max_decoder_seq_len=2)
+    inputs = build_ft(case)
+    _, state = run(inputs, case)
+    rng = np.random.default_rng(seed)
+    query = rng.standard_normal(inputs["input_query"].shape).astype(case.dtype)
+    other = (rng.standard_normal(inputs["encoder_output"].shape) * 100).astype(case.dtype)
+    later, after = run(dict(state, step=2, input_query=query, encoder_output=other), with_(case, step=2))
+    first, _ = run(dict(inputs, input_query=query), case)
+    assert_same_outputs(later, first)
+    for name in ("key_cache", "value_cache"):
+        assert_bits_equal(f"{name} at step 2", after[name], state[name])
+
+
+@pytest.mark.spec("ft/head-size-dispatch")
 @pytest.mark.parametrize("size_per_head", HEAD_SIZES)
 def test_every_head_size_matches_float64_evaluation(size_per_head):
     """Each of FasterTransformer's head sizes, both layouts, against the float64 evaluation (the kernel test
@@ -227,6 +272,7 @@ def test_kernels_match_the_reference(device, case, threads):
         assert_close("cross_attentions", cross[written], wide[4][written], case.dtype, scale=2.0)
 
 
+@pytest.mark.spec("ft/head-size-dispatch")
 @pytest.mark.parametrize("size_per_head", HEAD_SIZES)
 def test_kernels_for_every_head_size(device, size_per_head):
     """One small launch per head size (each compiles its own kernel); dtype and layout alternate over the list,

@@ -68,6 +68,7 @@ BAD = [
     ("output weight shape", call(weights=weights(attention_output_weight=DenseWeight(W.query_weight.kernel))),
      ValueError, "weights.attention_output_weight.kernel"),
     ("missing key weight", call(weights=weights(key_weight=None)), ValueError, "weights.key_weight"),
+    ("input_query 1-D", call(input_query=BASE["input_query"][0]), ValueError, "input_query"),
     ("input_query float64", call(input_query=BASE["input_query"].astype(np.float64)), TypeError, "input_query"),
     ("encoder_output float16", call(encoder_output=BASE["encoder_output"].astype(np.float16)), TypeError,
      "encoder_output"),
@@ -85,6 +86,8 @@ BAD = [
 ]
 
 
+@pytest.mark.spec("ft/input-query", "ft/encoder-output", "ft/encoder-lengths", "ft/finished", "ft/step",
+                  "ft/caches", "ft/head-size-dispatch")
 @pytest.mark.parametrize("backend", ["reference", "numba"])
 @pytest.mark.parametrize("name,args,error,param", BAD, ids=[b[0] for b in BAD])
 def test_bad_cross_attention_input(name, args, error, param, backend):

@@ -164,6 +164,7 @@ def test_features_not_run_yet_are_refused_by_name(change, feature):
 
 # ---- cross attention: context entries cache the encoder K/V, generation entries read them back ------------------
 
+@pytest.mark.spec("trtllm/cross-attention")
 @pytest.mark.parametrize("case", [
     replace(BASE, mask_type=0, capacity=6, window=6),
     replace(BASE, mask_type=0, capacity=6, window=6, paged=True, tokens_per_block=4, quant=128, dtype="float16",
@@ -195,6 +196,7 @@ def test_cross_attention_kernels_match_the_reference(case):
 
 # ---- multi-block: split keys, (m, l, o) partials, combine ----------------------------------------------------------
 
+@pytest.mark.spec("trtllm/multi-block")
 def test_multi_block_equals_single_block(monkeypatch):
     """Several split counts, one with splits that see no key (the window leaves the early ones empty): the combined
     output matches one block per row and the reference, and the cache is written the same."""
@@ -232,6 +234,7 @@ def test_choose_splits_fills_idle_sms_only():
 
 # ---- context_fmha_type 0: the unfused context path next to the fused one -------------------------------------------
 
+@pytest.mark.spec("trtllm/context-unfused", "trtllm/fp8-context-fmha")
 @pytest.mark.parametrize("case", [
     replace(BASE, mask_type=6, position=6, relative="t5", softcap=3.0, contexts=((0, 3), (2, 2)), beam_width=1),
     replace(BASE, generations=(), beam_width=1, contexts=((3, 6),), window=4, capacity=4, paged=True,

@@ -102,6 +102,7 @@ def test_reference_matches_float64_evaluation(case):
 
 # ---- paged = contiguous; packed = padded ---------------------------------------------------------------------------
 
+@pytest.mark.spec("trtllm/paged-blocks")
 @settings(max_examples=SOME)
 @given(trt_cases(paged=(True,)), st.integers(0, 3))
 def test_paged_cache_equals_contiguous(case, sinks):
@@ -128,6 +129,7 @@ def to_padded(case: TrtCase, args) -> dict:
     return dict(args, qkv=qkv, attention_mask=mask, remove_input_padding=False)
 
 
+@pytest.mark.spec("trtllm/padded-packed", "trtllm/packed-lengths", "trtllm/padded-qkv-shape", "trtllm/packed-qkv-shape")
 @settings(max_examples=SOME)
 @given(trt_cases(packed=(True,)))
 def test_packed_equals_padded(case):
@@ -168,6 +170,8 @@ def alone(case: TrtCase, args, entries, gen_index):
     return sub, rows
 
 
+@pytest.mark.spec("trtllm/inflight-order", "trtllm/beam-context", "trtllm/generation-beam-tokens",
+                  "trtllm/packed-lengths")
 @settings(max_examples=SOME)
 @given(trt_cases(paged=(False,), packed=(True,)))
 def test_mixed_batch_equals_each_request_alone(case):
@@ -218,6 +222,7 @@ def features(draw):
     return out
 
 
+@pytest.mark.spec("trtllm/chunked-context")
 @settings(max_examples=SOME)
 @given(st.data())
 def test_chunked_context_equals_whole_context(data):
@@ -236,6 +241,7 @@ def test_chunked_context_equals_whole_context(data):
     assert_close("chunks", np.concatenate(got), want.astype(np.float64), case.dtype)
 
 
+@pytest.mark.spec("trtllm/cyclic-cache", "trtllm/cyclic-overwrite", "trtllm/generation-mmha")
 @settings(max_examples=SOME)
 @given(st.data())
 def test_generation_after_context_equals_one_context_pass(data):
@@ -266,6 +272,7 @@ def test_generation_after_context_equals_one_context_pass(data):
 
 # ---- windows -------------------------------------------------------------------------------------------------------
 
+@pytest.mark.spec("trtllm/window-per-layer", "trtllm/window-repeat")
 def test_a_shorter_window_list_repeats_over_the_layers():
     case = replace(SMALL, contexts=((0, 7),), capacity=7, window=3, num_layers=3, layer_idx=2)
     args = build_trt(case)
@@ -288,6 +295,7 @@ def test_window_at_least_the_length_is_no_window(case):
     assert_bits_equal("cache", cache_window, cache_none)
 
 
+@pytest.mark.spec("trtllm/sliding-window-context")
 @settings(max_examples=FEW)
 @given(st.integers(1, 6), st.sampled_from([1, 2]), st.integers(0, 2**32 - 1))
 def test_sliding_window_is_the_explicit_window_mask(window, mask_type, seed):
@@ -303,6 +311,7 @@ def test_sliding_window_is_the_explicit_window_mask(window, mask_type, seed):
 
 # ---- beam search ---------------------------------------------------------------------------------------------------
 
+@pytest.mark.spec("trtllm/cache-indirection", "trtllm/generation-beam-tokens")
 @settings(max_examples=SOME)
 @given(trt_cases(beams=(2, 3), paged=(False,), packed=(True,), generation=True, chunked=False), st.booleans())
 def test_beams_read_the_rows_the_indirection_names(case, identity):
@@ -337,6 +346,7 @@ def test_beams_read_the_rows_the_indirection_names(case, identity):
 
 # ---- StreamingLLM --------------------------------------------------------------------------------------------------
 
+@pytest.mark.spec("trtllm/sink-tokens", "trtllm/streaming-positions", "trtllm/cyclic-cache")
 @settings(max_examples=SOME)
 @given(st.integers(4, 9), st.integers(1, 3), st.integers(0, 6), st.booleans(), st.sampled_from([1, 2]),
        st.integers(0, 2**32 - 1))
@@ -375,6 +385,7 @@ def test_streamingllm_is_sinks_plus_window_at_cache_positions(window, sinks, ext
 
 # ---- RoPE ----------------------------------------------------------------------------------------------------------
 
+@pytest.mark.spec("trtllm/rope")
 @settings(max_examples=SOME)
 @given(st.sampled_from([2, 4, 8, 24]), st.integers(0, 2**32 - 1))
 def test_gptj_and_gpt_neox_are_one_rotation_under_the_interleave(rot_dim, seed):
@@ -390,6 +401,7 @@ def test_gptj_and_gpt_neox_are_one_rotation_under_the_interleave(rot_dim, seed):
     assert np.array_equal(gptj[..., rot_dim:], x[..., rot_dim:])              # dims past rotary_embedding_dim
 
 
+@pytest.mark.spec("trtllm/rope")
 @settings(max_examples=SOME)
 @given(st.sampled_from([rope.GPTJ, rope.GPT_NEOX]), st.integers(0, 50), st.integers(0, 50), st.integers(-20, 20),
        st.integers(0, 2**32 - 1))
@@ -441,6 +453,7 @@ def test_llama3_frequencies_keep_high_and_slow_low_frequencies():
 
 # ---- ALiBi, relative attention bias, T5 buckets --------------------------------------------------------------------
 
+@pytest.mark.spec("trtllm/alibi", "trtllm/rab", "trtllm/rab-modes")
 @settings(max_examples=FEW)
 @given(trt_cases(positions=(4, 5), dtypes=("float32",), quant=(0,)))
 def test_alibi_is_the_explicit_bias_slope_times_distance(case):
@@ -454,6 +467,7 @@ def test_alibi_is_the_explicit_bias_slope_times_distance(case):
     assert_close("alibi", got, want.astype(np.float64), "float32")
 
 
+@pytest.mark.spec("trtllm/rab-implicit")
 def test_t5_buckets_on_hand_checked_values():
     # num_buckets 32, max_distance 128 (T5's defaults); decoder (causal) side: rp = max(i - j, 0).
     rp = np.array([0, 1, 15, 16, 32, 64, 127, 128, 500])
@@ -464,6 +478,7 @@ def test_t5_buckets_on_hand_checked_values():
     assert ref.t5_bucket(np.array([3, -3, 16, -16, 0]), 32, 128, True).tolist() == [19, 3, 26, 10, 0]
 
 
+@pytest.mark.spec("trtllm/rab-implicit", "trtllm/rab-modes")
 def test_relative_bias_t5_mode_uses_the_bucket_table():
     args = build_trt(replace(SMALL, position=6, relative="t5"))
     table = args["relative_attention_bias"]                     # (H, 8), max_distance 12
@@ -476,6 +491,7 @@ def test_relative_bias_t5_mode_uses_the_bucket_table():
 
 # ---- an explicit float64 attention for the basic features ----------------------------------------------------------
 
+@pytest.mark.spec("trtllm/mha-mqa-gqa", "trtllm/qkv-packing", "trtllm/norm-factor", "trtllm/contiguous-shape")
 @settings(max_examples=SOME)
 @given(st.sampled_from([0.0, 1.5]), st.sampled_from([1.0, 0.7]), st.booleans(), st.sampled_from([0, 1, 3]),
        st.integers(0, 2**32 - 1))
@@ -501,6 +517,7 @@ def test_one_context_request_explicitly(softcap, q_scaling, bias, mask_type, see
 
 # ---- INT8 / FP8 caches ---------------------------------------------------------------------------------------------
 
+@pytest.mark.spec("trtllm/int8-fp8-cache", "trtllm/quant-inverse-scale", "trtllm/dequant")
 @settings(max_examples=SOME)
 @given(st.integers(0, 2**32 - 1), st.sampled_from([0.01, 0.05, 0.3]))
 def test_quantization_round_trip_within_half_a_step(seed, s):
@@ -518,6 +535,7 @@ def test_quantization_round_trip_within_half_a_step(seed, s):
     assert (np.abs(fp8[~inside]) == np.float32(ref.FP8_MAX * s)).all()
 
 
+@pytest.mark.spec("trtllm/int8-fp8-cache", "trtllm/quant-inverse-scale", "trtllm/generation-mmha")
 @pytest.mark.parametrize("quant", [64, 128])
 def test_quantized_cache_stores_the_rounded_keys(quant):
     """The cache holds sat(round_half_even(k / s)) of the new (rotated) keys; reading it back gives q * s."""
@@ -535,6 +553,7 @@ def replace_quant(args):
                 past_key_value=np.zeros(args["past_key_value"].shape, np.float64), use_fp8_context_fmha=False)
 
 
+@pytest.mark.spec("trtllm/fp8-context-fmha")
 @settings(max_examples=FEW)
 @given(st.integers(0, 2**32 - 1), st.sampled_from([1, 3]))
 def test_fp8_context_fmha_rounds_q_k_v_and_p_to_e4m3(seed, mask_type):
@@ -563,6 +582,7 @@ def test_fp8_context_fmha_rounds_q_k_v_and_p_to_e4m3(seed, mask_type):
 
 # ---- cross attention -----------------------------------------------------------------------------------------------
 
+@pytest.mark.spec("trtllm/cross-attention")
 @settings(max_examples=FEW)
 @given(st.lists(st.integers(1, 5), min_size=1, max_size=3), st.integers(0, 2**32 - 1))
 def test_cross_attention_is_attention_over_the_encoder_states(encoder_lengths, seed):
@@ -626,6 +646,7 @@ def test_custom_mask_hides_exactly_its_false_keys():
     assert not np.array_equal(got, causal)
 
 
+@pytest.mark.spec("trtllm/multi-block")
 @settings(max_examples=REFERENCE)
 @given(st.integers(1, 12), st.integers(1, 3), st.integers(0, 2**32 - 1))
 def test_multi_block_combine_equals_one_pass_for_every_split_count(keys, queries, seed):
@@ -637,3 +658,72 @@ def test_multi_block_combine_equals_one_pass_for_every_split_count(keys, queries
     for splits in range(1, keys + 2):
         got = ref.combine_partials(*ref.split_attention(scores, values, splits))
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=f"{splits} splits")
+
+
+# ---- traceability: facts no test above checks on its own -------------------------------------------------------------
+
+@pytest.mark.spec("trtllm/context-fmha-fp32-acc")
+@pytest.mark.parametrize("context_fmha_type", [1, 2])
+def test_float16_scores_accumulate_in_float32(context_fmha_type):
+    """Positive float16 Q and K whose dot products (about 24 * 60^2) pass float16's largest value 65504: a float16
+    accumulation would give inf (then NaN); the float32 one matches the float64 evaluation."""
+    args = build_trt(replace(SMALL, dtype="float16"))
+    rng = np.random.default_rng(context_fmha_type)
+    x = rng.standard_normal((5, 240))                                       # (tokens, (6 + 2 + 2) * 24)
+    x[:, :192] = 60 + 5 * x[:, :192]                                        # Q and K around 60
+    qkv = x.astype(np.float16)
+    got, _ = run(dict(args, qkv=qkv, context_fmha_type=context_fmha_type))
+    x = qkv.astype(np.float64)
+    q, k, v = x[:, :144].reshape(5, 6, 24), x[:, 144:192].reshape(5, 2, 24), x[:, 192:].reshape(5, 2, 24)
+    scores = np.einsum("ihd,jhd->hij", q, np.repeat(k, 3, axis=1))          # (H, 5, 5)
+    assert scores.max() > np.finfo(np.float16).max
+    scores = np.where(np.tril(np.ones((5, 5), bool)), scores / np.sqrt(24), -np.inf)
+    want = np.einsum("hij,jhd->ihd", masked_softmax(scores), np.repeat(v, 3, axis=1)).reshape(5, 144)
+    assert_close("output", got, want, "float16")
+
+
+@pytest.mark.spec("trtllm/cache-per-layer")
+@settings(max_examples=FEW)
+@given(st.integers(0, 2**32 - 1))
+def test_each_layer_has_its_own_cache_in_the_pool(seed):
+    """The same calls as layer 0 and as layer 1 of one pool: each writes only its own layer's slab, the slabs end
+    up holding the same tokens, and a later chunk reads its own layer's keys (the other slab holds random codes)."""
+    case = single_sequence(7, window=12, capacity=12, paged=True, tokens_per_block=2, num_layers=2, seed=seed)
+    whole = build_trt(case)
+    pool = cache_of(whole)
+    first = step_args(whole, case, 0, 5, generation=False, cache=pool)
+    _, pool_0 = run(first)
+    _, pool_1 = run(dict(first, layer_idx=1))
+    assert_bits_equal("layer 1 after a layer-0 call", pool_0[:, 1], pool[:, 1])
+    assert_bits_equal("layer 0 after a layer-1 call", pool_1[:, 0], pool[:, 0])
+    stored = written(replace(case, contexts=((0, 5),)), first)[:, 0]      # the slots of tokens 0..4 in a slab
+    assert_bits_equal("the two layers' stored tokens", pool_1[:, 1][stored], pool_0[:, 0][stored])
+    assert not np.array_equal(pool_0[:, 0], pool[:, 0])
+    chunk_0, _ = run(step_args(whole, case, 5, 2, generation=False, cache=pool_0))
+    chunk_1, _ = run(dict(step_args(whole, case, 5, 2, generation=False, cache=pool_1), layer_idx=1))
+    assert_bits_equal("a chunk over either layer", chunk_1, chunk_0)
+    wrong, _ = run(dict(step_args(whole, case, 5, 2, generation=False, cache=pool_0), layer_idx=1))
+    assert not np.array_equal(wrong, chunk_0)                  # layer 1 of pool_0 was never written
+
+
+@pytest.mark.spec("trtllm/streaming-context-dense", "trtllm/cyclic-overwrite")
+@settings(max_examples=FEW)
+@given(st.integers(4, 6), st.integers(1, 2), st.integers(1, 4), st.sampled_from([0, 2]), st.integers(0, 2**32 - 1))
+def test_streamingllm_context_is_dense_and_keeps_sinks_plus_the_last_tokens(window, sinks, extra, position, seed):
+    """A StreamingLLM context longer than the window gives the bits of a plain causal call on a cache with room for
+    every token; its cyclic cache keeps the sink tokens and the last window - sinks tokens (K without RoPE)."""
+    total = window + extra
+    rope_args = dict(position=position, rotary_dim=8 if position else 0)
+    case = single_sequence(total, window=window, capacity=window, sinks=sinks, streamingllm=True, seed=seed,
+                           **rope_args)
+    args = build_trt(case)
+    roomy = dict(build_trt(single_sequence(total, window=total, capacity=total, seed=seed, **rope_args)),
+                 qkv=args["qkv"])
+    got, cache = run(args)
+    want, _ = run(roomy)
+    assert_bits_equal("dense context", got, want)
+    kept = [t for t in range(total) if t < sinks or t >= total - (window - sinks)]
+    assert len(kept) == window
+    for t in kept:
+        assert_bits_equal(f"K of token {t}", cache[0, 0, :, ref.cyclic_slot(t, window, sinks)],
+                          args["qkv"][t, 48:64].reshape(2, 8))

@@ -181,6 +181,9 @@ def _cache_of(args):
     return args["kv_cache_pool"] if args.get("kv_cache_pool") is not None else args["past_key_value"]
 
 
+@pytest.mark.spec("trtllm/inflight-order", "trtllm/mha-mqa-gqa", "trtllm/packed-qkv-shape", "trtllm/padded-qkv-shape",
+                  "trtllm/contiguous-shape", "trtllm/paged-blocks", "trtllm/cache-indirection",
+                  "trtllm/quant-inverse-scale", "trtllm/generation-beam-tokens", "trtllm/window-repeat")
 @pytest.mark.parametrize("backend", ["reference", "numba"])
 @pytest.mark.parametrize("name,args,error,param", BAD, ids=[b[0] for b in BAD])
 def test_bad_gpt_attention_input(name, args, error, param, backend):
