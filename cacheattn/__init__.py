@@ -15,3 +15,15 @@ from .ppl import (
 __all__ = ["AttentionOutputs", "KeyValue", "dynamic_key_value_cache", "dynamic_multi_head_attention",
            "key_value_cache", "multi_head_cache_attention", "onnx_attention",
            "AttentionWeight", "CrossAttentionOutputs", "DenseWeight", "cross_attention"]
+
+from .trtllm import (  # noqa: E402
+                     AttentionMaskType,
+                     PositionEmbeddingType,
+                     QuantMode,
+                     RequestType,
+                     RotaryScalingType,
+                     gpt_attention,
+)
+
+__all__ += ["AttentionMaskType", "PositionEmbeddingType", "QuantMode", "RequestType", "RotaryScalingType",
+            "gpt_attention"]

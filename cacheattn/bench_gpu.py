@@ -230,6 +230,10 @@ def _peers(device: Device, case: BenchCase, host: dict, repeat: int, threads: in
         return p.astype(np.float16) @ v
 
     peers["plain CuPy"] = device.median_ms([plain_cupy], repeat)
+    # The kernel ladder's next rung on the same problem (docs/kernel-ladder.md).
+    rung2 = {k: device.put(v) for k, v in copy_inputs(host).items()}
+    peers["rung 2 (warp per key)"] = device.median_ms(
+        [lambda: cacheattn.multi_head_cache_attention(**rung2, **ppl.attrs(), backend="numba", rung=2)], repeat)
     try:
         import torch
         import torch.nn.functional as F

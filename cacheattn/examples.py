@@ -378,3 +378,156 @@ def float64_ft(inputs: dict, case: FTCase):
                                      for w in inputs["weights"]))
     hidden, context = reference.cross_attention(**x, **case.attrs())
     return hidden, context, x["key_cache"], x["value_cache"], x["cross_attentions"]
+
+
+# ---- TensorRT-LLM gpt_attention ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TrtCase:
+    """One gpt_attention call. Context requests come first, one entry each; a generation sequence is
+    `beam_width` entries (its beams), one token each. Tensors come from `seed`."""
+    contexts: tuple             # (past, new tokens) per context request; past > 0 is a chunked context
+    generations: tuple          # (prompt length, past) per generation sequence
+    beam_width: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+    capacity: int               # cache_indirection.shape[2]: the cache's token capacity
+    window: int                 # host_max_attention_window_sizes[layer_idx]
+    sinks: int = 0
+    streamingllm: bool = False
+    paged: bool = False
+    tokens_per_block: int = 4
+    packed: bool = True
+    quant: int = 0              # QuantMode: 0, 64 (INT8) or 128 (FP8)
+    fp8_context_fmha: bool = False
+    position: int = 0           # PositionEmbeddingType value
+    rotary_dim: int = 0
+    rotary_scale_type: int = 0
+    rotary_scale: float = 1.0
+    mask_type: int = 1
+    softcap: float = 0.0
+    q_scaling: float = 1.0
+    relative: str = "none"      # "regular" (H, L, L) or "t5" (H, num_buckets), with position 6
+    qkv_bias: bool = False
+    num_layers: int = 1
+    layer_idx: int = 0
+    seed: int = 0
+
+    @property
+    def past(self):
+        return [p for p, _ in self.contexts] + [p for _, p in self.generations for _ in range(self.beam_width)]
+
+    @property
+    def new(self):
+        return [n for _, n in self.contexts] + [1] * (len(self.generations) * self.beam_width)
+
+    @property
+    def context_lengths(self):
+        return [n for _, n in self.contexts] + [c for c, _ in self.generations for _ in range(self.beam_width)]
+
+    @property
+    def entries(self):
+        return len(self.contexts) + len(self.generations) * self.beam_width
+
+    @property
+    def lengths(self):
+        return [p + n for p, n in zip(self.past, self.new)]
+
+
+def _trt_slots(case: TrtCase) -> int:
+    """Cache slots a row needs: the capacity, plus the paged bubble after the sinks."""
+    bubble = reference.trtllm_gpt_attention.paged_bubble(case.sinks, case.tokens_per_block) if case.paged else 0
+    return case.capacity + bubble
+
+
+def trt_kv_scale(quant: int) -> float:
+    """The per-tensor scale s of the examples' INT8/FP8 caches (N(0, 1) data stays well inside the range)."""
+    return {64: 0.04, 128: 0.02}.get(quant, 1.0)
+
+
+def random_trt_cache(rng, shape, case: TrtCase):
+    """Plausible old cache contents (never zeros): int8 codes, e4m3 codes or normal floats."""
+    if case.quant == 64:
+        return rng.integers(-127, 128, shape).astype(np.int8)
+    x = rng.standard_normal(shape)
+    if case.quant == 128:
+        return (x / trt_kv_scale(128)).astype(reference.trtllm_gpt_attention.fp8_e4m3())
+    return x.astype(case.dtype)
+
+
+def build_trt(case: TrtCase) -> dict:
+    """Keyword arguments of cacheattn.gpt_attention for a case (NumPy)."""
+    rng = np.random.default_rng(case.seed)
+    dtype = np.dtype(case.dtype)
+    H, Hkv, Dh, E = case.num_heads, case.num_kv_heads, case.head_size, case.entries
+    hidden = (H + 2 * Hkv) * Dh
+    new = np.asarray(case.new, np.int64)
+    if case.packed:
+        qkv = rng.standard_normal((int(new.sum()), hidden)).astype(dtype)
+    else:
+        qkv = rng.standard_normal((E, int(new.max()), hidden)).astype(dtype)
+    slots = _trt_slots(case)
+    args = dict(qkv=qkv, past_key_value=None, sequence_length=np.asarray(case.lengths, np.int32),
+                host_past_key_value_lengths=np.asarray(case.past, np.int32),
+                host_max_attention_window_sizes=np.full(case.num_layers, case.window, np.int32),
+                host_sink_token_length=np.asarray([case.sinks], np.int32),
+                context_lengths=np.asarray(case.context_lengths, np.int32),
+                cache_indirection=rng.integers(0, case.beam_width, (max(1, len(case.generations)), case.beam_width,
+                                                                     case.capacity)).astype(np.int32),
+                host_request_types=np.asarray([0] * len(case.contexts) + [1] * (E - len(case.contexts)), np.int32),
+                layer_idx=case.layer_idx, num_heads=H, num_kv_heads=Hkv, hidden_size_per_head=Dh,
+                q_scaling=case.q_scaling, attn_logit_softcapping_scale=case.softcap,
+                rotary_embedding_dim=case.rotary_dim, rotary_embedding_scale_type=case.rotary_scale_type,
+                rotary_embedding_scale=case.rotary_scale, rotary_embedding_max_positions=8,
+                position_embedding_type=case.position, kv_cache_quant_mode=case.quant, mask_type=case.mask_type,
+                remove_input_padding=case.packed, paged_kv_cache=case.paged, tokens_per_block=case.tokens_per_block,
+                streamingllm=case.streamingllm, use_fp8_context_fmha=case.fp8_context_fmha)
+    if case.quant:
+        s = trt_kv_scale(case.quant)
+        args.update(kv_orig_quant_scale=np.asarray([1 / s], np.float32),
+                    kv_quant_orig_scale=np.asarray([s], np.float32))
+    if case.paged:
+        # A pool with one spare block; every (entry, block index) gets its own block, as a manager hands them out,
+        # and the table holds the manager's offsets block * num_layers * 2 + kv.
+        per_seq = -(-slots // case.tokens_per_block)
+        num_blocks = E * per_seq + 1
+        pool_shape = (num_blocks, case.num_layers, 2, Hkv, case.tokens_per_block, Dh)
+        args["kv_cache_pool"] = random_trt_cache(rng, pool_shape, case)
+        blocks = rng.permutation(num_blocks)[:E * per_seq].reshape(E, per_seq)
+        kv = np.arange(2)[None, :, None]
+        args["kv_cache_block_offsets"] = (blocks[:, None, :] * case.num_layers * 2 + kv)[None].astype(np.int32)
+    else:
+        args["past_key_value"] = random_trt_cache(rng, (E, 2, Hkv, slots, Dh), case)
+    if case.position in (4, 5):
+        args["alibi_slopes"] = reference.alibi.alibi_slopes(H)
+    if case.position == 6:
+        longest = max(case.lengths)
+        if case.relative == "t5":
+            args.update(relative_attention_bias=rng.standard_normal((H, 8)).astype(dtype), max_distance=12)
+        else:
+            args["relative_attention_bias"] = rng.standard_normal((H, longest + 1, longest + 1)).astype(dtype)
+    if case.mask_type == 6:
+        rows = (qkv.shape[0],) if case.packed else qkv.shape[:2]
+        args["attention_mask"] = rng.random(rows + (max(case.lengths),)) < 0.7
+    if case.qkv_bias:
+        args["qkv_bias"] = (rng.standard_normal(hidden) * 0.5).astype(dtype)
+    return args
+
+
+def float64_trt(inputs: dict) -> tuple:
+    """gpt_attention on float64 copies of the floating inputs (an INT8/FP8 cache keeps its codes, the scales and
+    ALiBi slopes their float32): the exact evaluation the tests compare with. Returns (output, cache after)."""
+    import cacheattn
+    widened = ("qkv", "qkv_bias", "relative_attention_bias", "cross_kv", "past_key_value", "kv_cache_pool")
+
+    def exact(name, value):
+        if not isinstance(value, np.ndarray):
+            return value
+        quantized_cache = name in ("past_key_value", "kv_cache_pool") and value.dtype.itemsize == 1
+        return value.astype(np.float64) if name in widened and not quantized_cache else value.copy()
+
+    x = {name: exact(name, value) for name, value in inputs.items()}
+    out, _ = cacheattn.gpt_attention(**x)
+    return out, x["kv_cache_pool"] if x.get("kv_cache_pool") is not None else x["past_key_value"]

@@ -64,3 +64,36 @@ def source_lines(func, *markers: str) -> str:
     out = [f"{short}:{first + n}: {line.strip()}" for n, line in enumerate(lines)
            if any(m in line for m in markers)]
     return "\n".join(out)
+
+
+# ---- TensorRT-LLM gpt_attention
+
+def packed_batch(request_types, new_tokens) -> str:
+    """Which entry each packed qkv row belongs to: 'C<e>' for a context entry, 'G<e>' for a generation beam."""
+    cells = []
+    for e, (kind, n) in enumerate(zip(request_types, new_tokens)):
+        cells += [f"{'CG'[int(kind)]}{e}"] * int(n)
+    return "qkv row: " + " ".join(f"{r:>3d}" for r in range(len(cells))) + "\nentry:   " + " ".join(
+        f"{c:>3s}" for c in cells)
+
+
+def block_table(offsets, *, num_layers: int, layer_idx: int, tokens_per_block: int, length: int) -> str:
+    """A block table row (2, max_blocks) read the KV cache manager's way: offset o = block * num_layers * 2 + kv;
+    this layer's K or V of that block is block o + 2 * layer_idx of the pool seen as blocks."""
+    lines = []
+    for kv, name in enumerate("KV"):
+        for b in range(-(-length // tokens_per_block)):
+            o = int(offsets[kv, b])
+            first, last = b * tokens_per_block, min(length, (b + 1) * tokens_per_block) - 1
+            lines.append(f"{name} tokens {first:2d}-{last:2d}: offset {o:3d} -> pool[{o // (2 * num_layers)}, "
+                         f"layer {layer_idx}, {name}] = block {o + 2 * layer_idx} of the pool seen as blocks")
+    return "\n".join(lines)
+
+
+def cyclic_slots(slot_of, length: int, slots: int) -> str:
+    """Which token each cache slot holds after `length` tokens, given slot_of(t) (later tokens overwrite)."""
+    holder = ["."] * slots
+    for t in range(length):
+        holder[int(slot_of(t))] = str(t)
+    return "slot:  " + " ".join(f"{s:>3d}" for s in range(slots)) + "\ntoken: " + " ".join(
+        f"{h:>3s}" for h in holder)

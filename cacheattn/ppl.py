@@ -287,14 +287,16 @@ def dynamic_key_value_cache(current_key, current_value, seqstarts, kvstarts, cac
 @arrays.accepts_torch
 def dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
                                  attn_mask=None, *, num_heads, head_dim, is_causal, is_alibi=False, num_kv_heads=0,
-                                 backend="auto", threads=128):
+                                 backend="auto", threads=128, rung=1):
     """OpenPPL `dynamic_batching.MultiHeadAttention` over packed key/value (as KeyValueCache returns them).
 
     query: (seqstarts[B], num_heads, head_dim); key, value: (kvstarts[B], num_kv_heads, head_dim).
-    Returns attn_output (seqstarts[B], num_heads, head_dim).
+    Returns attn_output (seqstarts[B], num_heads, head_dim). threads, rung: the kernels' block size and which
+    rung of the kernel ladder runs (1 shared-memory tiles, 2 a warp per key; docs/kernel-ladder.md).
     """
     data = dict(query=query, key=key, value=value, attn_mask=attn_mask)
     engine = arrays.resolve_backend(backend, data)
+    _check_launch(threads, rung)
     kv_heads = _check_attention_attrs(num_heads, head_dim, num_kv_heads, is_causal, is_alibi)
     _check_query(query, num_heads, head_dim)
     for name, x in (("key", key), ("value", value)):
@@ -320,7 +322,14 @@ def dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decodin
     return arrays.kernels().dynamic_multi_head_attention(
         data["query"], data["key"], data["value"], arrays.to_kind(data["query"], seqs),
         arrays.to_kind(data["query"], kvs), decoding_batches, max_seqlen, max_kvlen, data["attn_mask"],
-        alibi_slopes=alibi_slopes(num_heads) if is_alibi else None, threads=threads, **attrs)
+        alibi_slopes=alibi_slopes(num_heads) if is_alibi else None, threads=threads, rung=rung, **attrs)
+
+
+def _check_launch(threads, rung):
+    check_choice("rung", rung, (1, 2))
+    check_int("threads", threads, low=32, high=1024)
+    if rung == 2 and threads % 32:
+        raise ValueError(f"threads: expected a multiple of 32 for rung 2 (a warp per key), got {threads}")
 
 
 @arrays.accepts_torch
@@ -328,15 +337,17 @@ def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvs
                                decoding_batches, max_seqlen, max_kvlen, cache, scale=None, attn_mask=None, *,
                                num_heads, head_dim, is_causal, is_alibi=False, num_kv_heads=0, num_layer=1,
                                layer_idx=0, quant_bit=0, quant_group=8, cache_mode=0, cache_layout=0, page_size=128,
-                               backend="auto", threads=128):
+                               backend="auto", threads=128, rung=1):
     """OpenPPL `dynamic_batching.MultiHeadCacheAttention` = dynamic KeyValueCache + dynamic MultiHeadAttention.
 
     query: (seqstarts[B], num_heads, head_dim); current_key/value: (seqstarts[B], num_kv_heads, head_dim).
     Returns attn_output (seqstarts[B], num_heads, head_dim); cache and scale are modified in place.
+    threads, rung: the kernels' block size and kernel-ladder rung (1 shared-memory tiles, 2 a warp per key).
     """
     data = dict(query=query, current_key=current_key, current_value=current_value, cache=cache, scale=scale,
                 attn_mask=attn_mask)
     engine = arrays.resolve_backend(backend, data)
+    _check_launch(threads, rung)
     kv_heads = _check_attention_attrs(num_heads, head_dim, num_kv_heads, is_causal, is_alibi)
     _check_query(query, num_heads, head_dim)
     check_same_dtype("current_key", current_key, "query", query)
@@ -361,4 +372,4 @@ def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvs
         *(arrays.to_kind(data["cache"], idx[n]) for n in order), decoding_batches, max_seqlen, max_kvlen,
         data["cache"], data["scale"], data["attn_mask"],
         alibi_slopes=alibi_slopes(num_heads) if is_alibi else None, cache_axes=DYNAMIC_LAYOUTS[cache_layout],
-        threads=threads, **attrs, **cache_attrs)
+        threads=threads, rung=rung, **attrs, **cache_attrs)

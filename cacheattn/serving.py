@@ -4,10 +4,14 @@ A decoder-only model with seeded random weights (a few layers, GQA, RoPE, RMSNor
 several prompts of different lengths with in-flight batching: requests arrive on later steps and join the
 batch with their whole prompt (a prefill) while others decode one token each; a request that has produced
 its tokens leaves, and its cache pages go back to the free list for the next arrival. Every layer's
-attention runs through `cacheattn.multi_head_cache_attention` on one paged int8 cache (all layers in one
-tensor, `layer_idx` picks the slab) and is checked against a float64 evaluation of the reference on the
-very cache contents the call wrote. Run once with backend="reference" and once with backend="numba"
-(the kernels; the simulator without a GPU), the greedy tokens of the two runs are compared.
+attention runs through one operator on one paged cache that holds all layers, checked against a float64
+evaluation of the reference:
+  - `multi_head_cache_attention` (OpenPPL) on a paged int8 cache (`layer_idx` picks the slab; decoding
+    requests first, as `decoding_batches` wants; RoPE applied by the model before the call);
+  - `gpt_attention` (TensorRT-LLM) on a paged pool addressed through `kv_cache_block_offsets` the way its
+    KV cache manager writes them (context requests first; the operator applies GPT-NeoX RoPE itself).
+Run once with backend="reference" and once with backend="numba" (the kernels; the simulator without a
+GPU), the greedy tokens of the two runs are compared.
 """
 
 from __future__ import annotations
@@ -123,13 +127,106 @@ class PagePool:
         self.in_use -= len(pages)
 
 
+class PPLPath:
+    """multi_head_cache_attention on a paged int8 cache; the model applies RoPE before the call."""
+    operator = "multi_head_cache_attention"
+    decoding_first = True
+
+    def __init__(self, model: TinyModel, cfg: ServeConfig):
+        m = model.cfg
+        self.model, self.cfg = model, cfg
+        self.cache = np.zeros((cfg.num_pages * cfg.page_size, m.num_layers, 2, m.num_kv_heads, m.head_dim), np.int8)
+        self.scale = np.zeros((*self.cache.shape[:-1], m.head_dim // cfg.quant_group), np.float32)
+
+    def batch(self, states, seqlens, past):
+        cfg, m = self.cfg, self.model.cfg
+        table = np.full((len(states), max(len(s.pages) for s in states)), -1, np.int64)
+        for b, s in enumerate(states):
+            table[b, :len(s.pages)] = np.array(s.pages) * cfg.page_size           # token offsets of the pages
+        self.args = (_starts(seqlens), _starts(past + seqlens), table, past, int(np.sum(past > 0)),
+                     int(seqlens.max()), int((past + seqlens).max()))
+        self.positions = np.concatenate([np.arange(p, p + n) for p, n in zip(past, seqlens)])
+        self.attrs = dict(num_heads=m.num_heads, head_dim=m.head_dim, is_causal=True, num_kv_heads=m.num_kv_heads,
+                          num_layer=m.num_layers, quant_bit=cfg.quant_bit, quant_group=cfg.quant_group, cache_mode=1,
+                          page_size=cfg.page_size)
+
+    def attend(self, h, w, layer_idx, backend, threads):
+        m = self.model.cfg
+        q = self.model.rope((h @ w["wq"]).reshape(-1, m.num_heads, m.head_dim), self.positions)
+        k = self.model.rope((h @ w["wk"]).reshape(-1, m.num_kv_heads, m.head_dim), self.positions)
+        v = (h @ w["wv"]).reshape(-1, m.num_kv_heads, m.head_dim)
+        seqstarts, kvstarts, table, past, decoding, max_seqlen, max_kvlen = self.args
+        before = (self.cache.copy(), self.scale.copy())
+        out = cacheattn.multi_head_cache_attention(
+            q, k, v, seqstarts, kvstarts, table, past, decoding, max_seqlen, max_kvlen, self.cache, self.scale,
+            layer_idx=layer_idx, **self.attrs, backend=backend, **({"threads": threads} if backend == "numba" else {}))
+        # float64: the reference's store on a copy of the cache before the call gives the K/V the call wrote
+        # (quantization is specified to the bit), then float64 attention over them.
+        key, value = reference.dynamic_key_value_cache(
+            k, v, seqstarts, kvstarts, table, past, max_seqlen, max_kvlen, *before, num_layer=m.num_layers,
+            layer_idx=layer_idx, quant_bit=self.cfg.quant_bit, quant_group=self.cfg.quant_group, cache_mode=1,
+            page_size=self.cfg.page_size)
+        f64 = np.float64
+        want = reference.dynamic_multi_head_attention(
+            q.astype(f64), key.astype(f64), value.astype(f64), seqstarts, kvstarts, decoding, max_seqlen, max_kvlen,
+            num_heads=m.num_heads, head_dim=m.head_dim, is_causal=True, num_kv_heads=m.num_kv_heads)
+        return out.reshape(len(h), -1), float(np.max(np.abs(np.asarray(out, f64) - want)))
+
+
+class GptPath:
+    """gpt_attention on a paged float32 pool; the operator applies GPT-NeoX RoPE; a float64 shadow pool, written
+    by the reference from the same qkv, gives the exact evaluation."""
+    operator = "gpt_attention"
+    decoding_first = False
+
+    def __init__(self, model: TinyModel, cfg: ServeConfig):
+        m = model.cfg
+        self.model, self.cfg = model, cfg
+        shape = (cfg.num_pages, m.num_layers, 2, m.num_kv_heads, cfg.page_size, m.head_dim)
+        self.pool, self.shadow = np.zeros(shape, np.float32), np.zeros(shape, np.float64)
+
+    def batch(self, states, seqlens, past):
+        m, cfg = self.model.cfg, self.cfg
+        entries = len(states)
+        capacity = cfg.num_pages * cfg.page_size
+        offsets = np.zeros((1, entries, 2, max(len(s.pages) for s in states)), np.int32)
+        for e, s in enumerate(states):                    # the manager's offsets: block * num_layers * 2 + kv
+            for kv in range(2):
+                offsets[0, e, kv, :len(s.pages)] = np.array(s.pages) * m.num_layers * 2 + kv
+        generation = past > 0
+        self.args = dict(
+            past_key_value=None, sequence_length=(past + seqlens).astype(np.int32),
+            host_past_key_value_lengths=past.astype(np.int32),
+            host_max_attention_window_sizes=np.full(m.num_layers, capacity, np.int32),
+            host_sink_token_length=np.zeros(1, np.int32),
+            context_lengths=np.where(generation, [len(s.request.prompt) for s in states], seqlens).astype(np.int32),
+            cache_indirection=np.zeros((entries, 1, capacity), np.int32),
+            host_request_types=generation.astype(np.int32), num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
+            hidden_size_per_head=m.head_dim, q_scaling=1.0, rotary_embedding_dim=m.head_dim,
+            rotary_embedding_base=m.rope_base, position_embedding_type=cacheattn.PositionEmbeddingType.rope_gpt_neox,
+            kv_cache_block_offsets=offsets, paged_kv_cache=True, tokens_per_block=cfg.page_size)
+
+    def attend(self, h, w, layer_idx, backend, threads):
+        qkv = np.concatenate([h @ w["wq"], h @ w["wk"], h @ w["wv"]], axis=1)        # (tokens, (H + 2 Hkv) Dh)
+        out, _ = cacheattn.gpt_attention(qkv=qkv, layer_idx=layer_idx, kv_cache_pool=self.pool, **self.args,
+                                         backend=backend)
+        want, _ = cacheattn.gpt_attention(qkv=qkv.astype(np.float64), layer_idx=layer_idx, kv_cache_pool=self.shadow,
+                                          **self.args, backend="reference")
+        return out, float(np.max(np.abs(np.asarray(out, np.float64) - want)))
+
+
+PATHS = {"multi_head_cache_attention": PPLPath, "gpt_attention": GptPath}
+
+
+def _starts(lengths):
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+
 def serve(model: TinyModel, requests=DEFAULT_REQUESTS, cfg: ServeConfig = ServeConfig(), *, backend="reference",
-          threads: int = 128, on_step=None) -> ServeResult:
+          operator="multi_head_cache_attention", threads: int = 128, on_step=None) -> ServeResult:
     """Serve the requests to completion; on_step(step, batch_description) is called after each step."""
-    m = model.cfg
+    path = PATHS[operator](model, cfg)
     pool = PagePool(cfg.num_pages)
-    cache = np.zeros((cfg.num_pages * cfg.page_size, m.num_layers, 2, m.num_kv_heads, m.head_dim), np.int8)
-    scale = np.zeros((*cache.shape[:-1], m.head_dim // cfg.quant_group), np.float32)
     waiting = sorted(range(len(requests)), key=lambda r: requests[r].arrival_step)
     live: dict[int, _Live] = {}
     generated = {r: [] for r in range(len(requests))}
@@ -139,8 +236,8 @@ def serve(model: TinyModel, requests=DEFAULT_REQUESTS, cfg: ServeConfig = ServeC
         while waiting and requests[waiting[0]].arrival_step <= step:          # arrivals join this step
             r = waiting.pop(0)
             live[r] = _Live(requests[r], list(requests[r].prompt))
-        # Decoding requests first, then the new prompts: the document's decoding_batches come first.
-        order = sorted(live, key=lambda r: live[r].cached == 0)
+        # OpenPPL wants its decoding batches first, TensorRT-LLM its context requests first.
+        order = sorted(live, key=lambda r: (live[r].cached == 0) == path.decoding_first)
         if not order:
             step += 1
             continue
@@ -148,7 +245,7 @@ def serve(model: TinyModel, requests=DEFAULT_REQUESTS, cfg: ServeConfig = ServeC
         for r in order:                                                      # pages for every token of this step
             need = -(-len(live[r].tokens) // cfg.page_size)
             live[r].pages += [pool.take() for _ in range(need - len(live[r].pages))]
-        logits, err = _forward(model, [live[r] for r in order], new, cache, scale, cfg, backend, threads)
+        logits, err = _forward(model, path, [live[r] for r in order], new, backend, threads)
         worst = max(worst, err)
         processed += sum(len(t) for t in new)
         for r, row in zip(order, logits):
@@ -167,52 +264,19 @@ def serve(model: TinyModel, requests=DEFAULT_REQUESTS, cfg: ServeConfig = ServeC
                        time.perf_counter() - start)
 
 
-def _forward(model: TinyModel, states, new_tokens, cache, scale, cfg: ServeConfig, backend, threads):
+def _forward(model: TinyModel, path, states, new_tokens, backend, threads):
     """One step for the batch; returns (last-token logits per request, max attention error vs float64)."""
-    m = model.cfg
     seqlens = np.array([len(t) for t in new_tokens])
     past = np.array([s.cached for s in states])
-    seqstarts = np.concatenate([[0], np.cumsum(seqlens)]).astype(np.int64)
-    kvstarts = np.concatenate([[0], np.cumsum(past + seqlens)]).astype(np.int64)
-    table = np.full((len(states), max(len(s.pages) for s in states)), -1, np.int64)
-    for b, s in enumerate(states):
-        table[b, :len(s.pages)] = np.array(s.pages) * cfg.page_size                 # token offsets of the pages
-    positions = np.concatenate([np.arange(p, p + n) for p, n in zip(past, seqlens)])
-    decoding = int(np.sum(past > 0))
-    attrs = dict(num_heads=m.num_heads, head_dim=m.head_dim, is_causal=True, num_kv_heads=m.num_kv_heads,
-                 num_layer=m.num_layers, quant_bit=cfg.quant_bit, quant_group=cfg.quant_group, cache_mode=1,
-                 page_size=cfg.page_size)
+    path.batch(states, seqlens, past)
     x = model.embed[np.concatenate(new_tokens)]                                      # (tokens, d_model)
     worst = 0.0
     for layer_idx, w in enumerate(model.layers):
-        h = _rms_norm(x)
-        q = model.rope((h @ w["wq"]).reshape(-1, m.num_heads, m.head_dim), positions)
-        k = model.rope((h @ w["wk"]).reshape(-1, m.num_kv_heads, m.head_dim), positions)
-        v = (h @ w["wv"]).reshape(-1, m.num_kv_heads, m.head_dim)
-        args = (q, k, v, seqstarts, kvstarts, table, past, decoding, int(seqlens.max()), int((past + seqlens).max()))
-        before = (cache.copy(), scale.copy())
-        out = cacheattn.multi_head_cache_attention(*args, cache, scale, layer_idx=layer_idx, **attrs, backend=backend,
-                                                   **({"threads": threads} if backend == "numba" else {}))
-        worst = max(worst, _error_vs_float64(args, before, attrs, layer_idx, out))
-        x = x + out.reshape(len(x), -1) @ w["wo"]
+        out, err = path.attend(_rms_norm(x), w, layer_idx, backend, threads)
+        worst = max(worst, err)
+        x = x + out @ w["wo"]
         h = _rms_norm(x)
         gate = h @ w["w_gate"]
         x = x + (gate / (1 + np.exp(-gate)) * (h @ w["w_up"])) @ w["w_down"]
-    last = seqstarts[1:] - 1
+    last = _starts(seqlens)[1:] - 1
     return _rms_norm(x[last]) @ model.lm_head, worst
-
-
-def _error_vs_float64(args, before, attrs, layer_idx, out) -> float:
-    """Max |out - float64 attention| over the K/V the cache holds after this call (the reference's store on a
-    copy of the cache before it: quantization is specified to the bit, so this isolates the attention)."""
-    q, k, v, seqstarts, kvstarts, table, past, decoding, max_seqlen, max_kvlen = args
-    cache, scale = before
-    key, value = reference.dynamic_key_value_cache(
-        k, v, seqstarts, kvstarts, table, past, max_seqlen, max_kvlen, cache, scale, num_layer=attrs["num_layer"],
-        layer_idx=layer_idx, quant_bit=attrs["quant_bit"], quant_group=attrs["quant_group"], cache_mode=1,
-        page_size=attrs["page_size"])
-    f64 = np.float64
-    want = reference.dynamic_multi_head_attention(
-        q.astype(f64), key.astype(f64), value.astype(f64), seqstarts, kvstarts, decoding, max_seqlen, max_kvlen,
-        num_heads=attrs["num_heads"], head_dim=attrs["head_dim"], is_causal=True, num_kv_heads=attrs["num_kv_heads"])
-    return float(np.max(np.abs(np.asarray(out, f64) - want)))

@@ -11,7 +11,7 @@ from .ppl_dynamic_key_value_cache import dynamic_key_value_cache
 from .ppl_dynamic_multi_head_attention import dynamic_multi_head_attention
 from .ppl_key_value_cache import key_value_cache
 from .ppl_multi_head_cache_attention import multi_head_cache_attention
+from .trtllm_gpt_attention import gpt_attention
 
 __all__ = ["dynamic_key_value_cache", "dynamic_multi_head_attention", "key_value_cache",
-           "multi_head_cache_attention", "onnx_attention",
-           "cross_attention"]
+           "multi_head_cache_attention", "onnx_attention", "cross_attention", "gpt_attention"]

@@ -73,12 +73,16 @@ def plan_tiles(num_heads: int, num_kv_heads: int, max_seqlen: int, head_dim_k: i
 
 def make_attention_kernel(row_offsets, load, score, key_range, *, head_dim_k: int, head_dim_v: int,
                           heads_per_block: int, q_tile: int, key_tile: int, group: int, acc_dtype=np.float32,
-                          sum_epsilon: float = 0.0):
+                          sum_epsilon: float = 0.0, partials: bool = False):
     """Build the kernel. Launch grid (ceil(max_seqlen / q_tile), num_heads / heads_per_block, B).
 
     sum_epsilon: the final division is acc / (l + sum_epsilon) (FasterTransformer's 1 / (sum + 1e-6));
     0.0 leaves acc / l exactly.
-    """
+    partials (multi-block): out_geom is (out, starts, s_b, s_i, s_h, num_splits, split_stride, split_rows,
+    num_heads, m_out, l_out) and grid z = B * num_splits. Block z walks only split z % num_splits of sequence
+    z // num_splits's keys (ceil(kvlen / num_splits) each) and writes each row's unnormalised acc at element
+    offset split * split_stride of out, its max m and sum l at split * split_rows + (starts[b] + i) * num_heads
+    + h of m_out / l_out; a combine kernel finishes the softmax."""
     HPB, DK, DV, KT = heads_per_block, head_dim_k, head_dim_v, key_tile
     ROWS = HPB * q_tile
     acc_t = np.float64 if np.dtype(acc_dtype) == np.float64 else np.float32
@@ -88,6 +92,9 @@ def make_attention_kernel(row_offsets, load, score, key_range, *, head_dim_k: in
     @cuda.jit
     def attention_kernel(q_geom, out_geom, seqlens, kvlens, k_src, v_src, score_args, sm_scale):
         b = cuda.blockIdx.z
+        if partials:
+            num_splits = out_geom[5]
+            b, split = b // num_splits, b % num_splits
         seqlen, kvlen = seqlens[b], kvlens[b]
         i0 = cuda.blockIdx.x * q_tile
         if i0 >= seqlen:
@@ -123,6 +130,9 @@ def make_attention_kernel(row_offsets, load, score, key_range, *, head_dim_k: in
             row_sum[r] = 0.0
         i_last = min(i0 + q_tile, seqlen) - 1
         lo, hi = key_range(score_args, b, i0, i_last, seqlen, kvlen)
+        if partials:
+            chunk = (kvlen + num_splits - 1) // num_splits
+            lo, hi = max(lo, split * chunk), min(hi, (split + 1) * chunk)
         cuda.syncthreads()
 
         for t0 in range(lo - lo % KT, hi, KT):
@@ -181,6 +191,21 @@ def make_attention_kernel(row_offsets, load, score, key_range, *, head_dim_k: in
                 acc_rows[r, d] = total
             cuda.syncthreads()
 
+        if partials:
+            out, o_starts, o_sb, o_si, o_sh, _, split_stride, split_rows, num_heads, m_out, l_out = out_geom
+            for e in range(tid, ROWS * DV, nthreads):
+                r, d = e // DV, e % DV
+                i = i0 + r // HPB
+                if i < seqlen:
+                    out[split * split_stride + b * o_sb + (o_starts[b] + i) * o_si + (h0 + r % HPB) * o_sh + d] = \
+                        acc_rows[r, d]
+            for r in range(tid, ROWS, nthreads):
+                i = i0 + r // HPB
+                if i < seqlen:
+                    row = split * split_rows + (o_starts[b] + i) * num_heads + h0 + r % HPB
+                    m_out[row] = row_max[r]
+                    l_out[row] = row_sum[r]
+            return
         out, o_starts, o_sb, o_si, o_sh = out_geom
         for e in range(tid, ROWS * DV, nthreads):
             r, d = e // DV, e % DV

@@ -20,6 +20,7 @@ import numpy as np
 from numba import cuda
 
 from ._attention_core import make_attention_kernel, plan_tiles
+from ._attention_warp import make_warp_attention_kernel, plan_warp_rows
 from ._cache import make_cache_access, packed_source
 from ._launch import caller_stream, ceil_div, empty_like_kind, flat, launch, to_kind
 from ._numerics import keep_float32, rounder
@@ -63,11 +64,19 @@ def make_ppl_score(round_query):
 
 @cache
 def attention_kernel(quant_bit, quant_group, scale_dtype, value_dtype, query_dtype, head_dim, num_heads,
-                     num_kv_heads, max_seqlen):
-    """The core specialised for OpenPPL: cache reads of this quantization, OpenPPL's bias; plus its tile plan."""
+                     num_kv_heads, max_seqlen, rung=1, threads=128):
+    """The core specialised for OpenPPL: cache reads of this quantization, OpenPPL's bias; plus its tile plan.
+    rung 1: the shared-memory tile loop (_attention_core); rung 2: a warp per key (_attention_warp)."""
     row_offsets, load = make_cache_access(quant_bit, quant_group,
                                           rounder(scale_dtype) if quant_bit else keep_float32, rounder(value_dtype))
     score, key_range = make_ppl_score(rounder(query_dtype))
+    if rung == 2:
+        warps = threads // 32
+        heads_per_block, q_tile = plan_warp_rows(num_heads, num_kv_heads, max_seqlen, head_dim, warps)
+        kernel = make_warp_attention_kernel(row_offsets, load, score, key_range, head_dim_k=head_dim,
+                                            head_dim_v=head_dim, heads_per_block=heads_per_block, q_tile=q_tile,
+                                            group=num_heads // num_kv_heads, warps=warps)
+        return kernel, heads_per_block, q_tile
     heads_per_block, q_tile, key_tile = plan_tiles(num_heads, num_kv_heads, max_seqlen, head_dim, head_dim)
     kernel = make_attention_kernel(row_offsets, load, score, key_range, head_dim_k=head_dim, head_dim_v=head_dim,
                                    heads_per_block=heads_per_block, q_tile=q_tile, key_tile=key_tile,
@@ -76,14 +85,16 @@ def attention_kernel(quant_bit, quant_group, scale_dtype, value_dtype, query_dty
 
 
 def attend(query, key_src, value_src, seqstarts, kvstarts, decoding_batches, max_seqlen, attn_mask, *, num_heads,
-           num_kv_heads, is_causal, alibi_slopes, quant_bit, quant_group, scale_dtype, value_dtype, threads, stream):
-    """Launch the OpenPPL attention kernel over K/V sources; returns attn_output (seqstarts[B], H, Dh)."""
+           num_kv_heads, is_causal, alibi_slopes, quant_bit, quant_group, scale_dtype, value_dtype, threads, stream,
+           rung=1):
+    """Launch the OpenPPL attention kernel over K/V sources; returns attn_output (seqstarts[B], H, Dh).
+    rung: which kernel of the ladder (1 shared-memory tiles, 2 a warp per key; threads a multiple of 32)."""
     head_dim = query.shape[2]
     batch = seqstarts.shape[0] - 1
     # Query tiles stop growing at 16 rows, so lengths past 16 share one compiled kernel.
     kernel, heads_per_block, q_tile = attention_kernel(
         quant_bit, quant_group, np.dtype(scale_dtype).str, np.dtype(value_dtype).str, query.dtype.str, head_dim,
-        num_heads, num_kv_heads, min(max_seqlen, 16))
+        num_heads, num_kv_heads, min(max_seqlen, 16), rung, threads if rung == 2 else 128)
     is_alibi = alibi_slopes is not None
     # Upstream forms the ALiBi bias in the query dtype, so the slopes are rounded to it first.
     slopes = np.asarray(alibi_slopes if is_alibi else [0.0]).astype(query.dtype).astype(np.float32)
@@ -109,7 +120,7 @@ def attend(query, key_src, value_src, seqstarts, kvstarts, decoding_batches, max
 
 def dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
                                  attn_mask=None, *, num_heads, head_dim, is_causal, alibi_slopes=None, num_kv_heads=0,
-                                 threads=128):
+                                 threads=128, rung=1):
     """attn_output (seqstarts[B], num_heads, head_dim) from packed key/value. Inputs validated by `cacheattn`.
 
     alibi_slopes: float32 (num_heads,) when is_alibi, else None.
@@ -120,4 +131,4 @@ def dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decodin
     return attend(query, packed_source(key, row_starts), packed_source(value, row_starts), seqstarts, kvstarts,
                   decoding_batches, max_seqlen, attn_mask, num_heads=num_heads, num_kv_heads=num_kv_heads,
                   is_causal=is_causal, alibi_slopes=alibi_slopes, quant_bit=0, quant_group=head_dim,
-                  scale_dtype=query.dtype, value_dtype=value.dtype, threads=threads, stream=stream)
+                  scale_dtype=query.dtype, value_dtype=value.dtype, threads=threads, stream=stream, rung=rung)

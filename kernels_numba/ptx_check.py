@@ -42,7 +42,7 @@ PPL_REPRESENTATIVES = ((0, np.float32, 1, False), (8, np.float16, 3, True), (4, 
                        (4, np.float16, 1, True))
 
 
-def _ppl_launches(full: bool):
+def _ppl_launches(full: bool, rung: int = 1):
     """(label, kernel, args) for the OpenPPL kernels: quant 0/8/4 x float16/float32 x decode/prefill when
     full, else PPL_REPRESENTATIVES."""
     from . import _launch
@@ -69,7 +69,7 @@ def _ppl_launches(full: bool):
                 q, k, k, seqstarts, kvstarts, np.array([0, 32]), np.array([2, 2]), 1, seqlen, seqlen + 2,
                 cache, scale, mask, num_heads=heads, head_dim=head_dim, is_causal=True,
                 alibi_slopes=np.ones(heads, np.float32) if alibi else None, num_kv_heads=kv_heads,
-                quant_bit=quant_bit, quant_group=group, cache_axes="T L KV H D")
+                quant_bit=quant_bit, quant_group=group, cache_axes="T L KV H D", rung=rung)
             static_cache = np.zeros((2, 1, 2, 8, kv_heads, stored), cache_dtype)
             static_scale = np.ones((2, 1, 2, 8, kv_heads, head_dim // group), np.float32) if quant_bit else None
             key_value_cache(k.reshape(2, seqlen, kv_heads, head_dim), k.reshape(2, seqlen, kv_heads, head_dim),
@@ -154,9 +154,81 @@ def _ft_launches(full: bool):
     return out
 
 
+# One (dtype, kv cache quant mode, position embedding, paged, qkv bias, extras) per code path, five calls in all:
+# each dtype's rounding and accumulator, the INT8 / e4m3 stores and loads, GPT-J / GPT-NeoX RoPE, ALiBi, T5 bias
+# and custom mask, both cache layouts, the unfused context path plain and FP8 (context_fmha_type 0 /
+# use_fp8_context_fmha), StreamingLLM (keys rotated on load), cross attention (its copy kernel), multi-block
+# (partials and combine). Each call has a context chunk that wraps the cyclic cache (the write-after launch)
+# next to two beams.
+TRTLLM_REPRESENTATIVES = ((np.float16, 0, 2, True, True, {"unfused"}),
+                          (np.float32, 64, 4, False, False, {"multi-block"}),
+                          (np.float16, 128, 6, True, False, {"t5-mask", "fp8-fmha"}),
+                          (np.float16, 128, 1, True, False, {"streaming"}),
+                          (np.float64, 0, 0, False, True, {"cross"}))
+
+
+def _trtllm_launches(full: bool):
+    """(label, kernel, args) for the TensorRT-LLM gpt_attention kernels: float16/32/64 x no/INT8/FP8 cache x
+    position embedding x layout when full, else TRTLLM_REPRESENTATIVES."""
+    from . import _launch
+    from .trtllm_gpt_attention import gpt_attention
+
+    rng = np.random.default_rng(0)
+    H, Hkv, Dh, window, tpb = 4, 2, 16, 4, 2
+    past, new = np.array([2, 3, 3]), np.array([5, 1, 1])                  # a chunk, then one sequence's two beams
+    variants = [(dtype, quant, position, paged, bias, set()) for dtype in (np.float16, np.float32, np.float64)
+                for quant in (0, 64, 128) for position in (0, 1, 2, 4) for paged in (False, True)
+                for bias in (False, True)] if full else []
+    out = []
+    for dtype, quant, position, paged, bias, extras in variants + list(TRTLLM_REPRESENTATIVES):
+        cache_dtype = {0: dtype, 64: np.int8, 128: np.uint8}[quant]
+        slots = -(-window // tpb) * tpb
+        call = dict(qkv=rng.standard_normal((int(new.sum()), (H + 2 * Hkv) * Dh)).astype(dtype),
+                    past_key_value=None if paged else np.zeros((3, 2, Hkv, slots, Dh), cache_dtype),
+                    kv_cache_pool=np.zeros((3 * slots // tpb, 1, 2, Hkv, tpb, Dh), cache_dtype) if paged else None,
+                    kv_cache_block_offsets=(np.arange(3 * 2 * (slots // tpb)).reshape(1, 3, 2, -1) if paged else None),
+                    attention_mask=None, sequence_length=past + new, host_past_key_value_lengths=past,
+                    host_max_attention_window_sizes=np.array([window]), host_sink_token_length=np.array([0]),
+                    context_lengths=np.array([5, 2, 2]), cache_indirection=np.zeros((1, 2, window), np.int32),
+                    host_request_types=np.array([0, 1, 1]), layer_idx=0, num_heads=H, num_kv_heads=Hkv,
+                    hidden_size_per_head=Dh, q_scaling=1.0, attn_logit_softcapping_scale=2.0,
+                    rotary_embedding_dim=Dh if position in (1, 2) else 0, position_embedding_type=position,
+                    kv_orig_quant_scale=10.0, kv_quant_orig_scale=0.1, kv_cache_quant_mode=quant,
+                    alibi_slopes=np.ones(H, np.float32) if position == 4 else None,
+                    qkv_bias=np.ones((H + 2 * Hkv) * Dh, dtype) if bias else None, paged_kv_cache=paged,
+                    tokens_per_block=tpb)
+        if "unfused" in extras:
+            call.update(context_fmha_type=0)
+        if "streaming" in extras:
+            call.update(streamingllm=True, host_sink_token_length=np.array([1]),
+                        host_past_key_value_lengths=np.array([0, 3, 3]), sequence_length=np.array([5, 4, 4]))
+        if "t5-mask" in extras:
+            call.update(mask_type=6, attention_mask=np.ones((int(new.sum()), 8), bool), max_distance=12,
+                        relative_attention_bias=rng.standard_normal((H, 8)).astype(dtype))
+        if "fp8-fmha" in extras:
+            call.update(use_fp8_context_fmha=True)
+        if "cross" in extras:
+            call.update(do_cross_attention=True, encoder_input_lengths=np.array([3, 2, 2]),
+                        cross_kv=rng.standard_normal((3, 2 * Hkv * Dh)).astype(dtype))
+        with _launch.recorded_launches() as launches:
+            gpt_attention(**call, num_splits=3 if "multi-block" in extras else None)
+        label = (f"trtllm {'+'.join(sorted(extras)) or 'self'} {np.dtype(dtype).name} quant {quant} pos {position}"
+                 f"{' paged' if paged else ''}")
+        out += [(label, kernel, args) for kernel, args in launches]
+    return out
+
+
+def _ladder_launches(full: bool):
+    """The kernel ladder's later rungs (rung 2: a warp per key, warp shuffles) on the OpenPPL launches; the
+    cache-store kernels they share with rung 1 are the "ppl" family's."""
+    return [(f"rung 2 {label}", kernel, args) for label, kernel, args in _ppl_launches(full, rung=2)
+            if kernel.py_func.__name__ == "warp_attention_kernel"]
+
+
 # Kernel families: name -> launches(full). A new operator module adds its family here; tests/test_ptx.py runs
 # one test per family and compute capability.
-FAMILIES = {"ppl": _ppl_launches, "onnx": _onnx_launches, "ft": _ft_launches}
+FAMILIES = {"ppl": _ppl_launches, "onnx": _onnx_launches, "ft": _ft_launches, "trtllm": _trtllm_launches,
+            "ladder": _ladder_launches}
 
 
 def compile_all(ccs, families=tuple(FAMILIES), full=False, report=print) -> int:

@@ -15,3 +15,7 @@ __all__ = [
     "onnx_attention",
     "cross_attention",
 ]
+
+from .trtllm_gpt_attention import combine_partials, gpt_attention, split_attention  # noqa: E402
+
+__all__ += ["combine_partials", "gpt_attention", "split_attention"]

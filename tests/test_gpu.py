@@ -40,3 +40,26 @@ def test_kernels_run_on_the_callers_stream():
         stream.synchronize()
     assert_close("attn_output", out.get(), want, case.dtype)
     assert_bits_equal("cache", x["cache"].get(), want_cache)
+
+
+def test_gpt_attention_cupy_in_cupy_out_on_the_callers_stream():
+    """In-flight TensorRT-LLM batch (a chunk, two beams) on an INT8 paged pool, on a non-default stream."""
+    import cupy
+
+    from cacheattn.examples import TrtCase, build_trt
+
+    case = TrtCase(contexts=((0, 5), (2, 3)), generations=((3, 4),), beam_width=2, num_heads=4, num_kv_heads=2,
+                   head_size=8, dtype="float16", capacity=8, window=8, paged=True, tokens_per_block=4, quant=64,
+                   position=4, seed=5)
+    inputs = build_trt(case)
+    want_inputs = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
+    want, _ = cacheattn.gpt_attention(**want_inputs, backend="reference")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        device = ("qkv", "kv_cache_pool", "alibi_slopes")
+        x = {k: cupy.asarray(v) if k in device and v is not None else v for k, v in inputs.items()}
+        out, present = cacheattn.gpt_attention(**x)
+        stream.synchronize()
+    assert isinstance(out, cupy.ndarray) and present is None
+    assert_close("output", out.get(), want.astype(np.float64), case.dtype)
+    assert_bits_equal("pool", x["kv_cache_pool"].get(), want_inputs["kv_cache_pool"])

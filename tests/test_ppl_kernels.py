@@ -24,10 +24,10 @@ THREADS = (32, 64)
 EXAMPLES = max(1, KERNEL // len(THREADS))
 
 
-def kernels(device, function, threads):
+def kernels(device, function, threads, **launch):
     """`function` on the kernels, called as the document says with NumPy arrays (what the kit passes). On a
     GPU the arrays go over as CuPy and the in-place ones (cache, scale) come back into the caller's arrays."""
-    fn = functools.partial(function, backend="numba", threads=threads)
+    fn = functools.partial(function, backend="numba", threads=threads, **launch)
     if not device.gpu:
         return fn
 
@@ -47,6 +47,14 @@ def kernels(device, function, threads):
                                 "dynamic_key_value_cache", "key_value_cache"])
 def test_kernels_conform(device, op, threads):
     report = kit.check(op, kernels(device, getattr(cacheattn, op), threads), max_examples=EXAMPLES)
+    assert report.examples >= 1
+
+
+@pytest.mark.parametrize("op", ["multi_head_cache_attention", "dynamic_multi_head_attention"])
+def test_rung_2_kernel_conforms(device, op):
+    """The kernel ladder's second rung (a warp per key; docs/kernel-ladder.md) on the same checks. Its simulator
+    path syncs the block at every warp reduction, so it gets a third of the budget and one block size."""
+    report = kit.check(op, kernels(device, getattr(cacheattn, op), 64, rung=2), max_examples=max(1, KERNEL // 3))
     assert report.examples >= 1
 
 

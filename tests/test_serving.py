@@ -42,3 +42,14 @@ def test_the_model_is_not_degenerate():
     model = serving.TinyModel(serving.ModelConfig())
     tokens = np.concatenate(serving.serve(model, serving.DEFAULT_REQUESTS).generated)
     assert len(set(tokens.tolist())) >= 4
+
+
+def test_openppl_and_tensorrt_llm_serve_the_same_tokens():
+    """The same model through OpenPPL's int8 paged cache (RoPE by the model) and TensorRT-LLM's float32 pool (RoPE
+    by the operator, block offsets as its KV cache manager writes them): both attend within float32 roundings of
+    float64, and the greedy tokens agree."""
+    model = serving.TinyModel(serving.ModelConfig())
+    ppl = serving.serve(model, serving.DEFAULT_REQUESTS, operator="multi_head_cache_attention")
+    trt = serving.serve(model, serving.DEFAULT_REQUESTS, operator="gpt_attention")
+    assert trt.max_error < 1e-4 and ppl.max_error < 1e-4
+    assert trt.generated == ppl.generated

@@ -1,0 +1,522 @@
+"""TensorRT-LLM `gpt_attention` (trtllm-gpt-attention.md): `cacheattn.gpt_attention` and TensorRT-LLM's enums.
+
+Arguments keep `tensorrt_llm.functional.gpt_attention`'s names, order and defaults; the plugin-config settings
+(remove_input_padding, paged_kv_cache, tokens_per_block, streamingllm, context_fmha_type, use_fp8_context_fmha,
+multi_block_mode) are keyword arguments with the config's names. Where TensorRT-LLM passes raw pool pointers,
+this takes the pool array `kv_cache_pool`. Validation names TensorRT-LLM's argument at fault; then NumPy arrays
+go to `reference.gpt_attention`. The batch/beam row convention is in reference/trtllm_gpt_attention.py.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum, IntFlag
+
+import numpy as np
+
+import reference
+from reference import trtllm_gpt_attention as ref
+
+from . import _arrays as arrays
+from ._validate import check_choice, check_int, check_shape, dtype_of
+
+FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+
+class AttentionMaskType(IntEnum):
+    padding = 0
+    causal = 1
+    sliding_window_causal = 2
+    bidirectional = 3
+    bidirectionalglm = 4
+    blocksparse = 5
+    custom_mask = 6
+
+
+class PositionEmbeddingType(IntEnum):
+    learned_absolute = 0
+    rope_gptj = 1
+    rope_gpt_neox = 2
+    long_rope = 3
+    alibi = 4
+    alibi_with_scale = 5
+    relative = 6
+    chatglm = 7
+    yarn = 8
+    mrope = 9
+
+
+class RotaryScalingType(IntEnum):
+    none = 0
+    linear = 1
+    dynamic = 2
+    longrope = 3
+    llama3 = 4
+    yarn = 5
+
+
+class RequestType(IntEnum):
+    context = 0
+    generation = 1
+
+
+class QuantMode(IntFlag):
+    """The KV-cache bits of TensorRT-LLM's QuantMode (the other bits quantize weights and activations)."""
+    INT8_KV_CACHE = 64
+    FP8_KV_CACHE = 128
+
+
+NO_KV_CACHE_QUANT = QuantMode(0)
+MASK_TYPES = (0, 1, 2, 3, 6)
+POSITION_TYPES = (0, 1, 2, 4, 5, 6)
+ROPE_TYPES = (1, 2)
+ALIBI_TYPES = (4, 5)
+SCALING_TYPES = (0, 1, 2, 4)
+
+
+def _enum(name, value, enum, supported):
+    """A TensorRT-LLM enum member or plain int -> int, refused with the member's name when unsupported here."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}: expected a {enum.__name__} or int, got {type(value).__name__} {value!r}")
+    if int(value) in enum._value2member_map_ and int(value) not in supported:
+        member = enum(int(value)).name
+        raise ValueError(f"{name}: {enum.__name__}.{member} is not supported by this reference; expected one of "
+                         f"{[enum(v).name for v in supported]}")
+    check_choice(name, int(value), supported)
+    return int(value)
+
+
+def _float_tensor(name, x, like=None):
+    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+        raise TypeError(f"{name}: expected an array, got {type(x).__name__}")
+    if dtype_of(x).name not in FLOATS:
+        raise TypeError(f"{name}: expected dtype in {FLOATS}, got {dtype_of(x).name}")
+    if like is not None and dtype_of(x) != dtype_of(like):
+        raise TypeError(f"{name}: expected qkv's dtype ({dtype_of(like).name}), got {dtype_of(x).name}")
+
+
+def _per_entry(name, x, entries):
+    host = arrays.index_array(name, x)
+    check_shape(name, host, (entries,) if entries is not None else (None,), "(batch_beam,)")
+    return host
+
+
+def _positive_scale(name, x):
+    if x is None:
+        raise ValueError(f"{name}: required with an INT8/FP8 KV cache (kv_cache_quant_mode), got None")
+    host = np.asarray(arrays.to_host(x))
+    if host.size != 1 or not np.issubdtype(host.dtype, np.floating):
+        raise ValueError(f"{name}: expected a float32 tensor of shape (1,), got {host.dtype}{host.shape}")
+    value = float(host.reshape(-1)[0])
+    if not value > 0 or not np.isfinite(value):
+        raise ValueError(f"{name}: expected a finite scale > 0, got {value}")
+    return value
+
+
+def validate(a: dict) -> dict:
+    """Check every argument of gpt_attention (a: the call's keyword arguments), in the order the reference uses
+    them. Returns the normalised arguments the reference takes: host int arrays for index tensors, ints for enums,
+    floats for scales."""
+    out = dict(a)
+    qkv = a["qkv"]
+    _float_tensor("qkv", qkv)
+    H = check_int("num_heads", a["num_heads"], low=1)
+    Hkv = check_int("num_kv_heads", a["num_kv_heads"], low=1)
+    Dh = check_int("hidden_size_per_head", a["hidden_size_per_head"], low=1)
+    if H % Hkv:
+        raise ValueError(f"num_kv_heads: expected a divisor of num_heads ({H}), got {Hkv}")
+    hidden = (H + 2 * Hkv) * Dh
+    packed = bool(a["remove_input_padding"])
+    if packed:
+        check_shape("qkv", qkv, (None, hidden), "(num_tokens, (num_heads + 2 num_kv_heads) hidden_size_per_head)")
+    else:
+        check_shape("qkv", qkv, (None, None, hidden),
+                    "(batch_beam, max_seqlen, (num_heads + 2 num_kv_heads) hidden_size_per_head)")
+    E, is_context, past, lengths = _check_requests(a, qkv, packed, hidden)
+
+    # Enums and scalar attributes.
+    mask_type = _enum("mask_type", a["mask_type"], AttentionMaskType, MASK_TYPES)
+    pos_type = _enum("position_embedding_type", a["position_embedding_type"], PositionEmbeddingType, POSITION_TYPES)
+    scale_type = _enum("rotary_embedding_scale_type", a["rotary_embedding_scale_type"], RotaryScalingType,
+                       SCALING_TYPES)
+    out.update(mask_type=mask_type, position_embedding_type=pos_type, rotary_embedding_scale_type=scale_type)
+    tpb, quant = _check_scalars_and_quantization(a, out, qkv, hidden)
+    _check_rope(a, out, pos_type, scale_type, Dh)
+    _check_position_biases(a, pos_type, H, qkv, lengths)
+    _check_mask(a, mask_type, qkv, packed, E, lengths)
+
+    # Window, sinks, cache capacity.
+    layer_idx = check_int("layer_idx", a["layer_idx"], low=0)
+    windows = arrays.index_array("host_max_attention_window_sizes", a["host_max_attention_window_sizes"])
+    if windows.ndim != 1 or windows.shape[0] < 1:
+        raise ValueError(f"host_max_attention_window_sizes: expected a 1-D tensor of windows (repeated over the "
+                         f"layers when shorter), got shape {windows.shape}")
+    window = int(windows[layer_idx % windows.shape[0]])
+    sinks_host = arrays.index_array("host_sink_token_length", a["host_sink_token_length"])
+    check_shape("host_sink_token_length", sinks_host, (1,), "(1,)")
+    sinks = int(sinks_host[0])
+    if sinks and not a["streamingllm"]:
+        raise ValueError(f"host_sink_token_length: sink tokens need streamingllm=True, got {sinks}")
+    if not 0 <= sinks < window:
+        raise ValueError(f"host_max_attention_window_sizes: expected the window of layer {layer_idx} > "
+                         f"host_sink_token_length ({sinks}), got {window}")
+    if a["streamingllm"] and (is_context & (past > 0)).any():
+        raise ValueError("host_past_key_value_lengths: chunked context is not defined with streamingllm "
+                         f"(dense context phase), got {past.tolist()}")
+
+    use_cache = bool(a["use_cache"])
+    cross = bool(a["do_cross_attention"])
+    if not use_cache:
+        if not is_context.all() or past.any():
+            raise ValueError("use_cache: without a cache every request is a whole context (no past, no "
+                             "generation)")
+        out.update(_host_lengths_and_cache(a, E, None, None, None, False))
+        return _cross(a, out, qkv, is_context, E, Hkv, Dh, pos_type, lengths, None)
+
+    ci = arrays.index_array("cache_indirection", a["cache_indirection"])
+    if ci.ndim != 3:
+        raise ValueError(f"cache_indirection: expected shape (batch_size, beam_width, max_seqlen), got {ci.shape}")
+    beam, capacity = int(ci.shape[1]), int(ci.shape[2])
+    num_gen = int((~is_context).sum())
+    if beam < 1 or num_gen % beam or ci.shape[0] < num_gen // beam:
+        raise ValueError(f"cache_indirection: expected (>= {num_gen // max(beam, 1)} generation sequences, "
+                         f"beam_width dividing the {num_gen} generation entries, max_seqlen), got {ci.shape}")
+    if ((ci < 0) | (ci >= beam)).any():
+        raise ValueError(f"cache_indirection: expected values in [0, beam_width = {beam}), got "
+                         f"[{int(ci.min())}, {int(ci.max())}]")
+    cyclic = window <= capacity
+    longest = int(lengths.max())
+    if not cyclic and longest > capacity:
+        raise ValueError(f"sequence_length: {longest} exceeds the cache capacity {capacity} (cache_indirection."
+                         f"shape[2]) and the window ({window}) does not make the cache cyclic")
+    if beam > 1 and longest > window:
+        raise ValueError(f"host_max_attention_window_sizes: the cyclic cache does not work with beam search "
+                         f"(beam_width {beam}), but a sequence of {longest} tokens passes the window {window}")
+    enc = None if not cross else _encoder_lengths(a, E)
+    # Slots this call reads or writes: the cyclic formula (plus the paged bubble after the sinks) over the
+    # positions up to the window; later positions reuse those slots. Cross attention: the encoder tokens.
+    bubble = ref.paged_bubble(sinks, tpb) if a["paged_kv_cache"] else 0
+    if cross:
+        slots_needed = int(enc.max())
+    else:
+        slots_needed = int(ref.cyclic_slot(np.arange(min(longest, window)), window, sinks, bubble).max()) + 1
+    out.update(_host_lengths_and_cache(a, E, ci, slots_needed, (Hkv, Dh, quant), bool(a["paged_kv_cache"])))
+    out.update(cache_indirection=ci, host_max_attention_window_sizes=windows, host_sink_token_length=sinks_host)
+    return _cross(a, out, qkv, is_context, E, Hkv, Dh, pos_type, lengths, enc)
+
+
+def _check_requests(a, qkv, packed, hidden):
+    """Per-entry tensors and the request order: (entries, is_context, past, sequence_length)."""
+    types = _per_entry("host_request_types", a["host_request_types"], None)
+    E = types.shape[0]
+    if E < 1:
+        raise ValueError("host_request_types: expected at least one request, got none")
+    if not np.isin(types, (0, 1)).all():
+        raise ValueError(f"host_request_types: expected RequestType values 0 (context) or 1 (generation), "
+                         f"got {types.tolist()}")
+    if (np.diff(types) < 0).any():
+        raise ValueError(f"host_request_types: context requests must come before generation requests, "
+                         f"got {types.tolist()}")
+    past = _per_entry("host_past_key_value_lengths", a["host_past_key_value_lengths"], E)
+    lengths = _per_entry("sequence_length", a["sequence_length"], E)
+    ctx_len = _per_entry("context_lengths", a["context_lengths"], E)
+    if a.get("host_context_lengths") is not None:
+        host_ctx = _per_entry("host_context_lengths", a["host_context_lengths"], E)
+        if (host_ctx != ctx_len).any():
+            raise ValueError(f"host_context_lengths: expected the values of context_lengths {ctx_len.tolist()}, "
+                             f"got {host_ctx.tolist()}")
+    if (past < 0).any():
+        raise ValueError(f"host_past_key_value_lengths: expected values >= 0, got {past.tolist()}")
+    is_context = types == 0
+    if (ctx_len < 1).any():
+        raise ValueError(f"context_lengths: expected values >= 1, got {ctx_len.tolist()}")
+    new = np.where(is_context, ctx_len, 1)
+    if (lengths != past + new).any():
+        raise ValueError(f"sequence_length: expected host_past_key_value_lengths + new tokens (context_lengths for "
+                         f"a context request, 1 per beam in generation) = {(past + new).tolist()}, "
+                         f"got {lengths.tolist()}")
+    if (~is_context & (ctx_len > past)).any():
+        raise ValueError(f"context_lengths: a generation request's prompt must be in the cache already "
+                         f"(<= host_past_key_value_lengths {past.tolist()}), got {ctx_len.tolist()}")
+    if packed and qkv.shape[0] != new.sum():
+        raise ValueError(f"qkv: expected {int(new.sum())} packed tokens (context_lengths of the context requests "
+                         f"+ one per generation beam), got {qkv.shape[0]}")
+    if not packed and (qkv.shape[0] != E or qkv.shape[1] < new.max()):
+        raise ValueError(f"qkv: expected padded shape ({E}, >= {int(new.max())}, {hidden}), got {tuple(qkv.shape)}")
+    if a.get("max_context_length") is not None:
+        check_int("max_context_length", a["max_context_length"], low=int(new[is_context].max(initial=1)))
+    return E, is_context, past, lengths
+
+
+def _check_scalars_and_quantization(a, out, qkv, hidden):
+    """Scalar attributes, the plugin settings, the KV cache quantization and its scales, qkv_bias.
+    Returns (tokens_per_block, quant mode)."""
+    if not a["q_scaling"] > 0:
+        raise ValueError(f"q_scaling: expected a float > 0, got {a['q_scaling']!r}")
+    if not a["attn_logit_softcapping_scale"] >= 0:
+        raise ValueError(f"attn_logit_softcapping_scale: expected a float >= 0 (0 disables it), "
+                         f"got {a['attn_logit_softcapping_scale']!r}")
+    check_choice("context_fmha_type", a["context_fmha_type"], (0, 1, 2))
+    tpb = check_int("tokens_per_block", a["tokens_per_block"], low=1)
+    if tpb & (tpb - 1):
+        raise ValueError(f"tokens_per_block: expected a power of two, got {tpb}")
+    quant = a["kv_cache_quant_mode"]
+    if isinstance(quant, bool) or not isinstance(quant, (int, np.integer)) or int(quant) & ~(64 | 128) \
+            or int(quant) == 64 | 128:
+        raise ValueError(f"kv_cache_quant_mode: expected QuantMode(0), INT8_KV_CACHE (64) or FP8_KV_CACHE (128), "
+                         f"got {quant!r}")
+    quant = out["kv_cache_quant_mode"] = int(quant)
+    if quant:
+        out["kv_orig_quant_scale"] = _positive_scale("kv_orig_quant_scale", a["kv_orig_quant_scale"])
+        out["kv_quant_orig_scale"] = _positive_scale("kv_quant_orig_scale", a["kv_quant_orig_scale"])
+    if a["use_fp8_context_fmha"] and not quant & 128:
+        raise ValueError("use_fp8_context_fmha: needs an FP8 KV cache (kv_cache_quant_mode = FP8_KV_CACHE), "
+                         f"got kv_cache_quant_mode {quant}")
+    if a["qkv_bias"] is not None:
+        _float_tensor("qkv_bias", a["qkv_bias"], qkv)
+        check_shape("qkv_bias", a["qkv_bias"], (hidden,), "((num_heads + 2 num_kv_heads) hidden_size_per_head,)")
+    return tpb, quant
+
+
+def _check_rope(a, out, pos_type, scale_type, Dh):
+    """rotary_embedding_dim and the RoPE attributes; a RoPE dim only with a RoPE position type."""
+    rot = check_int("rotary_embedding_dim", a["rotary_embedding_dim"], low=0)
+    if pos_type in ROPE_TYPES:
+        if rot == 0 or rot % 2 or rot > Dh:
+            raise ValueError(f"rotary_embedding_dim: expected an even value in [2, hidden_size_per_head = {Dh}] "
+                             f"for {PositionEmbeddingType(pos_type).name}, got {rot}")
+        if a["rotary_inv_freq"] is not None:
+            freq = np.asarray(arrays.to_host(a["rotary_inv_freq"]))
+            check_shape("rotary_inv_freq", freq, (rot // 2,), "(rotary_embedding_dim / 2,)")
+            out["rotary_inv_freq"] = freq.astype(np.float32)
+        elif scale_type == RotaryScalingType.llama3:
+            raise ValueError("rotary_inv_freq: llama3 scaling needs the host-computed frequencies "
+                             "(reference.rope.llama3_inv_freq), got None")
+        if not a["rotary_embedding_base"] > 0 or not a["rotary_embedding_scale"] > 0:
+            raise ValueError(f"rotary_embedding_base: expected base > 0 and rotary_embedding_scale > 0, got "
+                             f"{a['rotary_embedding_base']!r}, {a['rotary_embedding_scale']!r}")
+        check_int("rotary_embedding_max_positions", a["rotary_embedding_max_positions"], low=1)
+        if scale_type == RotaryScalingType.dynamic and rot <= 2 and a["rotary_inv_freq"] is None:
+            raise ValueError(f"rotary_embedding_dim: dynamic NTK scaling raises the base to d / (d - 2), so it needs "
+                             f"a rotary_embedding_dim > 2, got {rot}")
+    elif rot:
+        raise ValueError(f"rotary_embedding_dim: expected 0 without a RoPE position_embedding_type, got {rot}")
+
+
+def _check_position_biases(a, pos_type, H, qkv, lengths):
+    """ALiBi slopes and the relative attention bias, each given exactly with its position type."""
+    slopes = a["alibi_slopes"]
+    if (slopes is not None) != (pos_type in ALIBI_TYPES):
+        raise ValueError(f"alibi_slopes: given exactly when position_embedding_type is alibi or alibi_with_scale; "
+                         f"got {'slopes' if slopes is not None else 'None'} with "
+                         f"{PositionEmbeddingType(pos_type).name}")
+    if slopes is not None:
+        _float_tensor("alibi_slopes", slopes)
+        check_shape("alibi_slopes", slopes, (H,), "(num_heads,)")
+    rab = a["relative_attention_bias"]
+    if (rab is not None) != (pos_type == PositionEmbeddingType.relative):
+        raise ValueError("relative_attention_bias: given exactly when position_embedding_type is relative")
+    max_distance = check_int("max_distance", a["max_distance"], low=0)
+    if rab is not None:
+        _float_tensor("relative_attention_bias", rab, qkv)
+        if max_distance > 0:
+            check_shape("relative_attention_bias", rab, (H, None), "(num_heads, num_buckets) with max_distance > 0")
+            buckets = rab.shape[1]
+            if buckets < 2 or max_distance <= buckets // 2:
+                raise ValueError(f"relative_attention_bias: expected num_buckets >= 2 and max_distance "
+                                 f"> num_buckets / 2 ({max_distance}), got num_buckets {buckets}")
+        else:
+            longest = int(lengths.max())
+            check_shape("relative_attention_bias", rab, (H, None, None), "(num_heads, L, L)")
+            if rab.shape[1] < longest or rab.shape[2] < longest:
+                raise ValueError(f"relative_attention_bias: expected (num_heads, L, L) with L >= {longest} "
+                                 f"(the longest sequence_length), got {tuple(rab.shape)}")
+
+
+def _check_mask(a, mask_type, qkv, packed, E, lengths):
+    """attention_mask: bool, one row per query token, given exactly with custom_mask."""
+    mask = a["attention_mask"]
+    if (mask is not None) != (mask_type == AttentionMaskType.custom_mask):
+        raise ValueError("attention_mask: given exactly when mask_type is custom_mask")
+    if mask is not None:
+        if dtype_of(mask) != np.bool_:
+            raise TypeError(f"attention_mask: expected a bool tensor (True = attend), got {dtype_of(mask).name}")
+        rows = (qkv.shape[0],) if packed else (E, qkv.shape[1])
+        check_shape("attention_mask", mask, rows + (None,), "(num_tokens or (batch_beam, max_seqlen), max_kv_len)")
+        if mask.shape[-1] < lengths.max():
+            raise ValueError(f"attention_mask: expected a last dim >= the longest sequence_length "
+                             f"({int(lengths.max())}), got {mask.shape[-1]}")
+
+
+def _cache_dtype_ok(name, x, qkv, quant):
+    want = {0: dtype_of(qkv), 64: np.dtype(np.int8), 128: ref.fp8_e4m3()}[quant]
+    if dtype_of(x) != want:
+        raise TypeError(f"{name}: expected dtype {want.name} for kv_cache_quant_mode {quant}, got {dtype_of(x).name}")
+
+
+def _host_lengths_and_cache(a, E, ci, slots, cache_dims, paged):
+    """Host int64 copies of the per-entry tensors (and the block table); the cache tensors are checked against
+    the slots the call reads or writes."""
+    host = {name: arrays.index_array(name, a[name]) for name in
+            ("sequence_length", "host_past_key_value_lengths", "context_lengths", "host_request_types")}
+    if cache_dims is None:
+        return host
+    Hkv, Dh, quant = cache_dims
+    qkv = a["qkv"]
+    if not paged:
+        pkv = a["past_key_value"]
+        if pkv is None:
+            raise ValueError("past_key_value: required for the contiguous cache (paged_kv_cache=False), got None")
+        _cache_dtype_ok("past_key_value", pkv, qkv, quant)
+        check_shape("past_key_value", pkv, (None, 2, Hkv, None, Dh),
+                    "(batch_beam, 2, num_kv_heads, max_seqlen, hidden_size_per_head)")
+        if pkv.shape[0] < E or pkv.shape[3] < slots:
+            raise ValueError(f"past_key_value: expected >= {E} rows (one per entry) and max_seqlen >= {slots} "
+                             f"(the slots this call uses), got {tuple(pkv.shape)}")
+        return host
+    pool = a["kv_cache_pool"]
+    if pool is None:
+        raise ValueError("kv_cache_pool: required with paged_kv_cache=True, got None")
+    _cache_dtype_ok("kv_cache_pool", pool, qkv, quant)
+    tpb = int(a["tokens_per_block"])
+    check_shape("kv_cache_pool", pool, (None, None, 2, Hkv, tpb, Dh),
+                "(num_blocks, num_layers, 2, num_kv_heads, tokens_per_block, hidden_size_per_head)")
+    if a["layer_idx"] >= pool.shape[1]:
+        raise ValueError(f"layer_idx: expected < num_layers = {pool.shape[1]} (kv_cache_pool), got {a['layer_idx']}")
+    offsets = arrays.index_array("kv_cache_block_offsets", a["kv_cache_block_offsets"])
+    blocks_needed = -(-slots // tpb)
+    check_shape("kv_cache_block_offsets", offsets, (1, None, 2, None), "(num_pools = 1, batch_beam, 2, max_blocks)")
+    if offsets.shape[1] < E or offsets.shape[3] < blocks_needed:
+        raise ValueError(f"kv_cache_block_offsets: expected >= {E} rows and >= {blocks_needed} blocks per sequence, "
+                         f"got {offsets.shape}")
+    if a.get("host_kv_cache_block_offsets") is not None:
+        host_offsets = arrays.index_array("host_kv_cache_block_offsets", a["host_kv_cache_block_offsets"])
+        if host_offsets.shape != offsets.shape or (host_offsets != offsets).any():
+            raise ValueError("host_kv_cache_block_offsets: expected the values of kv_cache_block_offsets")
+    used = offsets[0, :E, :, :blocks_needed] + 2 * int(a["layer_idx"])
+    total = pool.shape[0] * pool.shape[1] * 2
+    if (used < 0).any() or (used >= total).any():
+        bad = used[(used < 0) | (used >= total)][0]
+        raise ValueError(f"kv_cache_block_offsets: block {int(bad)} (offset + 2 * layer_idx) is outside the pool's "
+                         f"{total} blocks")
+    host["kv_cache_block_offsets"] = offsets
+    return host
+
+
+def _encoder_lengths(a, E):
+    if a["encoder_input_lengths"] is None:
+        raise ValueError("encoder_input_lengths: required with do_cross_attention=True, got None")
+    enc = _per_entry("encoder_input_lengths", a["encoder_input_lengths"], E)
+    if (enc < 1).any():
+        raise ValueError(f"encoder_input_lengths: expected values >= 1, got {enc.tolist()}")
+    return enc
+
+
+def _cross(a, out, qkv, is_context, E, Hkv, Dh, pos_type, lengths, enc):
+    if not a["do_cross_attention"]:
+        if a["cross_kv"] is not None:
+            raise ValueError("cross_kv: only with do_cross_attention=True")
+        return out
+    enc = _encoder_lengths(a, E) if enc is None else enc
+    if pos_type != PositionEmbeddingType.learned_absolute:
+        raise ValueError(f"position_embedding_type: cross attention takes no position embedding here, got "
+                         f"{PositionEmbeddingType(pos_type).name}")
+    if a["cross_kv_length"] is not None and int(a["cross_kv_length"]) < enc.max():
+        raise ValueError(f"cross_kv_length: expected >= max(encoder_input_lengths) = {int(enc.max())}, "
+                         f"got {a['cross_kv_length']}")
+    encoder_tokens = int(enc[is_context].sum())
+    if is_context.any():
+        if a["cross_kv"] is None:
+            raise ValueError("cross_kv: required when a context request does cross attention, got None")
+        cross_kv = a["cross_kv"]
+        _float_tensor("cross_kv", cross_kv, qkv)
+        if a["remove_input_padding"]:
+            if cross_kv.ndim == 3 and cross_kv.shape[0] == 1:
+                cross_kv = cross_kv.reshape(cross_kv.shape[1:])               # TensorRT-LLM's [1, num_tokens, .]
+            check_shape("cross_kv", cross_kv, (encoder_tokens, 2 * Hkv * Dh),
+                        "([1,] encoder tokens of the context requests, 2 num_kv_heads hidden_size_per_head)")
+        else:
+            check_shape("cross_kv", cross_kv, (E, None, 2 * Hkv * Dh),
+                        "(batch_beam, max encoder length, 2 num_kv_heads hidden_size_per_head)")
+            if cross_kv.shape[1] < enc.max():
+                raise ValueError(f"cross_kv: expected a padded length >= max(encoder_input_lengths) = "
+                                 f"{int(enc.max())}, got {cross_kv.shape[1]}")
+    out["encoder_input_lengths"] = enc
+    return out
+
+
+@arrays.accepts_torch
+def gpt_attention(*, qkv, past_key_value, attention_mask=None, sequence_length, host_past_key_value_lengths,
+                  host_max_attention_window_sizes, host_sink_token_length, context_lengths, cache_indirection,
+                  host_request_types, layer_idx, num_heads, num_kv_heads, hidden_size_per_head, q_scaling,
+                  attn_logit_softcapping_scale=0.0, rotary_embedding_dim=0, rotary_embedding_base=10000.0,
+                  rotary_embedding_scale_type=RotaryScalingType.none, rotary_embedding_scale=1.0,
+                  rotary_embedding_max_positions=1024, position_embedding_type=PositionEmbeddingType.learned_absolute,
+                  rotary_inv_freq=None, kv_orig_quant_scale=None, kv_quant_orig_scale=None,
+                  kv_cache_quant_mode=NO_KV_CACHE_QUANT, max_context_length=None, mask_type=AttentionMaskType.causal,
+                  alibi_slopes=None, kv_cache_block_offsets=None, host_kv_cache_block_offsets=None,
+                  do_cross_attention=False, cross_kv=None, cross_kv_length=None, encoder_input_lengths=None,
+                  relative_attention_bias=None, max_distance=0, host_context_lengths=None, qkv_bias=None,
+                  use_cache=True, remove_input_padding=True, paged_kv_cache=False, tokens_per_block=64,
+                  streamingllm=False, context_fmha_type=1, use_fp8_context_fmha=False, multi_block_mode=True,
+                  kv_cache_pool=None, backend="auto"):
+    """TensorRT-LLM gpt_attention. Returns (output, present_key_value); the KV cache is written in place.
+
+    E = batch_beam entries (one per context request, beam_width per generation request; context first; see
+    reference/trtllm_gpt_attention.py for the rows). H = num_heads, Hkv = num_kv_heads, Dh = hidden_size_per_head.
+
+    qkv: packed (num_tokens, (H + 2 Hkv) Dh) with remove_input_padding, else padded (E, max_seqlen, same);
+        [Q | K | V] along the last axis; float16, bfloat16, float32 or float64.
+    past_key_value: contiguous cache (>= E, 2, Hkv, max_seqlen, Dh), qkv's dtype, int8 or float8_e4m3fn; written in
+        place and returned as present_key_value. None with paged_kv_cache.
+    attention_mask: bool (num_tokens, >= max length) or (E, max_seqlen, >= max length), True = attend; only with
+        mask_type custom_mask. Row = query token, column = key position.
+    sequence_length (E,): length after this step (past + new tokens).
+    host_past_key_value_lengths (E,): tokens already in the cache.
+    host_max_attention_window_sizes (num_layers,) or shorter: the attention window W of each layer (repeated over
+        the layers when shorter, as TensorRT-LLM's runtime does).
+    host_sink_token_length (1,): StreamingLLM sink tokens S (0 without streamingllm).
+    context_lengths (E,): new tokens of a context request (prompt or chunk); prompt length of a generation request.
+    cache_indirection (>= generation sequences, beam_width, capacity): beam of each cached token; capacity is the
+        cache's token capacity (the cache is cyclic when W <= capacity).
+    host_request_types (E,): RequestType, context 0 before generation 1.
+    layer_idx: this layer (selects the window, and the layer in the paged pool).
+    num_heads, num_kv_heads, hidden_size_per_head: H, Hkv (dividing H; MHA, GQA or MQA), Dh.
+    q_scaling: QK^T is scaled by norm_factor = 1 / (q_scaling sqrt(Dh)).
+    attn_logit_softcapping_scale: c > 0 caps the scaled scores to c tanh(qk / c); 0 disables.
+    rotary_embedding_dim, rotary_embedding_base, rotary_embedding_scale_type (none, linear, dynamic, llama3),
+        rotary_embedding_scale, rotary_embedding_max_positions: RoPE over the first rotary_embedding_dim dims.
+    position_embedding_type: learned_absolute (nothing here), rope_gptj, rope_gpt_neox, alibi, alibi_with_scale,
+        relative.
+    rotary_inv_freq (rotary_embedding_dim / 2,): frequencies used as they are (llama3: reference.rope.llama3_inv_freq).
+    kv_orig_quant_scale (1,) = 1/s, kv_quant_orig_scale (1,) = s: per-tensor INT8/FP8 cache scales.
+    kv_cache_quant_mode: QuantMode(0), INT8_KV_CACHE or FP8_KV_CACHE.
+    max_context_length: optional bound on the context requests' new tokens.
+    mask_type: padding, causal, sliding_window_causal (= causal; the window comes from
+        host_max_attention_window_sizes), bidirectional, custom_mask.
+    alibi_slopes (H,) float32: with alibi / alibi_with_scale; bias slope (j - i).
+    kv_cache_block_offsets (1, >= E, 2, max_blocks): paged block table, TensorRT-LLM's runtime meaning (offset o of
+        layer l is block o + 2 l of the pool seen as blocks). host_kv_cache_block_offsets: its host copy (optional).
+    do_cross_attention, cross_kv ([1,] encoder tokens of the context requests, 2 Hkv Dh) packed or
+        (E, max encoder length, 2 Hkv Dh) padded, [K | V], cross_kv_length (longest encoder length),
+        encoder_input_lengths (E,): cross attention over the encoder states, cached in the context phase.
+    relative_attention_bias: (H, L, L) regular, or (H, num_buckets) with max_distance > 0 (implicit T5 buckets).
+    host_context_lengths (E,): host copy of context_lengths (optional). qkv_bias ((H + 2 Hkv) Dh,): added to qkv.
+    use_cache: False runs whole contexts without reading or writing a cache.
+    remove_input_padding, paged_kv_cache, tokens_per_block (power of two), streamingllm, context_fmha_type
+        (0 disabled, 1 enabled, 2 enabled_with_fp32_acc), use_fp8_context_fmha, multi_block_mode: plugin config.
+    kv_cache_pool (num_blocks, num_layers, 2, Hkv, tokens_per_block, Dh): the paged pool, written in place.
+    backend: "auto", "reference" or "numba" (kernels_numba/trtllm_gpt_attention.py; bfloat16 on the reference only).
+    output: (num_tokens, H Dh) packed or (E, max_seqlen, H Dh) padded (padding rows zero), qkv's dtype.
+    """
+    args = {k: v for k, v in locals().items() if k != "backend"}
+    data = dict(qkv=qkv, past_key_value=past_key_value, kv_cache_pool=kv_cache_pool, attention_mask=attention_mask,
+                cross_kv=cross_kv, qkv_bias=qkv_bias, alibi_slopes=alibi_slopes,
+                relative_attention_bias=relative_attention_bias)
+    engine = arrays.resolve_backend(backend, data)
+    checked = validate(args)
+    if engine != "reference":
+        return arrays.kernels().gpt_attention(**{**checked, **{k: arrays.as_kernel_array(x) for k, x in data.items()}})
+
+    def call(host):
+        return reference.gpt_attention(**{**checked, **host})
+    return arrays.run_reference(data, ("past_key_value", "kv_cache_pool"), call)

@@ -1,0 +1,168 @@
+"""Rung 2 of the kernel ladder: a warp per key, lanes across head_dim, partial softmax states per warp.
+
+Rung 1 (`_attention_core.py`) stages a tile of keys in shared memory and lets each thread compute a whole
+q.k dot product with the key index across the warp: at head_dim 128 every lane of a warp reads the same
+shared-memory bank (a 32-way conflict), one thread per row runs the softmax, and five barriers pass per
+32 keys. This rung reads the cache straight into registers instead:
+
+    1. lane l of a warp holds elements l, l + 32, ... of every query row of the block (registers);
+    2. warp w takes keys lo + w, lo + w + WARPS, ...: each lane loads its elements of key t (consecutive
+       lanes, consecutive addresses: one coalesced row per warp) and of value t;
+    3. per query row, the lanes' partial products are summed across the warp (`_warp.warp_sum`: shuffles on
+       a GPU), giving the logit, the same in every lane;
+    4. each warp keeps its own online-softmax state per row (m, l and its lanes' slice of the output), so no
+       barrier is needed while it walks its keys;
+    5. at the end the warps' states are merged through shared memory with the multi-block rule:
+       M = max m_w, L = sum e^(m_w - M) l_w, O = sum e^(m_w - M) o_w / L.
+It is built from the same device functions as rung 1 (row_offsets, load, score, key_range), so every
+operator's cache format, quantization and mask come along unchanged, and it launches on the same grid.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda
+
+from ._attention_core import SHARED_BYTES
+from ._warp import WARP_SIZE, warp_sum
+
+
+def plan_warp_rows(num_heads: int, num_kv_heads: int, max_seqlen: int, head_dim_v: int, warps: int,
+                   elem_bytes: int = 4):
+    """(heads_per_block, q_tile): a whole GQA group when the warps' merge buffers fit, at most 8 rows a block
+    (each row costs every lane registers for its slice of q and of the output)."""
+    heads_per_block = num_heads // num_kv_heads
+    while heads_per_block > 8 and heads_per_block % 2 == 0:
+        heads_per_block //= 2
+    q_tile = 1 if max_seqlen <= 1 else max(1, min(8 // heads_per_block, max_seqlen))
+
+    def fits():
+        rows = heads_per_block * q_tile
+        return elem_bytes * warps * (WARP_SIZE + rows * (head_dim_v + 2)) <= SHARED_BYTES
+
+    while q_tile > 1 and not fits():
+        q_tile //= 2
+    while heads_per_block % 2 == 0 and not fits():
+        heads_per_block //= 2
+    if not fits():
+        raise ValueError(f"head_dim: {head_dim_v} needs more than {SHARED_BYTES} bytes of shared memory per block "
+                         f"with {warps} warps in the rung-2 kernel")
+    return heads_per_block, q_tile
+
+
+def make_warp_attention_kernel(row_offsets, load, score, key_range, *, head_dim_k: int, head_dim_v: int,
+                               heads_per_block: int, q_tile: int, group: int, warps: int, acc_dtype=np.float32):
+    """Build the kernel. Launch grid (ceil(max_seqlen / q_tile), num_heads / heads_per_block, B), 32 * warps
+    threads; arguments as `_attention_core.make_attention_kernel`'s kernel."""
+    HPB, DK, DV, WARPS = heads_per_block, head_dim_k, head_dim_v, warps
+    ROWS = HPB * q_tile
+    K_PER_LANE = -(-DK // WARP_SIZE)
+    V_PER_LANE = -(-DV // WARP_SIZE)
+    acc_t = np.float64 if np.dtype(acc_dtype) == np.float64 else np.float32
+    NEG_INF = acc_t(-math.inf)
+
+    @cuda.jit
+    def warp_attention_kernel(q_geom, out_geom, seqlens, kvlens, k_src, v_src, score_args, sm_scale):
+        b = cuda.blockIdx.z
+        seqlen, kvlen = seqlens[b], kvlens[b]
+        i0 = cuda.blockIdx.x * q_tile
+        if i0 >= seqlen:
+            return                                   # block-uniform exit
+        h0 = cuda.blockIdx.y * HPB
+        g = h0 // group
+        tid = cuda.threadIdx.x
+        warp, lane = tid // WARP_SIZE, tid % WARP_SIZE
+
+        scratch = cuda.shared.array((WARPS, WARP_SIZE), acc_t)     # warp_sum's simulator path only
+        warp_max = cuda.shared.array((WARPS, ROWS), acc_t)
+        warp_sum_p = cuda.shared.array((WARPS, ROWS), acc_t)
+        warp_out = cuda.shared.array((WARPS, ROWS, DV), acc_t)
+
+        # 1. this lane's elements of every query row
+        q_reg = cuda.local.array((ROWS, K_PER_LANE), acc_t)
+        q, q_starts, q_sb, q_si, q_sh = q_geom
+        for r in range(ROWS):
+            i = i0 + r // HPB
+            for m in range(K_PER_LANE):
+                d = lane + m * WARP_SIZE
+                q_reg[r, m] = 0.0
+                if d < DK and i < seqlen:
+                    q_reg[r, m] = acc_t(q[b * q_sb + (q_starts[b] + i) * q_si + (h0 + r % HPB) * q_sh + d])
+        row_max = cuda.local.array(ROWS, acc_t)
+        row_sum = cuda.local.array(ROWS, acc_t)
+        acc = cuda.local.array((ROWS, V_PER_LANE), acc_t)
+        for r in range(ROWS):
+            row_max[r] = NEG_INF
+            row_sum[r] = 0.0
+            for m in range(V_PER_LANE):
+                acc[r, m] = 0.0
+        k_reg = cuda.local.array(K_PER_LANE, acc_t)
+        v_reg = cuda.local.array(V_PER_LANE, acc_t)
+
+        i_last = min(i0 + q_tile, seqlen) - 1
+        lo, hi = key_range(score_args, b, i0, i_last, seqlen, kvlen)
+        steps = -(-max(hi - lo, 0) // WARPS)        # the same count in every warp: warp_sum may hold barriers
+        for step in range(steps):
+            t = lo + step * WARPS + warp
+            valid = t < hi
+            tc = min(t, hi - 1)                     # a warp past the end loads a real key and weighs it 0
+            # 2. this lane's elements of key t and value t, straight from the cache
+            k_row, k_scale_row = row_offsets(k_src, b, tc, g)
+            v_row, v_scale_row = row_offsets(v_src, b, tc, g)
+            for m in range(K_PER_LANE):
+                d = lane + m * WARP_SIZE
+                k_reg[m] = load(k_src, k_row, k_scale_row, d) if d < DK else acc_t(0.0)
+            for m in range(V_PER_LANE):
+                d = lane + m * WARP_SIZE
+                v_reg[m] = load(v_src, v_row, v_scale_row, d) if d < DV else acc_t(0.0)
+            for r in range(ROWS):
+                # 3. the logit of row r for key t, summed across the warp
+                part = acc_t(0.0)
+                for m in range(K_PER_LANE):
+                    part += q_reg[r, m] * k_reg[m]
+                dot = warp_sum(part, scratch, warp, lane)
+                i = i0 + r // HPB
+                s = NEG_INF
+                if valid and i < seqlen:
+                    s = score(score_args, dot * sm_scale, b, h0 + r % HPB, i, t, seqlen, kvlen)
+                # 4. this warp's online softmax for row r (the same values in every lane)
+                new_max = max(row_max[r], s)
+                if new_max != NEG_INF:
+                    alpha = math.exp(row_max[r] - new_max)
+                    p = math.exp(s - new_max)
+                    row_sum[r] = row_sum[r] * alpha + p
+                    for m in range(V_PER_LANE):
+                        acc[r, m] = acc[r, m] * alpha + p * v_reg[m]
+                    row_max[r] = new_max
+
+        # 5. merge the warps' states
+        for r in range(ROWS):
+            if lane == 0:
+                warp_max[warp, r] = row_max[r]
+                warp_sum_p[warp, r] = row_sum[r]
+            for m in range(V_PER_LANE):
+                d = lane + m * WARP_SIZE
+                if d < DV:
+                    warp_out[warp, r, d] = acc[r, m]
+        cuda.syncthreads()
+        out, o_starts, o_sb, o_si, o_sh = out_geom
+        for e in range(tid, ROWS * DV, WARPS * WARP_SIZE):
+            r, d = e // DV, e % DV
+            i = i0 + r // HPB
+            if i < seqlen:
+                top = NEG_INF
+                for w in range(WARPS):
+                    top = max(top, warp_max[w, r])
+                total = acc_t(0.0)
+                value = acc_t(0.0)
+                if top != NEG_INF:
+                    for w in range(WARPS):
+                        weight = math.exp(warp_max[w, r] - top)
+                        total += weight * warp_sum_p[w, r]
+                        value += weight * warp_out[w, r, d]
+                out[b * o_sb + (o_starts[b] + i) * o_si + (h0 + r % HPB) * o_sh + d] = (
+                    value / total if total > 0.0 else acc_t(0.0))
+
+    return warp_attention_kernel

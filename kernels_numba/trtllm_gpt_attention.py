@@ -1,0 +1,821 @@
+"""TensorRT-LLM `gpt_attention` on the GPU (trtllm-gpt-attention.md), through the shared online-softmax core.
+
+Two kernels per call in the common case, all on the caller's stream with no host sync between them, context and
+generation entries together (in-flight batching); the variants below add a launch each:
+
+1. preprocess (one thread per element of a token's Q, K or V head): QKV bias, rounding to the input dtype,
+   RoPE (GPT-J / GPT-NeoX, partial, linear or dynamic scaling; frequencies per entry from the host, or
+   `rotary_inv_freq` as given), then
+   - Q, K, V of the new tokens -> scratch (T, heads, Dh) in the accumulation dtype (the current tokens attend
+     with their own unquantized K/V, as the reference's `keys[P:] = k_rot`),
+   - K, V -> their cache slot (contiguous row, or paged block through the block offsets; cyclic with sinks and
+     the paged bubble), quantized to INT8 or FP8 e4m3 bits on the fly. The same thread that read a token's
+     K/V from `qkv` writes it: one pass.
+2. attention (the core, fused): entry b's key t comes from the cache for t < past (beam indirection, cyclic slot,
+   INT8 dequant / e4m3 decode) and from the scratch for t >= past; `score` applies the causal / window / sinks /
+   custom mask, softcap, then ALiBi or the relative bias; `key_range` bounds the walk to the visible keys.
+Unfused context (context_fmha_type 0, and FP8 context FMHA): scores in global memory, softmax rows, P V.
+Cross attention: a third kernel copies the context entries' encoder K/V (`cross_kv`) to the scratch and to
+cache slots 0..L-1 in one pass; keys are then the encoder's (scratch in the context phase, the cache in
+generation), every one visible, and the decoder's own K/V are not cached.
+StreamingLLM: K is cached before RoPE; generation rotates the new token at min(past, W) and each cached key at
+its index in the cache as it loads it (the context phase is dense: no window).
+
+Read before write: the reference reads the cached keys and only then writes the new ones. Writing first is
+the same unless a multi-token chunk wraps a cyclic cache (N > W): then a cached key a query still sees would be
+overwritten, so that call writes the cache in a second launch of the preprocess kernel, after attention. Of
+several new tokens that wrap onto one slot only the latest writes (as the reference's `_last_writer`).
+
+The cache sources and score arguments are namedtuples read by field name. Not covered yet (NotImplementedError,
+raised by `unsupported`): bfloat16. FP8 context FMHA runs on the unfused path (it needs each row's
+final max before rounding the probabilities to e4m3, which the online softmax does not have).
+Multi-block: with few blocks for the SMs, each block walks one of num_splits key ranges and writes (m, l, o);
+a combine kernel reduces them (`choose_splits` picks the count; `num_splits` forces it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import namedtuple
+from functools import cache
+
+import numpy as np
+from numba import cuda
+
+from ._attention_core import make_attention_kernel, plan_tiles
+from ._cache import token_head_item
+from ._launch import caller_stream, ceil_div, empty_like_kind, flat, launch, to_kind
+from ._numerics import keep_float32, round_to_float16
+
+# TensorRT-LLM enum values (tensorrt_llm.functional), as cacheattn.trtllm validates them.
+PADDING, CAUSAL, SLIDING_WINDOW_CAUSAL, BIDIRECTIONAL = 0, 1, 2, 3
+ROPE_GPTJ, ROPE_GPT_NEOX, ALIBI, ALIBI_WITH_SCALE, RELATIVE = 1, 2, 4, 5, 6
+SCALING_LINEAR, SCALING_DYNAMIC = 1, 2
+CONTEXT = 0
+INT8_KV_CACHE, FP8_KV_CACHE = 64, 128
+FP8_MAX = 448.0
+
+# Per-entry table columns (int64): where the entry's tokens are in qkv/output, its lengths, its cache rows.
+TOKEN_START, PAST, NEW, FIRST_ROW, BEAM, SEQUENCE, PROMPT, IS_CONTEXT = range(8)
+TABLE_COLUMNS = 8
+
+# Where cached token slots live. Contiguous: row r, slot s at r*s_row + kv*s_kv + h*s_head + s*Dh.
+# Paged: block = offsets[r, kv, s // tokens_per_block] + layer_blocks, at block*s_block + h*s_head + (s % tpb)*Dh.
+KVSource = namedtuple("KVSource", "cache scratch table offsets indirection kv paged tokens_per_block layer_blocks "
+                                  "s_row s_kv s_head s_block window sinks bubble scale "
+                                  "rotate inv_freq position_divisor")
+
+
+def unsupported(qkv) -> str | None:
+    """The first feature of a validated call these kernels do not run yet, named as TensorRT-LLM names it."""
+    if np.dtype(qkv.dtype).name == "bfloat16":
+        return "qkv: bfloat16 (numba has no bfloat16 arithmetic)"
+    return None
+
+
+# ---- FP8 e4m3 (fn) from the bits: the simulator has no fp8 type, the cache holds the codes as bytes -----------
+
+@cuda.jit(device=True, inline="always")
+def e4m3_encode(x):
+    """float32 -> e4m3fn code (0..255): saturate to +-448, round to nearest even (subnormals too); NaN -> 0x7F."""
+    if x != x:
+        return np.int32(0x7F)
+    sign = np.int32(0x80) if (x < 0 or (x == 0 and math.copysign(1.0, x) < 0)) else np.int32(0)
+    a = min(abs(np.float64(x)), FP8_MAX)
+    if a < 2.0 ** -6:                                   # subnormal: multiples of 2^-9 (8 rounds up to the normal 2^-6)
+        return sign | np.int32(round(a * 512.0))
+    exponent, power = 8, 256.0                          # largest 2^e <= a, e in [-6, 8]
+    while power > a:
+        power *= 0.5
+        exponent -= 1
+    mantissa = np.int32(round((a / power - 1.0) * 8.0))  # exact scaled fraction, round() is half to even
+    if mantissa == 8:                                   # rounded up to the next power of two
+        mantissa = np.int32(0)
+        exponent += 1
+    return sign | np.int32((exponent + 7) << 3) | mantissa
+
+
+@cuda.jit(device=True, inline="always")
+def e4m3_decode(code):
+    """e4m3fn code (0..255) -> its exact value as float32 (0x7F / 0xFF are NaN)."""
+    c = np.int32(code) & 0xFF
+    exponent, mantissa = (c >> 3) & 0xF, c & 7
+    if exponent == 15 and mantissa == 7:
+        value = math.nan                                # signed like the code, as ml_dtypes widens it
+    elif exponent == 0:
+        value = np.float64(mantissa) * 2.0 ** -9
+    else:
+        value = np.float64(8 + mantissa) * 2.0 ** (exponent - 10)
+    return np.float32(-value if c & 0x80 else value)
+
+
+def make_kv_codec(quant: int, acc_t):
+    """(encode(x, inv_scale), decode(code, scale)): the cache's storage of a K/V element and its load as acc_t.
+
+    INT8: sat(rint(float32(x) * (1/s))), load float32(q) * s. FP8: e4m3(sat(float32(x) * (1/s))), load e4m3 * s.
+    Unquantized: the value itself (the cache array's dtype rounds it on store)."""
+
+    @cuda.jit(device=True, inline="always")
+    def encode(x, inv_scale):
+        if quant == INT8_KV_CACHE:
+            q = round(np.float32(np.float32(x) * inv_scale))
+            return np.int32(min(max(q, -128), 127))
+        if quant == FP8_KV_CACHE:
+            return e4m3_encode(np.float32(np.float32(x) * inv_scale))
+        return x
+
+    @cuda.jit(device=True, inline="always")
+    def decode(code, scale):
+        if quant == INT8_KV_CACHE:
+            return acc_t(np.float32(np.float32(code) * scale))
+        if quant == FP8_KV_CACHE:
+            return acc_t(np.float32(e4m3_decode(code) * scale))
+        return acc_t(code)
+
+    return encode, decode
+
+
+# ---- The cache: slots, rows, addresses -----------------------------------------------------------------------
+
+@cuda.jit(device=True, inline="always")
+def cyclic_slot(t, window, sinks):
+    """Slot of token position t: sinks stay put, the rest cycle through the window's W - S slots."""
+    if t < sinks:
+        return t
+    return sinks + (t - sinks) % (window - sinks)
+
+
+def make_cache_address(head_size: int):
+    @cuda.jit(device=True, inline="always")
+    def cache_address(src, row, slot, h):
+        """Element 0 of kv head h at cache slot `slot` (before the paged bubble) of cache row `row`.
+        Consecutive slots are head_size elements apart in both layouts."""
+        if slot >= src.sinks:
+            slot += src.bubble                          # paged: the sinks have their blocks to themselves
+        if src.paged != 0:
+            block = src.offsets[row, src.kv, slot // src.tokens_per_block] + src.layer_blocks
+            return block * src.s_block + h * src.s_head + (slot % src.tokens_per_block) * head_size
+        return row * src.s_row + src.kv * src.s_kv + h * src.s_head + slot * head_size
+
+    return cache_address
+
+
+def make_rope(rope_style: int, rotary_dim: int, round_dtype, acc_t):
+    """(pair_of, rotate): RoPE of one element given its pair partner, the result rounded to the input dtype."""
+    HALF = rotary_dim // 2
+
+    @cuda.jit(device=True, inline="always")
+    def pair_of(d):
+        """(frequency index, is the pair's first element, partner element) of element d < rotary_dim."""
+        if rope_style == ROPE_GPTJ:                     # interleaved pairs (2i, 2i + 1)
+            first = d % 2 == 0
+            return d // 2, first, d + 1 if first else d - 1
+        first = d < HALF                                # GPT-NeoX: halves (i, i + rotary_dim / 2)
+        return d % HALF, first, d + HALF if first else d - HALF
+
+    @cuda.jit(device=True, inline="always")
+    def rotate(x, other, first, position, divisor, freq):
+        """x rotated with its partner at angle (position / divisor) * freq, formed in acc_t."""
+        angle = acc_t(np.float64(position) / divisor) * acc_t(freq)
+        cos, sin = acc_t(math.cos(angle)), acc_t(math.sin(angle))
+        if first:
+            return round_dtype(x * cos - other * sin)
+        return round_dtype(x * cos + other * sin)
+
+    return pair_of, rotate
+
+
+def make_trt_access(quant: int, num_kv_heads: int, head_size: int, acc_t, round_dtype=keep_float32,
+                    rope_style: int = 0, rotary_dim: int = 0):
+    """Device functions (row_offsets, load) of the core for a TensorRT-LLM K or V source (KVSource).
+
+    row_offsets(src, b, t, h) -> (element index, where): where = 0 for the scratch, else (slot << 32) | (b + 1):
+    the cached key's cyclic slot and entry, which StreamingLLM needs to rotate it at its index in the cache
+    (rope_style != 0 only for StreamingLLM; `src.rotate` says whether this source is K)."""
+    _, decode = make_kv_codec(quant, acc_t)
+    cache_address = make_cache_address(head_size)
+    pair_of, rotate = make_rope(rope_style, rotary_dim, round_dtype, acc_t)
+
+    @cuda.jit(device=True, inline="always")
+    def row_offsets(src, b, t, h):
+        table = src.table
+        past = table[b, PAST]
+        if t >= past:                                   # a new token: its unquantized K/V from the scratch
+            return ((table[b, TOKEN_START] + t - past) * num_kv_heads + h) * head_size, 0
+        row = b
+        slot = cyclic_slot(t, src.window, src.sinks)
+        if table[b, IS_CONTEXT] == 0:
+            # Beam search: the prompt from the sequence's first row, later tokens from the beam the indirection names.
+            row = table[b, FIRST_ROW]
+            if t >= table[b, PROMPT]:
+                row += src.indirection[table[b, SEQUENCE], table[b, BEAM], slot]
+        return cache_address(src, row, slot, h), (slot << 32) | (b + 1)
+
+    @cuda.jit(device=True, inline="always")
+    def load(src, index, where, d):
+        if where == 0:
+            return acc_t(src.scratch[index + d])
+        x = decode(src.cache[index + d], src.scale)
+        if rope_style == 0 or src.rotate == 0 or d >= rotary_dim:
+            return x
+        b, slot = (where & 0xFFFFFFFF) - 1, where >> 32
+        pair, first, partner = pair_of(d)
+        other = decode(src.cache[index + partner], src.scale)
+        return rotate(x, other, first, slot, src.position_divisor, src.inv_freq[b, pair])
+
+    return row_offsets, load
+
+
+@cuda.jit(device=True, inline="always")
+def t5_bucket(relative_position, num_buckets, max_distance, bidirectional):
+    """T5's bucket of key position - query position, its log math in float32 as the reference's."""
+    bucket = 0
+    if bidirectional != 0:
+        num_buckets //= 2
+        if relative_position > 0:
+            bucket += num_buckets
+        distance = abs(relative_position)
+    else:
+        distance = -min(relative_position, 0)
+    max_exact = num_buckets // 2
+    if distance < max_exact:                            # exact buckets for the near keys
+        return bucket + distance
+    ratio = np.float32(np.float32(distance) / np.float32(max_exact))
+    log_ratio = np.float32(np.float32(math.log(ratio)) / np.float32(math.log(max_distance / max_exact)))
+    large = max_exact + np.int64(np.float32(log_ratio * np.float32(num_buckets - max_exact)))
+    return bucket + min(large, num_buckets - 1)
+
+
+def make_trt_score(acc_t):
+    """(score, key_range) of the core: custom mask, causal / window / sinks visibility, softcap, then ALiBi or
+    the relative attention bias (a regular (H, L, L) table or implicit T5 buckets) (ScoreArgs)."""
+    NEG_INF = acc_t(-math.inf)
+
+    @cuda.jit(device=True, inline="always")
+    def score(args, qk, b, h, i, j, seqlen, kvlen):
+        p = args.table[b, PAST] + i                     # query i sits at position past + i (bottom-right causal)
+        if args.causal != 0 and j > p:
+            return NEG_INF
+        dense = args.streaming != 0 and args.table[b, IS_CONTEXT] != 0   # StreamingLLM prefill: no window
+        if not dense and j <= p - (args.window - args.sinks) and j >= args.sinks:
+            return NEG_INF                              # out of the window and not a sink
+        if args.mask_cols > 0 and not args.mask[(args.table[b, TOKEN_START] + i) * args.mask_cols + j]:
+            return NEG_INF                              # custom mask: row = query token, True = attend
+        s = qk
+        if args.softcap > 0:                            # after the scaling, before the bias
+            s = args.softcap * math.tanh(s / args.softcap)
+        if args.alibi_on != 0:
+            s = s + acc_t(args.alibi[h]) * acc_t(j - p)
+        if args.relative == 1:                          # regular: relative_attention_bias[h, p, j]
+            s = s + acc_t(args.bias[(h * args.bias_len + p) * args.bias_len + j])
+        elif args.relative == 2:                        # implicit: relative_attention_bias[h, bucket(j - p)]
+            bucket = t5_bucket(j - p, args.bias_len, args.max_distance, args.bidirectional)
+            s = s + acc_t(args.bias[h * args.bias_len + bucket])
+        return s
+
+    @cuda.jit(device=True, inline="always")
+    def key_range(args, b, i_first, i_last, seqlen, kvlen):
+        past = args.table[b, PAST]
+        hi = kvlen
+        if args.causal != 0:
+            hi = min(hi, past + i_last + 1)
+        lo = 0
+        if args.sinks == 0 and args.streaming == 0:     # with sinks the first keys stay in view
+            lo = max(0, past + i_first - args.window + 1)
+        return lo, hi
+
+    return score, key_range
+
+
+ScoreArgs = namedtuple("ScoreArgs", "table alibi alibi_on softcap causal window sinks streaming mask mask_cols "
+                                    "bias relative bias_len max_distance bidirectional")
+
+
+def _acc_type(dtype):
+    return np.float64 if np.dtype(dtype) == np.float64 else np.float32
+
+
+@cache
+def _attention_kernel(dtype, num_heads, num_kv_heads, head_size, quant, q_len, rope_style=0, rotary_dim=0,
+                      partials=False):
+    """The core for these shapes; rope_style/rotary_dim only for StreamingLLM (cached keys rotated on load);
+    partials: the multi-block kernel writing (m, l, o) per split."""
+    acc_t = _acc_type(dtype)
+    round_dtype = round_to_float16 if np.dtype(dtype) == np.float16 else keep_float32
+    row_offsets, load = make_trt_access(quant, num_kv_heads, head_size, acc_t, round_dtype, rope_style, rotary_dim)
+    score, key_range = make_trt_score(acc_t)
+    heads_per_block, q_tile, key_tile = plan_tiles(num_heads, num_kv_heads, q_len, head_size, head_size,
+                                                   elem_bytes=np.dtype(acc_t).itemsize)
+    kernel = make_attention_kernel(row_offsets, load, score, key_range, head_dim_k=head_size, head_dim_v=head_size,
+                                   heads_per_block=heads_per_block, q_tile=q_tile, key_tile=key_tile,
+                                   group=num_heads // num_kv_heads, acc_dtype=acc_t, partials=partials)
+    return kernel, heads_per_block, q_tile
+
+
+@cache
+def _unfused_kernels(dtype, num_heads, num_kv_heads, head_size, quant, rope_style=0, rotary_dim=0, fp8_fmha=False):
+    """context_fmha_type 0: scores to global memory, softmax, P V, one thread per element each.
+
+    scores (E, H, max new tokens, max keys): the (b, h, i, j) logit from the same score function as the fused
+    kernel (hidden: -inf); then one thread per (b, h, i) row turns it into probabilities in place (a row with
+    no visible key gives zeros); then one thread per output element sums P V. Grids: (x: elements / threads,
+    y: entries), rows of an entry with no new tokens here (seqlens 0) do nothing.
+
+    fp8_fmha (use_fp8_context_fmha): Q, K, V enter as e4m3 of x / s (the cache's scale; sm_scale carries s^2),
+    the row's exp(score - max) is rounded to e4m3 for P V while its sum (`totals`) stays float32, and the output
+    is (P V) * s / sum."""
+    acc_t = _acc_type(dtype)
+    round_dtype = round_to_float16 if np.dtype(dtype) == np.float16 else keep_float32
+    row_offsets, load = make_trt_access(quant, num_kv_heads, head_size, acc_t, round_dtype, rope_style, rotary_dim)
+    score, _ = make_trt_score(acc_t)
+    H, DH, GROUP = num_heads, head_size, num_heads // num_kv_heads
+    NEG_INF = acc_t(-math.inf)
+    to_e4m3, _ = make_kv_codec(FP8_KV_CACHE, acc_t)
+
+    @cuda.jit(device=True, inline="always")
+    def fmha_input(x, inv_scale):
+        """What the FMHA reads: x itself, or (FP8 context FMHA) the e4m3 value of x / s."""
+        if fp8_fmha:
+            return acc_t(e4m3_decode(to_e4m3(x, inv_scale)))
+        return x
+
+    @cuda.jit
+    def scores_kernel(q, token_starts, seqlens, kvlens, k_src, args, sm_scale, inv_scale, scores):
+        b = cuda.blockIdx.y
+        idx = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        keys = scores.shape[3]
+        i, h, j = idx // (H * keys), (idx // keys) % H, idx % keys
+        if i >= seqlens[b] or j >= kvlens[b]:
+            return
+        index, where = row_offsets(k_src, b, j, h // GROUP)
+        q_row = ((token_starts[b] + i) * H + h) * DH
+        dot = acc_t(0.0)
+        for d in range(DH):
+            dot += fmha_input(acc_t(q[q_row + d]), inv_scale) * fmha_input(load(k_src, index, where, d), inv_scale)
+        scores[b, h, i, j] = score(args, dot * sm_scale, b, h, i, j, seqlens[b], kvlens[b])
+
+    @cuda.jit
+    def softmax_kernel(seqlens, kvlens, scores, totals):
+        b = cuda.blockIdx.y
+        idx = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        i, h = idx // H, idx % H
+        if i >= seqlens[b]:
+            return
+        row_max = NEG_INF
+        for j in range(kvlens[b]):
+            row_max = max(row_max, scores[b, h, i, j])
+        total = acc_t(0.0)
+        if row_max != NEG_INF:
+            for j in range(kvlens[b]):
+                total += math.exp(scores[b, h, i, j] - row_max)
+        if fp8_fmha:                                    # unnormalised e4m3 probabilities, the float32 sum apart
+            totals[b, h, i] = total
+            shift = acc_t(0.0) if row_max == NEG_INF else row_max
+            for j in range(kvlens[b]):
+                p = math.exp(scores[b, h, i, j] - shift)
+                scores[b, h, i, j] = e4m3_decode(to_e4m3(p, np.float32(1.0)))
+            return
+        for j in range(kvlens[b]):
+            scores[b, h, i, j] = math.exp(scores[b, h, i, j] - row_max) / total if total > 0 else acc_t(0.0)
+
+    @cuda.jit
+    def pv_kernel(token_starts, seqlens, kvlens, v_src, scores, totals, scale, inv_scale, out):
+        b = cuda.blockIdx.y
+        idx = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        i, h, d = idx // (H * DH), (idx // DH) % H, idx % DH
+        if i >= seqlens[b]:
+            return
+        total = acc_t(0.0)
+        for j in range(kvlens[b]):
+            p = scores[b, h, i, j]
+            if p != 0:                                  # a hidden key's value is never read
+                index, where = row_offsets(v_src, b, j, h // GROUP)
+                total += p * fmha_input(load(v_src, index, where, d), inv_scale)
+        if fp8_fmha:
+            row_sum = totals[b, h, i]
+            total = total * scale / row_sum if row_sum > 0 else acc_t(0.0)
+        out[((token_starts[b] + i) * H + h) * DH + d] = total
+
+    return scores_kernel, softmax_kernel, pv_kernel
+
+
+@cache
+def _combine_kernel(dtype, num_heads, head_size):
+    """Kernel: the multi-block reduction of the splits' (m, l, o): M = max m_c, L = sum e^(m_c - M) l_c,
+    out = sum e^(m_c - M) o_c / L (0 for a row no split saw). One thread per output element; grid
+    (x: ceil(max new tokens * H * Dh / threads), y: entries)."""
+    acc_t = _acc_type(dtype)
+    H, DH = num_heads, head_size
+    NEG_INF = acc_t(-math.inf)
+
+    @cuda.jit
+    def combine_kernel(o_part, m_part, l_part, num_splits, token_starts, new_starts, out):
+        b, i, h, d = token_head_item(new_starts, H, DH)
+        if i < 0:
+            return
+        rows = m_part.shape[0] // num_splits
+        row = (token_starts[b] + i) * H + h             # (token, head): the index of m, l; o adds d
+        big_m = NEG_INF
+        for c in range(num_splits):
+            big_m = max(big_m, m_part[c * rows + row])
+        total, value = acc_t(0.0), acc_t(0.0)
+        if big_m != NEG_INF:
+            for c in range(num_splits):
+                m = m_part[c * rows + row]
+                if m != NEG_INF:                        # a split that saw no key adds nothing
+                    weight = math.exp(m - big_m)
+                    total += weight * l_part[c * rows + row]
+                    value += weight * o_part[(c * rows + row) * DH + d]
+        out[row * DH + d] = value / total if total > 0 else acc_t(0.0)
+
+    return combine_kernel
+
+
+def sm_count() -> int:
+    """The current GPU's multiprocessor count; 132 (an H100 SXM) when there is none, as in the simulator."""
+    try:
+        return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+    except Exception:  # no device, or the simulator's, which has no attributes
+        return 132
+
+
+def choose_splits(blocks: int, max_kv_len: int, key_tile: int, num_sms: int | None = None) -> int:
+    """Multi-block heuristic: split the keys only when the grid (entries x head groups x query tiles) leaves
+    SMs idle; as many splits as fill them, never more than the longest sequence has key tiles, at most 64."""
+    num_sms = sm_count() if num_sms is None else num_sms
+    if blocks >= num_sms:
+        return 1
+    return max(1, min(num_sms // blocks, ceil_div(max_kv_len, key_tile), 64))
+
+
+@cache
+def _preprocess_kernel(dtype, num_heads, num_kv_heads, head_size, rotary_dim, rope_style, quant, has_bias):
+    """Kernel: bias, dtype rounding, RoPE of one element of a new token's Q/K/V head, then scratch and cache.
+
+    Grid (x: ceil(max new tokens * (H + 2 Hkv) * Dh / threads), y: entries); one thread per element. A rotated
+    element reads its pair partner too (both threads of a pair compute the same two inputs)."""
+    acc_t = _acc_type(dtype)
+    round_dtype = round_to_float16 if np.dtype(dtype) == np.float16 else keep_float32
+    encode, _ = make_kv_codec(quant, acc_t)
+    cache_address = make_cache_address(head_size)
+    pair_of, rotate = make_rope(rope_style, rotary_dim, round_dtype, acc_t)
+    H, HKV, DH = num_heads, num_kv_heads, head_size
+    HEADS = H + 2 * HKV
+
+    @cuda.jit(device=True, inline="always")
+    def element(pre, token, hh, d):
+        """qkv + bias, written in the input dtype (as the preprocessing does), held in acc_t."""
+        x = acc_t(pre.qkv[(token * HEADS + hh) * DH + d])
+        if has_bias:
+            x = round_dtype(x + acc_t(pre.bias[hh * DH + d]))
+        return x
+
+    @cuda.jit(device=True, inline="always")
+    def rotated(pre, b, token, position, hh, d):
+        """Element d of head hh after RoPE at `position` (Q and K heads; V and d >= rotary_dim pass through)."""
+        x = element(pre, token, hh, d)
+        if rope_style == 0 or hh >= H + HKV or d >= rotary_dim:
+            return x
+        pair, first, partner = pair_of(d)
+        return rotate(x, element(pre, token, hh, partner), first, position, pre.position_divisor,
+                      pre.inv_freq[b, pair])
+
+    @cuda.jit(device=True, inline="always")
+    def store(dst, pre, b, position, g, d, x):
+        """x -> cache row b at the position's cyclic slot, unless a later new token of this call takes the slot."""
+        src = dst
+        length = pre.table[b, PAST] + pre.table[b, NEW]
+        if position < src.sinks or position + (src.window - src.sinks) >= length:
+            index = cache_address(src, b, cyclic_slot(position, src.window, src.sinks), g)
+            src.cache[index + d] = encode(x, pre.inv_scale)
+
+    @cuda.jit
+    def preprocess_kernel(pre, new_starts):
+        b, i, hh, d = token_head_item(new_starts, HEADS, DH)
+        if i < 0:
+            return
+        token = pre.table[b, TOKEN_START] + i
+        position = pre.table[b, PAST] + i
+        rope_position = position
+        if pre.streaming != 0 and pre.table[b, IS_CONTEXT] == 0:
+            rope_position = min(position, pre.k_dst.window)   # StreamingLLM generation: the index in the cache
+        y = rotated(pre, b, token, rope_position, hh, d)
+        if hh < H:
+            if pre.write_scratch != 0:
+                pre.q_out[(token * H + hh) * DH + d] = y
+        elif hh < H + HKV:
+            g = hh - H
+            if pre.write_scratch != 0:
+                pre.k_out[(token * HKV + g) * DH + d] = y
+            if pre.write_cache != 0:               # StreamingLLM caches K before RoPE
+                store(pre.k_dst, pre, b, position, g, d, element(pre, token, hh, d) if pre.streaming != 0 else y)
+        else:
+            g = hh - H - HKV
+            if pre.write_scratch != 0:
+                pre.v_out[(token * HKV + g) * DH + d] = y
+            if pre.write_cache != 0:
+                store(pre.v_dst, pre, b, position, g, d, y)
+
+    return preprocess_kernel
+
+
+@cache
+def _cross_kernel(dtype, num_kv_heads, head_size, quant):
+    """Kernel: the context entries' encoder K/V -> scratch (encoder token rows) and cache slots 0..L-1, encoded.
+
+    Grid (x: ceil(longest encoder input * 2 Hkv * Dh / threads), y: entries); generation entries have no rows
+    in enc_starts, so no thread."""
+    acc_t = _acc_type(dtype)
+    round_dtype = round_to_float16 if np.dtype(dtype) == np.float16 else keep_float32
+    encode, _ = make_kv_codec(quant, acc_t)
+    cache_address = make_cache_address(head_size)
+    HKV, DH = num_kv_heads, head_size
+
+    @cuda.jit(device=True, inline="always")
+    def copy(out, dst, b, token, t, g, d, x, inv_scale, write_cache):
+        out[(token * HKV + g) * DH + d] = x
+        if write_cache != 0:
+            dst.cache[cache_address(dst, b, t, g) + d] = encode(x, inv_scale)
+
+    @cuda.jit
+    def cross_kernel(cross_kv, enc_starts, k_out, v_out, k_dst, v_dst, inv_scale, write_cache):
+        b, t, item, d = token_head_item(enc_starts, 2 * HKV, DH)
+        if t < 0:
+            return
+        token = enc_starts[b] + t                       # cross_kv (encoder tokens, [K heads | V heads], Dh)
+        x = round_dtype(acc_t(cross_kv[(token * 2 * HKV + item) * DH + d]))
+        if item < HKV:
+            copy(k_out, k_dst, b, token, t, item, d, x, inv_scale, write_cache)
+        else:
+            copy(v_out, v_dst, b, token, t, item - HKV, d, x, inv_scale, write_cache)
+
+    return cross_kernel
+
+
+Preprocess = namedtuple("Preprocess", "qkv bias table inv_freq position_divisor inv_scale q_out k_out v_out k_dst "
+                                      "v_dst write_scratch write_cache streaming")
+
+
+# ---- Host side -----------------------------------------------------------------------------------------------
+
+def rope_inv_freq(rotary_inv_freq, rotary_dim, base, scale_type, scale, max_positions, lengths, acc_t):
+    """(entries, rotary_dim / 2) frequencies: `rotary_inv_freq` as given, or 1 / base^(2i / rotary_dim) with
+    dynamic NTK scaling raising the base past max_positions for an entry of that length (after this step)."""
+    if rotary_inv_freq is not None:
+        freq = np.asarray(rotary_inv_freq).astype(acc_t)
+        return np.ascontiguousarray(np.broadcast_to(freq, (len(lengths), freq.shape[0])))
+    exponents = np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim
+    rows = []
+    for length in lengths:
+        entry_base = float(base)
+        if scale_type == SCALING_DYNAMIC and length > max_positions:
+            entry_base *= ((scale * length / max_positions) - (scale - 1)) ** (rotary_dim / (rotary_dim - 2))
+        rows.append((1.0 / np.float64(entry_base) ** exponents).astype(acc_t))
+    return np.stack(rows)
+
+
+def entry_table(num_context, beam_width, past, new, context_lengths, token_starts) -> np.ndarray:
+    """(entries, TABLE_COLUMNS) int64: see the column names. Generation entry e = C + bi*W + w reads the prompt
+    from row C + bi*W and later tokens from row C + bi*W + cache_indirection[bi, w, slot]."""
+    E = len(past)
+    table = np.zeros((E, TABLE_COLUMNS), np.int64)
+    table[:, TOKEN_START], table[:, PAST], table[:, NEW] = token_starts, past, new
+    table[:num_context, IS_CONTEXT] = 1
+    generation = np.arange(num_context, E)
+    sequence, beam = np.divmod(generation - num_context, beam_width)
+    table[num_context:, SEQUENCE], table[num_context:, BEAM] = sequence, beam
+    table[num_context:, FIRST_ROW] = num_context + sequence * beam_width
+    table[:, PROMPT] = context_lengths
+    return table
+
+
+def _kv_sources(*, cache_array, paged, block_offsets, indirection, table, k_scratch, v_scratch, layer_idx,
+                tokens_per_block, window, sinks, scale, num_kv_heads, head_size, like, inv_freq, divisor, rotate_keys):
+    """KVSource for K and for V over the contiguous cache (rows, 2, Hkv, slots, Dh) or the paged pool
+    (blocks, layers, 2, Hkv, tokens_per_block, Dh); e4m3 caches are read and written as their bytes."""
+    if cache_array is None:                             # use_cache=False: every key is a new token
+        cache_array, paged = k_scratch, False
+    elif np.dtype(cache_array.dtype).itemsize == 1 and np.dtype(cache_array.dtype).kind not in "iu":
+        cache_array = cache_array.view(np.uint8)        # float8_e4m3fn: numba has no fp8 type
+    i64 = np.int64
+    if paged:
+        tpb = tokens_per_block
+        s_head, s_block, s_row, s_kv = tpb * head_size, num_kv_heads * tpb * head_size, 0, 0
+        bubble = (tpb - sinks % tpb) % tpb
+    else:
+        slots = cache_array.shape[3] if cache_array.ndim == 5 else 1
+        s_head, s_block = slots * head_size, 0
+        s_kv = num_kv_heads * s_head
+        s_row, bubble = 2 * s_kv, 0
+    offsets = block_offsets[0] if block_offsets is not None else np.zeros((1, 2, 1), np.int32)
+    if indirection is None:
+        indirection = np.zeros((1, 1, 1), np.int32)
+    common = dict(cache=flat(cache_array), table=table, offsets=to_kind(like, offsets),
+                  indirection=to_kind(like, indirection), paged=i64(paged), tokens_per_block=i64(tokens_per_block),
+                  layer_blocks=i64(2 * layer_idx), s_row=i64(s_row), s_kv=i64(s_kv), s_head=i64(s_head),
+                  s_block=i64(s_block), window=i64(window), sinks=i64(sinks), bubble=i64(bubble),
+                  scale=np.float32(scale), inv_freq=inv_freq, position_divisor=np.float64(divisor))
+    return (KVSource(scratch=k_scratch, kv=i64(0), rotate=i64(rotate_keys), **common),
+            KVSource(scratch=v_scratch, kv=i64(1), rotate=i64(0), **common))
+
+
+def _unfused_context(q_scratch, token_starts, new, kvlens, num_context, k_src, v_src, args, sm_scale, output,
+                     kernel_key, acc_t, threads, stream, fp8_scales=None):
+    """context_fmha_type 0: the context entries' scores in global memory (E, H, max new, max keys), softmax rows,
+    then P V into the output; generation entries have 0 rows here."""
+    E, H, Dh = len(new), kernel_key[1], kernel_key[3]
+    context_new = np.where(np.arange(E) < num_context, new, 0)
+    rows, keys = int(context_new.max()), int(np.max(kvlens[:num_context]))
+    like = q_scratch
+    scores = empty_like_kind(like, (E, H, rows, keys), acc_t)
+    seqlens, kv = to_kind(like, context_new), to_kind(like, kvlens)
+    totals = empty_like_kind(like, (E, H, rows), acc_t)
+    inv_s, s = (np.float32(x) for x in (fp8_scales or (1.0, 1.0)))
+    if fp8_scales:
+        sm_scale = acc_t(float(sm_scale) * float(s) * float(s))   # (q / s).(k / s) * s^2 = q.k
+    scores_kernel, softmax_kernel, pv_kernel = _unfused_kernels(*kernel_key, fp8_scales is not None)
+    launch(scores_kernel, (max(1, ceil_div(rows * H * keys, threads)), E), threads, stream, q_scratch, token_starts,
+           seqlens, kv, k_src, args, sm_scale, inv_s, scores)
+    launch(softmax_kernel, (max(1, ceil_div(rows * H, threads)), E), threads, stream, seqlens, kv, scores, totals)
+    launch(pv_kernel, (max(1, ceil_div(rows * H * Dh, threads)), E), threads, stream, token_starts, seqlens, kv,
+           v_src, scores, totals, acc_t(s), inv_s, flat(output))
+
+
+def _mask_and_bias(attention_mask, relative_attention_bias, position_embedding_type, max_distance, mask_type, like):
+    """ScoreArgs fields of the custom mask (mask_cols 0: none) and the relative attention bias (relative 0: none,
+    1: the regular (H, L, L) table, 2: T5 buckets (H, num_buckets) with max_distance)."""
+    placeholder = to_kind(like, np.zeros(1, np.float32))
+    fields = dict(mask=to_kind(like, np.ones(1, np.bool_)), mask_cols=np.int64(0), bias=placeholder,
+                  relative=np.int64(0), bias_len=np.int64(0), max_distance=np.int64(max_distance),
+                  bidirectional=np.int64(mask_type in (PADDING, BIDIRECTIONAL)))
+    if attention_mask is not None:
+        fields.update(mask=flat(attention_mask), mask_cols=np.int64(attention_mask.shape[-1]))
+    if position_embedding_type == RELATIVE and relative_attention_bias is not None:
+        fields.update(bias=flat(relative_attention_bias), relative=np.int64(2 if max_distance > 0 else 1),
+                      bias_len=np.int64(relative_attention_bias.shape[1]))
+    return fields
+
+
+def _cross_keys(qkv, cross_kv, encoder_input_lengths, num_context, table, k_src, v_src, dtype, Hkv, Dh, quant,
+                kv_orig_quant_scale, use_cache, threads, stream):
+    """Cross attention's keys: launch the cross kernel, and return (key table, kv lengths, K source, V source).
+
+    In the key table a context entry has past 0 (every key from the scratch, at its encoder token rows), a
+    generation entry past L (every key from cache slot t of its own row: FIRST_ROW = itself, no prompt to share).
+    The window is unbounded: the encoder's L slots never cycle."""
+    lengths = np.asarray(encoder_input_lengths, np.int64)
+    E = lengths.shape[0]
+    context_lengths = np.where(np.arange(E) < num_context, lengths, 0)
+    enc_starts = np.concatenate([[0], np.cumsum(context_lengths)]).astype(np.int64)
+    rows = max(1, int(enc_starts[-1]))
+    k_scratch = empty_like_kind(qkv, (rows * Hkv * Dh,), k_src.scratch.dtype)
+    v_scratch = empty_like_kind(qkv, (rows * Hkv * Dh,), k_src.scratch.dtype)
+    unbounded = np.int64(1 << 40)
+    k_src = k_src._replace(scratch=k_scratch, window=unbounded)
+    v_src = v_src._replace(scratch=v_scratch, window=unbounded)
+    if enc_starts[-1] > 0:
+        grid = (max(1, ceil_div(int(context_lengths.max()) * 2 * Hkv * Dh, threads)), E)
+        launch(_cross_kernel(dtype.str, Hkv, Dh, quant), grid, threads, stream, flat(cross_kv),
+               to_kind(qkv, enc_starts), k_scratch, v_scratch, k_src, v_src,
+               np.float32(kv_orig_quant_scale if quant else 1.0), np.int64(use_cache))
+    keys = np.zeros((E, TABLE_COLUMNS), np.int64)
+    keys[:, TOKEN_START] = enc_starts[:-1]
+    keys[:, PAST] = lengths - context_lengths
+    keys[:num_context, IS_CONTEXT] = 1
+    keys[:, FIRST_ROW] = np.arange(E)
+    keys[:, PROMPT] = unbounded
+    table = to_kind(qkv, keys)
+    return table, lengths, k_src._replace(table=table), v_src._replace(table=table)
+
+
+def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_past_key_value_lengths,
+                  host_max_attention_window_sizes, host_sink_token_length, context_lengths, cache_indirection,
+                  host_request_types, layer_idx, num_heads, num_kv_heads, hidden_size_per_head, q_scaling,
+                  attn_logit_softcapping_scale=0.0, rotary_embedding_dim=0, rotary_embedding_base=10000.0,
+                  rotary_embedding_scale_type=0, rotary_embedding_scale=1.0, rotary_embedding_max_positions=1024,
+                  position_embedding_type=0, rotary_inv_freq=None, kv_orig_quant_scale=None, kv_quant_orig_scale=None,
+                  kv_cache_quant_mode=0, mask_type=CAUSAL, alibi_slopes=None, kv_cache_block_offsets=None,
+                  do_cross_attention=False, cross_kv=None, encoder_input_lengths=None, relative_attention_bias=None,
+                  max_distance=0, qkv_bias=None, use_cache=True, remove_input_padding=True, paged_kv_cache=False,
+                  tokens_per_block=64, streamingllm=False, use_fp8_context_fmha=False, kv_cache_pool=None,
+                  context_fmha_type=1, multi_block_mode=True, max_context_length=None, host_context_lengths=None,
+                  cross_kv_length=None, host_kv_cache_block_offsets=None, num_splits=None, num_sms=None, threads=128):
+    """(output, present_key_value), the cache written in place: reference.gpt_attention's arguments (validated
+    by cacheattn.gpt_attention; index tensors on the host), data arrays CuPy / CAI, or NumPy in the simulator.
+
+    Every entry runs the fused online-softmax kernel, one block per (entry, query tile, head group), except the
+    context entries with context_fmha_type 0 (disabled), which take the unfused path (scores in global memory,
+    softmax, P V) as TensorRT-LLM's unfused context attention; both compute the same. multi_block_mode lets
+    `choose_splits` split each block's keys over several blocks when the grid is smaller than num_sms (default:
+    the GPU's, 132 without one); num_splits forces a count (1: never split)."""
+    reason = unsupported(qkv)
+    if reason is not None:
+        raise NotImplementedError(f"{reason}: not in the numba.cuda gpt_attention kernels yet; "
+                                  "use NumPy arrays with backend='reference'")
+    stream = caller_stream(qkv, past_key_value, kv_cache_pool)
+    H, Hkv, Dh = num_heads, num_kv_heads, hidden_size_per_head
+    dtype = np.dtype(qkv.dtype)
+    acc_t = _acc_type(dtype)
+    past = np.asarray(host_past_key_value_lengths, np.int64)
+    lengths = np.asarray(sequence_length, np.int64)
+    new = lengths - past
+    E = len(past)
+    num_context = int((np.asarray(host_request_types) == CONTEXT).sum())
+    beam_width = int(cache_indirection.shape[1]) if cache_indirection is not None else 1
+    window = int(host_max_attention_window_sizes[layer_idx])
+    sinks = int(host_sink_token_length[0])
+    quant = kv_cache_quant_mode & (INT8_KV_CACHE | FP8_KV_CACHE)
+
+    # Token rows: packed entries follow each other; padded entry e owns rows e * max_seqlen + i.
+    new_starts = np.concatenate([[0], np.cumsum(new)]).astype(np.int64)
+    token_starts = new_starts[:-1] if remove_input_padding else np.arange(E, dtype=np.int64) * qkv.shape[1]
+    num_tokens = qkv.shape[0] if remove_input_padding else E * qkv.shape[1]
+    table = to_kind(qkv, entry_table(num_context, beam_width, past, new, np.asarray(context_lengths, np.int64),
+                                     token_starts))
+    q_scratch = empty_like_kind(qkv, (num_tokens * H * Dh,), acc_t)
+    k_scratch = empty_like_kind(qkv, (num_tokens * Hkv * Dh,), acc_t)
+    v_scratch = empty_like_kind(qkv, (num_tokens * Hkv * Dh,), acc_t)
+
+    rope_style = position_embedding_type if position_embedding_type in (ROPE_GPTJ, ROPE_GPT_NEOX) else 0
+    rotary_dim = rotary_embedding_dim if rope_style else 0
+    inv_freq = to_kind(qkv, rope_inv_freq(rotary_inv_freq, rotary_dim, rotary_embedding_base,
+                                          rotary_embedding_scale_type, rotary_embedding_scale,
+                                          rotary_embedding_max_positions, lengths, acc_t))
+    divisor = float(rotary_embedding_scale) if rope_style and rotary_embedding_scale_type == SCALING_LINEAR else 1.0
+    rotate_cached = bool(streamingllm and rope_style)   # StreamingLLM: cached K rotated at its cache index on load
+
+    cache_array = (kv_cache_pool if paged_kv_cache else past_key_value) if use_cache else None
+    k_src, v_src = _kv_sources(cache_array=cache_array, paged=paged_kv_cache, block_offsets=kv_cache_block_offsets,
+                               indirection=cache_indirection, table=table, k_scratch=k_scratch, v_scratch=v_scratch,
+                               layer_idx=layer_idx, tokens_per_block=tokens_per_block, window=window, sinks=sinks,
+                               scale=kv_quant_orig_scale if quant else 1.0, num_kv_heads=Hkv, head_size=Dh, like=qkv,
+                               inv_freq=inv_freq, divisor=divisor, rotate_keys=rotate_cached)
+    # A chunk that wraps the cyclic cache would overwrite keys its own queries read: write after attention.
+    write_after = bool(use_cache) and not do_cross_attention and bool(((new > 1) & (lengths > window)).any())
+    pre = Preprocess(qkv=flat(qkv), bias=flat(qkv_bias) if qkv_bias is not None else flat(qkv)[:1],
+                     table=table, inv_freq=inv_freq, position_divisor=np.float64(divisor),
+                     inv_scale=np.float32(kv_orig_quant_scale if quant else 1.0), q_out=q_scratch, k_out=k_scratch,
+                     v_out=v_scratch, k_dst=k_src, v_dst=v_src, write_scratch=np.int64(1),
+                     write_cache=np.int64(bool(use_cache) and not write_after and not do_cross_attention),
+                     streaming=np.int64(streamingllm))
+    preprocess = _preprocess_kernel(dtype.str, H, Hkv, Dh, rotary_dim, rope_style, quant, qkv_bias is not None)
+    max_new = int(new.max())
+    pre_grid = (max(1, ceil_div(max_new * (H + 2 * Hkv) * Dh, threads)), E)
+    starts_arg = to_kind(qkv, new_starts)
+    launch(preprocess, pre_grid, threads, stream, pre, starts_arg)
+
+    output = empty_like_kind(qkv, qkv.shape[:-1] + (H * Dh,), dtype)
+    if not remove_input_padding:
+        output[...] = 0                                 # padding rows are zero, as the reference's
+    alibi_on = position_embedding_type in (ALIBI, ALIBI_WITH_SCALE)
+    kvlens = lengths
+    if do_cross_attention:
+        table, kvlens, k_src, v_src = _cross_keys(qkv, cross_kv, encoder_input_lengths, num_context, table,
+                                                  k_src, v_src, dtype, Hkv, Dh, quant, kv_orig_quant_scale,
+                                                  bool(use_cache), threads, stream)
+    args = ScoreArgs(table=table, alibi=alibi_slopes if alibi_on else to_kind(qkv, np.zeros(1, np.float32)),
+                     alibi_on=np.int64(alibi_on), softcap=acc_t(attn_logit_softcapping_scale),
+                     causal=np.int64(mask_type in (CAUSAL, SLIDING_WINDOW_CAUSAL) and not do_cross_attention),
+                     window=k_src.window,
+                     sinks=np.int64(sinks), streaming=np.int64(streamingllm),
+                     **_mask_and_bias(attention_mask, relative_attention_bias, position_embedding_type, max_distance,
+                                      mask_type, qkv))
+    rope_on_load = (rope_style, rotary_dim) if rotate_cached else (0, 0)
+    heads_per_block, q_tile, key_tile = plan_tiles(H, Hkv, min(max_new, 16), Dh, Dh, np.dtype(acc_t).itemsize)
+    q_blocks = max(1, ceil_div(max_new, q_tile)) * (H // heads_per_block) * E
+    if num_splits is None:
+        num_splits = choose_splits(q_blocks, int(np.max(kvlens)), key_tile, num_sms) if multi_block_mode else 1
+    kernel, heads_per_block, q_tile = _attention_kernel(dtype.str, H, Hkv, Dh, quant, min(max_new, 16),
+                                                        *rope_on_load, num_splits > 1)
+    q_geom = (q_scratch, to_kind(qkv, token_starts), np.int64(0), np.int64(H * Dh), np.int64(Dh))
+    out_geom = (flat(output), q_geom[1], np.int64(0), np.int64(H * Dh), np.int64(Dh))
+    grid = (max(1, ceil_div(max_new, q_tile)), H // heads_per_block, E * num_splits)
+    sm_scale = acc_t(1.0 / (q_scaling * math.sqrt(Dh)))
+    # context_fmha_type 0 (disabled): the context entries take the unfused path, the fused kernel the rest.
+    fp8_fmha = bool(use_fp8_context_fmha) and num_context > 0
+    unfused = (context_fmha_type == 0 or fp8_fmha) and num_context > 0
+    fused_new = np.where(np.arange(E) < num_context, 0, new) if unfused else new
+    lens = to_kind(qkv, fused_new), to_kind(qkv, kvlens)
+    if unfused:
+        _unfused_context(q_scratch, q_geom[1], new, kvlens, num_context, k_src, v_src, args, sm_scale, output,
+                         (dtype.str, H, Hkv, Dh, quant, *rope_on_load), acc_t, threads, stream,
+                         (kv_orig_quant_scale, kv_quant_orig_scale) if fp8_fmha else None)
+    if fused_new.any() and num_splits == 1:
+        launch(kernel, grid, threads, stream, q_geom, out_geom, *lens, k_src, v_src, args, sm_scale)
+    elif fused_new.any():
+        # Multi-block: each split's (m, l, unnormalised o) per row, then one combine pass over the splits.
+        rows = num_tokens * H
+        o_part = empty_like_kind(qkv, (num_splits * rows * Dh,), acc_t)
+        m_part, l_part = (empty_like_kind(qkv, (num_splits * rows,), acc_t) for _ in range(2))
+        split_geom = (o_part, q_geom[1], np.int64(0), np.int64(H * Dh), np.int64(Dh), np.int64(num_splits),
+                      np.int64(rows * Dh), np.int64(rows), np.int64(H), m_part, l_part)
+        launch(kernel, grid, threads, stream, q_geom, split_geom, *lens, k_src, v_src, args, sm_scale)
+        fused_starts = to_kind(qkv, np.concatenate([[0], np.cumsum(fused_new)]).astype(np.int64))
+        launch(_combine_kernel(dtype.str, H, Dh), pre_grid, threads, stream, o_part, m_part, l_part,
+               np.int64(num_splits), q_geom[1], fused_starts, flat(output))
+
+    if write_after:
+        launch(preprocess, pre_grid, threads, stream, pre._replace(write_scratch=np.int64(0), write_cache=np.int64(1)),
+               starts_arg)
+    present = past_key_value if (use_cache and not paged_kv_cache) else None
+    return output, present
