@@ -56,9 +56,30 @@ def qk_without_scale(Q, K, V, *args, **attrs):
     return y, pk, pv, None if qk is None else qk * 2
 
 
-def failure(op, impl, **options):
+def biases_the_cache_again(input_query, encoder_output, encoder_sequence_length, step, key_cache, value_cache,
+                           *args, weights, **attrs):
+    """At steps after the first, attends over cached values plus the value bias again (the cache already holds
+    biased values; a key bias again would shift every score alike and cancel in the softmax). For plain caches
+    [B, L, H, Dh] only; the cache itself is left alone (a copy is biased)."""
+    if step > 1:
+        value_cache = value_cache + weights.value_weight.bias.reshape(attrs["head_num"], attrs["size_per_head"])
+    return cacheattn.cross_attention(input_query, encoder_output, encoder_sequence_length, step, key_cache,
+                                     value_cache, *args, weights=weights, **attrs)
+
+
+def zeroes_finished_rows(input_query, encoder_output, encoder_sequence_length, step, key_cache, value_cache,
+                         finished=None, ia3_tasks=None, context_buf=None, *args, **attrs):
+    """Writes zeros into a finished row's context_buf, which FasterTransformer leaves as it was."""
+    out = cacheattn.cross_attention(input_query, encoder_output, encoder_sequence_length, step, key_cache,
+                                    value_cache, finished, ia3_tasks, context_buf, *args, **attrs)
+    if finished is not None and context_buf is not None:
+        context_buf[finished] = 0
+    return out
+
+
+def failure(op, impl, examples=30, **options):
     with pytest.raises(ConformanceError) as info:
-        kit.check(op, impl, max_examples=30, seed=0, **options)
+        kit.check(op, impl, max_examples=examples, seed=0, **options)
     return str(info.value)
 
 
@@ -164,7 +185,7 @@ def test_a_wrong_signature_is_refused_before_any_call(impl, problem):
 
 def test_unknown_operator_is_refused():
     with pytest.raises(ValueError, match="^op: expected one of multi_head_cache_attention"):
-        kit.check("gpt_attention", print)
+        kit.check("masked_multihead_attention", print)
 
 
 def test_import_cacheattn_does_not_import_hypothesis():
@@ -202,3 +223,65 @@ def test_pytest_plugin_runs_the_check_as_one_test(tmp_path):
     failed = pytest_run("clears")
     assert failed.returncode == 1 and "ConformanceError: key_value_cache does not conform" in failed.stdout
     assert "from tiny_impls import clears" in failed.stdout
+
+
+
+# ---------------------------------------------------------------------------------------------- cross_attention
+
+def test_cross_attention_kernels_conform():
+    """Our kernels under the simulator, briefly (test_ft_properties runs them on the full kernel budget)."""
+    def kernels(*args, **attrs):
+        return cacheattn.cross_attention(*args, **attrs, backend="numba", threads=32)
+    assert kit.check_cross_attention(kernels, max_examples=2, seed=5).examples == 2
+
+
+def test_the_bias_added_again_at_a_later_step_is_caught_and_replayed():
+    message = failure("cross_attention", biases_the_cache_again, features={"plain_cache", "later_steps"})
+    assert message.startswith("cross_attention does not conform") and "context (" in message
+    assert "step=2" in message or "step=3" in message
+    # The weights print as shapes, so the report stays short; the reproducer rebuilds them from the seed.
+    assert "weights=AttentionWeight(query_weight=DenseWeight(kernel=float" in message and "array(" not in message
+    code = message.split("reproducer:\n", 1)[1]
+    assert "from test_testing_kit import biases_the_cache_again" in code and "FTRequest(base=FTCase(" in code
+    with pytest.raises(ConformanceError) as replay:
+        exec(textwrap.dedent(code), {})
+    assert str(replay.value) == message
+
+
+def test_a_finished_rows_context_buf_must_stay_as_it_was():
+    # A finished row and an old context_buf in one problem: about one draw in seven.
+    message = failure("cross_attention", zeroes_finished_rows, examples=100,
+                      features={"batch_major_cache", "finished", "context_buf"})
+    assert "context_buf (bit-exact)" in message and "[a slot this call must leave untouched]" in message
+
+
+def test_later_steps_leave_the_cache_rows_past_the_lengths_alone():
+    """Step 1 writes every cache row (padding rows get the unbiased projection); later steps write none. Rows past
+    the encoder length are never read, so scribbling on them shows in no output: the untouched-bytes check
+    catches it."""
+    def scribbles_past_the_lengths(*args, **attrs):
+        out = cacheattn.cross_attention(*args, **attrs)
+        if args[3] > 1:
+            for b, n in enumerate(args[2]):
+                args[5][b, n:] = 0                      # plain value cache [B, L, H, Dh]
+        return out
+    message = failure("cross_attention", scribbles_past_the_lengths, features={"plain_cache", "later_steps"})
+    assert "value_cache (bit-exact)" in message and "[a slot this call must leave untouched]" in message
+    assert "context (" not in message and "hidden_features (" not in message
+
+
+def test_without_cache_bits_written_cache_rows_are_held_to_the_tolerance():
+    """A GPU GEMM sums the step-1 projection in its own order: declared without cache_bits, a cache off by one
+    float16 ulp passes (the outputs stay close), with it the same impl fails."""
+    def rounds_differently(*args, **attrs):
+        out = cacheattn.cross_attention(*args, **attrs)
+        if args[3] == 1:
+            for cache in args[4:6]:
+                cache[...] = np.nextafter(cache, np.inf)
+        return out
+    everything = set(kit.FEATURES["cross_attention"])
+    message = failure("cross_attention", rounds_differently, dtypes=["float16"])
+    assert "(bit-exact)" in message
+    report = kit.check_cross_attention(rounds_differently, max_examples=FEW, seed=0, dtypes=["float16"],
+                                       features=everything - {"cache_bits", "later_steps"})
+    assert report.examples == FEW

@@ -33,10 +33,10 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from collections.abc import Callable, Iterable
 
-from cacheattn.examples import OnnxCase, PPLCase, StaticCase
+from cacheattn.examples import FTCase, OnnxCase, PPLCase, StaticCase
 
 from ._core import ConformanceError, Report, call, run_check, run_example
-from ._operators import OPERATORS, DynamicCacheCase, OnnxRequest
+from ._operators import OPERATORS, DynamicCacheCase, FTRequest, OnnxRequest
 
 FEATURES = {name: tuple(op.features) for name, op in OPERATORS.items()}
 
@@ -91,8 +91,10 @@ check_dynamic_multi_head_attention = _checker("dynamic_multi_head_attention")
 check_dynamic_key_value_cache = _checker("dynamic_key_value_cache")
 check_key_value_cache = _checker("key_value_cache")
 check_onnx_attention = _checker("onnx_attention")
+check_cross_attention = _checker("cross_attention")
 
-__all__ = ["FEATURES", "OPERATORS", "ConformanceError", "DynamicCacheCase", "OnnxCase", "OnnxRequest", "PPLCase",
-           "Report", "StaticCase", "check", "check_case", "check_dynamic_key_value_cache",
+__all__ = ["FEATURES", "OPERATORS", "ConformanceError", "DynamicCacheCase", "FTCase", "FTRequest", "OnnxCase",
+           "OnnxRequest", "PPLCase", "Report", "StaticCase", "check", "check_case", "check_cross_attention",
+           "check_dynamic_key_value_cache",
            "check_dynamic_multi_head_attention", "check_key_value_cache", "check_multi_head_cache_attention",
            "check_onnx_attention", "problem", "reference"]

@@ -32,11 +32,15 @@ class ConformanceError(AssertionError):
 
 @dataclass(frozen=True)
 class Expect:
-    """What one output must be: `bits` (bit-for-bit equal to `want`) or `close` (within `dtype`'s tolerance
-    of the float64 `want`; infinities must match exactly)."""
+    """What one output must be: `bits` (bit-for-bit equal to `want`) or `close` (of dtype `dtype`, within the
+    tolerance of `tolerance` (default: `dtype`) widened by `scale`, of the float64 `want`; infinities must match
+    exactly). For an in-place tensor a `close` rule applies to the elements the call writes; the rest stay
+    bit-identical."""
     rule: str
     want: np.ndarray
     dtype: str | None = None
+    scale: float = 1.0
+    tolerance: str | None = None                # a float32 buffer of a float16 call is held to float16's
 
 
 @dataclass(frozen=True)
@@ -165,9 +169,11 @@ def as_numpy(x):
     return np.asarray(to_host(x))
 
 
-def mismatch(name: str, got, expect: Expect, shown: int = 3, labels: np.ndarray | None = None) -> str | None:
+def mismatch(name: str, got, expect: Expect, shown: int = 3, labels: np.ndarray | None = None,
+             only: np.ndarray | None = None) -> str | None:
     """None when `got` satisfies `expect`, else one paragraph: the rule, how many differ, the first bad
-    indices with got / expected. `labels` (bool, same shape) marks elements the call writes."""
+    indices with got / expected. `labels` (bool, same shape) marks elements the call writes; `only` (bool)
+    limits the comparison to those elements."""
     want = expect.want
     if got is None:
         return f"{name}: the implementation returned None, expected {want.dtype.name}{want.shape}"
@@ -186,14 +192,18 @@ def mismatch(name: str, got, expect: Expect, shown: int = 3, labels: np.ndarray 
             return f"{name}: dtype {got.dtype.name}, expected {np.dtype(expect.dtype).name} (the inputs' dtype)"
         g, w = got.astype(np.float64), want.astype(np.float64)
         infinite = np.isinf(w)
+        tolerance = expect.tolerance or expect.dtype
         with np.errstate(invalid="ignore"):
-            bad = np.where(infinite, g != w, ~within_tolerance(g, w, expect.dtype))
-        atol, rtol = TOLERANCE[np.dtype(expect.dtype)]
-        rule = f"{expect.dtype} tolerance atol {atol:g}, rtol {rtol:g} against a float64 evaluation"
+            bad = np.where(infinite, g != w, ~within_tolerance(g, w, tolerance, expect.scale))
+        atol, rtol = (t * expect.scale for t in TOLERANCE[np.dtype(tolerance)])
+        rule = f"{tolerance} tolerance atol {atol:g}, rtol {rtol:g} against a float64 evaluation"
+    if only is not None:
+        bad &= only
+        rule += ", on the elements this call writes" if expect.rule == "close" else ""
     if not bad.any():
         return None
     where = np.argwhere(bad)
-    lines = [f"{name} ({rule}): {len(where)} of {bad.size} elements differ"]
+    lines = [f"{name} ({rule}): {len(where)} of {bad.size if only is None else int(only.sum())} elements differ"]
     for index in where[:shown]:
         i = tuple(int(v) for v in index)
         note = ""
@@ -209,26 +219,27 @@ def _scalar(x) -> str:
 
 def _written(op: Operator, inputs: dict, attrs: dict) -> tuple[dict, dict]:
     """({in-place name: bool mask of the elements the reference call writes}, the inputs after its call).
-    The reference runs on the inputs and on a copy whose in-place tensors have every byte inverted: a written
-    element comes out the same both times (it depends only on the new data), an untouched one keeps its
+    The reference runs on the inputs, then once per in-place tensor on a copy where only that tensor has every
+    byte inverted: a written element comes out the same both times (it depends on the other inputs, which are
+    unchanged: a later decoding step reads the cache to write its probabilities), an untouched one keeps its
     (different) old bytes."""
     def run(x):
         with np.errstate(all="ignore"):         # inverted float bytes are NaNs and infinities
             call(op, op.function, x, attrs, backend="reference")
         return x
 
+    def as_bytes(a):
+        return a.reshape(*a.shape, 1).view(np.uint8)
+
     plain = run(copy_inputs(inputs))
-    flipped = copy_inputs(inputs)
-    for name in op.in_place:
-        if flipped[name] is not None:
-            flipped[name].view(np.uint8)[...] ^= 0xFF
-    flipped = run(flipped)
     masks = {}
     for name in op.in_place:
-        if plain[name] is not None:
-            a = plain[name].reshape(*plain[name].shape, 1).view(np.uint8)
-            b = flipped[name].reshape(*flipped[name].shape, 1).view(np.uint8)
-            masks[name] = (a == b).all(axis=-1).reshape(plain[name].shape)
+        if plain[name] is None:
+            continue
+        flipped = copy_inputs(inputs)
+        flipped[name].view(np.uint8)[...] ^= 0xFF
+        flipped = run(flipped)
+        masks[name] = (as_bytes(plain[name]) == as_bytes(flipped[name])).all(axis=-1).reshape(plain[name].shape)
     return masks, plain
 
 
@@ -256,24 +267,34 @@ def run_example(op: Operator, impl, case) -> None:
     problems = [m for name, got in zip(op.outputs, results) if expected.get(name) is not None
                 for m in [mismatch(name, got, expected[name])] if m]
     for name in op.in_place:
-        if name in written:
-            m = mismatch(name, mine[name], Expect("bits", after[name]), labels=written[name])
-            if m:
-                problems.append(m)
+        if name not in written:
+            continue
+        rule = expected.get(name)
+        if rule is None:                        # every byte as the reference leaves it
+            checks = [mismatch(name, mine[name], Expect("bits", after[name]), labels=written[name])]
+        else:                                   # written elements by `rule`, the others untouched
+            checks = [mismatch(name, mine[name], Expect("bits", after[name]), labels=written[name],
+                               only=~written[name]),
+                      mismatch(name, mine[name], rule, labels=written[name], only=written[name])]
+        problems += [m for m in checks if m]
     if problems:
         raise ConformanceError(_report(op, impl, case, inputs, attrs, problems))
 
 
 # ---------------------------------------------------------------------------------------------- the report
 
+def _brief(x) -> str:
+    """An array as dtype(shape), named tuples of arrays (FasterTransformer's weights) field by field."""
+    if isinstance(x, np.ndarray):
+        return f"{x.dtype.name}{x.shape}"
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return f"{type(x).__name__}({', '.join(f'{k}={_brief(v)}' for k, v in zip(x._fields, x))})"
+    return repr(x)
+
+
 def _describe(inputs: dict) -> str:
-    parts = []
-    for name, x in inputs.items():
-        if isinstance(x, np.ndarray):
-            parts.append(f"{name} {x.dtype.name}{x.shape}")
-        else:
-            parts.append(f"{name}={x!r}")
-    return ", ".join(parts)
+    return ", ".join(f"{name} {x.dtype.name}{x.shape}" if isinstance(x, np.ndarray) else f"{name}={_brief(x)}"
+                     for name, x in inputs.items())
 
 
 def impl_source(impl) -> tuple[list, str, str]:
@@ -303,7 +324,7 @@ def reproducer(op: Operator, impl, case) -> str:
 
 
 def _report(op: Operator, impl, case, inputs, attrs, problems) -> str:
-    attributes = ", ".join(f"{k}={v!r}" for k, v in attrs.items())
+    attributes = ", ".join(f"{k}={_brief(v)}" for k, v in attrs.items())
     return "\n".join([
         f"{op.name} does not conform to its document on this problem (the smallest hypothesis found):",
         *("  " + line for p in problems for line in p.splitlines()),

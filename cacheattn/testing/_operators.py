@@ -9,17 +9,21 @@ from hypothesis import strategies as st
 
 import cacheattn
 from cacheattn.examples import (
+    FTCase,
     OnnxCase,
     PPLCase,
     StaticCase,
+    build_ft,
     build_onnx,
     build_ppl,
     build_static,
     copy_inputs,
+    float64_ft,
     float64_onnx,
     float64_ppl_attention,
     reference_cache_state,
 )
+from cacheattn.ft import HEAD_SIZES
 
 from . import strategies
 from ._core import Expect, Operator, call
@@ -250,5 +254,85 @@ ONNX_ATTENTION = Operator(
     case_imports=("OnnxCase",))
 
 
+
+# ---------------------------------------------------------------------------------------------- FasterTransformer
+
+FT_FEATURES = {
+    "batch_major_cache": "is_batch_major_cache: K [B, H, Dh/x, L, x], V [B, H, L, Dh]",
+    "plain_cache": "is_batch_major_cache False: K and V [B, L, H, Dh]",
+    "later_steps": "step 2 and 3: attention over the cache step 1 wrote (which stays unchanged)",
+    "ia3": "ia3_tasks with weights.ia3_key_weight / ia3_value_weight (num_tasks 1 to 3)",
+    "finished": "finished rows: their context row, probabilities and biased cache left alone",
+    "cross_attentions": "the cross_attentions buffer (float32 probabilities at column step - 1)",
+    "context_buf": "an old context_buf written in place",
+    "all_head_sizes": "every size_per_head FasterTransformer instantiates (else 32 and 48 only)",
+    "cache_bits": ("step-1 caches bit-identical to the reference's (the projection summed in NumPy's order); "
+                   "leave it out for a GEMM that sums otherwise (cuBLAS): written cache elements are then held to "
+                   "the dtype's tolerance against float64"),
+}
+FT_SIZES = dict(max_batch=2, max_mem_len=5, max_heads=2)       # what our simulator kernel test has always drawn
+
+
+@dataclass(frozen=True)
+class FTRequest:
+    """A cross_attention call: the case plus whether its step-1 caches must equal the reference's bits."""
+    base: FTCase
+    cache_bits: bool
+
+    @property
+    def dtype(self):
+        return self.base.dtype
+
+
+def _ft_strategy(f: frozenset, dtypes: tuple):
+    cases = strategies.ft_cases(
+        dtypes=dtypes, layouts=tuple(major for major, name in ((True, "batch_major_cache"), (False, "plain_cache"))
+                                     if name in f),
+        steps=(1, 2, 3) if "later_steps" in f else (1,),
+        head_sizes=HEAD_SIZES if "all_head_sizes" in f else HEAD_SIZES[:2], finished="finished" in f,
+        ia3="ia3" in f, cross="cross_attentions" in f, context_bufs="context_buf" in f, **FT_SIZES)
+    return st.builds(FTRequest, cases, st.just("cache_bits" in f))
+
+
+def _ft_uses(request: FTRequest) -> frozenset:
+    case = request.base
+    flags = {"batch_major_cache": case.is_batch_major_cache, "plain_cache": not case.is_batch_major_cache,
+             "later_steps": case.step > 1, "ia3": case.ia3_tasks is not None,
+             "finished": case.finished is not None and any(case.finished),
+             "cross_attentions": case.max_decoder_seq_len > 0, "context_buf": case.context_buf,
+             "all_head_sizes": case.size_per_head not in HEAD_SIZES[:2],
+             "cache_bits": request.cache_bits and case.step == 1}
+    return frozenset(name for name, on in flags.items() if on)
+
+
+def _ft_problem(request: FTRequest):
+    inputs = build_ft(request.base)
+    # FasterTransformer passes the weights as one AttentionWeight (DenseWeight members): an attribute here.
+    return inputs, dict(request.base.attrs(), weights=inputs.pop("weights"))
+
+
+def _ft_expect(request: FTRequest, inputs, attrs):
+    case = request.base
+    hidden, context, key_cache, value_cache, cross = float64_ft(dict(copy_inputs(inputs), weights=attrs["weights"]),
+                                                                case)
+    # Widened as tests/test_ft_properties.py holds the reference itself: the context sums Dh * L products, the
+    # output projection another H * Dh; the probabilities are float32 but of a dtype-rounded score.
+    expect = {"hidden_features": Expect("close", hidden, case.dtype, scale=4.0),
+              "context": Expect("close", context, case.dtype, scale=2.0),
+              "context_buf": Expect("close", context, case.dtype, scale=2.0),
+              "cross_attentions": Expect("close", cross, "float32", scale=2.0, tolerance=case.dtype)}
+    if not request.cache_bits:                  # another summation order: the written rows near float64's
+        expect.update(key_cache=Expect("close", key_cache, case.dtype), value_cache=Expect("close", value_cache,
+                                                                                             case.dtype))
+    return expect
+
+
+CROSS_ATTENTION = Operator(
+    name="cross_attention", function=cacheattn.cross_attention, features=FT_FEATURES, dtypes=("float16", "float32"),
+    strategy=_ft_strategy, uses=_ft_uses, problem=_ft_problem, expect=_ft_expect,
+    outputs=("hidden_features", "context"), in_place=("key_cache", "value_cache", "context_buf", "cross_attentions"),
+    requires=(("batch_major_cache", "plain_cache"),), case_imports=("FTCase",))
+
+
 OPERATORS = {op.name: op for op in (MULTI_HEAD_CACHE_ATTENTION, DYNAMIC_MULTI_HEAD_ATTENTION, DYNAMIC_KEY_VALUE_CACHE,
-                                    KEY_VALUE_CACHE, ONNX_ATTENTION)}
+                                    KEY_VALUE_CACHE, ONNX_ATTENTION, CROSS_ATTENTION)}

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from cacheattn.examples import OnnxCase, PPLCase, StaticCase
+from cacheattn.examples import FTCase, OnnxCase, PPLCase, StaticCase
+from cacheattn.ft import HEAD_SIZES
 
 
 @st.composite
@@ -91,3 +92,30 @@ def onnx_cases(draw, *, dtypes=("float16", "float32", "float64"), past=True, win
         left_window_size=draw(st.integers(-1, 3)) if windowed else -1,
         right_window_size=draw(st.integers(-1, 2)) if windowed else -1,
         qk_matmul_output_mode=draw(st.sampled_from(modes)), seed=draw(st.integers(0, 2**32 - 1)))
+
+
+@st.composite
+def ft_cases(draw, *, dtypes=("float16", "float32"), layouts=(True, False), steps=(1, 2, 3), head_sizes=HEAD_SIZES,
+             max_batch=3, max_mem_len=6, max_heads=3, finished=True, ia3=True, cross=True,
+             context_bufs=True):
+    """One cross-attention step. Head sizes: four draws in five from the first two of `head_sizes` (simulator
+    kernels are cheap there), else any; lengths anywhere in [1, mem_len], finished rows and IA3 tasks sometimes.
+    cross / context_bufs False: never a cross_attentions output / an old context_buf."""
+    batch = draw(st.integers(1, max_batch))
+    mem_len = draw(st.integers(1, max_mem_len))
+    step = draw(st.sampled_from(steps))
+    small = draw(st.integers(0, 4)) > 0
+    num_tasks = draw(st.integers(1, 3)) if ia3 and draw(st.booleans()) else 0
+    tasks = tuple(draw(st.integers(0, num_tasks - 1)) for _ in range(batch)) if num_tasks and draw(st.booleans()) \
+        else None
+    done = tuple(draw(st.booleans()) for _ in range(batch)) if finished and draw(st.booleans()) else None
+    return FTCase(
+        lengths=tuple(draw(st.integers(1, mem_len)) for _ in range(batch)), mem_len=mem_len,
+        head_num=draw(st.integers(1, max_heads)),
+        size_per_head=draw(st.sampled_from(head_sizes[:2] if small else head_sizes)),
+        d_model=draw(st.sampled_from([8, 12, 16])), mem_d_model=draw(st.sampled_from([8, 12, 16])),
+        dtype=draw(st.sampled_from(dtypes)), is_batch_major_cache=draw(st.sampled_from(layouts)), step=step,
+        finished=done, num_tasks=num_tasks, ia3_tasks=tasks,
+        max_decoder_seq_len=step + draw(st.integers(0, 2)) if cross and draw(st.booleans()) else 0,
+        context_buf=context_bufs and draw(st.booleans()), q_scaling=draw(st.sampled_from([1.0, 1.0, 0.5, 2.0])),
+        seed=draw(st.integers(0, 2**32 - 1)))
