@@ -1,9 +1,14 @@
-"""Every kernel code path compiles to PTX for sm_80 and sm_90.
+"""Every kernel code path compiles to PTX.
 
 The simulator accepts code that NVVM rejects, so this runs kernels_numba.ptx_check in a fresh process
 without NUMBA_ENABLE_CUDASIM (compile_ptx needs numba-cuda's cu12/cu13 extra, not a GPU). One test per
 kernel family and compute capability, so pytest-xdist spreads the compiles over the workers; each compiles
 one representative per code path (`python -m kernels_numba.ptx_check --full` compiles every variant).
+
+Compiles cost about a second each and a family has up to 48, so the suite compiles every family for sm_90
+(the Hopper GPUs this project is measured on) and the OpenPPL family for sm_80 too; nothing in the kernels
+is architecture-specific. `python -m kernels_numba.ptx_check` (both architectures, every family) is the
+whole check, and CACHEATTN_EXAMPLES >= 2 puts sm_80 back for every family here.
 """
 
 import os
@@ -14,9 +19,12 @@ import pytest
 
 from kernels_numba.ptx_check import FAMILIES
 
+LONG_HUNT = int(os.environ.get("CACHEATTN_EXAMPLES", "1")) >= 2
+TARGETS = [(family, "90") for family in sorted(FAMILIES)] + [
+    (family, "80") for family in sorted(FAMILIES) if LONG_HUNT or family == "ppl"]
 
-@pytest.mark.parametrize("cc", ["80", "90"])
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+
+@pytest.mark.parametrize("family, cc", TARGETS)
 def test_family_compiles_to_ptx(family, cc):
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     run = subprocess.run([sys.executable, "-m", "kernels_numba.ptx_check", "--cc", cc, "--family", family], env=env,
