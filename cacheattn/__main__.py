@@ -29,7 +29,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cacheattn", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     tour = sub.add_parser("tour", help="run every operator on the reference and the kernels; print errors vs float64")
-    tour.add_argument("--quick", action="store_true", help="the same configurations on smaller shapes")
+    size = tour.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="fewer requests, the first configuration of each operator")
+    size.add_argument("--full", action="store_true", help="two layers and the shapes the labels name (slow without "
+                      "a GPU)")
     docs = sub.add_parser("docs", help="run the read-and-run pages in docs/ and check their shown outputs")
     docs.add_argument("--update", action="store_true", help="rewrite the pages' outputs with what the code prints")
     docs.add_argument("pages", nargs="*", type=Path, help="pages to run (default: docs/*.md)")
@@ -48,7 +51,7 @@ def main(argv=None) -> int:
 
     if args.command == "tour":
         from .tour import tour
-        return tour(quick=args.quick)
+        return tour(quick=args.quick, full=args.full)
     if args.command == "docs":
         from . import _docs
         pages = args.pages or _docs.pages(Path.cwd())
