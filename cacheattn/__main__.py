@@ -33,6 +33,9 @@ def main(argv=None) -> int:
     size.add_argument("--quick", action="store_true", help="fewer requests, the first configuration of each operator")
     size.add_argument("--full", action="store_true", help="two layers and the shapes the labels name (slow without "
                       "a GPU)")
+    tour.add_argument("--backend", choices=("both", "reference", "numba"), default="both")
+    tour.add_argument("--cache", choices=("int8", "int4", "float32"), default="int8",
+                      help="the serving loop's OpenPPL paged cache format")
     docs = sub.add_parser("docs", help="run the read-and-run pages in docs/ and check their shown outputs")
     docs.add_argument("--update", action="store_true", help="rewrite the pages' outputs with what the code prints")
     docs.add_argument("pages", nargs="*", type=Path, help="pages to run (default: docs/*.md)")
@@ -51,7 +54,9 @@ def main(argv=None) -> int:
 
     if args.command == "tour":
         from .tour import tour
-        return tour(quick=args.quick, full=args.full)
+        backends = ("reference", "numba") if args.backend == "both" else (args.backend,)
+        return tour(quick=args.quick, full=args.full, backends=backends,
+                    cache_bits={"int8": 8, "int4": 4, "float32": 0}[args.cache])
     if args.command == "docs":
         from . import _docs
         pages = args.pages or _docs.pages(Path.cwd())

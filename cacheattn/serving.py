@@ -135,8 +135,10 @@ class PPLPath:
     def __init__(self, model: TinyModel, cfg: ServeConfig):
         m = model.cfg
         self.model, self.cfg = model, cfg
-        self.cache = np.zeros((cfg.num_pages * cfg.page_size, m.num_layers, 2, m.num_kv_heads, m.head_dim), np.int8)
-        self.scale = np.zeros((*self.cache.shape[:-1], m.head_dim // cfg.quant_group), np.float32)
+        stored = m.head_dim // 2 if cfg.quant_bit == 4 else m.head_dim            # int4: two values a byte
+        shape = (cfg.num_pages * cfg.page_size, m.num_layers, 2, m.num_kv_heads)
+        self.cache = np.zeros((*shape, stored), np.int8 if cfg.quant_bit else np.float32)
+        self.scale = np.zeros((*shape, m.head_dim // cfg.quant_group), np.float32) if cfg.quant_bit else None
 
     def batch(self, states, seqlens, past):
         cfg, m = self.cfg, self.model.cfg
@@ -156,7 +158,7 @@ class PPLPath:
         k = self.model.rope((h @ w["wk"]).reshape(-1, m.num_kv_heads, m.head_dim), self.positions)
         v = (h @ w["wv"]).reshape(-1, m.num_kv_heads, m.head_dim)
         seqstarts, kvstarts, table, past, decoding, max_seqlen, max_kvlen = self.args
-        before = (self.cache.copy(), self.scale.copy())
+        before = (self.cache.copy(), None if self.scale is None else self.scale.copy())
         out = cacheattn.multi_head_cache_attention(
             q, k, v, seqstarts, kvstarts, table, past, decoding, max_seqlen, max_kvlen, self.cache, self.scale,
             layer_idx=layer_idx, **self.attrs, backend=backend, **({"threads": threads} if backend == "numba" else {}))

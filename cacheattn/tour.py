@@ -80,12 +80,12 @@ def _close(got, want, dtype):
     return bool(np.all(within_tolerance(got, want, dtype)))
 
 
-def _attention_rows(label, case):
+def _attention_rows(label, case, backends=("reference", "numba")):
     inputs = build_ppl(case)
     key, value, want_cache, _ = reference_cache_state(inputs, case)
     want = float64_ppl_attention(inputs, case, key, value)
     rows = []
-    for backend in ("reference", "numba"):
+    for backend in backends:
         x = copy_inputs(inputs)
         out, seconds = _timed(cacheattn.multi_head_cache_attention, **x, **case.attrs(), backend=backend,
                               **_launch(backend))
@@ -100,7 +100,7 @@ def _timed(fn, *args, **kwargs):
     return result, time.perf_counter() - start
 
 
-def _dynamic_attention_rows(label, case):
+def _dynamic_attention_rows(label, case, backends=("reference", "numba")):
     """dynamic_batching.MultiHeadAttention alone, on the key/value the cache holds."""
     inputs = build_ppl(case)
     key, value, _, _ = reference_cache_state(inputs, case)
@@ -110,7 +110,7 @@ def _dynamic_attention_rows(label, case):
     args = (inputs["query"], key, value, inputs["seqstarts"], inputs["kvstarts"], case.decoding_batches,
             inputs["max_seqlen"], inputs["max_kvlen"], inputs["attn_mask"])
     rows = []
-    for backend in ("reference", "numba"):
+    for backend in backends:
         out, seconds = _timed(cacheattn.dynamic_multi_head_attention, *args, **attrs, backend=backend,
                               **_launch(backend))
         rows.append(("dynamic_multi_head_attention", label, backend, _max_error(out, want),
@@ -130,7 +130,7 @@ def _quantization_bound(current, case):
     return step * (0.5 + 2 * u * qmax) + 2 * u * x
 
 
-def _key_value_rows(label, case):
+def _key_value_rows(label, case, backends=("reference", "numba")):
     """Static KeyValueCache: the reference against the exact inputs (the stored tokens come back within the
     quantization bound), the kernels against the reference to the bit (dequantization is specified exactly)."""
     inputs = build_static(case)
@@ -145,11 +145,13 @@ def _key_value_rows(label, case):
         exact = inputs[name].astype(np.float64)
         ref_err = max(ref_err, _max_error(stored, exact))
         ref_ok &= bool(np.all(np.abs(stored - exact) <= _quantization_bound(inputs[name], case)))
+    rows = [("key_value_cache", label + " (vs input)", "reference", ref_err, ref_ok, ref_seconds)]
+    if "numba" not in backends:
+        return rows
     got, seconds = _timed(cacheattn.key_value_cache, **y, **attrs, backend="numba", **_launch("numba"))
     ok = all(np.array_equal(a, b) for a, b in zip(got, want)) and np.array_equal(x["cache"], y["cache"])
-    return [("key_value_cache", label + " (vs input)", "reference", ref_err, ref_ok, ref_seconds),
-            ("key_value_cache", label + " (vs reference)", "numba",
-             max(_max_error(a, b) for a, b in zip(got, want)), ok, seconds)]
+    return rows + [("key_value_cache", label + " (vs reference)", "numba",
+                    max(_max_error(a, b) for a, b in zip(got, want)), ok, seconds)]
 
 
 ONNX_CASES = {
@@ -168,11 +170,11 @@ ONNX_CASES = {
 }
 
 
-def _onnx_rows(label, case):
+def _onnx_rows(label, case, backends=("reference", "numba")):
     inputs = build_onnx(case)
     want = float64_onnx(inputs, case)
     rows = []
-    for backend in ("reference", "numba"):
+    for backend in backends:
         got, seconds = _timed(cacheattn.onnx_attention, **inputs, **case.attrs(), return_qk_matmul_output=True,
                               backend=backend, **_launch(backend))
         ok = _close(got.Y, want[0], case.dtype)
@@ -192,13 +194,13 @@ FT_CASES = {
 }
 
 
-def _ft_rows(label, case):
+def _ft_rows(label, case, backends=("reference", "numba")):
     """FasterTransformer cross attention: context (scale 2) and hidden_features (scale 4, after the output GEMM)
     within the dtype's tolerance of float64, as tests/test_ft_properties.py holds them."""
     inputs = build_ft(case)
     want_hidden, want_context, *_ = float64_ft(copy_inputs(inputs), case)
     rows = []
-    for backend in ("reference", "numba"):
+    for backend in backends:
         # The launchers' block size: its step-1 layout kernel strides by block, and 32 threads cost 7x here.
         got, seconds = _timed(cacheattn.cross_attention, **copy_inputs(inputs), **case.attrs(), backend=backend)
         ok = (bool(np.all(within_tolerance(got.context, want_context, case.dtype, 2.0)))
@@ -219,13 +221,13 @@ TRT_CASES = {
 }
 
 
-def _trt_rows(label, case):
+def _trt_rows(label, case, backends=("reference", "numba")):
     """TensorRT-LLM gpt_attention: the output within 4x the dtype's tolerance of float64 (both backends round Q/K to
     the input dtype after bias and RoPE, as tests/test_trtllm_kernels.py holds them)."""
     inputs = build_trt(case)
     want, _ = float64_trt(copy_inputs(inputs))
     rows = []
-    for backend in ("reference", "numba"):
+    for backend in backends:
         (out, _), seconds = _timed(cacheattn.gpt_attention, **copy_inputs(inputs), backend=backend)
         ok = bool(np.all(within_tolerance(out, want, case.dtype, 4.0)))
         rows.append(("gpt_attention", label, backend, _max_error(out, want), ok, seconds))
@@ -260,18 +262,18 @@ def _quick(case):
                  if case.mask_shape else ())
 
 
-def _serving_rows(quick: bool, full: bool):
+def _serving_rows(quick: bool, full: bool, backends, cache_bits: int):
     """The serving loop for each operator and backend: (operator, backend, requests, tokens, steps, peak pages,
     max err, tokens equal the reference backend's, within tolerance, seconds)."""
     model = serving.TinyModel(serving.ModelConfig(num_layers=2 if full else 1))
     requests = serving.QUICK_REQUESTS if quick else serving.DEFAULT_REQUESTS
     rows = []
     for operator in serving.PATHS:
-        backends = ("reference", "numba") if _has_kernels(operator) else ("reference",)
         results = []
-        for backend in backends:
+        for backend in [b for b in backends if b == "reference" or _has_kernels(operator)]:
             with _console.progress(sum(r.max_new_tokens for r in requests), f"{operator} ({backend})") as step:
-                results.append(serving.serve(model, requests, backend=backend, operator=operator,
+                results.append(serving.serve(model, requests, serving.ServeConfig(quant_bit=cache_bits),
+                                             backend=backend, operator=operator,
                                              threads=_launch(backend).get("threads", 128),
                                              on_step=lambda i, what: step(f"step {i}: {what}")))
         rows += [(operator, r.backend, len(requests), r.tokens_processed, r.steps, r.peak_pages, r.max_error,
@@ -287,12 +289,14 @@ def _has_kernels(operator: str) -> bool:
 TOLERANCE_F32 = 1e-4     # a float32 model's attention output against float64, absolute
 
 
-def tour(quick: bool = False, full: bool = False) -> int:
+def tour(quick: bool = False, full: bool = False, backends=("reference", "numba"), cache_bits: int = 8) -> int:
     """Run the serving loop and every operator row; returns 0 when all pass. See the module docstring for
-    the three sizes: quick, default (smaller shapes), full."""
-    serve_rows = _serving_rows(quick, full)
+    the three sizes: quick, default (smaller shapes), full. backends: which backends run; cache_bits: the
+    serving loop's OpenPPL cache (8 int8, 4 int4, 0 the model's float32)."""
+    serve_rows = _serving_rows(quick, full, backends, cache_bits)
     _console.table("A tiny model served with in-flight batching on a paged cache (page 4; finished requests return "
-                   "their pages): OpenPPL int8 cache, TensorRT-LLM float32 pool",
+                   f"their pages): OpenPPL {({8: 'int8', 4: 'int4', 0: 'float32'})[cache_bits]} cache, TensorRT-LLM "
+                   "float32 pool",
                    ("operator", "backend", "requests", "tokens", "steps", "peak pages", "max |err| vs float64",
                     "tokens = reference's", "result", "seconds"),
                    [(o, b, n, t, st, p, f"{e:.2e}", "yes" if same else "NO", "pass" if same and ok else "FAIL",
@@ -316,7 +320,7 @@ def tour(quick: bool = False, full: bool = False) -> int:
     rows = []
     with _console.progress(len(cases), "operators") as step:
         for kind, label, case in cases:
-            rows += run[kind](label + suffix, shrink(case))
+            rows += run[kind](label + suffix, shrink(case), backends)
             step(label)
     if not full:
         _console.say(f"{'quick: three requests, the first configuration of each operator; ' if quick else ''}one "

@@ -24,3 +24,11 @@ def test_tour_passes_every_row(capsys):
                                                      ("gpt_attention", "reference")}, out
     assert all(row[7] == "yes" and row[8] == "pass" for row in serving), out
     assert f"12 passed, 0 failed; serving loop: {len(serving)} passed, 0 failed" in out
+
+
+def test_flags_choose_the_backend_and_the_cache_format(capsys):
+    """--backend reference --cache int4: only reference rows, and the serving loop on an int4 OpenPPL cache."""
+    assert tour(quick=True, backends=("reference",), cache_bits=4) == 0
+    out = capsys.readouterr().out
+    assert "OpenPPL int4 cache" in out and " numba " not in out, out
+    assert "6 passed, 0 failed; serving loop: 2 passed, 0 failed" in out
