@@ -138,6 +138,25 @@ def _torch_to_native(x):
     return x.numpy()
 
 
+def _torch_leaves(x) -> list:
+    """The torch tensors in x, looking inside tuples (FasterTransformer's AttentionWeight holds DenseWeights)."""
+    if is_torch(x):
+        return [x]
+    if isinstance(x, tuple):
+        return [t for item in x for t in _torch_leaves(item)]
+    return []
+
+
+def _to_native(x):
+    """x with every torch tensor in it, nested tuples included, swapped for its NumPy / CuPy view."""
+    if is_torch(x):
+        return _torch_to_native(x)
+    if isinstance(x, tuple):
+        items = [_to_native(item) for item in x]
+        return type(x)(*items) if hasattr(x, "_fields") else tuple(items)
+    return x
+
+
 def _native_to_torch(x, device):
     import torch
     if isinstance(x, np.ndarray):
@@ -165,12 +184,12 @@ def accepts_torch(operator):
     """
     @functools.wraps(operator)
     def call(*args, **kwargs):
-        tensors = [a for a in (*args, *kwargs.values()) if is_torch(a)]
+        tensors = _torch_leaves((*args, *kwargs.values()))
         if not tensors:
             return operator(*args, **kwargs)
         device = tensors[0].device
-        args = tuple(_torch_to_native(a) if is_torch(a) else a for a in args)
-        kwargs = {k: _torch_to_native(v) if is_torch(v) else v for k, v in kwargs.items()}
+        args = tuple(_to_native(a) for a in args)
+        kwargs = {k: _to_native(v) for k, v in kwargs.items()}
         if device.type == "cuda":
             import cupy
             import torch

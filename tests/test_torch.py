@@ -6,8 +6,10 @@ import pytest
 
 import cacheattn
 from cacheattn.examples import (
+    FTCase,
     OnnxCase,
     PPLCase,
+    build_ft,
     StaticCase,
     build_onnx,
     build_ppl,
@@ -28,15 +30,20 @@ PPL = PPLCase(seqlens=(1, 3), past=(4, 2), decoding_batches=1, num_heads=4, num_
               page_size=4, num_layer=2, layer_idx=1, is_causal=True, is_alibi=False, mask="2d", mask_pad=1, seed=3)
 
 
+def tensor(x):
+    """x as a CPU tensor (a copy: the NumPy run keeps its own cache), inside tuples too; scalars stay scalars."""
+    if isinstance(x, np.ndarray):
+        if x.dtype.name == "bfloat16":
+            return torch.from_numpy(x.view(np.int16).copy()).view(torch.bfloat16)
+        return torch.from_numpy(x.copy())
+    if isinstance(x, tuple):
+        items = [tensor(item) for item in x]
+        return type(x)(*items) if hasattr(x, "_fields") else tuple(items)
+    return x
+
+
 def as_torch(inputs: dict) -> dict:
-    """The same inputs as CPU tensors (copies: the NumPy run keeps its own cache); scalars stay scalars."""
-    out = {}
-    for name, x in inputs.items():
-        if isinstance(x, np.ndarray) and x.dtype.name == "bfloat16":
-            out[name] = torch.from_numpy(x.view(np.int16).copy()).view(torch.bfloat16)
-        else:
-            out[name] = torch.from_numpy(x.copy()) if isinstance(x, np.ndarray) else x
-    return out
+    return {name: tensor(x) for name, x in inputs.items()}
 
 
 def as_numpy(t):
@@ -95,6 +102,22 @@ def test_onnx_attention_takes_and_returns_cpu_tensors(dtype):
         assert_bits_equal(name, as_numpy(getattr(got, name)), getattr(want, name))
     if dtype == "float32":
         assert_close("Y", as_numpy(got.Y), float64_onnx(inputs, case)[0], np.float32)
+
+
+def test_cross_attention_takes_torch_weights_inside_its_weight_tuples():
+    """FasterTransformer's weights come as AttentionWeight(DenseWeight(kernel, bias), ...): tensors nested in
+    the tuples are converted too, and the cache written in place through the tensors' memory."""
+    case = FTCase(lengths=(2, 3), mem_len=3, head_num=2, size_per_head=32, d_model=8, mem_d_model=8,
+                  dtype="float32", is_batch_major_cache=True, step=1, finished=None, num_tasks=2, ia3_tasks=(1, 0),
+                  max_decoder_seq_len=0, context_buf=False, q_scaling=1.0, seed=5)
+    inputs = build_ft(case)
+    want_inputs = copy_inputs(inputs)
+    want = cacheattn.cross_attention(**want_inputs, **case.attrs())
+    tensors = as_torch(inputs)
+    assert isinstance(tensors["weights"].query_weight.kernel, torch.Tensor)
+    got = cacheattn.cross_attention(**tensors, **case.attrs())
+    assert_bits_equal("hidden_features", as_numpy(got.hidden_features), want.hidden_features)
+    assert_bits_equal("key_cache", as_numpy(tensors["key_cache"]), want_inputs["key_cache"])
 
 
 def test_torch_inputs_are_validated_by_document_name():
