@@ -71,6 +71,19 @@ def plan_tiles(num_heads: int, num_kv_heads: int, max_seqlen: int, head_dim_k: i
     return heads_per_block, q_tile, key_tile
 
 
+def split_keys(split, num_splits, kvlen, key_tile):
+    """Keys [lo, hi) that multi-block split `split` of `num_splits` walks: whole key tiles, ceil(tiles / num_splits)
+    of them per split, so no tile is loaded by two blocks. Splits past the last key get lo = hi = kvlen (no keys).
+    Plain integer code: the host (the docs drawing, the tests) calls it as it is, kernels as split_keys_device."""
+    tiles = (kvlen + key_tile - 1) // key_tile
+    chunk = (tiles + num_splits - 1) // num_splits * key_tile      # keys per split, a multiple of key_tile
+    lo = min(split * chunk, kvlen)
+    return lo, min(lo + chunk, kvlen)
+
+
+split_keys_device = cuda.jit(device=True, inline="always")(split_keys)
+
+
 def make_attention_kernel(row_offsets, load, score, key_range, *, head_dim_k: int, head_dim_v: int,
                           heads_per_block: int, q_tile: int, key_tile: int, group: int, acc_dtype=np.float32,
                           sum_epsilon: float = 0.0, partials: bool = False):
@@ -80,9 +93,10 @@ def make_attention_kernel(row_offsets, load, score, key_range, *, head_dim_k: in
     0.0 leaves acc / l exactly.
     partials (multi-block): out_geom is (out, starts, s_b, s_i, s_h, num_splits, split_stride, split_rows,
     num_heads, m_out, l_out) and grid z = B * num_splits. Block z walks only split z % num_splits of sequence
-    z // num_splits's keys (ceil(kvlen / num_splits) each) and writes each row's unnormalised acc at element
-    offset split * split_stride of out, its max m and sum l at split * split_rows + (starts[b] + i) * num_heads
-    + h of m_out / l_out; a combine kernel finishes the softmax."""
+    z // num_splits's keys (`split_keys`: whole key tiles, so no two blocks load one) and writes each row's
+    unnormalised acc at element offset split * split_stride of out, its max m and sum l at split * split_rows +
+    (starts[b] + i) * num_heads + h of m_out / l_out (a split with no visible key writes m = -inf, l = 0, o = 0);
+    a combine kernel finishes the softmax."""
     HPB, DK, DV, KT = heads_per_block, head_dim_k, head_dim_v, key_tile
     ROWS = HPB * q_tile
     acc_t = np.float64 if np.dtype(acc_dtype) == np.float64 else np.float32
@@ -130,12 +144,13 @@ def make_attention_kernel(row_offsets, load, score, key_range, *, head_dim_k: in
             row_sum[r] = 0.0
         i_last = min(i0 + q_tile, seqlen) - 1
         lo, hi = key_range(score_args, b, i0, i_last, seqlen, kvlen)
-        if partials:
-            chunk = (kvlen + num_splits - 1) // num_splits
-            lo, hi = max(lo, split * chunk), min(hi, (split + 1) * chunk)
+        if partials:                                 # tile-aligned: the walk below starts at lo's tile
+            split_lo, split_hi = split_keys_device(split, num_splits, kvlen, KT)
+            lo, hi = max(lo, split_lo), min(hi, split_hi)
         cuda.syncthreads()
 
-        for t0 in range(lo - lo % KT, hi, KT):
+        first_tile = lo - lo % KT if lo < hi else hi     # no visible key: no tile (an empty split loads nothing)
+        for t0 in range(first_tile, hi, KT):
             # 1. slot offsets of this tile's keys
             for j in range(tid, KT, nthreads):
                 t = min(t0 + j, kvlen - 1)            # clamp: rows past hi are loaded but never weighted

@@ -299,20 +299,19 @@ def _acc_type(dtype):
 
 
 @cache
-def _attention_kernel(dtype, num_heads, num_kv_heads, head_size, quant, q_len, rope_style=0, rotary_dim=0,
+def _attention_kernel(dtype, num_heads, num_kv_heads, head_size, quant, tiles, rope_style=0, rotary_dim=0,
                       partials=False):
-    """The core for these shapes; rope_style/rotary_dim only for StreamingLLM (cached keys rotated on load);
-    partials: the multi-block kernel writing (m, l, o) per split."""
+    """The core for these shapes and tiles (plan_tiles' heads_per_block, q_tile, key_tile); rope_style/rotary_dim
+    only for StreamingLLM (cached keys rotated on load); partials: the multi-block kernel writing (m, l, o) per
+    split."""
     acc_t = _acc_type(dtype)
     round_dtype = round_to_float16 if np.dtype(dtype) == np.float16 else keep_float32
     row_offsets, load = make_trt_access(quant, num_kv_heads, head_size, acc_t, round_dtype, rope_style, rotary_dim)
     score, key_range = make_trt_score(acc_t)
-    heads_per_block, q_tile, key_tile = plan_tiles(num_heads, num_kv_heads, q_len, head_size, head_size,
-                                                   elem_bytes=np.dtype(acc_t).itemsize)
-    kernel = make_attention_kernel(row_offsets, load, score, key_range, head_dim_k=head_size, head_dim_v=head_size,
-                                   heads_per_block=heads_per_block, q_tile=q_tile, key_tile=key_tile,
-                                   group=num_heads // num_kv_heads, acc_dtype=acc_t, partials=partials)
-    return kernel, heads_per_block, q_tile
+    heads_per_block, q_tile, key_tile = tiles
+    return make_attention_kernel(row_offsets, load, score, key_range, head_dim_k=head_size, head_dim_v=head_size,
+                                 heads_per_block=heads_per_block, q_tile=q_tile, key_tile=key_tile,
+                                 group=num_heads // num_kv_heads, acc_dtype=acc_t, partials=partials)
 
 
 @cache
@@ -786,13 +785,14 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
                      **_mask_and_bias(attention_mask, relative_attention_bias, position_embedding_type, max_distance,
                                       mask_type, qkv))
     rope_on_load = (rope_style, rotary_dim) if rotate_cached else (0, 0)
-    heads_per_block, q_tile, key_tile = plan_tiles(H, Hkv, min(max_new, 16), Dh, Dh, np.dtype(acc_t).itemsize)
+    # One kernel for every length past 16 query tokens.
+    tiles = plan_tiles(H, Hkv, min(max_new, 16), Dh, Dh, np.dtype(acc_t).itemsize)
+    heads_per_block, q_tile, key_tile = tiles
     q_blocks = max(1, ceil_div(max_new, q_tile)) * (H // heads_per_block) * E
     # spec: trtllm/multi-block
     if num_splits is None:
         num_splits = choose_splits(q_blocks, int(np.max(kvlens)), key_tile, num_sms) if multi_block_mode else 1
-    kernel, heads_per_block, q_tile = _attention_kernel(dtype.str, H, Hkv, Dh, quant, min(max_new, 16),
-                                                        *rope_on_load, num_splits > 1)
+    kernel = _attention_kernel(dtype.str, H, Hkv, Dh, quant, tiles, *rope_on_load, num_splits > 1)
     q_geom = (q_scratch, to_kind(qkv, token_starts), np.int64(0), np.int64(H * Dh), np.int64(Dh))
     out_geom = (flat(output), q_geom[1], np.int64(0), np.int64(H * Dh), np.int64(Dh))
     grid = (max(1, ceil_div(max_new, q_tile)), H // heads_per_block, E * num_splits)

@@ -7,6 +7,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 from numba import cuda
 
 import cacheattn
@@ -15,7 +16,7 @@ from kernels_numba.trtllm_gpt_attention import e4m3_decode, e4m3_encode
 from reference import trtllm_gpt_attention as ref
 
 from helpers import assert_bits_equal, assert_close
-from strategies import KERNEL, TrtCase, build_trt, float64_trt, trt_kernel_cases, trt_streaming_cases
+from strategies import KERNEL, REFERENCE, TrtCase, build_trt, float64_trt, trt_kernel_cases, trt_streaming_cases
 
 BASE = TrtCase(contexts=((0, 5), (2, 3)), generations=((3, 4),), beam_width=2, num_heads=4, num_kv_heads=2,
                head_size=8, dtype="float32", capacity=8, window=8, seed=3)
@@ -198,12 +199,15 @@ def test_cross_attention_kernels_match_the_reference(case):
 
 @pytest.mark.spec("trtllm/multi-block")
 def test_multi_block_equals_single_block(monkeypatch):
-    """Several split counts, one with splits that see no key (the window leaves the early ones empty): the combined
-    output matches one block per row and the reference, and the cache is written the same."""
+    """Several split counts over key tiles of 2, one with splits that see no key (the window hides the first tile,
+    the last split has none): the combined output matches one block per row and the reference, and the cache is
+    written the same."""
     from kernels_numba import trtllm_gpt_attention as kernels
     case = replace(BASE, contexts=(), generations=((2, 7),), beam_width=1, capacity=8, window=5, quant=64,
                    position=4, softcap=3.0, num_heads=2, num_kv_heads=1)
     args = build_trt(case)
+    plan = kernels.plan_tiles
+    monkeypatch.setattr(kernels, "plan_tiles", lambda *a, **k: (*plan(*a, **k)[:2], 2))   # 7 keys: 4 tiles
     outputs, caches, launch_counts = {}, {}, {}
     for splits in (1, 2, 5):
         launched = []
@@ -222,6 +226,24 @@ def test_multi_block_equals_single_block(monkeypatch):
     for splits in (2, 5):
         assert_close(f"{splits} splits vs 1", outputs[splits], outputs[1].astype(np.float64), case.dtype)
         assert_close(f"{splits} splits vs reference", outputs[splits], ref_output.astype(np.float64), case.dtype)
+
+
+@settings(max_examples=REFERENCE)
+@given(kvlen=st.integers(0, 300), num_splits=st.integers(1, 64), key_tile=st.integers(1, 64))
+def test_splits_cover_the_keys_once_on_tile_boundaries(kvlen, num_splits, key_tile):
+    """split_keys (the kernel's rule, and the docs drawing's): the splits, in order, cover [0, kvlen) exactly once,
+    each starts on a key tile and ends on one (or at kvlen), and only trailing splits are empty."""
+    from kernels_numba._attention_core import split_keys
+    ranges = [split_keys(s, num_splits, kvlen, key_tile) for s in range(num_splits)]
+    covered = np.concatenate([np.arange(lo, hi) for lo, hi in ranges])
+    assert covered.tolist() == list(range(kvlen)), ranges
+    for lo, hi in ranges:
+        assert lo % key_tile == 0 or lo == kvlen, ranges
+        assert hi % key_tile == 0 or hi == kvlen, ranges
+    sizes = [hi - lo for lo, hi in ranges]
+    assert sizes == sorted(sizes, key=lambda n: n == 0), ranges                        # the empty ones last
+    filled = [n for n in sizes if n]
+    assert len(set(filled[:-1])) <= 1 and filled[-1:] <= filled[:1], ranges           # equal, the last maybe less
 
 
 def test_choose_splits_fills_idle_sms_only():
