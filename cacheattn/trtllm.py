@@ -516,7 +516,8 @@ def gpt_attention(*, qkv, past_key_value, attention_mask=None, sequence_length, 
     remove_input_padding, paged_kv_cache, tokens_per_block (power of two), streamingllm, context_fmha_type
         (0 disabled, 1 enabled, 2 enabled_with_fp32_acc), use_fp8_context_fmha, multi_block_mode: plugin config.
     kv_cache_pool (num_blocks, num_layers, 2, Hkv, tokens_per_block, Dh): the paged pool, written in place.
-    backend: "auto", "reference" or "numba" (kernels_numba/trtllm_gpt_attention.py; bfloat16 on the reference only).
+    backend: "auto", "reference" or "numba" (kernels_numba/trtllm_gpt_attention.py; bfloat16 from NumPy arrays only,
+        computed in float32 and rounded where the reference rounds).
     output: (num_tokens, H Dh) packed or (E, max_seqlen, H Dh) padded (padding rows zero), qkv's dtype.
     """
     args = {k: v for k, v in locals().items() if k != "backend"}

@@ -26,11 +26,12 @@ the same unless a multi-token chunk wraps a cyclic cache (N > W): then a cached 
 overwritten, so that call writes the cache in a second launch of the preprocess kernel, after attention. Of
 several new tokens that wrap onto one slot only the latest writes (as the reference's `_last_writer`).
 
-The cache sources and score arguments are namedtuples read by field name. Not covered yet (NotImplementedError,
-raised by `unsupported`): bfloat16. FP8 context FMHA runs on the unfused path (it needs each row's
-final max before rounding the probabilities to e4m3, which the online softmax does not have).
-Multi-block: with few blocks for the SMs, each block walks one of num_splits key ranges and writes (m, l, o);
-a combine kernel reduces them (`choose_splits` picks the count; `num_splits` forces it).
+The cache sources and score arguments are namedtuples read by field name. FP8 context FMHA runs on the unfused
+path (it needs each row's final max before rounding the probabilities to e4m3, which the online softmax does not
+have). Multi-block: with few blocks for the SMs, each block walks one of num_splits ranges of whole key tiles
+(`split_keys`) and writes (m, l, o); a combine kernel reduces them (`choose_splits` picks the count; `num_splits`
+forces it). bfloat16 (NumPy arrays, in the simulator): computed on float32 copies, rounded to bfloat16 where the
+reference rounds (`_bfloat16_via_float32`).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from numba import cuda
 from ._attention_core import make_attention_kernel, plan_tiles
 from ._cache import token_head_item
 from ._launch import caller_stream, ceil_div, empty_like_kind, flat, launch, to_kind
-from ._numerics import keep_float32, round_to_float16
+from ._numerics import keep_float32, rounder
 
 # TensorRT-LLM enum values (tensorrt_llm.functional), as cacheattn.trtllm validates them.
 PADDING, CAUSAL, SLIDING_WINDOW_CAUSAL, BIDIRECTIONAL = 0, 1, 2, 3
@@ -64,13 +65,6 @@ TABLE_COLUMNS = 8
 KVSource = namedtuple("KVSource", "cache scratch table offsets indirection kv paged tokens_per_block layer_blocks "
                                   "s_row s_kv s_head s_block window sinks bubble scale "
                                   "rotate inv_freq position_divisor")
-
-
-def unsupported(qkv) -> str | None:
-    """The first feature of a validated call these kernels do not run yet, named as TensorRT-LLM names it."""
-    if np.dtype(qkv.dtype).name == "bfloat16":
-        return "qkv: bfloat16 (numba has no bfloat16 arithmetic)"
-    return None
 
 
 # ---- FP8 e4m3 (fn) from the bits: the simulator has no fp8 type, the cache holds the codes as bytes -----------
@@ -305,7 +299,7 @@ def _attention_kernel(dtype, num_heads, num_kv_heads, head_size, quant, tiles, r
     only for StreamingLLM (cached keys rotated on load); partials: the multi-block kernel writing (m, l, o) per
     split."""
     acc_t = _acc_type(dtype)
-    round_dtype = round_to_float16 if np.dtype(dtype) == np.float16 else keep_float32
+    round_dtype = rounder(dtype)
     row_offsets, load = make_trt_access(quant, num_kv_heads, head_size, acc_t, round_dtype, rope_style, rotary_dim)
     score, key_range = make_trt_score(acc_t)
     heads_per_block, q_tile, key_tile = tiles
@@ -327,7 +321,7 @@ def _unfused_kernels(dtype, num_heads, num_kv_heads, head_size, quant, rope_styl
     the row's exp(score - max) is rounded to e4m3 for P V while its sum (`totals`) stays float32, and the output
     is (P V) * s / sum."""
     acc_t = _acc_type(dtype)
-    round_dtype = round_to_float16 if np.dtype(dtype) == np.float16 else keep_float32
+    round_dtype = rounder(dtype)
     row_offsets, load = make_trt_access(quant, num_kv_heads, head_size, acc_t, round_dtype, rope_style, rotary_dim)
     score, _ = make_trt_score(acc_t)
     H, DH, GROUP = num_heads, head_size, num_heads // num_kv_heads
@@ -458,7 +452,7 @@ def _preprocess_kernel(dtype, num_heads, num_kv_heads, head_size, rotary_dim, ro
     element reads its pair partner too (both threads of a pair compute the same two inputs)."""
     acc_t = _acc_type(dtype)
     # spec: trtllm/generation-mmha
-    round_dtype = round_to_float16 if np.dtype(dtype) == np.float16 else keep_float32
+    round_dtype = rounder(dtype)
     encode, _ = make_kv_codec(quant, acc_t)
     cache_address = make_cache_address(head_size)
     pair_of, rotate = make_rope(rope_style, rotary_dim, round_dtype, acc_t)
@@ -530,7 +524,7 @@ def _cross_kernel(dtype, num_kv_heads, head_size, quant):
     in enc_starts, so no thread."""
     # spec: trtllm/cross-attention
     acc_t = _acc_type(dtype)
-    round_dtype = round_to_float16 if np.dtype(dtype) == np.float16 else keep_float32
+    round_dtype = rounder(dtype)
     encode, _ = make_kv_codec(quant, acc_t)
     cache_address = make_cache_address(head_size)
     HKV, DH = num_kv_heads, head_size
@@ -660,7 +654,7 @@ def _mask_and_bias(attention_mask, relative_attention_bias, position_embedding_t
     return fields
 
 
-def _cross_keys(qkv, cross_kv, encoder_input_lengths, num_context, table, k_src, v_src, dtype, Hkv, Dh, quant,
+def _cross_keys(qkv, cross_kv, encoder_input_lengths, num_context, table, k_src, v_src, rounds_as, Hkv, Dh, quant,
                 kv_orig_quant_scale, use_cache, threads, stream):
     """Cross attention's keys: launch the cross kernel, and return (key table, kv lengths, K source, V source).
 
@@ -679,7 +673,7 @@ def _cross_keys(qkv, cross_kv, encoder_input_lengths, num_context, table, k_src,
     v_src = v_src._replace(scratch=v_scratch, window=unbounded)
     if enc_starts[-1] > 0:
         grid = (max(1, ceil_div(int(context_lengths.max()) * 2 * Hkv * Dh, threads)), E)
-        launch(_cross_kernel(dtype.str, Hkv, Dh, quant), grid, threads, stream, flat(cross_kv),
+        launch(_cross_kernel(rounds_as, Hkv, Dh, quant), grid, threads, stream, flat(cross_kv),
                to_kind(qkv, enc_starts), k_scratch, v_scratch, k_src, v_src,
                np.float32(kv_orig_quant_scale if quant else 1.0), np.int64(use_cache))
     keys = np.zeros((E, TABLE_COLUMNS), np.int64)
@@ -703,7 +697,8 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
                   max_distance=0, qkv_bias=None, use_cache=True, remove_input_padding=True, paged_kv_cache=False,
                   tokens_per_block=64, streamingllm=False, use_fp8_context_fmha=False, kv_cache_pool=None,
                   context_fmha_type=1, multi_block_mode=True, max_context_length=None, host_context_lengths=None,
-                  cross_kv_length=None, host_kv_cache_block_offsets=None, num_splits=None, num_sms=None, threads=128):
+                  cross_kv_length=None, host_kv_cache_block_offsets=None, num_splits=None, num_sms=None, threads=128,
+                  rounds_as=None):
     """(output, present_key_value), the cache written in place: reference.gpt_attention's arguments (validated
     by cacheattn.gpt_attention; index tensors on the host), data arrays CuPy / CAI, or NumPy in the simulator.
 
@@ -711,14 +706,14 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     context entries with context_fmha_type 0 (disabled), which take the unfused path (scores in global memory,
     softmax, P V) as TensorRT-LLM's unfused context attention; both compute the same. multi_block_mode lets
     `choose_splits` split each block's keys over several blocks when the grid is smaller than num_sms (default:
-    the GPU's, 132 without one); num_splits forces a count (1: never split)."""
-    reason = unsupported(qkv)
-    if reason is not None:
-        raise NotImplementedError(f"{reason}: not in the numba.cuda gpt_attention kernels yet; "
-                                  "use NumPy arrays with backend='reference'")
+    the GPU's, 132 without one); num_splits forces a count (1: never split). bfloat16: see _bfloat16_via_float32
+    (rounds_as is its internal argument)."""
+    if np.dtype(qkv.dtype).name == "bfloat16":
+        return _bfloat16_via_float32(locals())
     stream = caller_stream(qkv, past_key_value, kv_cache_pool)
     H, Hkv, Dh = num_heads, num_kv_heads, hidden_size_per_head
     dtype = np.dtype(qkv.dtype)
+    rounds_as = rounds_as or dtype.name                 # the kernels' keys: the dtype whose roundings they emulate
     acc_t = _acc_type(dtype)
     past = np.asarray(host_past_key_value_lengths, np.int64)
     lengths = np.asarray(sequence_length, np.int64)
@@ -762,7 +757,7 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
                      v_out=v_scratch, k_dst=k_src, v_dst=v_src, write_scratch=np.int64(1),
                      write_cache=np.int64(bool(use_cache) and not write_after and not do_cross_attention),
                      streaming=np.int64(streamingllm))
-    preprocess = _preprocess_kernel(dtype.str, H, Hkv, Dh, rotary_dim, rope_style, quant, qkv_bias is not None)
+    preprocess = _preprocess_kernel(rounds_as, H, Hkv, Dh, rotary_dim, rope_style, quant, qkv_bias is not None)
     max_new = int(new.max())
     pre_grid = (max(1, ceil_div(max_new * (H + 2 * Hkv) * Dh, threads)), E)
     starts_arg = to_kind(qkv, new_starts)
@@ -775,7 +770,7 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     kvlens = lengths
     if do_cross_attention:
         table, kvlens, k_src, v_src = _cross_keys(qkv, cross_kv, encoder_input_lengths, num_context, table,
-                                                  k_src, v_src, dtype, Hkv, Dh, quant, kv_orig_quant_scale,
+                                                  k_src, v_src, rounds_as, Hkv, Dh, quant, kv_orig_quant_scale,
                                                   bool(use_cache), threads, stream)
     args = ScoreArgs(table=table, alibi=alibi_slopes if alibi_on else to_kind(qkv, np.zeros(1, np.float32)),
                      alibi_on=np.int64(alibi_on), softcap=acc_t(attn_logit_softcapping_scale),
@@ -792,7 +787,7 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     # spec: trtllm/multi-block
     if num_splits is None:
         num_splits = choose_splits(q_blocks, int(np.max(kvlens)), key_tile, num_sms) if multi_block_mode else 1
-    kernel = _attention_kernel(dtype.str, H, Hkv, Dh, quant, tiles, *rope_on_load, num_splits > 1)
+    kernel = _attention_kernel(rounds_as, H, Hkv, Dh, quant, tiles, *rope_on_load, num_splits > 1)
     q_geom = (q_scratch, to_kind(qkv, token_starts), np.int64(0), np.int64(H * Dh), np.int64(Dh))
     out_geom = (flat(output), q_geom[1], np.int64(0), np.int64(H * Dh), np.int64(Dh))
     grid = (max(1, ceil_div(max_new, q_tile)), H // heads_per_block, E * num_splits)
@@ -806,7 +801,7 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     lens = to_kind(qkv, fused_new), to_kind(qkv, kvlens)
     if unfused:
         _unfused_context(q_scratch, q_geom[1], new, kvlens, num_context, k_src, v_src, args, sm_scale, output,
-                         (dtype.str, H, Hkv, Dh, quant, *rope_on_load), acc_t, threads, stream,
+                         (rounds_as, H, Hkv, Dh, quant, *rope_on_load), acc_t, threads, stream,
                          (kv_orig_quant_scale, kv_quant_orig_scale) if fp8_fmha else None)
     if fused_new.any() and num_splits == 1:
         launch(kernel, grid, threads, stream, q_geom, out_geom, *lens, k_src, v_src, args, sm_scale)
@@ -819,7 +814,7 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
                       np.int64(rows * Dh), np.int64(rows), np.int64(H), m_part, l_part)
         launch(kernel, grid, threads, stream, q_geom, split_geom, *lens, k_src, v_src, args, sm_scale)
         fused_starts = to_kind(qkv, np.concatenate([[0], np.cumsum(fused_new)]).astype(np.int64))
-        launch(_combine_kernel(dtype.str, H, Dh), pre_grid, threads, stream, o_part, m_part, l_part,
+        launch(_combine_kernel(rounds_as, H, Dh), pre_grid, threads, stream, o_part, m_part, l_part,
                np.int64(num_splits), q_geom[1], fused_starts, flat(output))
 
     if write_after:
@@ -827,3 +822,26 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
                starts_arg)
     present = past_key_value if (use_cache and not paged_kv_cache) else None
     return output, present
+
+
+def _bfloat16_via_float32(call: dict):
+    """bfloat16 NumPy arrays (numba has no bfloat16 arithmetic): every bfloat16 array is widened to float32 and the
+    kernels run with rounds_as="bfloat16", rounding to bfloat16 (`round_to_bfloat16`) exactly where the reference
+    rounds to the input dtype: qkv + bias, RoPE'd Q and K, so the K/V the cache stores or quantizes are bfloat16
+    values. The output is rounded to bfloat16 once, from float32, as the reference's; a bfloat16 cache gets back
+    only the elements the kernels wrote (each already a bfloat16 value), so every other byte keeps its bits."""
+    qkv = call["qkv"]
+    if not isinstance(qkv, np.ndarray):
+        raise TypeError("qkv: bfloat16 runs on the kernels only from NumPy arrays (simulator); numba has no "
+                        "bfloat16 arithmetic. Pass float16/float32 GPU arrays, or backend='reference'.")
+    bf16 = qkv.dtype
+    wide = {name: x.astype(np.float32) for name, x in call.items()
+            if isinstance(x, np.ndarray) and x.dtype == bf16}
+    output, _ = gpt_attention(**{**call, **wide, "rounds_as": "bfloat16"})
+    for name in ("past_key_value", "kv_cache_pool"):
+        if name in wide:
+            cache = call[name]
+            written = wide[name].view(np.uint32) != cache.astype(np.float32).view(np.uint32)
+            cache[written] = wide[name][written].astype(bf16)
+    present = call["past_key_value"] if (call["use_cache"] and not call["paged_kv_cache"]) else None
+    return output.astype(bf16), present
