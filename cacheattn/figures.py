@@ -154,6 +154,46 @@ def cyclic_cache(window: int = 8, sinks: int = 2, tokens: int = 14) -> str:
     return svg.render()
 
 
+def multi_block_splits(kvlen: int = 11, key_tile: int = 2, num_splits: int = 4) -> str:
+    """How multi-block mode splits one sequence's keys (the kernels' `split_keys`): key tiles coloured by the
+    split that walks them, each split's block writing its (m, l, o) partial, and the combine reducing them."""
+    # Imported here, not at the top: numba reads the simulator flag on its first import.
+    from kernels_numba._attention_core import split_keys
+
+    svg, left, top, gap = Svg(), 70, 40, 6
+    svg.text(4, 14, f"multi-block: {kvlen} keys in key tiles of {key_tile}, {num_splits} splits of whole tiles",
+             bold=True)
+    svg.text(4, top + CELL / 2 + 4, "key t")
+    svg.text(4, top + CELL + 14, "key tile")
+
+    def x_of(t):                                               # a gap between key tiles
+        return left + t * CELL + (t // key_tile) * gap
+
+    tiles = -(-kvlen // key_tile)
+    for tile in range(tiles):
+        width = min(key_tile, kvlen - tile * key_tile) * CELL
+        svg.text(x_of(tile * key_tile) + width / 2, top + CELL + 14, tile, anchor="middle")
+    box_top, box_w, box_h = top + CELL + 60, 150, 2 * CELL
+    combine_top = box_top + box_h + 36
+    for split in range(num_splits):
+        lo, hi = split_keys(split, num_splits, kvlen, key_tile)
+        colour = PALETTE[split % len(PALETTE)]
+        for t in range(lo, hi):
+            svg.rect(x_of(t), top, CELL, CELL, colour, t, text_fill="#fff")
+        bx = 4 + split * (box_w + 12)
+        keys = f"keys {lo}..{hi - 1}" if hi > lo else "no keys"
+        svg.rect(bx, box_top, box_w, box_h, _lighter(colour))
+        svg.text(bx + 6, box_top + 15, f"split {split}: {keys}")
+        svg.text(bx + 6, box_top + 31, f"writes (m{split}, l{split}, o{split})" if hi > lo else "m=-inf, l=0, o=0")
+        if hi > lo:
+            svg.line((x_of(lo) + x_of(hi - 1) + CELL) / 2, top + CELL + 20, bx + box_w / 2, box_top - 2, colour)
+        svg.line(bx + box_w / 2, box_top + box_h + 2, bx + box_w / 2, combine_top - 2)
+    svg.rect(4, combine_top, num_splits * (box_w + 12) - 12, box_h, EMPTY)
+    svg.text(12, combine_top + 15, "combine: M = max m_c, L = sum e^(m_c - M) l_c,")
+    svg.text(12, combine_top + 31, "O = sum e^(m_c - M) o_c / L  (a split with no keys adds nothing)")
+    return svg.render()
+
+
 def figures() -> dict[str, str]:
     """{file name: SVG text} of every figure the pages embed."""
     from reference.cache_layout import DYNAMIC_LAYOUTS
@@ -161,7 +201,7 @@ def figures() -> dict[str, str]:
     bottom_right, top_left = causal_masks()
     out = {"causal-bottom-right.svg": bottom_right, "causal-top-left.svg": top_left,
            "page-table.svg": page_table(np.array([[12, 0], [24, -1], [4, 28]]), (6, 3, 7), 4, 32),
-           "cyclic-sinks.svg": cyclic_cache()}
+           "cyclic-sinks.svg": cyclic_cache(), "multi-block-splits.svg": multi_block_splits()}
     extents = dict(L=1, KV=2, T=3, H=2, D=2)
     for layout, axes in DYNAMIC_LAYOUTS.items():
         out[f"ppl-layout-{layout}.svg"] = memory_order(

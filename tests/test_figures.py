@@ -33,3 +33,10 @@ def test_causal_figures_colour_what_each_document_lets_a_query_see():
     assert top_left.count(f"fill='{seen}'") == 3
     grid = np.array([[1, 0], [1, 1]], bool)
     assert figures.visibility(grid, "t").count(f"fill='{figures.HIDDEN}'") == 1
+
+
+def test_multi_block_figure_colours_each_key_by_the_split_that_walks_it():
+    svg = figures.multi_block_splits(kvlen=11, key_tile=2, num_splits=4)
+    # split_keys: [0, 4), [4, 8), [8, 11) and an empty fourth split, which writes m = -inf, l = 0, o = 0
+    assert [svg.count(f"fill='{figures.PALETTE[c]}'") for c in range(4)] == [4, 4, 3, 0]
+    assert "split 3: no keys" in svg and "m=-inf, l=0, o=0" in svg
