@@ -57,7 +57,9 @@ def memory_order(axes: str, extents: dict, count: int) -> str:
 
 
 def source_lines(func, *markers: str) -> str:
-    """The lines of func's source that contain any of the markers, with file and line numbers."""
+    """The lines of func's source that contain any of the markers, with file and line numbers. func may be a
+    kernel factory under functools.cache, or a numba dispatcher (its Python function is quoted)."""
+    func = inspect.unwrap(getattr(func, "py_func", func))
     lines, first = inspect.getsourcelines(func)
     path = inspect.getsourcefile(func)
     short = path[path.rfind("/", 0, path.rfind("/")) + 1:]
