@@ -469,7 +469,7 @@ def gpt_attention(*, qkv, past_key_value, attention_mask=None, sequence_length, 
                   relative_attention_bias=None, max_distance=0, host_context_lengths=None, qkv_bias=None,
                   use_cache=True, remove_input_padding=True, paged_kv_cache=False, tokens_per_block=64,
                   streamingllm=False, context_fmha_type=1, use_fp8_context_fmha=False, multi_block_mode=True,
-                  kv_cache_pool=None, backend="auto"):
+                  kv_cache_pool=None, backend="auto", threads=128):
     """TensorRT-LLM gpt_attention. Returns (output, present_key_value); the KV cache is written in place.
 
     E = batch_beam entries (one per context request, beam_width per generation request; context first; see
@@ -518,16 +518,22 @@ def gpt_attention(*, qkv, past_key_value, attention_mask=None, sequence_length, 
     kv_cache_pool (num_blocks, num_layers, 2, Hkv, tokens_per_block, Dh): the paged pool, written in place.
     backend: "auto", "reference" or "numba" (kernels_numba/trtllm_gpt_attention.py; bfloat16 from NumPy arrays only,
         computed in float32 and rounded where the reference rounds).
+    threads: the kernels' block size (plugin config; a multiple of 32 up to 1024); the reference ignores it.
     output: (num_tokens, H Dh) packed or (E, max_seqlen, H Dh) padded (padding rows zero), qkv's dtype.
     """
-    args = {k: v for k, v in locals().items() if k != "backend"}
+    # The document's arguments only: validate() and the reference take every one of them, and nothing else.
+    args = {k: v for k, v in locals().items() if k not in ("backend", "threads")}
     data = dict(qkv=qkv, past_key_value=past_key_value, kv_cache_pool=kv_cache_pool, attention_mask=attention_mask,
                 cross_kv=cross_kv, qkv_bias=qkv_bias, alibi_slopes=alibi_slopes,
                 relative_attention_bias=relative_attention_bias)
     engine = arrays.resolve_backend(backend, data)
     checked = validate(args)
+    check_int("threads", threads, low=32, high=1024)
+    if threads % 32:
+        raise ValueError(f"threads: expected a multiple of 32 (whole warps), got {threads}")
     if engine != "reference":
-        return arrays.kernels().gpt_attention(**{**checked, **{k: arrays.as_kernel_array(x) for k, x in data.items()}})
+        return arrays.kernels().gpt_attention(**{**checked, **{k: arrays.as_kernel_array(x) for k, x in data.items()}},
+                                              threads=int(threads))
 
     def call(host):
         return reference.gpt_attention(**{**checked, **host})

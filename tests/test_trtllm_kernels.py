@@ -110,19 +110,21 @@ def test_streamingllm_kernels_match_the_reference(case):
     check_kernels(case)
 
 
-@pytest.mark.parametrize("case", [
-    replace(BASE, mask_type=6, position=6, relative="t5"),                   # in-flight: chunk + beams, GQA 2
-    replace(BASE, paged=True, tokens_per_block=4, quant=128, dtype="float16", layer_idx=1, num_layers=2),
-    replace(BASE, contexts=((3, 6),), generations=((2, 5),), beam_width=1, window=4, capacity=4,
-            paged=True, tokens_per_block=2, quant=64, position=6),         # a chunk wrapping the cyclic cache
-    replace(BASE, position=2, rotary_dim=6, rotary_scale_type=2, rotary_scale=2.0, qkv_bias=True, packed=False),
-    replace(BASE, contexts=((0, 7),), generations=((2, 6),), beam_width=1, window=5, capacity=5, sinks=2,
-            streamingllm=True, paged=True, tokens_per_block=4, position=1, rotary_dim=8, quant=128,
-            dtype="float16"),                                                # sinks + bubble, keys rotated on load
+@pytest.mark.parametrize("case,threads", [
+    (replace(BASE, mask_type=6, position=6, relative="t5"), 32),            # in-flight: chunk + beams, GQA 2
+    (replace(BASE, paged=True, tokens_per_block=4, quant=128, dtype="float16", layer_idx=1, num_layers=2), 64),
+    (replace(BASE, contexts=((3, 6),), generations=((2, 5),), beam_width=1, window=4, capacity=4,
+             paged=True, tokens_per_block=2, quant=64, position=6), 128),  # a chunk wrapping the cyclic cache
+    (replace(BASE, position=2, rotary_dim=6, rotary_scale_type=2, rotary_scale=2.0, qkv_bias=True, packed=False),
+     32),
+    (replace(BASE, contexts=((0, 7),), generations=((2, 6),), beam_width=1, window=5, capacity=5, sinks=2,
+             streamingllm=True, paged=True, tokens_per_block=4, position=1, rotary_dim=8, quant=128,
+             dtype="float16"), 64),                                          # sinks + bubble, keys rotated on load
 ], ids=["inflight-beams-custom-mask-t5", "paged-fp8-layer1", "wrapping-chunk-int8-relative",
         "neox-dynamic-bias-padded", "streamingllm"])
-def test_kernels_on_chosen_calls(case):
-    check_kernels(case)
+def test_kernels_on_chosen_calls(case, threads):
+    """threads: the kernels' block size (32 and 64 leave most loops several strides per thread)."""
+    check_kernels(case, threads=threads)
 
 
 # ---- FP8 e4m3 from the bits ------------------------------------------------------------------------------------

@@ -174,6 +174,11 @@ BAD = [
      "rotary_embedding_base"),
     ("host block table differs", call(PAGED, host_kv_cache_block_offsets=offsets_with(0)), ValueError,
      "host_kv_cache_block_offsets"),
+    # the kernels' block size (plugin config), checked whichever backend runs
+    ("threads not whole warps", call(threads=48), ValueError, "threads"),
+    ("threads past 1024", call(threads=2048), ValueError, "threads"),
+    ("threads 0", call(threads=0), ValueError, "threads"),
+    ("threads float", call(threads=64.0), TypeError, "threads"),
 ]
 
 
