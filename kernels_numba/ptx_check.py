@@ -164,12 +164,15 @@ TRTLLM_REPRESENTATIVES = ((np.float16, 0, 2, True, True, {"unfused"}),
                           (np.float32, 64, 4, False, False, {"multi-block"}),
                           (np.float16, 128, 6, True, False, {"t5-mask", "fp8-fmha"}),
                           (np.float16, 128, 1, True, False, {"streaming"}),
-                          (np.float64, 0, 0, False, True, {"cross"}))
+                          (np.float64, 0, 0, False, True, {"cross"}),
+                          ("bfloat16", 64, 2, False, True, set()))    # round_to_bfloat16 in bias, RoPE, INT8 store
 
 
 def _trtllm_launches(full: bool):
     """(label, kernel, args) for the TensorRT-LLM gpt_attention kernels: float16/32/64 x no/INT8/FP8 cache x
     position embedding x layout when full, else TRTLLM_REPRESENTATIVES."""
+    import ml_dtypes  # noqa: F401  (registers the "bfloat16" dtype name of a representative)
+
     from . import _launch
     from .trtllm_gpt_attention import gpt_attention
 
