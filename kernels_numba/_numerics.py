@@ -30,7 +30,8 @@ def round_to_float16(x):
 def round_to_bfloat16(x):
     """float32 -> the nearest bfloat16 (ties to even), held in float32. numba has no bfloat16 type; bfloat16 is
     float32 with 8 significant bits, so the significand is rounded to 8 bits, in steps of 2^-133 below 2^-126
-    (its subnormals). 8 + 8 + 2 <= 24: rounding a float32 +, -, *, / result equals the bfloat16 operation."""
+    (its subnormals). 24 >= 2 * 8 + 2: as for float16, rounding a float32 +, -, *, / result equals the bfloat16
+    operation."""
     a = np.float64(x)
     if a == 0 or a != a or abs(a) == math.inf:
         return x
