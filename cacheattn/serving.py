@@ -211,7 +211,7 @@ class GptPath:
     def attend(self, h, w, layer_idx, backend, threads):
         qkv = np.concatenate([h @ w["wq"], h @ w["wk"], h @ w["wv"]], axis=1)        # (tokens, (H + 2 Hkv) Dh)
         out, _ = cacheattn.gpt_attention(qkv=qkv, layer_idx=layer_idx, kv_cache_pool=self.pool, **self.args,
-                                         backend=backend)
+                                         backend=backend, threads=threads)
         want, _ = cacheattn.gpt_attention(qkv=qkv.astype(np.float64), layer_idx=layer_idx, kv_cache_pool=self.shadow,
                                           **self.args, backend="reference")
         return out, float(np.max(np.abs(np.asarray(out, np.float64) - want)))

@@ -228,7 +228,8 @@ def _trt_rows(label, case, backends=("reference", "numba")):
     want, _ = float64_trt(copy_inputs(inputs))
     rows = []
     for backend in backends:
-        (out, _), seconds = _timed(cacheattn.gpt_attention, **copy_inputs(inputs), backend=backend)
+        (out, _), seconds = _timed(cacheattn.gpt_attention, **copy_inputs(inputs), backend=backend,
+                                   **_launch(backend))
         ok = bool(np.all(within_tolerance(out, want, case.dtype, 4.0)))
         rows.append(("gpt_attention", label, backend, _max_error(out, want), ok, seconds))
     return rows
