@@ -19,6 +19,7 @@ import os
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from test_trtllm_kernels import assert_same_cache, cache_name, holding, run
 
 import cacheattn
 import cacheattn.testing as kit
@@ -26,7 +27,6 @@ from kernels_numba import _launch
 
 from helpers import assert_close
 from strategies import KERNEL, build_trt, float64_trt, trt_kernel_cases
-from test_trtllm_kernels import assert_same_cache, cache_name, holding, run
 
 GPU = os.environ.get("CACHEATTN_TEST_GPU") == "1"          # as conftest decides; the budgets below need it early
 GUARD_BYTES = 4096 if GPU else 256
