@@ -278,10 +278,12 @@ def dynamic_key_value_cache(current_key, current_value, seqstarts, kvstarts, cac
             h["scale"], num_repeat=num_repeat, **attrs)))
     data = {name: arrays.as_kernel_array(x) for name, x in data.items()}
     del attrs["num_layer"], attrs["cache_layout"]
+    given = (seqstarts, kvstarts, cachestarts, start_pos)         # in `order`
     return KeyValue(*arrays.kernels().dynamic_key_value_cache(
-        data["current_key"], data["current_value"], *(arrays.to_kind(data["cache"], idx[n]) for n in order), max_seqlen,
-        max_kvlen, data["cache"], data["scale"], num_repeat=num_repeat, cache_axes=DYNAMIC_LAYOUTS[cache_layout],
-        threads=threads, **attrs))
+        data["current_key"], data["current_value"],
+        *(arrays.kernel_index(data["cache"], x, idx[n]) for n, x in zip(order, given)), max_seqlen, max_kvlen,
+        data["cache"], data["scale"], total_kv=int(idx["kvstarts"][-1]), num_repeat=num_repeat,
+        cache_axes=DYNAMIC_LAYOUTS[cache_layout], threads=threads, **attrs))
 
 
 @arrays.accepts_torch
@@ -320,8 +322,8 @@ def dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decodin
             is_alibi=bool(is_alibi), **attrs))
     data = {name: arrays.as_kernel_array(x) for name, x in data.items()}
     return arrays.kernels().dynamic_multi_head_attention(
-        data["query"], data["key"], data["value"], arrays.to_kind(data["query"], seqs),
-        arrays.to_kind(data["query"], kvs), decoding_batches, max_seqlen, max_kvlen, data["attn_mask"],
+        data["query"], data["key"], data["value"], arrays.kernel_index(data["query"], seqstarts, seqs),
+        arrays.kernel_index(data["query"], kvstarts, kvs), decoding_batches, max_seqlen, max_kvlen, data["attn_mask"],
         alibi_slopes=alibi_slopes(num_heads) if is_alibi else None, threads=threads, rung=rung, **attrs)
 
 
@@ -367,9 +369,10 @@ def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvs
             **cache_attrs))
     data = {name: arrays.as_kernel_array(x) for name, x in data.items()}
     del cache_attrs["num_layer"], cache_attrs["cache_layout"]
+    given = (seqstarts, kvstarts, cachestarts, start_pos)         # in `order`
     return arrays.kernels().multi_head_cache_attention(
         data["query"], data["current_key"], data["current_value"],
-        *(arrays.to_kind(data["cache"], idx[n]) for n in order), decoding_batches, max_seqlen, max_kvlen,
-        data["cache"], data["scale"], data["attn_mask"],
+        *(arrays.kernel_index(data["cache"], x, idx[n]) for n, x in zip(order, given)), decoding_batches, max_seqlen,
+        max_kvlen, data["cache"], data["scale"], data["attn_mask"],
         alibi_slopes=alibi_slopes(num_heads) if is_alibi else None, cache_axes=DYNAMIC_LAYOUTS[cache_layout],
         threads=threads, rung=rung, **attrs, **cache_attrs)
