@@ -45,6 +45,8 @@ def main(argv=None) -> int:
     bench.add_argument("--repeat", type=int, default=20)
     bench.add_argument("--cpu", action="store_true", help="the NumPy references against onnx's evaluator instead")
     bench.add_argument("--tiny", action="store_true", help="the GPU harness in the simulator on tiny shapes")
+    bench.add_argument("--host", action="store_true", help="host time, launches and kernel parameters per decode "
+                       "call, launches recorded instead of run (CPU figures without a GPU)")
     bench.add_argument("--out", default=".", help="folder for bench.json and bench.md (default: here)")
     args = parser.parse_args(argv)
 
@@ -78,6 +80,10 @@ def main(argv=None) -> int:
     if args.command == "bench" and args.cpu:
         from .bench_cpu import bench_cpu
         return bench_cpu(repeat=args.repeat)
+    if args.command == "bench" and args.host:
+        from .bench_host import host_overhead
+        host_overhead(gpu=gpu_present(), repeat=args.repeat, out_dir=args.out)
+        return 0
     if args.command == "bench":
         from .bench import bench
         return bench(repeat=args.repeat, tiny=args.tiny, out_dir=args.out)
