@@ -53,3 +53,22 @@ def test_bench_host_counts_launches_parameters_and_device_reads(tmp_path):
         assert 0 < row["validation_us"] and 0 < row["host_us"]
     saved = json.loads((tmp_path / "host.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(rows)) and "CPU figures" in (tmp_path / "host.md").read_text()
+
+
+def test_flashinfer_peer_is_skipped_with_a_note_when_not_installed(monkeypatch):
+    """Without FlashInfer the decode rows record it as not measured and the table says so; prefill has no entry."""
+    import sys
+
+    from cacheattn.bench_gpu import GPU_CASES, flashinfer_peer, markdown_table
+
+    monkeypatch.setitem(sys.modules, "flashinfer", None)          # import fails as if not installed
+    decode, prefill = GPU_CASES[0], GPU_CASES[-1]
+    assert decode.new_tokens == 1 and prefill.new_tokens > 1
+    peer = flashinfer_peer(None, decode, repeat=1)
+    assert list(peer) == ["FlashInfer (not installed)"] and np.isnan(peer["FlashInfer (not installed)"])
+    assert flashinfer_peer(None, prefill, repeat=1) == {}
+    row = dict(label="decode", ms=1.0, host_ms=0.1, gb_per_s=1.0, bandwidth_share=0.5, tflops=1.0,
+               peers_ms={"plain CuPy": 2.0, **peer})
+    table = markdown_table({"device": {"device": "test"}, "copy_bandwidth_gb_per_s": 2.0, "fp16_matmul_tflops": 1.0,
+                            "repeat": 1, "rows": [row]})
+    assert "plain CuPy 2.000 (2.00x)" in table and table.rstrip().endswith("Not measured: FlashInfer (not installed).")
