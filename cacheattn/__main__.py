@@ -1,4 +1,4 @@
-"""python -m cacheattn {tour, docs, bench}.
+"""python -m cacheattn {tour, docs, conformance, bench, gpu-session}.
 
 Without a GPU the kernels run in numba's CUDA simulator; that has to be chosen before numba
 is imported, so this module decides it first and imports the rest afterwards.
@@ -45,8 +45,23 @@ def main(argv=None) -> int:
     bench.add_argument("--repeat", type=int, default=20)
     bench.add_argument("--cpu", action="store_true", help="the NumPy references against onnx's evaluator instead")
     bench.add_argument("--tiny", action="store_true", help="the GPU harness in the simulator on tiny shapes")
+    bench.add_argument("--host", action="store_true", help="host time, launches and kernel parameters per decode "
+                       "call, launches recorded instead of run (CPU figures without a GPU)")
     bench.add_argument("--out", default=".", help="folder for bench.json and bench.md (default: here)")
+    session = sub.add_parser("gpu-session", help="on a lent GPU: environment, GPU tests, bench, compute-sanitizer "
+                             "and kernel tests in one command, each under a time limit; a summary in --out")
+    session.add_argument("--out", default="gpu-session", help="folder for the summary, bench tables and logs")
+    session.add_argument("--steps", help="comma-separated subset, in the session's order (see --dry-run)")
+    session.add_argument("--budget-s", type=float, default=570, help="seconds for all steps (default 570: one "
+                         "10-minute device command)")
+    session.add_argument("--dry-run", action="store_true", help="list the steps and their commands; run nothing")
+    session.add_argument("--env", action="store_true", help="print the environment record (JSON) and stop")
     args = parser.parse_args(argv)
+
+    if args.command == "gpu-session":       # decides nothing about the simulator: its steps are processes
+        from .gpu_session import gpu_session
+        return gpu_session(args.out, steps=args.steps, budget_s=args.budget_s, dry_run=args.dry_run,
+                           env_only=args.env)
 
     if not gpu_present():
         os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
@@ -78,6 +93,10 @@ def main(argv=None) -> int:
     if args.command == "bench" and args.cpu:
         from .bench_cpu import bench_cpu
         return bench_cpu(repeat=args.repeat)
+    if args.command == "bench" and args.host:
+        from .bench_host import host_overhead
+        host_overhead(gpu=gpu_present(), repeat=args.repeat, out_dir=args.out)
+        return 0
     if args.command == "bench":
         from .bench import bench
         return bench(repeat=args.repeat, tiny=args.tiny, out_dir=args.out)

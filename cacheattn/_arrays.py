@@ -86,6 +86,17 @@ def index_array(name: str, x) -> np.ndarray:
     return host.astype(np.int64)
 
 
+def kernel_index(like, given, host: np.ndarray):
+    """The index tensor the kernels read: the caller's own device array when it already is C-contiguous int64
+    (validation has read exactly these values, so no upload is needed), else the validated host copy `host`
+    moved to `like`'s kind."""
+    if not isinstance(like, np.ndarray) and is_device_array(given) and np.dtype(given.dtype) == np.int64:
+        flags = getattr(given, "flags", None)
+        if flags is None or flags["C_CONTIGUOUS"]:
+            return as_kernel_array(given)
+    return to_kind(like, host)
+
+
 def copy_into(dst, host_src) -> None:
     """Write a host result back into a caller's in-out tensor of any kind (cache, scale)."""
     if isinstance(dst, np.ndarray):

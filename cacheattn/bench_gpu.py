@@ -243,12 +243,41 @@ def _peers(device: Device, case: BenchCase, host: dict, repeat: int, threads: in
     causal = new > 1
     peers["torch SDPA (enable_gqa)"] = device.median_ms(
         [lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal, enable_gqa=True)], repeat)
-    try:
-        import flashinfer  # noqa: F401
-        peers["FlashInfer"] = float("nan")     # installed: its paged-decode wrapper is the next peer to wire in
-    except ImportError:
-        pass
+    peers.update(flashinfer_peer(device, case, repeat))
     return peers
+
+
+def flashinfer_peer(device: Device, case: BenchCase, repeat: int) -> dict:
+    """FlashInfer's paged GQA decode on the same problem: {"FlashInfer": median ms}. Its own page layout
+    ("NHD": (pages, 2, page_size, kv_heads, head_dim) float16, shuffled pages, the case's page size) through
+    `BatchDecodeWithPagedKVCacheWrapper` (plan once, then run; begin_forward / forward in versions before 0.2).
+    Not installed, or failing: {"FlashInfer (why)": NaN}, which the table lists as not measured.
+    Decode cases only: the wrapper is FlashInfer's decode path."""
+    if case.new_tokens != 1:
+        return {}
+    try:
+        import flashinfer
+        import torch
+    except ImportError:
+        return {"FlashInfer (not installed)": float("nan")}
+    batch, total, page = case.batch, case.context + 1, case.page_size
+    pages_per_request = -(-total // page)
+    pages = batch * pages_per_request
+    cuda = dict(device="cuda")
+    try:
+        kv = torch.randn(pages, 2, page, case.num_kv_heads, case.head_dim, dtype=torch.float16, **cuda)
+        q = torch.randn(batch, case.num_heads, case.head_dim, dtype=torch.float16, **cuda)
+        indptr = torch.arange(batch + 1, dtype=torch.int32, **cuda) * pages_per_request
+        indices = torch.randperm(pages, **cuda).to(torch.int32)
+        last_page_len = torch.full((batch,), total - (pages_per_request - 1) * page, dtype=torch.int32, **cuda)
+        workspace = torch.empty(128 << 20, dtype=torch.uint8, **cuda)
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+        plan = getattr(wrapper, "plan", None) or wrapper.begin_forward
+        plan(indptr, indices, last_page_len, case.num_heads, case.num_kv_heads, case.head_dim, page)
+        run = getattr(wrapper, "run", None) or wrapper.forward
+        return {"FlashInfer": device.median_ms([lambda: run(q, kv)], repeat)}
+    except Exception as exc:          # a JIT build or an unsupported shape: the table says so, the run goes on
+        return {f"FlashInfer (failed: {type(exc).__name__})": float("nan")}
 
 
 def _unfused(x: dict, case: PPLCase, threads: int):
@@ -306,4 +335,10 @@ def markdown_table(result: dict) -> str:
                           if not math.isnan(ms)) or "-"
         lines.append(f"| {r['label']} | {r['ms']:.3f} | {r['host_ms']:.3f} | {r['gb_per_s']:.1f} | "
                      f"{100 * r['bandwidth_share']:.1f} | {r['tflops']:.2f} | {peers} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _unmeasured_peers(result["rows"])) + "\n"
+
+
+def _unmeasured_peers(rows: list) -> list:
+    """A note under the table for each peer recorded as NaN (not installed, or failed), once."""
+    names = dict.fromkeys(name for r in rows for name, ms in r["peers_ms"].items() if math.isnan(ms))
+    return ["", "Not measured: " + ", ".join(names) + "."] if names else []

@@ -162,5 +162,5 @@ def onnx_attention(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonp
     data = {name: arrays.as_kernel_array(x) for name, x in data.items()}
     return AttentionOutputs(*arrays.kernels().onnx_attention(
         data["Q"], data["K"], data["V"], data["attn_mask"], data["past_key"], data["past_value"],
-        None if nonpad is None else arrays.to_kind(data["Q"], nonpad),
+        None if nonpad is None else arrays.kernel_index(data["Q"], nonpad_kv_seqlen, nonpad),
         return_qk_matmul_output=return_qk_matmul_output, threads=threads, **attrs))

@@ -132,13 +132,13 @@ def _check_cachestarts(cachestarts, kvlens, max_t, *, cache_mode, page_size):
     if cachestarts.shape[1] < pages_needed.max():
         raise ValueError(f"cachestarts: expected MaxP >= {pages_needed.max()} pages of page_size {page_size} for "
                          f"max kvlen {kvlens.max()}, got MaxP = {cachestarts.shape[1]}")
-    for b in range(batch):
-        used = cachestarts[b, :pages_needed[b]]
-        bad = np.nonzero((used < 0) | (used + page_size > max_t))[0]
-        if bad.size:
-            p = int(bad[0])
-            raise ValueError(f"cachestarts: expected every used page [start, start + page_size) inside MaxT = "
-                             f"{max_t}; cachestarts[{b}, {p}] = {used[p]} with page_size {page_size}")
+    # One pass over the whole table (a decode batch of 64 is 64 Python iterations otherwise).
+    used = np.arange(cachestarts.shape[1]) < pages_needed[:, None]
+    bad = np.argwhere(used & ((cachestarts < 0) | (cachestarts + page_size > max_t)))
+    if bad.size:
+        b, p = (int(i) for i in bad[0])
+        raise ValueError(f"cachestarts: expected every used page [start, start + page_size) inside MaxT = "
+                         f"{max_t}; cachestarts[{b}, {p}] = {cachestarts[b, p]} with page_size {page_size}")
 
 
 def _check_attention_attrs(num_heads, head_dim, num_kv_heads, is_causal, is_alibi):
@@ -278,10 +278,12 @@ def dynamic_key_value_cache(current_key, current_value, seqstarts, kvstarts, cac
             h["scale"], num_repeat=num_repeat, **attrs)))
     data = {name: arrays.as_kernel_array(x) for name, x in data.items()}
     del attrs["num_layer"], attrs["cache_layout"]
+    given = (seqstarts, kvstarts, cachestarts, start_pos)         # in `order`
     return KeyValue(*arrays.kernels().dynamic_key_value_cache(
-        data["current_key"], data["current_value"], *(arrays.to_kind(data["cache"], idx[n]) for n in order), max_seqlen,
-        max_kvlen, data["cache"], data["scale"], num_repeat=num_repeat, cache_axes=DYNAMIC_LAYOUTS[cache_layout],
-        threads=threads, **attrs))
+        data["current_key"], data["current_value"],
+        *(arrays.kernel_index(data["cache"], x, idx[n]) for n, x in zip(order, given)), max_seqlen, max_kvlen,
+        data["cache"], data["scale"], total_kv=int(idx["kvstarts"][-1]), num_repeat=num_repeat,
+        cache_axes=DYNAMIC_LAYOUTS[cache_layout], threads=threads, **attrs))
 
 
 @arrays.accepts_torch
@@ -320,8 +322,8 @@ def dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decodin
             is_alibi=bool(is_alibi), **attrs))
     data = {name: arrays.as_kernel_array(x) for name, x in data.items()}
     return arrays.kernels().dynamic_multi_head_attention(
-        data["query"], data["key"], data["value"], arrays.to_kind(data["query"], seqs),
-        arrays.to_kind(data["query"], kvs), decoding_batches, max_seqlen, max_kvlen, data["attn_mask"],
+        data["query"], data["key"], data["value"], arrays.kernel_index(data["query"], seqstarts, seqs),
+        arrays.kernel_index(data["query"], kvstarts, kvs), decoding_batches, max_seqlen, max_kvlen, data["attn_mask"],
         alibi_slopes=alibi_slopes(num_heads) if is_alibi else None, threads=threads, rung=rung, **attrs)
 
 
@@ -367,9 +369,10 @@ def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvs
             **cache_attrs))
     data = {name: arrays.as_kernel_array(x) for name, x in data.items()}
     del cache_attrs["num_layer"], cache_attrs["cache_layout"]
+    given = (seqstarts, kvstarts, cachestarts, start_pos)         # in `order`
     return arrays.kernels().multi_head_cache_attention(
         data["query"], data["current_key"], data["current_value"],
-        *(arrays.to_kind(data["cache"], idx[n]) for n in order), decoding_batches, max_seqlen, max_kvlen,
-        data["cache"], data["scale"], data["attn_mask"],
+        *(arrays.kernel_index(data["cache"], x, idx[n]) for n, x in zip(order, given)), decoding_batches, max_seqlen,
+        max_kvlen, data["cache"], data["scale"], data["attn_mask"],
         alibi_slopes=alibi_slopes(num_heads) if is_alibi else None, cache_axes=DYNAMIC_LAYOUTS[cache_layout],
         threads=threads, rung=rung, **attrs, **cache_attrs)

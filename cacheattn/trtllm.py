@@ -135,7 +135,10 @@ def validate(a: dict) -> dict:
         # spec: trtllm/padded-qkv-shape
         check_shape("qkv", qkv, (None, None, hidden),
                     "(batch_beam, max_seqlen, (num_heads + 2 num_kv_heads) hidden_size_per_head)")
-    E, is_context, past, lengths = _check_requests(a, qkv, packed, hidden)
+    per_entry = _check_requests(a, qkv, packed, hidden)
+    E = per_entry["host_request_types"].shape[0]
+    is_context = per_entry["host_request_types"] == 0
+    past, lengths = per_entry["host_past_key_value_lengths"], per_entry["sequence_length"]
 
     # Enums and scalar attributes.
     mask_type = _enum("mask_type", a["mask_type"], AttentionMaskType, MASK_TYPES)
@@ -174,7 +177,7 @@ def validate(a: dict) -> dict:
         if not is_context.all() or past.any():
             raise ValueError("use_cache: without a cache every request is a whole context (no past, no "
                              "generation)")
-        out.update(_host_lengths_and_cache(a, E, None, None, None, False))
+        out.update(_host_lengths_and_cache(a, per_entry, E, None, None, False))
         return _cross(a, out, qkv, is_context, E, Hkv, Dh, pos_type, lengths, None)
 
     ci = arrays.index_array("cache_indirection", a["cache_indirection"])
@@ -205,13 +208,14 @@ def validate(a: dict) -> dict:
         slots_needed = int(enc.max())
     else:
         slots_needed = int(ref.cyclic_slot(np.arange(min(longest, window)), window, sinks, bubble).max()) + 1
-    out.update(_host_lengths_and_cache(a, E, ci, slots_needed, (Hkv, Dh, quant), bool(a["paged_kv_cache"])))
+    out.update(_host_lengths_and_cache(a, per_entry, E, slots_needed, (Hkv, Dh, quant), bool(a["paged_kv_cache"])))
     out.update(cache_indirection=ci, host_max_attention_window_sizes=windows, host_sink_token_length=sinks_host)
     return _cross(a, out, qkv, is_context, E, Hkv, Dh, pos_type, lengths, enc)
 
 
 def _check_requests(a, qkv, packed, hidden):
-    """Per-entry tensors and the request order: (entries, is_context, past, sequence_length)."""
+    """Per-entry tensors and the request order. Returns the host int64 copies {name: (E,)} of sequence_length,
+    host_past_key_value_lengths, context_lengths and host_request_types: each is read from the device once."""
     types = _per_entry("host_request_types", a["host_request_types"], None)
     E = types.shape[0]
     if E < 1:
@@ -252,7 +256,8 @@ def _check_requests(a, qkv, packed, hidden):
         raise ValueError(f"qkv: expected padded shape ({E}, >= {int(new.max())}, {hidden}), got {tuple(qkv.shape)}")
     if a.get("max_context_length") is not None:
         check_int("max_context_length", a["max_context_length"], low=int(new[is_context].max(initial=1)))
-    return E, is_context, past, lengths
+    return {"sequence_length": lengths, "host_past_key_value_lengths": past, "context_lengths": ctx_len,
+            "host_request_types": types}
 
 
 def _check_scalars_and_quantization(a, out, qkv, hidden):
@@ -362,11 +367,10 @@ def _cache_dtype_ok(name, x, qkv, quant):
         raise TypeError(f"{name}: expected dtype {want.name} for kv_cache_quant_mode {quant}, got {dtype_of(x).name}")
 
 
-def _host_lengths_and_cache(a, E, ci, slots, cache_dims, paged):
-    """Host int64 copies of the per-entry tensors (and the block table); the cache tensors are checked against
-    the slots the call reads or writes."""
-    host = {name: arrays.index_array(name, a[name]) for name in
-            ("sequence_length", "host_past_key_value_lengths", "context_lengths", "host_request_types")}
+def _host_lengths_and_cache(a, per_entry, E, slots, cache_dims, paged):
+    """The per-entry host copies (per_entry, from _check_requests) and the block table's; the cache tensors are
+    checked against the slots the call reads or writes."""
+    host = dict(per_entry)
     if cache_dims is None:
         return host
     Hkv, Dh, quant = cache_dims

@@ -18,6 +18,7 @@ OFFSET_PAGE = 1 << 62
 
 _poison = None          # fill value for new outputs, set by poisoned_outputs()
 _recorder = None        # list that launch() appends to instead of launching, set by recorded_launches()
+_guards = None          # (guard bytes, list of guarded allocations), set by guarded_outputs()
 
 
 @contextmanager
@@ -43,6 +44,45 @@ def recorded_launches():
         _recorder = previous
 
 
+def guard_byte(dtype) -> int:
+    """The byte a guard band is filled with: all ones (a NaN) for floats, so a kernel that reads a guard
+    computes NaN; 0xA5 for integers and bools, a value no index or code of the tests lands on whole."""
+    return 0xFF if np.dtype(dtype).kind in "fc" else 0xA5
+
+
+def guarded(xp, size: int, dtype, guard_bytes: int):
+    """(allocation, view): a 1-D xp array of `size` elements in the middle of an allocation with guard_bytes
+    filled with guard_byte(dtype) before and after it. The view starts guard_bytes in, so a guard band of a
+    multiple of 256 bytes keeps the allocator's alignment."""
+    dtype = np.dtype(dtype)
+    pad = -(-guard_bytes // dtype.itemsize)
+    allocation = xp.empty(size + 2 * pad, dtype)
+    allocation.view(np.uint8)[...] = guard_byte(dtype)
+    return allocation, allocation[pad:pad + size]
+
+
+def guards_intact(allocation, view) -> bool:
+    """Are the bytes of `allocation` outside `view` (made by `guarded`) all still the guard byte?"""
+    pad = (allocation.size - view.size) // 2
+    raw = allocation.view(np.uint8)
+    edge = pad * allocation.dtype.itemsize
+    untouched = raw[:edge] == guard_byte(allocation.dtype), raw[raw.size - edge:] == guard_byte(allocation.dtype)
+    return bool(untouched[0].all()) and bool(untouched[1].all())
+
+
+@contextmanager
+def guarded_outputs(guard_bytes: int = 4096):
+    """Every buffer a launcher allocates (outputs and scratch) is a view into the middle of a larger allocation
+    whose guard bands hold guard_byte; yields the list of (allocation, view) for checking with guards_intact
+    after the call. NumPy (simulator) and CuPy buffers only."""
+    global _guards
+    previous, _guards = _guards, (guard_bytes, [])
+    try:
+        yield _guards[1]
+    finally:
+        _guards = previous
+
+
 def launch(kernel, grid, threads, stream, *args):
     """kernel[grid, threads, stream](*args), or record it (see recorded_launches)."""
     if _recorder is not None:
@@ -57,7 +97,9 @@ def is_host(array) -> bool:
 
 def empty_like_kind(like, shape, dtype):
     """An uninitialised array of `like`'s kind: NumPy for NumPy (simulator), else CuPy or a numba device array."""
-    if is_host(like):
+    if _guards is not None:
+        out = _guarded_output(like, shape, dtype)
+    elif is_host(like):
         out = np.empty(shape, dtype)
     else:
         try:
@@ -68,6 +110,17 @@ def empty_like_kind(like, shape, dtype):
     if _poison is not None:
         out[...] = _poison
     return out
+
+
+def _guarded_output(like, shape, dtype):
+    """empty_like_kind under guarded_outputs: the view into a guarded allocation, which is recorded."""
+    if is_host(like):
+        xp = np
+    else:
+        import cupy as xp
+    allocation, view = guarded(xp, int(np.prod(shape, dtype=np.int64)), dtype, _guards[0])
+    _guards[1].append((allocation, view))
+    return view.reshape(shape)
 
 
 def to_kind(like, host_array):

@@ -53,11 +53,11 @@ def store_current(current_key, current_value, seqstarts, start_pos, max_seqlen, 
                                   key_dst, value_dst)
 
 
-def gather(key_src, value_src, kvstarts, max_kvlen, num_heads, head_dim, num_repeat, like_dtype, like, *,
+def gather(key_src, value_src, kvstarts, rows, max_kvlen, num_heads, head_dim, num_repeat, like_dtype, like, *,
            quant_bit, quant_group, scale_dtype, threads, stream):
-    """Launch the gather kernel: packed (kvstarts[B], H * num_repeat, Dh) key and value."""
+    """Launch the gather kernel: packed (rows = kvstarts[B], H * num_repeat, Dh) key and value. rows comes from
+    the host: reading kvstarts[B] off a device array would stall the host until the stream drains."""
     batch = kvstarts.shape[0] - 1
-    rows = int(kvstarts[-1])
     key = empty_like_kind(like, (rows, num_heads * num_repeat, head_dim), like_dtype)
     value = empty_like_kind(like, (rows, num_heads * num_repeat, head_dim), like_dtype)
     kernel = _gather_kernel(quant_bit, quant_group, head_dim, scale_dtype.str, np.dtype(like_dtype).str)
@@ -67,9 +67,9 @@ def gather(key_src, value_src, kvstarts, max_kvlen, num_heads, head_dim, num_rep
 
 
 def dynamic_key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,
-                            max_seqlen, max_kvlen, cache, scale=None, *, layer_idx=0, quant_bit=0, quant_group=8,
-                            num_repeat=1, cache_mode=0, cache_axes, page_size=128, threads=128):
-    """(key, value), each (kvstarts[B], H * num_repeat, Dh). Inputs are validated by `cacheattn`."""
+                            max_seqlen, max_kvlen, cache, scale=None, *, total_kv, layer_idx=0, quant_bit=0,
+                            quant_group=8, num_repeat=1, cache_mode=0, cache_axes, page_size=128, threads=128):
+    """(key, value), each (total_kv = kvstarts[B], H * num_repeat, Dh). Inputs are validated by `cacheattn`."""
     stream = caller_stream(current_key, cache)
     starts, page = page_table(cachestarts, cache_mode, page_size)
     key_src, value_src = cache_sources(cache, scale, starts, page, cache_axes, layer_idx)
@@ -78,5 +78,5 @@ def dynamic_key_value_cache(current_key, current_value, seqstarts, kvstarts, cac
                   stream=stream)
     store_current(current_key, current_value, seqstarts, start_pos, max_seqlen, key_src, value_src, **common)
     _, num_heads, head_dim = current_key.shape
-    return gather(key_src, value_src, kvstarts, max_kvlen, num_heads, head_dim, num_repeat, current_key.dtype,
-                  current_key, **common)
+    return gather(key_src, value_src, kvstarts, total_kv, max_kvlen, num_heads, head_dim, num_repeat,
+                  current_key.dtype, current_key, **common)

@@ -31,7 +31,7 @@ def key_value_cache(current_key, current_value, start_pos: int, cache, scale=Non
     packed = (batch * seqlen, num_heads, head_dim)                 # (B*S, H, Dh): batch b is rows b*S..b*S+S-1
     store_current(current_key.reshape(packed), current_value.reshape(packed), seqstarts, start_positions, seqlen,
                   key_src, value_src, **common)
-    key, value = gather(key_src, value_src, kvstarts, kvlen, num_heads, head_dim, num_repeat, current_key.dtype,
-                        current_key, **common)
+    key, value = gather(key_src, value_src, kvstarts, batch * kvlen, kvlen, num_heads, head_dim, num_repeat,
+                        current_key.dtype, current_key, **common)
     shape = (batch, kvlen, num_heads * num_repeat, head_dim)
     return key.reshape(shape), value.reshape(shape)

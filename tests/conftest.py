@@ -8,6 +8,13 @@ import os
 GPU = os.environ.get("CACHEATTN_TEST_GPU") == "1"
 if not GPU:
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+elif os.environ.get("CACHEATTN_CUPY_POOL") == "0":
+    # Under compute-sanitizer (python -m cacheattn gpu-session): every array its own cudaMalloc, so memcheck
+    # sees each one's bounds; the pool would hand out pieces of larger blocks.
+    import cupy
+
+    cupy.cuda.set_allocator(None)
+    cupy.cuda.set_pinned_memory_allocator(None)
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -1,5 +1,7 @@
 """`python -m cacheattn bench` runs where there is no GPU: it says so and times the reference instead."""
 
+import numpy as np
+
 from cacheattn.bench import bench
 
 
@@ -33,3 +35,40 @@ def test_gpu_harness_runs_tiny_in_the_simulator(tmp_path):
         assert set(row["peers_ms"]) == {"unfused (KeyValueCache + MultiHeadAttention)", "reference (NumPy)"}
     table = (tmp_path / "bench.md").read_text()
     assert "| case | ms |" in table and all(c.label in table for c in TINY_CASES)
+
+
+def test_bench_host_counts_launches_parameters_and_device_reads(tmp_path):
+    """`bench --host` on small decode calls: every operator launches, numba's flattened parameters are counted, and
+    the device index tensors are read back exactly once each (gpt_attention used to read two of them twice)."""
+    import json
+
+    from cacheattn.bench_host import host_cases, host_overhead, kernel_parameters
+
+    assert kernel_parameters((np.zeros((2, 3)), np.int64(1), 2.0)) == 5 + 2 * 2 + 1 + 1
+    rows = host_overhead(repeat=2, batch=2, context=8, out_dir=tmp_path, report=lambda *_: None)
+    assert [r["label"] for r in rows] == [c.label for c in host_cases(2, 8)]
+    for row, case in zip(rows, host_cases(2, 8)):
+        assert row["launches"] == len(row["kernels"]) >= 2 and row["parameters"] > 40 * row["launches"]
+        assert row["device_reads"] == len(case.device_index)
+        assert 0 < row["validation_us"] and 0 < row["host_us"]
+    saved = json.loads((tmp_path / "host.json").read_text())
+    assert saved["rows"] == json.loads(json.dumps(rows)) and "CPU figures" in (tmp_path / "host.md").read_text()
+
+
+def test_flashinfer_peer_is_skipped_with_a_note_when_not_installed(monkeypatch):
+    """Without FlashInfer the decode rows record it as not measured and the table says so; prefill has no entry."""
+    import sys
+
+    from cacheattn.bench_gpu import GPU_CASES, flashinfer_peer, markdown_table
+
+    monkeypatch.setitem(sys.modules, "flashinfer", None)          # import fails as if not installed
+    decode, prefill = GPU_CASES[0], GPU_CASES[-1]
+    assert decode.new_tokens == 1 and prefill.new_tokens > 1
+    peer = flashinfer_peer(None, decode, repeat=1)
+    assert list(peer) == ["FlashInfer (not installed)"] and np.isnan(peer["FlashInfer (not installed)"])
+    assert flashinfer_peer(None, prefill, repeat=1) == {}
+    row = dict(label="decode", ms=1.0, host_ms=0.1, gb_per_s=1.0, bandwidth_share=0.5, tflops=1.0,
+               peers_ms={"plain CuPy": 2.0, **peer})
+    table = markdown_table({"device": {"device": "test"}, "copy_bandwidth_gb_per_s": 2.0, "fp16_matmul_tflops": 1.0,
+                            "repeat": 1, "rows": [row]})
+    assert "plain CuPy 2.000 (2.00x)" in table and table.rstrip().endswith("Not measured: FlashInfer (not installed).")

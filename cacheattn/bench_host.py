@@ -1,0 +1,217 @@
+"""python -m cacheattn bench --host: what one decode call costs the host, before any kernel runs.
+
+A decode step launches a few kernels that each run for tens of microseconds, so the host work around them
+(validation, argument preparation, numba's launch) can decide the step time. For each operator at decode
+shapes this measures, with every launch recorded instead of run (`_launch.recorded_launches`):
+
+  - host time per call (median): validation + argument preparation; and of that, validation alone (the
+    launcher swapped for a stub);
+  - launches per call, and the kernel parameters after numba flattens the arguments: an array becomes
+    5 + 2 * ndim parameters (meminfo, parent, size, itemsize, data pointer, shape, strides), a tuple its
+    members', a scalar one; numba-cuda's launch cost grows with that count;
+  - device reads per call: tensors validation copies back to the host. On a GPU each one waits for the
+    stream to drain (a host sync). The index tensors a server holds on the device are passed as device
+    arrays here (as CuPy on a GPU; on the CPU as a NumPy array that presents itself as a device array, so
+    the reads are counted the same way).
+
+`HOST_READS` lists every place the package reads device data back, found by reading the code; the table's
+counts are the ones these calls make. Without a GPU the figures are CPU figures of the same host code
+(NumPy arrays, simulator mode): they show where the host time goes, not what a GPU machine's host takes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+
+import cacheattn
+
+from . import _arrays
+from .bench import _decode_case
+from .examples import OnnxCase, TrtCase, build_onnx, build_ppl, build_trt
+
+
+@dataclass(frozen=True)
+class HostRead:
+    """One place that copies device data to the host (a sync on a GPU)."""
+    where: str
+    reads: str
+    why: str
+    status: str
+
+
+HOST_READS = (
+    HostRead("cacheattn/ppl.py `_dynamic_cache_checks` (MultiHeadCacheAttention, dynamic KeyValueCache)",
+             "seqstarts, kvstarts, cachestarts, start_pos",
+             "proves every cache slot the kernels follow lies inside MaxT; the grids need the max lengths",
+             "kept; none when the caller passes them as NumPy arrays"),
+    HostRead("cacheattn/ppl.py `dynamic_multi_head_attention`", "seqstarts, kvstarts",
+             "lengths against query/key rows, max_seqlen / max_kvlen", "kept; none for NumPy index tensors"),
+    HostRead("cacheattn/ppl.py `key_value_cache`", "start_pos when given as a tensor",
+             "start_pos + S must fit MaxS", "kept; none when start_pos is an int"),
+    HostRead("kernels_numba/ppl_dynamic_key_value_cache.py `gather`", "kvstarts[B] (the output's row count)",
+             "sized the packed key/value outputs", "removed: the row count comes from validation's host copy "
+             "(the static KeyValueCache read back its own upload)"),
+    HostRead("cacheattn/onnx.py `validate`", "nonpad_kv_seqlen", "values in [0, kv_sequence_length]",
+             "kept; none for a NumPy tensor (decode with past_key has none)"),
+    HostRead("cacheattn/trtllm.py `validate`", "sequence_length, context_lengths, cache_indirection, "
+             "kv_cache_block_offsets (device tensors in TensorRT-LLM)",
+             "every slot and block the kernels follow inside the cache; the launcher plans its grid and "
+             "entry table from them on the host", "kept; none for NumPy tensors"),
+    HostRead("cacheattn/trtllm.py `validate`", "host_past_key_value_lengths, host_request_types, "
+             "host_max_attention_window_sizes, host_sink_token_length, host_context_lengths, "
+             "host_kv_cache_block_offsets", "as above", "host tensors in TensorRT-LLM: no read when NumPy"),
+    HostRead("cacheattn/trtllm.py `_positive_scale`, rotary check", "kv_orig_quant_scale, kv_quant_orig_scale, "
+             "rotary_inv_freq", "scales finite and > 0 (the kernels take them as scalars)",
+             "kept; none when the scales are floats or NumPy"),
+    HostRead("cacheattn/ft.py `cross_attention`", "encoder_sequence_length, finished, ia3_tasks",
+             "lengths within mem_len, task ids within num_tasks", "kept; none for NumPy tensors"),
+)
+
+
+class DeviceIndex(np.ndarray):
+    """A NumPy array that presents itself as a device array: validation copies it back through `get()` as it
+    would a CuPy one, so the host benchmark counts the same reads without a GPU."""
+
+    @property
+    def __cuda_array_interface__(self):
+        return self.__array_interface__
+
+    def get(self):
+        return np.asarray(self).copy()
+
+
+@dataclass(frozen=True)
+class HostCase:
+    label: str
+    operator: str
+    arguments: dict                # keyword arguments of cacheattn.<operator>, NumPy
+    device_index: tuple            # index tensors a server keeps on the device
+
+
+def host_cases(batch: int = 64, context: int = 256) -> tuple[HostCase, ...]:
+    """Decode calls of the three serving operators: 32/8 heads, head_dim 128, float16, `batch` requests with
+    `context` cached tokens each (the host path does not depend on the context length, only on the batch)."""
+    ppl = _decode_case(batch, (context - 1,) * batch, 0)
+    onnx = OnnxCase(batch=batch, q_heads=32, kv_heads=8, q_len=1, kv_len=1, past_len=context - 1, head_size=128,
+                    v_head_size=128, three_d=False, dtype="float16", mask="none", mask_shape=(), is_causal=0,
+                    nonpad=None, softcap=0.0, scale=None, left_window_size=-1, right_window_size=-1,
+                    qk_matmul_output_mode=0, seed=0)
+    trt = TrtCase(contexts=(), generations=((context // 2, context - 1),) * batch, beam_width=1, num_heads=32,
+                  num_kv_heads=8, head_size=128, dtype="float16", capacity=context, window=context, paged=True,
+                  tokens_per_block=64)
+    return (
+        HostCase(f"PPL MultiHeadCacheAttention paged decode B{batch}", "multi_head_cache_attention",
+                 {**build_ppl(ppl), **ppl.attrs()}, ("seqstarts", "kvstarts", "cachestarts", "start_pos")),
+        HostCase(f"ONNX Attention decode with past B{batch}", "onnx_attention",
+                 {**build_onnx(onnx), **onnx.attrs()}, ()),
+        HostCase(f"gpt_attention paged generation B{batch}", "gpt_attention", build_trt(trt),
+                 ("sequence_length", "context_lengths", "cache_indirection", "kv_cache_block_offsets")),
+    )
+
+
+def kernel_parameters(arg) -> int:
+    """How many parameters numba-cuda passes for one kernel argument (see its dispatcher's _prepare_args)."""
+    if isinstance(arg, tuple):
+        return sum(kernel_parameters(a) for a in arg)
+    if isinstance(arg, np.generic):
+        return 2 if np.iscomplexobj(arg) else 1
+    if isinstance(arg, np.ndarray) or hasattr(arg, "__cuda_array_interface__"):
+        return 5 + 2 * len(arg.shape)
+    return 1
+
+
+def _kernel_name(kernel) -> str:
+    return getattr(getattr(kernel, "py_func", kernel), "__name__", type(kernel).__name__)
+
+
+class _NoKernels:
+    """Stands in for kernels_numba when only validation is timed: every launcher returns four Nones at once."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: (None,) * 4
+
+
+def _on_device(case: HostCase, gpu: bool) -> dict:
+    """The case's arguments as a server would pass them: data and device index tensors on the device."""
+    data = {k: v for k, v in case.arguments.items() if isinstance(v, np.ndarray)}
+    if gpu:
+        import cupy
+        # Everything but TensorRT-LLM's host_* tensors: the data, and the index tensors in case.device_index.
+        moved = {k: cupy.asarray(v) for k, v in data.items() if not k.startswith("host_")}
+    else:
+        moved = {k: np.ascontiguousarray(data[k]).view(DeviceIndex) for k in case.device_index}
+    return {**case.arguments, **moved}
+
+
+def measure(case: HostCase, *, gpu: bool, repeat: int) -> dict:
+    """Host figures of one case (module docstring): times in microseconds."""
+    from kernels_numba import _launch
+
+    operator = getattr(cacheattn, case.operator)
+    arguments = _on_device(case, gpu)
+
+    def call():
+        return operator(**arguments, backend="numba")
+
+    reads = [0]
+    to_host = _arrays.to_host
+
+    def counting_to_host(x):
+        reads[0] += _arrays.is_device_array(x)
+        return to_host(x)
+
+    def median_us(fn) -> float:
+        fn()                                            # warm-up: kernel factories, dispatch caches
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return float(np.median(times)) * 1e6
+
+    with _launch.recorded_launches() as launches:
+        with mock.patch.object(_arrays, "to_host", counting_to_host):
+            call()
+        one_call = list(launches)
+        total = median_us(call)
+    with mock.patch.object(_arrays, "kernels", _NoKernels):
+        validation = median_us(call)
+    return dict(label=case.label, host_us=total, validation_us=validation, launches=len(one_call),
+                kernels=[(_kernel_name(kernel), sum(kernel_parameters(a) for a in args)) for kernel, args in one_call],
+                parameters=sum(kernel_parameters(a) for _, args in one_call for a in args), device_reads=reads[0])
+
+
+def markdown(rows: list, where: str) -> str:
+    lines = [f"Host time per decode call, launches recorded instead of run ({where}).", "",
+             "| call | host µs | of which validation µs | launches | kernel parameters (per launch) | "
+             "device reads |", "|---|---:|---:|---:|---|---:|"]
+    for r in rows:
+        per_launch = ", ".join(f"{name} {n}" for name, n in r["kernels"])
+        lines.append(f"| {r['label']} | {r['host_us']:.0f} | {r['validation_us']:.0f} | {r['launches']} | "
+                     f"{r['parameters']} ({per_launch}) | {r['device_reads']} |")
+    lines += ["", "Where device data comes back to the host (a sync on a GPU):", "",
+              "| where | reads | why | status |", "|---|---|---|---|"]
+    lines += [f"| {h.where} | {h.reads} | {h.why} | {h.status} |" for h in HOST_READS]
+    return "\n".join(lines) + "\n"
+
+
+def host_overhead(*, gpu: bool = False, repeat: int = 30, batch: int = 64, context: int = 256,
+                  out_dir: Path | str | None = None, report=print) -> list:
+    """Measure every host case; write host.json and host.md into out_dir (if given); return the rows."""
+    rows = [measure(case, gpu=gpu, repeat=repeat) for case in host_cases(batch, context)]
+    where = "GPU machine's host, CuPy arrays" if gpu else "CPU figures: NumPy arrays, no GPU"
+    table = markdown(rows, where)
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "host.json").write_text(json.dumps({"where": where, "rows": rows,
+                                                   "host_reads": [asdict(h) for h in HOST_READS]}, indent=2) + "\n")
+        (out / "host.md").write_text(table)
+    report(table)
+    return rows
