@@ -47,11 +47,14 @@ from pathlib import Path
 BUDGET_S = 570              # one device command may run 600 s
 RESERVE_S = 15              # kept back for the summary and the log archive
 SANITIZERS = ("memcheck", "racecheck", "initcheck", "synccheck")
-# What the sanitizers run: the GPU-marked tests (a handful of small calls of every operator).
-SANITIZED_TESTS = ("-m", "gpu", "tests/test_gpu.py", "tests/test_ppl_kernels.py", "tests/test_ft_properties.py",
-                   "tests/test_torch.py")
+# What the sanitizers run: the GPU-marked tests (a handful of small calls of every operator) and the guard-band
+# test, whose drawn calls reach every operator's kernels with arrays that end exactly where a bad index would land.
+SANITIZED_TESTS = ("tests/test_gpu.py", "tests/test_guard_bands.py",
+                   "tests/test_ppl_kernels.py::test_cupy_arrays_dispatch_to_kernels_and_come_back_as_cupy",
+                   "tests/test_ft_properties.py::test_cupy_in_cupy_out_on_the_callers_stream",
+                   "tests/test_torch.py::test_multi_head_cache_attention_cuda_tensors_run_the_kernels_in_place")
 KERNEL_TESTS = ("tests/test_ppl_kernels.py", "tests/test_onnx_properties.py", "tests/test_ft_properties.py",
-                "tests/test_guard_bands.py")
+                "tests/test_trtllm_kernels.py", "tests/test_guard_bands.py")
 PACKAGES = ("numpy", "numba", "numba-cuda", "cupy-cuda13x", "cupy-cuda12x", "cupy", "torch", "flashinfer-python",
             "flashinfer", "hypothesis", "pytest", "onnx", "onnxruntime")
 
