@@ -60,6 +60,8 @@ BAD_MHCA = [
     ("decoding_batches < 0", set_(decoding_batches=-1), ValueError, "decoding_batches", BASE),
     ("rung 3", set_(rung=3), ValueError, "rung", BASE),
     ("rung 2 with a partial warp", set_(rung=2, threads=48), ValueError, "threads", BASE),
+    ("rung 5 with a partial warp", set_(rung=5, threads=48), ValueError, "threads", BASE),
+    ("rung 5 with a float32 query", set_(rung=5), ValueError, "rung", with_(BASE, dtype="float32")),
     ("threads 0", set_(threads=0), ValueError, "threads", BASE),
     ("page outside MaxT", set_(cachestarts=lambda x: np.where(x["cachestarts"] == x["cachestarts"].max(),
                                                               10**6, x["cachestarts"])), ValueError, "cachestarts",
