@@ -152,24 +152,26 @@ else:
 
         return sig, codegen
 
-    @cuda.jit(device=True, inline="always")
+    # Plain device functions: NVVM inlines them (the kernels' PTX has no calls), and numba-level inlining
+    # (inline="always") only lengthens the compile.
+    @cuda.jit(device=True)
     def pack_half2(lo, hi):
         """lo and hi rounded to float16 (nearest even) in one 32-bit register, lo in the low half."""
         return _cvt_f16x2(np.float32(hi), np.float32(lo))
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True)
     def mma_m16n8k16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scratch, warp, lane):
         """D = A B + C over this warp (see the module docstring); returns this lane's d0..d3 (scratch unused)."""
         return _mma_sync(a0, a1, a2, a3, b0, b1, np.float32(c0), np.float32(c1), np.float32(c2), np.float32(c3))
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True)
     def quad_max2(x, y, scratch, warp, lane):
         """(max of x, max of y) over the 4 lanes of this lane's quad: two butterfly shuffles each."""
         x = max(x, cuda.shfl_xor_sync(FULL_MASK, x, 1))
         y = max(y, cuda.shfl_xor_sync(FULL_MASK, y, 1))
         return max(x, cuda.shfl_xor_sync(FULL_MASK, x, 2)), max(y, cuda.shfl_xor_sync(FULL_MASK, y, 2))
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True)
     def quad_sum2(x, y, scratch, warp, lane):
         """(sum of x, sum of y) over the 4 lanes of this lane's quad: two butterfly shuffles each."""
         x += cuda.shfl_xor_sync(FULL_MASK, x, 1)
