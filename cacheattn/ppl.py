@@ -300,7 +300,7 @@ def dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decodin
     _check_launch(threads, rung)
     kv_heads = _check_attention_attrs(num_heads, head_dim, num_kv_heads, is_causal, is_alibi)
     _check_query(query, num_heads, head_dim)
-    _check_rung_dtype(rung, query)
+    _check_rung(rung, query, threads, head_dim)
     for name, x in (("key", key), ("value", value)):
         check_same_dtype(name, x, "query", query)
         check_shape(name, x, (None, kv_heads, head_dim), "(kvstarts[B], num_kv_heads, head_dim)")
@@ -334,9 +334,13 @@ def _check_launch(threads, rung):
         raise ValueError(f"threads: expected a multiple of 32 for rung {rung} (whole warps), got {threads}")
 
 
-def _check_rung_dtype(rung, query):
-    if rung == 5 and query.dtype != np.float16:
+def _check_rung(rung, query, threads, head_dim):
+    if rung != 5:
+        return
+    if query.dtype != np.float16:
         raise ValueError(f"rung: 5 (tensor cores, mma.sync on float16) needs a float16 query, got {query.dtype}")
+    from kernels_numba._attention_mma import check_fits  # numba only now, as arrays.kernels() explains
+    check_fits(head_dim, threads // 32)
 
 
 @arrays.accepts_torch
@@ -358,7 +362,7 @@ def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvs
     _check_launch(threads, rung)
     kv_heads = _check_attention_attrs(num_heads, head_dim, num_kv_heads, is_causal, is_alibi)
     _check_query(query, num_heads, head_dim)
-    _check_rung_dtype(rung, query)
+    _check_rung(rung, query, threads, head_dim)
     check_same_dtype("current_key", current_key, "query", query)
     cache_attrs = dict(num_layer=num_layer, layer_idx=layer_idx, quant_bit=quant_bit, quant_group=quant_group,
                        cache_mode=cache_mode, cache_layout=cache_layout, page_size=page_size)

@@ -59,6 +59,23 @@ def _padded(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def merge_shape(head_dim_v: int, warps: int, row_tiles: int) -> tuple:
+    """Shared float32 array for the warps' pairwise merge: per slot (a warp handing its state to its partner),
+    each lane's m and l of its two rows and its O fragments; one element when the keys are not split."""
+    splits = warps // row_tiles
+    return (row_tiles * (splits // 2) if splits > 1 else 1, WARP_SIZE, 4 + _padded(head_dim_v, MMA_N) // 2)
+
+
+def check_fits(head_dim_v: int, warps: int) -> None:
+    """ValueError naming head_dim unless every plan of this many warps fits the shared memory: the most merge
+    slots (warps // 2) come with one row tile, the keys split across every warp (decode). The launchers call
+    it before anything runs."""
+    floats = sum(math.prod(shape) for shape in (merge_shape(head_dim_v, warps, 1), *scratch_shapes(warps)))
+    if 4 * floats > SHARED_BYTES:
+        raise ValueError(f"head_dim: {head_dim_v} needs more than {SHARED_BYTES} bytes of shared memory per block "
+                         f"with {warps} warps in the rung-5 kernel (fewer threads fit)")
+
+
 def make_mma_attention_kernel(row_offsets, load, score, key_range, *, head_dim_k: int, head_dim_v: int,
                               heads_per_block: int, positions: int, row_tiles: int, group: int, warps: int):
     """Build the kernel. Launch grid (ceil(max_seqlen / (positions * row_tiles)), num_heads / heads_per_block, B),
@@ -69,12 +86,9 @@ def make_mma_attention_kernel(row_offsets, load, score, key_range, *, head_dim_k
     V_TILES = _padded(DV, MMA_N) // MMA_N       # n8 tiles of O
     ROWS = HPB * positions                      # real rows of a tile (<= 16)
     q_tile = positions * RT
+    check_fits(DV, WARPS)
     MMA_SCRATCH, QUAD_SCRATCH = scratch_shapes(WARPS)
-    # The pairwise merge's shared memory: per slot, each lane's m and l of its two rows and its O fragments.
-    MERGE = (RT * (SPLITS // 2) if SPLITS > 1 else 1, WARP_SIZE, 4 + 4 * V_TILES)
-    if 4 * (MERGE[0] * MERGE[1] * MERGE[2] + np.prod(MMA_SCRATCH) + np.prod(QUAD_SCRATCH)) > SHARED_BYTES:
-        raise ValueError(f"head_dim: {DV} needs more than {SHARED_BYTES} bytes of shared memory per block with "
-                         f"{WARPS} warps in the rung-5 kernel")
+    MERGE = merge_shape(DV, WARPS, RT)
     f32 = np.float32
     NEG_INF = f32(-math.inf)
 

@@ -62,6 +62,8 @@ BAD_MHCA = [
     ("rung 2 with a partial warp", set_(rung=2, threads=48), ValueError, "threads", BASE),
     ("rung 5 with a partial warp", set_(rung=5, threads=48), ValueError, "threads", BASE),
     ("rung 5 with a float32 query", set_(rung=5), ValueError, "rung", with_(BASE, dtype="float32")),
+    ("rung 5 warps' merge past shared memory", set_(rung=5, threads=1024), ValueError, "head_dim",
+     with_(BASE, head_dim=64)),
     ("threads 0", set_(threads=0), ValueError, "threads", BASE),
     ("page outside MaxT", set_(cachestarts=lambda x: np.where(x["cachestarts"] == x["cachestarts"].max(),
                                                               10**6, x["cachestarts"])), ValueError, "cachestarts",
