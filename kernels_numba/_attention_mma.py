@@ -6,7 +6,9 @@ keys in tiles of 16. The lane layout of every fragment is `_mma`'s (PTX ISA 9.7.
 grp = lane >> 2 and quad = lane % 4, a lane's C fragment elements are rows grp and grp + 8, columns
 2 * quad + {0, 1} of the 16x8 tile:
 
-    1. Q as A fragments, once: head_dim / 16 k-steps x 4 registers of two float16 each (registers);
+    1. Q as A fragments, once per row tile: head_dim / 16 k-steps x 4 registers of two float16 each, kept in
+       shared memory (one word per lane, no bank conflicts) rather than in registers, which O and the K/V
+       loads need (in registers they pushed an int8-cache kernel at head_dim 128 past 255 and into spills);
     2. S = Q Kᵀ in two 16x8 C tiles (keys t0..t0+7, t0+8..t0+15), head_dim / 16 mma each; K's B fragment is
        K[key t0 + grp][2 * quad + {0, 1, 8, 9}] per k-step, loaded straight from the cache by this lane;
     3. scores through the operator's `score` (-inf outside [lo, hi) and for empty rows), then the online
@@ -45,18 +47,28 @@ def _largest_divisor_at_most(n: int, limit: int) -> int:
     return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
-def plan_mma_rows(num_heads: int, num_kv_heads: int, max_seqlen: int, warps: int):
+def plan_mma_rows(num_heads: int, num_kv_heads: int, max_seqlen: int, warps: int, head_dim: int):
     """(heads_per_block, positions_per_tile, row_tiles): a row tile is positions_per_tile query positions of
     heads_per_block heads of one GQA group (<= 16 rows); the block's warps cover row_tiles tiles and split
-    the keys warps / row_tiles ways, so decode (one row tile) still keeps every warp busy."""
+    the keys warps / row_tiles ways, so decode (one row tile) still keeps every warp busy. The most row tiles
+    the query positions need, as long as the block's shared memory fits (one always does: check_fits)."""
     heads_per_block = _largest_divisor_at_most(num_heads // num_kv_heads, MMA_M)
     positions = MMA_M // heads_per_block
     row_tiles = _largest_divisor_at_most(warps, -(-max(max_seqlen, 1) // positions))
+    while row_tiles > 1 and shared_bytes(head_dim, head_dim, warps, row_tiles) > SHARED_BYTES:
+        row_tiles = _largest_divisor_at_most(warps, row_tiles - 1)
     return heads_per_block, positions, row_tiles
 
 
 def _padded(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def q_shape(head_dim_k: int, row_tiles: int) -> tuple:
+    """Shared uint32 array of the Q fragments: per row tile, k-step and register, one word per lane (lane last:
+    a warp's 32 reads of one register hit 32 banks). Registers would cost ~40 of the 255 a lane has (int8
+    caches spilled)."""
+    return row_tiles, _padded(head_dim_k, MMA_K) // MMA_K, 4, WARP_SIZE
 
 
 def merge_shape(head_dim_v: int, warps: int, row_tiles: int) -> tuple:
@@ -66,13 +78,18 @@ def merge_shape(head_dim_v: int, warps: int, row_tiles: int) -> tuple:
     return (row_tiles * (splits // 2) if splits > 1 else 1, WARP_SIZE, 4 + _padded(head_dim_v, MMA_N) // 2)
 
 
-def check_fits(head_dim_v: int, warps: int) -> None:
-    """ValueError naming head_dim unless every plan of this many warps fits the shared memory: the most merge
-    slots (warps // 2) come with one row tile, the keys split across every warp (decode). The launchers call
-    it before anything runs."""
-    floats = sum(math.prod(shape) for shape in (merge_shape(head_dim_v, warps, 1), *scratch_shapes(warps)))
-    if 4 * floats > SHARED_BYTES:
-        raise ValueError(f"head_dim: {head_dim_v} needs more than {SHARED_BYTES} bytes of shared memory per block "
+def shared_bytes(head_dim_k: int, head_dim_v: int, warps: int, row_tiles: int) -> int:
+    """Shared memory of one block: Q fragments, the merge slots, the simulator's scratch (4-byte words)."""
+    shapes = (q_shape(head_dim_k, row_tiles), merge_shape(head_dim_v, warps, row_tiles), *scratch_shapes(warps))
+    return 4 * sum(math.prod(shape) for shape in shapes)
+
+
+def check_fits(head_dim: int, warps: int) -> None:
+    """ValueError naming head_dim unless a plan of this many warps fits the shared memory. One row tile (the
+    keys split across every warp, as in decode) is the plan every problem can fall back to; the launchers call
+    this before anything runs."""
+    if shared_bytes(head_dim, head_dim, warps, 1) > SHARED_BYTES:
+        raise ValueError(f"head_dim: {head_dim} needs more than {SHARED_BYTES} bytes of shared memory per block "
                          f"with {warps} warps in the rung-5 kernel (fewer threads fit)")
 
 
@@ -86,9 +103,11 @@ def make_mma_attention_kernel(row_offsets, load, score, key_range, *, head_dim_k
     V_TILES = _padded(DV, MMA_N) // MMA_N       # n8 tiles of O
     ROWS = HPB * positions                      # real rows of a tile (<= 16)
     q_tile = positions * RT
-    check_fits(DV, WARPS)
+    if shared_bytes(DK, DV, WARPS, RT) > SHARED_BYTES:
+        raise ValueError(f"head_dim: {DK}/{DV} needs more than {SHARED_BYTES} bytes of shared memory per block "
+                         f"with {WARPS} warps and {RT} row tiles in the rung-5 kernel")
     MMA_SCRATCH, QUAD_SCRATCH = scratch_shapes(WARPS)
-    MERGE = merge_shape(DV, WARPS, RT)
+    MERGE, Q_FRAGMENTS = merge_shape(DV, WARPS, RT), q_shape(DK, RT)
     f32 = np.float32
     NEG_INF = f32(-math.inf)
 
@@ -109,6 +128,7 @@ def make_mma_attention_kernel(row_offsets, load, score, key_range, *, head_dim_k
         mma_scratch = cuda.shared.array(MMA_SCRATCH, np.uint32)     # simulator paths only
         quad_scratch = cuda.shared.array(QUAD_SCRATCH, f32)
         merge = cuda.shared.array(MERGE, f32)
+        q_s = cuda.shared.array(Q_FRAGMENTS, np.uint32)
 
         # This lane's two rows, grp and grp + 8 of the tile: query position, head, and whether they exist.
         row_i = cuda.local.array(2, np.int64)
@@ -120,20 +140,22 @@ def make_mma_attention_kernel(row_offsets, load, score, key_range, *, head_dim_k
             row_h[r] = h0 + rr % HPB
             row_ok[r] = rr < ROWS and row_i[r] < seqlen
 
-        # 1. Q as A fragments: register k holds row grp + 8 * (k % 2), columns 2 * quad + 8 * (k // 2) + {0, 1}
+        # 1. Q as A fragments, once per row tile: register k holds row grp + 8 * (k % 2), columns
+        #    2 * quad + 8 * (k // 2) + {0, 1}
         q, q_starts, q_sb, q_si, q_sh = q_geom
-        q_frag = cuda.local.array((K_STEPS, 4), np.uint32)
-        for ks in range(K_STEPS):
-            for k in range(4):
-                r, d = k % 2, ks * MMA_K + 2 * quad + 8 * (k // 2)
-                x0, x1 = f32(0.0), f32(0.0)
-                if row_ok[r]:
-                    at = b * q_sb + (q_starts[b] + row_i[r]) * q_si + row_h[r] * q_sh + d
-                    if d < DK:
-                        x0 = f32(q[at])
-                    if d + 1 < DK:
-                        x1 = f32(q[at + 1])
-                q_frag[ks, k] = pack_half2(x0, x1)
+        if split == 0:
+            for ks in range(K_STEPS):
+                for k in range(4):
+                    r, d = k % 2, ks * MMA_K + 2 * quad + 8 * (k // 2)
+                    x0, x1 = f32(0.0), f32(0.0)
+                    if row_ok[r]:
+                        at = b * q_sb + (q_starts[b] + row_i[r]) * q_si + row_h[r] * q_sh + d
+                        if d < DK:
+                            x0 = f32(q[at])
+                        if d + 1 < DK:
+                            x1 = f32(q[at + 1])
+                    q_s[tile, ks, k, lane] = pack_half2(x0, x1)
+        cuda.syncthreads()
 
         row_max = cuda.local.array(2, f32)
         row_sum = cuda.local.array(2, f32)           # this lane's columns only, until the end
@@ -147,6 +169,7 @@ def make_mma_attention_kernel(row_offsets, load, score, key_range, *, head_dim_k
         s = cuda.local.array((2, 4), f32)            # C fragments of S (keys t0.., t0+8..), then P
         tile_max = cuda.local.array(2, f32)
         bx = cuda.local.array(4, f32)                # this lane's four B elements, of K then of V
+        k_rows = cuda.local.array((2, 2), np.int64)
         v_rows = cuda.local.array((4, 2), np.int64)
 
         i_last = min(i0 + q_tile, seqlen) - 1
@@ -157,17 +180,19 @@ def make_mma_attention_kernel(row_offsets, load, score, key_range, *, head_dim_k
             t0 = first + (step * SPLITS + split) * KEY_TILE
             # 2. S = Q Kᵀ; a key past hi loads key hi - 1 (real data) and is masked below
             for nt in range(2):
-                k_row, k_scale_row = row_offsets(k_src, b, min(t0 + 8 * nt + grp, hi - 1), g)
-                c0, c1, c2, c3 = f32(0.0), f32(0.0), f32(0.0), f32(0.0)
-                for ks in range(K_STEPS):
-                    d = ks * MMA_K + 2 * quad
+                k_rows[nt, 0], k_rows[nt, 1] = row_offsets(k_src, b, min(t0 + 8 * nt + grp, hi - 1), g)
+                for e in range(4):
+                    s[nt, e] = 0.0
+            for ks in range(K_STEPS):
+                a0, a1 = q_s[tile, ks, 0, lane], q_s[tile, ks, 1, lane]
+                a2, a3 = q_s[tile, ks, 2, lane], q_s[tile, ks, 3, lane]
+                for nt in range(2):
                     for e in range(4):
-                        de = d + e % 2 + 8 * (e // 2)
-                        bx[e] = load(k_src, k_row, k_scale_row, de) if de < DK else f32(0.0)
-                    c0, c1, c2, c3 = mma_m16n8k16(q_frag[ks, 0], q_frag[ks, 1], q_frag[ks, 2], q_frag[ks, 3],
-                                                  pack_half2(bx[0], bx[1]), pack_half2(bx[2], bx[3]),
-                                                  c0, c1, c2, c3, mma_scratch, warp, lane)
-                s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3] = c0, c1, c2, c3
+                        d = ks * MMA_K + 2 * quad + e % 2 + 8 * (e // 2)
+                        bx[e] = load(k_src, k_rows[nt, 0], k_rows[nt, 1], d) if d < DK else f32(0.0)
+                    s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3] = mma_m16n8k16(
+                        a0, a1, a2, a3, pack_half2(bx[0], bx[1]), pack_half2(bx[2], bx[3]),
+                        s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3], mma_scratch, warp, lane)
             # 3. scores and the online softmax; element e of a C tile is row grp + 8 * (e // 2), key 2 * quad + e % 2
             for r in range(2):
                 tile_max[r] = NEG_INF

@@ -80,7 +80,8 @@ def attention_kernel(quant_bit, quant_group, scale_dtype, value_dtype, query_dty
                                             group=num_heads // num_kv_heads, warps=warps)
         return kernel, heads_per_block, q_tile
     if rung == 5:
-        heads_per_block, positions, row_tiles = plan_mma_rows(num_heads, num_kv_heads, max_seqlen, threads // 32)
+        heads_per_block, positions, row_tiles = plan_mma_rows(num_heads, num_kv_heads, max_seqlen, threads // 32,
+                                                               head_dim)
         kernel = make_mma_attention_kernel(row_offsets, load, score, key_range, head_dim_k=head_dim,
                                            head_dim_v=head_dim, heads_per_block=heads_per_block, positions=positions,
                                            row_tiles=row_tiles, group=num_heads // num_kv_heads, warps=threads // 32)
