@@ -309,8 +309,9 @@ def markdown_table(result: dict) -> str:
     for r in result["rows"]:
         peers = ", ".join(f"{name} {ms:.3f} ({ms / r['ms']:.2f}x)" for name, ms in r["peers_ms"].items()
                           if not math.isnan(ms)) or "-"
-        # The same flops in a rung's time: TFLOP/s scales inversely with milliseconds.
-        rungs = ", ".join(f"{r['tflops'] * r['ms'] / r['peers_ms'][name]:.2f}" for name in LADDER_PEERS)
+        # The same flops in a rung's time: TFLOP/s scales inversely with milliseconds ("-" where not timed).
+        rung_ms = [r["peers_ms"].get(name, math.nan) for name in LADDER_PEERS]
+        rungs = ", ".join("-" if math.isnan(ms) else f"{r['tflops'] * r['ms'] / ms:.2f}" for ms in rung_ms)
         lines.append(f"| {r['label']} | {r['ms']:.3f} | {r['host_ms']:.3f} | {r['gb_per_s']:.1f} | "
                      f"{100 * r['bandwidth_share']:.1f} | {r['tflops']:.2f} | {rungs} | {peers} |")
     return "\n".join(lines) + "\n"
