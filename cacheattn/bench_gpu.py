@@ -83,6 +83,9 @@ TINY_CASES = (
     BenchCase("tiny prefill B1 5 tokens fp16", 1, 0, 5, num_heads=2, num_kv_heads=1, head_dim=8, page_size=4),
 )
 TINY_THREADS = 32        # the simulator's cost is per thread
+# Rungs of the kernel ladder timed beside the default kernel (rung 1): {peer name: rung}. Every case is a float16
+# query, which rung 5 needs.
+LADDER_PEERS = {"rung 2 (warp per key)": 2, "rung 5 (tensor cores, mma.sync)": 5}
 
 
 @dataclass
@@ -202,6 +205,11 @@ def _peers(device: Device, case: BenchCase, host: dict, repeat: int, threads: in
     x = {k: device.put(v) for k, v in copy_inputs(host).items()}
     peers = {"unfused (KeyValueCache + MultiHeadAttention)": device.median_ms([lambda: _unfused(x, ppl, threads)],
                                                                               repeat)}
+    # The kernel ladder's other rungs on the same problem (docs/kernel-ladder.md).
+    for name, rung in LADDER_PEERS.items():
+        rung_x = {k: device.put(v) for k, v in copy_inputs(host).items()}
+        peers[name] = device.median_ms([lambda x=rung_x, rung=rung: cacheattn.multi_head_cache_attention(
+            **x, **ppl.attrs(), backend="numba", threads=threads, rung=rung)], repeat)
     if device.tiny:
         ref = copy_inputs(host)
         peers["reference (NumPy)"] = device.median_ms(
@@ -230,10 +238,6 @@ def _peers(device: Device, case: BenchCase, host: dict, repeat: int, threads: in
         return p.astype(np.float16) @ v
 
     peers["plain CuPy"] = device.median_ms([plain_cupy], repeat)
-    # The kernel ladder's next rung on the same problem (docs/kernel-ladder.md).
-    rung2 = {k: device.put(v) for k, v in copy_inputs(host).items()}
-    peers["rung 2 (warp per key)"] = device.median_ms(
-        [lambda: cacheattn.multi_head_cache_attention(**rung2, **ppl.attrs(), backend="numba", rung=2)], repeat)
     try:
         import torch
         import torch.nn.functional as F
@@ -328,13 +332,17 @@ def markdown_table(result: dict) -> str:
                                                if k in d),
              f"Ceilings measured in this run: copy {result['copy_bandwidth_gb_per_s']:.0f} GB/s, "
              f"float16 matmul {result['fp16_matmul_tflops']:.1f} TFLOP/s; median of {result['repeat']} calls.", "",
-             "| case | ms | host ms | GB/s | % of copy | TFLOP/s | peers (ms, ratio peer/ours) |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+             "| case | ms | host ms | GB/s | % of copy | TFLOP/s | TFLOP/s of rungs "
+             f"{', '.join(str(rung) for rung in LADDER_PEERS.values())} | peers (ms, ratio peer/ours) |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in result["rows"]:
         peers = ", ".join(f"{name} {ms:.3f} ({ms / r['ms']:.2f}x)" for name, ms in r["peers_ms"].items()
                           if not math.isnan(ms)) or "-"
+        # The same flops in a rung's time: TFLOP/s scales inversely with milliseconds ("-" where not timed).
+        rung_ms = [r["peers_ms"].get(name, math.nan) for name in LADDER_PEERS]
+        rungs = ", ".join("-" if math.isnan(ms) else f"{r['tflops'] * r['ms'] / ms:.2f}" for ms in rung_ms)
         lines.append(f"| {r['label']} | {r['ms']:.3f} | {r['host_ms']:.3f} | {r['gb_per_s']:.1f} | "
-                     f"{100 * r['bandwidth_share']:.1f} | {r['tflops']:.2f} | {peers} |")
+                     f"{100 * r['bandwidth_share']:.1f} | {r['tflops']:.2f} | {rungs} | {peers} |")
     return "\n".join(lines + _unmeasured_peers(result["rows"])) + "\n"
 
 

@@ -99,3 +99,26 @@ def cyclic_slots(slot_of, length: int, slots: int) -> str:
         holder[int(slot_of(t))] = str(t)
     return "slot:  " + " ".join(f"{s:>3d}" for s in range(slots)) + "\ntoken: " + " ".join(
         f"{h:>3s}" for h in holder)
+
+
+# ---- kernel ladder
+
+def _lane_grid(position, rows: int, cols: int, count: int) -> list[str]:
+    """Rows of a (rows, cols) matrix tile, each element drawn as the warp lane that holds it."""
+    grid = [["  ."] * cols for _ in range(rows)]
+    for lane in range(32):
+        for i in range(count):
+            r, c = position(lane, i)
+            grid[r][c] = f"{lane:3d}"
+    return ["".join(row) for row in grid]
+
+
+def mma_fragments(a_position, b_position, c_position) -> str:
+    """The lanes of a warp holding each element of mma.m16n8k16's A (16x16), B (16x8) and C/D (16x8) tiles,
+    side by side; position(lane, i) -> (row, col) of the lane's element i."""
+    tiles = [("A: 16 x 16", _lane_grid(a_position, 16, 16, 8)), ("B: 16 x 8", _lane_grid(b_position, 16, 8, 4)),
+             ("C, D: 16 x 8", _lane_grid(c_position, 16, 8, 4))]
+    lines = ["    ".join(title.ljust(len(grid[0])) for title, grid in tiles).rstrip()]
+    for r in range(16):
+        lines.append("    ".join(grid[r] for _, grid in tiles))
+    return "\n".join(lines)

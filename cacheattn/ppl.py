@@ -294,13 +294,15 @@ def dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decodin
 
     query: (seqstarts[B], num_heads, head_dim); key, value: (kvstarts[B], num_kv_heads, head_dim).
     Returns attn_output (seqstarts[B], num_heads, head_dim). threads, rung: the kernels' block size and which
-    rung of the kernel ladder runs (1 shared-memory tiles, 2 a warp per key; docs/kernel-ladder.md).
+    rung of the kernel ladder runs (1 shared-memory tiles, 2 a warp per key, 5 tensor cores with a float16 query;
+    docs/kernel-ladder.md).
     """
     data = dict(query=query, key=key, value=value, attn_mask=attn_mask)
     engine = arrays.resolve_backend(backend, data)
     _check_launch(threads, rung)
     kv_heads = _check_attention_attrs(num_heads, head_dim, num_kv_heads, is_causal, is_alibi)
     _check_query(query, num_heads, head_dim)
+    _check_rung(rung, query, threads, head_dim)
     for name, x in (("key", key), ("value", value)):
         check_same_dtype(name, x, "query", query)
         check_shape(name, x, (None, kv_heads, head_dim), "(kvstarts[B], num_kv_heads, head_dim)")
@@ -328,10 +330,19 @@ def dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decodin
 
 
 def _check_launch(threads, rung):
-    check_choice("rung", rung, (1, 2))
+    check_choice("rung", rung, (1, 2, 5))
     check_int("threads", threads, low=32, high=1024)
-    if rung == 2 and threads % 32:
-        raise ValueError(f"threads: expected a multiple of 32 for rung 2 (a warp per key), got {threads}")
+    if rung in (2, 5) and threads % 32:
+        raise ValueError(f"threads: expected a multiple of 32 for rung {rung} (whole warps), got {threads}")
+
+
+def _check_rung(rung, query, threads, head_dim):
+    if rung != 5:
+        return
+    if query.dtype != np.float16:
+        raise ValueError(f"rung: 5 (tensor cores, mma.sync on float16) needs a float16 query, got {query.dtype}")
+    from kernels_numba._attention_mma import check_fits  # numba only now, as arrays.kernels() explains
+    check_fits(head_dim, threads // 32)
 
 
 @arrays.accepts_torch
@@ -344,7 +355,8 @@ def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvs
 
     query: (seqstarts[B], num_heads, head_dim); current_key/value: (seqstarts[B], num_kv_heads, head_dim).
     Returns attn_output (seqstarts[B], num_heads, head_dim); cache and scale are modified in place.
-    threads, rung: the kernels' block size and kernel-ladder rung (1 shared-memory tiles, 2 a warp per key).
+    threads, rung: the kernels' block size and kernel-ladder rung (1 shared-memory tiles, 2 a warp per key, 5 tensor
+    cores with a float16 query).
     """
     data = dict(query=query, current_key=current_key, current_value=current_value, cache=cache, scale=scale,
                 attn_mask=attn_mask)
@@ -352,6 +364,7 @@ def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvs
     _check_launch(threads, rung)
     kv_heads = _check_attention_attrs(num_heads, head_dim, num_kv_heads, is_causal, is_alibi)
     _check_query(query, num_heads, head_dim)
+    _check_rung(rung, query, threads, head_dim)
     check_same_dtype("current_key", current_key, "query", query)
     cache_attrs = dict(num_layer=num_layer, layer_idx=layer_idx, quant_bit=quant_bit, quant_group=quant_group,
                        cache_mode=cache_mode, cache_layout=cache_layout, page_size=page_size)

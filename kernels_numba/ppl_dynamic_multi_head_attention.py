@@ -20,6 +20,7 @@ import numpy as np
 from numba import cuda
 
 from ._attention_core import make_attention_kernel, plan_tiles
+from ._attention_mma import make_mma_attention_kernel, plan_mma_rows
 from ._attention_warp import make_warp_attention_kernel, plan_warp_rows
 from ._cache import make_cache_access, packed_source
 from ._launch import caller_stream, ceil_div, empty_like_kind, flat, launch, to_kind
@@ -66,7 +67,8 @@ def make_ppl_score(round_query):
 def attention_kernel(quant_bit, quant_group, scale_dtype, value_dtype, query_dtype, head_dim, num_heads,
                      num_kv_heads, max_seqlen, rung=1, threads=128):
     """The core specialised for OpenPPL: cache reads of this quantization, OpenPPL's bias; plus its tile plan.
-    rung 1: the shared-memory tile loop (_attention_core); rung 2: a warp per key (_attention_warp)."""
+    rung 1: the shared-memory tile loop (_attention_core); rung 2: a warp per key (_attention_warp); rung 5: tensor
+    cores (_attention_mma, float16 query)."""
     row_offsets, load = make_cache_access(quant_bit, quant_group,
                                           rounder(scale_dtype) if quant_bit else keep_float32, rounder(value_dtype))
     score, key_range = make_ppl_score(rounder(query_dtype))
@@ -77,6 +79,13 @@ def attention_kernel(quant_bit, quant_group, scale_dtype, value_dtype, query_dty
                                             head_dim_v=head_dim, heads_per_block=heads_per_block, q_tile=q_tile,
                                             group=num_heads // num_kv_heads, warps=warps)
         return kernel, heads_per_block, q_tile
+    if rung == 5:
+        heads_per_block, positions, row_tiles = plan_mma_rows(num_heads, num_kv_heads, max_seqlen, threads // 32,
+                                                               head_dim)
+        kernel = make_mma_attention_kernel(row_offsets, load, score, key_range, head_dim_k=head_dim,
+                                           head_dim_v=head_dim, heads_per_block=heads_per_block, positions=positions,
+                                           row_tiles=row_tiles, group=num_heads // num_kv_heads, warps=threads // 32)
+        return kernel, heads_per_block, positions * row_tiles
     heads_per_block, q_tile, key_tile = plan_tiles(num_heads, num_kv_heads, max_seqlen, head_dim, head_dim)
     kernel = make_attention_kernel(row_offsets, load, score, key_range, head_dim_k=head_dim, head_dim_v=head_dim,
                                    heads_per_block=heads_per_block, q_tile=q_tile, key_tile=key_tile,
@@ -88,13 +97,14 @@ def attend(query, key_src, value_src, seqstarts, kvstarts, decoding_batches, max
            num_kv_heads, is_causal, alibi_slopes, quant_bit, quant_group, scale_dtype, value_dtype, threads, stream,
            rung=1):
     """Launch the OpenPPL attention kernel over K/V sources; returns attn_output (seqstarts[B], H, Dh).
-    rung: which kernel of the ladder (1 shared-memory tiles, 2 a warp per key; threads a multiple of 32)."""
+    rung: which kernel of the ladder (1 shared-memory tiles, 2 a warp per key, 5 tensor cores; threads a multiple of 32
+    for 2 and 5)."""
     head_dim = query.shape[2]
     batch = seqstarts.shape[0] - 1
     # Query tiles stop growing at 16 rows, so lengths past 16 share one compiled kernel.
     kernel, heads_per_block, q_tile = attention_kernel(
         quant_bit, quant_group, np.dtype(scale_dtype).str, np.dtype(value_dtype).str, query.dtype.str, head_dim,
-        num_heads, num_kv_heads, min(max_seqlen, 16), rung, threads if rung == 2 else 128)
+        num_heads, num_kv_heads, min(max_seqlen, 16), rung, threads if rung in (2, 5) else 128)
     is_alibi = alibi_slopes is not None
     # Upstream forms the ALiBi bias in the query dtype, so the slopes are rounded to it first.
     slopes = np.asarray(alibi_slopes if is_alibi else [0.0]).astype(query.dtype).astype(np.float32)

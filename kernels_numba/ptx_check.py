@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 import types
 
@@ -42,17 +45,17 @@ PPL_REPRESENTATIVES = ((0, np.float32, 1, False), (8, np.float16, 3, True), (4, 
                        (4, np.float16, 1, True))
 
 
-def _ppl_launches(full: bool, rung: int = 1):
-    """(label, kernel, args) for the OpenPPL kernels: quant 0/8/4 x float16/float32 x decode/prefill when
-    full, else PPL_REPRESENTATIVES."""
+def _ppl_launches(full: bool, rung: int = 1, dtypes=(np.float16, np.float32), representatives=PPL_REPRESENTATIVES):
+    """(label, kernel, args) for the OpenPPL kernels: quant 0/8/4 x dtypes x decode/prefill when full, else
+    representatives."""
     from . import _launch
     from .ppl_key_value_cache import key_value_cache
     from .ppl_multi_head_cache_attention import multi_head_cache_attention
 
     rng = np.random.default_rng(0)
     heads, kv_heads, head_dim, group = 4, 2, 32, 8
-    variants = [(quant_bit, dtype, seqlen, alibi) for quant_bit in (0, 8, 4) for dtype in (np.float16, np.float32)
-                for seqlen, alibi in ((1, False), (3, True))] if full else PPL_REPRESENTATIVES
+    variants = [(quant_bit, dtype, seqlen, alibi) for quant_bit in (0, 8, 4) for dtype in dtypes
+                for seqlen, alibi in ((1, False), (3, True))] if full else representatives
     out = []
     for quant_bit, dtype, seqlen, alibi in variants:
         stored = head_dim // 2 if quant_bit == 4 else head_dim
@@ -228,10 +231,56 @@ def _ladder_launches(full: bool):
             if kernel.py_func.__name__ == "warp_attention_kernel"]
 
 
+# Rung 5 takes a float16 query only: decode on a float16 and on an int4 cache, prefill (row tiles, ALiBi) on an int8
+# one; --full adds the other pairs. Each compile takes several seconds (a large unrolled body), so three.
+RUNG5_REPRESENTATIVES = ((0, np.float16, 1, False), (8, np.float16, 3, True), (4, np.float16, 1, True))
+
+
+def _rung5_launches(full: bool):
+    """Rung 5 (tensor cores: inline-PTX mma.sync) on the OpenPPL launches; every compile must contain the mma
+    (REQUIRED_PTX), so a build that silently lost it fails."""
+    return [(f"rung 5 {label}", kernel, args) for label, kernel, args in
+            _ppl_launches(full, rung=5, dtypes=(np.float16,), representatives=RUNG5_REPRESENTATIVES)
+            if kernel.py_func.__name__ == "mma_attention_kernel"]
+
+
+# Kernels with inline PTX: the instruction their PTX must contain (kernel name -> text), checked on every compile.
+# NVVM copies inline asm into the PTX without reading it, so these are also assembled with ptxas when it is
+# installed (the CUDA toolkit wheels of numba-cuda's cu12 extra bring it): a bad operand or constraint fails here,
+# not when a GPU loads the module.
+REQUIRED_PTX = {"mma_attention_kernel": "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"}
+
+
+def _ptxas() -> str | None:
+    try:
+        import nvidia.cuda_nvcc
+        bundled = os.path.join(nvidia.cuda_nvcc.__path__[0], "bin", "ptxas")
+        if os.path.exists(bundled):
+            return bundled
+    except ImportError:
+        pass
+    return shutil.which("ptxas")
+
+
+def _assemble(ptx: str, cc) -> str:
+    """ptxas on the PTX for sm_<cc>: raises with ptxas's first error line; says so when there is no ptxas."""
+    ptxas = _ptxas()
+    if ptxas is None:
+        return ", not assembled (no ptxas)"
+    with tempfile.TemporaryDirectory() as tmp:
+        source = os.path.join(tmp, "kernel.ptx")
+        with open(source, "w") as f:
+            f.write(ptx)
+        run = subprocess.run([ptxas, f"-arch=sm_{cc[0]}{cc[1]}", source, "-o", os.path.join(tmp, "kernel.cubin")],
+                             capture_output=True, text=True)
+    if run.returncode:
+        raise AssertionError(f"ptxas: {(run.stderr or run.stdout).strip().splitlines()[0]}")
+    return ", assembled"
+
 # Kernel families: name -> launches(full). A new operator module adds its family here; tests/test_ptx.py runs
 # one test per family and compute capability.
 FAMILIES = {"ppl": _ppl_launches, "onnx": _onnx_launches, "ft": _ft_launches, "trtllm": _trtllm_launches,
-            "ladder": _ladder_launches}
+            "ladder": _ladder_launches, "rung5": _rung5_launches}
 
 
 def compile_all(ccs, families=tuple(FAMILIES), full=False, report=print) -> int:
@@ -253,7 +302,13 @@ def compile_all(ccs, families=tuple(FAMILIES), full=False, report=print) -> int:
             start = time.perf_counter()
             try:
                 ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=cc)
-                status = f"ok  {len(ptx):7d} chars"
+                required = REQUIRED_PTX.get(kernel.py_func.__name__)
+                assembled = ""
+                if required is not None:
+                    if required not in ptx:
+                        raise AssertionError(f"the PTX lacks {required}")
+                    assembled = _assemble(ptx, cc)
+                status = f"ok  {len(ptx):7d} chars{assembled}"
             except Exception as exc:  # report every failure, then fail the run
                 failures += 1
                 status = f"FAIL {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"

@@ -24,7 +24,7 @@ def test_gpu_harness_runs_tiny_in_the_simulator(tmp_path):
     """`bench --tiny`: every line of the GPU harness (rotation, ceilings, peers, JSON, markdown) in the simulator."""
     import json
 
-    from cacheattn.bench_gpu import TINY_CASES, run_harness
+    from cacheattn.bench_gpu import LADDER_PEERS, TINY_CASES, run_harness
 
     result = run_harness(tiny=True, out_dir=tmp_path, report=lambda *_: None)
     saved = json.loads((tmp_path / "bench.json").read_text())
@@ -32,9 +32,10 @@ def test_gpu_harness_runs_tiny_in_the_simulator(tmp_path):
     assert [r["label"] for r in saved["rows"]] == [c.label for c in TINY_CASES]
     for row in saved["rows"]:
         assert row["ms"] > 0 and row["gb_per_s"] > 0 and row["tflops"] > 0
-        assert set(row["peers_ms"]) == {"unfused (KeyValueCache + MultiHeadAttention)", "reference (NumPy)"}
+        assert set(row["peers_ms"]) == {"unfused (KeyValueCache + MultiHeadAttention)", "reference (NumPy)",
+                                        *LADDER_PEERS}
     table = (tmp_path / "bench.md").read_text()
-    assert "| case | ms |" in table and all(c.label in table for c in TINY_CASES)
+    assert "| case | ms |" in table and "TFLOP/s of rungs 2, 5" in table and all(c.label in table for c in TINY_CASES)
 
 
 def test_bench_host_counts_launches_parameters_and_device_reads(tmp_path):

@@ -11,13 +11,14 @@ import functools
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
 
 import cacheattn
 import cacheattn.testing as kit
 from cacheattn.tour import ATTENTION_CASES
 
 from helpers import assert_bits_equal, assert_close
-from strategies import KERNEL, build_ppl, float64_ppl_attention, reference_cache_state
+from strategies import KERNEL, build_ppl, float64_ppl_attention, ppl_cases, reference_cache_state
 
 # Fewer threads than elements: every strided loop wraps. The budget is split between the two block sizes.
 THREADS = (32, 64)
@@ -56,6 +57,38 @@ def test_rung_2_kernel_conforms(device, op):
     path syncs the block at every warp reduction, so it gets a third of the budget and one block size."""
     report = kit.check(op, kernels(device, getattr(cacheattn, op), 64, rung=2), max_examples=max(1, KERNEL // 3))
     assert report.examples >= 1
+
+
+@pytest.mark.parametrize("op", ["multi_head_cache_attention", "dynamic_multi_head_attention"])
+def test_rung_5_kernel_conforms(device, op):
+    """The fifth rung (tensor cores through mma.sync; docs/kernel-ladder.md) on the same checks, float16 only: it
+    rounds Q, K, V (exact: the document's dequantized K/V are float16 here) and P to float16 and accumulates in
+    float32, which the float16 tolerance holds. The simulator emulates each mma between two block barriers, so it
+    gets a third of the budget; 64 threads make two warps, so the key split and the warps' merge run too."""
+    report = kit.check(op, kernels(device, getattr(cacheattn, op), 64, rung=5), max_examples=max(1, KERNEL // 3),
+                       dtypes=("float16",))
+    assert report.examples >= 1
+
+
+# Rung 5 beyond the kit's contexts (which fit one 16-key tile, so a second warp never holds a key), four warps:
+# decode over more than three tiles splits the keys four ways and merges the warps' states pairwise in two
+# rounds; prefill of more than 16 / group positions gives each of two warp pairs its own 16-row tile.
+RUNG_5_SPLITS = {
+    "keys split four ways": ppl_cases(max_seqlen=3, max_past=60, dtypes=("float16",)).filter(
+        lambda c: max(p + s for p, s in zip(c.past, c.seqlens)) > 3 * 16),
+    "two row tiles": ppl_cases(max_seqlen=12, max_past=24, groups=(2, 3), dtypes=("float16",)).filter(
+        lambda c: max(c.seqlens) * (c.num_heads // c.num_kv_heads) > 16),
+}
+
+
+@pytest.mark.parametrize("split", RUNG_5_SPLITS)
+def test_rung_5_splits_keys_and_rows_across_warps(device, split):
+    @settings(max_examples=max(1, KERNEL // 12))
+    @given(case=RUNG_5_SPLITS[split])
+    def conforms(case):
+        kit.check_case("multi_head_cache_attention",
+                       kernels(device, cacheattn.multi_head_cache_attention, 128, rung=5), case)
+    conforms()
 
 
 @pytest.mark.gpu

@@ -7,8 +7,9 @@ one representative per code path (`python -m kernels_numba.ptx_check --full` com
 
 Compiles cost about a second each and a family has up to 48, so the suite compiles every family for sm_90
 (the Hopper GPUs this project is measured on) and the OpenPPL family for sm_80 too; nothing in the kernels
-is architecture-specific. `python -m kernels_numba.ptx_check` (both architectures, every family) is the
-whole check, and CACHEATTN_EXAMPLES >= 2 puts sm_80 back for every family here.
+is architecture-specific (rung 5's inline-PTX mma.sync needs sm_80 or later and is the same text on both; its
+family fails unless every compile contains it). `python -m kernels_numba.ptx_check` (both architectures, every
+family) is the whole check, and CACHEATTN_EXAMPLES >= 2 puts sm_80 back for every family here.
 """
 
 import os

@@ -1,0 +1,283 @@
+"""Rung 5 of the kernel ladder: Q·Kᵀ and P·V on tensor cores (`mma.sync.m16n8k16`), FlashAttention-2 style.
+
+A warp owns a tile of 16 query rows (query heads of one GQA group times consecutive query positions, padded
+to 16 with empty rows: in decode a group of 4 heads fills 4 of them, TensorRT-LLM's XQA trick) and walks the
+keys in tiles of 16. The lane layout of every fragment is `_mma`'s (PTX ISA 9.7.14.5.8); with
+grp = lane >> 2 and quad = lane % 4, a lane's C fragment elements are rows grp and grp + 8, columns
+2 * quad + {0, 1} of the 16x8 tile:
+
+    1. Q as A fragments, once per row tile: head_dim / 16 k-steps x 4 registers of two float16 each, kept in
+       shared memory (one word per lane, no bank conflicts) rather than in registers, which O and the K/V
+       loads need (in registers they pushed an int8-cache kernel at head_dim 128 past 255 and into spills);
+    2. S = Q Kᵀ in two 16x8 C tiles (keys t0..t0+7, t0+8..t0+15), head_dim / 16 mma each; K's B fragment is
+       K[key t0 + grp][2 * quad + {0, 1, 8, 9}] per k-step, loaded straight from the cache by this lane;
+    3. scores through the operator's `score` (-inf outside [lo, hi) and for empty rows), then the online
+       softmax on the fragments: a row's maximum over its 16 keys is the max over the 4 lanes of a quad
+       (`quad_max2`); each lane keeps the partial row sum of its own columns (summed over the quad at the end);
+    4. P stays in registers: the two C tiles of S *are* the A fragment of P·V (row grp, columns 2 * quad + {0, 1}
+       of the first tile, row grp + 8 of it, then the same of the second: registers 0..3), packed to float16;
+    5. O += P V over head_dim / 8 C tiles; V's B fragment is V[key t0 + 2 * quad + {0, 1, 8, 9}][grp];
+    6. the block's warps that share a row tile but walked different keys (decode: few rows, many keys) merge
+       their (m, l, O) pairwise through shared memory with the multi-block rule; the first writes O / l.
+
+K and V come through the operator's `row_offsets` / `load` device functions, dequantized, as float32 values
+and are rounded to float16 for the mma. For a float16 query (the only dtype this rung takes) the document's
+dequantized K/V are float16 tensors already (`load` rounds q * scale to the output dtype), so the rounding is
+exact for float16, int8 and int4 caches alike; what the tensor cores do not reproduce is the float32
+accumulation order and P, which is rounded to float16 before P·V (as in FlashAttention-2) while its sum l is
+kept in float32. head_dim need not be a multiple of 16: fragments past it are zero (wasted tensor-core work
+for head_dim 8 or 24, none for 64 or 128).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda
+
+from ._attention_core import SHARED_BYTES
+from ._mma import MMA_K, MMA_M, MMA_N, mma_m16n8k16, pack_half2, quad_max2, quad_sum2, scratch_shapes
+from ._warp import WARP_SIZE
+
+KEY_TILE = 16            # keys per step: one k16 of P·V, two n8 tiles of S
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
+def plan_mma_rows(num_heads: int, num_kv_heads: int, max_seqlen: int, warps: int, head_dim: int):
+    """(heads_per_block, positions_per_tile, row_tiles): a row tile is positions_per_tile query positions of
+    heads_per_block heads of one GQA group (<= 16 rows); the block's warps cover row_tiles tiles and split
+    the keys warps / row_tiles ways, so decode (one row tile) still keeps every warp busy. The most row tiles
+    the query positions need, as long as the block's shared memory fits (one always does: check_fits)."""
+    heads_per_block = _largest_divisor_at_most(num_heads // num_kv_heads, MMA_M)
+    positions = MMA_M // heads_per_block
+    row_tiles = _largest_divisor_at_most(warps, -(-max(max_seqlen, 1) // positions))
+    while row_tiles > 1 and shared_bytes(head_dim, head_dim, warps, row_tiles) > SHARED_BYTES:
+        row_tiles = _largest_divisor_at_most(warps, row_tiles - 1)
+    return heads_per_block, positions, row_tiles
+
+
+def _padded(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def q_shape(head_dim_k: int, row_tiles: int) -> tuple:
+    """Shared uint32 array of the Q fragments: per row tile, k-step and register, one word per lane (lane last:
+    a warp's 32 reads of one register hit 32 banks). Registers would cost ~40 of the 255 a lane has (int8
+    caches spilled)."""
+    return row_tiles, _padded(head_dim_k, MMA_K) // MMA_K, 4, WARP_SIZE
+
+
+def merge_shape(head_dim_v: int, warps: int, row_tiles: int) -> tuple:
+    """Shared float32 array for the warps' pairwise merge: per slot (a warp handing its state to its partner),
+    each lane's m and l of its two rows and its O fragments; one element when the keys are not split."""
+    splits = warps // row_tiles
+    return (row_tiles * (splits // 2) if splits > 1 else 1, WARP_SIZE, 4 + _padded(head_dim_v, MMA_N) // 2)
+
+
+def shared_bytes(head_dim_k: int, head_dim_v: int, warps: int, row_tiles: int) -> int:
+    """Shared memory of one block: Q fragments, the merge slots, the simulator's scratch (4-byte words)."""
+    shapes = (q_shape(head_dim_k, row_tiles), merge_shape(head_dim_v, warps, row_tiles), *scratch_shapes(warps))
+    return 4 * sum(math.prod(shape) for shape in shapes)
+
+
+def check_fits(head_dim: int, warps: int) -> None:
+    """ValueError naming head_dim unless a plan of this many warps fits the shared memory. One row tile (the
+    keys split across every warp, as in decode) is the plan every problem can fall back to; the launchers call
+    this before anything runs."""
+    if shared_bytes(head_dim, head_dim, warps, 1) > SHARED_BYTES:
+        raise ValueError(f"head_dim: {head_dim} needs more than {SHARED_BYTES} bytes of shared memory per block "
+                         f"with {warps} warps in the rung-5 kernel (fewer threads fit)")
+
+
+def make_mma_attention_kernel(row_offsets, load, score, key_range, *, head_dim_k: int, head_dim_v: int,
+                              heads_per_block: int, positions: int, row_tiles: int, group: int, warps: int):
+    """Build the kernel. Launch grid (ceil(max_seqlen / (positions * row_tiles)), num_heads / heads_per_block, B),
+    32 * warps threads; arguments as `_attention_core.make_attention_kernel`'s kernel (float16 query)."""
+    HPB, DK, DV, WARPS, RT = heads_per_block, head_dim_k, head_dim_v, warps, row_tiles
+    SPLITS = WARPS // RT                        # warps per row tile, each on its own share of the key tiles
+    K_STEPS = _padded(DK, MMA_K) // MMA_K       # k16 steps of Q·Kᵀ
+    V_TILES = _padded(DV, MMA_N) // MMA_N       # n8 tiles of O
+    ROWS = HPB * positions                      # real rows of a tile (<= 16)
+    q_tile = positions * RT
+    if shared_bytes(DK, DV, WARPS, RT) > SHARED_BYTES:
+        raise ValueError(f"head_dim: {DK}/{DV} needs more than {SHARED_BYTES} bytes of shared memory per block "
+                         f"with {WARPS} warps and {RT} row tiles in the rung-5 kernel")
+    MMA_SCRATCH, QUAD_SCRATCH = scratch_shapes(WARPS)
+    MERGE, Q_FRAGMENTS = merge_shape(DV, WARPS, RT), q_shape(DK, RT)
+    f32 = np.float32
+    NEG_INF = f32(-math.inf)
+
+    @cuda.jit
+    def mma_attention_kernel(q_geom, out_geom, seqlens, kvlens, k_src, v_src, score_args, sm_scale):
+        b = cuda.blockIdx.z
+        seqlen, kvlen = seqlens[b], kvlens[b]
+        i0 = cuda.blockIdx.x * q_tile
+        if i0 >= seqlen:
+            return                                   # block-uniform exit: no thread waits at a barrier
+        h0 = cuda.blockIdx.y * HPB
+        g = h0 // group                              # the kv head of every row of this block
+        tid = cuda.threadIdx.x
+        warp, lane = tid // WARP_SIZE, tid % WARP_SIZE
+        tile, split = warp % RT, warp // RT          # this warp's row tile and share of the keys
+        grp, quad = lane // 4, lane % 4              # PTX's groupID and threadID_in_group
+
+        mma_scratch = cuda.shared.array(MMA_SCRATCH, np.uint32)     # simulator paths only
+        quad_scratch = cuda.shared.array(QUAD_SCRATCH, f32)
+        merge = cuda.shared.array(MERGE, f32)
+        q_s = cuda.shared.array(Q_FRAGMENTS, np.uint32)
+
+        # This lane's two rows, grp and grp + 8 of the tile: query position, head, and whether they exist.
+        row_i = cuda.local.array(2, np.int64)
+        row_h = cuda.local.array(2, np.int64)
+        row_ok = cuda.local.array(2, np.bool_)
+        for r in range(2):
+            rr = grp + 8 * r
+            row_i[r] = i0 + tile * positions + rr // HPB
+            row_h[r] = h0 + rr % HPB
+            row_ok[r] = rr < ROWS and row_i[r] < seqlen
+
+        # 1. Q as A fragments, once per row tile: register k holds row grp + 8 * (k % 2), columns
+        #    2 * quad + 8 * (k // 2) + {0, 1}
+        q, q_starts, q_sb, q_si, q_sh = q_geom
+        if split == 0:
+            for ks in range(K_STEPS):
+                for k in range(4):
+                    r, d = k % 2, ks * MMA_K + 2 * quad + 8 * (k // 2)
+                    x0, x1 = f32(0.0), f32(0.0)
+                    if row_ok[r]:
+                        at = b * q_sb + (q_starts[b] + row_i[r]) * q_si + row_h[r] * q_sh + d
+                        if d < DK:
+                            x0 = f32(q[at])
+                        if d + 1 < DK:
+                            x1 = f32(q[at + 1])
+                    q_s[tile, ks, k, lane] = pack_half2(x0, x1)
+        cuda.syncthreads()
+
+        row_max = cuda.local.array(2, f32)
+        row_sum = cuda.local.array(2, f32)           # this lane's columns only, until the end
+        o = cuda.local.array((V_TILES, 4), f32)      # C fragments of O
+        for r in range(2):
+            row_max[r] = NEG_INF
+            row_sum[r] = 0.0
+        for vt in range(V_TILES):
+            for e in range(4):
+                o[vt, e] = 0.0
+        s = cuda.local.array((2, 4), f32)            # C fragments of S (keys t0.., t0+8..), then P
+        tile_max = cuda.local.array(2, f32)
+        bx = cuda.local.array(4, f32)                # this lane's four B elements, of K then of V
+        k_rows = cuda.local.array((2, 2), np.int64)
+        v_rows = cuda.local.array((4, 2), np.int64)
+
+        i_last = min(i0 + q_tile, seqlen) - 1
+        lo, hi = key_range(score_args, b, i0, i_last, seqlen, kvlen)
+        first = lo - lo % KEY_TILE
+        tiles = -(-(hi - first) // KEY_TILE) if hi > lo else 0
+        for step in range(-(-tiles // SPLITS)):      # the same count in every warp: the simulator's barriers
+            t0 = first + (step * SPLITS + split) * KEY_TILE
+            # 2. S = Q Kᵀ; a key past hi loads key hi - 1 (real data) and is masked below
+            for nt in range(2):
+                k_rows[nt, 0], k_rows[nt, 1] = row_offsets(k_src, b, min(t0 + 8 * nt + grp, hi - 1), g)
+                for e in range(4):
+                    s[nt, e] = 0.0
+            for ks in range(K_STEPS):
+                a0, a1 = q_s[tile, ks, 0, lane], q_s[tile, ks, 1, lane]
+                a2, a3 = q_s[tile, ks, 2, lane], q_s[tile, ks, 3, lane]
+                for nt in range(2):
+                    for e in range(4):
+                        d = ks * MMA_K + 2 * quad + e % 2 + 8 * (e // 2)
+                        bx[e] = load(k_src, k_rows[nt, 0], k_rows[nt, 1], d) if d < DK else f32(0.0)
+                    s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3] = mma_m16n8k16(
+                        a0, a1, a2, a3, pack_half2(bx[0], bx[1]), pack_half2(bx[2], bx[3]),
+                        s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3], mma_scratch, warp, lane)
+            # 3. scores and the online softmax; element e of a C tile is row grp + 8 * (e // 2), key 2 * quad + e % 2
+            for r in range(2):
+                tile_max[r] = NEG_INF
+                for nt in range(2):
+                    for c in range(2):
+                        t = t0 + 8 * nt + 2 * quad + c
+                        x = NEG_INF
+                        if row_ok[r] and lo <= t < hi:
+                            x = score(score_args, s[nt, 2 * r + c] * sm_scale, b, row_h[r], row_i[r], t, seqlen,
+                                      kvlen)
+                        s[nt, 2 * r + c] = x
+                        tile_max[r] = max(tile_max[r], x)
+            top0, top1 = quad_max2(tile_max[0], tile_max[1], quad_scratch, warp, lane)
+            tile_max[0], tile_max[1] = top0, top1
+            for r in range(2):
+                new_max = max(row_max[r], tile_max[r])
+                alpha = f32(1.0)
+                if new_max != NEG_INF:               # all hidden so far: nothing to rescale, p = 0
+                    alpha = math.exp(row_max[r] - new_max)
+                part = f32(0.0)
+                for nt in range(2):
+                    for c in range(2):
+                        p = f32(0.0)
+                        if new_max != NEG_INF:
+                            p = math.exp(s[nt, 2 * r + c] - new_max)
+                        s[nt, 2 * r + c] = p
+                        part += p
+                row_sum[r] = row_sum[r] * alpha + part
+                row_max[r] = new_max
+                for vt in range(V_TILES):
+                    o[vt, 2 * r] *= alpha
+                    o[vt, 2 * r + 1] *= alpha
+            # 4. P as the A fragment of P·V: the two S tiles side by side are a 16x16 tile in the A layout
+            p0, p1 = pack_half2(s[0, 0], s[0, 1]), pack_half2(s[0, 2], s[0, 3])
+            p2, p3 = pack_half2(s[1, 0], s[1, 1]), pack_half2(s[1, 2], s[1, 3])
+            # 5. O += P V; this lane's B elements are keys 2 * quad + {0, 1, 8, 9} of the tile, column grp
+            for e in range(4):
+                v_rows[e, 0], v_rows[e, 1] = row_offsets(v_src, b, min(t0 + 2 * quad + e % 2 + 8 * (e // 2), hi - 1),
+                                                         g)
+            for vt in range(V_TILES):
+                d = vt * MMA_N + grp
+                for e in range(4):
+                    bx[e] = load(v_src, v_rows[e, 0], v_rows[e, 1], d) if d < DV else f32(0.0)
+                o[vt, 0], o[vt, 1], o[vt, 2], o[vt, 3] = mma_m16n8k16(
+                    p0, p1, p2, p3, pack_half2(bx[0], bx[1]), pack_half2(bx[2], bx[3]),
+                    o[vt, 0], o[vt, 1], o[vt, 2], o[vt, 3], mma_scratch, warp, lane)
+
+        # 6. warps of one row tile merge pairwise: split s + stride into split s, lane by lane (same layout)
+        stride = 1
+        while stride < SPLITS:
+            cuda.syncthreads()
+            slot = tile * (SPLITS // 2) + split // (2 * stride)
+            if split % (2 * stride) == stride:
+                for r in range(2):
+                    merge[slot, lane, r] = row_max[r]
+                    merge[slot, lane, 2 + r] = row_sum[r]
+                for vt in range(V_TILES):
+                    for e in range(4):
+                        merge[slot, lane, 4 + 4 * vt + e] = o[vt, e]
+            cuda.syncthreads()
+            if split % (2 * stride) == 0 and split + stride < SPLITS:
+                for r in range(2):
+                    other = merge[slot, lane, r]
+                    top = max(row_max[r], other)
+                    if top != NEG_INF:
+                        mine, theirs = math.exp(row_max[r] - top), math.exp(other - top)
+                        row_sum[r] = row_sum[r] * mine + merge[slot, lane, 2 + r] * theirs
+                        for vt in range(V_TILES):
+                            for c in range(2):
+                                e = 2 * r + c
+                                o[vt, e] = o[vt, e] * mine + merge[slot, lane, 4 + 4 * vt + e] * theirs
+                        row_max[r] = top
+            stride *= 2
+
+        total0, total1 = quad_sum2(row_sum[0], row_sum[1], quad_scratch, warp, lane)
+        if split == 0:
+            out, o_starts, o_sb, o_si, o_sh = out_geom
+            for r in range(2):
+                total = total0 if r == 0 else total1
+                if row_ok[r]:
+                    at = b * o_sb + (o_starts[b] + row_i[r]) * o_si + row_h[r] * o_sh
+                    for vt in range(V_TILES):
+                        for c in range(2):
+                            d = vt * MMA_N + 2 * quad + c
+                            if d < DV:
+                                out[at + d] = o[vt, 2 * r + c] / total if total > 0.0 else f32(0.0)
+
+    return mma_attention_kernel
