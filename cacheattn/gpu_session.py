@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -49,7 +50,7 @@ RESERVE_S = 15              # kept back for the summary and the log archive
 SANITIZERS = ("memcheck", "racecheck", "initcheck", "synccheck")
 # What the sanitizers run: the GPU-marked tests (a handful of small calls of every operator) and the guard-band
 # test, whose drawn calls reach every operator's kernels with arrays that end exactly where a bad index would land.
-SANITIZED_TESTS = ("tests/test_gpu.py", "tests/test_guard_bands.py",
+SANITIZED_TESTS = ("tests/test_gpu.py", "tests/test_guard_bands.py", "tests/test_mma.py",
                    "tests/test_ppl_kernels.py::test_cupy_arrays_dispatch_to_kernels_and_come_back_as_cupy",
                    "tests/test_ft_properties.py::test_cupy_in_cupy_out_on_the_callers_stream",
                    "tests/test_torch.py::test_multi_head_cache_attention_cuda_tensors_run_the_kernels_in_place")
@@ -182,7 +183,7 @@ def default_steps(python: str = sys.executable) -> list[Step]:
     pytest = (python, "-m", "pytest", "-q", "-p", "no:cacheprovider")
     steps = [
         Step("env", (python, "-m", "cacheattn", "gpu-session", "--env"), 60, parse=parse_env),
-        Step("gpu-tests", (*pytest, "-x", "-m", "gpu", "tests"), 240, gpu, parse_pytest),
+        Step("gpu-tests", (*pytest, "-x", "-m", "gpu or hardware", "tests"), 240, gpu, parse_pytest),
         Step("bench", (python, "-m", "cacheattn", "bench", "--out", "{work}"), 300,
              parse=_bench_files("bench.json")),
         Step("host", (python, "-m", "cacheattn", "bench", "--host", "--out", "{work}"), 120,
@@ -213,7 +214,7 @@ def describe(steps: list[Step], budget_s: int = BUDGET_S) -> str:
              "the budget has left)"]
     for i, s in enumerate(steps, 1):
         env = " ".join(f"{k}={v}" for k, v in s.env.items())
-        lines.append(f"{i}. {s.name} (limit {s.timeout_s} s): {env + ' ' if env else ''}{' '.join(s.command)}")
+        lines.append(f"{i}. {s.name} (limit {s.timeout_s} s): {env + ' ' if env else ''}{shlex.join(s.command)}")
     return "\n".join(lines)
 
 
@@ -227,7 +228,7 @@ def _run_one(step: Step, work: Path, limit: float) -> dict:
     start = time.monotonic()
     status = None
     with log_path.open("w") as log:
-        log.write(f"$ {' '.join(command)}\n")
+        log.write(f"$ {shlex.join(command)}\n")
         log.flush()
         try:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

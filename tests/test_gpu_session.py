@@ -27,7 +27,7 @@ def test_dry_run_lists_every_step_in_order_with_its_command(capsys):
     assert [s.name for s in default_steps()] == order
     positions = [out.index(f". {name} (limit") for name in order]
     assert positions == sorted(positions)
-    assert "CACHEATTN_TEST_GPU=1" in out and "-x -m gpu tests" in out and "bench --host" in out
+    assert "CACHEATTN_TEST_GPU=1" in out and "-x -m 'gpu or hardware' tests" in out and "bench --host" in out
     for tool in SANITIZERS:
         assert f"compute-sanitizer --tool {tool} --target-processes all" in out
     assert "run nothing" not in out and "budget" in out

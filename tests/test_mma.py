@@ -8,6 +8,7 @@ test runs `mma.sync` itself and so checks the table against the hardware.
 """
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from numba import cuda
@@ -25,6 +26,10 @@ def position_table(position, count):
 A_AT, B_AT, C_AT = position_table(_mma.a_position, 8), position_table(_mma.b_position, 4), \
     position_table(_mma.c_position, 4)
 MMA_SCRATCH, QUAD_SCRATCH = _mma.scratch_shapes(1)          # one warp
+
+# The first thing a lent GPU runs (`python -m cacheattn gpu-session`'s gpu-tests step): the layout table against
+# the hardware's mma.sync.
+pytestmark = pytest.mark.hardware
 
 
 @cuda.jit
