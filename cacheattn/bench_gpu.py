@@ -83,6 +83,7 @@ TINY_CASES = (
     BenchCase("tiny prefill B1 5 tokens fp16", 1, 0, 5, num_heads=2, num_kv_heads=1, head_dim=8, page_size=4),
 )
 TINY_THREADS = 32        # the simulator's cost is per thread
+LADDER_PEERS = {2: "rung 2 (warp per key)", 3: "rung 3 (16-byte loads)"}
 
 
 @dataclass
@@ -230,10 +231,11 @@ def _peers(device: Device, case: BenchCase, host: dict, repeat: int, threads: in
         return p.astype(np.float16) @ v
 
     peers["plain CuPy"] = device.median_ms([plain_cupy], repeat)
-    # The kernel ladder's next rung on the same problem (docs/kernel-ladder.md).
-    rung2 = {k: device.put(v) for k, v in copy_inputs(host).items()}
-    peers["rung 2 (warp per key)"] = device.median_ms(
-        [lambda: cacheattn.multi_head_cache_attention(**rung2, **ppl.attrs(), backend="numba", rung=2)], repeat)
+    # The kernel ladder's later rungs on the same problem (docs/kernel-ladder.md).
+    for rung, name in LADDER_PEERS.items():
+        ladder = {k: device.put(v) for k, v in copy_inputs(host).items()}
+        peers[name] = device.median_ms([lambda x=ladder, rung=rung: cacheattn.multi_head_cache_attention(
+            **x, **ppl.attrs(), backend="numba", rung=rung)], repeat)
     try:
         import torch
         import torch.nn.functional as F

@@ -292,7 +292,8 @@ def dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decodin
 
     query: (seqstarts[B], num_heads, head_dim); key, value: (kvstarts[B], num_kv_heads, head_dim).
     Returns attn_output (seqstarts[B], num_heads, head_dim). threads, rung: the kernels' block size and which
-    rung of the kernel ladder runs (1 shared-memory tiles, 2 a warp per key; docs/kernel-ladder.md).
+    rung of the kernel ladder runs (1 shared-memory tiles, 2 a warp per key, 3 16-byte loads;
+    docs/kernel-ladder.md).
     """
     data = dict(query=query, key=key, value=value, attn_mask=attn_mask)
     engine = arrays.resolve_backend(backend, data)
@@ -326,10 +327,10 @@ def dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decodin
 
 
 def _check_launch(threads, rung):
-    check_choice("rung", rung, (1, 2))
+    check_choice("rung", rung, (1, 2, 3))
     check_int("threads", threads, low=32, high=1024)
-    if rung == 2 and threads % 32:
-        raise ValueError(f"threads: expected a multiple of 32 for rung 2 (a warp per key), got {threads}")
+    if rung >= 2 and threads % 32:
+        raise ValueError(f"threads: expected a multiple of 32 for rung {rung} (warps walk the keys), got {threads}")
 
 
 @arrays.accepts_torch
@@ -342,7 +343,8 @@ def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvs
 
     query: (seqstarts[B], num_heads, head_dim); current_key/value: (seqstarts[B], num_kv_heads, head_dim).
     Returns attn_output (seqstarts[B], num_heads, head_dim); cache and scale are modified in place.
-    threads, rung: the kernels' block size and kernel-ladder rung (1 shared-memory tiles, 2 a warp per key).
+    threads, rung: the kernels' block size and kernel-ladder rung (1 shared-memory tiles, 2 a warp per key,
+    3 16-byte loads).
     """
     data = dict(query=query, current_key=current_key, current_value=current_value, cache=cache, scale=scale,
                 attn_mask=attn_mask)

@@ -20,8 +20,9 @@ import numpy as np
 from numba import cuda
 
 from ._attention_core import make_attention_kernel, plan_tiles
+from ._attention_vector import make_vector_attention_kernel, plan_vector_rows
 from ._attention_warp import make_warp_attention_kernel, plan_warp_rows
-from ._cache import make_cache_access, packed_source
+from ._cache import chunk_elements, make_cache_access, make_chunk_load, packed_source, vector_loads_ok
 from ._launch import caller_stream, ceil_div, empty_like_kind, flat, launch, to_kind
 from ._numerics import keep_float32, rounder
 
@@ -64,12 +65,22 @@ def make_ppl_score(round_query):
 
 @cache
 def attention_kernel(quant_bit, quant_group, scale_dtype, value_dtype, query_dtype, head_dim, num_heads,
-                     num_kv_heads, max_seqlen, rung=1, threads=128):
+                     num_kv_heads, max_seqlen, rung=1, threads=128, cache_dtype=None, vector=False):
     """The core specialised for OpenPPL: cache reads of this quantization, OpenPPL's bias; plus its tile plan.
-    rung 1: the shared-memory tile loop (_attention_core); rung 2: a warp per key (_attention_warp)."""
-    row_offsets, load = make_cache_access(quant_bit, quant_group,
-                                          rounder(scale_dtype) if quant_bit else keep_float32, rounder(value_dtype))
+    rung 1: the shared-memory tile loop (_attention_core); rung 2: a warp per key (_attention_warp); rung 3:
+    lane groups per key reading 16-byte chunks of a `cache_dtype` cache, in vector loads when `vector`
+    (_attention_vector)."""
+    round_scale = rounder(scale_dtype) if quant_bit else keep_float32
+    row_offsets, load = make_cache_access(quant_bit, quant_group, round_scale, rounder(value_dtype))
     score, key_range = make_ppl_score(rounder(query_dtype))
+    if rung == 3:
+        warps, chunk = threads // 32, chunk_elements(quant_bit, cache_dtype)
+        heads_per_block, q_tile = plan_vector_rows(num_heads, num_kv_heads, max_seqlen, head_dim, chunk, warps)
+        load_chunk = make_chunk_load(quant_bit, quant_group, round_scale, rounder(value_dtype), chunk, vector)
+        kernel = make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, head_dim_k=head_dim,
+                                              head_dim_v=head_dim, chunk=chunk, heads_per_block=heads_per_block,
+                                              q_tile=q_tile, group=num_heads // num_kv_heads, warps=warps)
+        return kernel, heads_per_block, q_tile
     if rung == 2:
         warps = threads // 32
         heads_per_block, q_tile = plan_warp_rows(num_heads, num_kv_heads, max_seqlen, head_dim, warps)
@@ -88,13 +99,17 @@ def attend(query, key_src, value_src, seqstarts, kvstarts, decoding_batches, max
            num_kv_heads, is_causal, alibi_slopes, quant_bit, quant_group, scale_dtype, value_dtype, threads, stream,
            rung=1):
     """Launch the OpenPPL attention kernel over K/V sources; returns attn_output (seqstarts[B], H, Dh).
-    rung: which kernel of the ladder (1 shared-memory tiles, 2 a warp per key; threads a multiple of 32)."""
+    rung: which kernel of the ladder (1 shared-memory tiles, 2 a warp per key, 3 16-byte loads; threads a
+    multiple of 32 from rung 2)."""
     head_dim = query.shape[2]
     batch = seqstarts.shape[0] - 1
+    # Rung 3 reads whole 16-byte chunks when every row of both sources is aligned (decided here, per launch).
+    vector = rung == 3 and all(vector_loads_ok(src, quant_bit, head_dim) for src in (key_src, value_src))
+    shape = (quant_bit, quant_group, np.dtype(scale_dtype).str, np.dtype(value_dtype).str, query.dtype.str, head_dim,
+             num_heads, num_kv_heads, min(max_seqlen, 16), rung, threads if rung >= 2 else 128,
+             key_src.data.dtype.str if rung == 3 else None, vector)
     # Query tiles stop growing at 16 rows, so lengths past 16 share one compiled kernel.
-    kernel, heads_per_block, q_tile = attention_kernel(
-        quant_bit, quant_group, np.dtype(scale_dtype).str, np.dtype(value_dtype).str, query.dtype.str, head_dim,
-        num_heads, num_kv_heads, min(max_seqlen, 16), rung, threads if rung == 2 else 128)
+    kernel, heads_per_block, q_tile = attention_kernel(*shape)
     is_alibi = alibi_slopes is not None
     # Upstream forms the ALiBi bias in the query dtype, so the slopes are rounded to it first.
     slopes = np.asarray(alibi_slopes if is_alibi else [0.0]).astype(query.dtype).astype(np.float32)

@@ -42,17 +42,17 @@ PPL_REPRESENTATIVES = ((0, np.float32, 1, False), (8, np.float16, 3, True), (4, 
                        (4, np.float16, 1, True))
 
 
-def _ppl_launches(full: bool, rung: int = 1):
+def _ppl_launches(full: bool, rung: int = 1, representatives=PPL_REPRESENTATIVES, head_dim: int = 32, **launch):
     """(label, kernel, args) for the OpenPPL kernels: quant 0/8/4 x float16/float32 x decode/prefill when
-    full, else PPL_REPRESENTATIVES."""
+    full, else `representatives`; launch: rung 4's num_splits."""
     from . import _launch
     from .ppl_key_value_cache import key_value_cache
     from .ppl_multi_head_cache_attention import multi_head_cache_attention
 
     rng = np.random.default_rng(0)
-    heads, kv_heads, head_dim, group = 4, 2, 32, 8
+    heads, kv_heads, group = 4, 2, 8
     variants = [(quant_bit, dtype, seqlen, alibi) for quant_bit in (0, 8, 4) for dtype in (np.float16, np.float32)
-                for seqlen, alibi in ((1, False), (3, True))] if full else PPL_REPRESENTATIVES
+                for seqlen, alibi in ((1, False), (3, True))] if full else representatives
     out = []
     for quant_bit, dtype, seqlen, alibi in variants:
         stored = head_dim // 2 if quant_bit == 4 else head_dim
@@ -69,13 +69,13 @@ def _ppl_launches(full: bool, rung: int = 1):
                 q, k, k, seqstarts, kvstarts, np.array([0, 32]), np.array([2, 2]), 1, seqlen, seqlen + 2,
                 cache, scale, mask, num_heads=heads, head_dim=head_dim, is_causal=True,
                 alibi_slopes=np.ones(heads, np.float32) if alibi else None, num_kv_heads=kv_heads,
-                quant_bit=quant_bit, quant_group=group, cache_axes="T L KV H D", rung=rung)
+                quant_bit=quant_bit, quant_group=group, cache_axes="T L KV H D", rung=rung, **launch)
             static_cache = np.zeros((2, 1, 2, 8, kv_heads, stored), cache_dtype)
             static_scale = np.ones((2, 1, 2, 8, kv_heads, head_dim // group), np.float32) if quant_bit else None
             key_value_cache(k.reshape(2, seqlen, kv_heads, head_dim), k.reshape(2, seqlen, kv_heads, head_dim),
                             2, static_cache, static_scale, quant_bit=quant_bit, quant_group=group,
                             cache_axes="B L KV T H D")
-        label = f"quant_bit={quant_bit} {np.dtype(dtype).name} seqlen={seqlen}"
+        label = f"quant_bit={quant_bit} {np.dtype(dtype).name} seqlen={seqlen} Dh {head_dim}"
         out += [(label, kernel, args) for kernel, args in launches]
     return out
 
@@ -225,10 +225,37 @@ def _ladder_launches(full: bool):
             if kernel.py_func.__name__ == "warp_attention_kernel"]
 
 
+# Rung 3 on each cache format's vector unpacking (float16, float32, int8, int4 rows of 16-byte multiples at
+# head_dim 32; one prefill with ALiBi, the rest decode: prefill rows multiply the unrolled code and the compile
+# time), then the element-load fallback (int8 rows of 24 bytes).
+RUNG3_REPRESENTATIVES = ((0, np.float16, 1, False), (0, np.float32, 1, True), (8, np.float16, 3, True),
+                         (4, np.float32, 1, False))
+RUNG3_FALLBACK = ((8, np.float32, 1, False),)
+VECTOR_LOAD = "[16-byte loads]"          # a label with this marker must compile to ld.global.nc.v4 (PTX_MARKERS)
+
+
+def _rung_launches(full: bool, rung: int, representatives, fallback=(), **launch):
+    """Rung 3 or 4's vector attention kernel (and rung 4's combine kernel) on the OpenPPL launches:
+    `representatives` with 16-byte loads at head_dim 32, `fallback` with element loads at head_dim 24."""
+    out = []
+    for variants, head_dim, marker in ((representatives, 32, f" {VECTOR_LOAD}"), (fallback, 24, "")):
+        for label, kernel, args in _ppl_launches(full, rung, variants, head_dim, **launch):
+            name = kernel.py_func.__name__
+            if name in ("vector_attention_kernel", "combine_kernel"):
+                out.append((f"rung {rung} {label}{marker if name == 'vector_attention_kernel' else ''}", kernel, args))
+    return out
+
+
+def _rung3_launches(full: bool):
+    return _rung_launches(full, 3, RUNG3_REPRESENTATIVES, RUNG3_FALLBACK)
+
+
 # Kernel families: name -> launches(full). A new operator module adds its family here; tests/test_ptx.py runs
 # one test per family and compute capability.
 FAMILIES = {"ppl": _ppl_launches, "onnx": _onnx_launches, "ft": _ft_launches, "trtllm": _trtllm_launches,
-            "ladder": _ladder_launches}
+            "ladder": _ladder_launches, "rung3": _rung3_launches}
+# Label marker -> text the kernel's PTX must contain: what a rung promises, proven on the compiled code.
+PTX_MARKERS = {VECTOR_LOAD: "ld.global.nc.v4.u32"}
 
 
 def compile_all(ccs, families=tuple(FAMILIES), full=False, report=print) -> int:
@@ -251,6 +278,10 @@ def compile_all(ccs, families=tuple(FAMILIES), full=False, report=print) -> int:
             try:
                 ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=cc)
                 status = f"ok  {len(ptx):7d} chars"
+                missing = [text for marker, text in PTX_MARKERS.items() if marker in label and text not in ptx]
+                if missing:
+                    failures += 1
+                    status = f"FAIL the PTX lacks {', '.join(missing)}"
             except Exception as exc:  # report every failure, then fail the run
                 failures += 1
                 status = f"FAIL {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"

@@ -11,13 +11,14 @@ import functools
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
 
 import cacheattn
 import cacheattn.testing as kit
 from cacheattn.tour import ATTENTION_CASES
 
 from helpers import assert_bits_equal, assert_close
-from strategies import KERNEL, build_ppl, float64_ppl_attention, reference_cache_state
+from strategies import KERNEL, build_ppl, float64_ppl_attention, ppl_cases, reference_cache_state, with_
 
 # Fewer threads than elements: every strided loop wraps. The budget is split between the two block sizes.
 THREADS = (32, 64)
@@ -56,6 +57,24 @@ def test_rung_2_kernel_conforms(device, op):
     path syncs the block at every warp reduction, so it gets a third of the budget and one block size."""
     report = kit.check(op, kernels(device, getattr(cacheattn, op), 64, rung=2), max_examples=max(1, KERNEL // 3))
     assert report.examples >= 1
+
+
+@pytest.mark.parametrize("op", ["multi_head_cache_attention", "dynamic_multi_head_attention"])
+def test_rung_3_kernel_conforms(device, op):
+    """Rung 3 (16-byte chunks, lane groups per key): the kit's float16/float32 caches and int8 at head_dim 16 take
+    the vector loads, int8 at 8 or 24 and every int4 the element-load fallback (rows not 16-byte multiples)."""
+    report = kit.check(op, kernels(device, getattr(cacheattn, op), 64, rung=3), max_examples=max(1, KERNEL // 3))
+    assert report.examples >= 1
+
+
+@pytest.mark.parametrize("quant_bit", [8, 4])
+@settings(max_examples=max(1, KERNEL // 6))
+@given(case=ppl_cases(max_batch=2))
+def test_rung_3_unpacks_int8_and_int4_vector_loads(device, quant_bit, case):
+    """The kit's problems at head_dim 32, where int8 (32-byte) and int4 (16-byte) rows take the vector loads too:
+    rung 3's shifts, sign extension and per-group scales against the reference's dequantized values."""
+    impl = kernels(device, cacheattn.multi_head_cache_attention, 64, rung=3)
+    kit.check_case("multi_head_cache_attention", impl, with_(case, head_dim=32, quant_bit=quant_bit))
 
 
 @pytest.mark.gpu
