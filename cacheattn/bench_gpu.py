@@ -83,7 +83,7 @@ TINY_CASES = (
     BenchCase("tiny prefill B1 5 tokens fp16", 1, 0, 5, num_heads=2, num_kv_heads=1, head_dim=8, page_size=4),
 )
 TINY_THREADS = 32        # the simulator's cost is per thread
-LADDER_PEERS = {2: "rung 2 (warp per key)", 3: "rung 3 (16-byte loads)"}
+LADDER_PEERS = {2: "rung 2 (warp per key)", 3: "rung 3 (16-byte loads)", 4: "rung 4 (split-K)"}
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Rung 3 of the kernel ladder: 16-byte vector loads and lane groups per key.
+"""Rung 3 of the kernel ladder: 16-byte vector loads, lane groups per key, and the split-K partials of rung 4.
 
 Rung 2 (`_attention_warp.py`) gives each lane of a warp one element of a key row per load instruction: 2 of
 the 16 bytes a load can carry for float16, 1 for int8. This rung gives each lane a 16-byte chunk of the row
@@ -16,6 +16,10 @@ a power of 2, at most 32), so a warp walks 32 / LANES keys at once, one per grou
        the warps merge through shared memory (`_attention_warp.make_row_writer`).
 Rows whose 16-byte alignment the host cannot promise take the same loop with one element load per value
 (`vector=False`), so the lane-group structure and every result stay the same.
+
+partials (rung 4, split-K): grid z = B * num_splits; block z walks split z % num_splits of its sequence's keys
+(ceil(kvlen / num_splits) keys each; a split past the last key is empty) and writes unnormalised acc, M and L
+per row as `_attention_core.make_attention_kernel(partials=True)` documents; `_split_k.combine_kernel` finishes.
 """
 
 from __future__ import annotations
@@ -57,9 +61,10 @@ def plan_vector_rows(num_heads: int, num_kv_heads: int, max_seqlen: int, head_di
 
 
 def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, head_dim_k: int, head_dim_v: int,
-                                 chunk: int, heads_per_block: int, q_tile: int, group: int, warps: int):
-    """Build the kernel. Launch grid (ceil(max_seqlen / q_tile), num_heads / heads_per_block, B), 32 * warps
-    threads; arguments as `_attention_core.make_attention_kernel`'s kernel.
+                                 chunk: int, heads_per_block: int, q_tile: int, group: int, warps: int,
+                                 partials: bool = False):
+    """Build the kernel. Launch grid (ceil(max_seqlen / q_tile), num_heads / heads_per_block, B, times num_splits
+    with partials), 32 * warps threads; arguments as `_attention_core.make_attention_kernel`'s kernel.
     load_chunk(src, row, sc_row, d0, regs, at, dims) fills regs[at:at + chunk] with elements d0.. of a row."""
     HPB, DK, DV, WARPS, E = heads_per_block, head_dim_k, head_dim_v, warps, chunk
     ROWS = HPB * q_tile
@@ -75,11 +80,15 @@ def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, h
     SCRATCH = max(ROWS, MERGED) if SIMULATED else 1    # values xor_reduce_many combines at once in the simulator
     start_rows = make_row_starter(heads_per_block=HPB, q_tile=q_tile, head_dim_k=DK, chunk=E, lanes=LANES,
                                   q_per_lane=KR, out_per_lane=VR)
-    write_rows = make_row_writer(heads_per_block=HPB, q_tile=q_tile, head_dim_v=DV, warps=WARPS)
+    write_rows = make_row_writer(heads_per_block=HPB, q_tile=q_tile, head_dim_v=DV, warps=WARPS,
+                                 partials=partials)
 
     @cuda.jit
     def vector_attention_kernel(q_geom, out_geom, seqlens, kvlens, k_src, v_src, score_args, sm_scale):
-        b = cuda.blockIdx.z
+        b, split = cuda.blockIdx.z, 0
+        if partials:
+            num_splits = out_geom[5]
+            b, split = b // num_splits, b % num_splits
         seqlen, kvlen = seqlens[b], kvlens[b]
         i0 = cuda.blockIdx.x * q_tile
         if i0 >= seqlen:
@@ -112,6 +121,9 @@ def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, h
 
         i_last = min(i0 + q_tile, seqlen) - 1
         lo, hi = key_range(score_args, b, i0, i_last, seqlen, kvlen)
+        if partials:                                  # this split's keys
+            per_split = -(-kvlen // num_splits)
+            lo, hi = max(lo, split * per_split), min(hi, (split + 1) * per_split)
         steps = -(-max(hi - lo, 0) // STEP)          # the same count in every thread: xor_reduce may hold barriers
         for step in range(steps):
             t = lo + step * STEP + warp * KEYS + key_of_warp
@@ -143,7 +155,7 @@ def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, h
                 add_key(row_max, row_sum, acc, r, s, v_reg, VR)
 
         # 5. merge the lane groups of each warp (the same chunk positions, different keys), then the warps
-        if KEYS > 1:
+        if KEYS > 1 and steps > 0:                   # (an empty split has nothing to merge)
             for r in range(ROWS):
                 dots[r] = row_max[r]
             xor_reduce_many(dots, ROWS, scratch, warp, lane, LANES, WARP_SIZE, True)     # the warp's max per row
@@ -168,6 +180,6 @@ def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, h
                     if d < DV:
                         warp_out[warp, r, d] = acc[r, x]
         cuda.syncthreads()
-        write_rows(warp_max, warp_sum, warp_out, out_geom, b, i0, h0, seqlen)
+        write_rows(warp_max, warp_sum, warp_out, out_geom, b, split, i0, h0, seqlen)
 
     return vector_attention_kernel

@@ -132,7 +132,7 @@ def make_warp_attention_kernel(row_offsets, load, score, key_range, *, head_dim_
                 if d < DV:
                     warp_out[warp, r, d] = acc[r, m]
         cuda.syncthreads()
-        write_rows(warp_max, warp_sum_p, warp_out, out_geom, b, i0, h0, seqlen)
+        write_rows(warp_max, warp_sum_p, warp_out, out_geom, b, 0, i0, h0, seqlen)
 
     return warp_attention_kernel
 
@@ -177,17 +177,20 @@ def make_row_starter(*, heads_per_block: int, q_tile: int, head_dim_k: int, chun
     return start_rows
 
 
-def make_row_writer(*, heads_per_block: int, q_tile: int, head_dim_v: int, warps: int, acc_dtype=np.float32):
-    """Device function write_rows(warp_max, warp_sum, warp_out, out_geom, b, i0, h0, seqlen), called by every
-    thread after a barrier: merges the warps' states of each row with the multi-block rule and writes acc / L."""
+def make_row_writer(*, heads_per_block: int, q_tile: int, head_dim_v: int, warps: int, acc_dtype=np.float32,
+                    partials: bool = False):
+    """Device function write_rows(warp_max, warp_sum, warp_out, out_geom, b, split, i0, h0, seqlen), called by
+    every thread after a barrier: merges the warps' states of each row with the multi-block rule and writes
+    acc / L; with partials (out_geom as in `_attention_core.make_attention_kernel`'s docstring) the split's
+    unnormalised acc, M and L for a combine kernel."""
     HPB, DV, THREADS = heads_per_block, head_dim_v, warps * WARP_SIZE
     ROWS = heads_per_block * q_tile
     acc_t = np.float64 if np.dtype(acc_dtype) == np.float64 else np.float32
     NEG_INF = acc_t(-math.inf)
 
     @cuda.jit(device=True, inline="always")
-    def write_rows(warp_max, warp_sum, warp_out, out_geom, b, i0, h0, seqlen):
-        out, o_starts, o_sb, o_si, o_sh = out_geom
+    def write_rows(warp_max, warp_sum, warp_out, out_geom, b, split, i0, h0, seqlen):
+        out, o_starts, o_sb, o_si, o_sh = out_geom[0], out_geom[1], out_geom[2], out_geom[3], out_geom[4]
         for e in range(cuda.threadIdx.x, ROWS * DV, THREADS):
             r, d = e // DV, e % DV
             i = i0 + r // HPB
@@ -202,7 +205,15 @@ def make_row_writer(*, heads_per_block: int, q_tile: int, head_dim_v: int, warps
                         weight = math.exp(warp_max[w, r] - top)
                         total += weight * warp_sum[w, r]
                         value += weight * warp_out[w, r, d]
-                out[b * o_sb + (o_starts[b] + i) * o_si + (h0 + r % HPB) * o_sh + d] = (
-                    value / total if total > 0.0 else acc_t(0.0))
+                at = b * o_sb + (o_starts[b] + i) * o_si + (h0 + r % HPB) * o_sh + d
+                if partials:
+                    split_stride, split_rows, num_heads, m_out, l_out = out_geom[6:]
+                    out[split * split_stride + at] = value
+                    if d == 0:
+                        row = split * split_rows + (o_starts[b] + i) * num_heads + h0 + r % HPB
+                        m_out[row] = top
+                        l_out[row] = total
+                else:
+                    out[at] = value / total if total > 0.0 else acc_t(0.0)
 
     return write_rows

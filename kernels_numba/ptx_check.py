@@ -250,10 +250,15 @@ def _rung3_launches(full: bool):
     return _rung_launches(full, 3, RUNG3_REPRESENTATIVES, RUNG3_FALLBACK)
 
 
+def _rung4_launches(full: bool):
+    """Rung 4 with a forced split count: the partials kernel and the combine kernel (the loads are rung 3's)."""
+    return _rung_launches(full, 4, RUNG3_REPRESENTATIVES[:1], num_splits=3)
+
+
 # Kernel families: name -> launches(full). A new operator module adds its family here; tests/test_ptx.py runs
 # one test per family and compute capability.
 FAMILIES = {"ppl": _ppl_launches, "onnx": _onnx_launches, "ft": _ft_launches, "trtllm": _trtllm_launches,
-            "ladder": _ladder_launches, "rung3": _rung3_launches}
+            "ladder": _ladder_launches, "rung3": _rung3_launches, "rung4": _rung4_launches}
 # Label marker -> text the kernel's PTX must contain: what a rung promises, proven on the compiled code.
 PTX_MARKERS = {VECTOR_LOAD: "ld.global.nc.v4.u32"}
 
