@@ -68,9 +68,9 @@ def make_ppl_score(round_query):
 def attention_kernel(quant_bit, quant_group, scale_dtype, value_dtype, query_dtype, head_dim, num_heads,
                      num_kv_heads, max_seqlen, rung=1, threads=128, cache_dtype=None, vector=False, partials=False):
     """The core specialised for OpenPPL: cache reads of this quantization, OpenPPL's bias; plus its tile plan.
-    rung 1: the shared-memory tile loop (_attention_core); rung 2: a warp per key (_attention_warp); rungs 3
-    and 4: lane groups per key reading 16-byte chunks of a `cache_dtype` cache, in vector loads when `vector`
-    (_attention_vector), writing split-K partials when `partials`."""
+    rung 1: the shared-memory tile loop (_attention_core); rung 2: a warp per key (_attention_warp); rung 3
+    (rung 4's too): lane groups per key reading 16-byte chunks of a `cache_dtype` cache, in vector loads when
+    `vector` (_attention_vector), writing split-K partials when `partials`."""
     round_scale = rounder(scale_dtype) if quant_bit else keep_float32
     row_offsets, load = make_cache_access(quant_bit, quant_group, round_scale, rounder(value_dtype))
     score, key_range = make_ppl_score(rounder(query_dtype))
@@ -107,10 +107,10 @@ def attend(query, key_src, value_src, seqstarts, kvstarts, decoding_batches, max
     batch = seqstarts.shape[0] - 1
     # Rungs 3-4 read whole 16-byte chunks when every row of both sources is aligned (decided here, per launch).
     vector = rung >= 3 and all(vector_loads_ok(src, quant_bit, head_dim) for src in (key_src, value_src))
+    # Query tiles stop growing at 16 rows, so lengths past 16 share one compiled kernel; rung 4 is rung 3's.
     shape = (quant_bit, quant_group, np.dtype(scale_dtype).str, np.dtype(value_dtype).str, query.dtype.str, head_dim,
-             num_heads, num_kv_heads, min(max_seqlen, 16), rung, threads if rung >= 2 else 128,
+             num_heads, num_kv_heads, min(max_seqlen, 16), min(rung, 3), threads if rung >= 2 else 128,
              key_src.data.dtype.str if rung >= 3 else None, vector)
-    # Query tiles stop growing at 16 rows, so lengths past 16 share one compiled kernel.
     kernel, heads_per_block, q_tile = attention_kernel(*shape)
     grid = (max(1, ceil_div(max_seqlen, q_tile)), num_heads // heads_per_block, batch)
     splits = 1
