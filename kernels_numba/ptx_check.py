@@ -250,8 +250,8 @@ def _rung3_launches(full: bool):
 
 
 def _rung4_launches(full: bool):
-    """Rung 4 with a forced split count: the partials kernel and the combine kernel (the loads are rung 3's)."""
-    return _rung_launches(full, 4, RUNG3_REPRESENTATIVES[:1], num_splits=3)
+    """Rung 4 with a forced split count: the partials kernel, vector and fallback, and the combine kernel."""
+    return _rung_launches(full, 4, RUNG3_REPRESENTATIVES[:1], RUNG3_FALLBACK, num_splits=3)
 
 
 # Kernel families: name -> launches(full). A new operator module adds its family here; tests/test_ptx.py runs
