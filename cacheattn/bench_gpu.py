@@ -85,7 +85,8 @@ TINY_CASES = (
 TINY_THREADS = 32        # the simulator's cost is per thread
 # Rungs of the kernel ladder timed beside the default kernel (rung 1): {peer name: rung}. Every case is a float16
 # query, which rung 5 needs.
-LADDER_PEERS = {"rung 2 (warp per key)": 2, "rung 5 (tensor cores, mma.sync)": 5}
+LADDER_PEERS = {"rung 2 (warp per key)": 2, "rung 3 (16-byte loads)": 3, "rung 4 (split-K)": 4,
+                "rung 5 (tensor cores, mma.sync)": 5}
 
 
 @dataclass

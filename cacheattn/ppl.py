@@ -289,17 +289,18 @@ def dynamic_key_value_cache(current_key, current_value, seqstarts, kvstarts, cac
 @arrays.accepts_torch
 def dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
                                  attn_mask=None, *, num_heads, head_dim, is_causal, is_alibi=False, num_kv_heads=0,
-                                 backend="auto", threads=128, rung=1):
+                                 backend="auto", threads=128, rung=1, num_splits=None):
     """OpenPPL `dynamic_batching.MultiHeadAttention` over packed key/value (as KeyValueCache returns them).
 
     query: (seqstarts[B], num_heads, head_dim); key, value: (kvstarts[B], num_kv_heads, head_dim).
     Returns attn_output (seqstarts[B], num_heads, head_dim). threads, rung: the kernels' block size and which
-    rung of the kernel ladder runs (1 shared-memory tiles, 2 a warp per key, 5 tensor cores with a float16 query;
-    docs/kernel-ladder.md).
+    rung of the kernel ladder runs (1 shared-memory tiles, 2 a warp per key, 3 16-byte loads, 4 split-K, 5 tensor
+    cores with a float16 query; docs/kernel-ladder.md); num_splits: rung 4's split count (default: chosen for the
+    GPU's SM count).
     """
     data = dict(query=query, key=key, value=value, attn_mask=attn_mask)
     engine = arrays.resolve_backend(backend, data)
-    _check_launch(threads, rung)
+    _check_launch(threads, rung, num_splits)
     kv_heads = _check_attention_attrs(num_heads, head_dim, num_kv_heads, is_causal, is_alibi)
     _check_query(query, num_heads, head_dim)
     _check_rung(rung, query, threads, head_dim)
@@ -326,14 +327,23 @@ def dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decodin
     return arrays.kernels().dynamic_multi_head_attention(
         data["query"], data["key"], data["value"], arrays.kernel_index(data["query"], seqstarts, seqs),
         arrays.kernel_index(data["query"], kvstarts, kvs), decoding_batches, max_seqlen, max_kvlen, data["attn_mask"],
-        alibi_slopes=alibi_slopes(num_heads) if is_alibi else None, threads=threads, rung=rung, **attrs)
+        alibi_slopes=alibi_slopes(num_heads) if is_alibi else None, threads=threads, rung=rung, num_splits=num_splits,
+        **attrs)
 
 
-def _check_launch(threads, rung):
-    check_choice("rung", rung, (1, 2, 5))
+MAX_SPLITS = 64      # rung 4's most key splits, the cap of kernels_numba._split_k.choose_splits too
+
+
+def _check_launch(threads, rung, num_splits):
+    check_choice("rung", rung, (1, 2, 3, 4, 5))
     check_int("threads", threads, low=32, high=1024)
-    if rung in (2, 5) and threads % 32:
+    if rung >= 2 and threads % 32:
         raise ValueError(f"threads: expected a multiple of 32 for rung {rung} (whole warps), got {threads}")
+    if num_splits is not None:
+        if rung != 4:
+            raise ValueError(f"num_splits: only rung 4 (split-K) splits the keys, got num_splits={num_splits!r} "
+                             f"with rung {rung}")
+        check_int("num_splits", num_splits, low=1, high=MAX_SPLITS)
 
 
 def _check_rung(rung, query, threads, head_dim):
@@ -350,18 +360,19 @@ def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvs
                                decoding_batches, max_seqlen, max_kvlen, cache, scale=None, attn_mask=None, *,
                                num_heads, head_dim, is_causal, is_alibi=False, num_kv_heads=0, num_layer=1,
                                layer_idx=0, quant_bit=0, quant_group=8, cache_mode=0, cache_layout=0, page_size=128,
-                               backend="auto", threads=128, rung=1):
+                               backend="auto", threads=128, rung=1, num_splits=None):
     """OpenPPL `dynamic_batching.MultiHeadCacheAttention` = dynamic KeyValueCache + dynamic MultiHeadAttention.
 
     query: (seqstarts[B], num_heads, head_dim); current_key/value: (seqstarts[B], num_kv_heads, head_dim).
     Returns attn_output (seqstarts[B], num_heads, head_dim); cache and scale are modified in place.
-    threads, rung: the kernels' block size and kernel-ladder rung (1 shared-memory tiles, 2 a warp per key, 5 tensor
-    cores with a float16 query).
+    threads, rung, num_splits: the kernels' block size, kernel-ladder rung (1 shared-memory tiles, 2 a warp per
+    key, 3 16-byte loads, 4 split-K, 5 tensor cores with a float16 query) and rung 4's split count (default: chosen
+    for the GPU's SM count).
     """
     data = dict(query=query, current_key=current_key, current_value=current_value, cache=cache, scale=scale,
                 attn_mask=attn_mask)
     engine = arrays.resolve_backend(backend, data)
-    _check_launch(threads, rung)
+    _check_launch(threads, rung, num_splits)
     kv_heads = _check_attention_attrs(num_heads, head_dim, num_kv_heads, is_causal, is_alibi)
     _check_query(query, num_heads, head_dim)
     _check_rung(rung, query, threads, head_dim)
@@ -388,4 +399,4 @@ def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvs
         *(arrays.kernel_index(data["cache"], x, idx[n]) for n, x in zip(order, given)), decoding_batches, max_seqlen,
         max_kvlen, data["cache"], data["scale"], data["attn_mask"],
         alibi_slopes=alibi_slopes(num_heads) if is_alibi else None, cache_axes=DYNAMIC_LAYOUTS[cache_layout],
-        threads=threads, rung=rung, **attrs, **cache_attrs)
+        threads=threads, rung=rung, num_splits=num_splits, **attrs, **cache_attrs)

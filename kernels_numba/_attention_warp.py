@@ -30,13 +30,14 @@ from ._warp import WARP_SIZE, warp_sum
 
 
 def plan_warp_rows(num_heads: int, num_kv_heads: int, max_seqlen: int, head_dim_v: int, warps: int,
-                   elem_bytes: int = 4):
-    """(heads_per_block, q_tile): a whole GQA group when the warps' merge buffers fit, at most 8 rows a block
-    (each row costs every lane registers for its slice of q and of the output)."""
+                   elem_bytes: int = 4, max_rows: int = 8):
+    """(heads_per_block, q_tile): a whole GQA group when the warps' merge buffers fit, at most max_rows rows a
+    block when the group splits evenly (each row costs every lane registers for its slice of q and of the
+    output)."""
     heads_per_block = num_heads // num_kv_heads
-    while heads_per_block > 8 and heads_per_block % 2 == 0:
+    while heads_per_block > max_rows and heads_per_block % 2 == 0:
         heads_per_block //= 2
-    q_tile = 1 if max_seqlen <= 1 else max(1, min(8 // heads_per_block, max_seqlen))
+    q_tile = 1 if max_seqlen <= 1 else max(1, min(max_rows // heads_per_block, max_seqlen))
 
     def fits():
         rows = heads_per_block * q_tile
@@ -48,7 +49,7 @@ def plan_warp_rows(num_heads: int, num_kv_heads: int, max_seqlen: int, head_dim_
         heads_per_block //= 2
     if not fits():
         raise ValueError(f"head_dim: {head_dim_v} needs more than {SHARED_BYTES} bytes of shared memory per block "
-                         f"with {warps} warps in the rung-2 kernel")
+                         f"with {warps} warps in the warp-per-key kernels")
     return heads_per_block, q_tile
 
 
@@ -62,6 +63,9 @@ def make_warp_attention_kernel(row_offsets, load, score, key_range, *, head_dim_
     V_PER_LANE = -(-DV // WARP_SIZE)
     acc_t = np.float64 if np.dtype(acc_dtype) == np.float64 else np.float32
     NEG_INF = acc_t(-math.inf)
+    start_rows = make_row_starter(heads_per_block=HPB, q_tile=q_tile, head_dim_k=DK, chunk=1, lanes=WARP_SIZE,
+                                  q_per_lane=K_PER_LANE, out_per_lane=V_PER_LANE, acc_dtype=acc_t)
+    write_rows = make_row_writer(heads_per_block=HPB, q_tile=q_tile, head_dim_v=DV, warps=WARPS, acc_dtype=acc_t)
 
     @cuda.jit
     def warp_attention_kernel(q_geom, out_geom, seqlens, kvlens, k_src, v_src, score_args, sm_scale):
@@ -80,24 +84,12 @@ def make_warp_attention_kernel(row_offsets, load, score, key_range, *, head_dim_
         warp_sum_p = cuda.shared.array((WARPS, ROWS), acc_t)
         warp_out = cuda.shared.array((WARPS, ROWS, DV), acc_t)
 
-        # 1. this lane's elements of every query row
+        # 1. this lane's elements of every query row (elements lane, lane + 32, ...), empty softmax states
         q_reg = cuda.local.array((ROWS, K_PER_LANE), acc_t)
-        q, q_starts, q_sb, q_si, q_sh = q_geom
-        for r in range(ROWS):
-            i = i0 + r // HPB
-            for m in range(K_PER_LANE):
-                d = lane + m * WARP_SIZE
-                q_reg[r, m] = 0.0
-                if d < DK and i < seqlen:
-                    q_reg[r, m] = acc_t(q[b * q_sb + (q_starts[b] + i) * q_si + (h0 + r % HPB) * q_sh + d])
         row_max = cuda.local.array(ROWS, acc_t)
         row_sum = cuda.local.array(ROWS, acc_t)
         acc = cuda.local.array((ROWS, V_PER_LANE), acc_t)
-        for r in range(ROWS):
-            row_max[r] = NEG_INF
-            row_sum[r] = 0.0
-            for m in range(V_PER_LANE):
-                acc[r, m] = 0.0
+        start_rows(q_geom, b, i0, h0, seqlen, lane, q_reg, row_max, row_sum, acc)
         k_reg = cuda.local.array(K_PER_LANE, acc_t)
         v_reg = cuda.local.array(V_PER_LANE, acc_t)
 
@@ -128,14 +120,7 @@ def make_warp_attention_kernel(row_offsets, load, score, key_range, *, head_dim_
                 if valid and i < seqlen:
                     s = score(score_args, dot * sm_scale, b, h0 + r % HPB, i, t, seqlen, kvlen)
                 # 4. this warp's online softmax for row r (the same values in every lane)
-                new_max = max(row_max[r], s)
-                if new_max != NEG_INF:
-                    alpha = math.exp(row_max[r] - new_max)
-                    p = math.exp(s - new_max)
-                    row_sum[r] = row_sum[r] * alpha + p
-                    for m in range(V_PER_LANE):
-                        acc[r, m] = acc[r, m] * alpha + p * v_reg[m]
-                    row_max[r] = new_max
+                add_key(row_max, row_sum, acc, r, s, v_reg, V_PER_LANE)
 
         # 5. merge the warps' states
         for r in range(ROWS):
@@ -147,22 +132,88 @@ def make_warp_attention_kernel(row_offsets, load, score, key_range, *, head_dim_
                 if d < DV:
                     warp_out[warp, r, d] = acc[r, m]
         cuda.syncthreads()
-        out, o_starts, o_sb, o_si, o_sh = out_geom
-        for e in range(tid, ROWS * DV, WARPS * WARP_SIZE):
+        write_rows(warp_max, warp_sum_p, warp_out, out_geom, b, 0, i0, h0, seqlen)
+
+    return warp_attention_kernel
+
+
+@cuda.jit(device=True, inline="always")
+def add_key(row_max, row_sum, acc, r, s, v_reg, count):
+    """Row r's online-softmax state (max, sum, this lane's acc[r, :count]) takes one key: logit s, value v_reg."""
+    new_max = max(row_max[r], s)
+    if new_max != -math.inf:                          # all hidden so far: nothing to rescale or add
+        alpha = math.exp(row_max[r] - new_max)
+        p = math.exp(s - new_max)
+        row_sum[r] = row_sum[r] * alpha + p
+        for m in range(count):
+            acc[r, m] = acc[r, m] * alpha + p * v_reg[m]
+        row_max[r] = new_max
+
+
+def make_row_starter(*, heads_per_block: int, q_tile: int, head_dim_k: int, chunk: int, lanes: int, q_per_lane: int,
+                     out_per_lane: int, acc_dtype=np.float32):
+    """Device function start_rows(q_geom, b, i0, h0, seqlen, group_lane, q_reg, row_max, row_sum, acc): this lane's
+    slice of every query row of the block into q_reg (ROWS, q_per_lane) (0 past the row or the sequence) and
+    empty online-softmax states. The lane of a group of `lanes` holds chunks group_lane, group_lane + lanes, ...
+    of `chunk` consecutive elements (rung 2: chunks of 1 over the 32 lanes of a warp)."""
+    HPB, DK, ROWS = heads_per_block, head_dim_k, heads_per_block * q_tile
+    acc_t = np.float64 if np.dtype(acc_dtype) == np.float64 else np.float32
+
+    @cuda.jit(device=True, inline="always")
+    def start_rows(q_geom, b, i0, h0, seqlen, group_lane, q_reg, row_max, row_sum, acc):
+        q, q_starts, q_sb, q_si, q_sh = q_geom
+        for r in range(ROWS):
+            i = i0 + r // HPB
+            for x in range(q_per_lane):
+                d = (group_lane + (x // chunk) * lanes) * chunk + x % chunk
+                q_reg[r, x] = 0.0
+                if d < DK and i < seqlen:
+                    q_reg[r, x] = acc_t(q[b * q_sb + (q_starts[b] + i) * q_si + (h0 + r % HPB) * q_sh + d])
+            row_max[r] = -math.inf
+            row_sum[r] = 0.0
+            for x in range(out_per_lane):
+                acc[r, x] = 0.0
+
+    return start_rows
+
+
+def make_row_writer(*, heads_per_block: int, q_tile: int, head_dim_v: int, warps: int, acc_dtype=np.float32,
+                    partials: bool = False):
+    """Device function write_rows(warp_max, warp_sum, warp_out, out_geom, b, split, i0, h0, seqlen), called by
+    every thread after a barrier: merges the warps' states of each row with the multi-block rule and writes
+    acc / L; with partials (out_geom as in `_attention_core.make_attention_kernel`'s docstring) the split's
+    unnormalised acc, M and L for a combine kernel."""
+    HPB, DV, THREADS = heads_per_block, head_dim_v, warps * WARP_SIZE
+    ROWS = heads_per_block * q_tile
+    acc_t = np.float64 if np.dtype(acc_dtype) == np.float64 else np.float32
+    NEG_INF = acc_t(-math.inf)
+
+    @cuda.jit(device=True, inline="always")
+    def write_rows(warp_max, warp_sum, warp_out, out_geom, b, split, i0, h0, seqlen):
+        out, o_starts, o_sb, o_si, o_sh = out_geom[0], out_geom[1], out_geom[2], out_geom[3], out_geom[4]
+        for e in range(cuda.threadIdx.x, ROWS * DV, THREADS):
             r, d = e // DV, e % DV
             i = i0 + r // HPB
             if i < seqlen:
                 top = NEG_INF
-                for w in range(WARPS):
+                for w in range(warps):
                     top = max(top, warp_max[w, r])
                 total = acc_t(0.0)
                 value = acc_t(0.0)
                 if top != NEG_INF:
-                    for w in range(WARPS):
+                    for w in range(warps):
                         weight = math.exp(warp_max[w, r] - top)
-                        total += weight * warp_sum_p[w, r]
+                        total += weight * warp_sum[w, r]
                         value += weight * warp_out[w, r, d]
-                out[b * o_sb + (o_starts[b] + i) * o_si + (h0 + r % HPB) * o_sh + d] = (
-                    value / total if total > 0.0 else acc_t(0.0))
+                at = b * o_sb + (o_starts[b] + i) * o_si + (h0 + r % HPB) * o_sh + d
+                if partials:
+                    split_stride, split_rows, num_heads, m_out, l_out = out_geom[6:]
+                    out[split * split_stride + at] = value
+                    if d == 0:
+                        row = split * split_rows + (o_starts[b] + i) * num_heads + h0 + r % HPB
+                        m_out[row] = top
+                        l_out[row] = total
+                else:
+                    out[at] = value / total if total > 0.0 else acc_t(0.0)
 
-    return warp_attention_kernel
+    return write_rows

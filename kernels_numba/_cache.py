@@ -25,6 +25,7 @@ from numba import cuda
 
 from ._launch import OFFSET_PAGE, axis_strides, flat
 from ._numerics import rounder
+from ._vector import VECTOR_BYTES, float_from_bits, half_from_bits, load16
 
 QMAX = {8: 127, 4: 7}
 MIN_SCALE = 1e-5
@@ -80,6 +81,8 @@ def make_cache_access(quant_bit: int, quant_group: int, round_scale, round_value
         return (src.base + b * src.s_b + slot * src.s_t + h * src.s_h,
                 src.sc_base + b * src.sc_s_b + slot * src.sc_s_t + h * src.sc_s_h)
 
+    dequantize = make_dequantize(round_scale, round_value)
+
     @cuda.jit(device=True, inline="always")
     def load(src, row, sc_row, d):
         data, scales = src.data, src.scales
@@ -90,9 +93,78 @@ def make_cache_access(quant_bit: int, quant_group: int, round_scale, round_value
         else:
             nibble = (np.int32(data[row + d // 2]) >> (4 * (d & 1))) & 0xF   # element 2i: low nibble
             q = nibble - 16 if nibble >= 8 else nibble                        # two's complement
-        return round_value(round_scale(np.float32(q) * np.float32(scales[sc_row + d // quant_group])))
+        return dequantize(q, scales[sc_row + d // quant_group])
 
     return row_offsets, load
+
+
+def make_dequantize(round_scale, round_value):
+    @cuda.jit(device=True, inline="always")
+    def dequantize(q, scale):
+        """The document's dequantized element: q * scale rounded to the scale dtype, then to the output dtype."""
+        return round_value(round_scale(np.float32(q) * np.float32(scale)))
+
+    return dequantize
+
+
+def chunk_elements(quant_bit: int, cache_dtype) -> int:
+    """Elements of a row in one 16-byte chunk: 8 float16, 4 float32, 16 int8, 32 int4."""
+    return 32 if quant_bit == 4 else VECTOR_BYTES // np.dtype(cache_dtype).itemsize
+
+
+def _address(array) -> int:
+    interface = getattr(array, "__cuda_array_interface__", None) or array.__array_interface__
+    return int(interface["data"][0])
+
+
+def vector_loads_ok(src: CacheSource, quant_bit: int, head_dim: int) -> bool:
+    """Whether every row of `src` can be read in 16-byte vector loads (decided on the host, once per launch):
+    a float16/float32/int8 cache whose data starts 16-byte aligned, with every row offset (base and strides,
+    in bytes) a multiple of 16 and a row a whole number of 16-byte chunks."""
+    itemsize = src.data.dtype.itemsize
+    if src.data.dtype.kind not in "fi" or itemsize > 4:
+        return False
+    row_bytes = head_dim // 2 if quant_bit == 4 else head_dim * itemsize
+    offsets = (int(x) * itemsize for x in (src.base, src.s_b, src.s_t, src.s_h))
+    return row_bytes % VECTOR_BYTES == 0 and _address(src.data) % VECTOR_BYTES == 0 and \
+        all(x % VECTOR_BYTES == 0 for x in offsets)
+
+
+def make_chunk_load(quant_bit: int, quant_group: int, round_scale, round_value, elements: int, vector: bool):
+    """Device function load_chunk(src, row, sc_row, d0, regs, at, dims): elements d0 .. d0 + elements - 1 of a
+    row (those below dims), dequantized as `load` returns them, into regs[at:]. vector: one 16-byte load
+    (`_vector.load16`) unpacked in registers; else one `load` per element (rung 2's reads)."""
+    _, load = make_cache_access(quant_bit, quant_group, round_scale, round_value)
+    dequantize = make_dequantize(round_scale, round_value)
+    per_word = elements // 4                          # elements in each 32-bit word of the chunk
+    bits = 32 // per_word
+
+    @cuda.jit(device=True, inline="always")
+    def load_chunk(src, row, sc_row, d0, regs, at, dims):
+        if not vector:
+            for e in range(elements):
+                if d0 + e < dims:
+                    regs[at + e] = load(src, row, sc_row, d0 + e)
+            return
+        data, scales = src.data, src.scales
+        words = load16(data, row + (d0 // 2 if quant_bit == 4 else d0))
+        scale = np.float32(0.0)
+        for j in range(4):
+            word = words[j]
+            for k in range(per_word):                 # little-endian: element e is the e-th field from bit 0
+                e = j * per_word + k
+                field = (word >> (bits * k)) & ((1 << bits) - 1)
+                if quant_bit == 0:
+                    x = half_from_bits(field) if bits == 16 else float_from_bits(field)
+                    regs[at + e] = round_value(x)
+                    continue
+                if e == 0 or (d0 + e) % quant_group == 0:
+                    scale = np.float32(scales[sc_row + (d0 + e) // quant_group])
+                sign = 1 << (bits - 1)
+                q = np.int32(field ^ sign) - sign                # two's complement of a bits-wide field
+                regs[at + e] = dequantize(q, scale)
+
+    return load_chunk
 
 
 def make_store_kernel(quant_bit: int, quant_group: int, head_dim: int, input_dtype, round_scale, round_value):

@@ -1,9 +1,13 @@
-"""Warp primitives for the kernel ladder's second rung, in one small module.
+"""Warp primitives for the kernel ladder (rungs 2 and 3), in one small module.
 
-On a GPU a warp sums 32 lane values with five butterfly shuffles (`shfl_xor_sync`): no shared memory, no
-barrier, and every lane ends with the same bits (each step adds the same two numbers on both partners).
-numba's CUDA simulator has no shuffles, so there the same device function goes through a per-warp row of
-shared memory between two block barriers; its callers therefore call it the same number of times in
+On a GPU a warp combines lane values with butterfly shuffles (`shfl_xor_sync`): no shared memory, no barrier,
+and every lane of a group ends with the same bits (each step combines the same two numbers on both partners).
+`xor_reduce` combines over the lanes that differ from this one only in the bits first, 2 first, ..., stop / 2:
+(1, 32) is the whole warp (`warp_sum`), (1, w) a group of w consecutive lanes (rung 3: the lanes that share one
+key row), (w, 32) the lanes at the same place of every group (rung 3: merging the keys a warp walked at once).
+numba's CUDA simulator has no shuffles, so there the same device functions go through a per-warp row of
+shared memory between two block barriers (`xor_reduce_many`: one pair for several values, as the simulator's
+cost is its barriers); their callers therefore call them the same number of times in
 every thread of the block (a barrier must be reached by all). The sum's order differs between the two
 paths (a tree on the GPU, left to right in the simulator), which is within every tolerance the tests use.
 """
@@ -18,21 +22,60 @@ SIMULATED = bool(config.ENABLE_CUDASIM)
 
 if SIMULATED:
     @cuda.jit(device=True)
-    def warp_sum(x, scratch, warp, lane):
-        """The sum of x over the 32 lanes of this warp, in every lane (scratch: shared (warps, 32))."""
+    def xor_reduce(x, scratch, warp, lane, first, stop, take_max):
+        """x summed (or its max, take_max) over the lanes lane ^ k, k a multiple of first below stop (powers of
+        2), in each of them (scratch: shared (warps, 32))."""
+        if stop <= first:
+            return x                            # nothing to combine (first, stop are the same in every thread)
         cuda.syncthreads()                      # the previous call's readers are done with scratch
         scratch[warp, lane] = x
         cuda.syncthreads()
-        total = scratch[warp, 0]
-        for other in range(1, WARP_SIZE):
-            total += scratch[warp, other]
+        base = lane & ~(stop - first)           # the lowest lane of this lane's set
+        total = scratch[warp, base]
+        for k in range(1, stop // first):
+            other = scratch[warp, base + k * first]
+            total = max(total, other) if take_max else total + other
         return total
 else:
     @cuda.jit(device=True, inline="always")
-    def warp_sum(x, scratch, warp, lane):
-        """The sum of x over the 32 lanes of this warp, in every lane (scratch unused on a GPU)."""
-        offset = WARP_SIZE // 2
-        while offset > 0:
-            x += cuda.shfl_xor_sync(FULL_MASK, x, offset)
-            offset //= 2
+    def xor_reduce(x, scratch, warp, lane, first, stop, take_max):
+        """x summed (or its max, take_max) over the lanes lane ^ k, k a multiple of first below stop (powers of
+        2), in each of them (scratch unused on a GPU)."""
+        offset = first
+        while offset < stop:
+            other = cuda.shfl_xor_sync(FULL_MASK, x, offset)
+            x = max(x, other) if take_max else x + other
+            offset *= 2
         return x
+
+
+if SIMULATED:
+    @cuda.jit(device=True)
+    def xor_reduce_many(values, count, scratch, warp, lane, first, stop, take_max):
+        """values[:count], each combined as `xor_reduce` does, in place; one pair of barriers for all of them
+        (scratch: shared (warps, 32, >= count))."""
+        if stop <= first:
+            return
+        cuda.syncthreads()
+        for k in range(count):
+            scratch[warp, lane, k] = values[k]
+        cuda.syncthreads()
+        base = lane & ~(stop - first)
+        for k in range(count):
+            total = scratch[warp, base, k]
+            for j in range(1, stop // first):
+                other = scratch[warp, base + j * first, k]
+                total = max(total, other) if take_max else total + other
+            values[k] = total
+else:
+    @cuda.jit(device=True, inline="always")
+    def xor_reduce_many(values, count, scratch, warp, lane, first, stop, take_max):
+        """values[:count], each combined as `xor_reduce` does, in place (scratch unused on a GPU)."""
+        for k in range(count):
+            values[k] = xor_reduce(values[k], scratch, warp, lane, first, stop, take_max)
+
+
+@cuda.jit(device=True, inline="always")
+def warp_sum(x, scratch, warp, lane):
+    """The sum of x over the 32 lanes of this warp, in every lane."""
+    return xor_reduce(x, scratch, warp, lane, 1, WARP_SIZE, False)

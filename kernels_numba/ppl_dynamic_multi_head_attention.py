@@ -21,10 +21,12 @@ from numba import cuda
 
 from ._attention_core import make_attention_kernel, plan_tiles
 from ._attention_mma import make_mma_attention_kernel, plan_mma_rows
+from ._attention_vector import keys_per_step, make_vector_attention_kernel, plan_vector_rows
 from ._attention_warp import make_warp_attention_kernel, plan_warp_rows
-from ._cache import make_cache_access, packed_source
+from ._cache import chunk_elements, make_cache_access, make_chunk_load, packed_source, vector_loads_ok
 from ._launch import caller_stream, ceil_div, empty_like_kind, flat, launch, to_kind
 from ._numerics import keep_float32, rounder
+from ._split_k import choose_splits, combine_kernel
 
 NEG_INF = np.float32(-math.inf)
 
@@ -65,13 +67,24 @@ def make_ppl_score(round_query):
 
 @cache
 def attention_kernel(quant_bit, quant_group, scale_dtype, value_dtype, query_dtype, head_dim, num_heads,
-                     num_kv_heads, max_seqlen, rung=1, threads=128):
+                     num_kv_heads, max_seqlen, rung=1, threads=128, cache_dtype=None, vector=False, partials=False):
     """The core specialised for OpenPPL: cache reads of this quantization, OpenPPL's bias; plus its tile plan.
-    rung 1: the shared-memory tile loop (_attention_core); rung 2: a warp per key (_attention_warp); rung 5: tensor
-    cores (_attention_mma, float16 query)."""
-    row_offsets, load = make_cache_access(quant_bit, quant_group,
-                                          rounder(scale_dtype) if quant_bit else keep_float32, rounder(value_dtype))
+    rung 1: the shared-memory tile loop (_attention_core); rung 2: a warp per key (_attention_warp); rung 3
+    (rung 4's too): lane groups per key reading 16-byte chunks of a `cache_dtype` cache, in vector loads when
+    `vector` (_attention_vector), writing split-K partials when `partials`; rung 5: tensor cores (_attention_mma,
+    float16 query)."""
+    round_scale = rounder(scale_dtype) if quant_bit else keep_float32
+    row_offsets, load = make_cache_access(quant_bit, quant_group, round_scale, rounder(value_dtype))
     score, key_range = make_ppl_score(rounder(query_dtype))
+    if rung == 3:
+        warps, chunk = threads // 32, chunk_elements(quant_bit, cache_dtype)
+        heads_per_block, q_tile = plan_vector_rows(num_heads, num_kv_heads, max_seqlen, head_dim, chunk, warps)
+        load_chunk = make_chunk_load(quant_bit, quant_group, round_scale, rounder(value_dtype), chunk, vector)
+        kernel = make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, head_dim_k=head_dim,
+                                              head_dim_v=head_dim, chunk=chunk, heads_per_block=heads_per_block,
+                                              q_tile=q_tile, group=num_heads // num_kv_heads, warps=warps,
+                                              partials=partials)
+        return kernel, heads_per_block, q_tile
     if rung == 2:
         warps = threads // 32
         heads_per_block, q_tile = plan_warp_rows(num_heads, num_kv_heads, max_seqlen, head_dim, warps)
@@ -93,18 +106,26 @@ def attention_kernel(quant_bit, quant_group, scale_dtype, value_dtype, query_dty
     return kernel, heads_per_block, q_tile
 
 
-def attend(query, key_src, value_src, seqstarts, kvstarts, decoding_batches, max_seqlen, attn_mask, *, num_heads,
-           num_kv_heads, is_causal, alibi_slopes, quant_bit, quant_group, scale_dtype, value_dtype, threads, stream,
-           rung=1):
+def attend(query, key_src, value_src, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen, attn_mask, *,
+           num_heads, num_kv_heads, is_causal, alibi_slopes, quant_bit, quant_group, scale_dtype, value_dtype, threads,
+           stream, rung=1, num_splits=None):
     """Launch the OpenPPL attention kernel over K/V sources; returns attn_output (seqstarts[B], H, Dh).
-    rung: which kernel of the ladder (1 shared-memory tiles, 2 a warp per key, 5 tensor cores; threads a multiple of 32
-    for 2 and 5)."""
+    rung: which kernel of the ladder (1 shared-memory tiles, 2 a warp per key, 3 16-byte loads, 4 split-K, 5 tensor
+    cores; threads a multiple of 32 from rung 2); num_splits: rung 4's split count (None: `choose_splits`)."""
     head_dim = query.shape[2]
     batch = seqstarts.shape[0] - 1
-    # Query tiles stop growing at 16 rows, so lengths past 16 share one compiled kernel.
-    kernel, heads_per_block, q_tile = attention_kernel(
-        quant_bit, quant_group, np.dtype(scale_dtype).str, np.dtype(value_dtype).str, query.dtype.str, head_dim,
-        num_heads, num_kv_heads, min(max_seqlen, 16), rung, threads if rung in (2, 5) else 128)
+    # Rungs 3-4 read whole 16-byte chunks when every row of both sources is aligned (decided here, per launch).
+    vector = rung in (3, 4) and all(vector_loads_ok(src, quant_bit, head_dim) for src in (key_src, value_src))
+    # Query tiles stop growing at 16 rows, so lengths past 16 share one compiled kernel; rung 4 is rung 3's.
+    shape = (quant_bit, quant_group, np.dtype(scale_dtype).str, np.dtype(value_dtype).str, query.dtype.str, head_dim,
+             num_heads, num_kv_heads, min(max_seqlen, 16), 3 if rung == 4 else rung, threads if rung >= 2 else 128,
+             key_src.data.dtype.str if rung in (3, 4) else None, vector)
+    kernel, heads_per_block, q_tile = attention_kernel(*shape)
+    grid = (max(1, ceil_div(max_seqlen, q_tile)), num_heads // heads_per_block, batch)
+    splits = 1
+    if rung == 4:
+        step = keys_per_step(head_dim, chunk_elements(quant_bit, key_src.data.dtype), threads // 32)
+        splits = num_splits or choose_splits(grid[0] * grid[1] * grid[2], max_kvlen, step)
     is_alibi = alibi_slopes is not None
     # Upstream forms the ALiBi bias in the query dtype, so the slopes are rounded to it first.
     slopes = np.asarray(alibi_slopes if is_alibi else [0.0]).astype(query.dtype).astype(np.float32)
@@ -121,16 +142,28 @@ def attend(query, key_src, value_src, seqstarts, kvstarts, decoding_batches, max
     kvlens = kvstarts[1:] - kvstarts[:-1]
     attn_output = empty_like_kind(query, query.shape, query.dtype)
     geometry = (np.int64(0), np.int64(num_heads * head_dim), np.int64(head_dim))   # (s_b, s_i, s_h) of (T, H, Dh)
-    grid = (max(1, ceil_div(max_seqlen, q_tile)), num_heads // heads_per_block, batch)
-    launch(kernel, grid, threads, stream, (flat(query), seqstarts, *geometry),
-           (flat(attn_output), seqstarts, *geometry), seqlens, kvlens, key_src, value_src, score_args,
-           np.float32(1 / math.sqrt(head_dim)))
+    inputs = ((flat(query), seqstarts, *geometry), seqlens, kvlens, key_src, value_src, score_args,
+              np.float32(1 / math.sqrt(head_dim)))
+    if splits == 1:
+        launch(kernel, grid, threads, stream, inputs[0], (flat(attn_output), seqstarts, *geometry), *inputs[1:])
+        return attn_output
+    # Split-K: each split's unnormalised output, max and sum per (token, head) row, then one combine pass.
+    rows = query.shape[0] * num_heads
+    o_part = empty_like_kind(query, (splits * rows * head_dim,), np.float32)
+    m_part, l_part = (empty_like_kind(query, (splits * rows,), np.float32) for _ in range(2))
+    split_geom = (o_part, seqstarts, *geometry, np.int64(splits), np.int64(rows * head_dim), np.int64(rows),
+                  np.int64(num_heads), m_part, l_part)
+    kernel, _, _ = attention_kernel(*shape, partials=True)
+    launch(kernel, grid[:2] + (batch * splits,), threads, stream, inputs[0], split_geom, *inputs[1:])
+    launch(combine_kernel(query.dtype.str, num_heads, head_dim),
+           (max(1, ceil_div(max_seqlen * num_heads * head_dim, threads)), batch), threads, stream, o_part, m_part,
+           l_part, np.int64(splits), seqstarts, seqstarts, flat(attn_output))
     return attn_output
 
 
 def dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
                                  attn_mask=None, *, num_heads, head_dim, is_causal, alibi_slopes=None, num_kv_heads=0,
-                                 threads=128, rung=1):
+                                 threads=128, rung=1, num_splits=None):
     """attn_output (seqstarts[B], num_heads, head_dim) from packed key/value. Inputs validated by `cacheattn`.
 
     alibi_slopes: float32 (num_heads,) when is_alibi, else None.
@@ -139,6 +172,7 @@ def dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decodin
     stream = caller_stream(query, key)
     row_starts = kvstarts[:-1].reshape(-1, 1)
     return attend(query, packed_source(key, row_starts), packed_source(value, row_starts), seqstarts, kvstarts,
-                  decoding_batches, max_seqlen, attn_mask, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                  decoding_batches, max_seqlen, max_kvlen, attn_mask, num_heads=num_heads, num_kv_heads=num_kv_heads,
                   is_causal=is_causal, alibi_slopes=alibi_slopes, quant_bit=0, quant_group=head_dim,
-                  scale_dtype=query.dtype, value_dtype=value.dtype, threads=threads, stream=stream, rung=rung)
+                  scale_dtype=query.dtype, value_dtype=value.dtype, threads=threads, stream=stream, rung=rung,
+                  num_splits=num_splits)

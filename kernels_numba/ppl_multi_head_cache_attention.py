@@ -19,7 +19,7 @@ def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvs
                                decoding_batches, max_seqlen, max_kvlen, cache, scale=None, attn_mask=None, *,
                                num_heads, head_dim, is_causal, alibi_slopes=None, num_kv_heads=0, layer_idx=0,
                                quant_bit=0, quant_group=8, cache_mode=0, cache_axes, page_size=128, threads=128,
-                               rung=1):
+                               rung=1, num_splits=None):
     """attn_output (seqstarts[B], num_heads, head_dim); cache/scale updated in place. Validated by `cacheattn`."""
     num_kv_heads = num_kv_heads or num_heads
     stream = caller_stream(query, cache)
@@ -29,7 +29,7 @@ def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvs
     store_current(current_key, current_value, seqstarts, start_pos, max_seqlen, key_src, value_src,
                   quant_bit=quant_bit, quant_group=quant_group, scale_dtype=scale_dtype, threads=threads,
                   stream=stream)
-    return attend(query, key_src, value_src, seqstarts, kvstarts, decoding_batches, max_seqlen, attn_mask,
+    return attend(query, key_src, value_src, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen, attn_mask,
                   num_heads=num_heads, num_kv_heads=num_kv_heads, is_causal=is_causal, alibi_slopes=alibi_slopes,
                   quant_bit=quant_bit, quant_group=quant_group, scale_dtype=scale_dtype,
-                  value_dtype=current_value.dtype, threads=threads, stream=stream, rung=rung)
+                  value_dtype=current_value.dtype, threads=threads, stream=stream, rung=rung, num_splits=num_splits)

@@ -45,15 +45,16 @@ PPL_REPRESENTATIVES = ((0, np.float32, 1, False), (8, np.float16, 3, True), (4, 
                        (4, np.float16, 1, True))
 
 
-def _ppl_launches(full: bool, rung: int = 1, dtypes=(np.float16, np.float32), representatives=PPL_REPRESENTATIVES):
+def _ppl_launches(full: bool, rung: int = 1, representatives=PPL_REPRESENTATIVES, head_dim: int = 32,
+                  dtypes=(np.float16, np.float32), **launch):
     """(label, kernel, args) for the OpenPPL kernels: quant 0/8/4 x dtypes x decode/prefill when full, else
-    representatives."""
+    `representatives`; launch: rung 4's num_splits."""
     from . import _launch
     from .ppl_key_value_cache import key_value_cache
     from .ppl_multi_head_cache_attention import multi_head_cache_attention
 
     rng = np.random.default_rng(0)
-    heads, kv_heads, head_dim, group = 4, 2, 32, 8
+    heads, kv_heads, group = 4, 2, 8
     variants = [(quant_bit, dtype, seqlen, alibi) for quant_bit in (0, 8, 4) for dtype in dtypes
                 for seqlen, alibi in ((1, False), (3, True))] if full else representatives
     out = []
@@ -72,13 +73,13 @@ def _ppl_launches(full: bool, rung: int = 1, dtypes=(np.float16, np.float32), re
                 q, k, k, seqstarts, kvstarts, np.array([0, 32]), np.array([2, 2]), 1, seqlen, seqlen + 2,
                 cache, scale, mask, num_heads=heads, head_dim=head_dim, is_causal=True,
                 alibi_slopes=np.ones(heads, np.float32) if alibi else None, num_kv_heads=kv_heads,
-                quant_bit=quant_bit, quant_group=group, cache_axes="T L KV H D", rung=rung)
+                quant_bit=quant_bit, quant_group=group, cache_axes="T L KV H D", rung=rung, **launch)
             static_cache = np.zeros((2, 1, 2, 8, kv_heads, stored), cache_dtype)
             static_scale = np.ones((2, 1, 2, 8, kv_heads, head_dim // group), np.float32) if quant_bit else None
             key_value_cache(k.reshape(2, seqlen, kv_heads, head_dim), k.reshape(2, seqlen, kv_heads, head_dim),
                             2, static_cache, static_scale, quant_bit=quant_bit, quant_group=group,
                             cache_axes="B L KV T H D")
-        label = f"quant_bit={quant_bit} {np.dtype(dtype).name} seqlen={seqlen}"
+        label = f"quant_bit={quant_bit} {np.dtype(dtype).name} seqlen={seqlen} Dh {head_dim}"
         out += [(label, kernel, args) for kernel, args in launches]
     return out
 
@@ -231,6 +232,37 @@ def _ladder_launches(full: bool):
             if kernel.py_func.__name__ == "warp_attention_kernel"]
 
 
+# Rung 3 on the cache formats' vector unpacking (float16, int8, int4 rows of 16-byte multiples at head_dim 32;
+# float32's bit cast with --full; one prefill with ALiBi, the rest decode: prefill rows multiply the unrolled code
+# and the compile time), then the element-load fallback (int8 rows of 24 bytes).
+RUNG3_REPRESENTATIVES = ((0, np.float16, 1, False), (8, np.float16, 3, True), (4, np.float32, 1, False))
+RUNG3_FALLBACK = ((8, np.float32, 1, False),)
+VECTOR_LOAD = "[16-byte loads]"          # a label with this marker must compile to ld.global.nc.v4 (PTX_MARKERS)
+
+
+def _rung_launches(full: bool, rung: int, representatives, fallback=(), **launch):
+    """Rung 3 or 4's vector attention kernel (and rung 4's combine kernel) on the OpenPPL launches:
+    `representatives` with 16-byte loads at head_dim 32, `fallback` with element loads at head_dim 24."""
+    out = []
+    for variants, head_dim, marker in ((representatives, 32, f" {VECTOR_LOAD}"), (fallback, 24, "")):
+        for label, kernel, args in _ppl_launches(full, rung, variants, head_dim, **launch):
+            name = kernel.py_func.__name__
+            if name in ("vector_attention_kernel", "combine_kernel"):
+                out.append((f"rung {rung} {label}{marker if name == 'vector_attention_kernel' else ''}", kernel, args))
+    return out
+
+
+def _rung3_launches(full: bool):
+    return _rung_launches(full, 3, RUNG3_REPRESENTATIVES, RUNG3_FALLBACK)
+
+
+def _rung4_launches(full: bool):
+    """Rung 4 with a forced split count: the partials kernel, vector and fallback, and the combine kernel."""
+    return _rung_launches(full, 4, RUNG3_REPRESENTATIVES[:1], RUNG3_FALLBACK, num_splits=3)
+
+
+
+
 # Rung 5 takes a float16 query only: decode on a float16 and on an int4 cache, prefill (row tiles, ALiBi) on an int8
 # one; --full adds the other pairs. Each compile takes several seconds (a large unrolled body), so three.
 RUNG5_REPRESENTATIVES = ((0, np.float16, 1, False), (8, np.float16, 3, True), (4, np.float16, 1, True))
@@ -240,15 +272,23 @@ def _rung5_launches(full: bool):
     """Rung 5 (tensor cores: inline-PTX mma.sync) on the OpenPPL launches; every compile must contain the mma
     (REQUIRED_PTX), so a build that silently lost it fails."""
     return [(f"rung 5 {label}", kernel, args) for label, kernel, args in
-            _ppl_launches(full, rung=5, dtypes=(np.float16,), representatives=RUNG5_REPRESENTATIVES)
+            _ppl_launches(full, rung=5, representatives=RUNG5_REPRESENTATIVES, dtypes=(np.float16,))
             if kernel.py_func.__name__ == "mma_attention_kernel"]
 
 
-# Kernels with inline PTX: the instruction their PTX must contain (kernel name -> text), checked on every compile.
-# NVVM copies inline asm into the PTX without reading it, so these are also assembled with ptxas when it is
-# installed (the CUDA toolkit wheels of numba-cuda's cu12 extra bring it): a bad operand or constraint fails here,
-# not when a GPU loads the module.
+# Kernels with inline PTX: the instruction their PTX must contain, by kernel name (rung 5's mma, in every compile)
+# or by a marker in the launch's label (rung 3's vector loads, on the aligned launches only). NVVM copies inline asm
+# into the PTX without reading it, so these are also assembled with ptxas when it is installed (the CUDA toolkit
+# wheels of numba-cuda's cu12 extra bring it): a bad operand or constraint fails here, not when a GPU loads the module.
 REQUIRED_PTX = {"mma_attention_kernel": "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"}
+PTX_MARKERS = {VECTOR_LOAD: "ld.global.nc.v4.u32"}
+
+
+def _required_ptx(label: str, kernel) -> list:
+    texts = [text for marker, text in PTX_MARKERS.items() if marker in label]
+    if kernel.py_func.__name__ in REQUIRED_PTX:
+        texts.append(REQUIRED_PTX[kernel.py_func.__name__])
+    return texts
 
 
 def _ptxas() -> str | None:
@@ -277,10 +317,11 @@ def _assemble(ptx: str, cc) -> str:
         raise AssertionError(f"ptxas: {(run.stderr or run.stdout).strip().splitlines()[0]}")
     return ", assembled"
 
+
 # Kernel families: name -> launches(full). A new operator module adds its family here; tests/test_ptx.py runs
 # one test per family and compute capability.
 FAMILIES = {"ppl": _ppl_launches, "onnx": _onnx_launches, "ft": _ft_launches, "trtllm": _trtllm_launches,
-            "ladder": _ladder_launches, "rung5": _rung5_launches}
+            "ladder": _ladder_launches, "rung3": _rung3_launches, "rung4": _rung4_launches, "rung5": _rung5_launches}
 
 
 def compile_all(ccs, families=tuple(FAMILIES), full=False, report=print) -> int:
@@ -302,12 +343,11 @@ def compile_all(ccs, families=tuple(FAMILIES), full=False, report=print) -> int:
             start = time.perf_counter()
             try:
                 ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=cc)
-                required = REQUIRED_PTX.get(kernel.py_func.__name__)
-                assembled = ""
-                if required is not None:
-                    if required not in ptx:
-                        raise AssertionError(f"the PTX lacks {required}")
-                    assembled = _assemble(ptx, cc)
+                required = _required_ptx(label, kernel)
+                missing = [text for text in required if text not in ptx]
+                if missing:
+                    raise AssertionError(f"the PTX lacks {', '.join(missing)}")
+                assembled = _assemble(ptx, cc) if required else ""
                 status = f"ok  {len(ptx):7d} chars{assembled}"
             except Exception as exc:  # report every failure, then fail the run
                 failures += 1

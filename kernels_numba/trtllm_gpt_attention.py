@@ -47,6 +47,8 @@ from ._attention_core import make_attention_kernel, plan_tiles
 from ._cache import token_head_item
 from ._launch import caller_stream, ceil_div, empty_like_kind, flat, launch, to_kind
 from ._numerics import keep_float32, rounder
+from ._split_k import choose_splits
+from ._split_k import combine_kernel as _combine_kernel
 
 # TensorRT-LLM enum values (tensorrt_llm.functional), as cacheattn.trtllm validates them.
 PADDING, CAUSAL, SLIDING_WINDOW_CAUSAL, BIDIRECTIONAL = 0, 1, 2, 3
@@ -393,55 +395,6 @@ def _unfused_kernels(dtype, num_heads, num_kv_heads, head_size, quant, rope_styl
         out[((token_starts[b] + i) * H + h) * DH + d] = total
 
     return scores_kernel, softmax_kernel, pv_kernel
-
-
-@cache
-def _combine_kernel(dtype, num_heads, head_size):
-    """Kernel: the multi-block reduction of the splits' (m, l, o): M = max m_c, L = sum e^(m_c - M) l_c,
-    out = sum e^(m_c - M) o_c / L (0 for a row no split saw). One thread per output element; grid
-    (x: ceil(max new tokens * H * Dh / threads), y: entries)."""
-    acc_t = _acc_type(dtype)
-    H, DH = num_heads, head_size
-    NEG_INF = acc_t(-math.inf)
-
-    @cuda.jit
-    def combine_kernel(o_part, m_part, l_part, num_splits, token_starts, new_starts, out):
-        b, i, h, d = token_head_item(new_starts, H, DH)
-        if i < 0:
-            return
-        rows = m_part.shape[0] // num_splits
-        row = (token_starts[b] + i) * H + h             # (token, head): the index of m, l; o adds d
-        big_m = NEG_INF
-        for c in range(num_splits):
-            big_m = max(big_m, m_part[c * rows + row])
-        total, value = acc_t(0.0), acc_t(0.0)
-        if big_m != NEG_INF:
-            for c in range(num_splits):
-                m = m_part[c * rows + row]
-                if m != NEG_INF:                        # a split that saw no key adds nothing
-                    weight = math.exp(m - big_m)
-                    total += weight * l_part[c * rows + row]
-                    value += weight * o_part[(c * rows + row) * DH + d]
-        out[row * DH + d] = value / total if total > 0 else acc_t(0.0)
-
-    return combine_kernel
-
-
-def sm_count() -> int:
-    """The current GPU's multiprocessor count; 132 (an H100 SXM) when there is none, as in the simulator."""
-    try:
-        return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
-    except Exception:  # no device, or the simulator's, which has no attributes
-        return 132
-
-
-def choose_splits(blocks: int, max_kv_len: int, key_tile: int, num_sms: int | None = None) -> int:
-    """Multi-block heuristic: split the keys only when the grid (entries x head groups x query tiles) leaves
-    SMs idle; as many splits as fill them, never more than the longest sequence has key tiles, at most 64."""
-    num_sms = sm_count() if num_sms is None else num_sms
-    if blocks >= num_sms:
-        return 1
-    return max(1, min(num_sms // blocks, ceil_div(max_kv_len, key_tile), 64))
 
 
 @cache

@@ -16,9 +16,10 @@ from hypothesis import given, settings
 import cacheattn
 import cacheattn.testing as kit
 from cacheattn.tour import ATTENTION_CASES
+from kernels_numba import _launch
 
 from helpers import assert_bits_equal, assert_close
-from strategies import KERNEL, build_ppl, float64_ppl_attention, ppl_cases, reference_cache_state
+from strategies import KERNEL, PPLCase, build_ppl, float64_ppl_attention, ppl_cases, reference_cache_state, with_
 
 # Fewer threads than elements: every strided loop wraps. The budget is split between the two block sizes.
 THREADS = (32, 64)
@@ -57,6 +58,53 @@ def test_rung_2_kernel_conforms(device, op):
     path syncs the block at every warp reduction, so it gets a third of the budget and one block size."""
     report = kit.check(op, kernels(device, getattr(cacheattn, op), 64, rung=2), max_examples=max(1, KERNEL // 3))
     assert report.examples >= 1
+
+
+@pytest.mark.parametrize("op", ["multi_head_cache_attention", "dynamic_multi_head_attention"])
+def test_rung_3_kernel_conforms(device, op):
+    """Rung 3 (16-byte chunks, lane groups per key): the kit's float16/float32 caches and int8 at head_dim 16 take
+    the vector loads, int8 at 8 or 24 and every int4 the element-load fallback (rows not 16-byte multiples)."""
+    report = kit.check(op, kernels(device, getattr(cacheattn, op), 64, rung=3), max_examples=max(1, KERNEL // 6))
+    assert report.examples >= 1
+
+
+@pytest.mark.parametrize("quant_bit", [0, 8, 4])
+@settings(max_examples=max(1, KERNEL // 6))
+@given(case=ppl_cases(max_batch=2))
+def test_rung_3_vector_loads_unpack_every_format(device, quant_bit, case):
+    """The kit's problems at head_dim 32, where every cache row is a whole number of 16-byte chunks (float16 and
+    float32 bit casts; int8 and int4 shifts, sign extension and per-group scales), against the reference."""
+    impl = kernels(device, cacheattn.multi_head_cache_attention, 64, rung=3)
+    kit.check_case("multi_head_cache_attention", impl, with_(case, head_dim=32, quant_bit=quant_bit))
+
+
+@pytest.mark.parametrize("num_splits,past_from", [(3, 4), (8, 0)])
+@settings(max_examples=max(1, KERNEL // 6))
+@given(case=ppl_cases(max_batch=2, max_seqlen=3, max_past=3))
+def test_rung_4_split_k_conforms(device, num_splits, past_from, case):
+    """Rung 4 (rung 3 + split-K and the combine kernel) at forced split counts. Pasts from 4 give every sequence
+    5 to 10 keys, so 3 splits all hold keys; 8 splits of at most 6 keys leave some empty, which must add nothing.
+    One warp a block: the simulator's cost is blocks x threads."""
+    impl = kernels(device, cacheattn.multi_head_cache_attention, 32, rung=4, num_splits=num_splits)
+    kit.check_case("multi_head_cache_attention", impl, with_(case, past=tuple(p + past_from for p in case.past)))
+
+
+@pytest.mark.parametrize("batch,context,splits", [(1, 4096, 16), (1, 150, 3), (32, 4096, 1)])
+def test_rung_4_splits_only_when_sms_idle(batch, context, splits):
+    """The heuristic on recorded launches (nothing runs): batch x kv heads blocks against the 132 SMs the
+    simulator reports, at most one split per step of keys (64 keys a step at head_dim 8 with 64 threads)."""
+    case = PPLCase(seqlens=(1,) * batch, past=(context,) * batch, decoding_batches=batch, num_heads=16,
+                   num_kv_heads=8, head_dim=8, dtype="float16", quant_bit=0, quant_group=8, scale_dtype="float16",
+                   cache_layout=0, cache_mode=0, page_size=1, num_layer=1, layer_idx=0, is_causal=True,
+                   is_alibi=False, mask="none", mask_pad=0, seed=0)
+    with _launch.recorded_launches() as launches:
+        cacheattn.multi_head_cache_attention(**build_ppl(case), **case.attrs(), backend="numba", threads=64, rung=4)
+    names = [kernel.py_func.__name__ for kernel, _ in launches]
+    if splits == 1:
+        assert names == ["store_kernel", "vector_attention_kernel"]
+    else:
+        assert names == ["store_kernel", "vector_attention_kernel", "combine_kernel"]
+        assert launches[1][1][1][5] == splits           # out_geom's num_splits: 132 // 8 blocks, or 151 keys
 
 
 @pytest.mark.parametrize("op", ["multi_head_cache_attention", "dynamic_multi_head_attention"])

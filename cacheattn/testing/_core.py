@@ -22,7 +22,7 @@ from cacheattn._arrays import to_host
 from cacheattn.examples import TOLERANCE, copy_inputs, within_tolerance
 
 # Arguments of cacheattn's functions that are ours, not the document's: never passed to an implementation.
-OWN_PARAMETERS = ("backend", "threads", "rung")
+OWN_PARAMETERS = ("backend", "threads", "rung", "num_splits")
 
 
 class ConformanceError(AssertionError):

@@ -1,0 +1,92 @@
+"""16-byte vector loads and the bit-level conversions that unpack them, for the kernel ladder's third rung.
+
+numba-cuda has no vector load: indexing an array loads one element per instruction. `load16` is an
+`@intrinsic` that emits one `ld.global.nc.v4.u32` (16 bytes through the read-only data path) from the address
+of an array element and returns the four 32-bit words; the caller unpacks them in registers with shifts
+(int8, int4) or with `half_from_bits` / `float_from_bits` (float16, float32), which are bit casts in LLVM IR
+(`cvt.f32.f16` and a plain register move in PTX).
+
+The address must be 16-byte aligned and the 16 bytes read-only during the kernel: the launcher decides on
+the host that both hold before it picks the kernel that calls this (`_cache.vector_loads_ok`).
+
+numba's CUDA simulator cannot run an intrinsic, so there the same three functions are NumPy views of the
+same bytes: the simulator twin reads exactly the bits the GPU reads, and the shared unpacking code after it
+is the same Python in both.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import config, cuda
+
+VECTOR_BYTES = 16
+SIMULATED = bool(config.ENABLE_CUDASIM)
+
+if SIMULATED:
+    @cuda.jit(device=True)
+    def load16(data, index):
+        """The 16 bytes from element `index` of the 1-D array `data` as four uint32 words (little-endian)."""
+        words = np.asarray(data[index:index + VECTOR_BYTES // data.itemsize]).view(np.uint32)
+        return words[0], words[1], words[2], words[3]
+
+    @cuda.jit(device=True)
+    def half_from_bits(bits):
+        """The float16 whose bits are the low 16 of `bits`, as a float32."""
+        return np.float32(np.uint16(bits & 0xFFFF).view(np.float16))
+
+    @cuda.jit(device=True)
+    def float_from_bits(bits):
+        """The float32 whose bits are `bits`."""
+        return np.uint32(bits).view(np.float32)
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    _WORD = ir.IntType(32)
+
+    @intrinsic
+    def load16(typingctx, data, index):
+        """One ld.global.nc.v4.u32 from the address of data[index] (1-D array, 16-byte aligned)."""
+        if not (isinstance(data, types.Array) and data.ndim == 1 and isinstance(index, types.Integer)):
+            return None
+        words = types.UniTuple(types.uint32, 4)
+
+        def codegen(context, builder, sig, args):
+            array_type, index_type = sig.args
+            array = context.make_array(array_type)(context, builder, value=args[0])
+            position = context.cast(builder, args[1], index_type, types.intp)
+            pointer = cgutils.get_item_pointer(context, builder, array_type, array, [position])
+            vector_type = ir.FunctionType(ir.LiteralStructType([_WORD] * 4), [pointer.type])
+            asm = ir.InlineAsm(vector_type, "{ .reg .u64 g; cvta.to.global.u64 g, $4; "     # generic -> global address
+                               "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [g]; }", "=r,=r,=r,=r,l")
+            loaded = builder.call(asm, [pointer])
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(loaded, k) for k in range(4)])
+
+        return words(data, index), codegen
+
+    @intrinsic
+    def half_from_bits(typingctx, bits):
+        """The float16 whose bits are the low 16 of `bits` (an unsigned 32-bit word), widened to float32."""
+        if not isinstance(bits, types.Integer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            word = context.cast(builder, args[0], sig.args[0], types.uint32)
+            half = builder.bitcast(builder.trunc(word, ir.IntType(16)), ir.HalfType())
+            return builder.fpext(half, ir.FloatType())
+
+        return types.float32(bits), codegen
+
+    @intrinsic
+    def float_from_bits(typingctx, bits):
+        """The float32 whose bits are `bits` (an unsigned 32-bit word)."""
+        if not isinstance(bits, types.Integer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            word = context.cast(builder, args[0], sig.args[0], types.uint32)
+            return builder.bitcast(word, ir.FloatType())
+
+        return types.float32(bits), codegen
