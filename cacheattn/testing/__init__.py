@@ -33,7 +33,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from collections.abc import Callable, Iterable
 
-from cacheattn.examples import FTCase, OnnxCase, PPLCase, StaticCase
+from cacheattn.examples import FTCase, OnnxCase, PPLCase, StaticCase, TrtCase
 
 from ._core import ConformanceError, Report, call, run_check, run_example
 from ._operators import OPERATORS, DynamicCacheCase, FTRequest, OnnxRequest
@@ -54,10 +54,10 @@ def check(op: str, impl: Callable, *, max_examples: int = 100, dtypes: Iterable[
 
 
 def problem(op: str, case) -> tuple[tuple, dict]:
-    """(positional arguments, attributes) of the problem `case` describes: NumPy arrays rebuilt from its seed."""
+    """(positional arguments, keyword arguments) of the problem `case` describes: NumPy arrays rebuilt from its
+    seed. A keyword-only operator (gpt_attention) has every argument, tensors too, in the second."""
     operator = _operator(op)
-    inputs, attrs = operator.problem(case)
-    return tuple(inputs[n] for n in operator.positional), attrs
+    return operator.arguments(*operator.problem(case))
 
 
 def check_case(op: str, impl: Callable, case) -> None:
@@ -92,9 +92,10 @@ check_dynamic_key_value_cache = _checker("dynamic_key_value_cache")
 check_key_value_cache = _checker("key_value_cache")
 check_onnx_attention = _checker("onnx_attention")
 check_cross_attention = _checker("cross_attention")
+check_gpt_attention = _checker("gpt_attention")
 
 __all__ = ["FEATURES", "OPERATORS", "ConformanceError", "DynamicCacheCase", "FTCase", "FTRequest", "OnnxCase",
-           "OnnxRequest", "PPLCase", "Report", "StaticCase", "check", "check_case", "check_cross_attention",
-           "check_dynamic_key_value_cache",
+           "OnnxRequest", "PPLCase", "Report", "StaticCase", "TrtCase", "check", "check_case",
+           "check_cross_attention", "check_dynamic_key_value_cache", "check_gpt_attention",
            "check_dynamic_multi_head_attention", "check_key_value_cache", "check_multi_head_cache_attention",
            "check_onnx_attention", "problem", "reference"]
