@@ -6,19 +6,22 @@
     print(report)
 
 `impl` is called exactly like the cacheattn function of the same name (same positional arguments in the
-same order, the attributes by keyword), with NumPy arrays in; it may return NumPy, CuPy, DLPack or any
-array-like. Each example compares its outputs with the reference (float64 evaluation, per-dtype tolerance;
-bit-exact where the document fixes every bit: caches, scales, dequantized keys, ONNX presents) and its
-in-place cache/scale updates bit for bit, untouched slots included. The first failure is shrunk by
-hypothesis and raised as `ConformanceError` (an AssertionError) naming the smallest problem, the first
-bad indices, and a ready-to-paste reproducer. `features=` declares what impl supports (default: all of
-`FEATURES[op]`); `dtypes=` narrows the dtypes; `seed=` makes the run repeatable (no example database).
+same order, the attributes by keyword; gpt_attention, keyword-only, gets every tensor by keyword too), with
+NumPy arrays in; it may return NumPy, CuPy, DLPack or any array-like. Each example compares its outputs with
+the reference (float64 evaluation, per-dtype tolerance; bit-exact where the document fixes every bit: caches,
+scales, dequantized keys, ONNX presents) and its in-place cache/scale updates bit for bit, untouched slots
+included (gpt_attention's RoPE'd keys within a rounding rule: see ROPE_SLACK in _operators.py). The first
+failure is shrunk by hypothesis and raised as `ConformanceError` (an AssertionError) naming the smallest
+problem, the first bad indices, and a ready-to-paste reproducer. `features=` declares what impl supports
+(default: all of `FEATURES[op]`); `dtypes=` narrows the dtypes; `seed=` makes the run repeatable (no example
+database).
 `python -m pytest --cacheattn-impl=module:function --cacheattn-op=NAME` runs the same check as one test.
 
-Adding an operator (e.g. `check_gpt_attention`): write its case strategy in `cacheattn/testing/strategies.py`,
-add one `Operator(...)` to `OPERATORS` in `cacheattn/testing/_operators.py` (function, features, strategy,
-uses, problem, expect, outputs, in_place), and one line here: `check_gpt_attention = _checker("gpt_attention")`
-plus its name in `__all__`. The pytest plugin, reports, reproducers and signature checks follow from the entry.
+Adding an operator: write its case strategy in `cacheattn/testing/strategies.py`, add one `Operator(...)` to
+`OPERATORS` in `cacheattn/testing/_operators.py` (function, features, strategy, uses, problem, expect,
+outputs, in_place; aliases for an output that returns an in-place input), and one line here, as
+`check_gpt_attention = _checker("gpt_attention")`, plus its name in `__all__`. The pytest plugin, reports,
+reproducers and signature checks follow from the entry.
 
 hypothesis is needed here only (`pip install cacheattn[testing]`); `import cacheattn` does not import it.
 """

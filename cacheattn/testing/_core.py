@@ -79,6 +79,7 @@ class Operator:
 
     @property
     def attributes(self) -> tuple:
+        """The keyword-only arguments: the attributes (of gpt_attention, every argument)."""
         return tuple(n for n, p in self.signature.parameters.items()
                      if p.kind is p.KEYWORD_ONLY and n not in OWN_PARAMETERS)
 
@@ -147,7 +148,8 @@ def _names(what, value) -> list:
 
 
 def check_signature(op: Operator, impl) -> None:
-    """impl must take the documented positional arguments in order and accept every attribute by keyword."""
+    """impl must take the documented positional arguments in order and accept every keyword-only one (the
+    attributes; every tensor too for a keyword-only operator such as gpt_attention) by keyword."""
     if not callable(impl):
         raise TypeError(f"impl: expected a callable with the signature {op.documented()}, got {impl!r}")
     try:
@@ -169,7 +171,7 @@ def check_signature(op: Operator, impl) -> None:
     for name in op.attributes:
         p = params.get(name)
         if p is None and not has_var_kw:
-            raise TypeError(prefix + f"it does not accept the attribute {name!r} by keyword")
+            raise TypeError(prefix + f"it does not accept the keyword argument {name!r}")
         if p is not None and p.kind is kinds.POSITIONAL_ONLY:
             raise TypeError(prefix + f"{name!r} must be accepted by keyword, it is positional-only")
     known = set(op.positional) | set(op.attributes)

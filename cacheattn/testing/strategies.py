@@ -8,9 +8,9 @@ to what an implementation supports (the checkers pass their `features=` through 
 
 from __future__ import annotations
 
-from hypothesis import strategies as st
-
 from dataclasses import replace
+
+from hypothesis import strategies as st
 
 from cacheattn.examples import FTCase, OnnxCase, PPLCase, StaticCase, TrtCase
 from cacheattn.ft import HEAD_SIZES
@@ -132,9 +132,10 @@ def trt_cases(draw, *, dtypes=("float16", "float32"), paged=(False, True), quant
     """A gpt_attention call: a few context requests (some chunked), a few generation sequences (maybe beams),
     awkward sizes (length 1, past 0, tokens_per_block not dividing the lengths, GQA group 3, head size 24).
 
-    streaming / cross: the values these flags may take; a StreamingLLM call has whole contexts, one beam and sink tokens below the
-    window; a cross-attention call has encoder K/V (lengths up to the cache capacity), no position embedding, no
-    custom mask and no window. fp8_fmha: FP8 context FMHA on some FP8-cache calls. padded_inflight False: padded
+    streaming / cross: the values these flags may take (one draw picks self attention, StreamingLLM or cross
+    attention). A StreamingLLM call has whole contexts, one beam and sink tokens below the window; a
+    cross-attention call has encoder K/V (lengths up to the cache capacity), no position embedding, no custom
+    mask and no window. fp8_fmha: FP8 context FMHA on some FP8-cache calls. padded_inflight False: padded
     qkv only when every request is in the same phase (the document's in-flight batching needs packed input)."""
     # One draw picks the kind of call, self attention three times in five when the others are allowed too.
     kinds = ("self",) * 3 * (False in streaming and False in cross) + ("streaming",) * (True in streaming) \
