@@ -18,11 +18,10 @@ from reference.quant import stored_head_dim
 # (atol, rtol) against a float64 evaluation of the reference. float16 carries 11 significand bits (unit
 # roundoff 4.9e-4); the probabilities are rounded to it before P.V, so a few roundoffs add up.
 TOLERANCE = {
-    np.dtype(ml_dtypes.bfloat16): (3e-2, 3e-2),     # 8 significand bits: unit roundoff 3.9e-3, 8x float16's
+    np.dtype(ml_dtypes.bfloat16): (3.1e-2, 3.1e-2),    # 8 unit roundoffs (2^-8), as float16's 4e-3 is 8 of 2^-11
     np.dtype(np.float16): (4e-3, 4e-3),
     np.dtype(np.float32): (2e-5, 2e-5),
     np.dtype(np.float64): (1e-12, 1e-12),
-    np.dtype(ml_dtypes.float8_e4m3fn): (6.25e-2, 6.25e-2),   # FP8 context FMHA: see cacheattn/testing/_operators.py
 }
 
 

@@ -12,7 +12,8 @@ from cacheattn.testing._core import Expect, mismatch
 def assert_close(name: str, got, ref, dtype, *, scale: float = 1.0) -> None:
     """got (any float array) against ref (float64 evaluation); tolerance of `dtype`, widened by `scale`. NaN (a
     poisoned, unwritten element) fails; infinities must match."""
-    problem = mismatch(name, got, Expect("close", np.asarray(ref), tolerance=np.dtype(dtype).name, scale=scale))
+    problem = mismatch(name, got, Expect("close", np.asarray(ref), tolerance=np.dtype(dtype).name, scale=scale,
+                                                against=None))
     if problem:
         raise AssertionError(problem)
 

@@ -34,7 +34,7 @@ class ConformanceError(AssertionError):
 class Expect:
     """What one output must be: `bits` (bit-for-bit equal to `want`) or `close` (of dtype `dtype`, within the
     tolerance of `tolerance` (default: `dtype`) widened by `scale`, of the float64 `want`; infinities must match
-    exactly; `dtype` None: any dtype, `tolerance` says which). For an in-place tensor a `close` rule applies to
+    exactly; `dtype` None: any dtype, `tolerance` says which; `against` names what `want` is). For an in-place tensor a `close` rule applies to
     the elements the call writes; the rest stay bit-identical.
 
     `where` (bool, want's shape): the elements the document fixes; the others are not compared (padding rows).
@@ -49,6 +49,7 @@ class Expect:
     where: np.ndarray | None = None
     slack: tuple | None = None
     why: str = ""
+    against: str | None = "a float64 evaluation"    # what `want` is, for a `close` rule's report
 
 
 @dataclass(frozen=True)
@@ -231,7 +232,7 @@ def mismatch(name: str, got, expect: Expect, shown: int = 3, labels: np.ndarray 
             bad = np.where(infinite, g != w, ~within_tolerance(g, w, tolerance, expect.scale))
         atol, rtol = (t * expect.scale for t in TOLERANCE[np.dtype(tolerance)])
         rule = f"{np.dtype(tolerance).name} tolerance atol {atol:g}, rtol {rtol:g}"
-        rule += " against a float64 evaluation" if expect.dtype is not None else ""    # the kit's rules always are
+        rule += f" against {expect.against}" if expect.against else ""
     if expect.why:
         rule += f"; {expect.why}"
     if only is not None:

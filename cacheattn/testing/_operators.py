@@ -452,6 +452,8 @@ def _rope_slack(case: TrtCase, inputs, attrs, cache_name):
 
 def _trt_expect(case: TrtCase, inputs, attrs):
     want, _ = float64_trt({**inputs, **attrs})
+    after = copy_inputs(inputs)                 # the reference's run in the input dtype; its cache after
+    ref_output, _ = cacheattn.gpt_attention(**after, **attrs, backend="reference")
     where = None
     if not case.packed:                         # padded qkv: rows past an entry's new tokens are padding
         where = np.zeros(want.shape, bool)
@@ -459,17 +461,19 @@ def _trt_expect(case: TrtCase, inputs, attrs):
             where[e, :n] = True
     # 4x: the reference and an implementation both round Q and K to the input dtype after bias and RoPE, so a sharp
     # softmax (q_scaling 0.5) of float16 inputs can put both 1.5 tolerances from the float64 evaluation.
-    # FP8 context FMHA rounds Q, K, V and the probabilities to e4m3 (3 fraction bits): an element near a rounding
-    # boundary rounds one way from a float16 Q and the other from float64's, so those calls are held to e4m3's
-    # tolerance, 2x (float16 calls of the reference reach 0.84 of 1x, 13x float16's, over 600 draws).
-    fp8 = case.fp8_context_fmha
-    expect = {"output": Expect("close", want, case.dtype, scale=2.0 if fp8 else 4.0, where=where,
-                               tolerance="float8_e4m3fn" if fp8 else None),
+    output = Expect("close", want, case.dtype, scale=4.0, where=where)
+    if case.fp8_context_fmha:
+        # FP8 context FMHA rounds Q, K, V (as the input dtype holds them after bias and RoPE) and the probabilities
+        # to e4m3, 3 fraction bits: a Q element near an e4m3 boundary rounds one way from the dtype's value and the
+        # other from float64's, and a sharp softmax turns that into output errors past 0.2 (the reference itself
+        # reached 3.6x e4m3's 1/16 in bfloat16 over 2,600 draws). So these calls are held to the reference's own
+        # run in the input dtype, the same roundings in the same order, at the dtype's tolerance.
+        output = Expect("close", ref_output.astype(np.float64), case.dtype, scale=4.0, where=where,
+                        against="the reference's run in the input dtype (FP8 context FMHA)")
+    expect = {"output": output,
               "present_key_value": None}         # the cache it returns: checked against past_key_value (aliases)
     cache_name = "kv_cache_pool" if case.paged else "past_key_value"
     if case.position in (1, 2) and not case.streamingllm:
-        after = copy_inputs(inputs)
-        cacheattn.gpt_attention(**after, **attrs, backend="reference")
         expect[cache_name] = Expect("bits", after[cache_name], slack=_rope_slack(case, inputs, attrs, cache_name),
                                     why=ROPE_WHY)
     return expect
