@@ -380,7 +380,8 @@ TRT_CACHES = ("past_key_value", "kv_cache_pool")
 # small the key itself (cancellation). So a written rotated key is held to the reference's value within
 # ulp(key) + 2^-17 m in its dtype, and a quantized one to the codes of the values in that interval; every
 # other cached element (values, dims past rotary_embedding_dim, StreamingLLM's unrotated keys, encoder K/V)
-# bit for bit. Our kernels need it in float32 (a cancelling pair was 4 ulps off); in float16 they are exact.
+# bit for bit. Our kernels need it in float32: over 60 drawn calls 150 of 2,678 rotated keys differed from the
+# reference's, by up to 256 ulps of the key (a cancelling pair) yet at most 2.5 x 2^-24 m; in float16 none did.
 ROPE_SLACK = 2.0 ** -17
 ROPE_WHY = "a RoPE'd key may be off by ulp + 2^-17 |its rotated pair| (quantized: the codes of that interval)"
 
