@@ -34,8 +34,8 @@ class ConformanceError(AssertionError):
 class Expect:
     """What one output must be: `bits` (bit-for-bit equal to `want`) or `close` (of dtype `dtype`, within the
     tolerance of `tolerance` (default: `dtype`) widened by `scale`, of the float64 `want`; infinities must match
-    exactly; `dtype` None: any dtype, `tolerance` says which; `against` names what `want` is). For an in-place tensor a `close` rule applies to
-    the elements the call writes; the rest stay bit-identical.
+    exactly; `dtype` None: any dtype, `tolerance` says which; `against` names what `want` is). For an in-place
+    tensor a `close` rule applies to the elements the call writes; the rest stay bit-identical.
 
     `where` (bool, want's shape): the elements the document fixes; the others are not compared (padding rows).
     `slack` (low, high), float64 arrays of want's shape, NaN where none: a `bits` element that differs in its
