@@ -203,6 +203,7 @@ def mismatch(name: str, got, expect: Expect, shown: int = 3, labels: np.ndarray 
     indices with got / expected. `labels` (bool, same shape) marks elements the call writes; `only` (bool)
     limits the comparison to those elements."""
     want = expect.want
+    in_place = only is not None
     if expect.where is not None:
         only = expect.where if only is None else only & expect.where
     if got is None:
@@ -237,7 +238,8 @@ def mismatch(name: str, got, expect: Expect, shown: int = 3, labels: np.ndarray 
         rule += f"; {expect.why}"
     if only is not None:
         bad &= only
-        rule += ", on the elements this call writes" if expect.rule == "close" else ""
+        rule += ", on the elements this call writes" if in_place and expect.rule == "close" else ""
+        rule += ", on the elements the document defines" if expect.where is not None else ""
     if not bad.any():
         return None
     where = np.argwhere(bad)
