@@ -18,7 +18,7 @@ from reference.quant import stored_head_dim
 # (atol, rtol) against a float64 evaluation of the reference. float16 carries 11 significand bits (unit
 # roundoff 4.9e-4); the probabilities are rounded to it before P.V, so a few roundoffs add up.
 TOLERANCE = {
-    np.dtype(ml_dtypes.bfloat16): (1.6e-2, 1.6e-2),    # 8 unit roundoffs (2^-9), as float16's 4e-3 is 8 of 2^-11
+    np.dtype(ml_dtypes.bfloat16): (3.1e-2, 3.1e-2),    # 8 unit roundoffs (2^-8), as float16's 4e-3 is 8 of 2^-11
     np.dtype(np.float16): (4e-3, 4e-3),
     np.dtype(np.float32): (2e-5, 2e-5),
     np.dtype(np.float64): (1e-12, 1e-12),
@@ -415,6 +415,8 @@ class TrtCase:
     num_layers: int = 1
     layer_idx: int = 0
     seed: int = 0
+    encoder_lengths: tuple = ()  # cross attention: encoder_input_lengths per entry (empty: self attention)
+    context_fmha_type: int = 1
 
     @property
     def past(self):
@@ -484,7 +486,8 @@ def build_trt(case: TrtCase) -> dict:
                 rotary_embedding_scale=case.rotary_scale, rotary_embedding_max_positions=8,
                 position_embedding_type=case.position, kv_cache_quant_mode=case.quant, mask_type=case.mask_type,
                 remove_input_padding=case.packed, paged_kv_cache=case.paged, tokens_per_block=case.tokens_per_block,
-                streamingllm=case.streamingllm, use_fp8_context_fmha=case.fp8_context_fmha)
+                streamingllm=case.streamingllm, use_fp8_context_fmha=case.fp8_context_fmha,
+                context_fmha_type=case.context_fmha_type)
     if case.quant:
         s = trt_kv_scale(case.quant)
         args.update(kv_orig_quant_scale=np.asarray([1 / s], np.float32),
@@ -514,6 +517,16 @@ def build_trt(case: TrtCase) -> dict:
         args["attention_mask"] = rng.random(rows + (max(case.lengths),)) < 0.7
     if case.qkv_bias:
         args["qkv_bias"] = (rng.standard_normal(hidden) * 0.5).astype(dtype)
+    if case.encoder_lengths:
+        # Cross attention: the context requests bring their encoder K/V ([K | V] per token), packed like qkv or
+        # padded to the longest encoder; generation requests read them back from the cache.
+        encoder = np.asarray(case.encoder_lengths, np.int32)
+        width = 2 * Hkv * Dh
+        if case.packed:
+            cross_kv = rng.standard_normal((int(encoder[:len(case.contexts)].sum()), width))
+        else:
+            cross_kv = rng.standard_normal((E, int(encoder.max()), width))
+        args.update(do_cross_attention=True, cross_kv=cross_kv.astype(dtype), encoder_input_lengths=encoder)
     return args
 
 

@@ -170,7 +170,7 @@ def needs_a_stream(current_key, current_value, start_pos, cache, scale, stream, 
 
 @pytest.mark.parametrize("impl, problem", [
     (renamed, "positional argument 2 is named 'start', expected 'start_pos'"),
-    (no_num_repeat, "it does not accept the attribute 'num_repeat' by keyword"),
+    (no_num_repeat, "it does not accept the keyword argument 'num_repeat'"),
     (needs_a_stream, "it requires arguments the document does not have: stream"),
     (lambda current_key, current_value: None, "it takes 2 positional arguments, the document has 5"),
 ])
@@ -204,7 +204,7 @@ def test_pytest_plugin_runs_the_check_as_one_test(tmp_path):
     (tmp_path / "tiny_impls.py").write_text(textwrap.dedent("""
         import functools
         import cacheattn
-        good = functools.partial(cacheattn.key_value_cache, backend="reference")
+        good = functools.partial(cacheattn.gpt_attention, backend="reference")
 
         def clears(current_key, current_value, start_pos, cache, scale=None, **attrs):
             cache[...] = 0
@@ -213,14 +213,15 @@ def test_pytest_plugin_runs_the_check_as_one_test(tmp_path):
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
 
-    def pytest_run(name, *extra):
+    def pytest_run(name, op, *extra):
         args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--cacheattn-impl=tiny_impls:{name}",
-                "--cacheattn-op=key_value_cache", "--cacheattn-examples=10", "--cacheattn-seed=0", *extra]
+                f"--cacheattn-op={op}", "--cacheattn-examples=10", "--cacheattn-seed=0", *extra]
         return subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True)
 
-    passed = pytest_run("good", "--cacheattn-features=int8,cache_layout_1")
+    # A keyword-only operator passes (every tensor by name), a positional one fails with its reproducer.
+    passed = pytest_run("good", "gpt_attention", "--cacheattn-features=paged,int8_kv,rope_gpt_neox")
     assert passed.returncode == 0 and "1 passed" in passed.stdout, passed.stdout + passed.stderr
-    failed = pytest_run("clears")
+    failed = pytest_run("clears", "key_value_cache")
     assert failed.returncode == 1 and "ConformanceError: key_value_cache does not conform" in failed.stdout
     assert "from tiny_impls import clears" in failed.stdout
 
@@ -285,3 +286,106 @@ def test_without_cache_bits_written_cache_rows_are_held_to_the_tolerance():
     report = kit.check_cross_attention(rounds_differently, max_examples=FEW, seed=0, dtypes=["float16"],
                                        features=everything - {"cache_bits", "later_steps"})
     assert report.examples == FEW
+
+
+# ---------------------------------------------------------------------------------------------- gpt_attention
+
+def rope_pairing_swapped(**args):
+    """GPT-J's interleaved pairs where GPT-NeoX's halves belong, and the other way round."""
+    position = int(args["position_embedding_type"])
+    args["position_embedding_type"] = {1: 2, 2: 1}.get(position, position)
+    return cacheattn.gpt_attention(**args, backend="reference")
+
+
+def nudges_written(part):
+    """The reference, then every element of `part` ("rotated keys" or "values") the call wrote one float ulp up."""
+    def impl(**args):
+        cache = args["past_key_value"]
+        before = cache.copy()
+        result = cacheattn.gpt_attention(**args, backend="reference")
+        changed = (cache.view(np.uint8) != before.view(np.uint8)).reshape(*cache.shape, -1).any(axis=-1)
+        part_of = np.zeros(cache.shape, bool)
+        if part == "values":
+            part_of[:, 1] = True
+        else:
+            part_of[:, 0, ..., :args["rotary_embedding_dim"]] = True
+        cache[changed & part_of] = np.nextafter(cache[changed & part_of], np.inf)
+        return result
+    impl.__qualname__ = impl.__name__ = f"nudges_{part.replace(' ', '_')}"
+    return impl
+
+
+def returns_the_old_cache(**args):
+    """present_key_value: a copy of past_key_value taken before the update."""
+    old = args["past_key_value"].copy()
+    output, _ = cacheattn.gpt_attention(**args, backend="reference")
+    return output, old
+
+
+def test_a_swapped_rope_pairing_is_caught_in_the_cache_and_replayed():
+    """gpt_attention is keyword-only: the kit passes every tensor by name and checks the cache passed so."""
+    message = failure("gpt_attention", rope_pairing_swapped, examples=60,
+                      features={"contiguous", "rope_gptj", "rope_gpt_neox"})
+    assert message.startswith("gpt_attention does not conform") and "past_key_value (bit-exact; a RoPE'd key" in message
+    assert "[a slot this call writes]" in message and "inputs: qkv float" in message
+    code = message.split("reproducer:\n", 1)[1]
+    assert "impl = rope_pairing_swapped" in code and "case = TrtCase(" in code and "impl(*args, **attrs)" in code
+    with pytest.raises(ConformanceError) as replay:
+        exec(textwrap.dedent(code), {})
+    assert str(replay.value) == message
+
+
+ROPE_CASE = kit.TrtCase(contexts=((2, 3),), generations=((2, 3),), beam_width=1, num_heads=2, num_kv_heads=1,
+                        head_size=8, dtype="float32", capacity=5, window=5, position=2, rotary_dim=8, seed=1)
+
+
+def one_failure(impl, case):
+    with pytest.raises(ConformanceError) as info:
+        kit.check_case("gpt_attention", impl, case)
+    return str(info.value)
+
+
+def test_rope_keys_may_round_differently_the_rest_of_the_cache_may_not():
+    """A RoPE'd key one float32 ulp off is within the kit's rule (cos/sin are not fixed to the bit); a cached value
+    one ulp off is not."""
+    claims = dict(features={"contiguous", "generation", "rope_gptj", "rope_gpt_neox"}, dtypes=["float32"])
+    report = kit.check_gpt_attention(nudges_written("rotated keys"), max_examples=FEW, seed=0, **claims)
+    assert {"rope_gptj", "rope_gpt_neox"} <= set(report.features)
+    message = one_failure(nudges_written("values"), ROPE_CASE)
+    assert "past_key_value (bit-exact" in message and "[a slot this call writes]" in message
+
+
+def test_present_key_value_must_be_the_updated_cache():
+    message = one_failure(returns_the_old_cache, ROPE_CASE)
+    assert "present_key_value (bit-exact; the past_key_value it updated)" in message
+
+
+def test_padding_rows_of_a_padded_output_are_not_compared():
+    def scribbles_on_padding(**args):
+        output, present = cacheattn.gpt_attention(**args, backend="reference")
+        if not args["remove_input_padding"]:
+            for e, n in enumerate(args["sequence_length"] - args["host_past_key_value_lengths"]):
+                output[e, n:] = np.nan
+        return output, present
+    report = kit.check_gpt_attention(scribbles_on_padding, max_examples=FEW, seed=0, features={"paged", "padded"})
+    assert "padded" in report.features
+
+
+def test_a_feature_that_needs_another_is_refused_alone():
+    with pytest.raises(ValueError, match="^features: fp8_context_fmha needs fp8_kv declared too"):
+        kit.check_gpt_attention(reference("gpt_attention"), features={"paged", "fp8_context_fmha"})
+
+
+def test_a_keyword_only_signature_missing_an_argument_is_refused():
+    def the_rest_by_keyword(*, qkv, past_key_value, sequence_length, **rest):
+        pass
+
+    def positional_or_keyword(qkv, past_key_value, *rest, **attrs):
+        pass
+
+    with pytest.raises(TypeError) as info:
+        kit.check_gpt_attention(lambda *, qkv: None)
+    assert str(info.value).startswith("impl: expected the signature gpt_attention(*, qkv, past_key_value, ")
+    assert "it does not accept the keyword argument 'past_key_value'" in str(info.value)
+    for accepted in (the_rest_by_keyword, positional_or_keyword):     # every documented name by keyword
+        kit._core.check_signature(kit.OPERATORS["gpt_attention"], accepted)

@@ -6,19 +6,22 @@
     print(report)
 
 `impl` is called exactly like the cacheattn function of the same name (same positional arguments in the
-same order, the attributes by keyword), with NumPy arrays in; it may return NumPy, CuPy, DLPack or any
-array-like. Each example compares its outputs with the reference (float64 evaluation, per-dtype tolerance;
-bit-exact where the document fixes every bit: caches, scales, dequantized keys, ONNX presents) and its
-in-place cache/scale updates bit for bit, untouched slots included. The first failure is shrunk by
-hypothesis and raised as `ConformanceError` (an AssertionError) naming the smallest problem, the first
-bad indices, and a ready-to-paste reproducer. `features=` declares what impl supports (default: all of
-`FEATURES[op]`); `dtypes=` narrows the dtypes; `seed=` makes the run repeatable (no example database).
+same order, the attributes by keyword; gpt_attention, keyword-only, gets every tensor by keyword too), with
+NumPy arrays in; it may return NumPy, CuPy, DLPack or any array-like. Each example compares its outputs with
+the reference (float64 evaluation, per-dtype tolerance; bit-exact where the document fixes every bit: caches,
+scales, dequantized keys, ONNX presents) and its in-place cache/scale updates bit for bit, untouched slots
+included (gpt_attention's RoPE'd keys within a rounding rule: see ROPE_SLACK in _operators.py). The first
+failure is shrunk by hypothesis and raised as `ConformanceError` (an AssertionError) naming the smallest
+problem, the first bad indices, and a ready-to-paste reproducer. `features=` declares what impl supports
+(default: all of `FEATURES[op]`); `dtypes=` narrows the dtypes; `seed=` makes the run repeatable (no example
+database).
 `python -m pytest --cacheattn-impl=module:function --cacheattn-op=NAME` runs the same check as one test.
 
-Adding an operator (e.g. `check_gpt_attention`): write its case strategy in `cacheattn/testing/strategies.py`,
-add one `Operator(...)` to `OPERATORS` in `cacheattn/testing/_operators.py` (function, features, strategy,
-uses, problem, expect, outputs, in_place), and one line here: `check_gpt_attention = _checker("gpt_attention")`
-plus its name in `__all__`. The pytest plugin, reports, reproducers and signature checks follow from the entry.
+Adding an operator: write its case strategy in `cacheattn/testing/strategies.py`, add one `Operator(...)` to
+`OPERATORS` in `cacheattn/testing/_operators.py` (function, features, strategy, uses, problem, expect,
+outputs, in_place; aliases for an output that returns an in-place input), and one line here, as
+`check_gpt_attention = _checker("gpt_attention")`, plus its name in `__all__`. The pytest plugin, reports,
+reproducers and signature checks follow from the entry.
 
 hypothesis is needed here only (`pip install cacheattn[testing]`); `import cacheattn` does not import it.
 """
@@ -33,7 +36,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from collections.abc import Callable, Iterable
 
-from cacheattn.examples import FTCase, OnnxCase, PPLCase, StaticCase
+from cacheattn.examples import FTCase, OnnxCase, PPLCase, StaticCase, TrtCase
 
 from ._core import ConformanceError, Report, call, run_check, run_example
 from ._operators import OPERATORS, DynamicCacheCase, FTRequest, OnnxRequest
@@ -54,10 +57,10 @@ def check(op: str, impl: Callable, *, max_examples: int = 100, dtypes: Iterable[
 
 
 def problem(op: str, case) -> tuple[tuple, dict]:
-    """(positional arguments, attributes) of the problem `case` describes: NumPy arrays rebuilt from its seed."""
+    """(positional arguments, keyword arguments) of the problem `case` describes: NumPy arrays rebuilt from its
+    seed. A keyword-only operator (gpt_attention) has every argument, tensors too, in the second."""
     operator = _operator(op)
-    inputs, attrs = operator.problem(case)
-    return tuple(inputs[n] for n in operator.positional), attrs
+    return operator.arguments(*operator.problem(case))
 
 
 def check_case(op: str, impl: Callable, case) -> None:
@@ -92,9 +95,10 @@ check_dynamic_key_value_cache = _checker("dynamic_key_value_cache")
 check_key_value_cache = _checker("key_value_cache")
 check_onnx_attention = _checker("onnx_attention")
 check_cross_attention = _checker("cross_attention")
+check_gpt_attention = _checker("gpt_attention")
 
 __all__ = ["FEATURES", "OPERATORS", "ConformanceError", "DynamicCacheCase", "FTCase", "FTRequest", "OnnxCase",
-           "OnnxRequest", "PPLCase", "Report", "StaticCase", "check", "check_case", "check_cross_attention",
-           "check_dynamic_key_value_cache",
+           "OnnxRequest", "PPLCase", "Report", "StaticCase", "TrtCase", "check", "check_case",
+           "check_cross_attention", "check_dynamic_key_value_cache", "check_gpt_attention",
            "check_dynamic_multi_head_attention", "check_key_value_cache", "check_multi_head_cache_attention",
            "check_onnx_attention", "problem", "reference"]

@@ -34,13 +34,22 @@ class ConformanceError(AssertionError):
 class Expect:
     """What one output must be: `bits` (bit-for-bit equal to `want`) or `close` (of dtype `dtype`, within the
     tolerance of `tolerance` (default: `dtype`) widened by `scale`, of the float64 `want`; infinities must match
-    exactly). For an in-place tensor a `close` rule applies to the elements the call writes; the rest stay
-    bit-identical."""
+    exactly; `dtype` None: any dtype, `tolerance` says which; `against` names what `want` is). For an in-place
+    tensor a `close` rule applies to the elements the call writes; the rest stay bit-identical.
+
+    `where` (bool, want's shape): the elements the document fixes; the others are not compared (padding rows).
+    `slack` (low, high), float64 arrays of want's shape, NaN where none: a `bits` element that differs in its
+    bits may still lie in [low, high] (as values of want's dtype: int8 codes, decoded e4m3); `why` says why in
+    the report."""
     rule: str
     want: np.ndarray
     dtype: str | None = None
     scale: float = 1.0
     tolerance: str | None = None                # a float32 buffer of a float16 call is held to float16's
+    where: np.ndarray | None = None
+    slack: tuple | None = None
+    why: str = ""
+    against: str | None = "a float64 evaluation"    # what `want` is, for a `close` rule's report
 
 
 @dataclass(frozen=True)
@@ -56,7 +65,9 @@ class Operator:
     expect: Callable                            # (case, inputs, attrs) -> {output name: Expect or None}
     outputs: tuple                              # output names in the document's order
     in_place: tuple = ()                        # inputs the operator updates (cache, scale)
+    aliases: Mapping[str, str] = field(default_factory=dict)   # output -> the in-place input it returns
     requires: tuple = ()                        # groups of features of which a declaration needs one
+    needs: Mapping[str, tuple] = field(default_factory=dict)  # feature -> features of which it needs one
     case_imports: tuple = field(default=())     # names the reproducer imports from cacheattn.testing
 
     @functools.cached_property
@@ -69,12 +80,25 @@ class Operator:
 
     @property
     def attributes(self) -> tuple:
+        """The keyword-only arguments: the attributes (of gpt_attention, every argument)."""
         return tuple(n for n, p in self.signature.parameters.items()
                      if p.kind is p.KEYWORD_ONLY and n not in OWN_PARAMETERS)
 
     def documented(self) -> str:
         names = list(self.positional) + ["*"] + list(self.attributes)
         return f"{self.name}({', '.join(names)})"
+
+    def given(self, inputs: dict) -> dict:
+        """The inputs a call passes, in its order: the positional ones, then those the signature takes by keyword
+        only (every tensor of a keyword-only operator such as gpt_attention). A problem may hold more (shared
+        builders): those are not passed."""
+        return {**{n: inputs[n] for n in self.positional}, **{n: v for n, v in inputs.items() if n in self.attributes}}
+
+    def arguments(self, inputs: dict, attrs: dict) -> tuple[tuple, dict]:
+        """(positional, keyword) arguments of the call: positional inputs in order; keyword inputs and
+        attributes by keyword."""
+        keyword = {n: v for n, v in inputs.items() if n in self.attributes}
+        return tuple(inputs[n] for n in self.positional), {**keyword, **attrs}
 
 
 @dataclass(frozen=True)
@@ -105,6 +129,9 @@ def resolve_features(op: Operator, features, dtypes) -> tuple[frozenset, tuple]:
     for group in op.requires:
         if not declared & set(group):
             raise ValueError(f"features: {op.name} needs at least one of {', '.join(group)}")
+    for feature, group in op.needs.items():
+        if feature in declared and not declared & set(group):
+            raise ValueError(f"features: {feature} needs {' or '.join(group)} declared too")
     chosen = op.dtypes if dtypes is None else tuple(_names("dtypes", dtypes))
     bad = [d for d in chosen if d not in op.dtypes]
     if bad or not chosen:
@@ -122,7 +149,8 @@ def _names(what, value) -> list:
 
 
 def check_signature(op: Operator, impl) -> None:
-    """impl must take the documented positional arguments in order and accept every attribute by keyword."""
+    """impl must take the documented positional arguments in order and accept every keyword-only one (the
+    attributes; every tensor too for a keyword-only operator such as gpt_attention) by keyword."""
     if not callable(impl):
         raise TypeError(f"impl: expected a callable with the signature {op.documented()}, got {impl!r}")
     try:
@@ -144,7 +172,7 @@ def check_signature(op: Operator, impl) -> None:
     for name in op.attributes:
         p = params.get(name)
         if p is None and not has_var_kw:
-            raise TypeError(prefix + f"it does not accept the attribute {name!r} by keyword")
+            raise TypeError(prefix + f"it does not accept the keyword argument {name!r}")
         if p is not None and p.kind is kinds.POSITIONAL_ONLY:
             raise TypeError(prefix + f"{name!r} must be accepted by keyword, it is positional-only")
     known = set(op.positional) | set(op.attributes)
@@ -175,6 +203,9 @@ def mismatch(name: str, got, expect: Expect, shown: int = 3, labels: np.ndarray 
     indices with got / expected. `labels` (bool, same shape) marks elements the call writes; `only` (bool)
     limits the comparison to those elements."""
     want = expect.want
+    in_place = only is not None
+    if expect.where is not None:
+        only = expect.where if only is None else only & expect.where
     if got is None:
         return f"{name}: the implementation returned None, expected {want.dtype.name}{want.shape}"
     got = as_numpy(got)
@@ -187,8 +218,13 @@ def mismatch(name: str, got, expect: Expect, shown: int = 3, labels: np.ndarray 
         w = want.reshape(*want.shape, 1).view(np.uint8) if want.ndim else want.reshape(1).view(np.uint8)
         bad = (g != w).any(axis=-1).reshape(want.shape)
         rule = "bit-exact"
+        if expect.slack is not None:
+            low, high = expect.slack
+            value = got.astype(np.float64)
+            with np.errstate(invalid="ignore"):
+                bad &= ~((value >= low) & (value <= high))
     else:
-        if got.dtype != np.dtype(expect.dtype):
+        if expect.dtype is not None and got.dtype != np.dtype(expect.dtype):
             return f"{name}: dtype {got.dtype.name}, expected {np.dtype(expect.dtype).name} (the inputs' dtype)"
         g, w = got.astype(np.float64), want.astype(np.float64)
         infinite = np.isinf(w)
@@ -196,10 +232,14 @@ def mismatch(name: str, got, expect: Expect, shown: int = 3, labels: np.ndarray 
         with np.errstate(invalid="ignore"):
             bad = np.where(infinite, g != w, ~within_tolerance(g, w, tolerance, expect.scale))
         atol, rtol = (t * expect.scale for t in TOLERANCE[np.dtype(tolerance)])
-        rule = f"{tolerance} tolerance atol {atol:g}, rtol {rtol:g} against a float64 evaluation"
+        rule = f"{np.dtype(tolerance).name} tolerance atol {atol:g}, rtol {rtol:g}"
+        rule += f" against {expect.against}" if expect.against else ""
+    if expect.why:
+        rule += f"; {expect.why}"
     if only is not None:
         bad &= only
-        rule += ", on the elements this call writes" if expect.rule == "close" else ""
+        rule += ", on the elements this call writes" if in_place and expect.rule == "close" else ""
+        rule += ", on the elements the document defines" if expect.where is not None else ""
     if not bad.any():
         return None
     where = np.argwhere(bad)
@@ -234,7 +274,7 @@ def _written(op: Operator, inputs: dict, attrs: dict) -> tuple[dict, dict]:
     plain = run(copy_inputs(inputs))
     masks = {}
     for name in op.in_place:
-        if plain[name] is None:
+        if plain.get(name) is None:
             continue
         flipped = copy_inputs(inputs)
         flipped[name].view(np.uint8)[...] ^= 0xFF
@@ -244,8 +284,9 @@ def _written(op: Operator, inputs: dict, attrs: dict) -> tuple[dict, dict]:
 
 
 def call(op: Operator, fn, inputs: dict, attrs: dict, **extra):
-    """fn called as the document lists the arguments: positional inputs in order, attributes by keyword."""
-    return fn(*(inputs[n] for n in op.positional), **attrs, **extra)
+    """fn called as the document lists the arguments: positional inputs in order, the rest by keyword."""
+    args, keywords = op.arguments(inputs, attrs)
+    return fn(*args, **keywords, **extra)
 
 
 def run_example(op: Operator, impl, case) -> None:
@@ -277,6 +318,11 @@ def run_example(op: Operator, impl, case) -> None:
                                only=~written[name]),
                       mismatch(name, mine[name], rule, labels=written[name], only=written[name])]
         problems += [m for m in checks if m]
+    for output, name in op.aliases.items():     # e.g. present_key_value: the cache impl updated, as it is now
+        if mine.get(name) is not None:
+            returned = results[op.outputs.index(output)]
+            problems += [m for m in [mismatch(output, returned, Expect("bits", as_numpy(mine[name]),
+                                                                        why=f"the {name} it updated"))] if m]
     if problems:
         raise ConformanceError(_report(op, impl, case, inputs, attrs, problems))
 
@@ -328,7 +374,7 @@ def _report(op: Operator, impl, case, inputs, attrs, problems) -> str:
     return "\n".join([
         f"{op.name} does not conform to its document on this problem (the smallest hypothesis found):",
         *("  " + line for p in problems for line in p.splitlines()),
-        f"  inputs: {_describe({n: inputs[n] for n in op.positional})}",
+        f"  inputs: {_describe(op.given(inputs))}",
         f"  attributes: {attributes}",
         "reproducer:",
         reproducer(op, impl, case)])

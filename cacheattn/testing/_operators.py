@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 from hypothesis import strategies as st
 
 import cacheattn
@@ -13,17 +14,21 @@ from cacheattn.examples import (
     OnnxCase,
     PPLCase,
     StaticCase,
+    TrtCase,
     build_ft,
     build_onnx,
     build_ppl,
     build_static,
+    build_trt,
     copy_inputs,
     float64_ft,
     float64_onnx,
     float64_ppl_attention,
+    float64_trt,
     reference_cache_state,
 )
 from cacheattn.ft import HEAD_SIZES
+from reference.trtllm_gpt_attention import quantize_kv
 
 from . import strategies
 from ._core import Expect, Operator, call
@@ -334,5 +339,155 @@ CROSS_ATTENTION = Operator(
     requires=(("batch_major_cache", "plain_cache"),), case_imports=("FTCase",))
 
 
+# ---------------------------------------------------------------------------------------------- TensorRT-LLM
+
+TRT_FEATURES = {
+    "contiguous": "paged_kv_cache False: past_key_value (batch_beam, 2, num_kv_heads, max_seqlen, "
+                  "hidden_size_per_head), returned as present_key_value",
+    "paged": "paged_kv_cache True: kv_cache_pool through a shuffled kv_cache_block_offsets table, "
+             "tokens_per_block 1, 2 or 4",
+    "generation": "generation requests (one token per beam, over the cache) after the context requests, in flight",
+    "chunked_context": "context requests with host_past_key_value_lengths > 0: a chunk after cached tokens",
+    "beam_search": "beam_width 2: generation reads the cached tokens of the beam cache_indirection names",
+    "gqa": "num_kv_heads < num_heads (groups of 2 and 3)",
+    "padded": "remove_input_padding False: qkv (batch_beam, max_seqlen, hidden); all requests in one phase "
+              "(in-flight batching needs packed input); padding rows of the output are not compared",
+    "qkv_bias": "qkv_bias, added before RoPE",
+    "int8_kv": "kv_cache_quant_mode INT8_KV_CACHE with the per-tensor kv_orig_quant_scale / kv_quant_orig_scale",
+    "fp8_kv": "kv_cache_quant_mode FP8_KV_CACHE (e4m3 codes)",
+    "fp8_context_fmha": "use_fp8_context_fmha on FP8-cache calls: context Q, K, V and probabilities in e4m3",
+    "rope_gptj": "position_embedding_type rope_gptj (interleaved pairs), rotary_embedding_dim 2, 6, 8 or the head",
+    "rope_gpt_neox": "position_embedding_type rope_gpt_neox (pairs across halves)",
+    "rope_scaling": "rotary_embedding_scale_type linear and dynamic (NTK), with a RoPE feature",
+    "alibi": "position_embedding_type alibi and alibi_with_scale, alibi_slopes for any head count",
+    "relative_bias": "position_embedding_type relative: relative_attention_bias (H, L, L), or T5 buckets with "
+                     "max_distance",
+    "bidirectional": "mask_type padding and bidirectional (no causal mask)",
+    "custom_mask": "mask_type custom_mask with a bool attention_mask",
+    "sliding_window": "host_max_attention_window_sizes below the sequence lengths: a cyclic cache (mask_type "
+                      "sliding_window_causal too)",
+    "streamingllm": "streamingllm with host_sink_token_length 0 to 2: whole contexts, keys cached before RoPE",
+    "cross_attention": "do_cross_attention: context requests cache the encoder K/V of cross_kv, generation reads it",
+    "softcap": "attn_logit_softcapping_scale > 0",
+    "context_fmha_type": "context_fmha_type 0 (unfused) and 2 (FP32 accumulation), not only 1",
+}
+TRT_CACHES = ("past_key_value", "kv_cache_pool")
+
+# RoPE'd keys. The document fixes the rotation, not the bits of cos(p theta) and sin(p theta): one implementation
+# takes theta = base^(-2i/d) in float64, another powf in float32; cos/sin come from libm, NumPy's SIMD code or
+# a GPU's sincosf, each good to an ulp or two of float32 at angles p theta up to ~16 rad here. A rotated key
+# x cos - y sin then moves by up to ~2^-18 of the pair's magnitude m = |(x, y)| (a rotation keeps it), however
+# small the key itself (cancellation). So a written rotated key is held to the reference's value within
+# ulp(key) + 2^-17 m in its dtype, and a quantized one to the codes of the values in that interval; every
+# other cached element (values, dims past rotary_embedding_dim, StreamingLLM's unrotated keys, encoder K/V)
+# bit for bit. Our kernels need it in float32: over 60 drawn calls 150 of 2,678 rotated keys differed from the
+# reference's, by up to 256 ulps of the key (a cancelling pair) yet at most 2.5 x 2^-24 m; in float16 none did.
+ROPE_SLACK = 2.0 ** -17
+ROPE_WHY = "a RoPE'd key may be off by ulp + 2^-17 |its rotated pair| (quantized: the codes of that interval)"
+
+
+def _trt_strategy(f: frozenset, dtypes: tuple):
+    masks = (1, 1) + ((2,) if "sliding_window" in f else ()) + ((0, 3) if "bidirectional" in f else ()) \
+        + ((6,) if "custom_mask" in f else ())
+    positions = (0,) + tuple(p for p, name in ((1, "rope_gptj"), (2, "rope_gpt_neox"), (4, "alibi"), (5, "alibi"),
+                                               (6, "relative_bias")) if name in f)
+    return strategies.trt_cases(
+        dtypes=dtypes, paged=tuple(p for p, name in ((False, "contiguous"), (True, "paged")) if name in f),
+        quant=(0,) + ((64,) if "int8_kv" in f else ()) + ((128,) if "fp8_kv" in f else ()), positions=positions,
+        masks=masks, beams=(1, 1, 2) if "beam_search" in f else (1,), windowed="sliding_window" in f,
+        chunked="chunked_context" in f, generation="generation" in f,
+        packed=(True, False) if "padded" in f else (True,), softcap="softcap" in f,
+        groups=(1, 2, 3) if "gqa" in f else (1,), qkv_bias=(False, True) if "qkv_bias" in f else (False,),
+        rope_scaling="rope_scaling" in f, fmha_types=(1, 1, 0, 2) if "context_fmha_type" in f else (1,),
+        streaming=(False, True) if "streamingllm" in f else (False,),
+        cross=(False, True) if "cross_attention" in f else (False,), fp8_fmha="fp8_context_fmha" in f,
+        padded_inflight=False)
+
+
+def _trt_uses(c: TrtCase) -> frozenset:
+    flags = {"contiguous": not c.paged, "paged": c.paged, "generation": bool(c.generations),
+             "chunked_context": any(p for p, _ in c.contexts), "beam_search": c.beam_width > 1 and bool(c.generations),
+             "gqa": c.num_heads > c.num_kv_heads, "padded": not c.packed, "qkv_bias": c.qkv_bias,
+             "int8_kv": c.quant == 64, "fp8_kv": c.quant == 128,
+             "fp8_context_fmha": c.fp8_context_fmha and bool(c.contexts), "rope_gptj": c.position == 1,
+             "rope_gpt_neox": c.position == 2, "rope_scaling": c.position in (1, 2) and c.rotary_scale_type != 0,
+             "alibi": c.position in (4, 5), "relative_bias": c.position == 6, "bidirectional": c.mask_type in (0, 3),
+             "custom_mask": c.mask_type == 6, "sliding_window": c.window < max(c.lengths),
+             "streamingllm": c.streamingllm, "cross_attention": bool(c.encoder_lengths), "softcap": c.softcap > 0,
+             "context_fmha_type": c.context_fmha_type != 1 and bool(c.contexts)}
+    return frozenset(name for name, on in flags.items() if on)
+
+
+def _trt_problem(case: TrtCase):
+    """Tensors (and the cache that is not used, None) as inputs, everything else as attributes: all by keyword."""
+    args = build_trt(case)
+    inputs = {n: v for n, v in args.items() if isinstance(v, np.ndarray) or n in TRT_CACHES}
+    return inputs, {n: v for n, v in args.items() if n not in inputs}
+
+
+def _rope_slack(case: TrtCase, inputs, attrs, cache_name):
+    """(low, high) for the RoPE'd key elements of the cache (NaN elsewhere): see ROPE_SLACK."""
+    cache = inputs[cache_name]
+    # The rotated keys in the input dtype, before any quantization: the reference on a float cache of that dtype.
+    plain = dict(copy_inputs(inputs), **{cache_name: np.zeros(cache.shape, case.dtype)})
+    plain.pop("kv_orig_quant_scale", None), plain.pop("kv_quant_orig_scale", None)
+    cacheattn.gpt_attention(**plain, **dict(attrs, kv_cache_quant_mode=0, use_fp8_context_fmha=False),
+                            backend="reference")
+    rotary = case.rotary_dim
+    key_axis = 1 if cache_name == "past_key_value" else 2                    # the K/V axis of either layout
+    keys = np.moveaxis(plain[cache_name], key_axis, 0)[0][..., :rotary]     # (..., rotary_embedding_dim)
+    k = keys.astype(np.float64)
+    partner = np.arange(rotary) ^ 1 if case.position == 1 else (np.arange(rotary) + rotary // 2) % rotary
+    delta = np.spacing(np.abs(keys)).astype(np.float64) + ROPE_SLACK * np.hypot(k, k[..., partner])
+    low, high = k - delta, k + delta
+    if case.quant:
+        inv_s = float(inputs["kv_orig_quant_scale"][0])
+        low, high = (quantize_kv(x, inv_s, case.quant).astype(np.float64) for x in (low, high))
+    bounds = []
+    for bound in (low, high):
+        full = np.full(cache.shape, np.nan)
+        np.moveaxis(full, key_axis, 0)[0][..., :rotary] = bound
+        bounds.append(full)
+    return tuple(bounds)
+
+
+def _trt_expect(case: TrtCase, inputs, attrs):
+    want, _ = float64_trt({**inputs, **attrs})
+    after = copy_inputs(inputs)                 # the reference's run in the input dtype; its cache after
+    ref_output, _ = cacheattn.gpt_attention(**after, **attrs, backend="reference")
+    where = None
+    if not case.packed:                         # padded qkv: rows past an entry's new tokens are padding
+        where = np.zeros(want.shape, bool)
+        for e, n in enumerate(case.new):
+            where[e, :n] = True
+    # 4x: the reference and an implementation both round Q and K to the input dtype after bias and RoPE, so a sharp
+    # softmax (q_scaling 0.5) of float16 inputs can put both 1.5 tolerances from the float64 evaluation.
+    output = Expect("close", want, case.dtype, scale=4.0, where=where)
+    if case.fp8_context_fmha:
+        # FP8 context FMHA rounds Q, K, V (as the input dtype holds them after bias and RoPE) and the probabilities
+        # to e4m3, 3 fraction bits: a Q element near an e4m3 boundary rounds one way from the dtype's value and the
+        # other from float64's, and a sharp softmax turns that into output errors past 0.2 (the reference itself
+        # reached 3.6x e4m3's 1/16 in bfloat16 over 2,600 draws). So these calls are held to the reference's own
+        # run in the input dtype, the same roundings in the same order, at the dtype's tolerance.
+        output = Expect("close", ref_output.astype(np.float64), case.dtype, scale=4.0, where=where,
+                        against="the reference's run in the input dtype (FP8 context FMHA)")
+    expect = {"output": output,
+              "present_key_value": None}         # the cache it returns: checked against past_key_value (aliases)
+    cache_name = "kv_cache_pool" if case.paged else "past_key_value"
+    if case.position in (1, 2) and not case.streamingllm:
+        expect[cache_name] = Expect("bits", after[cache_name], slack=_rope_slack(case, inputs, attrs, cache_name),
+                                    why=ROPE_WHY)
+    return expect
+
+
+GPT_ATTENTION = Operator(
+    name="gpt_attention", function=cacheattn.gpt_attention, features=TRT_FEATURES,
+    dtypes=("float16", "bfloat16", "float32"), strategy=_trt_strategy, uses=_trt_uses, problem=_trt_problem,
+    expect=_trt_expect, outputs=("output", "present_key_value"), in_place=TRT_CACHES,
+    aliases={"present_key_value": "past_key_value"}, requires=(("contiguous", "paged"),),
+    needs={"fp8_context_fmha": ("fp8_kv",), "rope_scaling": ("rope_gptj", "rope_gpt_neox")},
+    case_imports=("TrtCase",))
+
+
 OPERATORS = {op.name: op for op in (MULTI_HEAD_CACHE_ATTENTION, DYNAMIC_MULTI_HEAD_ATTENTION, DYNAMIC_KEY_VALUE_CACHE,
-                                    KEY_VALUE_CACHE, ONNX_ATTENTION, CROSS_ATTENTION)}
+                                    KEY_VALUE_CACHE, ONNX_ATTENTION, CROSS_ATTENTION, GPT_ATTENTION)}

@@ -8,9 +8,11 @@ to what an implementation supports (the checkers pass their `features=` through 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import strategies as st
 
-from cacheattn.examples import FTCase, OnnxCase, PPLCase, StaticCase
+from cacheattn.examples import FTCase, OnnxCase, PPLCase, StaticCase, TrtCase
 from cacheattn.ft import HEAD_SIZES
 
 
@@ -119,3 +121,81 @@ def ft_cases(draw, *, dtypes=("float16", "float32"), layouts=(True, False), step
         max_decoder_seq_len=step + draw(st.integers(0, 2)) if cross and draw(st.booleans()) else 0,
         context_buf=context_bufs and draw(st.booleans()), q_scaling=draw(st.sampled_from([1.0, 1.0, 0.5, 2.0])),
         seed=draw(st.integers(0, 2**32 - 1)))
+
+
+@st.composite
+def trt_cases(draw, *, dtypes=("float16", "float32"), paged=(False, True), quant=(0, 64, 128),
+              positions=(0, 1, 2, 4, 5, 6), masks=(1, 1, 2, 0, 3, 6), beams=(1, 1, 2), windowed=True, chunked=True,
+              generation=True, packed=(True, False), softcap=True, groups=(1, 2, 3), qkv_bias=(False, True),
+              rope_scaling=True, relative=("regular", "t5"), fmha_types=(1,), streaming=(False,), cross=(False,),
+              fp8_fmha=False, padded_inflight=True) -> TrtCase:
+    """A gpt_attention call: a few context requests (some chunked), a few generation sequences (maybe beams),
+    awkward sizes (length 1, past 0, tokens_per_block not dividing the lengths, GQA group 3, head size 24).
+
+    streaming / cross: the values these flags may take (one draw picks self attention, StreamingLLM or cross
+    attention). A StreamingLLM call has whole contexts, one beam and sink tokens below the window; a
+    cross-attention call has encoder K/V (lengths up to the cache capacity), no position embedding, no custom
+    mask and no window. fp8_fmha: FP8 context FMHA on some FP8-cache calls. padded_inflight False: padded
+    qkv only when every request is in the same phase (the document's in-flight batching needs packed input)."""
+    # One draw picks the kind of call, self attention three times in five when the others are allowed too.
+    kinds = ("self",) * 3 * (False in streaming and False in cross) + ("streaming",) * (True in streaming) \
+        + ("cross",) * (True in cross)
+    kind = draw(st.sampled_from(kinds or ("self",)))
+    is_streaming, is_cross = kind == "streaming", kind == "cross"
+    beam_width = 1 if is_streaming else draw(st.sampled_from(beams))
+    chunked = chunked and not is_streaming
+    contexts = tuple((draw(st.integers(0, 4)) if chunked else 0, draw(st.integers(1, 5)))
+                     for _ in range(draw(st.integers(0 if generation else 1, 2))))
+    generations = ()
+    if generation:
+        generations = tuple((prompt, prompt + draw(st.integers(0, 3))) for prompt in
+                            (draw(st.integers(1, 4)) for _ in range(draw(st.integers(0 if contexts else 1, 2)))))
+    lengths = [p + n for p, n in contexts] + [p + 1 for _, p in generations]
+    longest = max(lengths)
+    capacity = longest + draw(st.integers(0, 2))
+    window = capacity + draw(st.integers(0, 2))                   # no window in view
+    if windowed and not is_cross and beam_width == 1 and draw(st.booleans()):
+        window = draw(st.integers(2, longest + 1))                # a window, the cache cyclic past it
+        capacity = max(window, draw(st.integers(window, longest + 1)))
+    if is_streaming:
+        position = draw(st.sampled_from([p for p in (1, 2, 2, 0) if p in positions]))
+    else:
+        position = 0 if is_cross else draw(st.sampled_from(positions))
+    head_size = draw(st.sampled_from([8, 24]))
+    num_kv_heads = draw(st.integers(1, 2))
+    rope = position in (1, 2)
+    rotary_dim = draw(st.sampled_from([d for d in (2, 6, 8, head_size) if d <= head_size])) if rope else 0
+    scale_types = ([0, 1, 2] if rotary_dim > 2 else [0, 1]) if rope_scaling else [0]
+    num_layers = draw(st.integers(1, 2))
+    quant_mode = draw(st.sampled_from(quant))
+    is_packed = draw(st.sampled_from(packed))
+    if not padded_inflight and contexts and generations:
+        is_packed = True
+    encoder = ()
+    if is_cross:
+        per_sequence = [draw(st.integers(1, capacity)) for _ in range(len(contexts) + len(generations))]
+        encoder = tuple(per_sequence[:len(contexts)]) + tuple(n for n in per_sequence[len(contexts):]
+                                                              for _ in range(beam_width))
+    case = TrtCase(
+        contexts=contexts, generations=generations, beam_width=beam_width,
+        num_heads=num_kv_heads * draw(st.sampled_from(groups)), num_kv_heads=num_kv_heads, head_size=head_size,
+        dtype=draw(st.sampled_from(dtypes)), capacity=capacity, window=window,
+        paged=draw(st.sampled_from(paged)), tokens_per_block=draw(st.sampled_from([1, 2, 4])),
+        packed=is_packed, quant=quant_mode, position=position,
+        rotary_dim=rotary_dim, rotary_scale_type=draw(st.sampled_from(scale_types)),
+        rotary_scale=draw(st.sampled_from([1.0, 2.0])),
+        mask_type=draw(st.sampled_from([m for m in masks if m != 6] or [1])) if is_cross
+        else draw(st.sampled_from(masks)),
+        softcap=draw(st.sampled_from([0.0, 0.0, 3.0])) if softcap else 0.0, q_scaling=draw(st.sampled_from([1.0, 0.5])),
+        relative=draw(st.sampled_from(relative)), qkv_bias=draw(st.sampled_from(qkv_bias)),
+        num_layers=num_layers, layer_idx=draw(st.integers(0, num_layers - 1)), seed=draw(st.integers(0, 2**32 - 1)),
+        fp8_context_fmha=fp8_fmha and quant_mode == 128 and draw(st.booleans()), encoder_lengths=encoder,
+        context_fmha_type=draw(st.sampled_from(fmha_types)))
+    if is_streaming:
+        case = replace(case, streamingllm=True, sinks=draw(st.integers(0, min(2, case.window - 1))))
+    return case
+
+
+def trt_streaming_cases(**kw):
+    """StreamingLLM calls: whole contexts (no chunks), sink tokens below the window, RoPE most of the time."""
+    return trt_cases(streaming=(True,), **kw)
