@@ -7,6 +7,7 @@ Each figure function returns the SVG text, so a docs page or a test can also loo
 
 from __future__ import annotations
 
+import json
 from html import escape
 from pathlib import Path
 
@@ -17,6 +18,8 @@ FONT = "font-family='DejaVu Sans Mono, monospace' font-size='11'"
 # One colour per request / kind of cell; kept few and distinguishable in grey scale too.
 PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#b07aa1", "#76b7b2")
 HIDDEN, EMPTY, SINK = "#eeeeee", "#ffffff", "#9c755f"
+# The GPU bench run the kernel-ladder page plots, once a session with a GPU commits one.
+BENCH_RUN = Path(__file__).resolve().parents[1] / "docs" / "bench" / "bench.json"
 
 
 class Svg:
@@ -194,6 +197,33 @@ def multi_block_splits(kvlen: int = 11, key_tile: int = 2, num_splits: int = 4) 
     return svg.render()
 
 
+def bench_plot(result: dict) -> str:
+    """A `python -m cacheattn bench` run (its bench.json) as bars: per case, our kernel, the other rungs and the
+    peers, each as a share of the nearer ceiling measured in the same run (the copy bandwidth for the bytes the
+    case must read, the float16 matmul rate for its flops), so decode and prefill share one axis: a roofline."""
+    copy_gb, matmul_tflops = result["copy_bandwidth_gb_per_s"], result["fp16_matmul_tflops"]
+    svg, left, full, bar = Svg(), 340, 300, 12        # bars start at `left`; `full` px = 100 % of the ceiling
+    svg.text(4, 14, f"{result['device']['device']}: share of the nearer ceiling (copy {copy_gb:.4g} GB/s, "
+                    f"matmul {matmul_tflops:.4g} TFLOP/s)", bold=True)
+    y = 30
+    for row in result["rows"]:
+        svg.text(4, y + 12, row["label"], bold=True)
+        y += 18
+        timed = [("ours (rung 1)", row["ms"])] + [(name, ms) for name, ms in row["peers_ms"].items()
+                                                   if ms == ms]     # NaN: not measured
+        for k, (name, ms) in enumerate(timed):
+            speed = row["ms"] / ms                                 # the same work in ms: scale our figures
+            share = max(row["gb_per_s"] * speed / copy_gb, row["tflops"] * speed / matmul_tflops)
+            svg.text(left - 6, y + 10, name, anchor="end")
+            svg.rect(left, y, max(1.0, round(min(share, 1.2) * full, 1)), bar, PALETTE[k % len(PALETTE)])
+            svg.text(round(left + min(share, 1.2) * full + 6, 1), y + 10, f"{100 * share:.1f}%  {ms:.3f} ms")
+            y += bar + 4
+        y += 8
+    svg.rect(left + full, 24, 1, y - 24, "#555")                 # 100 %: the ceiling
+    svg.text(left + full, y + 12, "100%", anchor="middle")
+    return svg.render()
+
+
 def figures() -> dict[str, str]:
     """{file name: SVG text} of every figure the pages embed."""
     from reference.cache_layout import DYNAMIC_LAYOUTS
@@ -206,6 +236,8 @@ def figures() -> dict[str, str]:
     for layout, axes in DYNAMIC_LAYOUTS.items():
         out[f"ppl-layout-{layout}.svg"] = memory_order(
             axes, extents, 24, f"cache_layout {layout}: ({', '.join(axes.split())}) with T=3 tokens, H=2, Dh=2")
+    if BENCH_RUN.exists():                       # committed from a GPU run (python -m cacheattn gpu-session)
+        out["bench.svg"] = bench_plot(json.loads(BENCH_RUN.read_text()))
     return out
 
 

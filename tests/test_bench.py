@@ -37,6 +37,25 @@ def test_gpu_harness_runs_tiny_in_the_simulator(tmp_path):
     table = (tmp_path / "bench.md").read_text()
     assert "| case | ms |" in table and "TFLOP/s of rungs 2, 3, 4, 5" in table
     assert all(c.label in table for c in TINY_CASES)
+    check_bench_plot(saved)
+
+
+def check_bench_plot(result):
+    """The docs' plot of a run (cacheattn.figures.bench_plot): a bar for our kernel and every timed rung or peer of
+    each case, at its share of the nearer ceiling; a peer recorded as not measured (NaN) gets no bar."""
+    import math
+    import xml.etree.ElementTree as ET
+
+    from cacheattn.figures import bench_plot
+
+    result["rows"][0]["peers_ms"]["FlashInfer"] = math.nan
+    svg = bench_plot(result)
+    assert ET.fromstring(svg).tag.endswith("svg")
+    for row in result["rows"]:
+        share = max(row["gb_per_s"] / result["copy_bandwidth_gb_per_s"], row["tflops"] / result["fp16_matmul_tflops"])
+        assert row["label"] in svg and f"{100 * share:.1f}%  {row['ms']:.3f} ms" in svg
+    timed = sum(1 + sum(ms == ms for ms in row["peers_ms"].values()) for row in result["rows"])
+    assert svg.count("<rect") == timed + 1 and "FlashInfer" not in svg     # + the 100% line
 
 
 def test_bench_host_counts_launches_parameters_and_device_reads(tmp_path):
