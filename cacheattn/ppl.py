@@ -303,7 +303,7 @@ def dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decodin
     _check_launch(threads, rung, num_splits)
     kv_heads = _check_attention_attrs(num_heads, head_dim, num_kv_heads, is_causal, is_alibi)
     _check_query(query, num_heads, head_dim)
-    _check_rung(rung, query, threads, head_dim)
+    _check_rung(rung, query)
     for name, x in (("key", key), ("value", value)):
         check_same_dtype(name, x, "query", query)
         check_shape(name, x, (None, kv_heads, head_dim), "(kvstarts[B], num_kv_heads, head_dim)")
@@ -318,6 +318,7 @@ def dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decodin
     _check_max("max_kvlen", max_kvlen, kvlens)
     _check_mask(attn_mask, query, num_heads, int(seqs[-1]), int(kvs[-1]))
     _check_kernel_tensors(engine, query=query, key=key, value=value, attn_mask=attn_mask)
+    _check_plan(rung, threads, num_heads, kv_heads, max_seqlen, head_dim, cache_dtype=key.dtype)
     attrs = dict(num_heads=num_heads, head_dim=head_dim, is_causal=bool(is_causal), num_kv_heads=num_kv_heads)
     if engine == "reference":
         return arrays.run_reference(data, (), lambda h: reference.dynamic_multi_head_attention(
@@ -346,13 +347,30 @@ def _check_launch(threads, rung, num_splits):
         check_int("num_splits", num_splits, low=1, high=MAX_SPLITS)
 
 
-def _check_rung(rung, query, threads, head_dim):
-    if rung != 5:
-        return
-    if query.dtype != np.float16:
+def _check_rung(rung, query):
+    if rung == 5 and query.dtype != np.float16:
         raise ValueError(f"rung: 5 (tensor cores, mma.sync on float16) needs a float16 query, got {query.dtype}")
-    from kernels_numba._attention_mma import check_fits  # numba only now, as arrays.kernels() explains
-    check_fits(head_dim, threads // 32)
+
+
+def _check_plan(rung, threads, num_heads, kv_heads, max_seqlen, head_dim, quant_bit=0, cache_dtype=None):
+    """The warp rungs keep each warp's softmax state in shared memory, so a head_dim too wide for `threads` is a
+    ValueError naming head_dim here, from the planner the launcher uses, before the cache store or any kernel runs
+    (on either backend, so a call fails the same way wherever it runs)."""
+    if rung == 1:
+        return
+    # numba only now, as arrays.kernels() explains
+    from kernels_numba._attention_mma import check_fits
+    from kernels_numba._attention_vector import plan_vector_rows
+    from kernels_numba._attention_warp import plan_warp_rows
+    from kernels_numba._cache import chunk_elements
+
+    warps, rows = threads // 32, (num_heads, kv_heads, min(max_seqlen, 16), head_dim)   # as the launcher plans
+    if rung == 2:
+        plan_warp_rows(*rows, warps)
+    elif rung in (3, 4):
+        plan_vector_rows(*rows, chunk_elements(quant_bit, cache_dtype), warps)
+    else:
+        check_fits(head_dim, warps)
 
 
 @arrays.accepts_torch
@@ -375,7 +393,7 @@ def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvs
     _check_launch(threads, rung, num_splits)
     kv_heads = _check_attention_attrs(num_heads, head_dim, num_kv_heads, is_causal, is_alibi)
     _check_query(query, num_heads, head_dim)
-    _check_rung(rung, query, threads, head_dim)
+    _check_rung(rung, query)
     check_same_dtype("current_key", current_key, "query", query)
     cache_attrs = dict(num_layer=num_layer, layer_idx=layer_idx, quant_bit=quant_bit, quant_group=quant_group,
                        cache_mode=cache_mode, cache_layout=cache_layout, page_size=page_size)
@@ -384,6 +402,7 @@ def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvs
     _check_decoding(decoding_batches, idx["seqstarts"].shape[0] - 1)
     _check_mask(attn_mask, query, num_heads, int(idx["seqstarts"][-1]), int(idx["kvstarts"][-1]))
     _check_kernel_tensors(engine, query=query, cache=cache, scale=scale, attn_mask=attn_mask)
+    _check_plan(rung, threads, num_heads, kv_heads, max_seqlen, head_dim, quant_bit, cache.dtype)
     order = ("seqstarts", "kvstarts", "cachestarts", "start_pos")
     attrs = dict(num_heads=num_heads, head_dim=head_dim, is_causal=bool(is_causal), num_kv_heads=num_kv_heads)
     if engine == "reference":

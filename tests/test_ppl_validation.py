@@ -69,6 +69,11 @@ BAD_MHCA = [
     ("rung 5 warps' merge past shared memory", set_(rung=5, threads=1024), ValueError, "head_dim",
      with_(BASE, head_dim=64)),
     ("rung 3 with a partial warp", set_(rung=3, threads=80), ValueError, "threads", BASE),
+    # 32 warps' softmax states of one row of head_dim 352 need more than 48 KiB: refused before the cache store
+    ("rung 2 warps' merge past shared memory", set_(rung=2, threads=1024), ValueError, "head_dim",
+     with_(BASE, head_dim=352)),
+    ("rung 4 warps' merge past shared memory", set_(rung=4, threads=1024), ValueError, "head_dim",
+     with_(BASE, head_dim=352)),
     ("threads 0", set_(threads=0), ValueError, "threads", BASE),
     ("page outside MaxT", set_(cachestarts=lambda x: np.where(x["cachestarts"] == x["cachestarts"].max(),
                                                               10**6, x["cachestarts"])), ValueError, "cachestarts",
