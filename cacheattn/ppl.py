@@ -354,23 +354,16 @@ def _check_rung(rung, query):
 
 def _check_plan(rung, threads, num_heads, kv_heads, max_seqlen, head_dim, quant_bit=0, cache_dtype=None):
     """The warp rungs keep each warp's softmax state in shared memory, so a head_dim too wide for `threads` is a
-    ValueError naming head_dim here, from the planner the launcher uses, before the cache store or any kernel runs
+    ValueError naming head_dim here, from the launcher's own planner, before the cache store or any kernel runs
     (on either backend, so a call fails the same way wherever it runs)."""
     if rung == 1:
         return
     # numba only now, as arrays.kernels() explains
-    from kernels_numba._attention_mma import check_fits
-    from kernels_numba._attention_vector import plan_vector_rows
-    from kernels_numba._attention_warp import plan_warp_rows
     from kernels_numba._cache import chunk_elements
+    from kernels_numba.ppl_dynamic_multi_head_attention import block_plan
 
-    warps, rows = threads // 32, (num_heads, kv_heads, min(max_seqlen, 16), head_dim)   # as the launcher plans
-    if rung == 2:
-        plan_warp_rows(*rows, warps)
-    elif rung in (3, 4):
-        plan_vector_rows(*rows, chunk_elements(quant_bit, cache_dtype), warps)
-    else:
-        check_fits(head_dim, warps)
+    chunk = chunk_elements(quant_bit, cache_dtype) if rung in (3, 4) else None
+    block_plan(rung, num_heads, kv_heads, max_seqlen, head_dim, threads, chunk)
 
 
 @arrays.accepts_torch

@@ -20,7 +20,7 @@ import numpy as np
 from numba import cuda
 
 from ._attention_core import make_attention_kernel, plan_tiles
-from ._attention_mma import make_mma_attention_kernel, plan_mma_rows
+from ._attention_mma import check_fits, make_mma_attention_kernel, plan_mma_rows
 from ._attention_vector import keys_per_step, make_vector_attention_kernel, plan_vector_rows
 from ._attention_warp import make_warp_attention_kernel, plan_warp_rows
 from ._cache import chunk_elements, make_cache_access, make_chunk_load, packed_source, vector_loads_ok
@@ -65,6 +65,23 @@ def make_ppl_score(round_query):
     return score, key_range
 
 
+def block_plan(rung, num_heads, num_kv_heads, max_seqlen, head_dim, threads=128, chunk=None):
+    """How the kernel of `rung` lays out a block, from its planner: rung 1 (heads_per_block, q_tile, key_tile);
+    2 to 4 (heads_per_block, q_tile; chunk: elements per 16-byte load for 3 and 4); 5 (heads_per_block, positions,
+    row_tiles). ValueError naming head_dim when no layout fits the shared memory; whether one fits does not depend
+    on max_seqlen (every planner shrinks the query tile to one position before it gives up), so validation asks
+    this before the cache store, or any kernel, runs."""
+    warps = threads // 32
+    if rung in (3, 4):
+        return plan_vector_rows(num_heads, num_kv_heads, max_seqlen, head_dim, chunk, warps)
+    if rung == 2:
+        return plan_warp_rows(num_heads, num_kv_heads, max_seqlen, head_dim, warps)
+    if rung == 5:
+        check_fits(head_dim, warps)
+        return plan_mma_rows(num_heads, num_kv_heads, max_seqlen, warps, head_dim)
+    return plan_tiles(num_heads, num_kv_heads, max_seqlen, head_dim, head_dim)
+
+
 @cache
 def attention_kernel(quant_bit, quant_group, scale_dtype, value_dtype, query_dtype, head_dim, num_heads,
                      num_kv_heads, max_seqlen, rung=1, threads=128, cache_dtype=None, vector=False, partials=False):
@@ -76,9 +93,10 @@ def attention_kernel(quant_bit, quant_group, scale_dtype, value_dtype, query_dty
     round_scale = rounder(scale_dtype) if quant_bit else keep_float32
     row_offsets, load = make_cache_access(quant_bit, quant_group, round_scale, rounder(value_dtype))
     score, key_range = make_ppl_score(rounder(query_dtype))
+    warps, chunk = threads // 32, chunk_elements(quant_bit, cache_dtype) if rung == 3 else None
+    plan = block_plan(rung, num_heads, num_kv_heads, max_seqlen, head_dim, threads, chunk)
     if rung == 3:
-        warps, chunk = threads // 32, chunk_elements(quant_bit, cache_dtype)
-        heads_per_block, q_tile = plan_vector_rows(num_heads, num_kv_heads, max_seqlen, head_dim, chunk, warps)
+        heads_per_block, q_tile = plan
         load_chunk = make_chunk_load(quant_bit, quant_group, round_scale, rounder(value_dtype), chunk, vector)
         kernel = make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, head_dim_k=head_dim,
                                               head_dim_v=head_dim, chunk=chunk, heads_per_block=heads_per_block,
@@ -86,20 +104,18 @@ def attention_kernel(quant_bit, quant_group, scale_dtype, value_dtype, query_dty
                                               partials=partials)
         return kernel, heads_per_block, q_tile
     if rung == 2:
-        warps = threads // 32
-        heads_per_block, q_tile = plan_warp_rows(num_heads, num_kv_heads, max_seqlen, head_dim, warps)
+        heads_per_block, q_tile = plan
         kernel = make_warp_attention_kernel(row_offsets, load, score, key_range, head_dim_k=head_dim,
                                             head_dim_v=head_dim, heads_per_block=heads_per_block, q_tile=q_tile,
                                             group=num_heads // num_kv_heads, warps=warps)
         return kernel, heads_per_block, q_tile
     if rung == 5:
-        heads_per_block, positions, row_tiles = plan_mma_rows(num_heads, num_kv_heads, max_seqlen, threads // 32,
-                                                               head_dim)
+        heads_per_block, positions, row_tiles = plan
         kernel = make_mma_attention_kernel(row_offsets, load, score, key_range, head_dim_k=head_dim,
                                            head_dim_v=head_dim, heads_per_block=heads_per_block, positions=positions,
-                                           row_tiles=row_tiles, group=num_heads // num_kv_heads, warps=threads // 32)
+                                           row_tiles=row_tiles, group=num_heads // num_kv_heads, warps=warps)
         return kernel, heads_per_block, positions * row_tiles
-    heads_per_block, q_tile, key_tile = plan_tiles(num_heads, num_kv_heads, max_seqlen, head_dim, head_dim)
+    heads_per_block, q_tile, key_tile = plan
     kernel = make_attention_kernel(row_offsets, load, score, key_range, head_dim_k=head_dim, head_dim_v=head_dim,
                                    heads_per_block=heads_per_block, q_tile=q_tile, key_tile=key_tile,
                                    group=num_heads // num_kv_heads)
