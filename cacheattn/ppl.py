@@ -318,7 +318,7 @@ def dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decodin
     _check_max("max_kvlen", max_kvlen, kvlens)
     _check_mask(attn_mask, query, num_heads, int(seqs[-1]), int(kvs[-1]))
     _check_kernel_tensors(engine, query=query, key=key, value=value, attn_mask=attn_mask)
-    _check_plan(rung, threads, num_heads, kv_heads, max_seqlen, head_dim, cache_dtype=key.dtype)
+    _check_plan(engine, rung, threads, num_heads, kv_heads, max_seqlen, head_dim, cache_dtype=key.dtype)
     attrs = dict(num_heads=num_heads, head_dim=head_dim, is_causal=bool(is_causal), num_kv_heads=num_kv_heads)
     if engine == "reference":
         return arrays.run_reference(data, (), lambda h: reference.dynamic_multi_head_attention(
@@ -352,11 +352,12 @@ def _check_rung(rung, query):
         raise ValueError(f"rung: 5 (tensor cores, mma.sync on float16) needs a float16 query, got {query.dtype}")
 
 
-def _check_plan(rung, threads, num_heads, kv_heads, max_seqlen, head_dim, quant_bit=0, cache_dtype=None):
-    """The warp rungs keep each warp's softmax state in shared memory, so a head_dim too wide for `threads` is a
-    ValueError naming head_dim here, from the launcher's own planner, before the cache store or any kernel runs
-    (on either backend, so a call fails the same way wherever it runs)."""
-    if rung == 1:
+def _check_plan(engine, rung, threads, num_heads, kv_heads, max_seqlen, head_dim, quant_bit=0, cache_dtype=None):
+    """Every kernel keeps its rows' K/V tiles or softmax states in shared memory, so a head_dim too wide for it is
+    a ValueError naming head_dim here, from the launcher's own planner, before the cache store or any kernel runs.
+    A rung asked for by name (2 to 5) is checked on either backend, so the call fails the same way wherever it
+    runs; the default rung 1 only on the kernels (the reference has no such limit)."""
+    if rung == 1 and engine == "reference":
         return
     # numba only now, as arrays.kernels() explains
     from kernels_numba._cache import chunk_elements
@@ -395,7 +396,7 @@ def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvs
     _check_decoding(decoding_batches, idx["seqstarts"].shape[0] - 1)
     _check_mask(attn_mask, query, num_heads, int(idx["seqstarts"][-1]), int(idx["kvstarts"][-1]))
     _check_kernel_tensors(engine, query=query, cache=cache, scale=scale, attn_mask=attn_mask)
-    _check_plan(rung, threads, num_heads, kv_heads, max_seqlen, head_dim, quant_bit, cache.dtype)
+    _check_plan(engine, rung, threads, num_heads, kv_heads, max_seqlen, head_dim, quant_bit, cache.dtype)
     order = ("seqstarts", "kvstarts", "cachestarts", "start_pos")
     attrs = dict(num_heads=num_heads, head_dim=head_dim, is_causal=bool(is_causal), num_kv_heads=num_kv_heads)
     if engine == "reference":

@@ -117,6 +117,17 @@ def test_bad_multi_head_cache_attention_input(name, mutate, error, param, case, 
     assert launches == [], "a kernel launch was attempted before validation failed"
 
 
+def test_head_dim_past_the_kernels_shared_memory_is_refused_before_the_cache_store():
+    """Rung 1's K/V tiles of head_dim 704 need more than 48 KiB even at 8 keys and one row: the kernels refuse it
+    by name before the store kernel writes the cache; the reference, which has no such limit, runs it."""
+    inputs, attrs = mhca_call(lambda inputs, attrs: None, with_(BASE, head_dim=704))
+    cache = inputs["cache"].copy()
+    with _launch.recorded_launches() as launches, pytest.raises(ValueError, match=r"^head_dim\b"):
+        cacheattn.multi_head_cache_attention(**inputs, **attrs, backend="numba")
+    assert launches == [] and np.array_equal(inputs["cache"], cache)
+    assert cacheattn.multi_head_cache_attention(**inputs, **attrs, backend="reference").shape == inputs["query"].shape
+
+
 def test_base_case_is_valid():
     """The mutations above start from a valid call: anything that fails, fails for the mutation."""
     inputs, attrs = mhca_call(lambda inputs, attrs: None)
