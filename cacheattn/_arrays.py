@@ -158,14 +158,18 @@ def _torch_leaves(x) -> list:
     return []
 
 
+def map_leaves(function, x):
+    """x with function applied to everything in it that is not a tuple: tuples and named tuples (an operator's
+    outputs, FasterTransformer's AttentionWeight of DenseWeights) are rebuilt around the results."""
+    if isinstance(x, tuple):
+        items = [map_leaves(function, item) for item in x]
+        return type(x)(*items) if hasattr(x, "_fields") else tuple(items)
+    return function(x)
+
+
 def _to_native(x):
     """x with every torch tensor in it, nested tuples included, swapped for its NumPy / CuPy view."""
-    if is_torch(x):
-        return _torch_to_native(x)
-    if isinstance(x, tuple):
-        items = [_to_native(item) for item in x]
-        return type(x)(*items) if hasattr(x, "_fields") else tuple(items)
-    return x
+    return map_leaves(lambda a: _torch_to_native(a) if is_torch(a) else a, x)
 
 
 def _native_to_torch(x, device):
@@ -180,10 +184,7 @@ def _native_to_torch(x, device):
 
 
 def _results_to_torch(result, device):
-    if isinstance(result, tuple):
-        converted = [None if r is None else _native_to_torch(r, device) for r in result]
-        return type(result)(*converted) if hasattr(result, "_fields") else tuple(converted)
-    return _native_to_torch(result, device)
+    return map_leaves(lambda r: _native_to_torch(r, device), result)     # None stays None
 
 
 def accepts_torch(operator):

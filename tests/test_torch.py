@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import cacheattn
+from cacheattn._arrays import map_leaves
 from cacheattn.examples import (
     FTCase,
     OnnxCase,
@@ -31,19 +32,17 @@ PPL = PPLCase(seqlens=(1, 3), past=(4, 2), decoding_batches=1, num_heads=4, num_
 
 
 def tensor(x):
-    """x as a CPU tensor (a copy: the NumPy run keeps its own cache), inside tuples too; scalars stay scalars."""
+    """x as a CPU tensor (a copy: the NumPy run keeps its own cache); anything else stays as it is."""
     if isinstance(x, np.ndarray):
         if x.dtype.name == "bfloat16":
             return torch.from_numpy(x.view(np.int16).copy()).view(torch.bfloat16)
         return torch.from_numpy(x.copy())
-    if isinstance(x, tuple):
-        items = [tensor(item) for item in x]
-        return type(x)(*items) if hasattr(x, "_fields") else tuple(items)
     return x
 
 
 def as_torch(inputs: dict) -> dict:
-    return {name: tensor(x) for name, x in inputs.items()}
+    """The inputs as CPU tensors, inside tuples too (FasterTransformer's weights)."""
+    return {name: map_leaves(tensor, x) for name, x in inputs.items()}
 
 
 def as_numpy(t):
