@@ -14,7 +14,7 @@ import numpy as np
 import reference
 
 from . import _arrays as arrays
-from ._validate import check_choice, check_int, check_shape
+from ._validate import check_choice, check_flag, check_int, check_shape
 
 T1 = ("float16", "float32", "float64", "bfloat16")
 OPSETS = (23, 24, 25)
@@ -119,7 +119,7 @@ def validate(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, *, is_c
             raise ValueError(f"attn_mask: expected a last dim >= max(nonpad_kv_seqlen) = {nonpad.max()}, "
                              f"got {shape[-1]}")
 
-    check_choice("is_causal", is_causal, (0, 1))
+    check_flag("is_causal", is_causal)
     check_choice("qk_matmul_output_mode", qk_matmul_output_mode, (0, 1, 2, 3))
     if scale is not None and not (isinstance(scale, (int, float, np.floating)) and scale > 0):
         raise ValueError(f"scale: expected a positive float or None, got {scale!r}")
@@ -149,7 +149,7 @@ def onnx_attention(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonp
     """
     data = dict(Q=Q, K=K, V=V, attn_mask=attn_mask, past_key=past_key, past_value=past_value)
     engine = arrays.resolve_backend(backend, data)
-    attrs = dict(is_causal=is_causal, kv_num_heads=kv_num_heads, q_num_heads=q_num_heads,
+    attrs = dict(is_causal=check_flag("is_causal", is_causal), kv_num_heads=kv_num_heads, q_num_heads=q_num_heads,
                  qk_matmul_output_mode=qk_matmul_output_mode, scale=scale, softcap=softcap,
                  softmax_precision=softmax_precision, left_window_size=left_window_size,
                  right_window_size=right_window_size)

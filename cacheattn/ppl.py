@@ -106,6 +106,7 @@ def _check_dynamic_indices(seqstarts, kvstarts, cachestarts, start_pos, max_seql
     _check_max("max_seqlen", max_seqlen, seqlens)
     _check_max("max_kvlen", max_kvlen, kvlens)
     _check_cachestarts(cachestarts, kvlens, max_t, cache_mode=cache_mode, page_size=page_size)
+    _check_written_slots(cachestarts, start_pos, seqlens, cache_mode=cache_mode, page_size=page_size)
     return seqlens, kvlens
 
 
@@ -139,6 +140,28 @@ def _check_cachestarts(cachestarts, kvlens, max_t, *, cache_mode, page_size):
         b, p = (int(i) for i in bad[0])
         raise ValueError(f"cachestarts: expected every used page [start, start + page_size) inside MaxT = "
                          f"{max_t}; cachestarts[{b}, {p}] = {cachestarts[b, p]} with page_size {page_size}")
+
+
+def _check_written_slots(cachestarts, start_pos, seqlens, *, cache_mode, page_size):
+    """No two current tokens of the call may be stored into the same cache slot: the store writes every token in
+    parallel, so on a GPU that is a data race whose winner is undefined. Only the slots written now count:
+    sequences may share the pages of a common prefix, which this call only reads (positions < start_pos)."""
+    batch_of = np.repeat(np.arange(seqlens.shape[0]), seqlens)                  # (sum seqlens,) the token's batch
+    first = np.cumsum(seqlens) - seqlens                                         # (B,) its first packed row
+    position = start_pos[batch_of] + np.arange(batch_of.shape[0]) - first[batch_of]
+    if cache_mode == 0:
+        slots = cachestarts[batch_of] + position
+    else:
+        slots = cachestarts[batch_of, position // page_size] + position % page_size
+    order = np.argsort(slots, kind="stable")
+    clash = np.nonzero(slots[order][1:] == slots[order][:-1])[0]
+    if clash.size:
+        i, j = order[clash[0]], order[clash[0] + 1]
+        where = "cachestarts[b]" if cache_mode == 0 else "cachestarts[b, t // page_size]"
+        raise ValueError(f"cachestarts: expected the current tokens of the call to be stored into distinct cache "
+                         f"slots, got batch {batch_of[i]} position {position[i]} and batch {batch_of[j]} position "
+                         f"{position[j]} both at slot {slots[i]} (from {where}); two writes to one slot race on a "
+                         f"GPU. Sequences may share read-only prefix pages (positions < start_pos), not written ones")
 
 
 def _check_attention_attrs(num_heads, head_dim, num_kv_heads, is_causal, is_alibi):
@@ -233,7 +256,8 @@ def _dynamic_cache_checks(current_key, current_value, seqstarts, kvstarts, cache
                           max_kvlen, cache, scale, *, num_kv_heads, head_dim, num_layer, layer_idx, quant_bit,
                           quant_group, cache_mode, cache_layout, page_size):
     """Checks shared by dynamic_batching.KeyValueCache and MultiHeadCacheAttention; returns host index arrays."""
-    _check_current(current_key, current_value, (None, num_kv_heads, head_dim), "(seqstarts[B], H, Dh)")
+    _check_current(current_key, current_value, (None, num_kv_heads, head_dim),
+                   "(seqstarts[B], num_kv_heads, head_dim)")
     _check_layer(num_layer, layer_idx)
     _check_quant(quant_bit, quant_group, head_dim)
     check_choice("cache_mode", cache_mode, (0, 1))
@@ -264,7 +288,8 @@ def dynamic_key_value_cache(current_key, current_value, seqstarts, kvstarts, cac
     engine = arrays.resolve_backend(backend, data)
     check_int("num_repeat", num_repeat, low=1)
     if getattr(current_key, "ndim", 0) != 3:
-        raise ValueError(f"current_key: expected shape (seqstarts[B], H, Dh), got {tuple(current_key.shape)}")
+        raise ValueError(f"current_key: expected shape (seqstarts[B], num_kv_heads, head_dim), "
+                         f"got {tuple(current_key.shape)}")
     num_kv_heads, head_dim = int(current_key.shape[1]), int(current_key.shape[2])
     attrs = dict(num_layer=num_layer, layer_idx=layer_idx, quant_bit=quant_bit, quant_group=quant_group,
                  cache_mode=cache_mode, cache_layout=cache_layout, page_size=page_size)

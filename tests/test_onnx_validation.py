@@ -74,3 +74,14 @@ def test_bad_onnx_attention_input(name, args, error, param, backend):
 def test_the_base_call_is_valid():
     out = cacheattn.onnx_attention(Q4, K4, V4, np.ones((3, 5), bool), nonpad_kv_seqlen=np.array([4, 5]))
     assert out.Y.shape == (2, 4, 3, 6) and out.qk_matmul_output is None
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+def test_is_causal_takes_python_and_numpy_bools(backend):
+    """ONNX's is_causal is an int attribute; a Python user writes True, which means 1 (and False 0)."""
+    for flag, same_as in ((True, 1), (np.True_, 1), (False, 0)):
+        got = cacheattn.onnx_attention(Q4, K4, V4, is_causal=flag, backend=backend).Y
+        want = cacheattn.onnx_attention(Q4, K4, V4, is_causal=same_as, backend=backend).Y
+        np.testing.assert_array_equal(got, want)
+    causal = cacheattn.onnx_attention(Q4, K4, V4, is_causal=True, backend=backend).Y
+    assert not np.allclose(causal, cacheattn.onnx_attention(Q4, K4, V4, backend=backend).Y)
