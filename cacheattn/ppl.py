@@ -246,8 +246,9 @@ def key_value_cache(current_key: Tensor, current_value: Tensor, start_pos: int |
         1 value; `L` = `num_layer`). The dtype of `current_key`, or int8 when `quant_bit` is set, whose last
         dim is `Dh / 2` for `quant_bit` 4 (two values per byte). C-contiguous on the kernels.
     scale : Tensor or None, optional
-        In-out; required when `quant_bit` is set. The shape of `cache` with the last dim `Dh / quant_group`,
-        float16 or float32: one scale per group of `quant_group` values of a token and head.
+        In-out; required when `quant_bit` is set, float16 or float32: one scale per group of `quant_group`
+        values of a token and head, laid out like `cache` with `G = Dh / quant_group` last: `cache_layout` 0
+        `(MaxB, L, 2, MaxS, H, G)`, 1 `(L, MaxB, 2, H, MaxS, G)`.
     num_layer : int, default 1
         `L`, the layers `cache` holds.
     layer_idx : int, default 0
@@ -398,8 +399,9 @@ def dynamic_key_value_cache(current_key: Tensor, current_value: Tensor, seqstart
         3: `(L, 2, H, MaxT, Dh)` (axis `2`: 0 key, 1 value; `L` = `num_layer`). The dtype of `current_key`, or
         int8 when `quant_bit` is set, with last dim `Dh / 2` for `quant_bit` 4. C-contiguous on the kernels.
     scale : Tensor or None, optional
-        In-out; required when `quant_bit` is set: the shape of `cache` with last dim `Dh / quant_group`,
-        float16 or float32.
+        In-out; required when `quant_bit` is set, float16 or float32: laid out like `cache` with
+        `G = Dh / quant_group` last: `cache_layout` 0 `(MaxT, L, 2, H, G)`, 1 `(L, MaxT, 2, H, G)`,
+        2 `(L, 2, MaxT, H, G)`, 3 `(L, 2, H, MaxT, G)`.
     num_layer : int, default 1
         `L`.
     layer_idx : int, default 0
@@ -703,8 +705,9 @@ def multi_head_cache_attention(query: Tensor, current_key: Tensor, current_value
         `L` = `num_layer`; `Dh` = `head_dim`). The dtype of `query`; int8 when `quant_bit` is set, with last
         dim `head_dim / 2` for `quant_bit` 4 (two values per byte). C-contiguous on the kernels.
     scale : Tensor or None, optional
-        In-out; required when `quant_bit` is set: the shape of `cache` (in its layout) with last dim
-        `head_dim / quant_group`, float16 or float32.
+        In-out; required when `quant_bit` is set, float16 or float32: laid out like `cache` with
+        `G = head_dim / quant_group` last: `cache_layout` 0 `(MaxT, L, 2, num_kv_heads, G)`,
+        1 `(L, MaxT, 2, num_kv_heads, G)`, 2 `(L, 2, MaxT, num_kv_heads, G)`, 3 `(L, 2, num_kv_heads, MaxT, G)`.
     attn_mask : Tensor or None, optional
         `(seqstarts[B], ≥ kvstarts[B])` or `(num_heads, seqstarts[B], ≥ kvstarts[B])`, the dtype of `query`:
         row `seqstarts[b] + i`, column `kvstarts[b] + j` is added to the score of query i and key j.

@@ -235,3 +235,19 @@ def test_messages_name_the_kv_heads_and_print_shapes_as_python_does():
     inputs, attrs = mhca_call(set_(start_pos=np.array([4])))
     with pytest.raises(ValueError, match=r"^start_pos: expected shape \(2,\), got \(1,\)$"):
         cacheattn.multi_head_cache_attention(**inputs, **attrs)
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+def test_dynamic_key_value_cache_refuses_two_writes_to_one_slot(backend):
+    """The cache half alone checks the same: two sequences storing into one slot name cachestarts, and the cache
+    is left as it was."""
+    x = build_ppl(BASE)
+    args = {k: x[k] for k in ("current_key", "current_value", "seqstarts", "kvstarts", "cachestarts", "start_pos",
+                              "max_seqlen", "max_kvlen", "cache", "scale")}
+    args["cachestarts"] = x["cachestarts"][[0, 0]]
+    attrs = {k: v for k, v in BASE.attrs().items() if k not in ("num_heads", "head_dim", "is_causal", "is_alibi",
+                                                                "num_kv_heads")}
+    cache = x["cache"].copy()
+    with _launch.recorded_launches() as launches, pytest.raises(ValueError, match=r"^cachestarts: .* both at slot"):
+        cacheattn.dynamic_key_value_cache(**args, **attrs, backend=backend)
+    assert launches == [] and np.array_equal(x["cache"], cache)
