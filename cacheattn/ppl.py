@@ -167,11 +167,10 @@ def _check_written_slots(cachestarts, start_pos, seqlens, *, cache_mode, page_si
     clash = np.nonzero(slots[order][1:] == slots[order][:-1])[0]
     if clash.size:
         i, j = order[clash[0]], order[clash[0] + 1]
-        where = "cachestarts[b]" if cache_mode == 0 else "cachestarts[b, t // page_size]"
-        raise ValueError(f"cachestarts: expected the current tokens of the call to be stored into distinct cache "
-                         f"slots, got batch {batch_of[i]} position {position[i]} and batch {batch_of[j]} position "
-                         f"{position[j]} both at slot {slots[i]} (from {where}); two writes to one slot race on a "
-                         f"GPU. Sequences may share read-only prefix pages (positions < start_pos), not written ones")
+        raise ValueError(f"cachestarts: expected distinct cache slots for the tokens this call stores, got batch "
+                         f"{batch_of[i]} position {position[i]} and batch {batch_of[j]} position {position[j]} both "
+                         f"at slot {slots[i]} (a write race on a GPU; sequences may share only pages they read, "
+                         f"positions < start_pos)")
 
 
 def _check_attention_attrs(num_heads, head_dim, num_kv_heads, is_causal, is_alibi):
