@@ -211,7 +211,8 @@ def cross_attention(input_query: Tensor, encoder_output: Tensor, encoder_sequenc
         context[b, h] = p @ V[b, h]
         hidden_features[b] = context[b] · Wo                                   (no output bias)
 
-    A `finished` row is left alone: its context row, `cross_attentions` row and cache rows are not written.
+    A `finished` row is left alone: its context row and `cross_attentions` row are not written, and at step 1
+    its cache rows keep the unbiased projection (the bias and IA3 write-back skip it).
 
     Parameters
     ----------
