@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 
 import ml_dtypes
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 
 import reference
 from reference.cache_layout import DYNAMIC_LAYOUTS, STATIC_LAYOUTS
@@ -42,7 +43,7 @@ TOLERANCE = {
 }
 
 
-def within_tolerance(got, want, dtype, scale: float = 1.0) -> np.ndarray:
+def within_tolerance(got: ArrayLike, want: ArrayLike, dtype: DTypeLike, scale: float = 1.0) -> np.ndarray:
     """Elementwise: is `got` within `dtype`'s tolerance of the float64 `want`?
 
     `|got - want| <= atol + rtol * |want|` with `(atol, rtol)` from `TOLERANCE[dtype]` times `scale`;
@@ -137,7 +138,7 @@ def cache_shape(layout_axes: str, extents: dict) -> tuple:
     return tuple(extents[n] for n in layout_axes.split())
 
 
-def random_cache(rng: np.random.Generator, shape: tuple, quant_bit: int, dtype) -> np.ndarray:
+def random_cache(rng: np.random.Generator, shape: tuple, quant_bit: int, dtype: DTypeLike) -> np.ndarray:
     """A cache full of plausible old data (never zeros): int8 codes (`quant_bit` 8), any bytes (4: every byte
     is two valid nibbles) or standard normal values in `dtype`."""
     if quant_bit == 8:
@@ -147,7 +148,7 @@ def random_cache(rng: np.random.Generator, shape: tuple, quant_bit: int, dtype) 
     return rng.standard_normal(shape).astype(dtype)
 
 
-def random_scale(rng: np.random.Generator, shape: tuple, dtype) -> np.ndarray:
+def random_scale(rng: np.random.Generator, shape: tuple, dtype: DTypeLike) -> np.ndarray:
     """Plausible int8/int4 scales, uniform in [0.005, 0.055)."""
     return (rng.random(shape) * 0.05 + 0.005).astype(dtype)
 
@@ -261,12 +262,12 @@ def build_static(case: StaticCase) -> dict:
                 cache=random_cache(rng, cache_shape(axes, extents), case.quant_bit, dtype), scale=scale)
 
 
-def with_(case, **changes):
+def with_(case, **changes) -> object:
     """A copy of the (frozen) case with some fields changed: `with_(case, dtype="float32")`."""
     return replace(case, **changes)
 
 
-def float64_ppl_attention(inputs: dict, case: PPLCase, key, value) -> np.ndarray:
+def float64_ppl_attention(inputs: dict, case: PPLCase, key: ArrayLike, value: ArrayLike) -> np.ndarray:
     """A float64 evaluation of dynamic MultiHeadAttention for a PPL case, given the packed `key`/`value` the
     cache holds (exact, from `reference_cache_state`). Quantization is checked bit for bit elsewhere, so this
     isolates the attention arithmetic. Returns `(seqstarts[B], num_heads, head_dim)` float64."""
