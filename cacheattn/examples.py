@@ -24,6 +24,7 @@ True
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import ml_dtypes
 import numpy as np
@@ -32,6 +33,8 @@ from numpy.typing import ArrayLike, DTypeLike
 import reference
 from reference.cache_layout import DYNAMIC_LAYOUTS, STATIC_LAYOUTS
 from reference.quant import stored_head_dim
+
+CaseT = TypeVar("CaseT")       # any of the frozen case records below
 
 # (atol, rtol) against a float64 evaluation of the reference. float16 carries 11 significand bits (unit
 # roundoff 4.9e-4); the probabilities are rounded to it before P.V, so a few roundoffs add up.
@@ -262,7 +265,7 @@ def build_static(case: StaticCase) -> dict:
                 cache=random_cache(rng, cache_shape(axes, extents), case.quant_bit, dtype), scale=scale)
 
 
-def with_(case, **changes) -> object:
+def with_(case: CaseT, **changes) -> CaseT:
     """A copy of the (frozen) case with some fields changed: `with_(case, dtype="float32")`."""
     return replace(case, **changes)
 
