@@ -195,3 +195,26 @@ def test_docs_command_prints_a_table_of_pages(tmp_path, monkeypatch, capsys):
     assert main(["docs", str(page)]) == 1
     out = capsys.readouterr().out
     assert "1 blocks differ" in out and "but the page shows\n41" in out
+
+
+def test_gpu_session_summary_prints_its_steps_and_the_tables_it_brought_back(tmp_path, capsys):
+    """The session's closing tables: one row per step, then host.json's tables (bench.json's the same way)."""
+    from cacheattn.bench_host import host_overhead
+    from cacheattn.gpu_session import show_summary
+
+    host_overhead(repeat=1, batch=2, context=8, out_dir=tmp_path, show=False)
+    steps = {"gpu-tests": {"status": "passed", "seconds": 12.5, "rc": 0,
+                           "findings": {"summary": "41 passed, 2 skipped in 11.9s", "passed": 41, "skipped": 2}},
+             "memcheck": {"status": "failed", "seconds": 80.0, "rc": 1,
+                          "findings": {"errors": 3, "pytest": {"summary": "1 failed, 9 passed in 70s"}}},
+             "kernel-tests": {"status": "skipped", "why": "budget spent: run it with --steps next time"}}
+    with _console.recording() as tables:
+        show_summary({"steps": steps, "environment": {}, "budget_s": 570}, tmp_path)
+    assert [len(t.rows) for t in tables] == [3, 3, len(HOST_READS)]
+    for table in tables:
+        check_table(table)
+    rows = _console.as_json(tables[0])["rows"]
+    assert rows[1] == {"step": "memcheck", "status": "failed", "seconds": 80.0,
+                       "detail": "sanitizer errors 3; 1 failed, 9 passed in 70s"}
+    assert rows[2]["detail"] == "budget spent: run it with --steps next time" and rows[2]["seconds"] is None
+    assert "summary.md" in capsys.readouterr().out
