@@ -263,7 +263,8 @@ def say(text: str = "", *, wrap: bool = True) -> None:
             _collected["notes"].append(text)
         return
     if _format == "markdown":
-        sys.stdout.write(text + "\n\n")                 # a paragraph of its own
+        if text.strip():
+            sys.stdout.write(text.strip("\n") + "\n\n")     # a paragraph of its own
         return
     console = _stdout_console()
     if not wrap:

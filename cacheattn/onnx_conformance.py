@@ -147,8 +147,9 @@ def conformance_table(rows, backends):
     from . import _console
 
     columns = (_console.Column("case"), _console.Column("opset", right=True),
-               *(_console.Column(b, show=_result, means="" if n else "(as every backend's column) pass and the "
-                                 "largest |err| of any output, or FAIL and why") for n, b in enumerate(backends)))
+               *(_console.Column(b, show=_result, means="the same" if n else "pass and the largest |err| of any "
+                                 "output against the case's expected one, or FAIL and why")
+                 for n, b in enumerate(backends)))
     return _console.make_table(None, columns, [
         (case.name, case.opset, *({"passed": cells[b][0], "detail": cells[b][1]} for b in backends))
         for case, cells in rows])

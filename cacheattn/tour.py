@@ -358,6 +358,7 @@ def tour(quick: bool = False, full: bool = False, backends=("reference", "numba"
         _console.say(f"{'quick: three requests, the first configuration of each operator; ' if quick else ''}one "
                      f"serving layer; (small): head dims <= {QUICK_HEAD_DIM}, at most {QUICK_PAST} cached tokens per "
                      "request (--full: the shapes the labels name)")
+        _console.say()
     _console.table("Every operator on both backends, against a float64 evaluation", OPERATOR_COLUMNS, rows)
     failed = sum(not r[4] for r in rows)
     _console.say(f"{len(rows) - failed} passed, {failed} failed; serving loop: "
