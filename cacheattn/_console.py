@@ -86,15 +86,22 @@ def _wrap(text: str, width: int, continued: str = "  ", first: str = "") -> list
 
 
 def _stacked_columns(widths: list[int], columns: Sequence[Column], width: int) -> list[int]:
-    """Which columns leave the grid so the rest fits `width`: the widest text columns first, then numbers."""
-    def grid_width(out):
+    """Which columns leave the grid so the rest fits `width`: none if it fits; else the leftmost text column
+    whose leaving is enough (it then heads its rows, grouping them); else the widest text columns, then numbers,
+    until the rest fits."""
+    def fits(out):
         kept = [w for i, w in enumerate(widths) if i not in out]
-        return sum(kept) + len(GAP) * (len(kept) - 1) + (len(INDENT) if out else 0)
+        return sum(kept) + len(GAP) * (len(kept) - 1) + (len(INDENT) if out else 0) <= width
 
+    if fits([]):
+        return []
+    text = [i for i, c in enumerate(columns) if not c.right]
+    alone = next((i for i in text if fits([i])), None)
+    if alone is not None:
+        return [alone]
     out: list[int] = []
-    order = sorted(range(len(columns)), key=lambda i: (columns[i].right, -widths[i]))
-    for i in order:
-        if grid_width(out) <= width:
+    for i in sorted(range(len(columns)), key=lambda i: (columns[i].right, -widths[i])):
+        if fits(out):
             break
         out.append(i)
     return sorted(out)

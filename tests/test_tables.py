@@ -114,6 +114,19 @@ def test_stacked_rows_share_their_heading_and_the_grid_stays_aligned():
     assert sum(LONG in line for line in wide.splitlines()) == 2
 
 
+def test_the_leftmost_column_that_is_enough_heads_the_rows():
+    """When taking one text column out is enough, the leftmost such column goes (it groups the rows), not the
+    widest: here the case heads each case's peers."""
+    peers = make_table(None, ("case", "peer", "ms"), [
+        (case, peer, f"{ms:.3f}") for case in ("tiny decode B2 ctx12 paged int8", "tiny prefill B1 5 tokens fp16")
+        for peer, ms in (("unfused (KeyValueCache + MultiHeadAttention)", 1.5), ("rung 2 (warp per key)", 2.0))],
+        right=("ms",))
+    lines = render_text(peers, 80).splitlines()
+    assert lines[0] == "case" and lines[3] == "tiny decode B2 ctx12 paged int8"
+    assert lines[4].split() == ["unfused", "(KeyValueCache", "+", "MultiHeadAttention)", "1.500"]
+    check_table(peers)
+
+
 def test_markdown_escapes_pipes_and_json_keeps_numbers():
     md = render_markdown(SAMPLE)
     assert "max \\|err\\|" in md and "plain \\| CuPy 1.000" in md
