@@ -1,4 +1,4 @@
-"""python -m cacheattn {tour, docs, conformance, bench, gpu-session}.
+"""python -m cacheattn {tour, docs, conformance, bench, gpu-session} [--format text|markdown|json]; --version.
 
 Without a GPU the kernels run in numba's CUDA simulator; that has to be chosen before numba
 is imported, so this module decides it first and imports the rest afterwards.

@@ -6,9 +6,10 @@ output or a docs page that compares printed text never sees it (rich draws the b
 Tables go to stdout in one of three forms, chosen once per command (`--format`, see `output`):
 
 - ``text`` (the default): every header and every cell whole at the console's width (a terminal's, or
-  $COLUMNS, or 80 when piped). A table wider than that is stacked: its widest text columns leave the
-  grid and are printed on a line of their own above each row (once for a run of rows that share it,
-  wrapped at spaces), the other columns stay aligned below. Headers are short; a legend under the
+  $COLUMNS, or 80 when piped). A table wider than that is stacked: one text column (the leftmost whose
+  leaving is enough, else the widest) heads its rows on a line of its own, once for a run of rows that
+  share it; any further column that has to leave follows its row as "header: value"; the rest stay an
+  aligned grid; long values wrap at spaces, never inside a word. Headers are short; a legend under the
   table says what each abbreviated one means.
 - ``markdown``: a GitHub-flavoured table per table (what bench.md and host.md are written with).
 - ``json``: one JSON document for the whole command, printed when it ends: every table with its rows
@@ -34,7 +35,7 @@ from rich.text import Text
 FORMATS = ("text", "markdown", "json")
 PIPED_WIDTH = 80            # a piped run's width unless $COLUMNS says otherwise: the same text on every machine
 GAP = "  "                  # between grid columns
-INDENT = "    "             # grid rows under a stacked line (deeper than a stacked line's continuation)
+INDENT = "    "             # grid rows under their heading (deeper than a wrapped heading's continuation)
 
 
 @dataclass(frozen=True)
@@ -209,6 +210,11 @@ def output(fmt: str = "text") -> Iterator:
         _format, _collected = before
         if document is not None:
             sys.stdout.write(json.dumps(document, indent=2, allow_nan=False) + "\n")
+
+
+def current_format() -> str:
+    """The form tables print in now (one of FORMATS)."""
+    return _format
 
 
 @contextmanager

@@ -330,7 +330,14 @@ def gpu_session(out_dir: str, *, steps: str | None = None, budget_s: float = BUD
 
     chosen = select(default_steps(), steps)
     if dry_run:
-        _console.say(describe(chosen, int(budget_s)), wrap=False)
+        if _console.current_format() == "text":         # one numbered line per step, commands as a shell takes them
+            _console.say(describe(chosen, int(budget_s)), wrap=False)
+        else:
+            _console.table(f"gpu-session: {len(chosen)} steps in order, {budget_s:g} s in all",
+                           (_console.Column("step"), _console.Column("limit s", "limit_s", right=True),
+                            _console.Column("env", show=lambda env: " ".join(f"{k}={v}" for k, v in env.items())),
+                            _console.Column("command", show=shlex.join)),
+                           [(s.name, s.timeout_s, s.env, s.command) for s in chosen])
         return 0
     summary = run_session(chosen, out_dir, budget_s=budget_s, report=_console.say)
     show_summary(summary, Path(out_dir))

@@ -231,3 +231,13 @@ def test_gpu_session_summary_prints_its_steps_and_the_tables_it_brought_back(tmp
                        "detail": "sanitizer errors 3; 1 failed, 9 passed in 70s"}
     assert rows[2]["detail"] == "budget spent: run it with --steps next time" and rows[2]["seconds"] is None
     assert "summary.md" in capsys.readouterr().out
+
+
+def test_gpu_session_dry_run_as_json_lists_every_step(capsys):
+    from cacheattn.__main__ import main
+    from cacheattn.gpu_session import default_steps
+
+    assert main(["gpu-session", "--dry-run", "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["tables"][0]["rows"]
+    assert [(r["step"], r["limit_s"], r["command"]) for r in rows] == [
+        (s.name, s.timeout_s, list(s.command)) for s in default_steps()]
