@@ -37,10 +37,12 @@ def test_tour_passes_every_row(capsys, monkeypatch):
         ("gpt_attention", "reference")}, serving_rows
     assert all(row["tokens_equal_reference"] and row["passed"] for row in serving_rows), serving_rows
     assert f"12 passed, 0 failed; serving loop: {len(serving_rows)} passed, 0 failed" in document["notes"]
-    # Every table of the run reads whole at 80 columns (terminal and piped), as markdown and as JSON.
+    # Every table of the run reads whole at 80 columns (terminal and piped; and at 60 and 120), as markdown and
+    # as JSON.
     assert len(tables) == 2
     for table in tables:
-        check_table(table)
+        for width in (80, 60, 120):
+            check_table(table, width)
     # Each serving bar counts the loop's steps and ends full (it once counted tokens and ended at 8/18).
     steps = serving.steps_to_serve(serving.QUICK_REQUESTS)
     serve_bars = [bar for bar in bars if bar["description"] != "operators"]
