@@ -14,6 +14,7 @@ from enum import IntEnum, IntFlag
 import numpy as np
 
 import reference
+from reference import packed_mask
 from reference import trtllm_gpt_attention as ref
 
 from . import _arrays as arrays
@@ -67,10 +68,42 @@ class QuantMode(IntFlag):
 
 NO_KV_CACHE_QUANT = QuantMode(0)
 MASK_TYPES = (0, 1, 2, 3, 6)
-POSITION_TYPES = (0, 1, 2, 4, 5, 6)
-ROPE_TYPES = (1, 2)
+POSITION_TYPES = (0, 1, 2, 3, 4, 5, 6, 8)
+ROPE_TYPES = (1, 2, 3, 8)
 ALIBI_TYPES = (4, 5)
-SCALING_TYPES = (0, 1, 2, 4)
+SCALING_TYPES = (0, 1, 2, 3, 4, 5)
+
+# Keywords of TensorRT-LLM's gpt_attention that size buffers, pick kernels or describe the parallel layout and do
+# not change the result here: accepted and not used.
+NO_EFFECT = ("block_sparse_block_size", "block_sparse_homo_head_pattern", "block_sparse_num_local_blocks",
+             "block_sparse_vertical_stride", "tp_size", "tp_rank", "host_runtime_perf_knobs", "host_context_progress",
+             "num_kv_heads_origin", "spec_decoding_is_generation_length_variable",
+             "spec_decoding_max_generation_length", "cp_group", "host_kv_cache_pool_mapping")
+# Keywords that ask for what is not built here: accepted at their defaults, refused by name otherwise.
+NOT_BUILT = {
+    "attention_output_orig_quant_scale": (None, "FP8 attention output"),
+    "attention_output_sf_scale": (None, "FP4 attention output (its scaling factors)"),
+    "vision_start": (-1, "CogVLM's vision-token positions"),
+    "vision_length": (-1, "CogVLM's vision-token positions"),
+    "spec_decoding_generation_lengths": (None, "speculative decoding"),
+    "spec_decoding_position_offsets": (None, "speculative decoding"),
+    "spec_decoding_packed_mask": (None, "speculative decoding"),
+    "spec_decoding_use": (None, "speculative decoding"),
+    "mrope_rotary_cos_sin": (None, "multimodal RoPE (mrope)"),
+    "mrope_position_deltas": (None, "multimodal RoPE (mrope)"),
+    "is_mla_enabled_flag": (False, "multi-head latent attention (MLA)"),
+    "q_lora_rank": (0, "multi-head latent attention (MLA)"),
+    "kv_lora_rank": (0, "multi-head latent attention (MLA)"),
+    "qk_nope_head_dim": (0, "multi-head latent attention (MLA)"),
+    "qk_rope_head_dim": (0, "multi-head latent attention (MLA)"),
+    "v_head_dim": (0, "multi-head latent attention (MLA)"),
+    "q_b_proj": (None, "multi-head latent attention (MLA)"),
+    "kv_b_proj": (None, "multi-head latent attention (MLA)"),
+    "k_b_proj_trans": (None, "multi-head latent attention (MLA)"),
+    "skip_attn": (None, "skipping the attention (skip_attn)"),
+    "cp_size": (1, "context parallelism"),
+    "cp_rank": (0, "context parallelism"),
+}
 
 
 def _enum(name, value, enum, supported):
@@ -118,6 +151,9 @@ def validate(a: dict) -> dict:
     them. Returns the normalised arguments the reference takes: host int arrays for index tensors, ints for enums,
     floats for scales."""
     out = dict(a)
+    _check_unbuilt_and_pool(a)
+    for name in (*NO_EFFECT, *NOT_BUILT, "host_kv_cache_pool_pointers"):
+        out.pop(name)
     qkv = a["qkv"]
     _float_tensor("qkv", qkv)
     H = check_int("num_heads", a["num_heads"], low=1)
@@ -148,8 +184,11 @@ def validate(a: dict) -> dict:
     out.update(mask_type=mask_type, position_embedding_type=pos_type, rotary_embedding_scale_type=scale_type)
     tpb, quant = _check_scalars_and_quantization(a, out, qkv, hidden)
     _check_rope(a, out, pos_type, scale_type, Dh)
+    _check_rope_tables(a, out, pos_type, scale_type, per_entry, is_context)
+    _check_logn(a, lengths)
     _check_position_biases(a, pos_type, H, qkv, lengths)
     _check_mask(a, mask_type, qkv, packed, E, lengths)
+    _check_packed_mask(a, mask_type, lengths - past, lengths)
 
     # Window, sinks, cache capacity.
     layer_idx = check_int("layer_idx", a["layer_idx"], low=0)
@@ -162,11 +201,14 @@ def validate(a: dict) -> dict:
     sinks_host = arrays.index_array("host_sink_token_length", a["host_sink_token_length"])
     check_shape("host_sink_token_length", sinks_host, (1,), "(1,)")
     sinks = int(sinks_host[0])
+    # spec: trtllm/sink-tokens
+    if sinks < 0:
+        raise ValueError(f"host_sink_token_length: expected a number of sink tokens >= 0, got {sinks}")
     if sinks and not a["streamingllm"]:
         raise ValueError(f"host_sink_token_length: sink tokens need streamingllm=True, got {sinks}")
-    if not 0 <= sinks < window:
-        raise ValueError(f"host_max_attention_window_sizes: expected the window of layer {layer_idx} > "
-                         f"host_sink_token_length ({sinks}), got {window}")
+    if sinks >= window:
+        raise ValueError(f"host_sink_token_length: expected fewer sink tokens than the attention window of layer "
+                         f"{layer_idx} (host_max_attention_window_sizes: {window}), got {sinks}")
     if a["streamingllm"] and (is_context & (past > 0)).any():
         raise ValueError("host_past_key_value_lengths: chunked context is not defined with streamingllm "
                          f"(dense context phase), got {past.tolist()}")
@@ -209,6 +251,10 @@ def validate(a: dict) -> dict:
     else:
         slots_needed = int(ref.cyclic_slot(np.arange(min(longest, window)), window, sinks, bubble).max()) + 1
     out.update(_host_lengths_and_cache(a, per_entry, E, slots_needed, (Hkv, Dh, quant), bool(a["paged_kv_cache"])))
+    if a["paged_kv_cache"]:
+        _check_pages_not_raced(out["kv_cache_block_offsets"], per_entry, is_context, layer=int(a["layer_idx"]),
+                               tpb=int(a["tokens_per_block"]), window=window, sinks=sinks, bubble=bubble,
+                               encoder=enc)
     out.update(cache_indirection=ci, host_max_attention_window_sizes=windows, host_sink_token_length=sinks_host)
     return _cross(a, out, qkv, is_context, E, Hkv, Dh, pos_type, lengths, enc)
 
@@ -314,6 +360,175 @@ def _check_rope(a, out, pos_type, scale_type, Dh):
                              f"a rotary_embedding_dim > 2, got {rot}")
     elif rot:
         raise ValueError(f"rotary_embedding_dim: expected 0 without a RoPE position_embedding_type, got {rot}")
+
+
+def _check_unbuilt_and_pool(a):
+    """The keywords of TensorRT-LLM's signature that ask for what is not built are refused by name; the pool is
+    the array kv_cache_pool, one pool whose layer l is layer l (host_kv_cache_pool_mapping may say so)."""
+    for name, (default, feature) in NOT_BUILT.items():
+        value = a[name]
+        unchanged = value is None if default is None else (
+            not hasattr(value, "shape") and value == default)
+        if not unchanged:
+            raise ValueError(f"{name}: {feature} is not built here; expected the default {default!r}, "
+                             f"got {value if not hasattr(value, 'shape') else 'a tensor'!r}")
+    if not isinstance(a["tp_size"], (int, np.integer)) or not 0 <= a["tp_rank"] < a["tp_size"]:
+        raise ValueError(f"tp_rank: expected 0 <= tp_rank < tp_size (the heads given are this rank's), got "
+                         f"tp_rank {a['tp_rank']!r}, tp_size {a['tp_size']!r}")
+    if a["host_kv_cache_pool_pointers"] is not None:
+        raise ValueError("host_kv_cache_pool_pointers: raw pool addresses are not taken here; pass the pool itself "
+                         "as kv_cache_pool (num_blocks, num_layers, 2, num_kv_heads, tokens_per_block, "
+                         "hidden_size_per_head)")
+    mapping = a["host_kv_cache_pool_mapping"]
+    if mapping is not None:
+        host = arrays.index_array("host_kv_cache_pool_mapping", mapping)
+        layers = host.shape[0] if host.ndim == 2 else 0
+        check_shape("host_kv_cache_pool_mapping", host, (None, 2), "(num_layers, 2): (pool, layer in the pool)")
+        one_pool = np.stack([np.zeros(layers, np.int64), np.arange(layers)], axis=1)
+        if layers <= a["layer_idx"] or (host != one_pool).any():
+            raise ValueError(f"host_kv_cache_pool_mapping: one pool is supported (kv_cache_pool), every layer l "
+                             f"mapped to (pool 0, layer l) for layers 0..>= layer_idx ({a['layer_idx']}), "
+                             f"got {host.tolist()}")
+
+
+def _float32_tensor(name, x, ndim_meaning):
+    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+        raise TypeError(f"{name}: expected a float32 tensor, got {type(x).__name__}")
+    if dtype_of(x) != np.float32:
+        raise TypeError(f"{name}: expected a float32 tensor {ndim_meaning}, got {dtype_of(x).name}")
+
+
+def _check_rope_tables(a, out, pos_type, scale_type, per_entry, is_context):
+    """rotary_cos_sin and long_rope's second table: float32 (1, num_pos * rotary_embedding_dim), long enough for
+    every position read from them; long_rope and yarn get their frequencies and tables from the host."""
+    rot = a["rotary_embedding_dim"]
+    tables = ("rotary_cos_sin", "long_rope_rotary_cos_sin", "long_rope_rotary_inv_freq")
+    if pos_type not in ROPE_TYPES:
+        for name in tables:
+            if a[name] is not None:
+                raise ValueError(f"{name}: only with a RoPE position_embedding_type, got "
+                                 f"{PositionEmbeddingType(pos_type).name}")
+        return
+    if pos_type != PositionEmbeddingType.long_rope:
+        for name in tables[1:]:
+            if a[name] is not None:
+                raise ValueError(f"{name}: only with position_embedding_type long_rope, got "
+                                 f"{PositionEmbeddingType(pos_type).name}")
+    needs = {PositionEmbeddingType.long_rope: ("rotary_inv_freq", "rotary_cos_sin") + tables[1:],
+             PositionEmbeddingType.yarn: ("rotary_inv_freq", "rotary_cos_sin")}.get(pos_type, ())
+    if scale_type in (RotaryScalingType.longrope, RotaryScalingType.yarn):
+        needs = needs or ("rotary_inv_freq", "rotary_cos_sin")
+    for name in needs:
+        if a[name] is None:
+            raise ValueError(f"{name}: required with position_embedding_type {PositionEmbeddingType(pos_type).name} "
+                             f"and rotary_embedding_scale_type {RotaryScalingType(scale_type).name} (build it with "
+                             f"reference.rope.long_rope_tables / yarn_tables), got None")
+    if a["long_rope_rotary_inv_freq"] is not None:
+        freq = np.asarray(arrays.to_host(a["long_rope_rotary_inv_freq"]))
+        check_shape("long_rope_rotary_inv_freq", freq.reshape(-1), (rot // 2,), "(rotary_embedding_dim / 2,)")
+        out["long_rope_rotary_inv_freq"] = freq.reshape(-1).astype(np.float32)
+    for name in ("rotary_embedding_short_m_scale", "rotary_embedding_long_m_scale"):
+        if not a[name] > 0:
+            raise ValueError(f"{name}: expected a float > 0, got {a[name]!r}")
+    check_int("rotary_embedding_original_max_positions", a["rotary_embedding_original_max_positions"], low=1)
+    lengths = per_entry["sequence_length"]
+    plans = ref.rope_plan(
+        position_embedding_type=pos_type, rotary_inv_freq=a["rotary_inv_freq"], rotary_cos_sin=a["rotary_cos_sin"],
+        long_rope_rotary_inv_freq=a["long_rope_rotary_inv_freq"],
+        long_rope_rotary_cos_sin=a["long_rope_rotary_cos_sin"],
+        rotary_embedding_original_max_positions=a["rotary_embedding_original_max_positions"],
+        rotary_embedding_max_positions=a["rotary_embedding_max_positions"],
+        rotary_embedding_scale_type=scale_type, streamingllm=a["streamingllm"], lengths=lengths, is_context=is_context)
+    for name in tables[:2]:
+        table = a[name]
+        if table is None:
+            continue
+        _float32_tensor(name, table, "(1, num_pos * rotary_embedding_dim)")
+        size = int(np.prod(table.shape))
+        if size % rot or size == 0:
+            raise ValueError(f"{name}: expected shape (1, num_pos * rotary_embedding_dim) with rotary_embedding_dim "
+                             f"{rot}, got {tuple(table.shape)}")
+        read = [int(n) for n, (_, t, from_table) in zip(lengths, plans) if from_table and t is table]
+        if read and max(read) > size // rot:
+            raise ValueError(f"{name}: a sequence of {max(read)} tokens reads its cos/sin at positions up to "
+                             f"{max(read) - 1}, but the table holds {size // rot} positions")
+
+
+def _check_logn(a, lengths):
+    """logn_scaling: float32 (positions,), one factor per absolute position up to the longest sequence."""
+    logn = a["logn_scaling"]
+    if logn is None:
+        return
+    _float32_tensor("logn_scaling", logn, "(max_position_embeddings,)")
+    if a["do_cross_attention"]:
+        raise ValueError("logn_scaling: only with self attention (do_cross_attention=False)")
+    if len(logn.shape) != 1 or logn.shape[0] < lengths.max():
+        raise ValueError(f"logn_scaling: expected shape (>= {int(lengths.max())},), one factor per position up to "
+                         f"the longest sequence_length, got {tuple(logn.shape)}")
+
+
+def _check_packed_mask(a, mask_type, new, lengths):
+    """attention_packed_mask: TensorRT-LLM's packed form of the custom mask, which the context requests read."""
+    packed = a["attention_packed_mask"]
+    if packed is None:
+        return
+    if mask_type != AttentionMaskType.custom_mask:
+        raise ValueError("attention_packed_mask: given only when mask_type is custom_mask")
+    if dtype_of(packed) != np.int32:
+        raise TypeError(f"attention_packed_mask: expected an int32 tensor (reference.packed_mask."
+                        f"pack_attention_mask), got {dtype_of(packed).name}")
+    check_shape("attention_packed_mask", packed, packed_mask.packed_shape(new, lengths),
+                "(sum roundUp(new tokens, 128), roundUp(max sequence_length, 256) / 32)")
+
+
+def _check_pages_not_raced(offsets, per_entry, is_context, *, layer, tpb, window, sinks, bubble, encoder):
+    """Two entries must not both touch a cache slot that one of them writes in this call: on a GPU their blocks run
+    at once, so that is a data race (two writers, or a writer and a reader). Sharing a block read-only, e.g. a
+    common prompt prefix no entry writes into this call, is legal. Checked on whole blocks first (cheap), slot by
+    slot only for the blocks two entries share."""
+    past, lengths, E = per_entry["host_past_key_value_lengths"], per_entry["sequence_length"], len(is_context)
+
+    def slots_of(e, write):
+        if encoder is not None:                          # cross attention: context entries write the encoder slots
+            n = int(encoder[e])
+            return np.arange(n) if write == bool(is_context[e]) else np.arange(0)
+        P, N = int(past[e]), int(lengths[e])
+        if write:
+            positions = np.arange(max(P, N - (window - sinks)), N)         # the new tokens that stay cached
+            positions = np.union1d(positions, np.arange(P, min(N, sinks)))
+        else:
+            positions = np.union1d(np.arange(min(P, sinks)), np.arange(max(0, P - (window - sinks)), P))
+        return ref.cyclic_slot(positions, window, sinks, bubble)
+
+    for kv in (0, 1):
+        table = offsets[0, :E, kv] + 2 * layer                                  # (E, blocks) block ids
+        written = {}                                                            # block -> {entry: rows}
+        for e in range(E):
+            slots = slots_of(e, True)
+            for block, row in zip(table[e, slots // tpb], slots % tpb):
+                written.setdefault(int(block), {}).setdefault(e, set()).add(int(row))
+        if not written:
+            continue
+        shared = np.isin(table, list(written))
+        for f in range(E):
+            if not shared[f].any():
+                continue
+            touched = {}                                                        # block -> rows f writes or reads
+            for write in (True, False):
+                slots = slots_of(f, write)
+                for block, row in zip(table[f, slots // tpb], slots % tpb):
+                    touched.setdefault(int(block), set()).add((int(row), write))
+            for block, rows in touched.items():
+                for e, rows_e in written.get(block, {}).items():
+                    clash = sorted(r for r, write in rows if r in rows_e and e != f)
+                    if clash:
+                        what = "writes" if (clash[0], True) in rows else "reads"
+                        raise ValueError(
+                            f"kv_cache_block_offsets: entries {min(e, f)} and {max(e, f)} share block {block} "
+                            f"({'K' if kv == 0 else 'V'}), and entry {e} writes row {clash[0]} of it that entry {f} "
+                            f"{what} in the same call: a data race on a GPU. Give each sequence its own block for "
+                            "the tokens it writes; sharing a block read-only (a common prefix nobody writes into "
+                            "this call) is legal")
 
 
 def _check_position_biases(a, pos_type, H, qkv, lengths):
@@ -460,20 +675,38 @@ def _cross(a, out, qkv, is_context, E, Hkv, Dh, pos_type, lengths, enc):
 
 
 @arrays.accepts_torch
-def gpt_attention(*, qkv, past_key_value, attention_mask=None, sequence_length, host_past_key_value_lengths,
-                  host_max_attention_window_sizes, host_sink_token_length, context_lengths, cache_indirection,
-                  host_request_types, layer_idx, num_heads, num_kv_heads, hidden_size_per_head, q_scaling,
-                  attn_logit_softcapping_scale=0.0, rotary_embedding_dim=0, rotary_embedding_base=10000.0,
-                  rotary_embedding_scale_type=RotaryScalingType.none, rotary_embedding_scale=1.0,
-                  rotary_embedding_max_positions=1024, position_embedding_type=PositionEmbeddingType.learned_absolute,
-                  rotary_inv_freq=None, kv_orig_quant_scale=None, kv_quant_orig_scale=None,
-                  kv_cache_quant_mode=NO_KV_CACHE_QUANT, max_context_length=None, mask_type=AttentionMaskType.causal,
-                  alibi_slopes=None, kv_cache_block_offsets=None, host_kv_cache_block_offsets=None,
-                  do_cross_attention=False, cross_kv=None, cross_kv_length=None, encoder_input_lengths=None,
-                  relative_attention_bias=None, max_distance=0, host_context_lengths=None, qkv_bias=None,
-                  use_cache=True, remove_input_padding=True, paged_kv_cache=False, tokens_per_block=64,
-                  streamingllm=False, context_fmha_type=1, use_fp8_context_fmha=False, multi_block_mode=True,
-                  kv_cache_pool=None, backend="auto", threads=128):
+def gpt_attention(
+        *, qkv, past_key_value, attention_mask=None, attention_packed_mask=None, sequence_length,
+        host_past_key_value_lengths, host_max_attention_window_sizes, host_sink_token_length, context_lengths,
+        cache_indirection, host_request_types, layer_idx: int, num_heads: int, num_kv_heads: int,
+        hidden_size_per_head: int, q_scaling: float, attn_logit_softcapping_scale: float = 0.0,
+        rotary_embedding_dim: int = 0, rotary_embedding_base: float = 10000.0,
+        rotary_embedding_scale_type: int = RotaryScalingType.none, rotary_embedding_short_m_scale: float = 1.0,
+        rotary_embedding_long_m_scale: float = 1.0, rotary_embedding_scale: float = 1.0,
+        rotary_embedding_max_positions: int = 1024, rotary_embedding_original_max_positions: int = 1024,
+        position_embedding_type: int = PositionEmbeddingType.learned_absolute, rotary_inv_freq=None,
+        rotary_cos_sin=None, kv_orig_quant_scale=None, kv_quant_orig_scale=None,
+        attention_output_orig_quant_scale=None, attention_output_sf_scale=None,
+        kv_cache_quant_mode: int = NO_KV_CACHE_QUANT, max_context_length: int | None = None,
+        mask_type: int = AttentionMaskType.causal, block_sparse_block_size: int = 64,
+        block_sparse_homo_head_pattern: bool = False, block_sparse_num_local_blocks: int = 16,
+        block_sparse_vertical_stride: int = 8, alibi_slopes=None, tp_size: int = 1, tp_rank: int = 0,
+        vision_start: int = -1, vision_length: int = -1, kv_cache_block_offsets=None,
+        host_kv_cache_block_offsets=None, host_kv_cache_pool_pointers=None, host_kv_cache_pool_mapping=None,
+        do_cross_attention: bool = False, cross_kv=None, cross_kv_length: int | None = None,
+        encoder_input_lengths=None, relative_attention_bias=None, logn_scaling=None, max_distance: int = 0,
+        host_context_lengths=None, qkv_bias=None, use_cache: bool = True,
+        spec_decoding_is_generation_length_variable: bool = False, spec_decoding_max_generation_length: int = 0,
+        spec_decoding_generation_lengths=None, spec_decoding_position_offsets=None, spec_decoding_packed_mask=None,
+        spec_decoding_use=None, long_rope_rotary_inv_freq=None, long_rope_rotary_cos_sin=None,
+        mrope_rotary_cos_sin=None, mrope_position_deltas=None, host_runtime_perf_knobs=None,
+        host_context_progress=None, is_mla_enabled_flag: bool = False, q_lora_rank: int = 0, kv_lora_rank: int = 0,
+        qk_nope_head_dim: int = 0, qk_rope_head_dim: int = 0, v_head_dim: int = 0, q_b_proj=None, kv_b_proj=None,
+        k_b_proj_trans=None, skip_attn=None, cp_group=(0,), cp_size: int = 1, cp_rank: int = 0,
+        num_kv_heads_origin: int = -1, remove_input_padding: bool = True, paged_kv_cache: bool = False,
+        tokens_per_block: int = 64, streamingllm: bool = False, context_fmha_type: int = 1,
+        use_fp8_context_fmha: bool = False, multi_block_mode: bool = True, kv_cache_pool=None,
+        backend: str = "auto", threads: int = 128) -> tuple:
     """TensorRT-LLM gpt_attention. Returns (output, present_key_value); the KV cache is written in place.
 
     E = batch_beam entries (one per context request, beam_width per generation request; context first; see
@@ -529,7 +762,9 @@ def gpt_attention(*, qkv, past_key_value, attention_mask=None, sequence_length, 
     args = {k: v for k, v in locals().items() if k not in ("backend", "threads")}
     data = dict(qkv=qkv, past_key_value=past_key_value, kv_cache_pool=kv_cache_pool, attention_mask=attention_mask,
                 cross_kv=cross_kv, qkv_bias=qkv_bias, alibi_slopes=alibi_slopes,
-                relative_attention_bias=relative_attention_bias)
+                relative_attention_bias=relative_attention_bias, rotary_cos_sin=rotary_cos_sin,
+                long_rope_rotary_cos_sin=long_rope_rotary_cos_sin, logn_scaling=logn_scaling,
+                attention_packed_mask=attention_packed_mask)
     engine = arrays.resolve_backend(backend, data)
     checked = validate(args)
     check_int("threads", threads, low=32, high=1024)
