@@ -24,6 +24,25 @@ FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 
 class AttentionMaskType(IntEnum):
+    """TensorRT-LLM's `AttentionMaskType` (gpt_attention's mask_type), with its values.
+
+    Attributes
+    ----------
+    padding : int
+        0: every key visible (encoders).
+    causal : int
+        1: key `j` visible to the query at position `p` when `j <= p` (bottom-right for chunks).
+    sliding_window_causal : int
+        2: causal; the window comes from host_max_attention_window_sizes.
+    bidirectional : int
+        3: every key visible.
+    bidirectionalglm : int
+        4: GLM's mask, not built (refused).
+    blocksparse : int
+        5: block-sparse attention, not built (refused).
+    custom_mask : int
+        6: attention_mask (and attention_packed_mask) say which keys each query sees.
+    """
     padding = 0
     causal = 1
     sliding_window_causal = 2
@@ -34,6 +53,31 @@ class AttentionMaskType(IntEnum):
 
 
 class PositionEmbeddingType(IntEnum):
+    """TensorRT-LLM's `PositionEmbeddingType` (gpt_attention's position_embedding_type), with its values.
+
+    Attributes
+    ----------
+    learned_absolute : int
+        0: nothing inside the attention.
+    rope_gptj : int
+        1: RoPE on interleaved pairs `(x[2i], x[2i + 1])`.
+    rope_gpt_neox : int
+        2: RoPE on the halves `(x[i], x[i + d / 2])`.
+    long_rope : int
+        3: Phi-3 LongRoPE: GPT-NeoX pairs, short and long frequency tables, m-scales.
+    alibi : int
+        4: ALiBi bias `slope (j - p)` from alibi_slopes.
+    alibi_with_scale : int
+        5: the same here (the slopes carry the scale).
+    relative : int
+        6: relative_attention_bias (a table, or T5 buckets).
+    chatglm : int
+        7: not built (refused).
+    yarn : int
+        8: YaRN: GPT-NeoX pairs, the frequencies and table from the host.
+    mrope : int
+        9: multimodal RoPE, not built (refused).
+    """
     learned_absolute = 0
     rope_gptj = 1
     rope_gpt_neox = 2
@@ -47,6 +91,23 @@ class PositionEmbeddingType(IntEnum):
 
 
 class RotaryScalingType(IntEnum):
+    """TensorRT-LLM's `RotaryScalingType` (gpt_attention's rotary_embedding_scale_type), with its values.
+
+    Attributes
+    ----------
+    none : int
+        0: no scaling.
+    linear : int
+        1: positions divided by rotary_embedding_scale (unless rotary_inv_freq carries it).
+    dynamic : int
+        2: NTK: the base raised once a sequence passes rotary_embedding_max_positions.
+    longrope : int
+        3: the frequencies and tables come from the host (long_rope).
+    llama3 : int
+        4: llama3 frequencies from the host, as rotary_inv_freq.
+    yarn : int
+        5: the frequencies and table come from the host (yarn).
+    """
     none = 0
     linear = 1
     dynamic = 2
@@ -56,12 +117,29 @@ class RotaryScalingType(IntEnum):
 
 
 class RequestType(IntEnum):
+    """TensorRT-LLM's `RequestType` (host_request_types): context requests come before generation ones.
+
+    Attributes
+    ----------
+    context : int
+        0: a prompt or a chunk of one.
+    generation : int
+        1: one new token per beam.
+    """
     context = 0
     generation = 1
 
 
 class QuantMode(IntFlag):
-    """The KV-cache bits of TensorRT-LLM's QuantMode (the other bits quantize weights and activations)."""
+    """The KV-cache bits of TensorRT-LLM's `QuantMode` (its other bits quantize weights and activations).
+
+    Attributes
+    ----------
+    INT8_KV_CACHE : int
+        64: int8 codes at the per-tensor scale kv_quant_orig_scale.
+    FP8_KV_CACHE : int
+        128: float8 e4m3 codes at that scale.
+    """
     INT8_KV_CACHE = 64
     FP8_KV_CACHE = 128
 
@@ -707,56 +785,279 @@ def gpt_attention(
         tokens_per_block: int = 64, streamingllm: bool = False, context_fmha_type: int = 1,
         use_fp8_context_fmha: bool = False, multi_block_mode: bool = True, kv_cache_pool=None,
         backend: str = "auto", threads: int = 128) -> tuple:
-    """TensorRT-LLM gpt_attention. Returns (output, present_key_value); the KV cache is written in place.
+    r"""TensorRT-LLM's `gpt_attention`: in-flight batched attention over a contiguous or paged KV cache.
 
-    E = batch_beam entries (one per context request, beam_width per generation request; context first; see
-    reference/trtllm_gpt_attention.py for the rows). H = num_heads, Hkv = num_kv_heads, Dh = hidden_size_per_head.
+    Arguments keep `tensorrt_llm.functional.gpt_attention`'s names, order and defaults (all keyword-only); the
+    plugin-config settings follow as keywords with the config's names, then the pool array `kv_cache_pool`
+    (where TensorRT-LLM passes raw pool pointers). NumPy arrays run the reference, GPU arrays the kernels.
 
-    qkv: packed (num_tokens, (H + 2 Hkv) Dh) with remove_input_padding, else padded (E, max_seqlen, same);
-        [Q | K | V] along the last axis; float16, bfloat16, float32 or float64.
-    past_key_value: contiguous cache (>= E, 2, Hkv, max_seqlen, Dh), qkv's dtype, int8 or float8_e4m3fn; written in
-        place and returned as present_key_value. None with paged_kv_cache.
-    attention_mask: bool (num_tokens, >= max length) or (E, max_seqlen, >= max length), True = attend; only with
-        mask_type custom_mask. Row = query token, column = key position.
-    sequence_length (E,): length after this step (past + new tokens).
-    host_past_key_value_lengths (E,): tokens already in the cache.
-    host_max_attention_window_sizes (num_layers,) or shorter: the attention window W of each layer (repeated over
-        the layers when shorter, as TensorRT-LLM's runtime does).
-    host_sink_token_length (1,): StreamingLLM sink tokens S (0 without streamingllm).
-    context_lengths (E,): new tokens of a context request (prompt or chunk); prompt length of a generation request.
-    cache_indirection (>= generation sequences, beam_width, capacity): beam of each cached token; capacity is the
-        cache's token capacity (the cache is cyclic when W <= capacity).
-    host_request_types (E,): RequestType, context 0 before generation 1.
-    layer_idx: this layer (selects the window, and the layer in the paged pool).
-    num_heads, num_kv_heads, hidden_size_per_head: H, Hkv (dividing H; MHA, GQA or MQA), Dh.
-    q_scaling: QK^T is scaled by norm_factor = 1 / (q_scaling sqrt(Dh)).
-    attn_logit_softcapping_scale: c > 0 caps the scaled scores to c tanh(qk / c); 0 disables.
-    rotary_embedding_dim, rotary_embedding_base, rotary_embedding_scale_type (none, linear, dynamic, llama3),
-        rotary_embedding_scale, rotary_embedding_max_positions: RoPE over the first rotary_embedding_dim dims.
-    position_embedding_type: learned_absolute (nothing here), rope_gptj, rope_gpt_neox, alibi, alibi_with_scale,
-        relative.
-    rotary_inv_freq (rotary_embedding_dim / 2,): frequencies used as they are (llama3: reference.rope.llama3_inv_freq).
-    kv_orig_quant_scale (1,) = 1/s, kv_quant_orig_scale (1,) = s: per-tensor INT8/FP8 cache scales.
-    kv_cache_quant_mode: QuantMode(0), INT8_KV_CACHE or FP8_KV_CACHE.
-    max_context_length: optional bound on the context requests' new tokens.
-    mask_type: padding, causal, sliding_window_causal (= causal; the window comes from
-        host_max_attention_window_sizes), bidirectional, custom_mask.
-    alibi_slopes (H,) float32: with alibi / alibi_with_scale; bias slope (j - i).
-    kv_cache_block_offsets (1, >= E, 2, max_blocks): paged block table, TensorRT-LLM's runtime meaning (offset o of
-        layer l is block o + 2 l of the pool seen as blocks). host_kv_cache_block_offsets: its host copy (optional).
-    do_cross_attention, cross_kv ([1,] encoder tokens of the context requests, 2 Hkv Dh) packed or
-        (E, max encoder length, 2 Hkv Dh) padded, [K | V], cross_kv_length (longest encoder length),
-        encoder_input_lengths (E,): cross attention over the encoder states, cached in the context phase.
-    relative_attention_bias: (H, L, L) regular, or (H, num_buckets) with max_distance > 0 (implicit T5 buckets).
-    host_context_lengths (E,): host copy of context_lengths (optional). qkv_bias ((H + 2 Hkv) Dh,): added to qkv.
-    use_cache: False runs whole contexts without reading or writing a cache.
-    remove_input_padding, paged_kv_cache, tokens_per_block (power of two), streamingllm, context_fmha_type
-        (0 disabled, 1 enabled, 2 enabled_with_fp32_acc), use_fp8_context_fmha, multi_block_mode: plugin config.
-    kv_cache_pool (num_blocks, num_layers, 2, Hkv, tokens_per_block, Dh): the paged pool, written in place.
-    backend: "auto", "reference" or "numba" (kernels_numba/trtllm_gpt_attention.py; bfloat16 from NumPy arrays only,
-        computed in float32 and rounded where the reference rounds).
-    threads: the kernels' block size (plugin config; a multiple of 32 up to 1024); the reference ignores it.
-    output: (num_tokens, H Dh) packed or (E, max_seqlen, H Dh) padded (padding rows zero), qkv's dtype.
+    Notation: `E` = batch_beam entries (one per context request, `beam_width` per generation sequence; context
+    requests first), `H` = num_heads, `Hkv` = num_kv_heads, `Dh` = hidden_size_per_head, `T` = packed tokens
+    (context_lengths of the context requests plus one per generation entry), `L_e` = sequence_length[e],
+    `P_e` = host_past_key_value_lengths[e].
+
+    For query token `i` of entry `e` at position `p = P_e + i`, head `h` (kv head `g = h // (H / Hkv)`):
+
+    `out[i, h] = sum_j softmax_j(bias(h, p, j) + cap(norm * q[i, h] . k[j, g])) v[j, g]`
+
+    over the keys `j` visible to it: `j <= p` (causal, bottom-right), `p - W < j` or `j < S` (window `W`, `S` sink
+    tokens), and the custom mask. `norm = 1 / (q_scaling sqrt(Dh))`, `cap(x) = c tanh(x / c)` when
+    attn_logit_softcapping_scale `c > 0`, `bias` is ALiBi's `slope_h (j - p)` or the relative attention bias.
+    Q and K are RoPE-rotated first (then Q times `logn_scaling[p]`); cached keys and values come from the cache
+    (dequantized), the new ones are written to it.
+
+    Parameters
+    ----------
+    qkv : array (T, (H + 2 Hkv) Dh) packed, or (E, max_seqlen, (H + 2 Hkv) Dh) padded
+        `[Q | K | V]` along the last axis; float16, bfloat16, float32 or float64. Required.
+    past_key_value : array (>= E, 2, Hkv, max_seqlen, Dh) or None
+        The contiguous cache (paged_kv_cache False): qkv's dtype, int8 or float8_e4m3fn; written in place and
+        returned as present_key_value. None with a paged cache. Required.
+    attention_mask : bool array (T or (E, max_seqlen), >= max L_e), optional
+        Custom mask, True = attend; row = query token, column = key position. Only with mask_type custom_mask.
+        Default None.
+    attention_packed_mask : int32 array (sum_e roundUp(new_e, 128), roundUp(max L_e, 256) / 32), optional
+        The same custom mask in TensorRT-LLM's packed layout (`reference.packed_mask.pack_attention_mask`); the
+        context requests read it, generation reads attention_mask. Default None.
+    sequence_length : int array (E,)
+        Length after this step, `P_e + new tokens`. Required.
+    host_past_key_value_lengths : int array (E,)
+        Tokens already in the cache. Required.
+    host_max_attention_window_sizes : int32 array (num_layers,) or shorter
+        Attention window `W` per layer, repeated over the layers when shorter. The cache is cyclic when `W` is at
+        most its capacity. Required.
+    host_sink_token_length : int32 array (1,)
+        StreamingLLM sink tokens `S`, `0 <= S < W` (0 without streamingllm). Required.
+    context_lengths : int array (E,)
+        New tokens of a context request (its prompt or chunk); the prompt length of a generation request.
+        Required.
+    cache_indirection : int32 array (>= generation sequences, beam_width, capacity)
+        Beam of each cached token; its last extent is the cache's token capacity. Required.
+    host_request_types : int32 array (E,)
+        RequestType per entry: context 0 before generation 1. Required.
+    layer_idx : int
+        This layer: selects its window and its layer in the paged pool. Required.
+    num_heads : int
+        `H`. Required.
+    num_kv_heads : int
+        `Hkv`, dividing `H` (MHA, GQA or MQA). Required.
+    hidden_size_per_head : int
+        `Dh`. Required.
+    q_scaling : float
+        `QK^T` is scaled by `1 / (q_scaling sqrt(Dh))`. Required.
+    attn_logit_softcapping_scale : float
+        `c > 0` caps the scaled scores to `c tanh(x / c)`; 0 disables. Default 0.0.
+    rotary_embedding_dim : int
+        RoPE over the first rotary_embedding_dim elements of each head (even, at most `Dh`); 0 without RoPE.
+        Default 0.
+    rotary_embedding_base : float
+        RoPE base (theta): frequencies `base^(-2i / rotary_embedding_dim)`. Default 10000.0.
+    rotary_embedding_scale_type : RotaryScalingType or int
+        none, linear (the position divided by rotary_embedding_scale), dynamic (NTK: the base raised past
+        rotary_embedding_max_positions), llama3, longrope or yarn (frequencies and tables from the host).
+        Default none.
+    rotary_embedding_short_m_scale : float
+        m-scale on cos/sin recomputed from the frequencies while the newest position is at most
+        rotary_embedding_original_max_positions (long_rope, yarn). Default 1.0.
+    rotary_embedding_long_m_scale : float
+        The m-scale past rotary_embedding_original_max_positions. Default 1.0.
+    rotary_embedding_scale : float
+        Linear or dynamic scaling factor. Default 1.0.
+    rotary_embedding_max_positions : int
+        Dynamic scaling starts past it; a longer sequence has its cos/sin recomputed, not read from
+        rotary_cos_sin. Default 1024.
+    rotary_embedding_original_max_positions : int
+        long_rope switches a phase to its long frequencies and table once the phase's longest sequence passes
+        it; the m-scale switches at it. Default 1024.
+    position_embedding_type : PositionEmbeddingType or int
+        learned_absolute (nothing here), rope_gptj, rope_gpt_neox, long_rope, yarn, alibi, alibi_with_scale or
+        relative. Default learned_absolute.
+    rotary_inv_freq : float32 array (rotary_embedding_dim / 2,), optional
+        Frequencies used as they are (linear scaling already in them; llama3: `reference.rope.llama3_inv_freq`).
+        Required with long_rope, yarn and llama3. Default None.
+    rotary_cos_sin : float32 array (1, num_pos rotary_embedding_dim), optional
+        cos/sin table, `(cos, sin)` of position `p`, pair `i` at `2 (p rotary_embedding_dim / 2 + i)`; read at the
+        token's position, except with dynamic scaling, past rotary_embedding_max_positions and with
+        streamingllm, where cos/sin are recomputed. `reference.rope.plugin_tables`, `long_rope_tables`,
+        `yarn_tables` build it. Required with long_rope and yarn. Default None.
+    kv_orig_quant_scale : float32 array (1,), optional
+        `1 / s`, the INT8/FP8 cache's quantization scale (store `x / s`). Default None.
+    kv_quant_orig_scale : float32 array (1,), optional
+        `s` (load `code s`). Default None.
+    attention_output_orig_quant_scale : float32 array (1,), optional
+        FP8 output: not built, refused unless None. Default None.
+    attention_output_sf_scale : float32 array (1,), optional
+        FP4 output scaling factors: not built, refused unless None. Default None.
+    kv_cache_quant_mode : QuantMode or int
+        QuantMode(0), INT8_KV_CACHE or FP8_KV_CACHE. Default QuantMode(0).
+    max_context_length : int, optional
+        Bound on the context requests' new tokens, checked. Default None.
+    mask_type : AttentionMaskType or int
+        padding, causal, sliding_window_causal (causal; the window comes from host_max_attention_window_sizes),
+        bidirectional or custom_mask. Default causal.
+    block_sparse_block_size : int
+        Block-sparse attention (mask_type blocksparse, not built): accepted, not used. Default 64.
+    block_sparse_homo_head_pattern : bool
+        Likewise. Default False.
+    block_sparse_num_local_blocks : int
+        Likewise. Default 16.
+    block_sparse_vertical_stride : int
+        Likewise. Default 8.
+    alibi_slopes : float32 array (H,), optional
+        ALiBi slopes, with alibi and alibi_with_scale. Default None.
+    tp_size : int
+        Tensor-parallel ranks; the heads given are this rank's. Default 1.
+    tp_rank : int
+        This rank, `0 <= tp_rank < tp_size`. Default 0.
+    vision_start : int
+        CogVLM vision positions: not built, refused unless -1. Default -1.
+    vision_length : int
+        Likewise. Default -1.
+    kv_cache_block_offsets : int array (1, >= E, 2, max_blocks), optional
+        Paged block table: the offset `o` of entry `e`, K (0) or V (1), block index `t // tokens_per_block`
+        addresses block `o + 2 layer_idx` of the pool seen as blocks (a manager writes
+        `o = block num_layers 2 + kv`). Entries may share blocks read-only (a common prefix); a slot one entry
+        writes must not be written or read by another in the same call (a data race on a GPU, refused).
+        Default None.
+    host_kv_cache_block_offsets : int array, optional
+        Host copy of kv_cache_block_offsets, checked equal. Default None.
+    host_kv_cache_pool_pointers : int64 array (num_pools, 2), optional
+        Raw pool addresses: refused; pass the pool as kv_cache_pool. Default None.
+    host_kv_cache_pool_mapping : int32 array (num_layers, 2), optional
+        (pool, layer in pool) per layer: one pool only, layer l as (0, l). Default None.
+    do_cross_attention : bool
+        Attend to encoder states (cross_kv, cached by the context phase). Default False.
+    cross_kv : array ([1,] encoder tokens, 2 Hkv Dh) packed or (E, max encoder length, 2 Hkv Dh), optional
+        `[K | V]` of the context requests' encoder tokens, qkv's dtype. Default None.
+    cross_kv_length : int, optional
+        Longest encoder length, checked. Default None.
+    encoder_input_lengths : int array (E,), optional
+        Encoder tokens per entry, with cross attention. Default None.
+    relative_attention_bias : array (H, L, L) or (H, num_buckets), optional
+        Relative attention bias (position_embedding_type relative): a regular table, or T5 buckets with
+        max_distance > 0. qkv's dtype. Default None.
+    logn_scaling : float32 array (>= max L_e,), optional
+        Qwen's logn attention: Q times `logn_scaling[p]` after RoPE, `p` the absolute position
+        (`reference.rope.logn_scaling`). Default None.
+    max_distance : int
+        T5 bucket distance; 0 means a regular relative bias table. Default 0.
+    host_context_lengths : int array (E,), optional
+        Host copy of context_lengths, checked equal. Default None.
+    qkv_bias : array ((H + 2 Hkv) Dh,), optional
+        Added to qkv before RoPE, qkv's dtype. Default None.
+    use_cache : bool
+        False runs whole contexts without reading or writing a cache. Default True.
+    spec_decoding_is_generation_length_variable : bool
+        Speculative decoding setting: accepted, not used. Default False.
+    spec_decoding_max_generation_length : int
+        Likewise. Default 0.
+    spec_decoding_generation_lengths : int array, optional
+        Speculative decoding: not built, refused unless None. Default None.
+    spec_decoding_position_offsets : int array, optional
+        Likewise. Default None.
+    spec_decoding_packed_mask : int array, optional
+        Likewise. Default None.
+    spec_decoding_use : array, optional
+        Likewise. Default None.
+    long_rope_rotary_inv_freq : float32 array (rotary_embedding_dim / 2,), optional
+        long_rope's long frequencies. Required with long_rope. Default None.
+    long_rope_rotary_cos_sin : float32 array (1, num_pos rotary_embedding_dim), optional
+        long_rope's long table, laid out as rotary_cos_sin. Required with long_rope. Default None.
+    mrope_rotary_cos_sin : array, optional
+        Multimodal RoPE: not built, refused unless None. Default None.
+    mrope_position_deltas : array, optional
+        Likewise. Default None.
+    host_runtime_perf_knobs : int64 array, optional
+        Kernel choices: accepted, not used. Default None.
+    host_context_progress : array, optional
+        Layer-wise progress tracking: accepted, not used. Default None.
+    is_mla_enabled_flag : bool
+        Multi-head latent attention: not built, refused unless False. Default False.
+    q_lora_rank : int
+        MLA: refused unless 0. Default 0.
+    kv_lora_rank : int
+        MLA: refused unless 0. Default 0.
+    qk_nope_head_dim : int
+        MLA: refused unless 0. Default 0.
+    qk_rope_head_dim : int
+        MLA: refused unless 0. Default 0.
+    v_head_dim : int
+        MLA: refused unless 0. Default 0.
+    q_b_proj : array, optional
+        MLA: refused unless None. Default None.
+    kv_b_proj : array, optional
+        MLA: refused unless None. Default None.
+    k_b_proj_trans : array, optional
+        MLA: refused unless None. Default None.
+    skip_attn : bool array (1,), optional
+        Skipping the attention: not built, refused unless None. Default None.
+    cp_group : list of int
+        Context-parallel group: accepted, not used. Default [0].
+    cp_size : int
+        Context parallelism: refused unless 1. Default 1.
+    cp_rank : int
+        Context parallelism: refused unless 0. Default 0.
+    num_kv_heads_origin : int
+        KV heads before tensor parallelism: accepted, not used. Default -1.
+    remove_input_padding : bool
+        Plugin config: packed (True) or padded qkv. Default True.
+    paged_kv_cache : bool
+        Plugin config: the paged cache kv_cache_pool (True) or past_key_value. Default False.
+    tokens_per_block : int
+        Plugin config: tokens per paged block, a power of two. Default 64.
+    streamingllm : bool
+        Plugin config: StreamingLLM (keys cached before RoPE, rotated at their cache index; a dense context
+        phase). Default False.
+    context_fmha_type : int
+        Plugin config: 0 disabled (the unfused path), 1 enabled, 2 enabled_with_fp32_acc. Default 1.
+    use_fp8_context_fmha : bool
+        Plugin config: FP8 context FMHA (Q, K, V and the probabilities in e4m3), with an FP8 cache.
+        Default False.
+    multi_block_mode : bool
+        Plugin config: split long generation keys over several blocks (kernels). Default True.
+    kv_cache_pool : array (num_blocks, num_layers, 2, Hkv, tokens_per_block, Dh), optional
+        The paged pool, qkv's dtype, int8 or float8_e4m3fn, written in place. Default None.
+    backend : str
+        "auto" (NumPy: reference, GPU arrays: kernels), "reference" or "numba". Default "auto".
+    threads : int
+        The kernels' block size, a multiple of 32 up to 1024; the reference ignores it. Default 128.
+
+    Returns
+    -------
+    output : array (T, H Dh) packed or (E, max_seqlen, H Dh) padded
+        qkv's dtype; padding rows are zero.
+    present_key_value : array or None
+        past_key_value itself (written in place), None with a paged cache or use_cache False.
+
+    Raises
+    ------
+    ValueError
+        A value, shape or combination TensorRT-LLM's document does not allow, or a feature not built here; the
+        message starts with the argument's name. Raised before any kernel runs; the cache is untouched.
+    TypeError
+        A dtype or argument kind that does not fit (an index tensor of floats, a non-bool mask).
+
+    Examples
+    --------
+    One context request of 3 tokens, then its first generation step, on a contiguous cache:
+
+    >>> import numpy as np, cacheattn
+    >>> H, Dh = 2, 4
+    >>> cache = np.zeros((1, 2, H, 8, Dh), np.float32)
+    >>> step = dict(past_key_value=cache, host_max_attention_window_sizes=np.array([8], np.int32),
+    ...             host_sink_token_length=np.array([0], np.int32), cache_indirection=np.zeros((1, 1, 8), np.int32),
+    ...             layer_idx=0, num_heads=H, num_kv_heads=H, hidden_size_per_head=Dh, q_scaling=1.0)
+    >>> qkv = np.random.default_rng(0).standard_normal((3, 3 * H * Dh)).astype(np.float32)
+    >>> out, present = cacheattn.gpt_attention(qkv=qkv, sequence_length=np.array([3]),
+    ...     host_past_key_value_lengths=np.array([0]), context_lengths=np.array([3]),
+    ...     host_request_types=np.array([0]), **step)
+    >>> out.shape, present is cache
+    ((3, 8), True)
+    >>> out, _ = cacheattn.gpt_attention(qkv=qkv[:1], sequence_length=np.array([4]),
+    ...     host_past_key_value_lengths=np.array([3]), context_lengths=np.array([3]),
+    ...     host_request_types=np.array([1]), **step)
+    >>> out.shape
+    (1, 8)
     """
     # The document's arguments only: validate() and the reference take every one of them, and nothing else.
     args = {k: v for k, v in locals().items() if k not in ("backend", "threads")}

@@ -343,3 +343,9 @@ def test_kernels_on_the_new_inputs(name):
     def kernels(**args):
         return cacheattn.gpt_attention(**args, backend="numba", threads=64)
     kit.check_case("gpt_attention", kernels, CHOSEN[name])
+
+
+def test_the_docstring_example_runs():
+    import doctest
+    result = doctest.testmod(trtllm, optionflags=doctest.ELLIPSIS)
+    assert result.attempted >= 5 and result.failed == 0
