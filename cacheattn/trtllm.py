@@ -279,7 +279,6 @@ def validate(a: dict) -> dict:
     sinks_host = arrays.index_array("host_sink_token_length", a["host_sink_token_length"])
     check_shape("host_sink_token_length", sinks_host, (1,), "(1,)")
     sinks = int(sinks_host[0])
-    # spec: trtllm/sink-tokens
     if sinks < 0:
         raise ValueError(f"host_sink_token_length: expected a number of sink tokens >= 0, got {sinks}")
     if sinks and not a["streamingllm"]:
@@ -332,7 +331,7 @@ def validate(a: dict) -> dict:
     if a["paged_kv_cache"]:
         _check_pages_not_raced(out["kv_cache_block_offsets"], per_entry, is_context, layer=int(a["layer_idx"]),
                                tpb=int(a["tokens_per_block"]), window=window, sinks=sinks, bubble=bubble,
-                               encoder=enc)
+                               encoder=enc, slots=slots_needed)
     out.update(cache_indirection=ci, host_max_attention_window_sizes=windows, host_sink_token_length=sinks_host)
     return _cross(a, out, qkv, is_context, E, Hkv, Dh, pos_type, lengths, enc)
 
@@ -559,54 +558,66 @@ def _check_packed_mask(a, mask_type, new, lengths):
                 "(sum roundUp(new tokens, 128), roundUp(max sequence_length, 256) / 32)")
 
 
-def _check_pages_not_raced(offsets, per_entry, is_context, *, layer, tpb, window, sinks, bubble, encoder):
+def _ranges(starts, counts):
+    """(owner index, value) of the concatenated integer ranges [starts[i], starts[i] + counts[i])."""
+    counts = np.maximum(counts, 0)
+    owner = np.repeat(np.arange(len(counts)), counts)
+    offset = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    return owner, np.repeat(starts, counts) + offset
+
+
+def _check_pages_not_raced(offsets, per_entry, is_context, *, layer, tpb, window, sinks, bubble, encoder, slots):
     """Two entries must not both touch a cache slot that one of them writes in this call: on a GPU their blocks run
     at once, so that is a data race (two writers, or a writer and a reader). Sharing a block read-only, e.g. a
-    common prompt prefix no entry writes into this call, is legal. Checked on whole blocks first (cheap), slot by
-    slot only for the blocks two entries share."""
+    common prompt prefix no entry writes into this call, is legal. Whole blocks first, vectorized (a few numpy
+    calls per decode step); slot by slot only for an entry whose table holds a block another entry writes."""
     past, lengths, E = per_entry["host_past_key_value_lengths"], per_entry["sequence_length"], len(is_context)
+    kept = window - sinks
 
-    def slots_of(e, write):
-        if encoder is not None:                          # cross attention: context entries write the encoder slots
-            n = int(encoder[e])
-            return np.arange(n) if write == bool(is_context[e]) else np.arange(0)
-        P, N = int(past[e]), int(lengths[e])
+    def positions(write, entries=None):
+        """(entry, position) of what the entries write (the new tokens that stay cached, the encoder tokens of
+        cross attention's context requests) or read (the cached tokens in view)."""
+        pick = np.arange(E) if entries is None else np.asarray(entries)
+        P, N = past[pick], lengths[pick]
+        if encoder is not None:
+            owner, pos = _ranges(np.zeros(len(pick), np.int64), np.where(is_context[pick] == write, encoder[pick], 0))
+            return pick[owner], pos
         if write:
-            positions = np.arange(max(P, N - (window - sinks)), N)         # the new tokens that stay cached
-            positions = np.union1d(positions, np.arange(P, min(N, sinks)))
+            stays = np.maximum(P, N - kept)                                      # older new tokens wrap away
+            parts = [_ranges(stays, N - stays), _ranges(P, np.minimum(N, sinks) - P)]
         else:
-            positions = np.union1d(np.arange(min(P, sinks)), np.arange(max(0, P - (window - sinks)), P))
-        return ref.cyclic_slot(positions, window, sinks, bubble)
+            window_start = np.maximum(np.minimum(P, sinks), P - kept)
+            parts = [_ranges(np.zeros_like(P), np.minimum(P, sinks)), _ranges(window_start, P - window_start)]
+        return pick[np.concatenate([o for o, _ in parts])], np.concatenate([v for _, v in parts])
 
+    w_entry, w_pos = positions(True)
+    if not w_entry.size:
+        return
+    w_slot = ref.cyclic_slot(w_pos, window, sinks, bubble)
+    used = -(-slots // tpb)
     for kv in (0, 1):
-        table = offsets[0, :E, kv] + 2 * layer                                  # (E, blocks) block ids
-        written = {}                                                            # block -> {entry: rows}
-        for e in range(E):
-            slots = slots_of(e, True)
-            for block, row in zip(table[e, slots // tpb], slots % tpb):
-                written.setdefault(int(block), {}).setdefault(e, set()).add(int(row))
-        if not written:
-            continue
-        shared = np.isin(table, list(written))
-        for f in range(E):
-            if not shared[f].any():
-                continue
-            touched = {}                                                        # block -> rows f writes or reads
+        table = offsets[0, :E, kv, :used] + 2 * layer                           # (E, used blocks), validated ids
+        w_block, w_row = table[w_entry, w_slot // tpb], w_slot % tpb
+        # Each written block's lowest and highest writer; entry f looks closer only at blocks another one writes.
+        low, high = np.full(int(table.max()) + 1, E), np.full(int(table.max()) + 1, -1)
+        np.minimum.at(low, w_block, w_entry)
+        np.maximum.at(high, w_block, w_entry)
+        rows = np.arange(E)[:, None]
+        foreign = (high[table] >= 0) & ((low[table] != rows) | (high[table] != rows))   # (E, used blocks)
+        for f in np.flatnonzero(foreign.any(axis=1)):
             for write in (True, False):
-                slots = slots_of(f, write)
-                for block, row in zip(table[f, slots // tpb], slots % tpb):
-                    touched.setdefault(int(block), set()).add((int(row), write))
-            for block, rows in touched.items():
-                for e, rows_e in written.get(block, {}).items():
-                    clash = sorted(r for r, write in rows if r in rows_e and e != f)
-                    if clash:
-                        what = "writes" if (clash[0], True) in rows else "reads"
+                _, pos = positions(write, [f])
+                f_slot = ref.cyclic_slot(pos, window, sinks, bubble)
+                for block, row in zip(table[f, f_slot // tpb], f_slot % tpb):
+                    writers = w_entry[(w_block == block) & (w_row == row) & (w_entry != f)]
+                    if writers.size:
+                        e = int(writers[0])
                         raise ValueError(
                             f"kv_cache_block_offsets: entries {min(e, f)} and {max(e, f)} share block {block} "
-                            f"({'K' if kv == 0 else 'V'}), and entry {e} writes row {clash[0]} of it that entry {f} "
-                            f"{what} in the same call: a data race on a GPU. Give each sequence its own block for "
-                            "the tokens it writes; sharing a block read-only (a common prefix nobody writes into "
-                            "this call) is legal")
+                            f"({'K' if kv == 0 else 'V'}), and entry {e} writes row {row} of it that entry {f} "
+                            f"{'writes' if write else 'reads'} in the same call: a data race on a GPU. Give each "
+                            "sequence its own block for the tokens it writes; sharing a block read-only (a common "
+                            "prefix nobody writes into this call) is legal")
 
 
 def _check_position_biases(a, pos_type, H, qkv, lengths):

@@ -452,7 +452,7 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
             visible = visible_keys(positions, N, mask_type=PADDING if mask_type == CUSTOM_MASK else mask_type,
                                    window=window, sinks=sinks, dense=dense)
             if mask_type == CUSTOM_MASK and context_mask is not None and is_context[e]:
-                visible &= context_mask[starts[e]:starts[e + 1]]                # (n, N) bool from the packed mask
+                visible &= context_mask[starts[e]:starts[e + 1], :N]           # (n, N) bool from the packed mask
             elif mask_type == CUSTOM_MASK:
                 visible &= attention_mask[tokens_of[e]][:, :N]                  # (n, N) bool, True = attend
 
