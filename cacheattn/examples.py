@@ -6,7 +6,7 @@ Old cache contents are random plausible data (never zeros), so a kernel that rea
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import ml_dtypes
 import numpy as np
@@ -440,6 +440,13 @@ class TrtCase:
     @property
     def lengths(self):
         return [p + n for p, n in zip(self.past, self.new)]
+
+    def __repr__(self):
+        # The inputs added with the rest of TensorRT-LLM's signature show only when set: a reproducer stays short and
+        # reads as it did for calls without them.
+        shown = [f for f in fields(self)
+                 if f.name not in ("rope_table", "logn", "packed_mask") or getattr(self, f.name) != f.default]
+        return f"TrtCase({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in shown)})"
 
 
 def _trt_slots(case: TrtCase) -> int:

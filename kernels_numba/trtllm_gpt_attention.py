@@ -61,15 +61,16 @@ INT8_KV_CACHE, FP8_KV_CACHE = 64, 128
 FP8_MAX = 448.0
 
 # Per-entry table columns (int64): where the entry's tokens are in qkv/output, its lengths, its cache rows, the
-# m-tile its rows start at in the packed mask.
-TOKEN_START, PAST, NEW, FIRST_ROW, BEAM, SEQUENCE, PROMPT, IS_CONTEXT, MASK_TILE = range(9)
-TABLE_COLUMNS = 9
+# m-tile its rows start at in the packed mask, the RoPE cos/sin table it reads (-1: none, 0: rotary_cos_sin,
+# 1: long_rope's long table).
+TOKEN_START, PAST, NEW, FIRST_ROW, BEAM, SEQUENCE, PROMPT, IS_CONTEXT, MASK_TILE, ROPE_TABLE = range(10)
+TABLE_COLUMNS = 10
 
 # Where cached token slots live. Contiguous: row r, slot s at r*s_row + kv*s_kv + h*s_head + s*Dh.
 # Paged: block = offsets[r, kv, s // tokens_per_block] + layer_blocks, at block*s_block + h*s_head + (s % tpb)*Dh.
 KVSource = namedtuple("KVSource", "cache scratch table offsets indirection kv paged tokens_per_block layer_blocks "
                                   "s_row s_kv s_head s_block window sinks bubble scale "
-                                  "rotate inv_freq position_divisor m_scale table_at cos_sin cos_sin_long")
+                                  "rotate inv_freq position_divisor")
 
 
 # ---- FP8 e4m3 (fn) from the bits: the simulator has no fp8 type, the cache holds the codes as bytes -----------
@@ -160,14 +161,14 @@ def make_cache_address(head_size: int):
     return cache_address
 
 
-def make_rope(rope_style: int, rotary_dim: int, round_dtype, acc_t):
+def make_rope(rope_style: int, rotary_dim: int, round_dtype, acc_t, tables: bool = True):
     """(pair_of, rotate): RoPE of one element given its pair partner, the result rounded to the input dtype.
 
-    rotate's `rope` is any namedtuple with the fields inv_freq (entries, rotary_dim / 2), position_divisor,
-    m_scale (entries,), table_at (entries,), cos_sin and cos_sin_long (flat float32): entry b reads cos/sin of
-    pair i at position p from element 2 (p rotary_dim/2 + i) of cos_sin (table_at[b] 0) or of cos_sin_long
-    (1, long_rope past its original positions), else (-1) computes m_scale[b] (cos, sin)((p / position_divisor)
-    inv_freq[b, i])."""
+    rotate's `rope` is a namedtuple with the fields table (the entry table), inv_freq (entries, rotary_dim/2 + 1:
+    the frequencies, then the entry's m-scale) and position_divisor, plus cos_sin and cos_sin_long (flat float32)
+    when `tables`: entry b reads cos/sin of pair i at position p from element 2 (p rotary_dim/2 + i) of cos_sin
+    (table[b, ROPE_TABLE] 0) or of cos_sin_long (1: long_rope past its original positions), else (-1, and always
+    without `tables`) computes m_scale (cos, sin)((p / position_divisor) inv_freq[b, i])."""
     # spec: trtllm/rope
     HALF = rotary_dim // 2
 
@@ -182,13 +183,14 @@ def make_rope(rope_style: int, rotary_dim: int, round_dtype, acc_t):
 
     @cuda.jit(device=True, inline="always")
     def coefficients(rope, b, position, pair):
-        at = rope.table_at[b]
-        if at >= 0:
-            k = 2 * (position * HALF + pair)
-            table = rope.cos_sin if at == 0 else rope.cos_sin_long
-            return acc_t(table[k]), acc_t(table[k + 1])
+        if tables:
+            at = rope.table[b, ROPE_TABLE]
+            if at >= 0:
+                k = 2 * (position * HALF + pair)
+                table = rope.cos_sin if at == 0 else rope.cos_sin_long
+                return acc_t(table[k]), acc_t(table[k + 1])
         angle = acc_t(np.float64(position) / rope.position_divisor) * acc_t(rope.inv_freq[b, pair])
-        m = acc_t(rope.m_scale[b])
+        m = acc_t(rope.inv_freq[b, HALF])
         return acc_t(math.cos(angle)) * m, acc_t(math.sin(angle)) * m
 
     @cuda.jit(device=True, inline="always")
@@ -211,7 +213,7 @@ def make_trt_access(quant: int, num_kv_heads: int, head_size: int, acc_t, round_
     (rope_style != 0 only for StreamingLLM; `src.rotate` says whether this source is K)."""
     _, decode = make_kv_codec(quant, acc_t)
     cache_address = make_cache_address(head_size)
-    pair_of, rotate = make_rope(rope_style, rotary_dim, round_dtype, acc_t)
+    pair_of, rotate = make_rope(rope_style, rotary_dim, round_dtype, acc_t, tables=False)   # StreamingLLM recomputes
 
     @cuda.jit(device=True, inline="always")
     def row_offsets(src, b, t, h):
@@ -538,8 +540,7 @@ def _cross_kernel(dtype, num_kv_heads, head_size, quant):
     return cross_kernel
 
 
-Preprocess = namedtuple("Preprocess", "qkv bias table inv_freq position_divisor m_scale table_at cos_sin cos_sin_long "
-                                      "inv_scale "
+Preprocess = namedtuple("Preprocess", "qkv bias table inv_freq position_divisor cos_sin cos_sin_long inv_scale "
                                       "q_out k_out v_out k_dst v_dst write_scratch write_cache streaming logn logn_on")
 
 
@@ -561,7 +562,7 @@ def rope_inv_freq(rotary_inv_freq, rotary_dim, base, scale_type, scale, max_posi
     return np.stack(rows)
 
 
-RopePlan = namedtuple("RopePlan", "inv_freq position_divisor m_scale table_at cos_sin cos_sin_long")
+RopePlan = namedtuple("RopePlan", "inv_freq position_divisor cos_sin cos_sin_long table_at")
 
 
 def rope_plan(like, *, position_embedding_type, rotary_dim, rotary_inv_freq, long_rope_rotary_inv_freq, rotary_cos_sin,
@@ -583,17 +584,18 @@ def rope_plan(like, *, position_embedding_type, rotary_dim, rotary_inv_freq, lon
         freq[long_phase] = np.asarray(long_rope_rotary_inv_freq).reshape(-1).astype(acc_t)
     recompute = (scale_type == SCALING_DYNAMIC) | (lengths > max_positions) | bool(streamingllm)
     table_at = np.where(recompute | (rotary_cos_sin is None), -1, long_phase.astype(np.int64)).astype(np.int64)
-    m_scale = np.where(lengths - 1 <= original_max_positions, short_m_scale, long_m_scale).astype(np.float64)
+    m_scale = np.where(lengths - 1 <= original_max_positions, short_m_scale, long_m_scale).astype(acc_t)
     placeholder = to_kind(like, np.zeros(1, np.float32))
     divisor = float(scale) if scale_type == SCALING_LINEAR and rotary_inv_freq is None else 1.0
-    return RopePlan(inv_freq=to_kind(like, freq), position_divisor=np.float64(divisor), m_scale=to_kind(like, m_scale),
-                    table_at=to_kind(like, table_at),
+    # The m-scale rides as a last column of the frequencies: fewer kernel parameters than an array of its own.
+    return RopePlan(inv_freq=to_kind(like, np.concatenate([freq, m_scale[:, None]], axis=1)),
+                    position_divisor=np.float64(divisor),
                     cos_sin=flat(rotary_cos_sin) if rotary_cos_sin is not None else placeholder,
                     cos_sin_long=flat(long_rope_rotary_cos_sin) if long_rope_rotary_cos_sin is not None
-                    else placeholder)
+                    else placeholder, table_at=table_at)
 
 
-def entry_table(num_context, beam_width, past, new, context_lengths, token_starts) -> np.ndarray:
+def entry_table(num_context, beam_width, past, new, context_lengths, token_starts, rope_tables=None) -> np.ndarray:
     """(entries, TABLE_COLUMNS) int64: see the column names. Generation entry e = C + bi*W + w reads the prompt
     from row C + bi*W and later tokens from row C + bi*W + cache_indirection[bi, w, slot]."""
     E = len(past)
@@ -607,6 +609,7 @@ def entry_table(num_context, beam_width, past, new, context_lengths, token_start
     table[:, PROMPT] = context_lengths
     # The packed custom mask pads each entry's query rows to 128 (two 64-row m-tiles).
     table[:, MASK_TILE] = np.concatenate([[0], np.cumsum(-(-np.asarray(new) // 128) * 2)])[:-1]
+    table[:, ROPE_TABLE] = -1 if rope_tables is None else rope_tables
     return table
 
 
@@ -635,7 +638,7 @@ def _kv_sources(*, cache_array, paged, block_offsets, indirection, table, k_scra
                   indirection=to_kind(like, indirection), paged=i64(paged), tokens_per_block=i64(tokens_per_block),
                   layer_blocks=i64(2 * layer_idx), s_row=i64(s_row), s_kv=i64(s_kv), s_head=i64(s_head),
                   s_block=i64(s_block), window=i64(window), sinks=i64(sinks), bubble=i64(bubble),
-                  scale=np.float32(scale), **rope._asdict())
+                  scale=np.float32(scale), inv_freq=rope.inv_freq, position_divisor=rope.position_divisor)
     return (KVSource(scratch=k_scratch, kv=i64(0), rotate=i64(rotate_keys), **common),
             KVSource(scratch=v_scratch, kv=i64(1), rotate=i64(0), **common))
 
@@ -759,12 +762,6 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     new_starts = np.concatenate([[0], np.cumsum(new)]).astype(np.int64)
     token_starts = new_starts[:-1] if remove_input_padding else np.arange(E, dtype=np.int64) * qkv.shape[1]
     num_tokens = qkv.shape[0] if remove_input_padding else E * qkv.shape[1]
-    table = to_kind(qkv, entry_table(num_context, beam_width, past, new, np.asarray(context_lengths, np.int64),
-                                     token_starts))
-    q_scratch = empty_like_kind(qkv, (num_tokens * H * Dh,), acc_t)
-    k_scratch = empty_like_kind(qkv, (num_tokens * Hkv * Dh,), acc_t)
-    v_scratch = empty_like_kind(qkv, (num_tokens * Hkv * Dh,), acc_t)
-
     # long_rope and yarn rotate GPT-NeoX's halves.
     rope_style = {ROPE_GPTJ: ROPE_GPTJ, ROPE_GPT_NEOX: ROPE_GPT_NEOX, LONG_ROPE: ROPE_GPT_NEOX,
                   YARN: ROPE_GPT_NEOX}.get(position_embedding_type, 0)
@@ -779,6 +776,12 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
                      short_m_scale=rotary_embedding_short_m_scale, long_m_scale=rotary_embedding_long_m_scale,
                      streamingllm=streamingllm, lengths=lengths,
                      is_context=np.arange(E) < num_context, acc_t=acc_t)
+    table = to_kind(qkv, entry_table(num_context, beam_width, past, new, np.asarray(context_lengths, np.int64),
+                                     token_starts, rope.table_at))
+    q_scratch = empty_like_kind(qkv, (num_tokens * H * Dh,), acc_t)
+    k_scratch = empty_like_kind(qkv, (num_tokens * Hkv * Dh,), acc_t)
+    v_scratch = empty_like_kind(qkv, (num_tokens * Hkv * Dh,), acc_t)
+
     rotate_cached = bool(streamingllm and rope_style)   # StreamingLLM: cached K rotated at its cache index on load
 
     cache_array = (kv_cache_pool if paged_kv_cache else past_key_value) if use_cache else None
@@ -790,7 +793,8 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     # A chunk that wraps the cyclic cache would overwrite keys its own queries read: write after attention.
     write_after = bool(use_cache) and not do_cross_attention and bool(((new > 1) & (lengths > window)).any())
     pre = Preprocess(qkv=flat(qkv), bias=flat(qkv_bias) if qkv_bias is not None else flat(qkv)[:1],
-                     table=table, **rope._asdict(),
+                     table=table, inv_freq=rope.inv_freq, position_divisor=rope.position_divisor,
+                     cos_sin=rope.cos_sin, cos_sin_long=rope.cos_sin_long,
                      logn=flat(logn_scaling) if logn_scaling is not None else to_kind(qkv, np.ones(1, np.float32)),
                      logn_on=np.int64(logn_scaling is not None),
                      inv_scale=np.float32(kv_orig_quant_scale if quant else 1.0), q_out=q_scratch, k_out=k_scratch,
