@@ -3,8 +3,10 @@
 Arguments keep `tensorrt_llm.functional.gpt_attention`'s names, order and defaults; the plugin-config settings
 (remove_input_padding, paged_kv_cache, tokens_per_block, streamingllm, context_fmha_type, use_fp8_context_fmha,
 multi_block_mode) are keyword arguments with the config's names. Where TensorRT-LLM passes raw pool pointers,
-this takes the pool array `kv_cache_pool`. Validation names TensorRT-LLM's argument at fault; then NumPy arrays
-go to `reference.gpt_attention`. The batch/beam row convention is in reference/trtllm_gpt_attention.py.
+this takes the pool array `kv_cache_pool`. Every keyword of TensorRT-LLM's signature is accepted: those that ask for
+what is not built (NOT_BUILT) are refused by name unless at their defaults, those without effect here (NO_EFFECT)
+are accepted and dropped. Validation names TensorRT-LLM's argument at fault; then NumPy arrays go to
+`reference.gpt_attention`. The batch/beam row convention is in reference/trtllm_gpt_attention.py.
 """
 
 from __future__ import annotations
