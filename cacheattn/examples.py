@@ -23,7 +23,7 @@ True
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import TypeVar
 
 import ml_dtypes
@@ -512,6 +512,9 @@ class TrtCase:
     seed: int = 0
     encoder_lengths: tuple = ()  # cross attention: encoder_input_lengths per entry (empty: self attention)
     context_fmha_type: int = 1
+    rope_table: bool = False    # rotary_inv_freq and rotary_cos_sin from the host helpers (always for 3 and 8)
+    logn: bool = False          # logn_scaling (Qwen), seq_length 3: factors above 1 from position 3 on
+    packed_mask: bool = False   # custom_mask also as attention_packed_mask (the context requests read it)
 
     @property
     def past(self):
@@ -532,6 +535,13 @@ class TrtCase:
     @property
     def lengths(self):
         return [p + n for p, n in zip(self.past, self.new)]
+
+    def __repr__(self):
+        # The inputs added with the rest of TensorRT-LLM's signature show only when set: a reproducer stays short and
+        # reads as it did for calls without them.
+        shown = [f for f in fields(self)
+                 if f.name not in ("rope_table", "logn", "packed_mask") or getattr(self, f.name) != f.default]
+        return f"TrtCase({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in shown)})"
 
 
 def _trt_slots(case: TrtCase) -> int:
@@ -610,6 +620,12 @@ def build_trt(case: TrtCase) -> dict:
     if case.mask_type == 6:
         rows = (qkv.shape[0],) if case.packed else qkv.shape[:2]
         args["attention_mask"] = rng.random(rows + (max(case.lengths),)) < 0.7
+        if case.packed_mask:
+            args["attention_packed_mask"] = reference.packed_mask.pack_attention_mask(args["attention_mask"], new,
+                                                                                        case.lengths)
+    _trt_rope_inputs(args, case, rng)
+    if case.logn:
+        args["logn_scaling"] = reference.rope.logn_scaling(3, max(case.lengths) + 1)
     if case.qkv_bias:
         args["qkv_bias"] = (rng.standard_normal(hidden) * 0.5).astype(dtype)
     if case.encoder_lengths:
@@ -623,6 +639,24 @@ def build_trt(case: TrtCase) -> dict:
             cross_kv = rng.standard_normal((E, int(encoder.max()), width))
         args.update(do_cross_attention=True, cross_kv=cross_kv.astype(dtype), encoder_input_lengths=encoder)
     return args
+
+
+def _trt_rope_inputs(args: dict, case: TrtCase, rng) -> None:
+    """The host-built RoPE inputs: long_rope (3) and yarn (8) always carry their frequencies and tables (original
+    max positions 4, so long_rope switches tables within the drawn lengths), rope_gptj / rope_gpt_neox with
+    rope_table the plugin's table (dynamic scaling: the table alone, which the kernels then do not read)."""
+    rot = case.rotary_dim
+    num_pos = max(case.lengths) + 1
+    if case.position == 3:
+        args.update(reference.rope.long_rope_tables(num_pos, 4, rot, 10000.0, rng.uniform(1.0, 3.0, rot // 2),
+                                                    rng.uniform(2.0, 6.0, rot // 2)))
+    elif case.position == 8:
+        args.update(reference.rope.yarn_tables(num_pos, rot, 10000.0, 4.0, 4))
+    elif case.position in (1, 2) and case.rope_table:
+        freq, table = reference.rope.plugin_tables(num_pos, rot, 10000.0, case.rotary_scale, case.rotary_scale_type)
+        args["rotary_cos_sin"] = table
+        if case.rotary_scale_type != 2:
+            args["rotary_inv_freq"] = freq
 
 
 def float64_trt(inputs: dict) -> tuple:

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cacheattn
-from reference import rope
+from reference import packed_mask, rope
 from reference import trtllm_gpt_attention as ref
 from reference.softmax import masked_softmax
 
@@ -167,6 +167,9 @@ def alone(case: TrtCase, args, entries, gen_index):
         sub["cache_indirection"] = args["cache_indirection"][gen_index:gen_index + 1]
     if args.get("attention_mask") is not None:
         sub["attention_mask"] = args["attention_mask"][rows]
+    if args.get("attention_packed_mask") is not None:         # the same mask, packed for these entries alone
+        sub["attention_packed_mask"] = packed_mask.pack_attention_mask(
+            sub["attention_mask"], np.asarray(case.new)[entries], sub["sequence_length"])
     return sub, rows
 
 

@@ -232,7 +232,7 @@ def trt_cases(draw, *, dtypes=("float16", "float32"), paged=(False, True), quant
               positions=(0, 1, 2, 4, 5, 6), masks=(1, 1, 2, 0, 3, 6), beams=(1, 1, 2), windowed=True, chunked=True,
               generation=True, packed=(True, False), softcap=True, groups=(1, 2, 3), qkv_bias=(False, True),
               rope_scaling=True, relative=("regular", "t5"), fmha_types=(1,), streaming=(False,), cross=(False,),
-              fp8_fmha=False, padded_inflight=True) -> TrtCase:
+              fp8_fmha=False, padded_inflight=True, rope_tables=True, logn=True, packed_mask=False) -> TrtCase:
     """A gpt_attention call: a few context requests (some chunked), a few generation sequences (maybe beams),
     awkward sizes (length 1, past 0, tokens_per_block not dividing the lengths, GQA group 3, head size 24).
 
@@ -240,7 +240,10 @@ def trt_cases(draw, *, dtypes=("float16", "float32"), paged=(False, True), quant
     attention). A StreamingLLM call has whole contexts, one beam and sink tokens below the window; a
     cross-attention call has encoder K/V (lengths up to the cache capacity), no position embedding, no custom
     mask and no window. fp8_fmha: FP8 context FMHA on some FP8-cache calls. padded_inflight False: padded
-    qkv only when every request is in the same phase (the document's in-flight batching needs packed input)."""
+    qkv only when every request is in the same phase (the document's in-flight batching needs packed input).
+    rope_tables: RoPE calls may carry the host-built rotary_cos_sin (long_rope and yarn, positions 3 and 8, always
+    do); logn: self-attention calls may carry logn_scaling; packed_mask: custom masks may come packed too (off by
+    default: a test that cuts a call into sub-calls would have to repack it; the kit turns it on)."""
     # One draw picks the kind of call, self attention three times in five when the others are allowed too.
     kinds = ("self",) * 3 * (False in streaming and False in cross) + ("streaming",) * (True in streaming) \
         + ("cross",) * (True in cross)
@@ -267,9 +270,9 @@ def trt_cases(draw, *, dtypes=("float16", "float32"), paged=(False, True), quant
         position = 0 if is_cross else draw(st.sampled_from(positions))
     head_size = draw(st.sampled_from([8, 24]))
     num_kv_heads = draw(st.integers(1, 2))
-    rope = position in (1, 2)
+    rope = position in (1, 2, 3, 8)
     rotary_dim = draw(st.sampled_from([d for d in (2, 6, 8, head_size) if d <= head_size])) if rope else 0
-    scale_types = ([0, 1, 2] if rotary_dim > 2 else [0, 1]) if rope_scaling else [0]
+    scale_types = ([0, 1, 2] if rotary_dim > 2 else [0, 1]) if rope_scaling and position in (1, 2) else [0]
     num_layers = draw(st.integers(1, 2))
     quant_mode = draw(st.sampled_from(quant))
     is_packed = draw(st.sampled_from(packed))
@@ -297,6 +300,12 @@ def trt_cases(draw, *, dtypes=("float16", "float32"), paged=(False, True), quant
         context_fmha_type=draw(st.sampled_from(fmha_types)))
     if is_streaming:
         case = replace(case, streamingllm=True, sinks=draw(st.integers(0, min(2, case.window - 1))))
+    if rope_tables and position in (1, 2):
+        case = replace(case, rope_table=draw(st.booleans()))
+    if logn and not is_cross:
+        case = replace(case, logn=draw(st.sampled_from([False, False, True])))
+    if packed_mask and case.mask_type == 6:
+        case = replace(case, packed_mask=draw(st.booleans()))
     return case
 
 
