@@ -62,9 +62,21 @@ class Cache:
         return f"Cache({self.format!r}, {', '.join(self.arguments)})"
 
 
+def _layer_arguments(module, format, kwargs: dict) -> dict:
+    """Formats whose tensors hold one layer (ONNX, vLLM, FlashInfer) take no layer_idx: 0 is dropped, another
+    value is refused (pass that layer's tensors)."""
+    if "layer_idx" in kwargs and "layer_idx" not in inspect.signature(module.export).parameters:
+        layer_idx = kwargs.pop("layer_idx")
+        if layer_idx != 0:
+            raise ValueError(f"layer_idx: the {format} format's tensors hold one layer; pass that layer's tensors "
+                             f"with layer_idx 0, got {layer_idx}")
+    return kwargs
+
+
 def export(format: str, *args, sequence: int, **kwargs) -> KV:
     """One sequence (and layer, where the format holds several) of a cache in `format`, as a KV."""
-    return _module(format).export(*args, sequence=sequence, **kwargs)
+    module = _module(format)
+    return module.export(*args, sequence=sequence, **_layer_arguments(module, format, kwargs))
 
 
 def import_(format: str, kv: KV, *args, sequence: int, **kwargs) -> dict:
@@ -73,7 +85,8 @@ def import_(format: str, kv: KV, *args, sequence: int, **kwargs) -> dict:
     taken from free_pages. Keys are written as kv holds them (`convert` adds or removes RoPE)."""
     if not isinstance(kv, KV):
         raise TypeError(f"kv: expected a cacheattn.convert.KV, got {type(kv).__name__}")
-    return _module(format).import_(kv, *args, sequence=sequence, **kwargs)
+    module = _module(format)
+    return module.import_(kv, *args, sequence=sequence, **_layer_arguments(module, format, kwargs))
 
 
 def match_rope(kv: KV, rotated: bool | None, rope: Rope | None) -> KV:
@@ -110,9 +123,11 @@ def error_bound(dst: Cache, kv: KV) -> tuple[np.ndarray, np.ndarray]:
     r = _call(dst.module.rule, dst.arguments)
     q = kv.quant
     if q is not None and q.kind == r["kind"]:
-        same_scales = (q.kind.endswith("group") and q.quant_group == r.get("quant_group")) or (
-            not q.kind.endswith("group") and np.float32(q.key_scale) == np.float32(r["scale"][0])
-            and np.float32(q.value_scale) == np.float32(r["scale"][1]))
+        if q.kind.endswith("group"):                 # r["dtype"]: the scale tensor's dtype
+            same_scales = q.quant_group == r.get("quant_group") and np.dtype(q.key_scale.dtype) == r["dtype"]
+        else:
+            same_scales = (np.dtype(q.key_codes.dtype) == r["dtype"] and np.float32(q.key_scale) == r["scale"][0]
+                           and np.float32(q.value_scale) == r["scale"][1])
         if same_scales:
             return np.zeros(kv.key.shape), np.zeros(kv.value.shape)
     scales = r.get("scale", (None, None))

@@ -189,9 +189,10 @@ def step_bound(kind: str | None, values: np.ndarray, *, dtype=None, scale=None, 
     """Per-element bound on |encode(values) decoded - values| for a destination: its quantization step, half.
 
     Float: half an ulp of the destination dtype (0 where it holds the value exactly). Group int8 / int4: half the
-    group's scale (absmax / 127 or / 7), plus the scale dtype's rounding. Per-tensor int8: s / 2 inside the
-    range. FP8: half an ulp of the format at the value (relative 2^-4 for e4m3, 2^-3 for e5m2), never less than
-    half its smallest subnormal, times s.
+    group's scale (absmax / 127 or / 7), plus the roundings of OpenPPL's arithmetic in the scale dtype `dtype`.
+    Per-tensor int8: s / 2 inside the range. FP8: half an ulp of the format at value / s (2^-4 of it for e4m3,
+    2^-3 for e5m2; half the smallest subnormal below the normal range), times s. The per-tensor kinds add two
+    float32 roundings (x * (1/s), code * s).
     """
     x = np.abs(values.astype(np.float64))
     if kind is None:
@@ -201,17 +202,20 @@ def step_bound(kind: str | None, values: np.ndarray, *, dtype=None, scale=None, 
         tiny = float(finfo(dtype).smallest_subnormal)
         return np.maximum(x * eps / 2, tiny / 2)
     if kind in GROUP_KINDS:
-        qmax = 127 if kind == "int8_group" else 7
+        # OpenPPL quantizes in the scale tensor's dtype (eps: its ulp at 1): x, max|x| / qmax, x / scale and
+        # code * scale each round once, which can move a code across a rounding tie (qmax * eps of a step).
+        qmax, eps = (127 if kind == "int8_group" else 7), float(finfo(dtype).eps)
         groups = x.reshape(*x.shape[:-1], -1, quant_group)
         step = np.maximum(groups.max(axis=-1, keepdims=True) / qmax, 1e-5)
-        bound = step / 2 + groups * 2.0 ** -10                      # float16 scale tensors round the scale too
+        bound = step * (0.5 + qmax * eps) * (1 + 2 * eps) + 2 * eps * groups
         return np.broadcast_to(bound, groups.shape).reshape(x.shape)
     s = float(scale)
+    float32_slack = x * 2.0 ** -21            # x * (1/s) and code * s are float32 products: a rounding each
     if kind == "int8":
-        return np.full_like(x, s / 2 * (1 + 1e-6))
+        return s / 2 + float32_slack
     mantissa, min_exp = (3, -6) if kind == "fp8_e4m3" else (2, -14)
     e = np.floor(np.log2(np.maximum(x / s, 2.0 ** min_exp)))
-    return 2.0 ** (e - mantissa - 1) * s * (1 + 1e-6)
+    return 2.0 ** (e - mantissa - 1) * s + float32_slack
 
 
 # ---------------------------------------------------------------------------------------------- page tables
@@ -251,6 +255,12 @@ def check_cache_array(name: str, x) -> np.ndarray:
     if not x.flags["C_CONTIGUOUS"]:
         raise ValueError(f"{name}: expected a C-contiguous array, got strides {x.strides}")
     return x
+
+
+def is_float(dtype) -> bool:
+    """A float cache dtype of 16 bits or more: float16, bfloat16 (ml_dtypes), float32, float64."""
+    dtype = np.dtype(dtype)
+    return (dtype.kind == "f" or dtype.name == "bfloat16") and dtype.itemsize >= 2
 
 
 def finfo(dtype):

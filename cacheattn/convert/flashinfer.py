@@ -16,6 +16,7 @@ from ._core import (
     check_sequence,
     codes_for,
     commit_pages,
+    is_float,
     read_pair,
     site,
     take_pages,
@@ -43,7 +44,7 @@ def _arrays(paged_kv_cache, kv_layout, k_scale, v_scale):
         axes = axes.replace("N ", "N KV ")
     dtype = np.dtype(arrays[0].dtype)
     kind = _FP8.get(dtype.name)
-    if kind is None and (dtype.kind != "f" or dtype.itemsize < 2):
+    if kind is None and not is_float(dtype):
         raise TypeError(f"paged_kv_cache: expected float16, bfloat16, float32 or an fp8 dtype, got {dtype}")
     scales = (None, None)
     if kind is not None:

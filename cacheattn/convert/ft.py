@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._validate import check_int
-from ._core import KV, check_cache_array, check_sequence, codes_for, read_pair, site
+from ._core import KV, check_cache_array, check_sequence, codes_for, is_float, read_pair, site
 
 
 def _layout(key_cache, value_cache, is_batch_major_cache, layer_idx):
@@ -21,7 +21,7 @@ def _layout(key_cache, value_cache, is_batch_major_cache, layer_idx):
     if layered:
         k_axes, v_axes = "L " + k_axes, "L " + v_axes
     for name, x, axes in (("key_cache", key_cache, k_axes), ("value_cache", value_cache, v_axes)):
-        if x.ndim != len(axes.split()) or np.dtype(x.dtype).kind != "f":
+        if x.ndim != len(axes.split()) or not is_float(x.dtype):
             raise ValueError(f"{name}: expected a float tensor ({', '.join(axes.split())}) for is_batch_major_cache "
                              f"{bool(is_batch_major_cache)}, got {x.dtype} {tuple(x.shape)}")
     v = dict(zip(v_axes.split(), value_cache.shape))

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._core import KV, check_cache_array, check_sequence, codes_for, read_pair, site
+from ._core import KV, check_cache_array, check_sequence, codes_for, is_float, read_pair, site
 
 
 def _check(past_key, past_value):
     for name, x in (("past_key", past_key), ("past_value", past_value)):
         check_cache_array(name, x)
-        if x.ndim != 4 or np.dtype(x.dtype).kind != "f":
+        if x.ndim != 4 or not is_float(x.dtype):
             raise ValueError(f"{name}: expected a float tensor (batch_size, kv_num_heads, past_sequence_length, "
                              f"head_size), got {x.dtype} {tuple(x.shape)}")
     if past_key.shape[:3] != past_value.shape[:3] or past_key.dtype != past_value.dtype:

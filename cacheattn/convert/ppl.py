@@ -22,6 +22,7 @@ from ._core import (
     check_sequence,
     codes_for,
     commit_pages,
+    is_float,
     read_pair,
     site,
     take_pages,
@@ -60,7 +61,7 @@ def _check(cache, scale, *, num_layer, layer_idx, quant_bit, quant_group, cache_
             raise ValueError(f"scale: expected shape {want} (the cache's layout, head_dim / quant_group last), "
                              f"got {tuple(scale.shape)}")
         return axes, head_dim
-    if np.dtype(cache.dtype).kind != "f":
+    if not is_float(cache.dtype):
         raise TypeError(f"cache: expected a float dtype with quant_bit 0, got {cache.dtype}")
     return axes, ext["D"]
 

@@ -25,6 +25,7 @@ from ._core import (
     codes_for,
     commit_pages,
     fp8_dtype,
+    is_float,
     read_pair,
     site,
     take_pages,
@@ -82,7 +83,7 @@ def _layout(past_key_value, kv_cache_pool, kv_cache_block_offsets, paged_kv_cach
     want = stored
     if want is not None and array.dtype != want:
         raise TypeError(f"{name}: expected dtype {want} for the kv_cache_quant_mode, got {array.dtype}")
-    if want is None and np.dtype(array.dtype).kind != "f":
+    if want is None and not is_float(array.dtype):
         raise TypeError(f"{name}: expected a float dtype without a quantized kv_cache_quant_mode, got {array.dtype}")
     return name, array, heads, head_size, capacity, rows
 

@@ -18,6 +18,7 @@ from ._core import (
     codes_for,
     commit_pages,
     fp8_dtype,
+    is_float,
     read_pair,
     site,
     take_pages,
@@ -63,7 +64,7 @@ def _arrays(key_cache, value_cache, kv_cache, kv_cache_dtype, kv_cache_layout, k
 
 def _typed(name, x, kind):
     if kind is None:
-        if np.dtype(x.dtype).kind != "f" or np.dtype(x.dtype).itemsize < 2:
+        if not is_float(x.dtype):
             raise TypeError(f"{name}: expected float16, bfloat16 or float32 with kv_cache_dtype 'auto', got {x.dtype}")
         return x
     want = fp8_dtype(kind)
