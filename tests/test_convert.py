@@ -7,43 +7,26 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from convert_formats import BATCH, SEQUENCE, TABLES, as_bytes, build, native, owned_mask, read_native
+from convert_formats import (
+    BATCH,
+    SEQUENCE,
+    TABLES,
+    as_bytes,
+    build,
+    free_pages,
+    make,
+    native,
+    owned_mask,
+    random_kv,
+    read_native,
+    stored,
+)
 from hypothesis import assume, given, settings
 
 from cacheattn import convert
 from reference import rope as rope_ref
 
 from strategies import CONVERT, CONVERT_VARIANTS, convert_shapes, convert_variants
-
-# Per-tensor scales that keep random N(0, 2) values inside each code's range (no saturation).
-HEADROOM = {"int8": 100.0, "fp8_e4m3": 300.0, "fp8_e5m2": 20000.0}
-
-
-def random_kv(rng, heads, head_dim, tokens) -> convert.KV:
-    return convert.KV((2 * rng.standard_normal((heads, tokens, head_dim))).astype(np.float32),
-                      (2 * rng.standard_normal((heads, tokens, head_dim))).astype(np.float32), np.arange(tokens))
-
-
-def per_tensor_kind(variant):
-    fmt, o = variant
-    if fmt == "trtllm":
-        return {64: "int8", 128: "fp8_e4m3"}.get(o["quant"])
-    if fmt == "vllm":
-        return {"fp8": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}.get(o["cache_dtype"])
-    if fmt == "flashinfer":
-        return {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}.get(o["cache_dtype"])
-    return None
-
-
-def make(variant, shape, kv: convert.KV, rng, tokens):
-    """A random-filled layout of `variant` with scales that fit kv (TensorRT-LLM: one scale for K and V)."""
-    kind = per_tensor_kind(variant)
-    scales = (1.0, 1.0)
-    if kind:
-        k, v = float(np.abs(kv.key).max()) / HEADROOM[kind], float(np.abs(kv.value).max()) / HEADROOM[kind]
-        scales = (max(k, v), max(k, v)) if variant[0] == "trtllm" else (k, v)
-    return build(variant[0], variant[1], heads=shape["heads"], head_dim=shape["head_dim"], tokens=tokens, rng=rng,
-                 scales=scales)
 
 
 def snapshot(layout):
@@ -91,17 +74,6 @@ def held(layout, positions):
     return np.array(sorted(last.values()), np.int64)
 
 
-def stored(kv: convert.KV):
-    """What the destination holds, as the format stores it: codes (and group scales) or float values."""
-    if kv.quant is None:
-        return [kv.key, kv.value]
-    q = kv.quant
-    out = [q.key_codes, q.value_codes]
-    if q.kind.endswith("group"):
-        out += [q.key_scale, q.value_scale]
-    return out
-
-
 def assert_bits(name, got, want):
     got, want = np.asarray(got), np.asarray(want)
     assert got.shape == want.shape, (name, got.shape, want.shape)
@@ -135,15 +107,11 @@ def fill_source(variant, shape, rng):
     kv = random_kv(rng, shape["heads"], shape["head_dim"], shape["tokens"])
     src = make(variant, shape, kv, rng, shape["tokens"])
     info = convert.import_(variant[0], kv, sequence=SEQUENCE, layer_idx=src.layer_idx,
-                           **{k: v for k, v in src.args.items()}, **_free(src))
+                           **{k: v for k, v in src.args.items()}, **free_pages(src))
     assert info is not None
     cache = src.export_cache(kv.tokens, kv.positions)
     exported = convert._call(cache.module.export, cache.arguments, sequence=SEQUENCE, layer_idx=src.layer_idx)
     return src, cache, exported
-
-
-def _free(layout):
-    return {"free_pages": layout.free_pages} if layout.free_pages is not None else {}
 
 
 @settings(max_examples=CONVERT, deadline=None)
@@ -153,7 +121,7 @@ def test_import_then_export_round_trips_and_touches_only_the_sequence(variant, s
     kv = random_kv(rng, shape["heads"], shape["head_dim"], shape["tokens"])
     layout = make(variant, shape, kv, rng, kv.tokens)
     before = snapshot(layout)
-    convert.import_(variant[0], kv, sequence=SEQUENCE, layer_idx=layout.layer_idx, **layout.args, **_free(layout))
+    convert.import_(variant[0], kv, sequence=SEQUENCE, layer_idx=layout.layer_idx, **layout.args, **free_pages(layout))
     got = convert._call(convert._module(variant[0]).export, layout.export_cache(kv.tokens, kv.positions).arguments,
                         sequence=SEQUENCE, layer_idx=layout.layer_idx)
     keep = held(layout, kv.positions)
@@ -168,7 +136,7 @@ def test_import_then_export_round_trips_and_touches_only_the_sequence(variant, s
     assert_untouched(layout, before, got.positions, got.tokens)
     # ... and export -> import -> export of the same format is bit-exact (the codes are copied as they are).
     again = make(variant, shape, kv, np.random.default_rng(shape["seed"] + 1), got.tokens)
-    convert.import_(variant[0], got, sequence=SEQUENCE, layer_idx=again.layer_idx, **again.args, **_free(again))
+    convert.import_(variant[0], got, sequence=SEQUENCE, layer_idx=again.layer_idx, **again.args, **free_pages(again))
     twice = convert._call(convert._module(variant[0]).export, again.export_cache(got.tokens, got.positions).arguments,
                           sequence=SEQUENCE, layer_idx=again.layer_idx)
     for i, (a, b) in enumerate(zip(stored(twice), stored(got))):

@@ -30,6 +30,7 @@ import inspect
 
 import numpy as np
 
+from . import _core
 from ._core import KV, Quant, Rope, step_bound
 
 FORMATS = ("ppl", "trtllm", "onnx", "ft", "vllm", "flashinfer", "hf")
@@ -73,20 +74,23 @@ def _layer_arguments(module, format, kwargs: dict) -> dict:
     return kwargs
 
 
-def export(format: str, *args, sequence: int, **kwargs) -> KV:
-    """One sequence (and layer, where the format holds several) of a cache in `format`, as a KV."""
+def export(format: str, *args, sequence: int, backend: str = "auto", **kwargs) -> KV:
+    """One sequence (and layer, where the format holds several) of a cache in `format`, as a KV. backend:
+    "auto" (the gather kernel for GPU caches, NumPy for NumPy ones), "reference" or "numba"."""
     module = _module(format)
-    return module.export(*args, sequence=sequence, **_layer_arguments(module, format, kwargs))
+    with _core.backend(backend):
+        return module.export(*args, sequence=sequence, **_layer_arguments(module, format, kwargs))
 
 
-def import_(format: str, kv: KV, *args, sequence: int, **kwargs) -> dict:
+def import_(format: str, kv: KV, *args, sequence: int, backend: str = "auto", **kwargs) -> dict:
     """Write kv into the caller's cache in `format` as sequence `sequence`; returns what the caller's length
     bookkeeping needs (the format's own names: sequence_length, seq_lens, nonpad_kv_seqlen, ...) and the pages
     taken from free_pages. Keys are written as kv holds them (`convert` adds or removes RoPE)."""
     if not isinstance(kv, KV):
         raise TypeError(f"kv: expected a cacheattn.convert.KV, got {type(kv).__name__}")
     module = _module(format)
-    return module.import_(kv, *args, sequence=sequence, **_layer_arguments(module, format, kwargs))
+    with _core.backend(backend):
+        return module.import_(kv, *args, sequence=sequence, **_layer_arguments(module, format, kwargs))
 
 
 def match_rope(kv: KV, rotated: bool | None, rope: Rope | None) -> KV:
@@ -102,10 +106,17 @@ def match_rope(kv: KV, rotated: bool | None, rope: Rope | None) -> KV:
 
 
 def convert(src: Cache, dst: Cache, *, sequence: int, layer_idx: int = 0, dst_sequence: int | None = None,
-            dst_layer_idx: int | None = None, rope: Rope | None = None, free_pages=None) -> tuple[KV, dict]:
+            dst_layer_idx: int | None = None, rope: Rope | None = None, free_pages=None,
+            backend: str = "auto") -> tuple[KV, dict]:
     """Export `sequence` / `layer_idx` of src and import it into dst (as `dst_sequence` / `dst_layer_idx`,
     the same by default), adding or removing RoPE with `rope` where the two disagree (StreamingLLM's
-    un-rotated keys are rotated at their true positions). Returns (the exported KV, import's result)."""
+    un-rotated keys are rotated at their true positions). Returns (the exported KV, import's result).
+    backend as for export: GPU caches move through one gather and one scatter kernel per K and V."""
+    with _core.backend(backend):
+        return _convert(src, dst, sequence, layer_idx, dst_sequence, dst_layer_idx, rope, free_pages)
+
+
+def _convert(src, dst, sequence, layer_idx, dst_sequence, dst_layer_idx, rope, free_pages):
     kv = _call(src.module.export, src.arguments, sequence=sequence, layer_idx=layer_idx)
     wanted = _call(dst.module.stores_rotated, dst.arguments)
     moved = match_rope(kv, wanted, rope)

@@ -13,6 +13,8 @@ scatters with these offsets; the kernels (kernels_numba/convert.py) take the sam
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,6 +23,8 @@ import reference
 from reference import quant as group_quant
 from reference import rope as rope_ref
 from reference import trtllm_gpt_attention as trt
+
+from .. import _arrays as arrays
 
 # Quantization kinds, each with its decode rule value = code * scale:
 #   int8_group / int4_group   OpenPPL: one scale per quant_group elements of head_dim, per token and head
@@ -248,13 +252,25 @@ def check_sequence(name: str, sequence, count: int) -> int:
     return int(sequence)
 
 
-def check_cache_array(name: str, x) -> np.ndarray:
-    """A cache the converter writes: a C-contiguous NumPy array (CPU torch tensors come as NumPy views)."""
-    if not isinstance(x, np.ndarray):
-        raise TypeError(f"{name}: expected a NumPy array, got {type(x).__name__}")
-    if not x.flags["C_CONTIGUOUS"]:
+def check_cache_array(name: str, x):
+    """A cache the converter writes: a C-contiguous NumPy array, or a GPU array (CuPy, __cuda_array_interface__)."""
+    if not isinstance(x, np.ndarray) and not arrays.is_device_array(x):
+        raise TypeError(f"{name}: expected a NumPy or GPU array, got {type(x).__name__}")
+    flags = getattr(x, "flags", None)
+    if flags is not None and not flags["C_CONTIGUOUS"]:
         raise ValueError(f"{name}: expected a C-contiguous array, got strides {x.strides}")
     return x
+
+
+def host(x):
+    """A host (NumPy) view or copy of a table or length argument, whichever side it lives on."""
+    return np.asarray(arrays.to_host(x))
+
+
+def assign(table, index, values) -> None:
+    """table[index] = values for a host or GPU page table."""
+    values = np.asarray(values)
+    table[index] = values if isinstance(table, np.ndarray) else arrays.to_kind(table, values)
 
 
 def is_float(dtype) -> bool:
@@ -277,7 +293,16 @@ def holds_exactly(source_dtype, dtype) -> bool:
 
 def read_pair(k_site: Site, v_site: Site, kind, k_scale, v_scale, quant_group, positions, rotated,
               scale_sites=None) -> KV:
-    """Gather one sequence's K and V (and their scales) and decode them into a KV."""
+    """Gather one sequence's K and V (and their scales) and decode them into a KV (float32 values on the
+    kernels)."""
+    if use_kernels(k_site.array):
+        sc = scale_sites or (None, None)
+        k_vals, k_codes, k_gs = _gather(k_site, kind, k_scale, quant_group, sc[0])
+        v_vals, v_codes, v_gs = _gather(v_site, kind, v_scale, quant_group, sc[1])
+        if kind in GROUP_KINDS:
+            k_scale, v_scale = k_gs, v_gs
+        quant = None if kind is None else Quant(kind, k_codes, v_codes, k_scale, v_scale, quant_group)
+        return KV(k_vals, v_vals, np.asarray(positions, np.int64), rotated, quant)
     k_codes, v_codes = k_site.read(), v_site.read()
     if kind in GROUP_KINDS:
         k_scale, v_scale = scale_sites[0].read(), scale_sites[1].read()
@@ -291,7 +316,7 @@ def codes_for(kv: KV, kind, *, dtype, scale=(None, None), inverse_scale=(None, N
     """(k_codes, v_codes, k_scales, v_scales) a destination stores for kv: the source's own codes when the rule
     and scales are the same (lossless), else the values encoded by the destination's rule."""
     q = kv.quant
-    if q is not None and q.kind == kind and np.dtype(q.key_codes.dtype) == np.dtype(dtype):
+    if q is not None and q.kind == kind and storage_dtype(q.key_codes.dtype) == storage_dtype(dtype):
         if kind in GROUP_KINDS and q.quant_group == quant_group and np.dtype(q.key_scale.dtype) == scale_dtype:
             return q.key_codes, q.value_codes, q.key_scale, q.value_scale
         if kind in TENSOR_KINDS and np.float32(q.key_scale) == np.float32(scale[0]) and \
@@ -302,6 +327,118 @@ def codes_for(kv: KV, kind, *, dtype, scale=(None, None), inverse_scale=(None, N
     vc, vs = encode(kind, kv.value, dtype=dtype, scale=scale[1], inverse_scale=inverse_scale[1],
                     scale_dtype=scale_dtype, quant_group=quant_group)
     return kc, vc, ks, vs
+
+
+def prepare_pair(kv: KV, kind, k_site: Site, v_site: Site, scale_sites=None, *, scale=(None, None),
+                 inverse_scale=(None, None), quant_group: int = 0):
+    """Everything import needs before it writes: returns write(), which stores kv at the two sites (the
+    destination's codes, and group scales at scale_sites). The NumPy path encodes now; the kernels encode as
+    they write (after every check has passed either way)."""
+    dtype = k_site.array.dtype
+    scale_dtype = None if scale_sites is None else scale_sites[0].array.dtype
+    if use_kernels(k_site.array):
+        return lambda: _scatter_pair(kv, kind, k_site, v_site, scale_sites, scale, inverse_scale, quant_group)
+    kc, vc, ks, vs = codes_for(kv, kind, dtype=dtype, scale=scale, inverse_scale=inverse_scale,
+                               scale_dtype=scale_dtype, quant_group=quant_group)
+
+    def write():
+        k_site.write(kc)
+        v_site.write(vc)
+        if scale_sites is not None:
+            scale_sites[0].write(ks)
+            scale_sites[1].write(vs)
+    return write
+
+
+def _scatter_pair(kv, kind, k_site, v_site, scale_sites, scale, inverse_scale, quant_group):
+    from kernels_numba import convert as kc
+    q = kv.quant
+    dtype = k_site.array.dtype
+    copy = q is not None and q.kind == kind and storage_dtype(q.key_codes.dtype) == storage_dtype(dtype) and (
+        (kind in GROUP_KINDS and q.quant_group == quant_group and
+         np.dtype(q.key_scale.dtype) == np.dtype(scale_sites[0].array.dtype)) or
+        (kind in TENSOR_KINDS and np.float32(q.key_scale) == np.float32(scale[0]) and
+         np.float32(q.value_scale) == np.float32(scale[1])))
+    for i, s in enumerate((k_site, v_site)):
+        like = s.array
+        per_tensor = inverse_scale[i] if inverse_scale[i] is not None else scale[i]
+        values = None if copy else arrays.to_kind(like, np.asarray(arrays.to_host((kv.key, kv.value)[i]),
+                                                                    np.float32))
+        codes = group_scales = None
+        if copy:
+            codes = (q.key_codes, q.value_codes)[i]
+            codes = arrays.to_kind(like, np.asarray(arrays.to_host(codes)).view(storage_dtype(dtype)))
+            if kind in GROUP_KINDS:
+                group_scales = arrays.to_kind(like, np.asarray(arrays.to_host((q.key_scale, q.value_scale)[i])))
+        sc = None if scale_sites is None else scale_sites[i]
+        kc.scatter(_where(s), None if sc is None else _where(sc), values, codes, group_scales,
+                   kind=_kernel_kind(kind, dtype), heads=s.heads, tokens=len(s.token_offset),
+                   head_dim=kv.head_dim, quant_group=max(quant_group, 1),
+                   scale=1.0 if per_tensor is None else float(per_tensor), divide=inverse_scale[i] is None,
+                   scale_dtype=np.float32 if sc is None else sc.array.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- backends
+
+_BACKEND = contextvars.ContextVar("cacheattn_convert_backend", default="auto")
+
+
+@contextlib.contextmanager
+def backend(name: str):
+    """Within: "reference" (NumPy gathers and scatters), "numba" (the kernels; NumPy arrays run them in the
+    simulator) or "auto" (the kernels for GPU arrays)."""
+    if name not in arrays.BACKENDS:
+        raise ValueError(f"backend: expected one of {arrays.BACKENDS}, got {name!r}")
+    token = _BACKEND.set(name)
+    try:
+        yield
+    finally:
+        _BACKEND.reset(token)
+
+
+def use_kernels(array) -> bool:
+    chosen = _BACKEND.get()
+    return chosen == "numba" or (chosen == "auto" and arrays.is_device_array(array))
+
+
+def storage_dtype(dtype) -> np.dtype:
+    """The dtype the kernels see: fp8 and bfloat16 (which numba lacks) as their bits."""
+    dtype = np.dtype(dtype)
+    if dtype.name.startswith("float8"):
+        return np.dtype(np.uint8)
+    return np.dtype(np.uint16) if dtype.name == "bfloat16" else dtype
+
+
+def _kernel_kind(kind, dtype):
+    from kernels_numba import convert as kc
+    if kind is None:
+        return kc.BF16 if np.dtype(dtype).name == "bfloat16" else kc.FLOAT
+    return {"int8": kc.INT8, "fp8_e4m3": kc.E4M3, "fp8_e5m2": kc.E5M2, "int8_group": kc.GROUP8,
+            "int4_group": kc.GROUP4}[kind]
+
+
+def _where(s: Site):
+    from kernels_numba import convert as kc
+    data = s.array.view(storage_dtype(s.array.dtype)).reshape(-1)
+    return kc.where(data, arrays.to_kind(data, s.token_offset), s.stride_h, s.chunk, s.stride_chunk, s.stride_in)
+
+
+def _gather(s: Site, kind, scale, quant_group, scale_site):
+    """(values float32, codes, group scales) of one site through the gather kernel."""
+    from kernels_numba import convert as kc
+    values, codes, group_scales = kc.gather(
+        _where(s), None if scale_site is None else _where(scale_site), kind=_kernel_kind(kind, s.array.dtype),
+        heads=s.heads, tokens=len(s.token_offset), head_dim=s.width * (2 if kind == "int4_group" else 1),
+        stored_dim=s.width, quant_group=max(quant_group, 1), scale=1.0 if scale is None else float(scale),
+        scale_dtype=np.float32 if scale_site is None else scale_site.array.dtype)
+    if storage_dtype(s.array.dtype) != np.dtype(s.array.dtype):
+        codes = codes.view(s.array.dtype) if isinstance(codes, np.ndarray) else codes
+    # Values in the dtype the NumPy path gives: a float16 cache's, a group's scale dtype (bfloat16, which CuPy
+    # lacks, and the per-tensor kinds stay float32).
+    like = s.array.dtype if kind is None else (scale_site.array.dtype if kind in GROUP_KINDS else np.float32)
+    if np.dtype(like) == np.float16:
+        values = values.astype(np.float16)
+    return values, codes, group_scales
 
 
 __all__ = ["KV", "Quant", "Rope", "Site", "site", "decode", "encode", "step_bound", "reference"]

@@ -11,12 +11,14 @@ import numpy as np
 
 from ._core import (
     KV,
+    assign,
     check_cache_array,
     check_index,
     check_sequence,
-    codes_for,
     commit_pages,
+    host,
     is_float,
+    prepare_pair,
     read_pair,
     site,
     take_pages,
@@ -65,9 +67,9 @@ def _sites(arrays, axes, pages, rows):
 
 
 def _pages_of(kv_indptr, kv_indices, b, max_pages):
-    indptr = np.asarray(kv_indptr).astype(np.int64)
+    indptr = host(kv_indptr).astype(np.int64)
     b = check_sequence("sequence", b, indptr.shape[0] - 1)
-    indices = np.asarray(kv_indices).astype(np.int64)
+    indices = host(kv_indices).astype(np.int64)
     if not 0 <= indptr[b] <= indptr[b + 1] <= indices.shape[0]:
         raise ValueError(f"kv_indptr: expected 0 <= kv_indptr[{b}] <= kv_indptr[{b + 1}] <= len(kv_indices) = "
                          f"{indices.shape[0]}, got {indptr[b]}, {indptr[b + 1]}")
@@ -82,7 +84,7 @@ def export(paged_kv_cache, *, kv_indptr, kv_indices, kv_last_page_len, sequence,
     arrays, axes, kind, scales = _arrays(paged_kv_cache, kv_layout, k_scale, v_scale)
     ext = dict(zip(axes.split(), arrays[0].shape))
     b, _, pages = _pages_of(kv_indptr, kv_indices, sequence, ext["N"])
-    last = int(np.asarray(kv_last_page_len).reshape(-1)[b])
+    last = int(host(kv_last_page_len).reshape(-1)[b])
     if pages.size and not 1 <= last <= ext["S"]:
         raise ValueError(f"kv_last_page_len: expected values in [1, page_size = {ext['S']}], got {last}")
     tokens = (pages.size - 1) * ext["S"] + last if pages.size else 0
@@ -101,7 +103,7 @@ def import_(kv: KV, paged_kv_cache, *, kv_indptr, kv_indices, kv_last_page_len, 
     if (kv.num_kv_heads, kv.head_dim) != (ext["H"], ext["D"]):
         raise ValueError(f"kv: expected {ext['H']} heads of head_dim {ext['D']}, got {kv.num_kv_heads} of "
                          f"{kv.head_dim}")
-    indices = np.asarray(kv_indices)
+    indices = host(kv_indices)
     b, first, pages = _pages_of(kv_indptr, indices, sequence, ext["N"])
     need = -(-kv.tokens // ext["S"])
     if pages.size != need:
@@ -112,15 +114,14 @@ def import_(kv: KV, paged_kv_cache, *, kv_indptr, kv_indices, kv_last_page_len, 
         check_index("free_pages", np.asarray(fresh), 0, ext["N"], "page ids")
         pages = np.asarray(fresh, np.int64)
     p = np.arange(kv.tokens)
-    k_codes, v_codes, _, _ = codes_for(kv, kind, dtype=arrays[0].dtype, scale=scales)
     ks, vs = _sites(arrays, axes, pages[p // ext["S"]], p % ext["S"])
+    write = prepare_pair(kv, kind, ks, vs, scale=scales)
     if fresh:
-        kv_indices[first:first + need] = fresh
+        assign(kv_indices, slice(first, first + need), fresh)
         commit_pages(free_pages, need)
     if need:
-        kv_last_page_len[b] = kv.tokens - (need - 1) * ext["S"]
-    ks.write(k_codes)
-    vs.write(v_codes)
+        assign(kv_last_page_len, b, kv.tokens - (need - 1) * ext["S"])
+    write()
     return {"pages": list(pages)}
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._validate import check_int
-from ._core import KV, check_cache_array, check_sequence, codes_for, is_float, read_pair, site
+from ._core import KV, check_cache_array, check_sequence, host, is_float, prepare_pair, read_pair, site
 
 
 def _layout(key_cache, value_cache, is_batch_major_cache, layer_idx):
@@ -54,7 +54,7 @@ def export(key_cache, value_cache, encoder_sequence_length, *, sequence, is_batc
     """Batch `sequence`'s encoder tokens [0, encoder_sequence_length[b])."""
     k_axes, v_axes, fixed, B, L, _, _ = _layout(key_cache, value_cache, is_batch_major_cache, layer_idx)
     b = check_sequence("sequence", sequence, B)
-    tokens = int(np.asarray(encoder_sequence_length).reshape(-1)[b])
+    tokens = int(host(encoder_sequence_length).reshape(-1)[b])
     if not 0 <= tokens <= L:
         raise ValueError(f"encoder_sequence_length: expected values in [0, mem_max_seq_len = {L}], got {tokens}")
     ks, vs = _sites(key_cache, value_cache, k_axes, v_axes, fixed, b, tokens)
@@ -70,10 +70,8 @@ def import_(kv: KV, key_cache, value_cache, *, sequence, is_batch_major_cache=Tr
         raise ValueError(f"kv: expected {H} heads of Dh {D} (value_cache), got {kv.num_kv_heads} of {kv.head_dim}")
     if kv.tokens > L:
         raise ValueError(f"key_cache: expected mem_max_seq_len >= {kv.tokens} tokens, got {L}")
-    k_codes, v_codes, _, _ = codes_for(kv, None, dtype=key_cache.dtype)
     ks, vs = _sites(key_cache, value_cache, k_axes, v_axes, fixed, b, kv.tokens)
-    ks.write(k_codes)
-    vs.write(v_codes)
+    prepare_pair(kv, None, ks, vs)()
     return {"encoder_sequence_length": kv.tokens}
 
 

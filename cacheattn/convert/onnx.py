@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._core import KV, check_cache_array, check_sequence, codes_for, is_float, read_pair, site
+from ._core import KV, check_cache_array, check_sequence, host, is_float, prepare_pair, read_pair, site
 
 
 def _check(past_key, past_value):
@@ -30,7 +30,7 @@ def export(past_key, past_value, nonpad_kv_seqlen=None, *, sequence, rotated=Tru
     """Batch `sequence`'s tokens: all past_sequence_length of them, or its nonpad_kv_seqlen."""
     _check(past_key, past_value)
     b = check_sequence("sequence", sequence, past_key.shape[0])
-    tokens = past_key.shape[2] if nonpad_kv_seqlen is None else int(np.asarray(nonpad_kv_seqlen).reshape(-1)[b])
+    tokens = past_key.shape[2] if nonpad_kv_seqlen is None else int(host(nonpad_kv_seqlen).reshape(-1)[b])
     if not 0 <= tokens <= past_key.shape[2]:
         raise ValueError(f"nonpad_kv_seqlen: expected values in [0, {past_key.shape[2]}], got {tokens}")
     ks, vs = _sites(past_key, past_value, b, tokens)
@@ -48,10 +48,8 @@ def import_(kv: KV, past_key, past_value, *, sequence) -> dict:
                          f"{past_value.shape[3]}, got {kv.num_kv_heads}, {kv.head_dim}, {kv.value.shape[2]}")
     if kv.tokens > past_key.shape[2]:
         raise ValueError(f"past_key: expected past_sequence_length >= {kv.tokens} tokens, got {past_key.shape[2]}")
-    k_codes, v_codes, _, _ = codes_for(kv, None, dtype=past_key.dtype)
     ks, vs = _sites(past_key, past_value, b, kv.tokens)
-    ks.write(k_codes)
-    vs.write(v_codes)
+    prepare_pair(kv, None, ks, vs)()
     return {"nonpad_kv_seqlen": kv.tokens}
 
 

@@ -17,12 +17,14 @@ from reference.quant import stored_head_dim
 from .._validate import check_choice, check_int
 from ._core import (
     KV,
+    assign,
     check_cache_array,
     check_index,
     check_sequence,
-    codes_for,
     commit_pages,
+    host,
     is_float,
+    prepare_pair,
     read_pair,
     site,
     take_pages,
@@ -67,7 +69,7 @@ def _check(cache, scale, *, num_layer, layer_idx, quant_bit, quant_group, cache_
 
 
 def _slots(cachestarts, sequence, tokens, cache_mode, page_size, max_t):
-    starts = np.asarray(cachestarts).astype(np.int64)
+    starts = host(cachestarts).astype(np.int64)
     if starts.ndim != cache_mode + 1:
         raise ValueError(f"cachestarts: expected {'(B,)' if cache_mode == 0 else '(B, max_pages)'} for cache_mode "
                          f"{cache_mode}, got shape {starts.shape}")
@@ -92,7 +94,7 @@ def export(cache, scale=None, *, kvstarts, cachestarts, sequence, num_layer=1, l
     """Sequence `sequence`'s tokens [0, kvlen) of layer `layer_idx`, kvlen = kvstarts[b + 1] - kvstarts[b]."""
     axes, _ = _check(cache, scale, num_layer=num_layer, layer_idx=layer_idx, quant_bit=quant_bit,
                      quant_group=quant_group, cache_mode=cache_mode, cache_layout=cache_layout, page_size=page_size)
-    kvstarts = np.asarray(kvstarts).astype(np.int64)
+    kvstarts = host(kvstarts).astype(np.int64)
     b = check_sequence("sequence", sequence, kvstarts.shape[0] - 1)
     tokens = int(kvstarts[b + 1] - kvstarts[b])
     slots = _slots(cachestarts, b, tokens, cache_mode, page_size, cache.shape[axes.split().index("T")])
@@ -117,23 +119,17 @@ def import_(kv: KV, cache, scale=None, *, cachestarts, sequence, num_layer=1, la
     if free_pages is not None and cache_mode == 1:
         pages = take_pages(free_pages, -(-kv.tokens // page_size))
         check_index("free_pages", np.asarray(pages, np.int64), 0, max_t // page_size, "page numbers")
-        table = np.array(cachestarts, copy=True)
+        table = host(cachestarts).copy()
         check_sequence("sequence", sequence, table.shape[0])
         table[sequence, :len(pages)] = np.asarray(pages) * page_size
     slots = _slots(table, sequence, kv.tokens, cache_mode, page_size, max_t)
     (ks, vs), scales = _sites(cache, scale, axes, layer_idx, slots, quant_bit)
-    kind = KIND[quant_bit]
-    k_codes, v_codes, k_scale, v_scale = codes_for(kv, kind, dtype=cache.dtype, quant_group=quant_group,
-                                                   scale_dtype=None if scale is None else scale.dtype)
+    write = prepare_pair(kv, KIND[quant_bit], ks, vs, scales, quant_group=quant_group)
     # Everything is checked and encoded: now write.
     if pages:
-        cachestarts[sequence, :len(pages)] = np.asarray(pages) * page_size
+        assign(cachestarts, (sequence, slice(0, len(pages))), np.asarray(pages) * page_size)
         commit_pages(free_pages, len(pages))
-    ks.write(k_codes)
-    vs.write(v_codes)
-    if scales:
-        scales[0].write(k_scale)
-        scales[1].write(v_scale)
+    write()
     return {"slots": slots, "pages": pages}
 
 

@@ -19,13 +19,15 @@ from reference import trtllm_gpt_attention as trt
 from .._validate import check_int
 from ._core import (
     KV,
+    assign,
     check_cache_array,
     check_index,
     check_sequence,
-    codes_for,
     commit_pages,
     fp8_dtype,
+    host,
     is_float,
+    prepare_pair,
     read_pair,
     site,
     take_pages,
@@ -67,7 +69,7 @@ def _layout(past_key_value, kv_cache_pool, kv_cache_block_offsets, paged_kv_cach
             raise ValueError(f"kv_cache_pool: expected shape (num_blocks, num_layers, 2, num_kv_heads, "
                              f"tokens_per_block = {tokens_per_block}, head_size), got {tuple(pool.shape)}")
         check_int("layer_idx", layer_idx, low=0, high=pool.shape[1] - 1)
-        offsets = np.asarray(kv_cache_block_offsets)
+        offsets = host(kv_cache_block_offsets)
         if offsets.ndim != 4 or offsets.shape[2] != 2 or not np.issubdtype(offsets.dtype, np.integer):
             raise ValueError(f"kv_cache_block_offsets: expected integers of shape (num_pools, batch_beam, 2, "
                              f"max_blocks_per_seq), got {offsets.dtype} {offsets.shape}")
@@ -89,9 +91,9 @@ def _layout(past_key_value, kv_cache_pool, kv_cache_block_offsets, paged_kv_cach
 
 
 def _window(host_max_attention_window_sizes, host_sink_token_length, layer_idx):
-    windows = np.asarray(host_max_attention_window_sizes).reshape(-1)
+    windows = host(host_max_attention_window_sizes).reshape(-1)
     window = int(windows[layer_idx % len(windows)])                     # a shorter list repeats over the layers
-    sinks = int(np.asarray(host_sink_token_length).reshape(-1)[0])
+    sinks = int(host(host_sink_token_length).reshape(-1)[0])
     if window < 1 or not 0 <= sinks < window:
         raise ValueError(f"host_sink_token_length: expected sinks in [0, window = {window}), got {sinks}")
     return window, sinks
@@ -113,7 +115,7 @@ def _sites(array, paged, kv_cache_block_offsets, row, layer_idx, slots, tokens_p
     out = []
     for kv in (0, 1):
         # spec: the plugin's layer offset: block o + 2 * layer_idx of the pool seen as blocks
-        block = np.asarray(kv_cache_block_offsets)[0, row, kv, slots // tokens_per_block].astype(np.int64) \
+        block = host(kv_cache_block_offsets)[0, row, kv, slots // tokens_per_block].astype(np.int64) \
             + 2 * layer_idx
         check_index("kv_cache_block_offsets", block - 2 * layer_idx, 0, num_blocks * num_layers * 2 - 2 * layer_idx,
                     f"block offsets of row {row} (the pool has {num_blocks * num_layers * 2} blocks)")
@@ -131,7 +133,7 @@ def export(*, past_key_value=None, kv_cache_pool=None, kv_cache_block_offsets=No
     name, array, heads, head_size, capacity, rows = _layout(past_key_value, kv_cache_pool, kv_cache_block_offsets,
                                                             paged_kv_cache, tokens_per_block, layer_idx, stored)
     row = check_sequence("sequence", sequence, rows)
-    length = int(np.asarray(sequence_length).reshape(-1)[row])
+    length = int(host(sequence_length).reshape(-1)[row])
     window, sinks = _window(host_max_attention_window_sizes, host_sink_token_length, layer_idx)
     positions = held_positions(length, window, sinks)
     bubble = trt.paged_bubble(sinks, tokens_per_block) if paged_kv_cache else 0
@@ -169,17 +171,15 @@ def import_(kv: KV, *, past_key_value=None, kv_cache_pool=None, kv_cache_block_o
         num_blocks, num_layers = array.shape[:2]
         pages = take_pages(free_pages, int(slots.max()) // tokens_per_block + 1 if slots.size else 0)
         check_index("free_pages", np.asarray(pages, np.int64), 0, num_blocks, "block numbers of kv_cache_pool")
-        offsets = np.array(kv_cache_block_offsets, copy=True)
+        offsets = host(kv_cache_block_offsets).copy()
         for kv_half in (0, 1):
             offsets[0, row, kv_half, :len(pages)] = np.asarray(pages) * num_layers * 2 + kv_half
     ks, vs = _sites(array, paged_kv_cache, offsets, row, layer_idx, slots, tokens_per_block)
-    k_codes, v_codes, _, _ = codes_for(_take(kv, kept), kind, dtype=array.dtype, scale=(s, s),
-                                       inverse_scale=(inv, inv))
+    write = prepare_pair(_take(kv, kept), kind, ks, vs, scale=(s, s), inverse_scale=(inv, inv))
     if pages:
-        kv_cache_block_offsets[0, row, :, :len(pages)] = offsets[0, row, :, :len(pages)]
+        assign(kv_cache_block_offsets, (0, row, slice(None), slice(0, len(pages))), offsets[0, row, :, :len(pages)])
         commit_pages(free_pages, len(pages))
-    ks.write(k_codes)
-    vs.write(v_codes)
+    write()
     return {"sequence_length": int(kv.positions.max()) + 1 if kv.tokens else 0, "slots": slots, "pages": pages}
 
 

@@ -12,13 +12,15 @@ import numpy as np
 
 from ._core import (
     KV,
+    assign,
     check_cache_array,
     check_index,
     check_sequence,
-    codes_for,
     commit_pages,
     fp8_dtype,
+    host,
     is_float,
+    prepare_pair,
     read_pair,
     site,
     take_pages,
@@ -88,7 +90,7 @@ def _sites(arrays, k_axes, v_axes, width, blocks, rows):
 
 
 def _where(block_tables, req, tokens, block_size, num_blocks):
-    table = np.asarray(block_tables)
+    table = host(block_tables)
     if table.ndim != 2 or not np.issubdtype(table.dtype, np.integer):
         raise ValueError(f"block_tables: expected integers (num_seqs, max_blocks), got {table.dtype} {table.shape}")
     if -(-tokens // block_size) > table.shape[1]:
@@ -104,7 +106,7 @@ def export(*, key_cache=None, value_cache=None, kv_cache=None, block_tables, seq
     """Request `sequence`'s seq_lens[req] tokens (one layer's caches: vLLM keeps one cache per layer)."""
     arrays, k_axes, v_axes, width, kind, scales = _arrays(key_cache, value_cache, kv_cache, kv_cache_dtype,
                                                           kv_cache_layout, k_scale, v_scale)
-    lens = np.asarray(seq_lens).reshape(-1)
+    lens = host(seq_lens).reshape(-1)
     req = check_sequence("sequence", sequence, lens.shape[0])
     block_size = dict(zip(v_axes.split(), arrays[1].shape))["S"]
     blocks, rows = _where(block_tables, req, int(lens[req]), block_size, arrays[1].shape[0])
@@ -122,7 +124,7 @@ def import_(kv: KV, *, key_cache=None, value_cache=None, kv_cache=None, block_ta
     if (kv.num_kv_heads, kv.head_dim) != (ext["H"], ext["D"]):
         raise ValueError(f"kv: expected {ext['H']} heads of head_size {ext['D']}, got {kv.num_kv_heads} of "
                          f"{kv.head_dim}")
-    table = np.asarray(block_tables)
+    table = host(block_tables)
     req = check_sequence("sequence", sequence, table.shape[0] if table.ndim == 2 else 0)
     pages = take_pages(free_pages, -(-kv.tokens // ext["S"]))
     if pages:
@@ -130,13 +132,12 @@ def import_(kv: KV, *, key_cache=None, value_cache=None, kv_cache=None, block_ta
         table = table.copy()
         table[req, :len(pages)] = pages
     blocks, rows = _where(table, req, kv.tokens, ext["S"], ext["N"])
-    k_codes, v_codes, _, _ = codes_for(kv, kind, dtype=arrays[0].dtype, scale=scales)
     ks, vs = _sites(arrays, k_axes, v_axes, width, blocks, rows)
+    write = prepare_pair(kv, kind, ks, vs, scale=scales)
     if pages:
-        block_tables[req, :len(pages)] = pages
+        assign(block_tables, (req, slice(0, len(pages))), pages)
         commit_pages(free_pages, len(pages))
-    ks.write(k_codes)
-    vs.write(v_codes)
+    write()
     return {"seq_lens": kv.tokens, "pages": pages}
 
 
