@@ -305,3 +305,48 @@ def test_rope_is_required_to_rotate_streamingllm_keys():
 def test_unknown_format_is_named():
     with pytest.raises(ValueError, match="^format:"):
         convert.export("tgi", sequence=0)
+
+
+def _bad_cases():
+    """(format, arguments, the argument the error must name) for each format's own mistakes."""
+    f32 = np.float32
+    trt = dict(host_max_attention_window_sizes=np.array([64]), host_sink_token_length=np.array([0]))
+    paged = dict(kv_cache_pool=np.zeros((4, 1, 2, 2, 4, 8), f32),
+                 kv_cache_block_offsets=np.zeros((1, 2, 2, 2), np.int32), paged_kv_cache=True, tokens_per_block=4,
+                 **trt)
+    vllm = dict(key_cache=np.zeros((4, 2, 2, 4, 4), f32), value_cache=np.zeros((4, 2, 8, 4), f32),
+                block_tables=np.zeros((2, 2), np.int32))
+    fi = dict(paged_kv_cache=np.zeros((4, 2, 4, 2, 8), f32), kv_indptr=np.array([0, 1, 3]),
+              kv_indices=np.array([0, 1, 2]), kv_last_page_len=np.array([1, 1]))
+    past = dict(past_key=np.zeros((2, 2, 4, 8), f32), past_value=np.zeros((2, 2, 4, 8), f32))
+    return [
+        ("trtllm", dict(past_key_value=np.zeros((2, 2, 2, 8, 8), f32), kv_cache_quant_mode=64, **trt),
+         "kv_quant_orig_scale"),
+        ("trtllm", dict(past_key_value=np.zeros((2, 2, 2, 8, 8), f32), kv_cache_quant_mode=32, **trt),
+         "kv_cache_quant_mode"),
+        ("trtllm", dict(paged, free_pages=[1, 9]), "free_pages"),
+        ("trtllm", dict(paged, tokens_per_block=3), "tokens_per_block"),
+        ("trtllm", dict(past_key_value=np.zeros((2, 2, 2, 4, 8), f32), **trt), "host_max_attention_window_sizes"),
+        ("vllm", dict(vllm, kv_cache_dtype="int4"), "kv_cache_dtype"),
+        ("vllm", dict(vllm, key_cache=np.zeros((4, 2, 4, 4, 2), f32)), "key_cache"),
+        ("vllm", dict(vllm, block_tables=np.array([[0, 1], [2, 7]], np.int32)), "block_tables"),
+        ("flashinfer", dict(fi, kv_layout="NDH"), "kv_layout"),
+        ("flashinfer", dict(fi, kv_indptr=np.array([0, 2, 3])), "kv_indptr"),
+        ("flashinfer", dict(fi, kv_indices=np.array([0, 1, 9])), "kv_indices"),
+        ("onnx", dict(past, past_key=np.zeros((2, 2, 3, 8), f32)), "past_value"),
+        ("onnx", dict(past_key=np.zeros((2, 2, 6, 8), f32), past_value=np.zeros((2, 2, 6, 8), f32)), "past_key"),
+        ("ft", dict(key_cache=np.zeros((2, 2, 4, 8, 2), f32), value_cache=np.zeros((2, 2, 8, 8), f32)), "key_cache"),
+        ("onnx", dict(past, layer_idx=1), "layer_idx"),
+    ]
+
+
+@pytest.mark.parametrize("fmt, arguments, name", _bad_cases(), ids=lambda x: x if isinstance(x, str) else "")
+def test_every_format_names_its_bad_argument_before_writing(fmt, arguments, name):
+    kv = random_kv(np.random.default_rng(1), 2, 8, 7)
+    before = {n: np.array(a, copy=True) for n, a in arguments.items() if isinstance(a, np.ndarray)}
+    free = list(arguments.get("free_pages", []))
+    with pytest.raises((ValueError, TypeError), match=f"^{name}:"):
+        convert.import_(fmt, kv, sequence=1, **arguments)
+    for n, a in before.items():
+        assert np.array_equal(arguments[n], a), n
+    assert arguments.get("free_pages", []) == free
