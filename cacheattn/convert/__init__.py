@@ -101,7 +101,7 @@ def match_rope(kv: KV, rotated: bool | None, rope: Rope | None) -> KV:
     if rope is None:
         raise ValueError(f"rope: required to {'add' if rotated else 'remove'} RoPE on the keys (the source stores "
                          f"{'un-' if not kv.rotated else ''}rotated keys, the destination the other), got None")
-    key = rope.rotate(kv.key.astype(np.float32), kv.positions, undo=not rotated)
+    key = rope.rotate(np.asarray(_core.arrays.to_host(kv.key), np.float32), kv.positions, undo=not rotated)
     return KV(key, kv.value, kv.positions, rotated, None)
 
 
@@ -142,8 +142,9 @@ def error_bound(dst: Cache, kv: KV) -> tuple[np.ndarray, np.ndarray]:
         if same_scales:
             return np.zeros(kv.key.shape), np.zeros(kv.value.shape)
     scales = r.get("scale", (None, None))
-    return tuple(step_bound(r["kind"], x, dtype=r["dtype"], scale=s, quant_group=r.get("quant_group", 0))
-                 for x, s in ((kv.key, scales[0]), (kv.value, scales[1])))
+    pairs = ((kv.key, scales[0]), (kv.value, scales[1]))
+    return tuple(step_bound(r["kind"], _core.arrays.to_host(x), dtype=r["dtype"], scale=s,
+                            quant_group=r.get("quant_group", 0)) for x, s in pairs)
 
 
 __all__ = ["FORMATS", "KV", "Quant", "Rope", "Cache", "export", "import_", "convert", "match_rope", "error_bound"]

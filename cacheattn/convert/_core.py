@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-import reference
 from reference import quant as group_quant
 from reference import rope as rope_ref
 from reference import trtllm_gpt_attention as trt
@@ -350,6 +349,22 @@ def prepare_pair(kv: KV, kind, k_site: Site, v_site: Site, scale_sites=None, *, 
     return write
 
 
+def sc_dtype(scale_sites, i):
+    return np.dtype(scale_sites[i].array.dtype)
+
+
+def _beside(like, x, dtype, view=False):
+    """x as a C-contiguous array of `like`'s kind in `dtype` (view: reinterpret the bits, for fp8 codes): a GPU
+    array stays on the GPU, a host one is uploaded once."""
+    if arrays.is_device_array(x) and not isinstance(like, np.ndarray):
+        import cupy
+        x = cupy.asarray(x)
+        return cupy.ascontiguousarray(x.view(dtype) if view else x.astype(dtype, copy=False))
+    host_x = np.asarray(arrays.to_host(x))
+    host_x = host_x.view(dtype) if view else host_x.astype(dtype, copy=False)
+    return arrays.to_kind(like, np.ascontiguousarray(host_x))
+
+
 def _scatter_pair(kv, kind, k_site, v_site, scale_sites, scale, inverse_scale, quant_group):
     from kernels_numba import convert as kc
     q = kv.quant
@@ -362,14 +377,12 @@ def _scatter_pair(kv, kind, k_site, v_site, scale_sites, scale, inverse_scale, q
     for i, s in enumerate((k_site, v_site)):
         like = s.array
         per_tensor = inverse_scale[i] if inverse_scale[i] is not None else scale[i]
-        values = None if copy else arrays.to_kind(like, np.asarray(arrays.to_host((kv.key, kv.value)[i]),
-                                                                    np.float32))
+        values = None if copy else _beside(like, (kv.key, kv.value)[i], np.float32)
         codes = group_scales = None
         if copy:
-            codes = (q.key_codes, q.value_codes)[i]
-            codes = arrays.to_kind(like, np.asarray(arrays.to_host(codes)).view(storage_dtype(dtype)))
+            codes = _beside(like, (q.key_codes, q.value_codes)[i], storage_dtype(dtype), view=True)
             if kind in GROUP_KINDS:
-                group_scales = arrays.to_kind(like, np.asarray(arrays.to_host((q.key_scale, q.value_scale)[i])))
+                group_scales = _beside(like, (q.key_scale, q.value_scale)[i], sc_dtype(scale_sites, i))
         sc = None if scale_sites is None else scale_sites[i]
         kc.scatter(_where(s), None if sc is None else _where(sc), values, codes, group_scales,
                    kind=_kernel_kind(kind, dtype), heads=s.heads, tokens=len(s.token_offset),
@@ -441,4 +454,4 @@ def _gather(s: Site, kind, scale, quant_group, scale_site):
     return values, codes, group_scales
 
 
-__all__ = ["KV", "Quant", "Rope", "Site", "site", "decode", "encode", "step_bound", "reference"]
+__all__ = ["KV", "Quant", "Rope", "Site", "site", "decode", "encode", "step_bound", "backend"]
