@@ -188,6 +188,44 @@ def test_every_pair_converts_within_the_destination_step(src_variant, dst_varian
     for i, (want_s, have) in enumerate(zip(stored(got), read_native(dst, got.positions, got.tokens))):
         assert_bits(f"{dst_variant} stored[{i}]", have, want_s)
     assert_untouched(dst, before, got.positions, got.tokens)
+    # OpenPPL and TensorRT-LLM destinations: what their operators' own cache reads see is what export gave.
+    seen = operator_read(dst, got)
+    if seen is not None:
+        np.testing.assert_array_equal(seen[0], got.key.astype(seen[0].dtype))
+        np.testing.assert_array_equal(seen[1], got.value.astype(seen[1].dtype))
+
+
+def operator_read(layout, got):
+    """(K, V) (Hkv, T, D) as the destination operator's reference reads its cache: OpenPPL's
+    dynamic_key_value_cache read steps, TensorRT-LLM's KVCache.read at the cyclic slots, dequantized."""
+    o, a = layout.options, layout.args
+    if layout.format == "ppl":
+        # The read half of dynamic_key_value_cache: the layer's views, the slots, the dequantization.
+        from reference.cache_layout import DYNAMIC_LAYOUTS, layer_views
+        from reference.ppl_dynamic_key_value_cache import cache_slots
+        from reference.quant import dequantize
+        axes = DYNAMIC_LAYOUTS[a["cache_layout"]]
+        slots = cache_slots(SEQUENCE, np.arange(got.tokens), a["cachestarts"], a["cache_mode"], a["page_size"])
+        rows = [view[slots] for view in layer_views(a["cache"], axes, layout.layer_idx)]      # (T, H, D stored)
+        if a["quant_bit"]:
+            scales = [view[slots] for view in layer_views(a["scale"], axes, layout.layer_idx)]
+            rows = [dequantize(r, sc, a["quant_bit"], a["quant_group"], a["scale"].dtype)
+                    for r, sc in zip(rows, scales)]
+        return tuple(r.transpose(1, 0, 2) for r in rows)
+    if layout.format == "trtllm":
+        from reference import trtllm_gpt_attention as trt
+        pool = a.get("kv_cache_pool")
+        cache = trt.KVCache(a.get("past_key_value"), None if pool is None else pool.reshape(-1, *pool.shape[3:]),
+                            a.get("kv_cache_block_offsets"), layout.layer_idx, a["tokens_per_block"])
+        bubble = trt.paged_bubble(o["sinks"], 4) if o["paged"] else 0
+        slots = trt.cyclic_slot(got.positions, o["window"], o["sinks"], bubble)
+        rows = np.full(slots.shape, SEQUENCE)
+        read = [cache.read(rows, kv, slots) for kv in (0, 1)]                       # (T, Hkv, D) codes
+        if o["quant"]:
+            s = float(a["kv_quant_orig_scale"][0])
+            read = [trt.dequantize_kv(r, s) for r in read]
+        return tuple(r.transpose(1, 0, 2) for r in read)
+    return None
 
 
 def _quant_subset(kv, keep):
