@@ -5,6 +5,8 @@ format's own NumPy indexing in convert_formats.native, not through the converter
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 from convert_formats import (
@@ -388,3 +390,35 @@ def test_every_format_names_its_bad_argument_before_writing(fmt, arguments, name
     for n, a in before.items():
         assert np.array_equal(arguments[n], a), n
     assert arguments.get("free_pages", []) == free
+
+
+def test_a_transformers_cache_leaves_through_vllm_and_returns_to_the_model():
+    """A tiny Llama (random weights) prefills a prompt into its DynamicCache; every layer goes to a vLLM paged cache
+    and back into a fresh DynamicCache (created by import_ through Cache.update); the next token's logits from the
+    returned cache equal those from the original, bit for bit."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config).eval()
+    prompt = torch.tensor([[5, 17, 3, 40, 22, 9, 31]])
+    with torch.no_grad():
+        first = model(prompt, use_cache=True)
+        cache = first.past_key_values
+        following = torch.tensor([[int(first.logits[0, -1].argmax())]])
+        want = model(following, past_key_values=copy.deepcopy(cache)).logits
+    returned = transformers.DynamicCache()
+    head_dim = config.hidden_size // config.num_attention_heads
+    for layer in range(config.num_hidden_layers):
+        key_cache = np.full((4, 2, head_dim // 4, 4, 4), np.nan, np.float32)
+        value_cache = np.full((4, 2, head_dim, 4), np.nan, np.float32)
+        tables = np.zeros((1, 2), np.int32)
+        vllm = convert.Cache("vllm", key_cache=key_cache, value_cache=value_cache, block_tables=tables,
+                             seq_lens=np.array([prompt.shape[1]]))
+        convert.convert(convert.Cache("hf", past_key_values=cache), vllm, sequence=0, layer_idx=layer,
+                        free_pages=[3, 1])
+        convert.convert(vllm, convert.Cache("hf", past_key_values=returned), sequence=0, layer_idx=layer)
+    with torch.no_grad():
+        got = model(following, past_key_values=returned).logits
+    assert torch.equal(got, want)
