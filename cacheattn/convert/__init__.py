@@ -110,18 +110,21 @@ def convert(src: Cache, dst: Cache, *, sequence: int, layer_idx: int = 0, dst_se
             backend: str = "auto") -> tuple[KV, dict]:
     """Export `sequence` / `layer_idx` of src and import it into dst (as `dst_sequence` / `dst_layer_idx`,
     the same by default), adding or removing RoPE with `rope` where the two disagree (StreamingLLM's
-    un-rotated keys are rotated at their true positions). Returns (the exported KV, import's result).
+    un-rotated keys are rotated at their true positions). The layer indices apply to the formats whose tensors
+    hold several layers (OpenPPL, TensorRT-LLM's pool, FasterTransformer's buffer, transformers); a one-layer
+    side (ONNX, vLLM, FlashInfer, a contiguous TensorRT-LLM cache) is given that layer's tensors.
+    Returns (the exported KV, import's result).
     backend as for export: GPU caches move through one gather and one scatter kernel per K and V."""
     with _core.backend(backend):
         return _convert(src, dst, sequence, layer_idx, dst_sequence, dst_layer_idx, rope, free_pages)
 
 
 def _convert(src, dst, sequence, layer_idx, dst_sequence, dst_layer_idx, rope, free_pages):
+    dst_layer_idx = layer_idx if dst_layer_idx is None else dst_layer_idx
     kv = _call(src.module.export, src.arguments, sequence=sequence, layer_idx=layer_idx)
     wanted = _call(dst.module.stores_rotated, dst.arguments)
     moved = match_rope(kv, wanted, rope)
-    extra = dict(sequence=sequence if dst_sequence is None else dst_sequence,
-                 layer_idx=layer_idx if dst_layer_idx is None else dst_layer_idx)
+    extra = dict(sequence=sequence if dst_sequence is None else dst_sequence, layer_idx=dst_layer_idx)
     if free_pages is not None:
         extra["free_pages"] = free_pages
     return kv, _call(dst.module.import_, dst.arguments, kv=moved, **extra)
