@@ -321,8 +321,9 @@ def _assemble(ptx: str, cc) -> str:
 def _convert_launches(full: bool):
     """(label, kernel, args) for cacheattn.convert's gather and scatter kernels: every storage kind (float16 and
     float32 floats, bfloat16 bits, per-tensor int8 / e4m3 / e5m2, int8 and int4 groups with float16 or float32
-    scales), the scatter both encoding and copying codes, per-tensor codes by division (vLLM) and by
-    multiplication (TensorRT-LLM). Every variant is one compile; full adds nothing."""
+    scales) gathered and encoded; per-tensor codes by multiplication (TensorRT-LLM) for int8 and e4m3, by
+    division (vLLM, FlashInfer) for the fp8s; codes copied for a float, an fp8 and a group kind. full: every
+    kind both ways and copied."""
     from . import _launch
     from . import convert as kc
 
@@ -343,12 +344,14 @@ def _convert_launches(full: bool):
         with _launch.recorded_launches() as launches:
             kc.gather(src, scales, kind=kind, heads=heads, tokens=tokens, head_dim=head_dim, stored_dim=stored,
                       quant_group=4, scale_dtype=scale_dtype)
-            for divide in (True, False) if kind in (kc.INT8, kc.E4M3, kc.E5M2) else (False,):
+            divides = {kc.INT8: (False,), kc.E4M3: (False, True), kc.E5M2: (True,)}.get(kind, (False,))
+            for divide in (True, False) if full and kind in (kc.INT8, kc.E4M3, kc.E5M2) else divides:
                 kc.scatter(src, scales, values, kind=kind, heads=heads, tokens=tokens, head_dim=head_dim,
                            quant_group=4, divide=divide, scale_dtype=scale_dtype)
-            kc.scatter(src, scales, None, np.zeros((heads, tokens, stored), storage),
-                       np.ones((heads, tokens, 4), scale_dtype) if grouped else None, kind=kind, heads=heads,
-                       tokens=tokens, head_dim=head_dim, quant_group=4, scale_dtype=scale_dtype)
+            if full or kind in (kc.FLOAT, kc.E4M3, kc.GROUP4):
+                kc.scatter(src, scales, None, np.zeros((heads, tokens, stored), storage),
+                           np.ones((heads, tokens, 4), scale_dtype) if grouped else None, kind=kind, heads=heads,
+                           tokens=tokens, head_dim=head_dim, quant_group=4, scale_dtype=scale_dtype)
         label = f"convert kind {kind} {np.dtype(storage).name}"
         out += [(label, kernel, args) for kernel, args in launches]
     return out
