@@ -105,23 +105,28 @@ def tool_versions() -> dict:
 
 # ---------------------------------------------------------------------------------------------- parsing ptxas / SASS
 
-_PTXAS_USED = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?(?:, (\d+) bytes smem)?")
-_PTXAS_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_FIELDS = dict(registers=r"Used (\d+) registers", barriers=r"used (\d+) barriers", shared=r"(\d+) bytes smem",
+                     stack=r"(\d+) bytes stack frame", spill_stores=r"(\d+) bytes spill stores",
+                     spill_loads=r"(\d+) bytes spill loads")
 
 
 def parse_ptxas(text: str) -> dict:
     """registers, barriers, shared (static bytes), stack, spill_stores, spill_loads from `ptxas -v` output of one
-    entry function. ValueError when the text has no 'Used N registers' line."""
-    used = _PTXAS_USED.search(text)
-    if used is None:
+    entry function (a field ptxas leaves out is 0: it prints no 'bytes smem' for a kernel without shared memory, and
+    puts other fields, such as 'bytes cumulative stack size', between them). ValueError when the text has no
+    'Used N registers' line."""
+    if re.search(_PTXAS_FIELDS["registers"], text) is None:
         raise ValueError(f"ptxas -v output without a 'Used N registers' line:\n{text[-2000:]}")
-    spill = _PTXAS_SPILL.search(text)
-    stack, stores, loads = (int(x) for x in spill.groups()) if spill else (0, 0, 0)
-    return dict(registers=int(used.group(1)), barriers=int(used.group(2) or 0), shared=int(used.group(3) or 0),
-                stack=stack, spill_stores=stores, spill_loads=loads)
+    used = next(line for line in text.splitlines() if re.search(_PTXAS_FIELDS["registers"], line))
+    out = {}
+    for name, pattern in _PTXAS_FIELDS.items():
+        found = re.search(pattern, used if name in ("registers", "barriers", "shared") else text)
+        out[name] = int(found.group(1)) if found else 0
+    return out
 
 
-_ADDRESS = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;?\s*(?:/\*.*\*/)?\s*$")
+_ADDRESS = re.compile(r"\s*/\*([0-9a-f]{4,})\*/(.*)")
+_ANNOTATION = re.compile(r"\(\*[^*]*\*\)|/\*[^*]*\*/")      # (*"SpillRefill"*), /* comments */
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 _TARGET = re.compile(r"`\((\.L_x_\d+)\)")
 
@@ -137,7 +142,8 @@ def parse_sass(text: str) -> list[tuple[int, str, list]]:
             continue
         m = _ADDRESS.match(line)
         if m:
-            out.append((int(m.group(1), 16), m.group(2).rstrip(" ;"), pending))
+            text = " ".join(_ANNOTATION.sub(" ", m.group(2)).replace(";", " ").split())
+            out.append((int(m.group(1), 16), text, pending))
             pending = []
     return out
 
@@ -204,14 +210,16 @@ def key_loop(instructions) -> tuple[int, int]:
     return max(candidates, key=lambda span: (loads(span), -(span[1] - span[0])))
 
 
-def excerpt(instructions, span, classes=("LDG", "LDS", "STS", "SHFL", "BAR", "HMMA", "MUFU.EX2"), limit=14) -> list:
-    """The key loop's memory, shuffle, barrier, tensor-core and exp instructions in program order (at most
-    `limit`), each '/*addr*/ instruction', plus the backward branch that closes the loop."""
+def excerpt(instructions, span, classes=("LDG", "LDS", "STS", "SHFL", "BAR", "HMMA", "MUFU.EX2"), per_class=3) -> list:
+    """The key loop's memory, shuffle, barrier, tensor-core and exp instructions in program order, the first
+    `per_class` of each class (global loads by width), each '/*addr*/ instruction', then the backward branch that
+    closes the loop."""
     first, last = span
-    keep = []
+    keep, seen = [], Counter()
     for address, text, _ in instructions[first:last]:
         kind = mix_class(opcode(text)) or ""
-        if kind.startswith(classes) and len(keep) < limit:
+        if kind.startswith(classes) and seen[kind] < per_class:
+            seen[kind] += 1
             keep.append(f"/*{address:04x}*/ {_short(text)}")
     address, text, _ = instructions[last]
     return keep + [f"/*{address:04x}*/ {_short(text)}"]
@@ -307,12 +315,13 @@ def analyse(variant: Variant, ptxas_text: str, sass_text: str, threads: int) -> 
         raise ValueError(f"{variant.key}: nvdisasm printed no instructions")
     span = key_loop(instructions)
     body = instructions[span[0]:span[1] + 1]
+    inner = [(a, b) for a, b in loops(instructions) if span[0] <= a and b <= span[1] and (a, b) != span]
     return dict(rung=variant.rung, cache=variant.cache, phase=variant.phase, kernel=RUNG_KERNELS[variant.rung],
                 threads=threads, **resources, shared_dynamic=0,         # numba's kernels declare static arrays only
-                spill_bytes=resources["spill_stores"] + resources["spill_loads"],
+                spill_bytes=resources["spill_stores"],                 # bytes a thread spills (and reloads)
                 occupancy=occupancy(resources["registers"], resources["shared"], 0, threads),
                 instructions=len(instructions), loops=len(loops(instructions)),
-                key_loop=dict(first=body[0][0], last=body[-1][0], mix=instruction_mix(body),
+                key_loop=dict(first=body[0][0], last=body[-1][0], inner_loops=len(inner), mix=instruction_mix(body),
                               excerpt=excerpt(instructions, span)))
 
 
@@ -422,8 +431,8 @@ def show_loop(result: dict) -> str:
     head = (f"rung {result['rung']}, {result['cache']} cache, {result['phase']}: {result['registers']} registers, "
             f"{result['spill_bytes']} bytes spilled, {result['shared']} bytes of shared memory, "
             f"{occ['blocks_per_sm']} blocks/SM ({occ['occupancy']:.0%} occupancy, {occ['limited_by']})\n"
-            f"key loop /*{result['key_loop']['first']:04x}*/-/*{result['key_loop']['last']:04x}*/: "
-            f"{mix['total']} instructions; {counts}")
+            f"key loop /*{result['key_loop']['first']:04x}*/-/*{result['key_loop']['last']:04x}*/, "
+            f"{result['key_loop']['inner_loops']} inner loops: {mix['total']} instructions; {counts}")
     return "\n".join([head, *("    " + line for line in result["key_loop"]["excerpt"])])
 
 
