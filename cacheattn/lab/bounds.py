@@ -213,8 +213,9 @@ def bounds(metrics: dict, scale: float = 1.0, *, case: BenchCase | None = None, 
     case : BenchCase, optional
         The bench case: adds the floor (the bytes the operator must move) and DRAM bytes ÷ floor.
     warp_instructions : float, optional
-        Warp instructions the full grid issues (e.g. the SASS key loop's count times its trips), for the issue
-        bound; already at full scale.
+        Warp instructions the full grid issues, for the issue bound; already at full scale. From the SASS key loop
+        (`cacheattn.lab.sass`) its length times the trips of every warp is an estimate, not a bound: a static count
+        includes instructions a branch skips and counts an inner loop's body once.
     mma : float, optional
         mma.m16n8k16 instructions of the full grid, for the tensor-core bound; already at full scale.
     machine : Machine
@@ -264,7 +265,7 @@ def bounds(metrics: dict, scale: float = 1.0, *, case: BenchCase | None = None, 
         out.figures["sector efficiency"] = Figure(metrics[GLOBAL_LOAD_BYTES] / (32 * metrics[GLOBAL_LOAD_SECTORS]),
                                                   "", "derived", "bytes the lanes asked for / (32 x load sectors)")
     if warp_instructions is not None:
-        out.figures["warp instructions"] = Figure(warp_instructions, "", "derived", "SASS loop count x trips")
+        out.figures["warp instructions"] = Figure(warp_instructions, "", "derived", "as given, from the SASS")
         out.resources["issue"] = Figure(warp_instructions / (machine.issue_per_clock * per_clock) * 1e6, "µs",
                                         "derived", f"warp instructions / ({machine.issue_per_clock} per clock x "
                                                    f"{machine.sms} SMs x {machine.clock_hz / 1e9:g} GHz)")
