@@ -13,8 +13,8 @@ spills, static shared memory) and disassembles the cubin with `nvdisasm`. From t
 
     python -m cacheattn.lab.sass [--write docs/kernel-ladder-sass.json] [--rung 3] [--cache int8]
 
-Results are cached on disk by the kernels' source, the variant and the tools' versions, so a second call costs a
-file read. Everything here is counted from the compiler's output, never timed.
+The tools' output is cached on disk, keyed by the kernels' sources, the variant and the tools' versions, so a second
+call costs a file read and the parsing. Everything here is counted from the compiler's output, never timed.
 """
 
 from __future__ import annotations
@@ -43,14 +43,14 @@ RUNG_KERNELS = {1: "attention_kernel", 2: "warp_attention_kernel", 3: "vector_at
 PREFILL_ROWS = 16          # query positions of the prefill variant: query tiles stop growing at 16 rows
 
 # sm_90 (H100) limits the occupancy calculator uses: CUDA C++ Programming Guide, "Technical Specifications per
-# Compute Capability" (9.0: 64 K 32-bit registers, 2048 threads, 32 blocks and 228 KB of shared memory per SM,
+# Compute Capability" (9.0: 64 K 32-bit registers, 64 warps, 32 blocks and 228 KB of shared memory per SM,
 # 1 KB of it reserved by the system for each block) and the CUDA Occupancy Calculator's allocation rules
 # (registers granted per warp in units of 256, warps spread over 4 sub-partitions that each hold a quarter of the
 # register file; shared memory granted in units of 128 bytes).
-SM90 = dict(registers=65536, register_unit=256, sub_partitions=4, max_threads=2048, max_warps=64, max_blocks=32,
-            shared_bytes=228 * 1024, shared_reserved_per_block=1024, shared_unit=128, max_registers_per_thread=255)
+SM90 = dict(registers=65536, register_unit=256, sub_partitions=4, max_warps=64, max_blocks=32, shared_bytes=228 * 1024,
+            shared_reserved_per_block=1024, shared_unit=128)
 
-# The instruction classes the mix counts, by SASS opcode (the text before the first dot, or the whole name).
+# The instruction classes the mix counts (`mix_class` sorts opcodes into them).
 MIX_CLASSES = ("LDG.8", "LDG.16", "LDG.32", "LDG.64", "LDG.128", "STG", "LDS", "STS", "LDL", "STL", "SHFL", "BAR",
                "FFMA", "HFMA2", "HMMA", "MUFU.EX2", "total")
 
