@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 import types
+from collections import namedtuple
 
 import numpy as np
 
@@ -121,17 +122,23 @@ FT_REPRESENTATIVES = ((True, np.float16, 1, True, 32), (False, np.float32, 1, Fa
                       (True, np.float32, 2, False, 256), (False, np.float16, 3, False, 32))
 
 
+# FasterTransformer's head-size dispatch list, as cacheattn.ft.HEAD_SIZES has it (the kernels never import the public
+# face; tests/test_ptx.py holds the two equal), and the two weight records the launcher reads by attribute.
+FT_HEAD_SIZES = (32, 48, 64, 80, 96, 112, 128, 144, 160, 192, 224, 256)
+DenseWeight = namedtuple("DenseWeight", "kernel bias", defaults=(None,))
+AttentionWeight = namedtuple("AttentionWeight", "query_weight key_weight value_weight attention_output_weight "
+                                                "ia3_key_weight ia3_value_weight", defaults=(None, None))
+
+
 def _ft_launches(full: bool):
     """(label, kernel, args) for the FasterTransformer cross-attention kernels: both layouts x float16/float32 x
     step 1 with/without IA3 and a later step x every head size when full, else FT_REPRESENTATIVES."""
-    from cacheattn.ft import HEAD_SIZES, AttentionWeight, DenseWeight
-
     from . import _launch
     from .ft_cross_attention import cross_attention
 
     rng = np.random.default_rng(0)
     variants = [(major, dtype, step, ia3, size) for major in (True, False) for dtype in (np.float16, np.float32)
-                for step, ia3 in ((1, False), (1, True), (2, False)) for size in HEAD_SIZES] if full \
+                for step, ia3 in ((1, False), (1, True), (2, False)) for size in FT_HEAD_SIZES] if full \
         else FT_REPRESENTATIVES
     out = []
     batch, heads, length, d_model = 2, 2, 5, 16

@@ -33,3 +33,11 @@ def test_family_compiles_to_ptx(family, cc):
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert f"all kernels compiled for sm_{cc}" in run.stdout
     assert run.stdout.count(" ok ") >= 3, run.stdout
+
+
+def test_ft_head_sizes_match_the_public_face():
+    """ptx_check keeps its own copy of FasterTransformer's head sizes (the kernels never import cacheattn)."""
+    from cacheattn.ft import HEAD_SIZES
+    from kernels_numba.ptx_check import FT_HEAD_SIZES
+
+    assert FT_HEAD_SIZES == HEAD_SIZES
