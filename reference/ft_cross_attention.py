@@ -49,10 +49,10 @@ def join_keys(key_cache: np.ndarray) -> np.ndarray:
 
 
 def logical_caches(key_cache, value_cache, is_batch_major_cache: bool):
-    """(keys, values), each [B, H, L, Dh], copied out of either cache layout."""
+    """(keys, values), each [B, H, L, Dh], of either cache layout: views where it allows (V batch-major, both plain)."""
     if is_batch_major_cache:
-        return join_keys(key_cache), value_cache.copy()                  # V is [B, H, L, Dh] already
-    return key_cache.transpose(0, 2, 1, 3).copy(), value_cache.transpose(0, 2, 1, 3).copy()   # [B, L, H, Dh]
+        return join_keys(key_cache), value_cache                         # V is [B, H, L, Dh] already
+    return key_cache.transpose(0, 2, 1, 3), value_cache.transpose(0, 2, 1, 3)   # views of [B, L, H, Dh]
 
 
 def cache_layout(keys, values, is_batch_major_cache: bool, x: int):
@@ -72,7 +72,7 @@ def _store(key_cache, value_cache, keys, values, is_batch_major_cache):
 def _gemm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """a . b accumulated in float32 (float64 for a float64 evaluation), rounded to a's dtype."""
     acc = np.float64 if a.dtype == np.float64 else np.float32
-    return np.matmul(a.astype(acc), b.astype(acc)).astype(a.dtype)
+    return np.matmul(a.astype(acc, copy=False), b.astype(acc, copy=False)).astype(a.dtype, copy=False)
 
 
 def _bias(weight, size, dtype):
@@ -135,13 +135,13 @@ def cross_attention(input_query, encoder_output, encoder_sequence_length, step, 
             keys[b, :, :n], values[b, :, :n] = k, v
         q = q_buf[b].reshape(heads, dim) + q_bias                                 # [H, Dh], in T
         # Scores in float32, scaled by 1 / (sqrt(Dh) * q_scaling).
-        qk = np.einsum("hd,htd->ht", q.astype(acc), k.astype(acc)) * inv_sqrt_dh  # [H, n]
+        qk = np.einsum("hd,htd->ht", q.astype(acc), k.astype(acc, copy=False)) * inv_sqrt_dh   # [H, n]
         logits = np.exp(qk - qk.max(axis=-1, keepdims=True))
         inv_sum = acc(1.0) / (logits.sum(axis=-1, keepdims=True) + acc(SUM_EPSILON))
         probs = logits * inv_sum                                                  # [H, n]
         if cross_attentions is not None:
             cross_attentions[b, :, step - 1, :n] = probs                          # row step - 1; [n, L) untouched
-        out = np.einsum("ht,htd->hd", probs, v.astype(acc))                       # [H, Dh]
+        out = np.einsum("ht,htd->hd", probs, v.astype(acc, copy=False))           # [H, Dh]
         context[b] = out.reshape(hidden).astype(dtype)
     # spec: ft/store-first-step
     if step == 1:
