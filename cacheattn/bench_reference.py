@@ -123,26 +123,32 @@ def cases(shapes: Shapes = Shapes()) -> dict:
     }
 
 
-def measure(calls: dict, repeat: int) -> dict:
-    """{label: list of milliseconds}, `repeat` per call after one warm-up, the calls taking turns."""
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def measure(calls: dict, repeat: int, clock: str = "wall") -> dict:
+    """{label: list of milliseconds}, `repeat` per call after one warm-up, the calls taking turns. clock "cpu"
+    counts this process's CPU time instead of the wall clock: steadier on a machine shared with other work
+    (set OPENBLAS_NUM_THREADS=1 so that BLAS threads do not add their time)."""
+    now = CLOCKS[clock]
     for call in calls.values():
         call()
     times = {label: [] for label in calls}
     for _ in range(repeat):
         for label, call in calls.items():
-            start = time.perf_counter()
+            start = now()
             call()
-            times[label].append((time.perf_counter() - start) * 1e3)
+            times[label].append((now() - start) * 1e3)
     return times
 
 
-def bench_reference(repeat: int = 7, shapes: Shapes = Shapes(), only: str = "") -> dict:
+def bench_reference(repeat: int = 7, shapes: Shapes = Shapes(), only: str = "", clock: str = "wall") -> dict:
     """Print (and return) the reference's milliseconds per call, median [min, max], for every case whose label
     contains `only`."""
     calls = {label: call for label, call in cases(shapes).items() if only in label}
     print(f"NumPy references through cacheattn (backend='reference'), {shapes.heads}/{shapes.kv_heads} heads, "
-          f"head_dim {shapes.head_dim}; ms per call, median [min, max] of {repeat}, taking turns\n")
-    times = measure(calls, repeat)
+          f"head_dim {shapes.head_dim}; {clock} ms per call, median [min, max] of {repeat}, taking turns\n")
+    times = measure(calls, repeat, clock)
     width = max(len(label) for label in calls)
     for label, ms in times.items():
         print(f"{label:<{width}}  {np.median(ms):9.2f}  [{min(ms):.2f}, {max(ms):.2f}]")

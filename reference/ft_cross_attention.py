@@ -112,8 +112,6 @@ def cross_attention(input_query, encoder_output, encoder_sequence_length, step, 
                is_batch_major_cache)
 
     # ---- 2. output generation (cross_attention_dispatch -> masked multi-head attention kernel)
-    # spec: ft/read-from-cache, ft/caches
-    keys, values = logical_caches(key_cache, value_cache, is_batch_major_cache)  # [B, H, L, Dh] each
     context = np.zeros((batch, hidden), dtype) if context_buf is None else context_buf
     q_bias = _bias(weights.query_weight, hidden, dtype).reshape(heads, dim)
     k_bias = _bias(weights.key_weight, hidden, dtype).reshape(heads, 1, dim)
@@ -124,7 +122,10 @@ def cross_attention(input_query, encoder_output, encoder_sequence_length, step, 
         if done[b]:
             continue      # the kernel returns early: context row, probabilities and cache stay as they are
         n = int(lengths[b])                   # keys past the length are not visited (not masked: not read)
-        k, v = keys[b, :, :n], values[b, :, :n]                                   # [H, n, Dh]
+        # spec: ft/read-from-cache, ft/caches
+        # Row b of the caches as [1, H, L, Dh]: views where the layout allows, else a copy of this row only.
+        keys, values = logical_caches(key_cache[b:b + 1], value_cache[b:b + 1], is_batch_major_cache)
+        k, v = keys[0, :, :n], values[0, :, :n]                                   # [H, n, Dh]
         if step == 1:
             # The GEMM left the cache unbiased; the first step biases it (then IA3), in T, and writes it back.
             k, v = k + k_bias, v + v_bias
@@ -132,7 +133,9 @@ def cross_attention(input_query, encoder_output, encoder_sequence_length, step, 
                 task = int(ia3_tasks[b])
                 k = k * weights.ia3_key_weight.kernel[task].reshape(heads, 1, dim)
                 v = v * weights.ia3_value_weight.kernel[task].reshape(heads, 1, dim)
-            keys[b, :, :n], values[b, :, :n] = k, v
+            keys[0, :, :n], values[0, :, :n] = k, v
+            # spec: ft/store-first-step
+            _store(key_cache[b:b + 1], value_cache[b:b + 1], keys, values, is_batch_major_cache)
         q = q_buf[b].reshape(heads, dim) + q_bias                                 # [H, Dh], in T
         # Scores in float32, scaled by 1 / (sqrt(Dh) * q_scaling).
         qk = np.einsum("hd,htd->ht", q.astype(acc), k.astype(acc, copy=False)) * inv_sqrt_dh   # [H, n]
@@ -143,9 +146,6 @@ def cross_attention(input_query, encoder_output, encoder_sequence_length, step, 
             cross_attentions[b, :, step - 1, :n] = probs                          # row step - 1; [n, L) untouched
         out = np.einsum("ht,htd->hd", probs, v.astype(acc, copy=False))           # [H, Dh]
         context[b] = out.reshape(hidden).astype(dtype)
-    # spec: ft/store-first-step
-    if step == 1:
-        _store(key_cache, value_cache, keys, values, is_batch_major_cache)
 
     # ---- 3. output linear: over every row, finished ones too (their context row is whatever it held)
     # spec: ft/output-linear, ft/hidden-features
