@@ -35,17 +35,25 @@ def chunk_elements(dtype) -> int:
 
 # ------------------------------------------------------------------ cache layouts <-> logical [B, H, L, Dh]
 
+def _chunks(a: np.ndarray) -> np.ndarray:
+    """a [..., x] seen as [..., 1] opaque 16-byte chunks: NumPy then moves each chunk whole (as the kernels'
+    16-byte loads do) instead of x elements at a time, several times faster. The bits are untouched. An array of
+    Python objects (the docs lay out labels) is returned as it is."""
+    return a if a.dtype.hasobject else a.view(np.dtype((np.void, a.shape[-1] * a.itemsize)))
+
+
 def split_keys(keys: np.ndarray, x: int) -> np.ndarray:
     """[B, H, L, Dh] -> the batch-major key cache [B, H, Dh/x, L, x] (a new array)."""
     batch, heads, length, dim = keys.shape
     chunked = keys.reshape(batch, heads, length, dim // x, x)              # [B, H, L, Dh/x, x]
-    return np.ascontiguousarray(chunked.transpose(0, 1, 3, 2, 4))        # [B, H, Dh/x, L, x]
+    return np.ascontiguousarray(_chunks(chunked).transpose(0, 1, 3, 2, 4)).view(keys.dtype)   # [B, H, Dh/x, L, x]
 
 
 def join_keys(key_cache: np.ndarray) -> np.ndarray:
     """The batch-major key cache [B, H, Dh/x, L, x] -> [B, H, L, Dh] (a new array)."""
     batch, heads, chunks, length, x = key_cache.shape
-    return key_cache.transpose(0, 1, 3, 2, 4).reshape(batch, heads, length, chunks * x)
+    joined = np.ascontiguousarray(_chunks(key_cache).transpose(0, 1, 3, 2, 4))    # [B, H, L, Dh/x, 1 chunk]
+    return joined.view(key_cache.dtype).reshape(batch, heads, length, chunks * x)
 
 
 def logical_caches(key_cache, value_cache, is_batch_major_cache: bool):
