@@ -62,7 +62,8 @@ def dynamic_key_value_cache(current_key, current_value, seqstarts, kvstarts, cac
     # Read back positions [0, kvlen) of every batch, kvlen = start_pos + s: packed row r belongs to the batch b
     # with kvstarts[b] <= r < kvstarts[b + 1] and holds its position r - kvstarts[b]. One gather for all batches.
     owner = np.repeat(np.arange(len(batches)), np.diff(kvstarts))                # (kvstarts[B],)
-    read = cache_slots(owner, np.arange(int(kvstarts[-1])) - kvstarts[owner], cachestarts, cache_mode, page_size)
+    position = np.arange(int(kvstarts[-1])) - np.asarray(kvstarts)[owner]        # within its batch
+    read = cache_slots(owner, position, np.asarray(cachestarts), cache_mode, page_size)
     if quant_bit:
         key = dequantize(k_cache[read], k_scales[read], quant_bit, quant_group, current_key.dtype)
         value = dequantize(v_cache[read], v_scales[read], quant_bit, quant_group, current_value.dtype)

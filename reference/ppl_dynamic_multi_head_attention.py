@@ -73,12 +73,14 @@ def dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decodin
         seqlen, kvlen = q_rows.stop - q_rows.start, kv_rows.stop - kv_rows.start
         # spec: ppl-mhca/gqa
         # GQA: "repeat key and value num_heads/num_kv_heads times": query head h reads kv head h // group.
-        # Query heads grouped as (Hkv, G, S, Dh) against K/V viewed as (Hkv, 1, K, Dh) broadcast each kv head
-        # over its group: the products of the repeat, without copying K and V group times.
+        # Query heads grouped as (Hkv, G, S, Dh) against K/V as (Hkv, 1, K, Dh) broadcast each kv head over its
+        # group: the products of the repeat, without copying K and V group times. K and V are copied head-major
+        # (each head's rows contiguous) so that BLAS sees the same layout as for MHA with repeated heads: a GQA
+        # head then computes bit for bit what that MHA head does.
         q = query[q_rows].astype(acc, copy=False).reshape(seqlen, num_kv_heads, group, head_dim)
         q = q.transpose(1, 2, 0, 3)                                       # (Hkv, G, S, Dh)
-        k = key[kv_rows].astype(acc, copy=False).transpose(1, 0, 2)[:, None]      # (Hkv, 1, K, Dh)
-        v = value[kv_rows].transpose(1, 0, 2)[:, None]                    # (Hkv, 1, K, Dh), value dtype
+        k = np.ascontiguousarray(key[kv_rows].transpose(1, 0, 2), dtype=acc)[:, None]     # (Hkv, 1, K, Dh)
+        v = np.ascontiguousarray(value[kv_rows].transpose(1, 0, 2), dtype=acc)[:, None]   # (Hkv, 1, K, Dh)
 
         # spec: ppl-mhca/head-dim, ppl-mhca/shapes
         scores = np.matmul(q, k.swapaxes(-1, -2)).reshape(num_heads, seqlen, kvlen)   # (H, S, K), h = Hkv·G + g
@@ -90,6 +92,6 @@ def dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decodin
         probs = masked_softmax(scores, out=scores).astype(value.dtype, copy=False)   # in acc, cast to value dtype
         # probs @ value, products accumulated in float32 (acc) as the GPU kernels do.
         probs = probs.astype(acc, copy=False).reshape(num_kv_heads, group, seqlen, kvlen)
-        out = np.matmul(probs, v.astype(acc, copy=False))                 # (Hkv, G, S, Dh)
+        out = np.matmul(probs, v)                                         # (Hkv, G, S, Dh)
         attn_output[q_rows] = out.transpose(2, 0, 1, 3).reshape(seqlen, num_heads, head_dim)   # (S, H, Dh)
     return attn_output
