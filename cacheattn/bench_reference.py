@@ -145,11 +145,15 @@ def measure(calls: dict, repeat: int, clock: str = "wall") -> dict:
 def bench_reference(repeat: int = 7, shapes: Shapes = Shapes(), only: str = "", clock: str = "wall") -> dict:
     """Print (and return) the reference's milliseconds per call, median [min, max], for every case whose label
     contains `only`."""
+    from . import _console
+
     calls = {label: call for label, call in cases(shapes).items() if only in label}
-    print(f"NumPy references through cacheattn (backend='reference'), {shapes.heads}/{shapes.kv_heads} heads, "
-          f"head_dim {shapes.head_dim}; {clock} ms per call, median [min, max] of {repeat}, taking turns\n")
     times = measure(calls, repeat, clock)
-    width = max(len(label) for label in calls)
-    for label, ms in times.items():
-        print(f"{label:<{width}}  {np.median(ms):9.2f}  [{min(ms):.2f}, {max(ms):.2f}]")
+    ms = lambda v: f"{v:.2f}"
+    _console.table(f"NumPy references through cacheattn (backend='reference'), {shapes.heads}/{shapes.kv_heads} "
+                   f"heads, head_dim {shapes.head_dim}; {clock} ms per call, median [min, max] of {repeat}, "
+                   "taking turns",
+                   [_console.Column("case"), _console.Column("median", "median_ms", ms, right=True),
+                    _console.Column("min", "min_ms", ms, right=True), _console.Column("max", "max_ms", ms, right=True)],
+                   [(label, float(np.median(t)), min(t), max(t)) for label, t in times.items()])
     return times
