@@ -107,7 +107,9 @@ def hf_generate(model, prompt, max_new_tokens):
     model.generation_config = gen
     try:
         with torch.no_grad():
-            out = model.generate(torch.tensor([list(prompt)]), generation_config=gen)
+            ids = torch.tensor([list(prompt)])
+            # Every prompt token counts, the pad id too (generate would infer a mask that hides it).
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
     finally:
         model.generation_config = own
     skip = 1 if config.is_encoder_decoder else len(prompt)
@@ -124,3 +126,37 @@ def compare(res_tokens, res_logits, want_tokens, want_logits):
     got, want = np.asarray(res_logits[:upto], np.float64), np.asarray(want_logits[:upto], np.float64)
     err = float(np.max(np.abs(got - want) / np.maximum(1.0, np.abs(want))))
     return all(same), float(np.mean(same)), err
+
+
+# The error one stored element carries, relative to the range its scale or exponent covers: half an ulp of the
+# float formats (float16 2^-11, bfloat16 2^-8, e4m3 2^-4), half a step of the integer grids over amax (int8
+# 1/254, int4 1/14; OpenPPL's per group, TensorRT-LLM's per tensor).
+UNIT_ERROR = {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "int8": 1 / 254, "int4": 1 / 14,
+              "fp8": 2.0 ** -4}
+
+
+def logit_bound(kv_cache_dtype: str, num_layers: int) -> float:
+    """Largest logit error, relative to max(1, |logit|), a cache format may cause against the float32 run.
+
+    First order, per layer: V's error moves the output by u max|V|; K's (and for half caches Q's) moves each
+    score by at most u |q| |k| scaling, and softmax turns a score error e into at most 2e of probability mass,
+    so the layer's output moves by a few u relative to its size. The residual stream carries each layer's error
+    to the logits unamplified to first order (the norms rescale it), so errors add over layers: 8 u per layer
+    covers Q, K, V and the factor 2 with room (the models here show at most 3.5 u per layer).
+    """
+    return 8.0 * num_layers * UNIT_ERROR[kv_cache_dtype]
+
+
+def margin_violations(tokens, logits, base_tokens, base_logits, bound):
+    """Positions (within the common prefix and the first difference) where the float32 run's top-1 leads its
+    runner-up by more than 2 bound max(1, |logit|) yet the tokens differ: a logit error within `bound` cannot
+    flip such a choice, so any is a defect."""
+    bad = []
+    for t, (a, b) in enumerate(zip(tokens, base_tokens)):
+        row = np.sort(np.asarray(base_logits[t], np.float64))
+        margin = row[-1] - row[-2]
+        if a != b:
+            if margin > 2 * bound * max(1.0, abs(row[-1])):
+                bad.append(t)
+            break
+    return bad

@@ -1,0 +1,189 @@
+"""cacheattn.hf: transformers models served through every operator, token for token against transformers.
+
+Skipped cleanly without the `hf` extra (torch, transformers); CI installs it. CACHEATTN_EXAMPLES >= 2 widens the
+matrix (more prompts, tokens and seeds) and the property test's examples.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+# The models are tiny: torch's intra-op threads only contend with the other pytest worker (several times slower).
+torch.set_num_threads(1)
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import cacheattn  # noqa: E402
+from cacheattn.hf import Engine  # noqa: E402
+from cacheattn.hf.engine import CACHE_KINDS, KV_DTYPES  # noqa: E402
+from cacheattn.hf.models import (  # noqa: E402
+    FAMILIES,
+    compare,
+    hf_generate,
+    logit_bound,
+    margin_violations,
+    tiny_model,
+)
+
+WIDE = int(os.environ.get("CACHEATTN_EXAMPLES", "1")) >= 2
+PROMPTS = [[3, 14, 15, 9, 2, 6], [6, 5, 35, 8, 9, 7, 9, 3, 2], [38, 4]]
+ARRIVALS = [0, 0, 2]                 # the third joins while the first two decode
+NEW = 6 if WIDE else 4
+SEEDS = (0, 1) if WIDE else (0,)
+PAIRS = [(op, cache) for op, kinds in CACHE_KINDS.items() for cache in kinds]
+
+
+def needs(family, operator):
+    """The operator can express what the family's attention needs (OpenPPL has no logit softcapping)."""
+    return not (family == "gemma2" and operator == "multi_head_cache_attention")
+
+
+@pytest.fixture(scope="module")
+def served():
+    """family -> (model, transformers' greedy tokens and logits per prompt), built once."""
+    cache = {}
+
+    def get(family, seed=0):
+        if (family, seed) not in cache:
+            model = tiny_model(family, seed=seed)
+            cache[family, seed] = model, [hf_generate(model, p, NEW) for p in PROMPTS]
+        return cache[family, seed]
+    return get
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("operator,cache", PAIRS)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_float32_tokens_and_logits_match_transformers(served, family, operator, cache, seed):
+    if not needs(family, operator):
+        pytest.skip("refused by design: test_a_feature_the_operator_lacks_is_refused_before_any_prompt")
+    model, want = served(family, seed)
+    res = Engine(model, operator=operator, cache=cache, page_size=4).generate(PROMPTS, NEW, arrivals=ARRIVALS)
+    for i, (tokens, logits) in enumerate(want):
+        assert res.tokens[i] == tokens, f"prompt {i}: {res.tokens[i]} != transformers' {tokens}"
+        assert res.logits[i].dtype == np.float32 and res.logits[i].shape == logits.shape
+        err = np.abs(res.logits[i].astype(np.float64) - logits) / np.maximum(1.0, np.abs(logits))
+        assert err.max() <= 1e-4, f"prompt {i}: logit error {err.max():.3g} (relative to max(1, |logit|))"
+
+
+def test_every_layer_of_every_step_goes_through_the_operator(monkeypatch):
+    """Calls = layers x steps, and transformers' own attention functions are never reached."""
+    from transformers.integrations import sdpa_attention
+    from transformers.models.llama import modeling_llama
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("transformers' own attention ran inside the engine")
+    model = tiny_model("llama")
+    engine = Engine(model, operator="gpt_attention")
+    layers = []
+    original = cacheattn.gpt_attention
+    monkeypatch.setattr(cacheattn, "gpt_attention", lambda **kw: (layers.append(kw["layer_idx"]), original(**kw))[1])
+    monkeypatch.setattr(modeling_llama, "eager_attention_forward", forbidden)
+    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", forbidden)
+    res = engine.generate([[1, 2, 3], [4, 5]], 3, arrivals=[0, 1])
+    assert res.steps == 4 and layers == [0, 1] * res.steps
+    assert model.config._attn_implementation != "cacheattn"          # restored after the run
+
+
+def test_a_feature_the_operator_lacks_is_refused_before_any_prompt(monkeypatch):
+    model = tiny_model("gemma2")
+    monkeypatch.setattr(cacheattn, "multi_head_cache_attention", None)     # nothing may call it
+    with pytest.raises(ValueError, match=r"softcapping.*multi_head_cache_attention.*'onnx_attention', "
+                                         r"'gpt_attention'"):
+        Engine(model, operator="multi_head_cache_attention")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(operator="flash"), "operator: expected one of"),
+    (dict(operator="onnx_attention", cache="paged"), "cache: onnx_attention keeps a 'contiguous' cache"),
+    (dict(operator="multi_head_cache_attention", kv_cache_dtype="fp8"), r"no 'fp8' cache.*\['gpt_attention'\]"),
+    (dict(operator="onnx_attention", kv_cache_dtype="int8"), r"operators that have it: \['multi_head_cache"),
+    (dict(operator="gpt_attention", page_size=12), "tokens_per_block must be a power of two"),
+    (dict(operator="multi_head_cache_attention", kv_cache_dtype="int8", quant_group=3), "quant_group"),
+])
+def test_bad_engine_arguments_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Engine(tiny_model("llama", layers=1), **kwargs)
+
+
+# Half and quantized caches against the float32 run of the same engine: the logit error within the derived
+# bound (cacheattn.hf.models.logit_bound) and no top-1 flip where the float32 margin exceeds twice the bound.
+LOW = [("llama", op, dt) for op in KV_DTYPES for dt in KV_DTYPES[op][1:]] + \
+      [("gemma2", "gpt_attention", "int8"), ("gemma2", "onnx_attention", "bfloat16"),
+       ("t5", "multi_head_cache_attention", "int4"), ("t5", "gpt_attention", "fp8")]
+
+
+@pytest.mark.parametrize("family,operator,dtype", LOW)
+def test_half_and_quantized_caches_within_the_derived_bound(family, operator, dtype):
+    model = tiny_model(family)
+    base = Engine(model, operator=operator, page_size=4).generate(PROMPTS, NEW, arrivals=ARRIVALS)
+    engine = Engine(model, operator=operator, kv_cache_dtype=dtype, page_size=4, quant_group=4)
+    res = engine.generate(PROMPTS, NEW, arrivals=ARRIVALS)
+    bound = logit_bound(dtype, len(engine.layers))
+    for i in range(len(PROMPTS)):
+        _, agreement, err = compare(res.tokens[i], res.logits[i], base.tokens[i], base.logits[i])
+        assert err <= bound, f"prompt {i}: logit error {err:.3g} > bound {bound:.3g} ({dtype}, agreement {agreement})"
+        assert not margin_violations(res.tokens[i], res.logits[i], base.tokens[i], base.logits[i], bound)
+    if dtype != "float32":
+        assert any(not np.array_equal(a, b) for a, b in zip(res.logits, base.logits))   # the format took effect
+
+
+def test_tensorrt_llm_scales_calibrated_on_the_prompts_or_given():
+    model = tiny_model("llama")
+    engine = Engine(model, operator="gpt_attention", kv_cache_dtype="int8", page_size=4)
+    scales = engine.calibrate(PROMPTS)
+    # amax / 127 of the K/V each layer stores for the prompts, from the float32 cache's run.
+    amax = np.zeros(len(engine.layers))
+    probe = Engine(model, operator="gpt_attention", page_size=4)
+    probe._record = amax
+    probe.generate(PROMPTS, 1)
+    assert np.allclose(scales, amax / 127) and (amax > 0).all()
+    calibrated = engine.generate(PROMPTS, NEW, arrivals=ARRIVALS)
+    given = Engine(model, operator="gpt_attention", kv_cache_dtype="int8", page_size=4, kv_scales=scales)
+    again = given.generate(PROMPTS, NEW, arrivals=ARRIVALS)
+    assert all(np.array_equal(a, b) for a, b in zip(calibrated.logits, again.logits))
+    coarse = Engine(model, operator="gpt_attention", kv_cache_dtype="int8", page_size=4, kv_scales=100 * max(scales))
+    assert not np.array_equal(coarse.generate(PROMPTS[:1], 2).logits[0], calibrated.logits[0][:2])
+    with pytest.raises(ValueError, match="kv_scales"):
+        Engine(model, operator="gpt_attention", kv_cache_dtype="fp8", kv_scales=0.0).generate(PROMPTS, 1)
+
+
+@pytest.mark.simulator
+@pytest.mark.parametrize("family,operator", [("llama", "multi_head_cache_attention"), ("mistral", "gpt_attention"),
+                                             ("qwen2", "onnx_attention"), ("bart", "gpt_attention")])
+def test_kernels_give_the_reference_tokens(family, operator):
+    """backend="numba" (the simulator here): the same tokens as the reference (bart: cross_attention too)."""
+    model = tiny_model(family, layers=1)
+    prompts, arrivals = [[3, 14, 15, 9, 2], [6, 5]], [0, 1]
+    want = Engine(model, operator=operator, page_size=4).generate(prompts, 3, arrivals=arrivals)
+    got = Engine(model, operator=operator, page_size=4, backend="numba").generate(prompts, 3, arrivals=arrivals)
+    assert got.tokens == want.tokens
+    for a, b in zip(got.logits, want.logits):
+        assert np.abs(a - b).max() <= 1e-4 * max(1.0, np.abs(b).max())
+
+
+@settings(max_examples=40 if WIDE else 10, deadline=None)
+@given(data=st.data())
+def test_random_configs_match_transformers(data):
+    heads = data.draw(st.sampled_from([2, 4]), "heads")
+    kv_heads = data.draw(st.sampled_from([h for h in (1, 2, 4) if heads % h == 0]), "kv_heads")
+    head_dim = data.draw(st.sampled_from([4, 8, 16]), "head_dim")
+    window = data.draw(st.one_of(st.none(), st.integers(1, 6)), "window")
+    family = "mistral" if window else "llama"
+    extra = dict(sliding_window=window) if window else {}
+    model = tiny_model(family, seed=data.draw(st.integers(0, 99), "seed"), layers=data.draw(st.integers(1, 2)),
+                       num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                       hidden_size=heads * head_dim, **extra)
+    prompts = data.draw(st.lists(st.lists(st.integers(0, 96), min_size=1, max_size=7), min_size=1, max_size=3))
+    arrivals = data.draw(st.lists(st.integers(0, 3), min_size=len(prompts), max_size=len(prompts)), "arrivals")
+    operator, cache = data.draw(st.sampled_from(PAIRS), "operator")
+    page_size = data.draw(st.sampled_from([1, 2, 4]), "page_size")
+    res = Engine(model, operator=operator, cache=cache, page_size=page_size).generate(prompts, 3, arrivals=arrivals)
+    for i, p in enumerate(prompts):
+        tokens, logits = hf_generate(model, p, 3)
+        same, _, err = compare(res.tokens[i], res.logits[i], tokens, logits)
+        assert same and err <= 1e-4, (i, res.tokens[i], tokens, err)
