@@ -172,7 +172,9 @@ def test_random_configs_match_transformers(data):
     heads = data.draw(st.sampled_from([2, 4]), "heads")
     kv_heads = data.draw(st.sampled_from([h for h in (1, 2, 4) if heads % h == 0]), "kv_heads")
     head_dim = data.draw(st.sampled_from([4, 8, 16]), "head_dim")
-    window = data.draw(st.one_of(st.none(), st.integers(1, 6)), "window")
+    # Window >= 2: with sliding_window=1 transformers' cached generate disagrees with its own uncached forward
+    # (which the engine matches): its sliding cache keeps W - 1 = 0 past tokens.
+    window = data.draw(st.one_of(st.none(), st.integers(2, 6)), "window")
     family = "mistral" if window else "llama"
     extra = dict(sliding_window=window) if window else {}
     model = tiny_model(family, seed=data.draw(st.integers(0, 99), "seed"), layers=data.draw(st.integers(1, 2)),
