@@ -102,6 +102,7 @@ class GenerateResult:
     seconds: float = 0.0
     step_seconds: list = field(default_factory=list)
     decode_step_seconds: list = field(default_factory=list)   # steps in which no request ran its prompt
+    request_seconds: list = field(default_factory=list)       # per request: the steps it took part in
 
 
 @dataclass
@@ -320,7 +321,8 @@ class Engine:
         requests = [_Request(i, p) for i, p in enumerate(prompts)]
         waiting = sorted(range(len(prompts)), key=lambda i: arrivals[i])
         live: list = []
-        result = GenerateResult([None] * len(prompts), [None] * len(prompts))
+        result = GenerateResult([None] * len(prompts), [None] * len(prompts),
+                                request_seconds=[0.0] * len(prompts))
         step = 0
         start = time.perf_counter()
         while waiting or live:
@@ -347,6 +349,8 @@ class Engine:
                 result.logits[request.rid] = np.stack(request.logits).astype(np.float32)
             seconds = time.perf_counter() - tick
             result.step_seconds.append(seconds)
+            for request in state.order:
+                result.request_seconds[request.rid] += seconds
             if not context:
                 result.decode_step_seconds.append(seconds)
             if on_step:
