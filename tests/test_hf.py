@@ -189,3 +189,34 @@ def test_random_configs_match_transformers(data):
         tokens, logits = hf_generate(model, p, 3)
         same, _, err = compare(res.tokens[i], res.logits[i], tokens, logits)
         assert same and err <= 1e-4, (i, res.tokens[i], tokens, err)
+
+
+def test_local_checkpoint_and_text_prompts_through_the_command(tmp_path, capsys):
+    """from_pretrained(local dir) serves the same tokens; `python -m cacheattn hf DIR --prompt TEXT` tokenizes."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from cacheattn.__main__ import main
+    from cacheattn.hf.models import load
+    model = tiny_model("phi")          # (a qwen2 config would make AutoTokenizer pick Qwen2's BPE tokenizer class)
+    model.save_pretrained(tmp_path)
+    words = ["<unk>", "the", "cache", "holds", "keys", "and", "values"]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(tmp_path)
+    loaded = load(str(tmp_path))
+    want = Engine(model, operator="onnx_attention").generate(PROMPTS, 3).tokens
+    assert Engine(loaded, operator="onnx_attention").generate(PROMPTS, 3).tokens == want
+    assert main(["hf", str(tmp_path), "--prompt", "the cache holds keys", "--prompt", "1,2,3",
+                 "--operator", "gpt_attention", "--cache", "contiguous", "--max-new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "PhiForCausalLM, gpt_attention (contiguous, float32, reference)" in out
+    assert out.count("identical") == 2 and max(len(line) for line in out.splitlines()) <= 80
+
+
+def test_bench_hf_runs_both_sides(capsys):
+    from cacheattn.hf.bench import bench_hf
+    rows = bench_hf(tiny=True, rounds=1)
+    assert [r[0] for r in rows] == ["transformers eager", *CACHE_KINDS]
+    assert all(r[2] <= r[1] <= r[3] for r in rows) and rows[0][4] == 1.0
+    assert "x eager" in capsys.readouterr().out
