@@ -220,3 +220,12 @@ def test_bench_hf_runs_both_sides(capsys):
     assert [r[0] for r in rows] == ["transformers eager", *CACHE_KINDS]
     assert all(r[2] <= r[1] <= r[3] for r in rows) and rows[0][4] == 1.0
     assert "x eager" in capsys.readouterr().out
+
+
+def test_a_model_outside_the_attention_interface_is_refused():
+    """BLOOM computes its attention inline (ALiBi), never through the interface: refused, not served by HF."""
+    import transformers
+    config = transformers.BloomConfig(vocab_size=97, hidden_size=32, n_layer=1, n_head=4)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match="attention interface"):
+        Engine(model, operator="gpt_attention")

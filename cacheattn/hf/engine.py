@@ -205,6 +205,8 @@ class Engine:
         with self._running(record, probe_cross=cross):
             ids = torch.tensor([[1, 2]])
             self._forward(ids, torch.tensor([[0, 1]]), logits_rows=torch.tensor([1]))
+        if not seen:
+            raise ValueError(f"{type(self.model).__name__}: no attention layer called the attention interface")
         return sorted(seen.values(), key=lambda info: info.index), cross
 
     def _check_features(self):
@@ -263,6 +265,10 @@ class Engine:
                 embed.forward = lambda input_ids, *a, **k: original(embed, input_ids, position_ids=positions)
                 patched.append(embed)
         model.set_attn_implementation(NAME)
+        if model.config._attn_implementation != NAME:         # transformers only warns when it cannot switch
+            model.set_attn_implementation(before)
+            raise ValueError(f"{type(model).__name__}: its attention does not go through transformers' attention "
+                             "interface, so no operator can serve it here")
         _ACTIVE.append(self)
         try:
             with torch.no_grad():
@@ -452,8 +458,11 @@ class _Serving:
         cross = self.cross.forward if self.cross is not None else None
         if self.cross is not None:
             self.cross.begin(order)
+        self.calls = 0
         with engine._running(self._attend, cross=cross, positions=pos[0]):
             logits = engine._forward(ids, pos, last).float().numpy()
+        if self.calls != self.num_layers:                  # every layer of every step went through the operator
+            raise RuntimeError(f"{self.calls} attention calls in a step of a {self.num_layers}-layer model")
         self.manager.advance([r.rid for r in order], seqlens)
         for r, tokens in zip(order, new):
             r.fed += tokens
@@ -463,6 +472,7 @@ class _Serving:
     def _attend(self, module, query, key, value, scaling, kwargs):
         import torch
         info = self.engine.layers[self._layer_of(module)]
+        self.calls += 1
         q = query[0].transpose(0, 1).float().contiguous().numpy()        # (T, Hq, D)
         k = key[0].transpose(0, 1).float().contiguous().numpy()          # (T, Hkv, D)
         v = value[0].transpose(0, 1).float().contiguous().numpy()
