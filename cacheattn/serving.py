@@ -202,9 +202,16 @@ def _layout(states, seqlens, past, page_size) -> BatchLayout:
     return BatchLayout(np.asarray(seqlens), np.asarray(past), prompts, page_size, pages=[s.pages for s in states])
 
 
+def steps_to_serve(requests) -> int:
+    """How many steps `serve` takes: a request joins on its arrival step and leaves on the step that gives it its
+    last token (one token a step, the first from its prefill), so the last to leave sets the count."""
+    return max((r.arrival_step + r.max_new_tokens for r in requests), default=0)
+
+
 def serve(model: TinyModel, requests=DEFAULT_REQUESTS, cfg: ServeConfig = ServeConfig(), *, backend="reference",
           operator="multi_head_cache_attention", threads: int = 128, on_step=None) -> ServeResult:
-    """Serve the requests to completion; on_step(step, batch_description) is called after each step."""
+    """Serve the requests to completion; on_step(step, batch_description) is called after each of the
+    `steps_to_serve(requests)` steps."""
     path = PATHS[operator](model, cfg)
     pool = PagePool(cfg.num_pages)
     waiting = sorted(range(len(requests)), key=lambda r: requests[r].arrival_step)
@@ -218,7 +225,9 @@ def serve(model: TinyModel, requests=DEFAULT_REQUESTS, cfg: ServeConfig = ServeC
             live[r] = _Live(requests[r], list(requests[r].prompt))
         # OpenPPL wants its decoding batches first, TensorRT-LLM its context requests first.
         order = sorted(live, key=lambda r: (live[r].cached == 0) == path.decoding_first)
-        if not order:
+        if not order:                                                        # nobody has arrived yet
+            if on_step:
+                on_step(step, "idle")
             step += 1
             continue
         new = [live[r].tokens[live[r].cached:] for r in order]                 # one token, or the prompt

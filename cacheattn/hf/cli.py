@@ -94,11 +94,11 @@ def run(args) -> int:
     return 0 if ok else 1
 
 
-def add_parser(sub) -> None:
+def add_parser(sub, parents=()) -> None:
     from .engine import OPERATORS
     from .models import FAMILIES
-    p = sub.add_parser("hf", help="serve a transformers model (family or local checkpoint) through an operator; "
-                       "compare every request with transformers' greedy generate")
+    p = sub.add_parser("hf", parents=list(parents), help="serve a transformers model (family or local checkpoint) "
+                       "through an operator; compare every request with transformers' greedy generate")
     p.add_argument("model", nargs="?", default="llama", help=f"a family ({', '.join(sorted(FAMILIES))}) with random "
                    "weights, or a local checkpoint directory (default: llama)")
     p.add_argument("--prompt", action="append", help="token ids ('3,14,15') or text (checkpoint tokenizer); "

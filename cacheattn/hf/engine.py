@@ -16,8 +16,9 @@ cache holds the post-RoPE keys transformers computes, which is what TensorRT-LLM
 aside).
 
 Scaling: gpt_attention takes q_scaling = 1 / (scaling sqrt(Dh)), onnx_attention takes `scale`, and OpenPPL's fixed
-1/sqrt(Dh) is served by multiplying Q by scaling sqrt(Dh) first (bit-exact when that factor is a power of two,
-as for every family here at its default; otherwise one float32 rounding of Q, far inside the checks).
+1/sqrt(Dh) is served by multiplying Q by scaling sqrt(Dh) first: bit-exact when that factor is a power of two
+(1 for the 1/sqrt(d) families, 8 for T5 with d_kv 64), otherwise one more float32 rounding of Q (relative 2^-24,
+the size of the rounding transformers' own `* scaling` makes).
 Sliding windows: gpt_attention per layer through host_max_attention_window_sizes (a cyclic cache), ONNX through
 opset 25's left_window_size = W - 1, OpenPPL through its additive attn_mask (-inf outside the window: exact).
 T5's relative position bias: transformers' own table (`compute_bias`) as OpenPPL's per-head attn_mask, ONNX's
