@@ -104,6 +104,7 @@ def test_a_feature_the_operator_lacks_is_refused_before_any_prompt(monkeypatch):
     (dict(operator="onnx_attention", kv_cache_dtype="int8"), r"operators that have it: \['multi_head_cache"),
     (dict(operator="gpt_attention", page_size=12), "tokens_per_block must be a power of two"),
     (dict(operator="multi_head_cache_attention", kv_cache_dtype="int8", quant_group=3), "quant_group"),
+    (dict(operator="gpt_attention", kv_scales=0.1), "kv_scales: per-tensor scales belong to"),
 ])
 def test_bad_engine_arguments_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -166,6 +166,9 @@ class Engine:
                              f"operators that have it: {having or 'none'}")
         if operator == "gpt_attention" and cache == "paged" and page_size & (page_size - 1):
             raise ValueError(f"page_size: TensorRT-LLM's tokens_per_block must be a power of two, got {page_size}")
+        if kv_scales is not None and not (operator == "gpt_attention" and dtype in ("int8", "fp8")):
+            raise ValueError(f"kv_scales: per-tensor scales belong to gpt_attention's int8/fp8 caches, got operator "
+                             f"{operator} with a {dtype} cache")
         self.model, self.operator, self.cache, self.kv_cache_dtype = model, operator, cache, dtype
         self.page_size, self.quant_group, self.backend = int(page_size), int(quant_group), backend
         self.kv_scales, self.num_pages = kv_scales, num_pages
