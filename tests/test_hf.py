@@ -219,7 +219,7 @@ def test_bench_hf_runs_both_sides(capsys):
     from cacheattn.hf.bench import bench_hf
     rows = bench_hf(tiny=True, rounds=1)
     assert [r[0] for r in rows] == ["transformers eager", *CACHE_KINDS]
-    assert all(r[2] <= r[1] <= r[3] for r in rows) and rows[0][4] == 1.0
+    assert all(r[2] <= r[1] <= r[3] for r in rows) and rows[0][4] == rows[0][5] == 1.0
     assert "x eager" in capsys.readouterr().out
 
 
