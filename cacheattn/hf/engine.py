@@ -104,6 +104,7 @@ class GenerateResult:
     step_seconds: list = field(default_factory=list)
     decode_step_seconds: list = field(default_factory=list)   # steps in which no request ran its prompt
     request_seconds: list = field(default_factory=list)       # per request: the steps it took part in
+    saturated: int = 0              # gpt_attention int8/fp8: K/V elements beyond the scale's range (clipped)
 
 
 @dataclass
@@ -367,6 +368,7 @@ class Engine:
                 on_step(step, f"{len(state.order) - len(context)} decoding, {len(context)} prefill")
             step += 1
         result.steps, result.seconds = step, time.perf_counter() - start
+        result.saturated = state.saturated
         return result
 
     # ------------------------------------------------------------------ TensorRT-LLM's per-tensor scales
@@ -384,7 +386,8 @@ class Engine:
         Each prompt's context step runs through the same operator on a float32 cache; for each layer the largest
         |K| or |V| the cache stores (post-RoPE K) over all prompts is amax, and s = amax / 127 (INT8) or
         amax / 448 (FP8 e4m3's largest finite value), so the prompts' values fill the format's range without
-        saturating. Generated tokens whose K/V exceed amax saturate, as in TensorRT-LLM.
+        saturating. Generated tokens whose K/V exceed amax saturate, as in TensorRT-LLM (GenerateResult.saturated
+        counts the clipped elements; a saturated run is outside `logit_bound`'s assumptions).
         """
         calib = Engine(self.model, operator="gpt_attention", cache=self.cache, page_size=self.page_size,
                        backend="reference")
@@ -405,6 +408,8 @@ class _Serving:
 
     def __init__(self, engine: Engine, prompts, max_new_tokens, scales):
         self.engine, self.scales = engine, scales
+        self.saturated = 0
+        self.top = {"int8": 127.0, "fp8": 448.0}.get(engine.kv_cache_dtype)
         op, layers = engine.operator, engine.layers
         self.num_layers = len(layers)
         info = layers[0]
@@ -482,6 +487,9 @@ class _Serving:
         v = value[0].transpose(0, 1).float().contiguous().numpy()
         if self.engine._record is not None:
             self.engine._record[info.index] = max(self.engine._record[info.index], np.abs(k).max(), np.abs(v).max())
+        if self.scales is not None:         # the logit bound assumes nothing clipped: count what the format clips
+            limit = self.top * self.scales[info.index] * (1 + 1e-6)      # amax itself maps onto the top value
+            self.saturated += int((np.abs(k) > limit).sum() + (np.abs(v) > limit).sum())
         out = self.op.attend(info, q, k, v)
         return torch.from_numpy(np.ascontiguousarray(out, np.float32))[None].to(query.dtype)   # (1, T, Hq, D)
 
