@@ -245,7 +245,8 @@ def test_bench_hf_runs_both_sides(capsys):
     rows = bench_hf(tiny=True, rounds=1)
     assert [r[0] for r in rows] == ["transformers eager", *CACHE_KINDS]
     assert all(r[2] <= r[1] <= r[3] for r in rows) and rows[0][4] == rows[0][5] == 1.0
-    assert "x eager" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "x med" in out and max(len(line) for line in out.splitlines()) <= 80
 
 
 def test_a_model_outside_the_attention_interface_is_refused():
