@@ -256,3 +256,17 @@ def test_a_model_outside_the_attention_interface_is_refused():
     model = transformers.AutoModelForCausalLM.from_config(config)
     with pytest.raises(ValueError, match="attention interface"):
         Engine(model, operator="gpt_attention")
+
+
+@pytest.mark.parametrize("operator", ["multi_head_cache_attention", "gpt_attention"])
+def test_finished_requests_give_their_pages_back(operator):
+    """A pool of two pages serves three requests of two pages each, one after another, only if each finished
+    request's pages return; the tokens are those each request gets alone."""
+    model = tiny_model("llama", layers=1)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15]]
+    engine = Engine(model, operator=operator, page_size=4, num_pages=2)
+    res = engine.generate(prompts, 2, arrivals=[0, 3, 6])
+    alone = [Engine(model, operator=operator, page_size=4).generate([p], 2).tokens[0] for p in prompts]
+    assert res.tokens == alone
+    with pytest.raises(RuntimeError, match="exhausted"):
+        engine.generate(prompts, 2)                      # all three at once need six pages

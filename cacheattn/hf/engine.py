@@ -143,6 +143,9 @@ class Engine:
     kv_scales : float or sequence of float, optional
         gpt_attention INT8/FP8: the per-tensor dequantization scale s (kv_quant_orig_scale) of every layer, or one
         per layer. None: calibrated on the prompts of each generate call (`calibrate`).
+    num_pages : int, optional
+        Pages in the pool of a paged cache (default: enough for every request of a generate call at once);
+        finished requests give theirs back, so fewer serve requests that do not all overlap.
 
     Raises
     ------
