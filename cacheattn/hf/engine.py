@@ -232,6 +232,11 @@ class Engine:
             if info.softcap and op not in FEATURES["softcap"]:
                 raise ValueError(f"attention logit softcapping (softcap={info.softcap:g}, layer {info.index}): "
                                  f"{op} cannot express it; operators that have it: {list(FEATURES['softcap'])}")
+        first = self.layers[0]
+        if any((i.num_heads, i.num_kv_heads, i.head_dim) != (first.num_heads, first.num_kv_heads, first.head_dim)
+               for i in self.layers):
+            raise ValueError("layers: heads or head size differ between layers; the engine keeps one cache format "
+                             "for all layers")
         if self.operator == "multi_head_cache_attention" and self.kv_cache_dtype in ("int8", "int4"):
             dh = self.layers[0].head_dim
             if dh % self.quant_group or (self.kv_cache_dtype == "int4" and dh % 2):
@@ -417,8 +422,6 @@ class _Serving:
         self.num_layers = len(layers)
         info = layers[0]
         self.hq, self.hkv, self.dh = info.num_heads, info.num_kv_heads, info.head_dim
-        if any((i.num_heads, i.num_kv_heads, i.head_dim) != (self.hq, self.hkv, self.dh) for i in layers):
-            raise ValueError("layers: every layer must have the same heads and head size (one cache for all)")
         longest = max(len(p) for p in prompts) + max_new_tokens if not engine.encoder_decoder else max_new_tokens
         self.capacity = longest
         ps = engine.page_size
