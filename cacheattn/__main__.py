@@ -1,4 +1,4 @@
-"""python -m cacheattn {tour, docs, conformance, bench, gpu-session} [--format text|markdown|json]; --version.
+"""python -m cacheattn {tour, docs, conformance, bench, gpu-session, hf} [--format text|markdown|json]; --version.
 
 Without a GPU the kernels run in numba's CUDA simulator; that has to be chosen before numba
 is imported, so this module decides it first and imports the rest afterwards.
@@ -68,6 +68,8 @@ def main(argv=None) -> int:
     bench.add_argument("--tiny", action="store_true", help="the GPU harness in the simulator on tiny shapes")
     bench.add_argument("--host", action="store_true", help="host time, launches and kernel parameters per decode "
                        "call, launches recorded instead of run (CPU figures without a GPU)")
+    bench.add_argument("--hf", action="store_true", help="the engine (cacheattn.hf) on each operator against "
+                       "transformers' eager attention, time per decode step of a random Llama (needs the hf extra)")
     bench.add_argument("--batch", type=int, default=64, help="--host: requests per decode call (default 64)")
     bench.add_argument("--out", help="folder to write bench.json and bench.md (--host: host.json and host.md) "
                        "into; without it nothing is written")
@@ -80,6 +82,8 @@ def main(argv=None) -> int:
                          "10-minute device command)")
     session.add_argument("--dry-run", action="store_true", help="list the steps and their commands; run nothing")
     session.add_argument("--env", action="store_true", help="print the environment record (JSON) and stop")
+    from .hf.cli import add_parser as add_hf  # torch-free: the command says so if the hf extra is missing
+    add_hf(sub, parents=[form])
     args = parser.parse_args(argv)
     if args.command == "gpu-session" and args.out is None and not (args.dry_run or args.env):
         parser.error("gpu-session: --out DIR is needed (the session leaves its summary, tables and logs there)")
@@ -124,6 +128,15 @@ def _run(args) -> int:
         from .onnx_conformance import conformance
         backends = ("reference", "numba") if args.backend == "both" else (args.backend,)
         return 1 if conformance(backends) else 0
+    if args.command == "hf":
+        from .hf.cli import run
+        return run(args)
+    if args.command == "bench" and args.hf:
+        from .hf.cli import require_extra
+        require_extra()
+        from .hf.bench import bench_hf
+        bench_hf(tiny=args.tiny, rounds=max(1, min(args.repeat, 20) // 10))
+        return 0
     if args.command == "bench" and args.cpu:
         from .bench_cpu import bench_cpu
         from .bench_reference import bench_reference

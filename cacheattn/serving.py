@@ -25,6 +25,8 @@ import numpy as np
 import cacheattn
 import reference
 
+from .hf.blocks import BatchLayout, PagePool, prefix_starts
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -108,26 +110,6 @@ class ServeResult:
     seconds: float
 
 
-class PagePool:
-    """A free list of page numbers; a request takes pages as its tokens need them and returns them all."""
-
-    def __init__(self, num_pages: int):
-        self.free = list(range(num_pages))
-        self.in_use = 0
-        self.peak = 0
-
-    def take(self) -> int:
-        if not self.free:
-            raise RuntimeError("the page pool is exhausted: raise ServeConfig.num_pages")
-        self.in_use += 1
-        self.peak = max(self.peak, self.in_use)
-        return self.free.pop(0)
-
-    def give_back(self, pages: list) -> None:
-        self.free[:0] = pages            # reused first, as a server's allocator hands out recently freed pages
-        self.in_use -= len(pages)
-
-
 class PPLPath:
     """multi_head_cache_attention on a paged int8 cache; the model applies RoPE before the call."""
     operator = "multi_head_cache_attention"
@@ -143,11 +125,9 @@ class PPLPath:
 
     def batch(self, states, seqlens, past):
         cfg, m = self.cfg, self.model.cfg
-        table = np.full((len(states), max(len(s.pages) for s in states)), -1, np.int64)
-        for b, s in enumerate(states):
-            table[b, :len(s.pages)] = np.array(s.pages) * cfg.page_size           # token offsets of the pages
-        self.args = (_starts(seqlens), _starts(past + seqlens), table, past, int(np.sum(past > 0)),
-                     int(seqlens.max()), int((past + seqlens).max()))
+        step = _layout(states, seqlens, past, cfg.page_size)
+        self.args = (step.seqstarts, step.kvstarts, step.cachestarts(), past, step.decoding_batches,
+                     step.max_seqlen, step.max_kvlen)
         self.positions = np.concatenate([np.arange(p, p + n) for p, n in zip(past, seqlens)])
         self.attrs = dict(num_heads=m.num_heads, head_dim=m.head_dim, is_causal=True, num_kv_heads=m.num_kv_heads,
                           num_layer=m.num_layers, quant_bit=cfg.quant_bit, quant_group=cfg.quant_group, cache_mode=1,
@@ -192,22 +172,18 @@ class GptPath:
         m, cfg = self.model.cfg, self.cfg
         entries = len(states)
         capacity = cfg.num_pages * cfg.page_size
-        offsets = np.zeros((1, entries, 2, max(len(s.pages) for s in states)), np.int32)
-        for e, s in enumerate(states):                    # the manager's offsets: block * num_layers * 2 + kv
-            for kv in range(2):
-                offsets[0, e, kv, :len(s.pages)] = np.array(s.pages) * m.num_layers * 2 + kv
-        generation = past > 0
+        step = _layout(states, seqlens, past, cfg.page_size)
         self.args = dict(
-            past_key_value=None, sequence_length=(past + seqlens).astype(np.int32),
-            host_past_key_value_lengths=past.astype(np.int32),
+            past_key_value=None, sequence_length=step.sequence_length,
+            host_past_key_value_lengths=step.host_past_key_value_lengths,
             host_max_attention_window_sizes=np.full(m.num_layers, capacity, np.int32),
-            host_sink_token_length=np.zeros(1, np.int32),
-            context_lengths=np.where(generation, [len(s.request.prompt) for s in states], seqlens).astype(np.int32),
+            host_sink_token_length=np.zeros(1, np.int32), context_lengths=step.context_lengths,
             cache_indirection=np.zeros((entries, 1, capacity), np.int32),
-            host_request_types=generation.astype(np.int32), num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
+            host_request_types=step.host_request_types, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
             hidden_size_per_head=m.head_dim, q_scaling=1.0, rotary_embedding_dim=m.head_dim,
             rotary_embedding_base=m.rope_base, position_embedding_type=cacheattn.PositionEmbeddingType.rope_gpt_neox,
-            kv_cache_block_offsets=offsets, paged_kv_cache=True, tokens_per_block=cfg.page_size)
+            kv_cache_block_offsets=step.kv_cache_block_offsets(m.num_layers), paged_kv_cache=True,
+            tokens_per_block=cfg.page_size)
 
     def attend(self, h, w, layer_idx, backend, threads):
         qkv = np.concatenate([h @ w["wq"], h @ w["wk"], h @ w["wv"]], axis=1)        # (tokens, (H + 2 Hkv) Dh)
@@ -231,8 +207,10 @@ class Handoff:
     move: Callable
 
 
-def _starts(lengths):
-    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+def _layout(states, seqlens, past, page_size) -> BatchLayout:
+    """The step's index tensors from cacheattn.hf.blocks (the pages are the serving loop's own)."""
+    prompts = np.array([len(s.request.prompt) for s in states])
+    return BatchLayout(np.asarray(seqlens), np.asarray(past), prompts, page_size, pages=[s.pages for s in states])
 
 
 def steps_to_serve(requests) -> int:
@@ -304,5 +282,5 @@ def _forward(model: TinyModel, path, states, new_tokens, backend, threads):
         h = _rms_norm(x)
         gate = h @ w["w_gate"]
         x = x + (gate / (1 + np.exp(-gate)) * (h @ w["w_up"])) @ w["w_down"]
-    last = _starts(seqlens)[1:] - 1
+    last = prefix_starts(seqlens)[1:] - 1
     return _rms_norm(x[last]) @ model.lm_head, worst
