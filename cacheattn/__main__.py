@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "gpu-session":       # decides nothing about the simulator: its steps are processes
-        from .gpu_session import gpu_session
+        from .lab.gpu_session import gpu_session
         return gpu_session(args.out, steps=args.steps, budget_s=args.budget_s, dry_run=args.dry_run,
                            env_only=args.env)
 
@@ -91,14 +91,14 @@ def main(argv=None) -> int:
         backends = ("reference", "numba") if args.backend == "both" else (args.backend,)
         return 1 if conformance(backends) else 0
     if args.command == "bench" and args.cpu:
-        from .bench_cpu import bench_cpu
+        from .lab.bench_cpu import bench_cpu
         return bench_cpu(repeat=args.repeat)
     if args.command == "bench" and args.host:
-        from .bench_host import host_overhead
+        from .lab.bench_host import host_overhead
         host_overhead(gpu=gpu_present(), repeat=args.repeat, out_dir=args.out)
         return 0
     if args.command == "bench":
-        from .bench import bench
+        from .lab.bench import bench
         return bench(repeat=args.repeat, tiny=args.tiny, out_dir=args.out)
     return 2
 

@@ -1,6 +1,6 @@
 """python -m cacheattn bench: kernel timings against ceilings and peers measured in the same run.
 
-On a GPU it runs the harness in `cacheattn.bench_gpu` (decode and prefill shaped like a served
+On a GPU it runs the harness in `cacheattn.lab.bench_gpu` (decode and prefill shaped like a served
 8B-class model: 32 query heads, 8 kv heads, head_dim 128, paged and offset caches, float16 and int8)
 and writes bench.json and bench.md. `--tiny` runs that harness in the simulator on tiny shapes (CI
 keeps it working). Without a GPU there is nothing to time: it says so and times the reference.
@@ -14,8 +14,8 @@ import numpy as np
 
 import cacheattn
 
-from . import _console
-from .examples import PPLCase, build_ppl, copy_inputs
+from .. import _console
+from ..examples import PPLCase, build_ppl, copy_inputs
 
 
 def _decode_case(batch, past, quant_bit):
@@ -38,7 +38,7 @@ def _median_ms(fn, repeat, sync):
 
 
 def bench(repeat: int = 20, tiny: bool = False, out_dir: str = ".") -> int:
-    """On a GPU: the harness (cacheattn.bench_gpu). tiny: the same harness in the simulator on tiny shapes.
+    """On a GPU: the harness (cacheattn.lab.bench_gpu). tiny: the same harness in the simulator on tiny shapes.
     Without a GPU: says so and times the reference."""
     if tiny or _gpu():
         from .bench_gpu import run_harness

@@ -29,7 +29,7 @@ import numpy as np
 
 import cacheattn
 
-from .examples import PPLCase, build_ppl, copy_inputs
+from ..examples import PPLCase, build_ppl, copy_inputs
 
 L2_MULTIPLE = 4          # rotate inputs until their bytes exceed the L2 cache this many times
 

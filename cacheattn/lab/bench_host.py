@@ -31,9 +31,9 @@ import numpy as np
 
 import cacheattn
 
-from . import _arrays
+from .. import _arrays
+from ..examples import OnnxCase, TrtCase, build_onnx, build_ppl, build_trt
 from .bench import _decode_case
-from .examples import OnnxCase, TrtCase, build_onnx, build_ppl, build_trt
 
 
 @dataclass(frozen=True)
