@@ -1,4 +1,4 @@
-"""python -m cacheattn {tour, docs, conformance, bench, gpu-session}.
+"""python -m cacheattn {tour, docs, conformance, bench, gpu-session, lab}.
 
 Without a GPU the kernels run in numba's CUDA simulator; that has to be chosen before numba
 is imported, so this module decides it first and imports the rest afterwards.
@@ -56,6 +56,14 @@ def main(argv=None) -> int:
                          "10-minute device command)")
     session.add_argument("--dry-run", action="store_true", help="list the steps and their commands; run nothing")
     session.add_argument("--env", action="store_true", help="print the environment record (JSON) and stop")
+    lab = sub.add_parser("lab", help="counters of every kernel-ladder rung on a scaled-down decode, counted in the "
+                         "simulator (--sanitize: race / initcheck / memcheck over every kernel family)")
+    lab.add_argument("--sanitize", action="store_true", help="one representative call of every kernel family under "
+                     "the recorder; ends with the number of findings")
+    lab.add_argument("--full", action="store_true", help="with --sanitize: more cases per family (slow)")
+    lab.add_argument("--cache", choices=("float16", "int8", "int4"), default="float16", help="the decode's cache")
+    lab.add_argument("--quick", action="store_true", help="head_dim 64 and 64 keys instead of 128 and 256 (CI)")
+    lab.add_argument("--format", choices=("text", "json"), default="text")
     args = parser.parse_args(argv)
 
     if args.command == "gpu-session":       # decides nothing about the simulator: its steps are processes
@@ -90,6 +98,15 @@ def main(argv=None) -> int:
         from .onnx_conformance import conformance
         backends = ("reference", "numba") if args.backend == "both" else (args.backend,)
         return 1 if conformance(backends) else 0
+    if args.command == "lab":
+        if gpu_present():
+            print("python -m cacheattn lab counts in numba's CUDA simulator: run it with NUMBA_ENABLE_CUDASIM=1")
+            return 2
+        if args.sanitize:
+            from .lab.sanitize import sanitize
+            return 1 if sanitize(full=args.full) else 0
+        from .lab.counters import main as counters
+        return counters(cache=args.cache, fmt=args.format, quick=args.quick)
     if args.command == "bench" and args.cpu:
         from .lab.bench_cpu import bench_cpu
         return bench_cpu(repeat=args.repeat)

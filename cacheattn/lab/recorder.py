@@ -74,6 +74,7 @@ EXTRA = ("global_ld_bytes_requested", "global_st_bytes_requested", "shared_ld_re
 # How a frame's code takes part in attributing an access (see Recording._site); _NORMAL is 0, never falsy-missed
 # because lookups that find nothing return None.
 _NORMAL, _TRANSPARENT, _ATOMIC, _EMULATED = 1, 2, 3, 4
+_ARRAY_FIGURES = ("ld_requests", "ld_sectors", "ld_bytes_requested", "st_requests", "st_sectors", "st_bytes_requested")
 
 
 @dataclass
@@ -97,13 +98,15 @@ class Hazard:
 
 @dataclass
 class Launch:
-    """One recorded launch: kernel name, grid and block shape, its own counters, and its DRAM bytes per global
-    array (name -> (read, written))."""
+    """One recorded launch: kernel name, grid and block shape, its own counters, its DRAM bytes per global array
+    (name -> (read, written)) and its requests per global array (name -> {ld_requests, ld_sectors, ld_bytes_requested,
+    st_...}: the sector efficiency of the K/V loads alone, say)."""
     kernel: str
     grid: tuple
     block: tuple
     metrics: dict = field(default_factory=dict)
     dram: dict = field(default_factory=dict)
+    arrays: dict = field(default_factory=dict)
 
 
 class _Memory:
@@ -133,15 +136,19 @@ class Tracked:
     def __getitem__(self, key):
         rec = self._rec
         if rec._active:
-            view = rec._access(self, key, False, sys._getframe(1))
-            if view is not None:
-                return view
+            frame = sys._getframe(1)
+            if rec._codes.get(frame.f_code) != _EMULATED:      # the twins' register scratch: most accesses
+                view = rec._access(self, key, False, frame)
+                if view is not None:
+                    return view
         return self._ary[key]
 
     def __setitem__(self, key, value):
         rec = self._rec
         if rec._active:
-            rec._access(self, key, True, sys._getframe(1))
+            frame = sys._getframe(1)
+            if rec._codes.get(frame.f_code) != _EMULATED:
+                rec._access(self, key, True, frame)
         self._ary[key] = value
 
     def __array__(self, dtype=None, copy=None):
@@ -257,7 +264,7 @@ class Recording:
     # --- launches and blocks ---------------------------------------------------------------------------------
     def _begin_launch(self, name, grid, block):
         self._launch = {"name": name, "grid": tuple(grid), "block": tuple(block), "read": set(), "written": set(),
-                        "metrics": Counter(), "shared": {}, "shared_views": {}}
+                        "metrics": Counter(), "shared": {}, "shared_views": {}, "global_arrays": {}}
         self._active = True
 
     def _end_launch(self):
@@ -279,7 +286,9 @@ class Recording:
                 arrays.setdefault(mem.name, [0, 0])[which] += SECTOR
         self.launches.append(Launch(launch["name"], launch["grid"], launch["block"],
                                     {name: counts[name] for name in METRICS},
-                                    {name: tuple(v) for name, v in arrays.items()}))
+                                    {name: tuple(v) for name, v in arrays.items()},
+                                    {name: dict(zip(_ARRAY_FIGURES, figures))
+                                     for name, figures in launch["global_arrays"].items()}))
 
     def _begin_block(self, block_idx):
         launch = self._launch
@@ -298,13 +307,22 @@ class Recording:
         counts["blocks"] += 1
         counts["barriers"] += len(launch.pop("barrier_requests"))
         read, written = launch["read"], launch["written"]
+        per_array = launch["global_arrays"]
         for (_, _, _, write), accesses in launch.pop("global_requests").items():
             sectors = {(mem, sector) for mem, offset, width in accesses
                        for sector in range(offset >> 5, ((offset + width - 1) >> 5) + 1)}
+            asked = _distinct_bytes(accesses)
             counts[GLOBAL_ST if write else GLOBAL_LD] += 1
             counts[SECTORS_ST if write else SECTORS_LD] += len(sectors)
-            counts["global_st_bytes_requested" if write else "global_ld_bytes_requested"] += _distinct_bytes(accesses)
+            counts["global_st_bytes_requested" if write else "global_ld_bytes_requested"] += asked
             (written if write else read).update(sectors)
+            mems = {mem for mem, _, _ in accesses}
+            for mem in mems:                              # almost always one array per request
+                figures = per_array.setdefault(mem.name, [0, 0, 0, 0, 0, 0])
+                figures[3 * write] += 1
+                figures[3 * write + 1] += sum(1 for m, _ in sectors if m is mem)
+                figures[3 * write + 2] += asked if len(mems) == 1 else \
+                    _distinct_bytes({a for a in accesses if a[0] is mem})
         for (_, _, _, write), accesses in launch.pop("shared_requests").items():
             wavefronts, fewest = _wavefronts(accesses)
             counts[WAVEFRONTS_ST if write else WAVEFRONTS_LD] += wavefronts
@@ -337,17 +355,22 @@ class Recording:
         index = key
         if type(key) is not tuple:
             key = (key,)
-        if len(key) == len(shape) and all(isinstance(i, (int, np.integer)) for i in key):
+        element = len(key) == len(shape)
+        if element:
+            for i in key:
+                if type(i) is not int and not isinstance(i, np.integer):
+                    element = False
+                    break
+        if element:
             where = self._site(frame)
             if where is None:
                 return None
             offset = tracked._base
             out = False
             for i, n, stride in zip(key, shape, ary.strides):
-                i = int(i)
                 if i < 0 or i >= n:
                     out = True
-                offset += i * stride
+                offset += int(i) * stride
             self._record(tracked, where, offset, ary.itemsize, write, index, out, frame)
             return None
         # A sub-array (a row of a 2-D array, a slice): no access yet; its elements are counted when indexed.
@@ -497,6 +520,61 @@ class Recording:
 
 def _memory_key(ary):
     return (ary.__array_interface__["data"][0], ary.nbytes, ary.dtype.str, ary.shape, ary.strides)
+
+
+def _run_block(manager, thread_type, grid_point, args):
+    """Run one block as the simulator does (a Python thread per CUDA thread; when every running thread waits at a
+    barrier, all go on; the first exception stops the block and is raised), except that this thread sleeps until a
+    thread reaches a barrier or ends, where the simulator's own loop polls without pause and takes the
+    interpreter from the threads it waits for (the recorded run takes about half the time of a plain one)."""
+    wake = threading.Event()
+    failed = []
+
+    def body():
+        try:
+            manager._f(*args)
+        except BaseException:
+            failed.append(threading.current_thread())
+            raise
+        finally:
+            threading.current_thread().lab_done = True
+            wake.set()
+
+    threads = [thread_type(body, manager, grid_point, point, manager._debug)
+               for point in np.ndindex(*manager._block_dim)]
+    for thread in threads:
+        thread.lab_wake, thread.lab_done = wake, False
+        thread.start()
+    running = threads
+    while running:
+        wake.wait(0.05)
+        wake.clear()                                  # before looking: a later signal stays set for the next wait
+        if failed:
+            for thread in threads:
+                thread.abort = True
+                thread.syncthreads_blocked = False
+                thread.syncthreads_event.set()
+            failed[0].join()
+            raise failed[0].exception[0].with_traceback(failed[0].exception[1])
+        running = [thread for thread in running if not thread.lab_done]
+        if running and all(thread.syncthreads_blocked for thread in running):
+            for thread in running:
+                thread.syncthreads_blocked = False
+                thread.syncthreads_event.set()
+    for thread in threads:
+        thread.join()
+
+
+def _wait_at_barrier(thread):
+    """The simulator's barrier protocol (flag, wait for the block's release), then a word to _run_block."""
+    if thread.abort:
+        raise RuntimeError("abort flag set on syncthreads call")
+    thread.syncthreads_blocked = True
+    thread.lab_wake.set()
+    thread.syncthreads_event.wait()
+    thread.syncthreads_event.clear()
+    if thread.abort:
+        raise RuntimeError("abort flag set on syncthreads clear")
 
 
 def _thread_counts(thread):
@@ -660,13 +738,13 @@ def record():
     def run(self, grid_point, *args):
         rec._begin_block(grid_point)
         try:
-            return block_run(self, grid_point, *args)
+            _run_block(self, kernel_module.BlockThread, grid_point, args)
         finally:
             rec._end_block()
 
     def barrier(self):
         rec._barrier(self, sys._getframe(1))
-        return syncthreads(self)
+        _wait_at_barrier(self)
 
     allocation_lock = threading.Lock()
 
