@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 import types
+from collections import namedtuple
 
 import numpy as np
 
@@ -114,6 +115,14 @@ def _onnx_launches(full: bool):
     return out
 
 
+# FasterTransformer's cross-attention head sizes (the sizes its kernels are instantiated for; cacheattn.ft.HEAD_SIZES,
+# which validation checks against; tests/test_ptx.py holds the two equal). kernels_numba never imports cacheattn.
+FT_HEAD_SIZES = (32, 48, 64, 80, 96, 112, 128, 144, 160, 192, 224, 256)
+# The weights the launcher reads by attribute: FasterTransformer's AttentionWeight / DenseWeight member names.
+_Dense = namedtuple("_Dense", "kernel bias")
+_Weights = namedtuple("_Weights", "query_weight key_weight value_weight attention_output_weight ia3_key_weight "
+                                  "ia3_value_weight")
+
 # (is_batch_major_cache, dtype, step, ia3, head size) per code path: each layout's addressing, float16 and
 # float32 rounding, step 1 (layout kernel, with and without IA3) and a later step, the smallest and largest
 # head size (the largest tests the shared-memory plan); every launch also runs the probabilities kernel.
@@ -124,14 +133,12 @@ FT_REPRESENTATIVES = ((True, np.float16, 1, True, 32), (False, np.float32, 1, Fa
 def _ft_launches(full: bool):
     """(label, kernel, args) for the FasterTransformer cross-attention kernels: both layouts x float16/float32 x
     step 1 with/without IA3 and a later step x every head size when full, else FT_REPRESENTATIVES."""
-    from cacheattn.ft import HEAD_SIZES, AttentionWeight, DenseWeight
-
     from . import _launch
     from .ft_cross_attention import cross_attention
 
     rng = np.random.default_rng(0)
     variants = [(major, dtype, step, ia3, size) for major in (True, False) for dtype in (np.float16, np.float32)
-                for step, ia3 in ((1, False), (1, True), (2, False)) for size in HEAD_SIZES] if full \
+                for step, ia3 in ((1, False), (1, True), (2, False)) for size in FT_HEAD_SIZES] if full \
         else FT_REPRESENTATIVES
     out = []
     batch, heads, length, d_model = 2, 2, 5, 16
@@ -140,11 +147,11 @@ def _ft_launches(full: bool):
         x = 16 // np.dtype(dtype).itemsize
 
         def dense(rows, cols, dtype=dtype):
-            return DenseWeight(rng.standard_normal((rows, cols)).astype(dtype), np.zeros(cols, dtype))
+            return _Dense(rng.standard_normal((rows, cols)).astype(dtype), np.zeros(cols, dtype))
 
-        ia3_weights = (DenseWeight(np.ones((3, hidden), dtype)),) * 2 if ia3 else (None, None)
-        weights = AttentionWeight(dense(d_model, hidden), dense(d_model, hidden), dense(d_model, hidden),
-                                  dense(hidden, d_model), *ia3_weights)
+        ia3_weights = (_Dense(np.ones((3, hidden), dtype), None),) * 2 if ia3 else (None, None)
+        weights = _Weights(dense(d_model, hidden), dense(d_model, hidden), dense(d_model, hidden),
+                           dense(hidden, d_model), *ia3_weights)
         k_shape = (batch, heads, size // x, length, x) if major else (batch, length, heads, size)
         v_shape = (batch, heads, length, size) if major else k_shape
         with _launch.recorded_launches() as launches:
