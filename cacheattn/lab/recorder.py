@@ -259,6 +259,9 @@ class Recording:
 
     def _line(self, site) -> str:
         path, line, _ = self._site_names[site]
+        page = _DOCS_BLOCK.match(path)
+        if page:                                          # a docs page's block (cacheattn._docs): the page's line
+            return f"{os.path.basename(page.group(1))}:{int(page.group(2)) + line}"
         return f"{os.path.basename(path)}:{line}"
 
     # --- launches and blocks ---------------------------------------------------------------------------------
@@ -421,6 +424,8 @@ class Recording:
             else:
                 launch["global_requests"].setdefault((tid >> 5, site, k, write), set()).add((mem, offset, width))
             return
+        if mem.name is None:
+            mem.name = next((name for name, value in frame.f_locals.items() if value is tracked), "shared")
         if not atomic:
             launch["shared_requests"].setdefault((tid >> 5, site, k, write), []).append((tid & 31, offset, width))
         if not out:
@@ -659,6 +664,7 @@ def _wavefronts(accesses):
 
 _RECORDING: Recording | None = None
 _SHARED_NAME = re.compile(r"(\w+)\s*=\s*cuda\.shared\.array")
+_DOCS_BLOCK = re.compile(r"(.*\.md):(\d+)$")
 
 
 def _emulating_codes():
@@ -779,9 +785,9 @@ def record():
             if mem is None:
                 source = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
                 match = _SHARED_NAME.search(source)
-                name = match.group(1) if match else \
-                    f"shared@{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
-                mem = memories[key] = _Memory(name, True, 1 if shape == 0 else min(4, raw.dtype.itemsize))
+                # Without the source (code run from a string), the name the kernel gives it at its first access.
+                mem = memories[key] = _Memory(match.group(1) if match else None, True,
+                                              1 if shape == 0 else min(4, raw.dtype.itemsize))
             found = wrappers[(key, raw.dtype.str)] = Tracked(raw, mem, 0, rec)
         return found
 
