@@ -10,6 +10,7 @@ the distinct sectors of the launch.
 import inspect
 import os
 
+import numba
 import numpy as np
 import pytest
 from numba import cuda
@@ -369,3 +370,48 @@ def test_record_needs_the_simulator(monkeypatch):
     with pytest.raises(RuntimeError, match="NUMBA_ENABLE_CUDASIM=1"):
         with lab.record():
             pass
+
+
+def test_atomics_do_not_race_and_count_as_read_and_write():
+    # 64 threads add 1 to one shared counter and to one global word: atomics do not race with one another, and
+    # are no plain load/store requests; the global word's sector is read and written once.
+    @cuda.jit
+    def count(total):
+        counter = cuda.shared.array(1, np.int32)
+        if cuda.threadIdx.x == 0:
+            counter[0] = 0
+        cuda.syncthreads()
+        cuda.atomic.add(counter, 0, 1)
+        cuda.atomic.add(total, 0, 1)
+        cuda.syncthreads()
+        if cuda.threadIdx.x == 0:
+            total[1] = counter[0]
+
+    total = np.zeros(2, np.int32)
+    rec = counted(count, 1, 64, total)
+    assert list(total) == [64, 64]
+    assert rec.hazards == []
+    # Thread 0's store of total[1] is the one plain global request; the counter's store and load the shared ones.
+    assert global_figures(rec) == (0, 0, 1, 1, 32, 32)
+    assert rec.extra["shared_st_requests"] == rec.extra["shared_ld_requests"] == 1
+
+
+def test_dynamic_shared_memory():
+    # Dynamic shared memory (a size-0 array, the launch's fourth configuration value): lane t writes float t and
+    # reads float 2 t of the same 256 bytes: stride 2, 2 wavefronts.
+    @cuda.jit
+    def dynamic(out):
+        s = cuda.shared.array(0, numba.float32)
+        t = cuda.threadIdx.x
+        s[t] = t
+        s[t + 32] = t + 32
+        cuda.syncthreads()
+        out[t] = s[2 * t]
+
+    out = np.zeros(32, np.float32)
+    with lab.record() as rec:
+        dynamic[1, 32, 0, 256](out)
+    assert np.array_equal(out, 2 * np.arange(32))
+    m = rec.metrics
+    assert (m[WAVEFRONTS_LD], m[CONFLICTS_LD], m[WAVEFRONTS_ST]) == (2, 1, 2)
+    assert rec.hazards == []
