@@ -36,11 +36,20 @@ Findings (`Recording.hazards`), once per (kind, array, pair of sites), with a co
                     simulator hands every block the same array, a GPU gives each its own);
     out_of_bounds   an index outside its array, negative ones included (NumPy wraps a[-1]); recorded before the
                     access runs, so before a launch that then fails.
-Words are 4 bytes, or the element where it is narrower (a byte array's bytes are separate words).
+Words are 4 bytes, or the element where it is narrower (a byte array's bytes are separate words). Global memory is
+bounds-checked only (racecheck and initcheck are about shared memory here, as the issue asks).
+
+Details: indexing that makes a sub-array (a row, a slice) is no access; its elements are, and taking a view's values
+at once (`np.asarray(view)`, as the `load16` twin does) is one access of all its bytes. Arrays that are views of the
+same memory (K and V of one cache) are one array, named `k_src.data=v_src.data`. `cuda.atomic.*` accesses are no
+load/store requests and never race with each other; their sectors count as read and written. Blocks run as the
+simulator runs them, except that the main thread sleeps until one of the block's threads reaches a barrier or ends
+(the simulator's own loop polls without pause, taking the interpreter from the threads it waits for).
 """
 
 from __future__ import annotations
 
+import inspect
 import linecache
 import os
 import re
@@ -704,6 +713,7 @@ def record():
     if _RECORDING is not None:
         raise RuntimeError("cacheattn.lab.record() is already recording")
     from numba.cuda import types as numba_types
+    from numba.cuda.errors import normalize_kernel_dimensions
     from numba.cuda.np import numpy_support
     from numba.cuda.simulator import args as args_module
     from numba.cuda.simulator.cudadrv import devicearray
@@ -718,6 +728,7 @@ def record():
     for code in _atomic_codes(kernelapi):
         rec._codes[code] = _ATOMIC
 
+    # The four places the simulator is hooked, restored on the way out.
     kernel_call = kernel_module.FakeCUDAKernel.__call__
     block_run = kernel_module.BlockManager.run
     syncthreads = kernel_module.BlockThread.syncthreads
@@ -726,12 +737,10 @@ def record():
     def launch(self, *args):
         if self._device or kernel_module._kernel_context is not None:
             return kernel_call(self, *args)
-        import inspect
         names = list(inspect.signature(self.fn).parameters)
         names += [f"arg{i}" for i in range(len(names), len(args))]
         retr, seen = [], {}
         wrapped = [rec._wrap_argument(n, a, retr, seen, devicearray, args_module) for n, a in zip(names, args)]
-        from numba.cuda.errors import normalize_kernel_dimensions
         grid, block = normalize_kernel_dimensions(self.grid_dim, self.block_dim)
         rec._begin_launch(getattr(self.fn, "__name__", "kernel"), grid, block)
         try:
