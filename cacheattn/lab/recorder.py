@@ -37,7 +37,7 @@ Findings (`Recording.hazards`), once per (kind, array, pair of sites), with a co
     out_of_bounds   an index outside its array, negative ones included (NumPy wraps a[-1]); recorded before the
                     access runs, so before a launch that then fails.
 Words are 4 bytes, or the element where it is narrower (a byte array's bytes are separate words). Global memory is
-bounds-checked only (racecheck and initcheck are about shared memory here, as the issue asks).
+bounds-checked only: racecheck and initcheck here look at shared memory.
 
 Details: indexing that makes a sub-array (a row, a slice) is no access; its elements are, and taking a view's values
 at once (`np.asarray(view)`, as the `load16` twin does) is one access of all its bytes. Arrays that are views of the
