@@ -1,4 +1,4 @@
-"""python -m cacheattn {tour, docs, conformance, bench, gpu-session, lab}.
+"""python -m cacheattn {tour, docs, conformance, bench, gpu-session, lab} [--format text|markdown|json]; --version.
 
 Without a GPU the kernels run in numba's CUDA simulator; that has to be chosen before numba
 is imported, so this module decides it first and imports the rest afterwards.
@@ -25,10 +25,27 @@ def gpu_present() -> bool:
     return driver.cuInit(0) == 0 and driver.cuDeviceGetCount(ctypes.byref(count)) == 0 and count.value > 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("cacheattn")
+    except PackageNotFoundError:            # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def main(argv=None) -> int:
+    from . import _console
+
     parser = argparse.ArgumentParser(prog="python -m cacheattn", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"cacheattn {_version()}")
+    # Every subcommand that prints tables takes --format; files are written only where --out names a folder.
+    form = argparse.ArgumentParser(add_help=False)
+    form.add_argument("--format", choices=_console.FORMATS, default="text",
+                      help="text (default: every column whole at the terminal's width, or 80 piped), markdown, or "
+                      "json (one document: every table's rows and the notes)")
     sub = parser.add_subparsers(dest="command", required=True)
-    tour = sub.add_parser("tour", help="run every operator on the reference and the kernels; print errors vs float64")
+    tour = sub.add_parser("tour", parents=[form], help="run every operator on the reference and the kernels; print "
+                          "errors vs float64")
     size = tour.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="fewer requests, the first configuration of each operator")
     size.add_argument("--full", action="store_true", help="two layers and the shapes the labels name (slow without "
@@ -36,35 +53,49 @@ def main(argv=None) -> int:
     tour.add_argument("--backend", choices=("both", "reference", "numba"), default="both")
     tour.add_argument("--cache", choices=("int8", "int4", "float32"), default="int8",
                       help="the serving loop's OpenPPL paged cache format")
-    docs = sub.add_parser("docs", help="run the read-and-run pages in docs/ and check their shown outputs")
+    docs = sub.add_parser("docs", parents=[form], help="run the read-and-run pages in docs/ and check their shown "
+                          "outputs")
     docs.add_argument("--update", action="store_true", help="rewrite the pages' outputs with what the code prints")
     docs.add_argument("pages", nargs="*", type=Path, help="pages to run (default: docs/*.md)")
-    conf = sub.add_parser("conformance", help="run the onnx node test cases for Attention; print the table")
+    conf = sub.add_parser("conformance", parents=[form], help="run the onnx node test cases for Attention; print "
+                          "the table")
     conf.add_argument("--backend", choices=("reference", "numba", "both"), default="both")
-    bench = sub.add_parser("bench", help="time the kernels against peers measured in the same run (GPU)")
+    bench = sub.add_parser("bench", parents=[form], help="time the kernels against peers measured in the same run "
+                           "(GPU)")
     bench.add_argument("--repeat", type=int, default=20)
     bench.add_argument("--cpu", action="store_true", help="the NumPy references against onnx's evaluator instead")
     bench.add_argument("--tiny", action="store_true", help="the GPU harness in the simulator on tiny shapes")
     bench.add_argument("--host", action="store_true", help="host time, launches and kernel parameters per decode "
                        "call, launches recorded instead of run (CPU figures without a GPU)")
-    bench.add_argument("--out", default=".", help="folder for bench.json and bench.md (default: here)")
-    session = sub.add_parser("gpu-session", help="on a lent GPU: environment, GPU tests, bench, compute-sanitizer "
-                             "and kernel tests in one command, each under a time limit; a summary in --out")
-    session.add_argument("--out", default="gpu-session", help="folder for the summary, bench tables and logs")
+    bench.add_argument("--batch", type=int, default=64, help="--host: requests per decode call (default 64)")
+    bench.add_argument("--out", help="folder to write bench.json and bench.md (--host: host.json and host.md) "
+                       "into; without it nothing is written")
+    session = sub.add_parser("gpu-session", parents=[form], help="on a lent GPU: environment, GPU tests, bench, "
+                             "compute-sanitizer and kernel tests in one command, each under a time limit; a summary "
+                             "in --out")
+    session.add_argument("--out", help="folder for the summary, bench tables and logs (needed to run the steps)")
     session.add_argument("--steps", help="comma-separated subset, in the session's order (see --dry-run)")
     session.add_argument("--budget-s", type=float, default=570, help="seconds for all steps (default 570: one "
                          "10-minute device command)")
     session.add_argument("--dry-run", action="store_true", help="list the steps and their commands; run nothing")
     session.add_argument("--env", action="store_true", help="print the environment record (JSON) and stop")
-    lab = sub.add_parser("lab", help="counters of every kernel-ladder rung on a scaled-down decode, counted in the "
-                         "simulator (--sanitize: race / initcheck / memcheck over every kernel family)")
+    lab = sub.add_parser("lab", parents=[form], help="counters of every kernel-ladder rung on a scaled-down decode, "
+                         "counted in the simulator (--sanitize: race / initcheck / memcheck over every kernel family)")
     lab.add_argument("--sanitize", action="store_true", help="one representative call of every kernel family under "
                      "the recorder; ends with the number of findings")
     lab.add_argument("--full", action="store_true", help="with --sanitize: more cases per family (slow)")
     lab.add_argument("--cache", choices=("float16", "int8", "int4"), default="float16", help="the decode's cache")
     lab.add_argument("--quick", action="store_true", help="head_dim 64 and 64 keys instead of 128 and 256 (CI)")
-    lab.add_argument("--format", choices=("text", "json"), default="text")
     args = parser.parse_args(argv)
+    if args.command == "gpu-session" and args.out is None and not (args.dry_run or args.env):
+        parser.error("gpu-session: --out DIR is needed (the session leaves its summary, tables and logs there)")
+    # `gpu-session --env` prints its JSON record as is (the session's env step reads it back).
+    with _console.output("text" if args.command == "gpu-session" and args.env else args.format):
+        return _run(args)
+
+
+def _run(args) -> int:
+    from . import _console
 
     if args.command == "gpu-session":       # decides nothing about the simulator: its steps are processes
         from .lab.gpu_session import gpu_session
@@ -73,7 +104,8 @@ def main(argv=None) -> int:
 
     if not gpu_present():
         os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
-        print("No CUDA GPU here: kernels run in numba's CUDA simulator (slow, small shapes).\n")
+        _console.say("No CUDA GPU here: kernels run in numba's CUDA simulator (slow, small shapes).")
+        _console.say()
 
     if args.command == "tour":
         from .tour import tour
@@ -83,36 +115,36 @@ def main(argv=None) -> int:
     if args.command == "docs":
         from . import _docs
         pages = args.pages or _docs.pages(Path.cwd())
-        failures = 0
-        for page in pages:
-            if args.update:
-                print(f"{page}: {_docs.update(page)} output blocks rewritten")
-                continue
-            problems = _docs.check(page)
-            failures += len(problems)
-            print(f"{page}: {'ok' if not problems else f'{len(problems)} blocks differ'}")
+        if args.update:
+            _console.table(None, ("page", "blocks rewritten"), [(str(page), _docs.update(page)) for page in pages],
+                           right=("blocks rewritten",))
+            return 0
+        checked = [(page, _docs.check(page)) for page in pages]
+        _console.table(None, ("page", "result"), [(str(page), f"{len(problems)} blocks differ" if problems else "ok")
+                                                  for page, problems in checked])
+        for _, problems in checked:
             for p in problems:
-                print(p)
-        return 1 if failures else 0
+                _console.say(p, wrap=False)         # a diff of printed text: shown as printed
+        return 1 if any(problems for _, problems in checked) else 0
     if args.command == "conformance":
         from .onnx_conformance import conformance
         backends = ("reference", "numba") if args.backend == "both" else (args.backend,)
         return 1 if conformance(backends) else 0
     if args.command == "lab":
         if gpu_present():
-            print("python -m cacheattn lab counts in numba's CUDA simulator: run it with NUMBA_ENABLE_CUDASIM=1")
+            _console.say("python -m cacheattn lab counts in numba's CUDA simulator: run it with NUMBA_ENABLE_CUDASIM=1")
             return 2
         if args.sanitize:
             from .lab.sanitize import sanitize
             return 1 if sanitize(full=args.full) else 0
         from .lab.counters import main as counters
-        return counters(cache=args.cache, fmt=args.format, quick=args.quick)
+        return counters(cache=args.cache, quick=args.quick)
     if args.command == "bench" and args.cpu:
         from .lab.bench_cpu import bench_cpu
         return bench_cpu(repeat=args.repeat)
     if args.command == "bench" and args.host:
         from .lab.bench_host import host_overhead
-        host_overhead(gpu=gpu_present(), repeat=args.repeat, out_dir=args.out)
+        host_overhead(gpu=gpu_present(), repeat=args.repeat, batch=args.batch, out_dir=args.out)
         return 0
     if args.command == "bench":
         from .lab.bench import bench
@@ -121,4 +153,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:                 # `... | head`: the reader has gone; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)

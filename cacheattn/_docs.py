@@ -3,6 +3,12 @@
 A ```text block right after a python block holds what that block prints. `check` runs a page
 and reports every block whose output differs from the page; `update` rewrites the text blocks
 with what the run printed. So every output a reader sees was produced by the code beside it.
+
+The comparison is exact for the words and line structure, and numeric for the numbers: the last
+digits of a float depend on which BLAS kernels the CPU gets (OpenBLAS picks AVX-512 code on one
+machine and AVX2 on another), and NumPy pads printed arrays to the widest element. So a number on
+the page matches a printed number within a relative 1e-6 (integers match exactly), and a run of
+spaces matches any other run of spaces.
 """
 
 from __future__ import annotations
@@ -14,6 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _BLOCK = re.compile(r"^```(python|text)\n(.*?)^```\n", re.S | re.M)
+# A decimal number; [^\W\d_] keeps digits inside names (float16, sm_90, e4m3) from starting a number.
+_NUMBER = re.compile(r"(?<![^\W\d_])[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
+_SPACES = re.compile(r"[ \t]+")
+NUMBER_RTOL = 1e-6
 
 
 @dataclass
@@ -49,11 +59,32 @@ def run(path: Path) -> list[Block]:
     return blocks
 
 
+def _split(text: str) -> tuple[list[str], list[str]]:
+    """(the text between numbers, spaces collapsed; the numbers as written), trailing whitespace dropped."""
+    lines = [_SPACES.sub(" ", line).strip(" ") for line in text.rstrip().splitlines()]
+    text = "\n".join(lines)
+    return [part.strip(" ") for part in _NUMBER.split(text)], _NUMBER.findall(text)
+
+
+def _numbers_agree(shown: str, printed: str) -> bool:
+    if not any(c in shown + printed for c in ".eE"):       # both integers: counts, indices, line numbers
+        return int(shown) == int(printed)
+    a, b = float(shown), float(printed)
+    return a == b or abs(a - b) <= NUMBER_RTOL * max(abs(a), abs(b))
+
+
+def same_output(shown: str, printed: str) -> bool:
+    """Whether a page's shown output stands for what the code printed (see the module docstring)."""
+    (shown_text, shown_numbers), (printed_text, printed_numbers) = _split(shown), _split(printed)
+    return (shown_text == printed_text and len(shown_numbers) == len(printed_numbers)
+            and all(_numbers_agree(a, b) for a, b in zip(shown_numbers, printed_numbers)))
+
+
 def check(path: Path) -> list[str]:
     """Differences between what the page shows and what its code prints, one message per block."""
     problems = []
     for block in run(path):
-        if block.output is not None and block.output.rstrip() != block.printed.rstrip():
+        if block.output is not None and not same_output(block.output, block.printed):
             problems.append(f"{path}:{block.code_line}: the block prints\n{block.printed}\nbut the page shows\n"
                             f"{block.output}")
         elif block.output is None and block.printed.strip():
@@ -69,7 +100,7 @@ def update(path: Path) -> int:
     for block in reversed(blocks):       # back to front keeps the earlier spans valid
         printed = block.printed.rstrip() + "\n"
         if block.output_span is not None:
-            if block.output != printed:
+            if not same_output(block.output, printed):
                 start, end = block.output_span
                 page = page[:start] + printed + page[end:]
                 changed += 1

@@ -17,6 +17,15 @@ def check_choice(name: str, value, choices) -> None:
         raise ValueError(f"{name}: expected one of {tuple(choices)}, got {value!r}")
 
 
+def check_flag(name: str, value) -> int:
+    """A 0/1 attribute (ONNX's is_causal): Python and NumPy bools are accepted as 0 and 1; returns the int."""
+    if isinstance(value, (bool, np.bool_)):
+        return int(value)
+    if not isinstance(value, (int, np.integer)) or value not in (0, 1):
+        raise ValueError(f"{name}: expected 0, 1, False or True, got {value!r}")
+    return int(value)
+
+
 def check_int(name: str, value, *, low: int, high: int | None = None) -> int:
     """An integer attribute in [low, high] (high None: no bound)."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -43,8 +52,13 @@ def check_shape(name: str, x, expected: tuple, meaning: str = "") -> None:
     shape = tuple(int(s) for s in x.shape)
     ok = len(shape) == len(expected) and all(e is None or e == s for e, s in zip(expected, shape))
     if not ok:
-        want = "(" + ", ".join("*" if e is None else str(e) for e in expected) + ")"
+        want = _shape_text(tuple("*" if e is None else str(e) for e in expected))
         raise ValueError(f"{name}: expected shape {want}{' ' + meaning if meaning else ''}, got {shape}")
+
+
+def _shape_text(extents: tuple) -> str:
+    """A shape as Python prints a tuple: (2,) for one extent, (2, 3) for two."""
+    return "(" + ", ".join(extents) + ("," if len(extents) == 1 else "") + ")"
 
 
 def check_contiguous(name: str, x) -> None:

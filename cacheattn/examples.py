@@ -1,19 +1,40 @@
-"""Example inputs for the OpenPPL operators, shared by the tour, the docs, the benchmarks and the tests.
+"""Example problems for every operator, shared by the tour, the docs, the benchmarks, the tests and the
+conformance kit.
 
-A case names the attributes and per-batch lengths; `build_*` turns it into NumPy tensors from its seed.
-Old cache contents are random plausible data (never zeros), so a kernel that reads the wrong slot shows.
+A case (`PPLCase`, `StaticCase`, `OnnxCase`, `FTCase`, `TrtCase`) is a small frozen record of the attributes
+and per-batch lengths; `build_*` turns it into the operator's NumPy arguments from its `seed`, and
+`float64_*` evaluates the reference on float64 copies, the exact answer a result is compared with through
+`within_tolerance`. Old cache contents are random plausible data (never zeros), so a kernel that reads the
+wrong slot shows.
+
+Examples
+--------
+>>> import numpy as np, cacheattn
+>>> from cacheattn.examples import OnnxCase, build_onnx, float64_onnx, within_tolerance
+>>> case = OnnxCase(batch=1, q_heads=4, kv_heads=2, q_len=3, kv_len=5, past_len=2, head_size=8, v_head_size=8,
+...                 three_d=False, dtype="float16", mask="bool", mask_shape=(3, 7), is_causal=1, nonpad=None,
+...                 softcap=0.0, scale=None, left_window_size=-1, right_window_size=-1, qk_matmul_output_mode=0,
+...                 seed=1)
+>>> inputs = build_onnx(case)
+>>> got = cacheattn.onnx_attention(**inputs, **case.attrs())
+>>> bool(within_tolerance(got.Y, float64_onnx(inputs, case)[0], "float16").all())
+True
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from typing import TypeVar
 
 import ml_dtypes
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 
 import reference
 from reference.cache_layout import DYNAMIC_LAYOUTS, STATIC_LAYOUTS
 from reference.quant import stored_head_dim
+
+CaseT = TypeVar("CaseT")       # any of the frozen case records below
 
 # (atol, rtol) against a float64 evaluation of the reference. float16 carries 11 significand bits (unit
 # roundoff 4.9e-4); the probabilities are rounded to it before P.V, so a few roundoffs add up.
@@ -25,8 +46,34 @@ TOLERANCE = {
 }
 
 
-def within_tolerance(got, want, dtype, scale: float = 1.0) -> np.ndarray:
-    """Elementwise: is got within `dtype`'s tolerance (widened by `scale`) of the float64 `want`? NaN is not."""
+def within_tolerance(got: ArrayLike, want: ArrayLike, dtype: DTypeLike, scale: float = 1.0) -> np.ndarray:
+    """Elementwise: is `got` within `dtype`'s tolerance of the float64 `want`?
+
+    `|got - want| <= atol + rtol * |want|` with `(atol, rtol)` from `TOLERANCE[dtype]` times `scale`;
+    NaN is never within.
+
+    Parameters
+    ----------
+    got : array_like
+        The result under test, any float dtype.
+    want : array_like
+        The float64 evaluation, broadcastable against `got`.
+    dtype : str or numpy.dtype
+        The dtype the result was computed in: float16, bfloat16, float32 or float64.
+    scale : float, default 1.0
+        Widens both tolerances (for a longer chain of roundings).
+
+    Returns
+    -------
+    numpy.ndarray
+        bool, the broadcast shape of `got` and `want`.
+
+    Examples
+    --------
+    >>> from cacheattn.examples import within_tolerance
+    >>> within_tolerance([1.003, 1.01], [1.0, 1.0], "float16").tolist()
+    [True, False]
+    """
     atol, rtol = (t * scale for t in TOLERANCE[np.dtype(dtype)])
     g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
     return np.abs(g - w) <= atol + rtol * np.abs(w)
@@ -34,6 +81,23 @@ def within_tolerance(got, want, dtype, scale: float = 1.0) -> np.ndarray:
 
 @dataclass(frozen=True)
 class PPLCase:
+    """One dynamic_batching call of OpenPPL (MultiHeadCacheAttention and its two halves).
+
+    Sequence b has `past[b]` cached tokens and `seqlens[b]` current ones (decode steps, the first
+    `decoding_batches`, have 1); the other fields are the operator's attributes, plus `dtype` (query and
+    current K/V), `scale_dtype`, `mask` ("none", "2d", "3d") with `mask_pad` extra columns, and `seed`.
+    `cacheattn.testing.strategies.ppl_cases` draws them.
+
+    Examples
+    --------
+    >>> from cacheattn.examples import PPLCase, build_ppl
+    >>> case = PPLCase(seqlens=(1, 3), past=(4, 2), decoding_batches=1, num_heads=4, num_kv_heads=2, head_dim=16,
+    ...                dtype="float16", quant_bit=8, quant_group=8, scale_dtype="float16", cache_layout=1,
+    ...                cache_mode=1, page_size=4, num_layer=2, layer_idx=1, is_causal=True, is_alibi=False,
+    ...                mask="none", mask_pad=0, seed=3)
+    >>> case.kvlens, build_ppl(case)["cachestarts"].shape
+    ((5, 5), (2, 3))
+    """
     """One MultiHeadCacheAttention call: attributes plus the per-batch lengths; tensors come from `seed`."""
     seqlens: tuple
     past: tuple                 # start_pos per batch
@@ -64,8 +128,8 @@ class PPLCase:
     def kvlens(self):
         return tuple(s + p for s, p in zip(self.seqlens, self.past))
 
-    def attrs(self):
-        """Keyword attributes of cacheattn.multi_head_cache_attention."""
+    def attrs(self) -> dict:
+        """Keyword attributes of `cacheattn.multi_head_cache_attention`."""
         return dict(num_heads=self.num_heads, head_dim=self.head_dim, is_causal=self.is_causal,
                     is_alibi=self.is_alibi, num_kv_heads=self.num_kv_heads, num_layer=self.num_layer,
                     layer_idx=self.layer_idx, quant_bit=self.quant_bit, quant_group=self.quant_group,
@@ -73,11 +137,13 @@ class PPLCase:
 
 
 def cache_shape(layout_axes: str, extents: dict) -> tuple:
+    """The shape of a cache laid out as `layout_axes` (e.g. "L T KV H D"), from `{axis name: extent}`."""
     return tuple(extents[n] for n in layout_axes.split())
 
 
-def random_cache(rng, shape, quant_bit, dtype):
-    """A cache full of plausible old data (never zeros): quantized codes or normal floats."""
+def random_cache(rng: np.random.Generator, shape: tuple, quant_bit: int, dtype: DTypeLike) -> np.ndarray:
+    """A cache full of plausible old data (never zeros): int8 codes (`quant_bit` 8), any bytes (4: every byte
+    is two valid nibbles) or standard normal values in `dtype`."""
     if quant_bit == 8:
         return rng.integers(-127, 128, shape).astype(np.int8)
     if quant_bit == 4:
@@ -85,12 +151,18 @@ def random_cache(rng, shape, quant_bit, dtype):
     return rng.standard_normal(shape).astype(dtype)
 
 
-def random_scale(rng, shape, dtype):
+def random_scale(rng: np.random.Generator, shape: tuple, dtype: DTypeLike) -> np.ndarray:
+    """Plausible int8/int4 scales, uniform in [0.005, 0.055)."""
     return (rng.random(shape) * 0.05 + 0.005).astype(dtype)
 
 
-def place_batches(rng, kvlens, case: PPLCase):
-    """(cachestarts, MaxT): non-overlapping, shuffled regions; pages for cache_mode 1 (unused entries -1)."""
+def place_batches(rng: np.random.Generator, kvlens: tuple, case: PPLCase) -> tuple[np.ndarray, int]:
+    """Where each sequence lives: `(cachestarts, MaxT)`.
+
+    `cache_mode` 0: `(B,)` offsets of non-overlapping regions in shuffled order, with a little slack between
+    them. `cache_mode` 1: a `(B, MaxP)` page table of shuffled whole pages (one spare page nobody owns), unused
+    entries -1.
+    """
     if case.cache_mode == 0:
         slack = [int(rng.integers(0, 3)) for _ in kvlens]
         regions = rng.permutation(len(kvlens))
@@ -111,7 +183,15 @@ def place_batches(rng, kvlens, case: PPLCase):
 
 
 def build_ppl(case: PPLCase) -> dict:
-    """NumPy inputs of multi_head_cache_attention for a case, in the document's argument names."""
+    """The NumPy arguments of `cacheattn.multi_head_cache_attention` for `case`, by the document's names.
+
+    Returns
+    -------
+    dict
+        `query`, `current_key`, `current_value`, `seqstarts`, `kvstarts`, `cachestarts`, `start_pos`,
+        `decoding_batches`, `max_seqlen`, `max_kvlen`, `cache` (random old data), `scale` (or None) and
+        `attn_mask` (or None; about a tenth of it -inf). Pass `**build_ppl(case), **case.attrs()`.
+    """
     rng = np.random.default_rng(case.seed)
     dtype = np.dtype(case.dtype)
     seqstarts = np.concatenate([[0], np.cumsum(case.seqlens)]).astype(np.int64)
@@ -141,13 +221,15 @@ def build_ppl(case: PPLCase) -> dict:
 
 
 def copy_inputs(inputs: dict) -> dict:
-    """Fresh copies of the in-out tensors, so two calls start from the same cache."""
+    """The same arguments with every NumPy array copied, so two calls start from the same cache."""
     return {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
 
 
 @dataclass(frozen=True)
 class StaticCase:
-    """One static KeyValueCache call."""
+    """One static `KeyValueCache` call: `batch` of `max_batch` rows, `seqlen` tokens at `start_pos` in a cache of
+    `max_seqlen` positions, and the operator's attributes. `cacheattn.testing.strategies.static_cases` draws
+    them."""
     batch: int
     max_batch: int
     seqlen: int
@@ -166,6 +248,8 @@ class StaticCase:
 
 
 def build_static(case: StaticCase) -> dict:
+    """The NumPy arguments of `cacheattn.key_value_cache` for `case`: `current_key`, `current_value`,
+    `start_pos`, `cache` (random old data) and `scale` (float32, or None)."""
     rng = np.random.default_rng(case.seed)
     dtype = np.dtype(case.dtype)
     stored = stored_head_dim(case.head_dim, case.quant_bit)
@@ -181,15 +265,15 @@ def build_static(case: StaticCase) -> dict:
                 cache=random_cache(rng, cache_shape(axes, extents), case.quant_bit, dtype), scale=scale)
 
 
-def with_(case, **changes):
-    """The case with some fields changed."""
+def with_(case: CaseT, **changes) -> CaseT:
+    """A copy of the (frozen) case with some fields changed: `with_(case, dtype="float32")`."""
     return replace(case, **changes)
 
 
-def float64_ppl_attention(inputs: dict, case, key, value):
-    """A float64 evaluation of dynamic MultiHeadAttention for a PPL case, given the key/value the cache
-    holds (exact, from the reference's KeyValueCache). Quantization is checked bit for bit elsewhere, so
-    this isolates the attention arithmetic."""
+def float64_ppl_attention(inputs: dict, case: PPLCase, key: ArrayLike, value: ArrayLike) -> np.ndarray:
+    """A float64 evaluation of dynamic MultiHeadAttention for a PPL case, given the packed `key`/`value` the
+    cache holds (exact, from `reference_cache_state`). Quantization is checked bit for bit elsewhere, so this
+    isolates the attention arithmetic. Returns `(seqstarts[B], num_heads, head_dim)` float64."""
     f64 = np.float64
     mask = inputs["attn_mask"]
     return reference.dynamic_multi_head_attention(
@@ -199,8 +283,9 @@ def float64_ppl_attention(inputs: dict, case, key, value):
         head_dim=case.head_dim, is_causal=case.is_causal, is_alibi=case.is_alibi, num_kv_heads=case.num_kv_heads)
 
 
-def reference_cache_state(inputs: dict, case: PPLCase):
-    """The reference's packed key/value and the cache/scale after its store, on copies of the inputs."""
+def reference_cache_state(inputs: dict, case: PPLCase) -> tuple:
+    """`(key, value, cache, scale)`: the reference's packed key/value and the cache/scale after its store, run
+    on copies of the inputs (which are left as they were)."""
     x = copy_inputs(inputs)
     key, value = reference.dynamic_key_value_cache(
         x["current_key"], x["current_value"], x["seqstarts"], x["kvstarts"], x["cachestarts"], x["start_pos"],
@@ -212,7 +297,8 @@ def reference_cache_state(inputs: dict, case: PPLCase):
 
 @dataclass(frozen=True)
 class OnnxCase:
-    """One ONNX Attention call; tensors come from `seed`."""
+    """One ONNX Attention call; tensors come from `seed`. `opset` is 25 when a window is set, else 24;
+    `cacheattn.testing.strategies.onnx_cases` draws them."""
     batch: int
     q_heads: int
     kv_heads: int
@@ -242,21 +328,24 @@ class OnnxCase:
     def opset(self):
         return 25 if (self.left_window_size, self.right_window_size) != (-1, -1) else 24
 
-    def attrs(self):
+    def attrs(self) -> dict:
+        """Keyword attributes of `cacheattn.onnx_attention` (3-D cases name the head counts)."""
         heads = dict(q_num_heads=self.q_heads, kv_num_heads=self.kv_heads) if self.three_d else {}
         return dict(is_causal=self.is_causal, softcap=self.softcap, scale=self.scale,
                     left_window_size=self.left_window_size, right_window_size=self.right_window_size,
                     qk_matmul_output_mode=self.qk_matmul_output_mode, opset=self.opset, **heads)
 
 
-def onnx_dtype(name):
+def onnx_dtype(name: str) -> np.dtype:
+    """The NumPy dtype of a dtype name, "bfloat16" being ml_dtypes' type."""
     if name == "bfloat16":
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
 
 
 def build_onnx(case: OnnxCase) -> dict:
-    """ONNX-named inputs (Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen) for a case."""
+    """The ONNX-named inputs for `case`: `Q`, `K`, `V` (3-D or 4-D), `attn_mask` (bool, or float with some
+    -inf; or None), `past_key`, `past_value` (or None) and `nonpad_kv_seqlen` (or None)."""
     rng = np.random.default_rng(case.seed)
     dtype = onnx_dtype(case.dtype)
 
@@ -282,9 +371,12 @@ def build_onnx(case: OnnxCase) -> dict:
                 nonpad_kv_seqlen=None if case.nonpad is None else np.asarray(case.nonpad, np.int64))
 
 
-def float64_onnx(inputs: dict, case: OnnxCase, **overrides):
-    """The reference on float64 copies; sqrt(scale) is first rounded as the case's dtype holds it, so the
-    evaluation differs from a run in that dtype only by its arithmetic."""
+def float64_onnx(inputs: dict, case: OnnxCase, **overrides) -> tuple:
+    """The reference on float64 copies, as `(Y, present_key, present_value, qk_matmul_output)`.
+
+    `sqrt(scale)` is first rounded as the case's dtype holds it, so the evaluation differs from a run in that
+    dtype only by its arithmetic. `overrides` replace attributes of the case.
+    """
     dtype = onnx_dtype(case.dtype)
     root = float(np.asarray(np.sqrt(case.scale or 1 / np.sqrt(case.head_size))).astype(dtype))
     # Floating tensors (bfloat16's numpy kind is "V") widen to float64; bool masks and lengths stay.
@@ -299,7 +391,8 @@ def float64_onnx(inputs: dict, case: OnnxCase, **overrides):
 
 @dataclass(frozen=True)
 class FTCase:
-    """One cacheattn.cross_attention step; tensors (weights, old caches and buffers too) come from `seed`."""
+    """One `cacheattn.cross_attention` step; tensors (weights, old caches and buffers too) come from `seed`.
+    `cacheattn.testing.strategies.ft_cases` draws them."""
     lengths: tuple              # encoder_sequence_length per batch, in [1, mem_len]
     mem_len: int                # mem_max_seq_len
     head_num: int
@@ -321,13 +414,15 @@ class FTCase:
     def batch(self):
         return len(self.lengths)
 
-    def attrs(self):
+    def attrs(self) -> dict:
+        """Keyword attributes of `cacheattn.cross_attention` (besides `weights`)."""
         return dict(head_num=self.head_num, size_per_head=self.size_per_head, q_scaling=self.q_scaling,
                     is_batch_major_cache=self.is_batch_major_cache)
 
 
 def build_ft(case: FTCase) -> dict:
-    """Arguments of cacheattn.cross_attention for a case (weights included); caches hold plausible old data."""
+    """The arguments of `cacheattn.cross_attention` for `case`, by FasterTransformer's names, `weights` (an
+    `AttentionWeight`) included; caches and buffers hold plausible old data."""
     from reference.ft_cross_attention import chunk_elements
 
     from .ft import AttentionWeight, DenseWeight
@@ -366,9 +461,9 @@ def build_ft(case: FTCase) -> dict:
         context_buf=normal(batch, hidden) if case.context_buf else None, cross_attentions=cross, weights=weights)
 
 
-def float64_ft(inputs: dict, case: FTCase):
-    """The reference on float64 copies of every floating tensor (weights too): (hidden_features, context,
-    key_cache, value_cache, cross_attentions)."""
+def float64_ft(inputs: dict, case: FTCase) -> tuple:
+    """The reference on float64 copies of every floating tensor (weights too): `(hidden_features, context,
+    key_cache, value_cache, cross_attentions)`, the last four as the call left them."""
     from .ft import AttentionWeight, DenseWeight
 
     def wide(a):
@@ -417,6 +512,9 @@ class TrtCase:
     seed: int = 0
     encoder_lengths: tuple = ()  # cross attention: encoder_input_lengths per entry (empty: self attention)
     context_fmha_type: int = 1
+    rope_table: bool = False    # rotary_inv_freq and rotary_cos_sin from the host helpers (always for 3 and 8)
+    logn: bool = False          # logn_scaling (Qwen), seq_length 3: factors above 1 from position 3 on
+    packed_mask: bool = False   # custom_mask also as attention_packed_mask (the context requests read it)
 
     @property
     def past(self):
@@ -437,6 +535,13 @@ class TrtCase:
     @property
     def lengths(self):
         return [p + n for p, n in zip(self.past, self.new)]
+
+    def __repr__(self):
+        # The inputs added with the rest of TensorRT-LLM's signature show only when set: a reproducer stays short and
+        # reads as it did for calls without them.
+        shown = [f for f in fields(self)
+                 if f.name not in ("rope_table", "logn", "packed_mask") or getattr(self, f.name) != f.default]
+        return f"TrtCase({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in shown)})"
 
 
 def _trt_slots(case: TrtCase) -> int:
@@ -515,6 +620,12 @@ def build_trt(case: TrtCase) -> dict:
     if case.mask_type == 6:
         rows = (qkv.shape[0],) if case.packed else qkv.shape[:2]
         args["attention_mask"] = rng.random(rows + (max(case.lengths),)) < 0.7
+        if case.packed_mask:
+            args["attention_packed_mask"] = reference.packed_mask.pack_attention_mask(args["attention_mask"], new,
+                                                                                        case.lengths)
+    _trt_rope_inputs(args, case, rng)
+    if case.logn:
+        args["logn_scaling"] = reference.rope.logn_scaling(3, max(case.lengths) + 1)
     if case.qkv_bias:
         args["qkv_bias"] = (rng.standard_normal(hidden) * 0.5).astype(dtype)
     if case.encoder_lengths:
@@ -528,6 +639,24 @@ def build_trt(case: TrtCase) -> dict:
             cross_kv = rng.standard_normal((E, int(encoder.max()), width))
         args.update(do_cross_attention=True, cross_kv=cross_kv.astype(dtype), encoder_input_lengths=encoder)
     return args
+
+
+def _trt_rope_inputs(args: dict, case: TrtCase, rng) -> None:
+    """The host-built RoPE inputs: long_rope (3) and yarn (8) always carry their frequencies and tables (original
+    max positions 4, so long_rope switches tables within the drawn lengths), rope_gptj / rope_gpt_neox with
+    rope_table the plugin's table (dynamic scaling: the table alone, which the kernels then do not read)."""
+    rot = case.rotary_dim
+    num_pos = max(case.lengths) + 1
+    if case.position == 3:
+        args.update(reference.rope.long_rope_tables(num_pos, 4, rot, 10000.0, rng.uniform(1.0, 3.0, rot // 2),
+                                                    rng.uniform(2.0, 6.0, rot // 2)))
+    elif case.position == 8:
+        args.update(reference.rope.yarn_tables(num_pos, rot, 10000.0, 4.0, 4))
+    elif case.position in (1, 2) and case.rope_table:
+        freq, table = reference.rope.plugin_tables(num_pos, rot, 10000.0, case.rotary_scale, case.rotary_scale_type)
+        args["rotary_cos_sin"] = table
+        if case.rotary_scale_type != 2:
+            args["rotary_inv_freq"] = freq
 
 
 def float64_trt(inputs: dict) -> tuple:

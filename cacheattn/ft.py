@@ -15,6 +15,7 @@ import reference
 from reference.ft_cross_attention import chunk_elements
 
 from . import _arrays as arrays
+from ._types import IndexTensor, Tensor
 from ._validate import FLOAT_T1, check_contiguous, check_dtype, check_int, check_same_dtype, check_shape
 
 # FasterTransformer's masked-MHA dispatch: one kernel per head size (built for the next power of two).
@@ -23,14 +24,38 @@ HEAD_SIZES = (32, 48, 64, 80, 96, 112, 128, 144, 160, 192, 224, 256)
 
 
 class DenseWeight(NamedTuple):
-    """FasterTransformer's DenseWeight: kernel [in, out], bias [out] (or None)."""
-    kernel: object
-    bias: object = None
+    """FasterTransformer's DenseWeight: one projection.
+
+    Attributes
+    ----------
+    kernel : Tensor
+        `[in, out]`: the input times `kernel` is the projection.
+    bias : Tensor or None
+        `[out]`, or None (no bias).
+    """
+    kernel: Tensor
+    bias: Tensor | None = None
 
 
 class AttentionWeight(NamedTuple):
-    """FasterTransformer's AttentionWeight, the members cross attention reads. ia3_*_weight: DenseWeight whose
-    kernel is [num_tasks, H*Dh] (bias unused), or None."""
+    """FasterTransformer's AttentionWeight: the members cross attention reads, in the dtype of the input.
+
+    Attributes
+    ----------
+    query_weight : DenseWeight
+        `[d_model, head_num * size_per_head]`, bias `[head_num * size_per_head]` (added in the kernel).
+    key_weight : DenseWeight
+        `[mem_d_model, head_num * size_per_head]`; its bias is added to the cache at step 1.
+    value_weight : DenseWeight
+        `[mem_d_model, head_num * size_per_head]`, likewise.
+    attention_output_weight : DenseWeight
+        `[head_num * size_per_head, d_model]`; its bias is the caller's to add (FasterTransformer adds it
+        outside the layer), so it is not read.
+    ia3_key_weight : DenseWeight or None
+        IA3 key scaling: `kernel` `[num_tasks, head_num * size_per_head]` (bias unused), or None.
+    ia3_value_weight : DenseWeight or None
+        IA3 value scaling, likewise.
+    """
     query_weight: DenseWeight
     key_weight: DenseWeight
     value_weight: DenseWeight
@@ -40,9 +65,17 @@ class AttentionWeight(NamedTuple):
 
 
 class CrossAttentionOutputs(NamedTuple):
-    """hidden_features [B, d_model] (before the caller's output bias) and context [B, H*Dh] (context_buf)."""
-    hidden_features: object
-    context: object
+    """What `cross_attention` returns.
+
+    Attributes
+    ----------
+    hidden_features : Tensor
+        `[B, d_model]`: `context · attention_output_weight.kernel`, before the caller's output bias.
+    context : Tensor
+        `[B, head_num * size_per_head]`: the attention context (FasterTransformer's context_buf).
+    """
+    hidden_features: Tensor
+    context: Tensor
 
 
 def _weight_arrays(weights, use_ia3) -> dict:
@@ -158,21 +191,113 @@ def validate(input_query, encoder_output, encoder_sequence_length, step, key_cac
 
 
 @arrays.accepts_torch
-def cross_attention(input_query, encoder_output, encoder_sequence_length, step, key_cache, value_cache,
-                    finished=None, ia3_tasks=None, context_buf=None, cross_attentions=None, *, weights, head_num,
-                    size_per_head, q_scaling=1.0, is_batch_major_cache=True, backend="auto", threads=128):
-    """One decoder step of FasterTransformer's cross attention. Returns CrossAttentionOutputs(hidden_features,
-    context).
+def cross_attention(input_query: Tensor, encoder_output: Tensor, encoder_sequence_length: IndexTensor, step: int,
+                    key_cache: Tensor, value_cache: Tensor, finished: Tensor | None = None,
+                    ia3_tasks: IndexTensor | None = None, context_buf: Tensor | None = None,
+                    cross_attentions: Tensor | None = None, *, weights: AttentionWeight, head_num: int,
+                    size_per_head: int, q_scaling: float = 1.0, is_batch_major_cache: bool = True,
+                    backend: str = "auto", threads: int = 128) -> CrossAttentionOutputs:
+    """One decoder step of FasterTransformer's cross attention (DecoderCrossAttentionLayer).
 
-    input_query [B, d_model]; encoder_output [B, mem_max_seq_len, mem_d_model]; encoder_sequence_length [B] in
-    [1, mem_max_seq_len]; step counts from 1. key_cache / value_cache: one layer's caches, batch-major
-    (K [B, H, Dh/x, L, x] with x = 16 bytes / sizeof(T), V [B, H, L, Dh]) or both [B, L, H, Dh]; step 1 writes
-    them (in place), later steps only read them. finished [B] bool: a finished row's context row, probabilities
-    and cache are left alone. ia3_tasks [B] picks a row of weights.ia3_key_weight / ia3_value_weight (step 1).
-    context_buf [B, H*Dh] is written in place; without it a new zero-filled buffer is used, so a finished row of
-    `context` is zeros. cross_attentions (float32 [B, H, max_decoder_seq_len, mem_max_seq_len]) receives the
-    probabilities of positions [0, length) in row step - 1. hidden_features = context . Wo in the input dtype,
-    without the output bias (FasterTransformer adds it outside the layer).
+    At `step` 1 the encoder output is projected into the caches once: every position gets
+    `encoder_output · Wk` (and `· Wv`), and positions below the row's length then get the bias `bk` (`bv`)
+    added and, when `ia3_tasks` is given, are multiplied by the IA3 weight of the row's task; later steps only
+    read the caches. Every step, for row b, head h and encoder position `j < encoder_sequence_length[b]` (keys
+    past the length are not visited):
+
+        q = input_query[b] · Wq + bq
+        s[j] = q[h] · K[b, h, j] / (sqrt(size_per_head) · q_scaling)           (float32)
+        p = exp(s - max s) / (sum exp(s - max s) + 1e-6)
+        context[b, h] = p @ V[b, h]
+        hidden_features[b] = context[b] · Wo                                   (no output bias)
+
+    A `finished` row is left alone: its context row and `cross_attentions` row are not written, and at step 1
+    its cache rows keep the unbiased projection (the bias and IA3 write-back skip it).
+
+    Parameters
+    ----------
+    input_query : Tensor
+        `[B, d_model]`, float16 or float32: the decoder's normalised self-attention output.
+    encoder_output : Tensor
+        `[B, mem_max_seq_len, mem_d_model]`, the dtype of `input_query`.
+    encoder_sequence_length : IndexTensor
+        `[B]`, integer in `[1, mem_max_seq_len]`.
+    step : int
+        The decoding step, counting from 1 (step 1 writes the caches).
+    key_cache : Tensor
+        In-out (written at step 1). Batch-major: `[B, head_num, size_per_head / x, mem_max_seq_len, x]` with
+        `x = 16 / itemsize` (8 for float16, 4 for float32); otherwise `[B, mem_max_seq_len, head_num,
+        size_per_head]`. The dtype of `input_query`, C-contiguous.
+    value_cache : Tensor
+        In-out. Batch-major: `[B, head_num, mem_max_seq_len, size_per_head]`; otherwise like `key_cache`.
+    finished : Tensor or None, optional
+        `[B]` bool: rows whose decoding has ended.
+    ia3_tasks : IndexTensor or None, optional
+        `[B]`, integer in `[0, num_tasks)`: each row's row of `weights.ia3_key_weight` / `ia3_value_weight`
+        (applied at step 1 only; both weights required).
+    context_buf : Tensor or None, optional
+        In-out `[B, head_num * size_per_head]`, the dtype of `input_query`: receives the attention context
+        (a finished row keeps its old contents). None: a new zero-filled buffer.
+    cross_attentions : Tensor or None, optional
+        In-out float32 `[B, head_num, max_decoder_seq_len, mem_max_seq_len]` (`max_decoder_seq_len ≥ step`):
+        row `step - 1` receives the probabilities of positions `[0, length)`.
+    weights : AttentionWeight
+        The projections, in the dtype of `input_query`: `query_weight` `[d_model, head_num * size_per_head]`,
+        `key_weight` and `value_weight` `[mem_d_model, head_num * size_per_head]`, `attention_output_weight`
+        `[head_num * size_per_head, d_model]`, biases `[head_num * size_per_head]` or None.
+    head_num : int
+        Heads, ≥ 1.
+    size_per_head : int
+        One of 32, 48, 64, 80, 96, 112, 128, 144, 160, 192, 224, 256 (FasterTransformer's kernel dispatch).
+    q_scaling : float, default 1.0
+        > 0; divides the scores besides `sqrt(size_per_head)`.
+    is_batch_major_cache : bool, default True
+        Which cache layout (see `key_cache`).
+    backend : str, default "auto"
+        "auto", "reference" or "numba".
+    threads : int, default 128
+        The kernels' block size.
+
+    Returns
+    -------
+    CrossAttentionOutputs
+        `(hidden_features, context)`: `hidden_features` `[B, d_model]` (before the caller's output bias) and
+        `context` `[B, head_num * size_per_head]` (`context_buf` when given), in the dtype of `input_query`.
+
+    Raises
+    ------
+    ValueError
+        Named by the argument (`weights.key_weight.kernel` for a weight): shapes, `step` < 1, a
+        `size_per_head` FasterTransformer has no kernel for, lengths outside `[1, mem_max_seq_len]`, `ia3_tasks`
+        without IA3 weights or out of range, `max_decoder_seq_len` < `step`, a non-contiguous cache.
+    TypeError
+        Mismatched dtypes, a non-bool `finished`, float index tensors.
+
+    Notes
+    -----
+    Sources: NVIDIA FasterTransformer's
+    [decoder guide](https://github.com/NVIDIA/FasterTransformer/blob/main/docs/decoder_guide.md) and its
+    DecoderCrossAttentionLayer, as GiantPandaCV's "FasterTransformer Decoding 源码分析(六)-CrossAttention介绍"
+    walks through it (docs/ft.md).
+
+    Examples
+    --------
+    >>> import numpy as np, cacheattn
+    >>> rng = np.random.default_rng(0)
+    >>> B, L, d, H, Dh = 2, 5, 16, 2, 32
+    >>> def dense(rows, cols):
+    ...     return cacheattn.DenseWeight(rng.standard_normal((rows, cols)).astype(np.float32) / rows ** 0.5,
+    ...                                  rng.standard_normal(cols).astype(np.float32))
+    >>> weights = cacheattn.AttentionWeight(dense(d, H * Dh), dense(d, H * Dh), dense(d, H * Dh), dense(H * Dh, d))
+    >>> key_cache = np.full((B, H, Dh // 4, L, 4), np.nan, np.float32)      # batch-major, x = 4 for float32
+    >>> value_cache = np.full((B, H, L, Dh), np.nan, np.float32)
+    >>> out = cacheattn.cross_attention(
+    ...     rng.standard_normal((B, d)).astype(np.float32), rng.standard_normal((B, L, d)).astype(np.float32),
+    ...     np.array([5, 3]), 1, key_cache, value_cache, weights=weights, head_num=H, size_per_head=Dh)
+    >>> out.hidden_features.shape, out.context.shape
+    ((2, 16), (2, 64))
+    >>> bool(np.isfinite(key_cache).all() and np.isfinite(value_cache).all())      # step 1 wrote both caches
+    True
     """
     use_ia3 = ia3_tasks is not None
     weight_arrays = _weight_arrays(weights, use_ia3)

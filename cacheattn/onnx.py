@@ -14,18 +14,32 @@ import numpy as np
 import reference
 
 from . import _arrays as arrays
-from ._validate import check_choice, check_int, check_shape
+from ._types import IndexTensor, Tensor
+from ._validate import check_choice, check_flag, check_int, check_shape
 
 T1 = ("float16", "float32", "float64", "bfloat16")
 OPSETS = (23, 24, 25)
 
 
 class AttentionOutputs(NamedTuple):
-    """The four ONNX outputs, in ONNX order; qk_matmul_output is None unless asked for."""
-    Y: object
-    present_key: object
-    present_value: object
-    qk_matmul_output: object
+    """The four ONNX outputs, in ONNX order.
+
+    Attributes
+    ----------
+    Y : Tensor
+        `(batch, q_num_heads, q_seq, v_head_size)`, or `(batch, q_seq, q_num_heads * v_head_size)` for 3-D inputs.
+    present_key : Tensor
+        `(batch, kv_num_heads, total_sequence_length, head_size)`: `past_key` then `K`.
+    present_value : Tensor
+        `(batch, kv_num_heads, total_sequence_length, v_head_size)`.
+    qk_matmul_output : Tensor or None
+        `(batch, q_num_heads, q_seq, total_sequence_length)` at the stage `qk_matmul_output_mode` names; None
+        unless `return_qk_matmul_output` was set.
+    """
+    Y: Tensor
+    present_key: Tensor
+    present_value: Tensor
+    qk_matmul_output: Tensor | None
 
 
 def _dtype_name(x) -> str:
@@ -119,7 +133,7 @@ def validate(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, *, is_c
             raise ValueError(f"attn_mask: expected a last dim >= max(nonpad_kv_seqlen) = {nonpad.max()}, "
                              f"got {shape[-1]}")
 
-    check_choice("is_causal", is_causal, (0, 1))
+    check_flag("is_causal", is_causal)
     check_choice("qk_matmul_output_mode", qk_matmul_output_mode, (0, 1, 2, 3))
     if scale is not None and not (isinstance(scale, (int, float, np.floating)) and scale > 0):
         raise ValueError(f"scale: expected a positive float or None, got {scale!r}")
@@ -135,21 +149,120 @@ def validate(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, *, is_c
 
 
 @arrays.accepts_torch
-def onnx_attention(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv_seqlen=None, *, is_causal=0,
-                   kv_num_heads=None, q_num_heads=None, qk_matmul_output_mode=0, scale=None, softcap=0.0,
-                   softmax_precision=None, left_window_size=-1, right_window_size=-1, opset=24,
-                   return_qk_matmul_output=False, backend="auto", threads=128):
-    """ONNX Attention. Returns AttentionOutputs(Y, present_key, present_value, qk_matmul_output).
+def onnx_attention(Q: Tensor, K: Tensor, V: Tensor, attn_mask: Tensor | None = None, past_key: Tensor | None = None,
+                   past_value: Tensor | None = None, nonpad_kv_seqlen: IndexTensor | None = None, *,
+                   is_causal: int | bool = 0, kv_num_heads: int | None = None, q_num_heads: int | None = None,
+                   qk_matmul_output_mode: int = 0, scale: float | None = None, softcap: float = 0.0,
+                   softmax_precision: int | None = None, left_window_size: int = -1, right_window_size: int = -1,
+                   opset: int = 24, return_qk_matmul_output: bool = False, backend: str = "auto",
+                   threads: int = 128) -> AttentionOutputs:
+    """ONNX `Attention` (opsets 23 and 24; opset 25's sliding windows): scaled dot-product attention with an
+    optional KV cache.
 
-    Q: (batch, q_num_heads, q_seq, head_size) or (batch, q_seq, q_num_heads * head_size); K, V likewise with
-    kv_num_heads (3-D inputs need q_num_heads and kv_num_heads). attn_mask: bool (True = attend) or Q's dtype
-    (added), broadcastable to (batch, q_num_heads, q_seq, total_seq), last dim possibly shorter (padded).
-    present_key/present_value are (batch, kv_num_heads, total_seq, size). qk_matmul_output is computed only when
-    return_qk_matmul_output is set.
+    With `K'` = `[past_key; K]` and `V'` = `[past_value; V]` along the sequence axis (`total_sequence_length`
+    = past + kv), and kv head `g = h // (q_num_heads // kv_num_heads)`:
+
+        qk   = (Q[h] · sqrt(scale)) @ (K'[g] · sqrt(scale))ᵀ                     -> mode 0
+        qk   = softcap · tanh(qk / softcap)        if softcap > 0                 -> mode 1
+        qk   = qk + bias                                                         -> mode 2
+        p    = softmax(qk)                          (in softmax_precision)        -> mode 3
+        Y[h] = p @ V'[g]
+
+    `bias` is the float `attn_mask`, or 0 / -inf from a bool one (True = attend), padded with -inf past its
+    last column; plus -inf where `is_causal` hides key j from query i (`j > i + offset`), outside the windows
+    (`j < i + offset - left_window_size`, `j > i + offset + right_window_size`) and at keys
+    `≥ nonpad_kv_seqlen[b]`. `offset` is the past length with `past_key`, else `nonpad_kv_seqlen[b] - q_seq`
+    when given, else 0. A row with every key hidden gives zeros, never NaN. Softcap comes before the mask,
+    as in onnx's reference implementation (1.23.x).
+
+    Parameters
+    ----------
+    Q : Tensor
+        `(batch, q_num_heads, q_seq, head_size)`, or 3-D `(batch, q_seq, q_num_heads * head_size)`;
+        float16, float32, float64 or bfloat16 (ml_dtypes).
+    K : Tensor
+        `(batch, kv_num_heads, kv_seq, head_size)` or 3-D `(batch, kv_seq, kv_num_heads * head_size)`,
+        the dtype and rank of `Q`.
+    V : Tensor
+        `(batch, kv_num_heads, kv_seq, v_head_size)` or 3-D `(batch, kv_seq, kv_num_heads * v_head_size)`.
+    attn_mask : Tensor or None, optional
+        bool (True = attend) or the dtype of `Q` (added); broadcastable to
+        `(batch, q_num_heads, q_seq, total_sequence_length)`; its last dim may be shorter (padded with
+        False / -inf), and covers `max(nonpad_kv_seqlen)` when that is given.
+    past_key : Tensor or None, optional
+        `(batch, kv_num_heads, past, head_size)`; comes with `past_value`.
+    past_value : Tensor or None, optional
+        `(batch, kv_num_heads, past, v_head_size)`.
+    nonpad_kv_seqlen : IndexTensor or None, optional
+        `(batch,)`, integer in `[0, kv_seq]`: the valid keys of each batch (opset ≥ 24; not with a past).
+    is_causal : int or bool, default 0
+        0/1, or False/True: bottom-right causal mask (see `offset`).
+    kv_num_heads : int or None, default None
+        Required with 3-D inputs; with 4-D ones None or the head axis of `K`.
+    q_num_heads : int or None, default None
+        Required with 3-D inputs; divisible by `kv_num_heads`.
+    qk_matmul_output_mode : int, default 0
+        Which stage `qk_matmul_output` shows: 0 the matmul, 1 after softcap, 2 after the bias, 3 after softmax.
+    scale : float or None, default None
+        > 0; None means `1 / sqrt(head_size)`. Applied as `sqrt(scale)` on Q and on K.
+    softcap : float, default 0.0
+        ≥ 0; 0 disables it.
+    softmax_precision : int or None, default None
+        A TensorProto element type for the softmax: 1 float32, 10 float16, 11 float64, 16 bfloat16; None: the
+        input dtype.
+    left_window_size : int, default -1
+        Opset 25: keys more than this far before the query's position are hidden; -1 none.
+    right_window_size : int, default -1
+        Opset 25: keys more than this far after it are hidden; -1 none.
+    opset : int, default 24
+        23, 24 or 25: which schema's inputs and attributes are allowed.
+    return_qk_matmul_output : bool, default False
+        Compute the fourth output.
+    backend : str, default "auto"
+        "auto", "reference" or "numba".
+    threads : int, default 128
+        The kernels' block size.
+
+    Returns
+    -------
+    AttentionOutputs
+        `(Y, present_key, present_value, qk_matmul_output)`: `Y` is `(batch, q_num_heads, q_seq, v_head_size)`
+        (3-D `(batch, q_seq, q_num_heads * v_head_size)` for 3-D inputs); `present_key` / `present_value` are
+        `(batch, kv_num_heads, total_sequence_length, head_size / v_head_size)`; `qk_matmul_output` is
+        `(batch, q_num_heads, q_seq, total_sequence_length)`, or None unless `return_qk_matmul_output`.
+        All in the dtype of `Q`.
+
+    Raises
+    ------
+    ValueError
+        Named by the ONNX input or attribute: ranks, head counts, sizes, a mask not broadcastable,
+        `past_key` without `past_value`, `nonpad_kv_seqlen` with a past or at opset 23, attributes out of
+        range (`is_causal` other than 0/1/False/True), an opset 25 attribute at opset 24.
+    TypeError
+        A dtype outside the four floats, mismatched dtypes, a float `nonpad_kv_seqlen`.
+
+    Notes
+    -----
+    Source: ONNX [Attention](https://github.com/onnx/onnx/blob/main/docs/Operators.md#Attention)
+    (`onnx.defs.get_schema("Attention", 24).doc`). All 93 onnx node test cases for Attention pass on both
+    backends (docs/conformance.md).
+
+    Examples
+    --------
+    >>> import numpy as np, cacheattn
+    >>> rng = np.random.default_rng(0)
+    >>> Q = rng.standard_normal((1, 4, 2, 8)).astype(np.float32)            # 4 query heads
+    >>> K, V = rng.standard_normal((2, 1, 2, 3, 8)).astype(np.float32)      # 2 kv heads (GQA)
+    >>> past = rng.standard_normal((1, 2, 5, 8)).astype(np.float32)
+    >>> out = cacheattn.onnx_attention(Q, K, V, past_key=past, past_value=past, is_causal=True)
+    >>> out.Y.shape, out.present_key.shape, out.qk_matmul_output
+    ((1, 4, 2, 8), (1, 2, 8, 8), None)
+    >>> bool(np.array_equal(out.present_key[:, :, 5:], K))
+    True
     """
     data = dict(Q=Q, K=K, V=V, attn_mask=attn_mask, past_key=past_key, past_value=past_value)
     engine = arrays.resolve_backend(backend, data)
-    attrs = dict(is_causal=is_causal, kv_num_heads=kv_num_heads, q_num_heads=q_num_heads,
+    attrs = dict(is_causal=check_flag("is_causal", is_causal), kv_num_heads=kv_num_heads, q_num_heads=q_num_heads,
                  qk_matmul_output_mode=qk_matmul_output_mode, scale=scale, softcap=softcap,
                  softmax_precision=softmax_precision, left_window_size=left_window_size,
                  right_window_size=right_window_size)

@@ -135,6 +135,26 @@ def summary(rows, backends) -> list[str]:
     return lines
 
 
+def _result(cell: dict) -> str:
+    """A backend's cell: "pass" and the largest error, or "FAIL" and why."""
+    if cell["passed"]:
+        return "pass " + cell["detail"].removeprefix("max |err| ")
+    return "FAIL " + cell["detail"]
+
+
+def conformance_table(rows, backends):
+    """The rows of `results` as a table: case, opset, and each backend's verdict with its largest |err|."""
+    from . import _console
+
+    columns = (_console.Column("case"), _console.Column("opset", right=True),
+               *(_console.Column(b, show=_result, means="the same" if n else "pass and the largest |err| of any "
+                                 "output against the case's expected one, or FAIL and why")
+                 for n, b in enumerate(backends)))
+    return _console.make_table(None, columns, [
+        (case.name, case.opset, *({"passed": cells[b][0], "detail": cells[b][1]} for b in backends))
+        for case, cells in rows])
+
+
 def conformance(backends=("reference", "numba")) -> int:
     """Run every case with a progress bar (on a terminal), print the table and a total; returns the failures."""
     from . import _console
@@ -143,10 +163,7 @@ def conformance(backends=("reference", "numba")) -> int:
         count = len(node_cases())
     with _console.progress(count, "onnx Attention node cases") as step:
         rows = results(backends, on_case=step)
-    _console.table(None, ("case", "opset", *backends),
-                   ((case.name, case.opset, *(f"{'pass' if ok else 'FAIL'} {detail}" for ok, detail in
-                                              (cells[b] for b in backends)))
-                    for case, cells in rows), right=("opset",))
+    _console.print_table(conformance_table(rows, backends))
     for line in summary(rows, backends):
         _console.say(line)
     return sum(not cells[b][0] for _, cells in rows for b in backends)

@@ -122,3 +122,27 @@ def mma_fragments(a_position, b_position, c_position) -> str:
     for r in range(16):
         lines.append("    ".join(grid[r] for _, grid in tiles))
     return "\n".join(lines)
+
+
+# ---- cacheattn.convert
+
+def kv_memory(array, row: int, group: int = 0) -> str:
+    """A float cache in memory order, one character per element: the digit t where it holds +(t + 1) (key of
+    token t), the letter 'abcdefghij'[t] where it holds -(t + 1) (value of token t), '.' where it holds NaN
+    (bytes nobody wrote); `row` elements a line, prefixed by the line's first flat offset, a space every
+    `group` elements."""
+    flat = np.asarray(array, np.float64).reshape(-1)
+    cells = []
+    for x in flat:
+        if np.isnan(x):
+            cells.append(".")
+        else:
+            t = int(abs(x)) - 1
+            cells.append(str(t % 10) if x > 0 else "abcdefghij"[t % 10])
+    lines = []
+    for start in range(0, len(cells), row):
+        chunk = cells[start:start + row]
+        if group:
+            chunk = [" " + c if i and i % group == 0 else c for i, c in enumerate(chunk)]
+        lines.append(f"{start:4d} | {''.join(chunk)}")
+    return "\n".join(lines)

@@ -18,6 +18,7 @@ from reference.cache_layout import DYNAMIC_LAYOUTS, STATIC_LAYOUTS
 from reference.quant import stored_head_dim
 
 from . import _arrays as arrays
+from ._types import IndexTensor, Tensor
 from ._validate import (
     FLOAT_T1,
     check_choice,
@@ -33,9 +34,18 @@ QUANT_BITS = (0, 4, 8)
 
 
 class KeyValue(NamedTuple):
-    """The two outputs of KeyValueCache, in the document's order."""
-    key: object
-    value: object
+    """The two outputs of KeyValueCache (static and dynamic_batching), in the document's order.
+
+    Attributes
+    ----------
+    key : Tensor
+        Every key so far: `(B, start_pos + S, H * num_repeat, Dh)` (`key_value_cache`) or
+        `(kvstarts[B], H * num_repeat, Dh)` (`dynamic_key_value_cache`).
+    value : Tensor
+        The values, shaped like `key`.
+    """
+    key: Tensor
+    value: Tensor
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -106,6 +116,7 @@ def _check_dynamic_indices(seqstarts, kvstarts, cachestarts, start_pos, max_seql
     _check_max("max_seqlen", max_seqlen, seqlens)
     _check_max("max_kvlen", max_kvlen, kvlens)
     _check_cachestarts(cachestarts, kvlens, max_t, cache_mode=cache_mode, page_size=page_size)
+    _check_written_slots(cachestarts, start_pos, seqlens, cache_mode=cache_mode, page_size=page_size)
     return seqlens, kvlens
 
 
@@ -139,6 +150,27 @@ def _check_cachestarts(cachestarts, kvlens, max_t, *, cache_mode, page_size):
         b, p = (int(i) for i in bad[0])
         raise ValueError(f"cachestarts: expected every used page [start, start + page_size) inside MaxT = "
                          f"{max_t}; cachestarts[{b}, {p}] = {cachestarts[b, p]} with page_size {page_size}")
+
+
+def _check_written_slots(cachestarts, start_pos, seqlens, *, cache_mode, page_size):
+    """No two current tokens of the call may be stored into the same cache slot: the store writes every token in
+    parallel, so on a GPU that is a data race whose winner is undefined. Only the slots written now count:
+    sequences may share the pages of a common prefix, which this call only reads (positions < start_pos)."""
+    batch_of = np.repeat(np.arange(seqlens.shape[0]), seqlens)                  # (sum seqlens,) the token's batch
+    first = np.cumsum(seqlens) - seqlens                                         # (B,) its first packed row
+    position = start_pos[batch_of] + np.arange(batch_of.shape[0]) - first[batch_of]
+    if cache_mode == 0:
+        slots = cachestarts[batch_of] + position
+    else:
+        slots = cachestarts[batch_of, position // page_size] + position % page_size
+    order = np.argsort(slots, kind="stable")
+    clash = np.nonzero(slots[order][1:] == slots[order][:-1])[0]
+    if clash.size:
+        i, j = order[clash[0]], order[clash[0] + 1]
+        raise ValueError(f"cachestarts: expected distinct cache slots for the tokens this call stores, got batch "
+                         f"{batch_of[i]} position {position[i]} and batch {batch_of[j]} position {position[j]} both "
+                         f"at slot {slots[i]} (a write race on a GPU; sequences may share only pages they read, "
+                         f"positions < start_pos)")
 
 
 def _check_attention_attrs(num_heads, head_dim, num_kv_heads, is_causal, is_alibi):
@@ -188,14 +220,84 @@ def _check_kernel_tensors(engine, **tensors):
 # ---------------------------------------------------------------------------------------------- operators
 
 @arrays.accepts_torch
-def key_value_cache(current_key, current_value, start_pos, cache, scale=None, *, num_layer=1, layer_idx=0,
-                    quant_bit=0, quant_group=8, num_repeat=1, cache_layout=0, backend="auto", threads=128):
-    """OpenPPL `KeyValueCache`: store current key/value at start_pos, return the whole key/value so far.
+def key_value_cache(current_key: Tensor, current_value: Tensor, start_pos: int | IndexTensor, cache: Tensor,
+                    scale: Tensor | None = None, *, num_layer: int = 1, layer_idx: int = 0, quant_bit: int = 0,
+                    quant_group: int = 8, num_repeat: int = 1, cache_layout: int = 0, backend: str = "auto",
+                    threads: int = 128) -> KeyValue:
+    """OpenPPL `KeyValueCache`: store this step's key/value at `start_pos`, return every key/value so far.
 
-    current_key, current_value: (B, S, H, Dh) float16/float32. start_pos: int or one-element tensor.
-    cache: cache_layout 0 (MaxB, L, 2, MaxS, H, Dh) or 1 (L, MaxB, 2, H, MaxS, Dh); int8 when quant_bit != 0
-    (last dim Dh/2 for quant_bit 4). scale: cache's layout with last dim Dh/quant_group.
-    Returns KeyValue(key, value), each (B, start_pos + S, H * num_repeat, Dh). cache and scale are modified.
+    For every batch b, token s, head h: `cache[key of layer_idx, b, start_pos + s, h] = current_key[b, s, h]`
+    (quantized when `quant_bit` is set), likewise for the value; then positions `[0, start_pos + S)` are read
+    back (dequantized) and each head is repeated `num_repeat` times in a row (grouped-query attention).
+    The same `start_pos` holds for the whole batch (a padded batch); `dynamic_key_value_cache` is the packed one.
+
+    Parameters
+    ----------
+    current_key : Tensor
+        `(B, S, H, Dh)`, float16 or float32: this step's keys (`B` ≤ MaxB of `cache`).
+    current_value : Tensor
+        `(B, S, H, Dh)`, the dtype of `current_key`.
+    start_pos : int or IndexTensor
+        A scalar or a one-element integer tensor: the position of the first current token;
+        `start_pos + S` ≤ MaxS.
+    cache : Tensor
+        In-out. `cache_layout` 0: `(MaxB, L, 2, MaxS, H, Dh)`; 1: `(L, MaxB, 2, H, MaxS, Dh)` (axis `2`: 0 key,
+        1 value; `L` = `num_layer`). The dtype of `current_key`, or int8 when `quant_bit` is set, whose last
+        dim is `Dh / 2` for `quant_bit` 4 (two values per byte). C-contiguous on the kernels.
+    scale : Tensor or None, optional
+        In-out; required when `quant_bit` is set, float16 or float32: one scale per group of `quant_group`
+        values of a token and head, laid out like `cache` with `G = Dh / quant_group` last: `cache_layout` 0
+        `(MaxB, L, 2, MaxS, H, G)`, 1 `(L, MaxB, 2, H, MaxS, G)`.
+    num_layer : int, default 1
+        `L`, the layers `cache` holds.
+    layer_idx : int, default 0
+        The layer this call stores and reads, in `[0, num_layer)`.
+    quant_bit : int, default 0
+        0 (no quantization), 8 (int8) or 4 (int4, this project's extension: the document lists it, upstream
+        refuses it).
+    quant_group : int, default 8
+        Values sharing one scale; divides `Dh` (and is even for `quant_bit` 4).
+    num_repeat : int, default 1
+        How many times each head is repeated in the outputs (≥ 1).
+    cache_layout : int, default 0
+        0 or 1, as under `cache`.
+    backend : str, default "auto"
+        "auto" (NumPy arrays: the reference; GPU arrays: the kernels), "reference" or "numba".
+    threads : int, default 128
+        The kernels' block size (ignored by the reference).
+
+    Returns
+    -------
+    KeyValue
+        `(key, value)`, each `(B, start_pos + S, H * num_repeat, Dh)` in the dtype of `current_key`: head `h`
+        of the cache is heads `h * num_repeat ... h * num_repeat + num_repeat - 1` of the output.
+
+    Raises
+    ------
+    ValueError
+        A shape, attribute or index out of its range, named by its parameter: `start_pos + S` past MaxS, a
+        batch larger than MaxB, `quant_group` not dividing `Dh`, a missing `scale` with `quant_bit` set.
+    TypeError
+        A dtype outside float16/float32 (int8 for a quantized `cache`), or a non-integer attribute.
+
+    Notes
+    -----
+    int8: `scale = max(max|x| / 127, 1e-5)` per group, `q = clip(round_half_even(x / scale), -127, 127)`,
+    computed in the input dtype; reading back multiplies `q * scale` in the dtype of `scale`. int4: the same
+    with 7, element `2i` in the low nibble. Source: OpenPPL ppl.pmx,
+    [KeyValueCache](https://github.com/OpenPPL/ppl.pmx/blob/master/docs/operators/KeyValueCache.md).
+
+    Examples
+    --------
+    >>> import numpy as np, cacheattn
+    >>> rng = np.random.default_rng(0)
+    >>> cache = rng.standard_normal((2, 1, 2, 8, 2, 4)).astype(np.float32)   # layout 0, MaxS = 8
+    >>> k = rng.standard_normal((2, 3, 2, 4)).astype(np.float32)             # B = 2, S = 3, H = 2, Dh = 4
+    >>> key, value = cacheattn.key_value_cache(k, -k, 5, cache, num_repeat=2)
+    >>> key.shape
+    (2, 8, 4, 4)
+    >>> bool(np.array_equal(key[:, 5:, ::2], k)), bool(np.array_equal(cache[:, 0, 1, 5:], -k))
+    (True, True)
     """
     data = dict(current_key=current_key, current_value=current_value, cache=cache, scale=scale)
     engine = arrays.resolve_backend(backend, data)
@@ -233,7 +335,8 @@ def _dynamic_cache_checks(current_key, current_value, seqstarts, kvstarts, cache
                           max_kvlen, cache, scale, *, num_kv_heads, head_dim, num_layer, layer_idx, quant_bit,
                           quant_group, cache_mode, cache_layout, page_size):
     """Checks shared by dynamic_batching.KeyValueCache and MultiHeadCacheAttention; returns host index arrays."""
-    _check_current(current_key, current_value, (None, num_kv_heads, head_dim), "(seqstarts[B], H, Dh)")
+    _check_current(current_key, current_value, (None, num_kv_heads, head_dim),
+                   "(seqstarts[B], num_kv_heads, head_dim)")
     _check_layer(num_layer, layer_idx)
     _check_quant(quant_bit, quant_group, head_dim)
     check_choice("cache_mode", cache_mode, (0, 1))
@@ -251,20 +354,118 @@ def _dynamic_cache_checks(current_key, current_value, seqstarts, kvstarts, cache
 
 
 @arrays.accepts_torch
-def dynamic_key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
-                            max_kvlen, cache, scale=None, *, num_layer=1, layer_idx=0, quant_bit=0, quant_group=8,
-                            num_repeat=1, cache_mode=0, cache_layout=0, page_size=128, backend="auto", threads=128):
-    """OpenPPL `dynamic_batching.KeyValueCache`. Returns KeyValue(key, value), each (kvstarts[B], H*num_repeat, Dh).
+def dynamic_key_value_cache(current_key: Tensor, current_value: Tensor, seqstarts: IndexTensor, kvstarts: IndexTensor,
+                            cachestarts: IndexTensor, start_pos: IndexTensor, max_seqlen: int, max_kvlen: int,
+                            cache: Tensor, scale: Tensor | None = None, *, num_layer: int = 1, layer_idx: int = 0,
+                            quant_bit: int = 0, quant_group: int = 8, num_repeat: int = 1, cache_mode: int = 0,
+                            cache_layout: int = 0, page_size: int = 128, backend: str = "auto",
+                            threads: int = 128) -> KeyValue:
+    """OpenPPL `dynamic_batching.KeyValueCache`: store a packed batch's current key/value, read back each
+    sequence's whole key/value.
 
-    current_key, current_value: (seqstarts[B], H, Dh). cache: cache_layout 0 (MaxT,L,2,H,Dh), 1 (L,MaxT,2,H,Dh),
-    2 (L,2,MaxT,H,Dh), 3 (L,2,H,MaxT,Dh). cachestarts: (B,) offsets (cache_mode 0) or (B, MaxP) page starts
-    (cache_mode 1). cache and scale are modified in place.
+    Batch b's `seqlen = seqstarts[b+1] - seqstarts[b]` current tokens are positions
+    `start_pos[b] ... start_pos[b] + seqlen - 1` of its sequence and are stored (quantized when `quant_bit` is
+    set) at cache slot `slot(b, t)`: `cachestarts[b] + t` with `cache_mode` 0 (offset), or
+    `cachestarts[b, t // page_size] + t % page_size` with `cache_mode` 1 (paged; the table holds token offsets
+    into MaxT, not page numbers). Every sequence is stored first; then positions `[0, kvlen)` of each are read
+    back (dequantized), packed at rows `kvstarts[b] ...`, with `kvlen = kvstarts[b+1] - kvstarts[b]`.
+
+    Parameters
+    ----------
+    current_key : Tensor
+        `(seqstarts[B], H, Dh)`, float16 or float32: the current tokens of all B sequences, packed (`H` =
+        the kv heads).
+    current_value : Tensor
+        `(seqstarts[B], H, Dh)`, the dtype of `current_key`.
+    seqstarts : IndexTensor
+        `(B + 1,)`, integer: `0`, then the running sum of the current lengths.
+    kvstarts : IndexTensor
+        `(B + 1,)`, integer: `0`, then the running sum of `kvlen = start_pos[b] + seqlen[b]`.
+    cachestarts : IndexTensor
+        `cache_mode` 0: `(B,)`, sequence b's first slot in MaxT. `cache_mode` 1: `(B, MaxP)`, the token
+        offset in MaxT of each page of sequence b (entries past its last page are not read; -1 is customary).
+        Every slot of `[0, kvlen)` lies in `[0, MaxT)`; a used page lies whole inside MaxT.
+        Sequences may share the pages (or offsets) of a common prefix that this call only reads
+        (positions `< start_pos[b]`); no two current tokens may be stored into one slot (see Raises).
+    start_pos : IndexTensor
+        `(B,)`, integer ≥ 0: the cached length of each sequence before this call.
+    max_seqlen : int
+        ≥ the longest current length (sizes the kernels' work; the result does not depend on it).
+    max_kvlen : int
+        ≥ the longest `kvlen`.
+    cache : Tensor
+        In-out, `cache_layout` 0: `(MaxT, L, 2, H, Dh)`; 1: `(L, MaxT, 2, H, Dh)`; 2: `(L, 2, MaxT, H, Dh)`;
+        3: `(L, 2, H, MaxT, Dh)` (axis `2`: 0 key, 1 value; `L` = `num_layer`). The dtype of `current_key`, or
+        int8 when `quant_bit` is set, with last dim `Dh / 2` for `quant_bit` 4. C-contiguous on the kernels.
+    scale : Tensor or None, optional
+        In-out; required when `quant_bit` is set, float16 or float32: laid out like `cache` with
+        `G = Dh / quant_group` last: `cache_layout` 0 `(MaxT, L, 2, H, G)`, 1 `(L, MaxT, 2, H, G)`,
+        2 `(L, 2, MaxT, H, G)`, 3 `(L, 2, H, MaxT, G)`.
+    num_layer : int, default 1
+        `L`.
+    layer_idx : int, default 0
+        The layer stored and read, in `[0, num_layer)`.
+    quant_bit : int, default 0
+        0, 8 (int8) or 4 (int4, this project's extension).
+    quant_group : int, default 8
+        Values per scale; divides `Dh` (even for `quant_bit` 4).
+    num_repeat : int, default 1
+        Each head repeated this many times in a row in the outputs.
+    cache_mode : int, default 0
+        0 offset, 1 paged (see `cachestarts`).
+    cache_layout : int, default 0
+        0 to 3, as under `cache`.
+    page_size : int, default 128
+        Tokens per page with `cache_mode` 1 (any positive int; it need not divide the lengths).
+    backend : str, default "auto"
+        "auto", "reference" or "numba".
+    threads : int, default 128
+        The kernels' block size.
+
+    Returns
+    -------
+    KeyValue
+        `(key, value)`, each `(kvstarts[B], H * num_repeat, Dh)` in the dtype of `current_key`.
+
+    Raises
+    ------
+    ValueError
+        Named by the parameter: `seqstarts`/`kvstarts` not starting at 0, decreasing, or not matching the
+        packed tensors; `kvlen != start_pos + seqlen`; `max_seqlen`/`max_kvlen` too small; a slot or page
+        outside MaxT; too few pages; and `cachestarts` when two current tokens (of two sequences, or of one)
+        would be stored into the same slot — a data race on a GPU, refused on both backends.
+    TypeError
+        Float index tensors, float `cache` with `quant_bit`, dtypes outside float16/float32.
+
+    Notes
+    -----
+    Source: OpenPPL ppl.pmx,
+    [dynamic_batching.KeyValueCache](https://github.com/OpenPPL/ppl.pmx/blob/master/docs/operators/dynamic_batching/KeyValueCache.md)
+    (its quantization: [KeyValueCache](https://github.com/OpenPPL/ppl.pmx/blob/master/docs/operators/KeyValueCache.md)).
+
+    Examples
+    --------
+    Two sequences with 4 cached tokens each share the page at slot 0 (their common prefix, only read) and
+    store their next token into pages of their own:
+
+    >>> import numpy as np, cacheattn
+    >>> rng = np.random.default_rng(0)
+    >>> cache = rng.standard_normal((12, 1, 2, 2, 8)).astype(np.float32)   # layout 0: (MaxT, L, 2, H, Dh)
+    >>> new = rng.standard_normal((2, 2, 8)).astype(np.float32)            # one token per sequence
+    >>> key, value = cacheattn.dynamic_key_value_cache(
+    ...     new, new, np.array([0, 1, 2]), np.array([0, 5, 10]), np.array([[0, 4], [0, 8]]), np.array([4, 4]),
+    ...     1, 5, cache, cache_mode=1, page_size=4)
+    >>> key.shape
+    (10, 2, 8)
+    >>> bool(np.array_equal(key[:4], key[5:9])), bool(np.array_equal(key[[4, 9]], new))
+    (True, True)
     """
     data = dict(current_key=current_key, current_value=current_value, cache=cache, scale=scale)
     engine = arrays.resolve_backend(backend, data)
     check_int("num_repeat", num_repeat, low=1)
     if getattr(current_key, "ndim", 0) != 3:
-        raise ValueError(f"current_key: expected shape (seqstarts[B], H, Dh), got {tuple(current_key.shape)}")
+        raise ValueError(f"current_key: expected shape (seqstarts[B], num_kv_heads, head_dim), "
+                         f"got {tuple(current_key.shape)}")
     num_kv_heads, head_dim = int(current_key.shape[1]), int(current_key.shape[2])
     attrs = dict(num_layer=num_layer, layer_idx=layer_idx, quant_bit=quant_bit, quant_group=quant_group,
                  cache_mode=cache_mode, cache_layout=cache_layout, page_size=page_size)
@@ -287,16 +488,95 @@ def dynamic_key_value_cache(current_key, current_value, seqstarts, kvstarts, cac
 
 
 @arrays.accepts_torch
-def dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
-                                 attn_mask=None, *, num_heads, head_dim, is_causal, is_alibi=False, num_kv_heads=0,
-                                 backend="auto", threads=128, rung=1, num_splits=None):
-    """OpenPPL `dynamic_batching.MultiHeadAttention` over packed key/value (as KeyValueCache returns them).
+def dynamic_multi_head_attention(query: Tensor, key: Tensor, value: Tensor, seqstarts: IndexTensor,
+                                 kvstarts: IndexTensor, decoding_batches: int, max_seqlen: int, max_kvlen: int,
+                                 attn_mask: Tensor | None = None, *, num_heads: int, head_dim: int, is_causal: bool,
+                                 is_alibi: bool = False, num_kv_heads: int = 0, backend: str = "auto",
+                                 threads: int = 128, rung: int = 1, num_splits: int | None = None) -> Tensor:
+    """OpenPPL `dynamic_batching.MultiHeadAttention` over packed key/value (as `dynamic_key_value_cache`
+    returns them).
 
-    query: (seqstarts[B], num_heads, head_dim); key, value: (kvstarts[B], num_kv_heads, head_dim).
-    Returns attn_output (seqstarts[B], num_heads, head_dim). threads, rung: the kernels' block size and which
-    rung of the kernel ladder runs (1 shared-memory tiles, 2 a warp per key, 3 16-byte loads, 4 split-K, 5 tensor
-    cores with a float16 query; docs/kernel-ladder.md); num_splits: rung 4's split count (default: chosen for the
-    GPU's SM count).
+    For batch b, query head h, row i (the token at position `p = kvlen - seqlen + i`) and key j < kvlen, with
+    kv head `g = h // (num_heads // num_kv_heads)`:
+
+        s[j] = q[i, h] · k[j, g] / sqrt(head_dim) + bias[h, i, j]        (float32)
+        out[i, h] = softmax(s).astype(value dtype) @ v[:, g]
+
+    `bias` is `-inf` for `j > p` when causal applies (`is_causal` and `seqlen > 1` and `b >= decoding_batches`,
+    or always with `is_alibi`: the mask is aligned bottom-right), plus `slope_h * (j - p)` with `is_alibi`,
+    plus `attn_mask[(h,) seqstarts[b] + i, kvstarts[b] + j]`. ALiBi slopes, with `c = 2^floor(log2 H)`:
+    `2^(-8n/c)` for n = 1..c, then `2^(-4n/c)` for odd n until H slopes.
+
+    Parameters
+    ----------
+    query : Tensor
+        `(seqstarts[B], num_heads, head_dim)`, float16 or float32.
+    key : Tensor
+        `(kvstarts[B], num_kv_heads, head_dim)`, the dtype of `query`.
+    value : Tensor
+        `(kvstarts[B], num_kv_heads, head_dim)`, the dtype of `query`.
+    seqstarts : IndexTensor
+        `(B + 1,)`, integer: `0`, then the running sum of the query lengths.
+    kvstarts : IndexTensor
+        `(B + 1,)`, integer: `0`, then the running sum of the key lengths.
+    decoding_batches : int
+        The first `decoding_batches` sequences are decode steps (no causal mask), in `[0, B]`.
+    max_seqlen : int
+        ≥ the longest query length.
+    max_kvlen : int
+        ≥ the longest key length.
+    attn_mask : Tensor or None, optional
+        `(seqstarts[B], ≥ kvstarts[B])` or `(num_heads, seqstarts[B], ≥ kvstarts[B])`, the dtype of `query`,
+        added to the scores (columns past `kvstarts[B]` are padding, never read).
+    num_heads : int
+        Query heads.
+    head_dim : int
+        Size of each head.
+    is_causal : bool
+        Causal mask for prefill sequences (see above).
+    is_alibi : bool, default False
+        Add ALiBi's bias (with its causal cut).
+    num_kv_heads : int, default 0
+        Key/value heads, dividing `num_heads` (grouped-query attention); 0 means `num_heads`.
+    backend : str, default "auto"
+        "auto", "reference" or "numba".
+    threads : int, default 128
+        The kernels' block size, 32 to 1024 (a multiple of 32 for rungs 2 to 5).
+    rung : int, default 1
+        Which kernel of the ladder runs (docs/kernel-ladder.md): 1 shared-memory tiles, 2 a warp per key,
+        3 16-byte loads, 4 split-K, 5 tensor cores (float16 `query` only).
+    num_splits : int or None, default None
+        Rung 4's key splits, 1 to 64 (None: chosen for the GPU's SM count).
+
+    Returns
+    -------
+    Tensor
+        `attn_output`, `(seqstarts[B], num_heads, head_dim)`, the dtype of `query`.
+
+    Raises
+    ------
+    ValueError
+        A shape, length or attribute out of range, named by its parameter (`num_kv_heads` not dividing
+        `num_heads`, `key` rows not `kvstarts[B]`, `rung`, `threads`, a `head_dim` too wide for the kernels'
+        shared memory, ...).
+    TypeError
+        Mismatched or unsupported dtypes, a non-bool `is_causal`.
+
+    Notes
+    -----
+    Source: OpenPPL ppl.pmx,
+    [dynamic_batching.MultiHeadAttention](https://github.com/OpenPPL/ppl.pmx/blob/master/docs/operators/dynamic_batching/MultiHeadAttention.md).
+
+    Examples
+    --------
+    >>> import numpy as np, cacheattn
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((3, 4, 8)).astype(np.float32)       # sequences of 1 and 2 tokens, 4 heads
+    >>> k = rng.standard_normal((7, 2, 8)).astype(np.float32)       # their 3 and 4 keys, 2 kv heads
+    >>> out = cacheattn.dynamic_multi_head_attention(q, k, k, np.array([0, 1, 3]), np.array([0, 3, 7]), 1, 2, 4,
+    ...                                              num_heads=4, head_dim=8, is_causal=True, num_kv_heads=2)
+    >>> out.shape
+    (3, 4, 8)
     """
     data = dict(query=query, key=key, value=value, attn_mask=attn_mask)
     engine = arrays.resolve_backend(backend, data)
@@ -368,18 +648,140 @@ def _check_plan(engine, rung, threads, num_heads, kv_heads, max_seqlen, head_dim
 
 
 @arrays.accepts_torch
-def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,
-                               decoding_batches, max_seqlen, max_kvlen, cache, scale=None, attn_mask=None, *,
-                               num_heads, head_dim, is_causal, is_alibi=False, num_kv_heads=0, num_layer=1,
-                               layer_idx=0, quant_bit=0, quant_group=8, cache_mode=0, cache_layout=0, page_size=128,
-                               backend="auto", threads=128, rung=1, num_splits=None):
-    """OpenPPL `dynamic_batching.MultiHeadCacheAttention` = dynamic KeyValueCache + dynamic MultiHeadAttention.
+def multi_head_cache_attention(query: Tensor, current_key: Tensor, current_value: Tensor, seqstarts: IndexTensor,
+                               kvstarts: IndexTensor, cachestarts: IndexTensor, start_pos: IndexTensor,
+                               decoding_batches: int, max_seqlen: int, max_kvlen: int, cache: Tensor,
+                               scale: Tensor | None = None, attn_mask: Tensor | None = None, *, num_heads: int,
+                               head_dim: int, is_causal: bool, is_alibi: bool = False, num_kv_heads: int = 0,
+                               num_layer: int = 1, layer_idx: int = 0, quant_bit: int = 0, quant_group: int = 8,
+                               cache_mode: int = 0, cache_layout: int = 0, page_size: int = 128,
+                               backend: str = "auto", threads: int = 128, rung: int = 1,
+                               num_splits: int | None = None) -> Tensor:
+    """OpenPPL `dynamic_batching.MultiHeadCacheAttention`: `dynamic_key_value_cache` then
+    `dynamic_multi_head_attention`, fused.
 
-    query: (seqstarts[B], num_heads, head_dim); current_key/value: (seqstarts[B], num_kv_heads, head_dim).
-    Returns attn_output (seqstarts[B], num_heads, head_dim); cache and scale are modified in place.
-    threads, rung, num_splits: the kernels' block size, kernel-ladder rung (1 shared-memory tiles, 2 a warp per
-    key, 3 16-byte loads, 4 split-K, 5 tensor cores with a float16 query) and rung 4's split count (default: chosen
-    for the GPU's SM count).
+    The current tokens of every sequence are stored into `cache` first (quantized when `quant_bit` is set), then
+    each sequence's positions `[0, kvlen)` are read back (dequantized: the current tokens too pass through the
+    quantizer) and attended to. Slot of position t of sequence b: `cachestarts[b] + t` (`cache_mode` 0) or
+    `cachestarts[b, t // page_size] + t % page_size` (`cache_mode` 1). For query head h, row i at position
+    `p = kvlen - seqlen + i`, key j < kvlen and kv head `g = h // (num_heads // num_kv_heads)`:
+
+        s[j] = q[i, h] · k[j, g] / sqrt(head_dim) + bias[h, i, j]        (float32)
+        out[i, h] = softmax(s).astype(value dtype) @ v[:, g]
+
+    with `bias` as in `dynamic_multi_head_attention` (bottom-right causal `-inf` for `j > p` when `is_causal`,
+    `seqlen > 1` and `b >= decoding_batches`, or with `is_alibi`; ALiBi `slope_h * (j - p)`; `attn_mask`).
+
+    Parameters
+    ----------
+    query : Tensor
+        `(seqstarts[B], num_heads, head_dim)`, float16 or float32: the current tokens' queries, packed.
+    current_key : Tensor
+        `(seqstarts[B], num_kv_heads, head_dim)`, the dtype of `query`.
+    current_value : Tensor
+        `(seqstarts[B], num_kv_heads, head_dim)`, the dtype of `query`.
+    seqstarts : IndexTensor
+        `(B + 1,)`, integer: `0`, then the running sum of the current lengths `seqlen[b]`.
+    kvstarts : IndexTensor
+        `(B + 1,)`, integer: `0`, then the running sum of `kvlen[b] = start_pos[b] + seqlen[b]`.
+    cachestarts : IndexTensor
+        `cache_mode` 0: `(B,)`, the slot of each sequence's position 0 in MaxT. `cache_mode` 1: `(B, MaxP)`,
+        the token offset in MaxT of each page of each sequence (MaxP ≥ `ceil(kvlen / page_size)`; entries past
+        a sequence's last page are not read, -1 is customary). Sequences may share the pages of a common
+        prefix that this call only reads (positions `< start_pos[b]`); the slots it writes (positions
+        `start_pos[b] ... kvlen - 1`) must be distinct across the whole call (see Raises).
+    start_pos : IndexTensor
+        `(B,)`, integer ≥ 0: each sequence's cached length before this call.
+    decoding_batches : int
+        The first `decoding_batches` sequences are decode steps (no causal mask), in `[0, B]`.
+    max_seqlen : int
+        ≥ the longest `seqlen`.
+    max_kvlen : int
+        ≥ the longest `kvlen`.
+    cache : Tensor
+        In-out. `cache_layout` 0: `(MaxT, L, 2, num_kv_heads, Dh)`; 1: `(L, MaxT, 2, num_kv_heads, Dh)`;
+        2: `(L, 2, MaxT, num_kv_heads, Dh)`; 3: `(L, 2, num_kv_heads, MaxT, Dh)` (axis `2`: 0 key, 1 value;
+        `L` = `num_layer`; `Dh` = `head_dim`). The dtype of `query`; int8 when `quant_bit` is set, with last
+        dim `head_dim / 2` for `quant_bit` 4 (two values per byte). C-contiguous on the kernels.
+    scale : Tensor or None, optional
+        In-out; required when `quant_bit` is set, float16 or float32: laid out like `cache` with
+        `G = head_dim / quant_group` last: `cache_layout` 0 `(MaxT, L, 2, num_kv_heads, G)`,
+        1 `(L, MaxT, 2, num_kv_heads, G)`, 2 `(L, 2, MaxT, num_kv_heads, G)`, 3 `(L, 2, num_kv_heads, MaxT, G)`.
+    attn_mask : Tensor or None, optional
+        `(seqstarts[B], ≥ kvstarts[B])` or `(num_heads, seqstarts[B], ≥ kvstarts[B])`, the dtype of `query`:
+        row `seqstarts[b] + i`, column `kvstarts[b] + j` is added to the score of query i and key j.
+    num_heads : int
+        Query heads.
+    head_dim : int
+        Size of each head.
+    is_causal : bool
+        Bottom-right causal mask for prefill sequences.
+    is_alibi : bool, default False
+        ALiBi bias (it carries the causal cut).
+    num_kv_heads : int, default 0
+        Key/value heads, dividing `num_heads`; 0 means `num_heads`.
+    num_layer : int, default 1
+        `L`.
+    layer_idx : int, default 0
+        The cache layer used, in `[0, num_layer)`.
+    quant_bit : int, default 0
+        0, 8 (int8) or 4 (int4, this project's extension).
+    quant_group : int, default 8
+        Values per scale; divides `head_dim` (even for `quant_bit` 4).
+    cache_mode : int, default 0
+        0 offset, 1 paged.
+    cache_layout : int, default 0
+        0 to 3, as under `cache`.
+    page_size : int, default 128
+        Tokens per page with `cache_mode` 1.
+    backend : str, default "auto"
+        "auto", "reference" or "numba".
+    threads : int, default 128
+        The kernels' block size, 32 to 1024 (a multiple of 32 for rungs 2 to 5).
+    rung : int, default 1
+        Kernel ladder rung: 1 shared-memory tiles, 2 a warp per key, 3 16-byte loads, 4 split-K, 5 tensor cores
+        (float16 `query` only).
+    num_splits : int or None, default None
+        Rung 4's key splits, 1 to 64 (None: chosen for the GPU's SM count).
+
+    Returns
+    -------
+    Tensor
+        `attn_output`, `(seqstarts[B], num_heads, head_dim)`, the dtype of `query`. `cache` and `scale` are
+        updated in place at the written slots only; every other byte stays as it was.
+
+    Raises
+    ------
+    ValueError
+        Named by the parameter, before the store or any kernel runs: shapes, lengths (`kvlen != start_pos +
+        seqlen` names `kvstarts`), attributes, a slot or page outside MaxT, and `cachestarts` when two current
+        tokens would be stored into one slot — two sequences whose written slots overlap, or one sequence whose
+        pages overlap where it writes (a data race on a GPU). Read-only sharing of a prefix stays legal.
+    TypeError
+        Mismatched or unsupported dtypes, float index tensors, a non-bool `is_causal`.
+
+    Notes
+    -----
+    Source: OpenPPL ppl.pmx,
+    [dynamic_batching.MultiHeadCacheAttention](https://github.com/OpenPPL/ppl.pmx/blob/master/docs/operators/dynamic_batching/MultiHeadCacheAttention.md).
+    The walk-through with pictures of the page table and the layouts is docs/ppl.md.
+
+    Examples
+    --------
+    One decode step (1 token after 4 cached) and one prefill of 2 tokens, an int8 paged cache of page size 4:
+
+    >>> import numpy as np, cacheattn
+    >>> rng = np.random.default_rng(0)
+    >>> cache = rng.integers(-127, 128, (16, 1, 2, 2, 8)).astype(np.int8)         # layout 0, MaxT = 16
+    >>> scale = (rng.random((16, 1, 2, 2, 1)) * 0.02).astype(np.float32)        # Dh / quant_group = 1
+    >>> q = rng.standard_normal((3, 4, 8)).astype(np.float32)
+    >>> kv = rng.standard_normal((3, 2, 8)).astype(np.float32)
+    >>> out = cacheattn.multi_head_cache_attention(
+    ...     q, kv, kv, np.array([0, 1, 3]), np.array([0, 5, 7]), np.array([[8, 4], [0, -1]]), np.array([4, 0]),
+    ...     1, 2, 5, cache, scale, num_heads=4, head_dim=8, is_causal=True, num_kv_heads=2,
+    ...     quant_bit=8, quant_group=8, cache_mode=1, page_size=4)
+    >>> out.shape, out.dtype
+    ((3, 4, 8), dtype('float32'))
     """
     data = dict(query=query, current_key=current_key, current_value=current_value, cache=cache, scale=scale,
                 attn_mask=attn_mask)

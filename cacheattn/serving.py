@@ -17,6 +17,7 @@ GPU), the greedy tokens of the two runs are compared.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -220,13 +221,31 @@ class GptPath:
 PATHS = {"multi_head_cache_attention": PPLPath, "gpt_attention": GptPath}
 
 
+@dataclass(frozen=True)
+class Handoff:
+    """Before step `step`, another engine takes over: a fresh `operator` path and page pool;
+    move(old_path, new_path, states, new_pool) fills the new path's cache with every live request's cached tokens
+    and sets each state's pages (taken from new_pool). cacheattn.convert.handoff.move is one."""
+    step: int
+    operator: str
+    move: Callable
+
+
 def _starts(lengths):
     return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
 
 
+def steps_to_serve(requests) -> int:
+    """How many steps `serve` takes: a request joins on its arrival step and leaves on the step that gives it its
+    last token (one token a step, the first from its prefill), so the last to leave sets the count."""
+    return max((r.arrival_step + r.max_new_tokens for r in requests), default=0)
+
+
 def serve(model: TinyModel, requests=DEFAULT_REQUESTS, cfg: ServeConfig = ServeConfig(), *, backend="reference",
-          operator="multi_head_cache_attention", threads: int = 128, on_step=None) -> ServeResult:
-    """Serve the requests to completion; on_step(step, batch_description) is called after each step."""
+          operator="multi_head_cache_attention", threads: int = 128, on_step=None,
+          handoff: Handoff | None = None) -> ServeResult:
+    """Serve the requests to completion; on_step(step, batch_description) is called after each of the
+    `steps_to_serve(requests)` steps; `handoff` hands the live caches to another operator on the way."""
     path = PATHS[operator](model, cfg)
     pool = PagePool(cfg.num_pages)
     waiting = sorted(range(len(requests)), key=lambda r: requests[r].arrival_step)
@@ -238,9 +257,14 @@ def serve(model: TinyModel, requests=DEFAULT_REQUESTS, cfg: ServeConfig = ServeC
         while waiting and requests[waiting[0]].arrival_step <= step:          # arrivals join this step
             r = waiting.pop(0)
             live[r] = _Live(requests[r], list(requests[r].prompt))
+        if handoff is not None and step == handoff.step:                      # another engine takes over
+            path, old_path, pool = PATHS[handoff.operator](model, cfg), path, PagePool(cfg.num_pages)
+            handoff.move(old_path, path, [s for s in live.values() if s.cached], pool)
         # OpenPPL wants its decoding batches first, TensorRT-LLM its context requests first.
         order = sorted(live, key=lambda r: (live[r].cached == 0) == path.decoding_first)
-        if not order:
+        if not order:                                                        # nobody has arrived yet
+            if on_step:
+                on_step(step, "idle")
             step += 1
             continue
         new = [live[r].tokens[live[r].cached:] for r in order]                 # one token, or the prompt

@@ -265,21 +265,57 @@ def _quick(case):
 
 def _serving_rows(quick: bool, full: bool, backends, cache_bits: int):
     """The serving loop for each operator and backend: (operator, backend, requests, tokens, steps, peak pages,
-    max err, tokens equal the reference backend's, within tolerance, seconds)."""
+    max err, tokens equal the reference backend's, passed, seconds)."""
     model = serving.TinyModel(serving.ModelConfig(num_layers=2 if full else 1))
     requests = serving.QUICK_REQUESTS if quick else serving.DEFAULT_REQUESTS
     rows = []
     for operator in serving.PATHS:
         results = []
         for backend in [b for b in backends if b == "reference" or _has_kernels(operator)]:
-            with _console.progress(sum(r.max_new_tokens for r in requests), f"{operator} ({backend})") as step:
+            with _console.progress(serving.steps_to_serve(requests), f"{operator} ({backend})") as step:
                 results.append(serving.serve(model, requests, serving.ServeConfig(quant_bit=cache_bits),
                                              backend=backend, operator=operator,
                                              threads=_launch(backend).get("threads", 128),
                                              on_step=lambda i, what: step(f"step {i}: {what}")))
-        rows += [(operator, r.backend, len(requests), r.tokens_processed, r.steps, r.peak_pages, r.max_error,
-                  r.generated == results[0].generated, r.max_error <= TOLERANCE_F32, r.seconds) for r in results]
+        for r in results:
+            same = r.generated == results[0].generated
+            rows.append((operator, r.backend, len(requests), r.tokens_processed, r.steps, r.peak_pages, r.max_error,
+                         same, same and r.max_error <= TOLERANCE_F32, r.seconds))
     return rows
+
+
+def _verdict(ok: bool) -> str:
+    return "pass" if ok else "FAIL"
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.2f}"
+
+
+def _error(e: float) -> str:
+    return f"{e:.2e}"
+
+
+# The two tables' columns: short headers, a legend for the abbreviated ones, raw values in --format json.
+SERVING_COLUMNS = (
+    _console.Column("operator"), _console.Column("backend"),
+    _console.Column("reqs", "requests", right=True, means="requests served"),
+    _console.Column("tokens", right=True, means="tokens through attention (prompts and generated)"),
+    _console.Column("steps", right=True),
+    _console.Column("pages", "peak_pages", right=True, means="most cache pages in use at once"),
+    _console.Column("max |err|", "max_error", _error, right=True,
+                    means="attention output against float64, every layer and step"),
+    _console.Column("same", "tokens_equal_reference", lambda same: "yes" if same else "NO",
+                    means="greedy tokens equal the reference backend's"),
+    _console.Column("result", "passed", _verdict),
+    _console.Column("s", "seconds", _seconds, right=True, means="seconds"),
+)
+OPERATOR_COLUMNS = (
+    _console.Column("operator"), _console.Column("config"), _console.Column("backend"),
+    _console.Column("max |err|", "max_error", _error, right=True, means="against a float64 evaluation"),
+    _console.Column("result", "passed", _verdict),
+    _console.Column("s", "seconds", _seconds, right=True, means="seconds"),
+)
 
 
 def _has_kernels(operator: str) -> bool:
@@ -297,13 +333,8 @@ def tour(quick: bool = False, full: bool = False, backends=("reference", "numba"
     serve_rows = _serving_rows(quick, full, backends, cache_bits)
     _console.table("A tiny model served with in-flight batching on a paged cache (page 4; finished requests return "
                    f"their pages): OpenPPL {({8: 'int8', 4: 'int4', 0: 'float32'})[cache_bits]} cache, TensorRT-LLM "
-                   "float32 pool",
-                   ("operator", "backend", "requests", "tokens", "steps", "peak pages", "max |err| vs float64",
-                    "tokens = reference's", "result", "seconds"),
-                   [(o, b, n, t, st, p, f"{e:.2e}", "yes" if same else "NO", "pass" if same and ok else "FAIL",
-                     f"{sec:.2f}") for o, b, n, t, st, p, e, same, ok, sec in serve_rows],
-                   right=("requests", "tokens", "steps", "peak pages", "max |err| vs float64", "seconds"))
-    serve_failed = sum(not (same and ok) for *_, same, ok, _ in serve_rows)
+                   "float32 pool", SERVING_COLUMNS, serve_rows)
+    serve_failed = sum(not passed for *_, passed, _ in serve_rows)
 
     shrink = (lambda case: case) if full else _quick
     suffix = "" if full else " (small)"
@@ -327,10 +358,8 @@ def tour(quick: bool = False, full: bool = False, backends=("reference", "numba"
         _console.say(f"{'quick: three requests, the first configuration of each operator; ' if quick else ''}one "
                      f"serving layer; (small): head dims <= {QUICK_HEAD_DIM}, at most {QUICK_PAST} cached tokens per "
                      "request (--full: the shapes the labels name)")
-    _console.table("Every operator on both backends, against a float64 evaluation",
-                   ("operator", "config", "backend", "max |err|", "result", "seconds"),
-                   [(op, label, backend, f"{err:.2e}", "pass" if ok else "FAIL", f"{sec:.2f}")
-                    for op, label, backend, err, ok, sec in rows], right=("max |err|", "seconds"))
+        _console.say()
+    _console.table("Every operator on both backends, against a float64 evaluation", OPERATOR_COLUMNS, rows)
     failed = sum(not r[4] for r in rows)
     _console.say(f"{len(rows) - failed} passed, {failed} failed; serving loop: "
                  f"{len(serve_rows) - serve_failed} passed, {serve_failed} failed")

@@ -26,6 +26,29 @@ _MARKER = re.compile(r"#\s*spec:\s*(.+?)\s*$")
 _ID = re.compile(r"[a-z0-9-]+/[a-z0-9-]+")
 
 
+# The public originals of the source documents, by seed file name (the seeds are copies this repository does not
+# contain): (short title, address). The FasterTransformer one is an article reading FasterTransformer's decoder
+# (DecoderCrossAttentionLayer); the project's own docs are https://github.com/NVIDIA/FasterTransformer/blob/main/
+# docs/decoder_guide.md.
+ORIGINALS = {
+    "ppl-key-value-cache.md": (
+        "OpenPPL KeyValueCache",
+        "https://github.com/OpenPPL/ppl.pmx/blob/master/docs/operators/KeyValueCache.md"),
+    "ppl-multi-head-cache-attention.md": (
+        "OpenPPL dynamic_batching.MultiHeadCacheAttention",
+        "https://github.com/OpenPPL/ppl.pmx/blob/master/docs/operators/dynamic_batching/MultiHeadCacheAttention.md"),
+    "onnx-attention-23-24.zh.md": (
+        "ONNX Attention (opsets 23, 24; the seed is a Chinese rendering)",
+        "https://github.com/onnx/onnx/blob/main/docs/Operators.md#Attention"),
+    "trtllm-gpt-attention.md": (
+        "TensorRT-LLM gpt attention",
+        "https://github.com/NVIDIA/TensorRT-LLM/blob/main/docs/source/advanced/gpt-attention.md"),
+    "fastertransformer-cross-attention.zh.md": (
+        "FasterTransformer decoder CrossAttention (源码分析(六))",
+        "https://zhuanlan.zhihu.com/p/670739629"),
+}
+
+
 @dataclass
 class Sentence:
     id: str                 # "<prefix>/<key>"
@@ -207,4 +230,38 @@ def report(documents=None, markers=None) -> str:
                 lines.append(f"    gloss: {r.sentence.gloss}")
             for label, places in (("reference", r.reference), ("kernel", r.kernel), ("tests", r.tests)):
                 lines.append(f"    {label + ':':<10} {', '.join(places) if places else '-'}")
+    return "\n".join(lines)
+
+
+def _cell(text: str) -> str:
+    """Text shown as it is inside one Markdown table cell: one line, Markdown's special characters escaped
+    (`cache_indirection[si][bi][ti]` is not a link, `H*Dh` not emphasis)."""
+    return re.sub(r"([\\`*_\[\]<>|])", r"\\\1", " ".join(text.split()))
+
+
+def _places(places: list[str]) -> str:
+    return "<br>".join(f"`{p}`" for p in places) if places else "-"
+
+
+def markdown_report(documents=None, markers=None) -> str:
+    """`report` as Markdown tables (the site's traceability page): the counts per document, each document linked
+    to its public original, then one table per document with every sentence, its quote and gloss, and where the
+    reference, the kernels and the tests cite it."""
+    documents = documents or load_documents()
+    markers = markers if markers is not None else scan_markers()
+    rows = build_table(documents, markers)
+    lines = ["| document | status | sentences | reference | kernel | test | covered |", "|---|---|--:|--:|--:|--:|--:|"]
+    for c in coverage(documents, rows).values():
+        title, url = ORIGINALS.get(c["document"], (c["document"], None))
+        name = f"[{title}]({url})" if url else title
+        lines.append(f"| {name} | {c['status']} | {c['sentences']} | {c['with_reference']} | {c['with_kernel']} | "
+                     f"{c['with_test']} | {c['covered']} |")
+    for prefix, doc in documents.items():
+        title, _ = ORIGINALS.get(doc.file, (doc.file, None))
+        lines += ["", f"#### {title} ({doc.status})", "",
+                  "| sentence | the document says | reference | kernel | tests |", "|---|---|---|---|---|"]
+        for r in (r for r in rows if r.sentence.id.startswith(prefix + "/")):
+            said = f"“{_cell(r.sentence.quote)}”" + (f"<br>*{_cell(r.sentence.gloss)}*" if r.sentence.gloss else "")
+            lines.append(f"| `{r.sentence.id}` | {said} | {_places(r.reference)} | {_places(r.kernel)} | "
+                         f"{_places(r.tests)} |")
     return "\n".join(lines)

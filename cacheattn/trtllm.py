@@ -3,8 +3,10 @@
 Arguments keep `tensorrt_llm.functional.gpt_attention`'s names, order and defaults; the plugin-config settings
 (remove_input_padding, paged_kv_cache, tokens_per_block, streamingllm, context_fmha_type, use_fp8_context_fmha,
 multi_block_mode) are keyword arguments with the config's names. Where TensorRT-LLM passes raw pool pointers,
-this takes the pool array `kv_cache_pool`. Validation names TensorRT-LLM's argument at fault; then NumPy arrays
-go to `reference.gpt_attention`. The batch/beam row convention is in reference/trtllm_gpt_attention.py.
+this takes the pool array `kv_cache_pool`. Every keyword of TensorRT-LLM's signature is accepted: those that ask for
+what is not built (NOT_BUILT) are refused by name unless at their defaults, those without effect here (NO_EFFECT)
+are accepted and dropped. Validation names TensorRT-LLM's argument at fault; then NumPy arrays go to
+`reference.gpt_attention`. The batch/beam row convention is in reference/trtllm_gpt_attention.py.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from enum import IntEnum, IntFlag
 import numpy as np
 
 import reference
+from reference import packed_mask
 from reference import trtllm_gpt_attention as ref
 
 from . import _arrays as arrays
@@ -23,6 +26,25 @@ FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 
 class AttentionMaskType(IntEnum):
+    """TensorRT-LLM's `AttentionMaskType` (gpt_attention's mask_type), with its values.
+
+    Attributes
+    ----------
+    padding : int
+        0: every key visible (encoders).
+    causal : int
+        1: key `j` visible to the query at position `p` when `j <= p` (bottom-right for chunks).
+    sliding_window_causal : int
+        2: causal; the window comes from host_max_attention_window_sizes.
+    bidirectional : int
+        3: every key visible.
+    bidirectionalglm : int
+        4: GLM's mask, not built (refused).
+    blocksparse : int
+        5: block-sparse attention, not built (refused).
+    custom_mask : int
+        6: attention_mask (and attention_packed_mask) say which keys each query sees.
+    """
     padding = 0
     causal = 1
     sliding_window_causal = 2
@@ -33,6 +55,31 @@ class AttentionMaskType(IntEnum):
 
 
 class PositionEmbeddingType(IntEnum):
+    """TensorRT-LLM's `PositionEmbeddingType` (gpt_attention's position_embedding_type), with its values.
+
+    Attributes
+    ----------
+    learned_absolute : int
+        0: nothing inside the attention.
+    rope_gptj : int
+        1: RoPE on interleaved pairs `(x[2i], x[2i + 1])`.
+    rope_gpt_neox : int
+        2: RoPE on the halves `(x[i], x[i + d / 2])`.
+    long_rope : int
+        3: Phi-3 LongRoPE: GPT-NeoX pairs, short and long frequency tables, m-scales.
+    alibi : int
+        4: ALiBi bias `slope (j - p)` from alibi_slopes.
+    alibi_with_scale : int
+        5: the same here (the slopes carry the scale).
+    relative : int
+        6: relative_attention_bias (a table, or T5 buckets).
+    chatglm : int
+        7: not built (refused).
+    yarn : int
+        8: YaRN: GPT-NeoX pairs, the frequencies and table from the host.
+    mrope : int
+        9: multimodal RoPE, not built (refused).
+    """
     learned_absolute = 0
     rope_gptj = 1
     rope_gpt_neox = 2
@@ -46,6 +93,23 @@ class PositionEmbeddingType(IntEnum):
 
 
 class RotaryScalingType(IntEnum):
+    """TensorRT-LLM's `RotaryScalingType` (gpt_attention's rotary_embedding_scale_type), with its values.
+
+    Attributes
+    ----------
+    none : int
+        0: no scaling.
+    linear : int
+        1: positions divided by rotary_embedding_scale (unless rotary_inv_freq carries it).
+    dynamic : int
+        2: NTK: the base raised once a sequence passes rotary_embedding_max_positions.
+    longrope : int
+        3: the frequencies and tables come from the host (long_rope).
+    llama3 : int
+        4: llama3 frequencies from the host, as rotary_inv_freq.
+    yarn : int
+        5: the frequencies and table come from the host (yarn).
+    """
     none = 0
     linear = 1
     dynamic = 2
@@ -55,22 +119,71 @@ class RotaryScalingType(IntEnum):
 
 
 class RequestType(IntEnum):
+    """TensorRT-LLM's `RequestType` (host_request_types): context requests come before generation ones.
+
+    Attributes
+    ----------
+    context : int
+        0: a prompt or a chunk of one.
+    generation : int
+        1: one new token per beam.
+    """
     context = 0
     generation = 1
 
 
 class QuantMode(IntFlag):
-    """The KV-cache bits of TensorRT-LLM's QuantMode (the other bits quantize weights and activations)."""
+    """The KV-cache bits of TensorRT-LLM's `QuantMode` (its other bits quantize weights and activations).
+
+    Attributes
+    ----------
+    INT8_KV_CACHE : int
+        64: int8 codes at the per-tensor scale kv_quant_orig_scale.
+    FP8_KV_CACHE : int
+        128: float8 e4m3 codes at that scale.
+    """
     INT8_KV_CACHE = 64
     FP8_KV_CACHE = 128
 
 
 NO_KV_CACHE_QUANT = QuantMode(0)
 MASK_TYPES = (0, 1, 2, 3, 6)
-POSITION_TYPES = (0, 1, 2, 4, 5, 6)
-ROPE_TYPES = (1, 2)
+POSITION_TYPES = (0, 1, 2, 3, 4, 5, 6, 8)
+ROPE_TYPES = (1, 2, 3, 8)
 ALIBI_TYPES = (4, 5)
-SCALING_TYPES = (0, 1, 2, 4)
+SCALING_TYPES = (0, 1, 2, 3, 4, 5)
+
+# Keywords of TensorRT-LLM's gpt_attention that size buffers, pick kernels or describe the parallel layout and do
+# not change the result here: accepted and not used.
+NO_EFFECT = ("block_sparse_block_size", "block_sparse_homo_head_pattern", "block_sparse_num_local_blocks",
+             "block_sparse_vertical_stride", "tp_size", "tp_rank", "host_runtime_perf_knobs", "host_context_progress",
+             "num_kv_heads_origin", "spec_decoding_is_generation_length_variable",
+             "spec_decoding_max_generation_length", "cp_group", "host_kv_cache_pool_mapping")
+# Keywords that ask for what is not built here: accepted at their defaults, refused by name otherwise.
+NOT_BUILT = {
+    "attention_output_orig_quant_scale": (None, "FP8 attention output"),
+    "attention_output_sf_scale": (None, "FP4 attention output (its scaling factors)"),
+    "vision_start": (-1, "CogVLM's vision-token positions"),
+    "vision_length": (-1, "CogVLM's vision-token positions"),
+    "spec_decoding_generation_lengths": (None, "speculative decoding"),
+    "spec_decoding_position_offsets": (None, "speculative decoding"),
+    "spec_decoding_packed_mask": (None, "speculative decoding"),
+    "spec_decoding_use": (None, "speculative decoding"),
+    "mrope_rotary_cos_sin": (None, "multimodal RoPE (mrope)"),
+    "mrope_position_deltas": (None, "multimodal RoPE (mrope)"),
+    "is_mla_enabled_flag": (False, "multi-head latent attention (MLA)"),
+    "q_lora_rank": (0, "multi-head latent attention (MLA)"),
+    "kv_lora_rank": (0, "multi-head latent attention (MLA)"),
+    "qk_nope_head_dim": (0, "multi-head latent attention (MLA)"),
+    "qk_rope_head_dim": (0, "multi-head latent attention (MLA)"),
+    "v_head_dim": (0, "multi-head latent attention (MLA)"),
+    "q_b_proj": (None, "multi-head latent attention (MLA)"),
+    "kv_b_proj": (None, "multi-head latent attention (MLA)"),
+    "k_b_proj_trans": (None, "multi-head latent attention (MLA)"),
+    "skip_attn": (None, "skipping the attention (skip_attn)"),
+    "cp_size": (1, "context parallelism"),
+    "cp_rank": (0, "context parallelism"),
+}
 
 
 def _enum(name, value, enum, supported):
@@ -118,6 +231,9 @@ def validate(a: dict) -> dict:
     them. Returns the normalised arguments the reference takes: host int arrays for index tensors, ints for enums,
     floats for scales."""
     out = dict(a)
+    _check_unbuilt_and_pool(a)
+    for name in (*NO_EFFECT, *NOT_BUILT, "host_kv_cache_pool_pointers"):
+        out.pop(name)
     qkv = a["qkv"]
     _float_tensor("qkv", qkv)
     H = check_int("num_heads", a["num_heads"], low=1)
@@ -148,8 +264,11 @@ def validate(a: dict) -> dict:
     out.update(mask_type=mask_type, position_embedding_type=pos_type, rotary_embedding_scale_type=scale_type)
     tpb, quant = _check_scalars_and_quantization(a, out, qkv, hidden)
     _check_rope(a, out, pos_type, scale_type, Dh)
+    _check_rope_tables(a, out, pos_type, scale_type, per_entry, is_context)
+    _check_logn(a, lengths)
     _check_position_biases(a, pos_type, H, qkv, lengths)
     _check_mask(a, mask_type, qkv, packed, E, lengths)
+    _check_packed_mask(a, mask_type, lengths - past, lengths)
 
     # Window, sinks, cache capacity.
     layer_idx = check_int("layer_idx", a["layer_idx"], low=0)
@@ -162,11 +281,13 @@ def validate(a: dict) -> dict:
     sinks_host = arrays.index_array("host_sink_token_length", a["host_sink_token_length"])
     check_shape("host_sink_token_length", sinks_host, (1,), "(1,)")
     sinks = int(sinks_host[0])
+    if sinks < 0:
+        raise ValueError(f"host_sink_token_length: expected a number of sink tokens >= 0, got {sinks}")
     if sinks and not a["streamingllm"]:
         raise ValueError(f"host_sink_token_length: sink tokens need streamingllm=True, got {sinks}")
-    if not 0 <= sinks < window:
-        raise ValueError(f"host_max_attention_window_sizes: expected the window of layer {layer_idx} > "
-                         f"host_sink_token_length ({sinks}), got {window}")
+    if sinks >= window:
+        raise ValueError(f"host_sink_token_length: expected fewer sink tokens than the attention window of layer "
+                         f"{layer_idx} (host_max_attention_window_sizes: {window}), got {sinks}")
     if a["streamingllm"] and (is_context & (past > 0)).any():
         raise ValueError("host_past_key_value_lengths: chunked context is not defined with streamingllm "
                          f"(dense context phase), got {past.tolist()}")
@@ -209,6 +330,10 @@ def validate(a: dict) -> dict:
     else:
         slots_needed = int(ref.cyclic_slot(np.arange(min(longest, window)), window, sinks, bubble).max()) + 1
     out.update(_host_lengths_and_cache(a, per_entry, E, slots_needed, (Hkv, Dh, quant), bool(a["paged_kv_cache"])))
+    if a["paged_kv_cache"]:
+        _check_pages_not_raced(out["kv_cache_block_offsets"], per_entry, is_context, layer=int(a["layer_idx"]),
+                               tpb=int(a["tokens_per_block"]), window=window, sinks=sinks, bubble=bubble,
+                               encoder=enc, slots=slots_needed)
     out.update(cache_indirection=ci, host_max_attention_window_sizes=windows, host_sink_token_length=sinks_host)
     return _cross(a, out, qkv, is_context, E, Hkv, Dh, pos_type, lengths, enc)
 
@@ -314,6 +439,187 @@ def _check_rope(a, out, pos_type, scale_type, Dh):
                              f"a rotary_embedding_dim > 2, got {rot}")
     elif rot:
         raise ValueError(f"rotary_embedding_dim: expected 0 without a RoPE position_embedding_type, got {rot}")
+
+
+def _check_unbuilt_and_pool(a):
+    """The keywords of TensorRT-LLM's signature that ask for what is not built are refused by name; the pool is
+    the array kv_cache_pool, one pool whose layer l is layer l (host_kv_cache_pool_mapping may say so)."""
+    for name, (default, feature) in NOT_BUILT.items():
+        value = a[name]
+        unchanged = value is None if default is None else (
+            not hasattr(value, "shape") and value == default)
+        if not unchanged:
+            raise ValueError(f"{name}: {feature} is not built here; expected the default {default!r}, "
+                             f"got {value if not hasattr(value, 'shape') else 'a tensor'!r}")
+    if not isinstance(a["tp_size"], (int, np.integer)) or not 0 <= a["tp_rank"] < a["tp_size"]:
+        raise ValueError(f"tp_rank: expected 0 <= tp_rank < tp_size (the heads given are this rank's), got "
+                         f"tp_rank {a['tp_rank']!r}, tp_size {a['tp_size']!r}")
+    if a["host_kv_cache_pool_pointers"] is not None:
+        raise ValueError("host_kv_cache_pool_pointers: raw pool addresses are not taken here; pass the pool itself "
+                         "as kv_cache_pool (num_blocks, num_layers, 2, num_kv_heads, tokens_per_block, "
+                         "hidden_size_per_head)")
+    mapping = a["host_kv_cache_pool_mapping"]
+    if mapping is not None:
+        host = arrays.index_array("host_kv_cache_pool_mapping", mapping)
+        layers = host.shape[0] if host.ndim == 2 else 0
+        check_shape("host_kv_cache_pool_mapping", host, (None, 2), "(num_layers, 2): (pool, layer in the pool)")
+        one_pool = np.stack([np.zeros(layers, np.int64), np.arange(layers)], axis=1)
+        if layers <= a["layer_idx"] or (host != one_pool).any():
+            raise ValueError(f"host_kv_cache_pool_mapping: one pool is supported (kv_cache_pool), every layer l "
+                             f"mapped to (pool 0, layer l) for layers 0..>= layer_idx ({a['layer_idx']}), "
+                             f"got {host.tolist()}")
+
+
+def _float32_tensor(name, x, ndim_meaning):
+    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+        raise TypeError(f"{name}: expected a float32 tensor, got {type(x).__name__}")
+    if dtype_of(x) != np.float32:
+        raise TypeError(f"{name}: expected a float32 tensor {ndim_meaning}, got {dtype_of(x).name}")
+
+
+def _check_rope_tables(a, out, pos_type, scale_type, per_entry, is_context):
+    """rotary_cos_sin and long_rope's second table: float32 (1, num_pos * rotary_embedding_dim), long enough for
+    every position read from them; long_rope and yarn get their frequencies and tables from the host."""
+    rot = a["rotary_embedding_dim"]
+    tables = ("rotary_cos_sin", "long_rope_rotary_cos_sin", "long_rope_rotary_inv_freq")
+    if pos_type not in ROPE_TYPES:
+        for name in tables:
+            if a[name] is not None:
+                raise ValueError(f"{name}: only with a RoPE position_embedding_type, got "
+                                 f"{PositionEmbeddingType(pos_type).name}")
+        return
+    if pos_type != PositionEmbeddingType.long_rope:
+        for name in tables[1:]:
+            if a[name] is not None:
+                raise ValueError(f"{name}: only with position_embedding_type long_rope, got "
+                                 f"{PositionEmbeddingType(pos_type).name}")
+    needs = {PositionEmbeddingType.long_rope: ("rotary_inv_freq", "rotary_cos_sin") + tables[1:],
+             PositionEmbeddingType.yarn: ("rotary_inv_freq", "rotary_cos_sin")}.get(pos_type, ())
+    if scale_type in (RotaryScalingType.longrope, RotaryScalingType.yarn):
+        needs = needs or ("rotary_inv_freq", "rotary_cos_sin")
+    for name in needs:
+        if a[name] is None:
+            raise ValueError(f"{name}: required with position_embedding_type {PositionEmbeddingType(pos_type).name} "
+                             f"and rotary_embedding_scale_type {RotaryScalingType(scale_type).name} (build it with "
+                             f"reference.rope.long_rope_tables / yarn_tables), got None")
+    if a["long_rope_rotary_inv_freq"] is not None:
+        freq = np.asarray(arrays.to_host(a["long_rope_rotary_inv_freq"]))
+        check_shape("long_rope_rotary_inv_freq", freq.reshape(-1), (rot // 2,), "(rotary_embedding_dim / 2,)")
+        out["long_rope_rotary_inv_freq"] = freq.reshape(-1).astype(np.float32)
+    for name in ("rotary_embedding_short_m_scale", "rotary_embedding_long_m_scale"):
+        if not a[name] > 0:
+            raise ValueError(f"{name}: expected a float > 0, got {a[name]!r}")
+    check_int("rotary_embedding_original_max_positions", a["rotary_embedding_original_max_positions"], low=1)
+    lengths = per_entry["sequence_length"]
+    plans = ref.rope_plan(
+        position_embedding_type=pos_type, rotary_inv_freq=a["rotary_inv_freq"], rotary_cos_sin=a["rotary_cos_sin"],
+        long_rope_rotary_inv_freq=a["long_rope_rotary_inv_freq"],
+        long_rope_rotary_cos_sin=a["long_rope_rotary_cos_sin"],
+        rotary_embedding_original_max_positions=a["rotary_embedding_original_max_positions"],
+        rotary_embedding_max_positions=a["rotary_embedding_max_positions"],
+        rotary_embedding_scale_type=scale_type, streamingllm=a["streamingllm"], lengths=lengths, is_context=is_context)
+    for name in tables[:2]:
+        table = a[name]
+        if table is None:
+            continue
+        _float32_tensor(name, table, "(1, num_pos * rotary_embedding_dim)")
+        size = int(np.prod(table.shape))
+        if size % rot or size == 0:
+            raise ValueError(f"{name}: expected shape (1, num_pos * rotary_embedding_dim) with rotary_embedding_dim "
+                             f"{rot}, got {tuple(table.shape)}")
+        read = [int(n) for n, (_, t, from_table) in zip(lengths, plans) if from_table and t is table]
+        if read and max(read) > size // rot:
+            raise ValueError(f"{name}: a sequence of {max(read)} tokens reads its cos/sin at positions up to "
+                             f"{max(read) - 1}, but the table holds {size // rot} positions")
+
+
+def _check_logn(a, lengths):
+    """logn_scaling: float32 (positions,), one factor per absolute position up to the longest sequence."""
+    logn = a["logn_scaling"]
+    if logn is None:
+        return
+    _float32_tensor("logn_scaling", logn, "(max_position_embeddings,)")
+    if a["do_cross_attention"]:
+        raise ValueError("logn_scaling: only with self attention (do_cross_attention=False)")
+    if len(logn.shape) != 1 or logn.shape[0] < lengths.max():
+        raise ValueError(f"logn_scaling: expected shape (>= {int(lengths.max())},), one factor per position up to "
+                         f"the longest sequence_length, got {tuple(logn.shape)}")
+
+
+def _check_packed_mask(a, mask_type, new, lengths):
+    """attention_packed_mask: TensorRT-LLM's packed form of the custom mask, which the context requests read."""
+    packed = a["attention_packed_mask"]
+    if packed is None:
+        return
+    if mask_type != AttentionMaskType.custom_mask:
+        raise ValueError("attention_packed_mask: given only when mask_type is custom_mask")
+    if dtype_of(packed) != np.int32:
+        raise TypeError(f"attention_packed_mask: expected an int32 tensor (reference.packed_mask."
+                        f"pack_attention_mask), got {dtype_of(packed).name}")
+    check_shape("attention_packed_mask", packed, packed_mask.packed_shape(new, lengths),
+                "(sum roundUp(new tokens, 128), roundUp(max sequence_length, 256) / 32)")
+
+
+def _ranges(starts, counts):
+    """(owner index, value) of the concatenated integer ranges [starts[i], starts[i] + counts[i])."""
+    counts = np.maximum(counts, 0)
+    owner = np.repeat(np.arange(len(counts)), counts)
+    offset = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    return owner, np.repeat(starts, counts) + offset
+
+
+def _check_pages_not_raced(offsets, per_entry, is_context, *, layer, tpb, window, sinks, bubble, encoder, slots):
+    """Two entries must not both touch a cache slot that one of them writes in this call: on a GPU their blocks run
+    at once, so that is a data race (two writers, or a writer and a reader). Sharing a block read-only, e.g. a
+    common prompt prefix no entry writes into this call, is legal. Whole blocks first, vectorized (a few numpy
+    calls per decode step); slot by slot only for an entry whose table holds a block another entry writes."""
+    past, lengths, E = per_entry["host_past_key_value_lengths"], per_entry["sequence_length"], len(is_context)
+    kept = window - sinks
+
+    def positions(write, entries=None):
+        """(entry, position) of what the entries write (the new tokens that stay cached, the encoder tokens of
+        cross attention's context requests) or read (the cached tokens in view)."""
+        pick = np.arange(E) if entries is None else np.asarray(entries)
+        P, N = past[pick], lengths[pick]
+        if encoder is not None:
+            owner, pos = _ranges(np.zeros(len(pick), np.int64), np.where(is_context[pick] == write, encoder[pick], 0))
+            return pick[owner], pos
+        if write:
+            stays = np.maximum(P, N - kept)                                      # older new tokens wrap away
+            parts = [_ranges(stays, N - stays), _ranges(P, np.minimum(N, sinks) - P)]
+        else:
+            window_start = np.maximum(np.minimum(P, sinks), P - kept)
+            parts = [_ranges(np.zeros_like(P), np.minimum(P, sinks)), _ranges(window_start, P - window_start)]
+        return pick[np.concatenate([o for o, _ in parts])], np.concatenate([v for _, v in parts])
+
+    w_entry, w_pos = positions(True)
+    if not w_entry.size:
+        return
+    w_slot = ref.cyclic_slot(w_pos, window, sinks, bubble)
+    used = -(-slots // tpb)
+    for kv in (0, 1):
+        table = offsets[0, :E, kv, :used] + 2 * layer                           # (E, used blocks), validated ids
+        w_block, w_row = table[w_entry, w_slot // tpb], w_slot % tpb
+        # Each written block's lowest and highest writer; entry f looks closer only at blocks another one writes.
+        low, high = np.full(int(table.max()) + 1, E), np.full(int(table.max()) + 1, -1)
+        np.minimum.at(low, w_block, w_entry)
+        np.maximum.at(high, w_block, w_entry)
+        rows = np.arange(E)[:, None]
+        foreign = (high[table] >= 0) & ((low[table] != rows) | (high[table] != rows))   # (E, used blocks)
+        for f in np.flatnonzero(foreign.any(axis=1)):
+            for write in (True, False):
+                _, pos = positions(write, [f])
+                f_slot = ref.cyclic_slot(pos, window, sinks, bubble)
+                for block, row in zip(table[f, f_slot // tpb], f_slot % tpb):
+                    writers = w_entry[(w_block == block) & (w_row == row) & (w_entry != f)]
+                    if writers.size:
+                        e = int(writers[0])
+                        raise ValueError(
+                            f"kv_cache_block_offsets: entries {min(e, f)} and {max(e, f)} share block {block} "
+                            f"({'K' if kv == 0 else 'V'}), and entry {e} writes row {row} of it that entry {f} "
+                            f"{'writes' if write else 'reads'} in the same call: a data race on a GPU. Give each "
+                            "sequence its own block for the tokens it writes; sharing a block read-only (a common "
+                            "prefix nobody writes into this call) is legal")
 
 
 def _check_position_biases(a, pos_type, H, qkv, lengths):
@@ -460,76 +766,319 @@ def _cross(a, out, qkv, is_context, E, Hkv, Dh, pos_type, lengths, enc):
 
 
 @arrays.accepts_torch
-def gpt_attention(*, qkv, past_key_value, attention_mask=None, sequence_length, host_past_key_value_lengths,
-                  host_max_attention_window_sizes, host_sink_token_length, context_lengths, cache_indirection,
-                  host_request_types, layer_idx, num_heads, num_kv_heads, hidden_size_per_head, q_scaling,
-                  attn_logit_softcapping_scale=0.0, rotary_embedding_dim=0, rotary_embedding_base=10000.0,
-                  rotary_embedding_scale_type=RotaryScalingType.none, rotary_embedding_scale=1.0,
-                  rotary_embedding_max_positions=1024, position_embedding_type=PositionEmbeddingType.learned_absolute,
-                  rotary_inv_freq=None, kv_orig_quant_scale=None, kv_quant_orig_scale=None,
-                  kv_cache_quant_mode=NO_KV_CACHE_QUANT, max_context_length=None, mask_type=AttentionMaskType.causal,
-                  alibi_slopes=None, kv_cache_block_offsets=None, host_kv_cache_block_offsets=None,
-                  do_cross_attention=False, cross_kv=None, cross_kv_length=None, encoder_input_lengths=None,
-                  relative_attention_bias=None, max_distance=0, host_context_lengths=None, qkv_bias=None,
-                  use_cache=True, remove_input_padding=True, paged_kv_cache=False, tokens_per_block=64,
-                  streamingllm=False, context_fmha_type=1, use_fp8_context_fmha=False, multi_block_mode=True,
-                  kv_cache_pool=None, backend="auto", threads=128):
-    """TensorRT-LLM gpt_attention. Returns (output, present_key_value); the KV cache is written in place.
+def gpt_attention(
+        *, qkv, past_key_value, attention_mask=None, attention_packed_mask=None, sequence_length,
+        host_past_key_value_lengths, host_max_attention_window_sizes, host_sink_token_length, context_lengths,
+        cache_indirection, host_request_types, layer_idx: int, num_heads: int, num_kv_heads: int,
+        hidden_size_per_head: int, q_scaling: float, attn_logit_softcapping_scale: float = 0.0,
+        rotary_embedding_dim: int = 0, rotary_embedding_base: float = 10000.0,
+        rotary_embedding_scale_type: int = RotaryScalingType.none, rotary_embedding_short_m_scale: float = 1.0,
+        rotary_embedding_long_m_scale: float = 1.0, rotary_embedding_scale: float = 1.0,
+        rotary_embedding_max_positions: int = 1024, rotary_embedding_original_max_positions: int = 1024,
+        position_embedding_type: int = PositionEmbeddingType.learned_absolute, rotary_inv_freq=None,
+        rotary_cos_sin=None, kv_orig_quant_scale=None, kv_quant_orig_scale=None,
+        attention_output_orig_quant_scale=None, attention_output_sf_scale=None,
+        kv_cache_quant_mode: int = NO_KV_CACHE_QUANT, max_context_length: int | None = None,
+        mask_type: int = AttentionMaskType.causal, block_sparse_block_size: int = 64,
+        block_sparse_homo_head_pattern: bool = False, block_sparse_num_local_blocks: int = 16,
+        block_sparse_vertical_stride: int = 8, alibi_slopes=None, tp_size: int = 1, tp_rank: int = 0,
+        vision_start: int = -1, vision_length: int = -1, kv_cache_block_offsets=None,
+        host_kv_cache_block_offsets=None, host_kv_cache_pool_pointers=None, host_kv_cache_pool_mapping=None,
+        do_cross_attention: bool = False, cross_kv=None, cross_kv_length: int | None = None,
+        encoder_input_lengths=None, relative_attention_bias=None, logn_scaling=None, max_distance: int = 0,
+        host_context_lengths=None, qkv_bias=None, use_cache: bool = True,
+        spec_decoding_is_generation_length_variable: bool = False, spec_decoding_max_generation_length: int = 0,
+        spec_decoding_generation_lengths=None, spec_decoding_position_offsets=None, spec_decoding_packed_mask=None,
+        spec_decoding_use=None, long_rope_rotary_inv_freq=None, long_rope_rotary_cos_sin=None,
+        mrope_rotary_cos_sin=None, mrope_position_deltas=None, host_runtime_perf_knobs=None,
+        host_context_progress=None, is_mla_enabled_flag: bool = False, q_lora_rank: int = 0, kv_lora_rank: int = 0,
+        qk_nope_head_dim: int = 0, qk_rope_head_dim: int = 0, v_head_dim: int = 0, q_b_proj=None, kv_b_proj=None,
+        k_b_proj_trans=None, skip_attn=None, cp_group=(0,), cp_size: int = 1, cp_rank: int = 0,
+        num_kv_heads_origin: int = -1, remove_input_padding: bool = True, paged_kv_cache: bool = False,
+        tokens_per_block: int = 64, streamingllm: bool = False, context_fmha_type: int = 1,
+        use_fp8_context_fmha: bool = False, multi_block_mode: bool = True, kv_cache_pool=None,
+        backend: str = "auto", threads: int = 128) -> tuple:
+    r"""TensorRT-LLM's `gpt_attention`: in-flight batched attention over a contiguous or paged KV cache.
 
-    E = batch_beam entries (one per context request, beam_width per generation request; context first; see
-    reference/trtllm_gpt_attention.py for the rows). H = num_heads, Hkv = num_kv_heads, Dh = hidden_size_per_head.
+    Arguments keep `tensorrt_llm.functional.gpt_attention`'s names, order and defaults (all keyword-only); the
+    plugin-config settings follow as keywords with the config's names, then the pool array `kv_cache_pool`
+    (where TensorRT-LLM passes raw pool pointers). NumPy arrays run the reference, GPU arrays the kernels.
 
-    qkv: packed (num_tokens, (H + 2 Hkv) Dh) with remove_input_padding, else padded (E, max_seqlen, same);
-        [Q | K | V] along the last axis; float16, bfloat16, float32 or float64.
-    past_key_value: contiguous cache (>= E, 2, Hkv, max_seqlen, Dh), qkv's dtype, int8 or float8_e4m3fn; written in
-        place and returned as present_key_value. None with paged_kv_cache.
-    attention_mask: bool (num_tokens, >= max length) or (E, max_seqlen, >= max length), True = attend; only with
-        mask_type custom_mask. Row = query token, column = key position.
-    sequence_length (E,): length after this step (past + new tokens).
-    host_past_key_value_lengths (E,): tokens already in the cache.
-    host_max_attention_window_sizes (num_layers,) or shorter: the attention window W of each layer (repeated over
-        the layers when shorter, as TensorRT-LLM's runtime does).
-    host_sink_token_length (1,): StreamingLLM sink tokens S (0 without streamingllm).
-    context_lengths (E,): new tokens of a context request (prompt or chunk); prompt length of a generation request.
-    cache_indirection (>= generation sequences, beam_width, capacity): beam of each cached token; capacity is the
-        cache's token capacity (the cache is cyclic when W <= capacity).
-    host_request_types (E,): RequestType, context 0 before generation 1.
-    layer_idx: this layer (selects the window, and the layer in the paged pool).
-    num_heads, num_kv_heads, hidden_size_per_head: H, Hkv (dividing H; MHA, GQA or MQA), Dh.
-    q_scaling: QK^T is scaled by norm_factor = 1 / (q_scaling sqrt(Dh)).
-    attn_logit_softcapping_scale: c > 0 caps the scaled scores to c tanh(qk / c); 0 disables.
-    rotary_embedding_dim, rotary_embedding_base, rotary_embedding_scale_type (none, linear, dynamic, llama3),
-        rotary_embedding_scale, rotary_embedding_max_positions: RoPE over the first rotary_embedding_dim dims.
-    position_embedding_type: learned_absolute (nothing here), rope_gptj, rope_gpt_neox, alibi, alibi_with_scale,
-        relative.
-    rotary_inv_freq (rotary_embedding_dim / 2,): frequencies used as they are (llama3: reference.rope.llama3_inv_freq).
-    kv_orig_quant_scale (1,) = 1/s, kv_quant_orig_scale (1,) = s: per-tensor INT8/FP8 cache scales.
-    kv_cache_quant_mode: QuantMode(0), INT8_KV_CACHE or FP8_KV_CACHE.
-    max_context_length: optional bound on the context requests' new tokens.
-    mask_type: padding, causal, sliding_window_causal (= causal; the window comes from
-        host_max_attention_window_sizes), bidirectional, custom_mask.
-    alibi_slopes (H,) float32: with alibi / alibi_with_scale; bias slope (j - i).
-    kv_cache_block_offsets (1, >= E, 2, max_blocks): paged block table, TensorRT-LLM's runtime meaning (offset o of
-        layer l is block o + 2 l of the pool seen as blocks). host_kv_cache_block_offsets: its host copy (optional).
-    do_cross_attention, cross_kv ([1,] encoder tokens of the context requests, 2 Hkv Dh) packed or
-        (E, max encoder length, 2 Hkv Dh) padded, [K | V], cross_kv_length (longest encoder length),
-        encoder_input_lengths (E,): cross attention over the encoder states, cached in the context phase.
-    relative_attention_bias: (H, L, L) regular, or (H, num_buckets) with max_distance > 0 (implicit T5 buckets).
-    host_context_lengths (E,): host copy of context_lengths (optional). qkv_bias ((H + 2 Hkv) Dh,): added to qkv.
-    use_cache: False runs whole contexts without reading or writing a cache.
-    remove_input_padding, paged_kv_cache, tokens_per_block (power of two), streamingllm, context_fmha_type
-        (0 disabled, 1 enabled, 2 enabled_with_fp32_acc), use_fp8_context_fmha, multi_block_mode: plugin config.
-    kv_cache_pool (num_blocks, num_layers, 2, Hkv, tokens_per_block, Dh): the paged pool, written in place.
-    backend: "auto", "reference" or "numba" (kernels_numba/trtllm_gpt_attention.py; bfloat16 from NumPy arrays only,
-        computed in float32 and rounded where the reference rounds).
-    threads: the kernels' block size (plugin config; a multiple of 32 up to 1024); the reference ignores it.
-    output: (num_tokens, H Dh) packed or (E, max_seqlen, H Dh) padded (padding rows zero), qkv's dtype.
+    Notation: `E` = batch_beam entries (one per context request, `beam_width` per generation sequence; context
+    requests first), `H` = num_heads, `Hkv` = num_kv_heads, `Dh` = hidden_size_per_head, `T` = packed tokens
+    (context_lengths of the context requests plus one per generation entry), `L_e` = sequence_length[e],
+    `P_e` = host_past_key_value_lengths[e].
+
+    For query token `i` of entry `e` at position `p = P_e + i`, head `h` (kv head `g = h // (H / Hkv)`):
+
+    `out[i, h] = sum_j softmax_j(bias(h, p, j) + cap(norm * q[i, h] . k[j, g])) v[j, g]`
+
+    over the keys `j` visible to it: `j <= p` (causal, bottom-right), `p - W < j` or `j < S` (window `W`, `S` sink
+    tokens), and the custom mask. `norm = 1 / (q_scaling sqrt(Dh))`, `cap(x) = c tanh(x / c)` when
+    attn_logit_softcapping_scale `c > 0`, `bias` is ALiBi's `slope_h (j - p)` or the relative attention bias.
+    Q and K are RoPE-rotated first (then Q times `logn_scaling[p]`); cached keys and values come from the cache
+    (dequantized), the new ones are written to it.
+
+    Parameters
+    ----------
+    qkv : array (T, (H + 2 Hkv) Dh) packed, or (E, max_seqlen, (H + 2 Hkv) Dh) padded
+        `[Q | K | V]` along the last axis; float16, bfloat16, float32 or float64. Required.
+    past_key_value : array (>= E, 2, Hkv, max_seqlen, Dh) or None
+        The contiguous cache (paged_kv_cache False): qkv's dtype, int8 or float8_e4m3fn; written in place and
+        returned as present_key_value. None with a paged cache. Required.
+    attention_mask : bool array (T or (E, max_seqlen), >= max L_e), optional
+        Custom mask, True = attend; row = query token, column = key position. Only with mask_type custom_mask.
+        Default None.
+    attention_packed_mask : int32 array (sum_e roundUp(new_e, 128), roundUp(max L_e, 256) / 32), optional
+        The same custom mask in TensorRT-LLM's packed layout (`reference.packed_mask.pack_attention_mask`); the
+        context requests read it, generation reads attention_mask. Default None.
+    sequence_length : int array (E,)
+        Length after this step, `P_e + new tokens`. Required.
+    host_past_key_value_lengths : int array (E,)
+        Tokens already in the cache. Required.
+    host_max_attention_window_sizes : int32 array (num_layers,) or shorter
+        Attention window `W` per layer, repeated over the layers when shorter. The cache is cyclic when `W` is at
+        most its capacity. Required.
+    host_sink_token_length : int32 array (1,)
+        StreamingLLM sink tokens `S`, `0 <= S < W` (0 without streamingllm). Required.
+    context_lengths : int array (E,)
+        New tokens of a context request (its prompt or chunk); the prompt length of a generation request.
+        Required.
+    cache_indirection : int32 array (>= generation sequences, beam_width, capacity)
+        Beam of each cached token; its last extent is the cache's token capacity. Required.
+    host_request_types : int32 array (E,)
+        RequestType per entry: context 0 before generation 1. Required.
+    layer_idx : int
+        This layer: selects its window and its layer in the paged pool. Required.
+    num_heads : int
+        `H`. Required.
+    num_kv_heads : int
+        `Hkv`, dividing `H` (MHA, GQA or MQA). Required.
+    hidden_size_per_head : int
+        `Dh`. Required.
+    q_scaling : float
+        `QK^T` is scaled by `1 / (q_scaling sqrt(Dh))`. Required.
+    attn_logit_softcapping_scale : float
+        `c > 0` caps the scaled scores to `c tanh(x / c)`; 0 disables. Default 0.0.
+    rotary_embedding_dim : int
+        RoPE over the first rotary_embedding_dim elements of each head (even, at most `Dh`); 0 without RoPE.
+        Default 0.
+    rotary_embedding_base : float
+        RoPE base (theta): frequencies `base^(-2i / rotary_embedding_dim)`. Default 10000.0.
+    rotary_embedding_scale_type : RotaryScalingType or int
+        none, linear (the position divided by rotary_embedding_scale), dynamic (NTK: the base raised past
+        rotary_embedding_max_positions), llama3, longrope or yarn (frequencies and tables from the host).
+        Default none.
+    rotary_embedding_short_m_scale : float
+        m-scale on cos/sin recomputed from the frequencies while the newest position is at most
+        rotary_embedding_original_max_positions (long_rope, yarn). Default 1.0.
+    rotary_embedding_long_m_scale : float
+        The m-scale past rotary_embedding_original_max_positions. Default 1.0.
+    rotary_embedding_scale : float
+        Linear or dynamic scaling factor. Default 1.0.
+    rotary_embedding_max_positions : int
+        Dynamic scaling starts past it; a longer sequence has its cos/sin recomputed, not read from
+        rotary_cos_sin. Default 1024.
+    rotary_embedding_original_max_positions : int
+        long_rope switches a phase to its long frequencies and table once the phase's longest sequence passes
+        it; the m-scale switches at it. Default 1024.
+    position_embedding_type : PositionEmbeddingType or int
+        learned_absolute (nothing here), rope_gptj, rope_gpt_neox, long_rope, yarn, alibi, alibi_with_scale or
+        relative. Default learned_absolute.
+    rotary_inv_freq : float32 array (rotary_embedding_dim / 2,), optional
+        Frequencies used as they are (linear scaling already in them; llama3: `reference.rope.llama3_inv_freq`).
+        Required with long_rope, yarn and llama3. Default None.
+    rotary_cos_sin : float32 array (1, num_pos rotary_embedding_dim), optional
+        cos/sin table, `(cos, sin)` of position `p`, pair `i` at `2 (p rotary_embedding_dim / 2 + i)`; read at the
+        token's position, except with dynamic scaling, past rotary_embedding_max_positions and with
+        streamingllm, where cos/sin are recomputed. `reference.rope.plugin_tables`, `long_rope_tables`,
+        `yarn_tables` build it. Required with long_rope and yarn. Default None.
+    kv_orig_quant_scale : float32 array (1,), optional
+        `1 / s`, the INT8/FP8 cache's quantization scale (store `x / s`). Default None.
+    kv_quant_orig_scale : float32 array (1,), optional
+        `s` (load `code s`). Default None.
+    attention_output_orig_quant_scale : float32 array (1,), optional
+        FP8 output: not built, refused unless None. Default None.
+    attention_output_sf_scale : float32 array (1,), optional
+        FP4 output scaling factors: not built, refused unless None. Default None.
+    kv_cache_quant_mode : QuantMode or int
+        QuantMode(0), INT8_KV_CACHE or FP8_KV_CACHE. Default QuantMode(0).
+    max_context_length : int, optional
+        Bound on the context requests' new tokens, checked. Default None.
+    mask_type : AttentionMaskType or int
+        padding, causal, sliding_window_causal (causal; the window comes from host_max_attention_window_sizes),
+        bidirectional or custom_mask. Default causal.
+    block_sparse_block_size : int
+        Block-sparse attention (mask_type blocksparse, not built): accepted, not used. Default 64.
+    block_sparse_homo_head_pattern : bool
+        Likewise. Default False.
+    block_sparse_num_local_blocks : int
+        Likewise. Default 16.
+    block_sparse_vertical_stride : int
+        Likewise. Default 8.
+    alibi_slopes : float32 array (H,), optional
+        ALiBi slopes, with alibi and alibi_with_scale. Default None.
+    tp_size : int
+        Tensor-parallel ranks; the heads given are this rank's. Default 1.
+    tp_rank : int
+        This rank, `0 <= tp_rank < tp_size`. Default 0.
+    vision_start : int
+        CogVLM vision positions: not built, refused unless -1. Default -1.
+    vision_length : int
+        Likewise. Default -1.
+    kv_cache_block_offsets : int array (1, >= E, 2, max_blocks), optional
+        Paged block table: the offset `o` of entry `e`, K (0) or V (1), block index `t // tokens_per_block`
+        addresses block `o + 2 layer_idx` of the pool seen as blocks (a manager writes
+        `o = block num_layers 2 + kv`). Entries may share blocks read-only (a common prefix); a slot one entry
+        writes must not be written or read by another in the same call (a data race on a GPU, refused).
+        Default None.
+    host_kv_cache_block_offsets : int array, optional
+        Host copy of kv_cache_block_offsets, checked equal. Default None.
+    host_kv_cache_pool_pointers : int64 array (num_pools, 2), optional
+        Raw pool addresses: refused; pass the pool as kv_cache_pool. Default None.
+    host_kv_cache_pool_mapping : int32 array (num_layers, 2), optional
+        (pool, layer in pool) per layer: one pool only, layer l as (0, l). Default None.
+    do_cross_attention : bool
+        Attend to encoder states (cross_kv, cached by the context phase). Default False.
+    cross_kv : array ([1,] encoder tokens, 2 Hkv Dh) packed or (E, max encoder length, 2 Hkv Dh), optional
+        `[K | V]` of the context requests' encoder tokens, qkv's dtype. Default None.
+    cross_kv_length : int, optional
+        Longest encoder length, checked. Default None.
+    encoder_input_lengths : int array (E,), optional
+        Encoder tokens per entry, with cross attention. Default None.
+    relative_attention_bias : array (H, L, L) or (H, num_buckets), optional
+        Relative attention bias (position_embedding_type relative): a regular table, or T5 buckets with
+        max_distance > 0. qkv's dtype. Default None.
+    logn_scaling : float32 array (>= max L_e,), optional
+        Qwen's logn attention: Q times `logn_scaling[p]` after RoPE, `p` the absolute position
+        (`reference.rope.logn_scaling`). Default None.
+    max_distance : int
+        T5 bucket distance; 0 means a regular relative bias table. Default 0.
+    host_context_lengths : int array (E,), optional
+        Host copy of context_lengths, checked equal. Default None.
+    qkv_bias : array ((H + 2 Hkv) Dh,), optional
+        Added to qkv before RoPE, qkv's dtype. Default None.
+    use_cache : bool
+        False runs whole contexts without reading or writing a cache. Default True.
+    spec_decoding_is_generation_length_variable : bool
+        Speculative decoding setting: accepted, not used. Default False.
+    spec_decoding_max_generation_length : int
+        Likewise. Default 0.
+    spec_decoding_generation_lengths : int array, optional
+        Speculative decoding: not built, refused unless None. Default None.
+    spec_decoding_position_offsets : int array, optional
+        Likewise. Default None.
+    spec_decoding_packed_mask : int array, optional
+        Likewise. Default None.
+    spec_decoding_use : array, optional
+        Likewise. Default None.
+    long_rope_rotary_inv_freq : float32 array (rotary_embedding_dim / 2,), optional
+        long_rope's long frequencies. Required with long_rope. Default None.
+    long_rope_rotary_cos_sin : float32 array (1, num_pos rotary_embedding_dim), optional
+        long_rope's long table, laid out as rotary_cos_sin. Required with long_rope. Default None.
+    mrope_rotary_cos_sin : array, optional
+        Multimodal RoPE: not built, refused unless None. Default None.
+    mrope_position_deltas : array, optional
+        Likewise. Default None.
+    host_runtime_perf_knobs : int64 array, optional
+        Kernel choices: accepted, not used. Default None.
+    host_context_progress : array, optional
+        Layer-wise progress tracking: accepted, not used. Default None.
+    is_mla_enabled_flag : bool
+        Multi-head latent attention: not built, refused unless False. Default False.
+    q_lora_rank : int
+        MLA: refused unless 0. Default 0.
+    kv_lora_rank : int
+        MLA: refused unless 0. Default 0.
+    qk_nope_head_dim : int
+        MLA: refused unless 0. Default 0.
+    qk_rope_head_dim : int
+        MLA: refused unless 0. Default 0.
+    v_head_dim : int
+        MLA: refused unless 0. Default 0.
+    q_b_proj : array, optional
+        MLA: refused unless None. Default None.
+    kv_b_proj : array, optional
+        MLA: refused unless None. Default None.
+    k_b_proj_trans : array, optional
+        MLA: refused unless None. Default None.
+    skip_attn : bool array (1,), optional
+        Skipping the attention: not built, refused unless None. Default None.
+    cp_group : list of int
+        Context-parallel group: accepted, not used. Default [0].
+    cp_size : int
+        Context parallelism: refused unless 1. Default 1.
+    cp_rank : int
+        Context parallelism: refused unless 0. Default 0.
+    num_kv_heads_origin : int
+        KV heads before tensor parallelism: accepted, not used. Default -1.
+    remove_input_padding : bool
+        Plugin config: packed (True) or padded qkv. Default True.
+    paged_kv_cache : bool
+        Plugin config: the paged cache kv_cache_pool (True) or past_key_value. Default False.
+    tokens_per_block : int
+        Plugin config: tokens per paged block, a power of two. Default 64.
+    streamingllm : bool
+        Plugin config: StreamingLLM (keys cached before RoPE, rotated at their cache index; a dense context
+        phase). Default False.
+    context_fmha_type : int
+        Plugin config: 0 disabled (the unfused path), 1 enabled, 2 enabled_with_fp32_acc. Default 1.
+    use_fp8_context_fmha : bool
+        Plugin config: FP8 context FMHA (Q, K, V and the probabilities in e4m3), with an FP8 cache.
+        Default False.
+    multi_block_mode : bool
+        Plugin config: split long generation keys over several blocks (kernels). Default True.
+    kv_cache_pool : array (num_blocks, num_layers, 2, Hkv, tokens_per_block, Dh), optional
+        The paged pool, qkv's dtype, int8 or float8_e4m3fn, written in place. Default None.
+    backend : str
+        "auto" (NumPy: reference, GPU arrays: kernels), "reference" or "numba". Default "auto".
+    threads : int
+        The kernels' block size, a multiple of 32 up to 1024; the reference ignores it. Default 128.
+
+    Returns
+    -------
+    output : array (T, H Dh) packed or (E, max_seqlen, H Dh) padded
+        qkv's dtype; padding rows are zero.
+    present_key_value : array or None
+        past_key_value itself (written in place), None with a paged cache or use_cache False.
+
+    Raises
+    ------
+    ValueError
+        A value, shape or combination TensorRT-LLM's document does not allow, or a feature not built here; the
+        message starts with the argument's name. Raised before any kernel runs; the cache is untouched.
+    TypeError
+        A dtype or argument kind that does not fit (an index tensor of floats, a non-bool mask).
+
+    Examples
+    --------
+    One context request of 3 tokens, then its first generation step, on a contiguous cache:
+
+    >>> import numpy as np, cacheattn
+    >>> H, Dh = 2, 4
+    >>> cache = np.zeros((1, 2, H, 8, Dh), np.float32)
+    >>> step = dict(past_key_value=cache, host_max_attention_window_sizes=np.array([8], np.int32),
+    ...             host_sink_token_length=np.array([0], np.int32), cache_indirection=np.zeros((1, 1, 8), np.int32),
+    ...             layer_idx=0, num_heads=H, num_kv_heads=H, hidden_size_per_head=Dh, q_scaling=1.0)
+    >>> qkv = np.random.default_rng(0).standard_normal((3, 3 * H * Dh)).astype(np.float32)
+    >>> out, present = cacheattn.gpt_attention(qkv=qkv, sequence_length=np.array([3]),
+    ...     host_past_key_value_lengths=np.array([0]), context_lengths=np.array([3]),
+    ...     host_request_types=np.array([0]), **step)
+    >>> out.shape, present is cache
+    ((3, 8), True)
+    >>> out, _ = cacheattn.gpt_attention(qkv=qkv[:1], sequence_length=np.array([4]),
+    ...     host_past_key_value_lengths=np.array([3]), context_lengths=np.array([3]),
+    ...     host_request_types=np.array([1]), **step)
+    >>> out.shape
+    (1, 8)
     """
     # The document's arguments only: validate() and the reference take every one of them, and nothing else.
     args = {k: v for k, v in locals().items() if k not in ("backend", "threads")}
     data = dict(qkv=qkv, past_key_value=past_key_value, kv_cache_pool=kv_cache_pool, attention_mask=attention_mask,
                 cross_kv=cross_kv, qkv_bias=qkv_bias, alibi_slopes=alibi_slopes,
-                relative_attention_bias=relative_attention_bias)
+                relative_attention_bias=relative_attention_bias, rotary_cos_sin=rotary_cos_sin,
+                long_rope_rotary_cos_sin=long_rope_rotary_cos_sin, logn_scaling=logn_scaling,
+                attention_packed_mask=attention_packed_mask)
     engine = arrays.resolve_backend(backend, data)
     checked = validate(args)
     check_int("threads", threads, low=32, high=1024)

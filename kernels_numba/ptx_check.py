@@ -115,19 +115,19 @@ def _onnx_launches(full: bool):
     return out
 
 
-# FasterTransformer's cross-attention head sizes (the sizes its kernels are instantiated for; cacheattn.ft.HEAD_SIZES,
-# which validation checks against; tests/test_ptx.py holds the two equal). kernels_numba never imports cacheattn.
-FT_HEAD_SIZES = (32, 48, 64, 80, 96, 112, 128, 144, 160, 192, 224, 256)
-# The weights the launcher reads by attribute: FasterTransformer's AttentionWeight / DenseWeight member names.
-_Dense = namedtuple("_Dense", "kernel bias")
-_Weights = namedtuple("_Weights", "query_weight key_weight value_weight attention_output_weight ia3_key_weight "
-                                  "ia3_value_weight")
-
 # (is_batch_major_cache, dtype, step, ia3, head size) per code path: each layout's addressing, float16 and
 # float32 rounding, step 1 (layout kernel, with and without IA3) and a later step, the smallest and largest
 # head size (the largest tests the shared-memory plan); every launch also runs the probabilities kernel.
 FT_REPRESENTATIVES = ((True, np.float16, 1, True, 32), (False, np.float32, 1, False, 256),
                       (True, np.float32, 2, False, 256), (False, np.float16, 3, False, 32))
+
+
+# FasterTransformer's head-size dispatch list, as cacheattn.ft.HEAD_SIZES has it (the kernels never import the public
+# face; tests/test_ptx.py holds the two equal), and the two weight records the launcher reads by attribute.
+FT_HEAD_SIZES = (32, 48, 64, 80, 96, 112, 128, 144, 160, 192, 224, 256)
+DenseWeight = namedtuple("DenseWeight", "kernel bias", defaults=(None,))
+AttentionWeight = namedtuple("AttentionWeight", "query_weight key_weight value_weight attention_output_weight "
+                                                "ia3_key_weight ia3_value_weight", defaults=(None, None))
 
 
 def _ft_launches(full: bool):
@@ -147,11 +147,11 @@ def _ft_launches(full: bool):
         x = 16 // np.dtype(dtype).itemsize
 
         def dense(rows, cols, dtype=dtype):
-            return _Dense(rng.standard_normal((rows, cols)).astype(dtype), np.zeros(cols, dtype))
+            return DenseWeight(rng.standard_normal((rows, cols)).astype(dtype), np.zeros(cols, dtype))
 
-        ia3_weights = (_Dense(np.ones((3, hidden), dtype), None),) * 2 if ia3 else (None, None)
-        weights = _Weights(dense(d_model, hidden), dense(d_model, hidden), dense(d_model, hidden),
-                           dense(hidden, d_model), *ia3_weights)
+        ia3_weights = (DenseWeight(np.ones((3, hidden), dtype)),) * 2 if ia3 else (None, None)
+        weights = AttentionWeight(dense(d_model, hidden), dense(d_model, hidden), dense(d_model, hidden),
+                                  dense(hidden, d_model), *ia3_weights)
         k_shape = (batch, heads, size // x, length, x) if major else (batch, length, heads, size)
         v_shape = (batch, heads, length, size) if major else k_shape
         with _launch.recorded_launches() as launches:
@@ -325,10 +325,50 @@ def _assemble(ptx: str, cc) -> str:
     return ", assembled"
 
 
+def _convert_launches(full: bool):
+    """(label, kernel, args) for cacheattn.convert's gather and scatter kernels: every storage kind (float16 and
+    float32 floats, bfloat16 bits, per-tensor int8 / e4m3 / e5m2, int8 and int4 groups with float16 or float32
+    scales) gathered and encoded; per-tensor codes by multiplication (TensorRT-LLM) for int8 and e4m3, by
+    division (vLLM, FlashInfer) for the fp8s; codes copied for a float, an fp8 and a group kind. full: every
+    kind both ways and copied."""
+    from . import _launch
+    from . import convert as kc
+
+    heads, tokens, head_dim = 2, 3, 16
+    offsets = np.arange(tokens, dtype=np.int64) * heads * head_dim
+    kinds = [(kc.FLOAT, np.float32, np.float32), (kc.FLOAT, np.float16, np.float32), (kc.BF16, np.uint16, np.float32),
+             (kc.INT8, np.int8, np.float32), (kc.E4M3, np.uint8, np.float32), (kc.E5M2, np.uint8, np.float32),
+             (kc.GROUP8, np.int8, np.float16), (kc.GROUP4, np.int8, np.float32)]
+    out = []
+    for kind, storage, scale_dtype in kinds:
+        grouped = kind in (kc.GROUP8, kc.GROUP4)
+        stored = head_dim // 2 if kind == kc.GROUP4 else head_dim
+        data = np.zeros(tokens * heads * stored, storage)
+        src = kc.where(data, offsets // head_dim * stored, stored, stored, 0, 1)
+        scales = kc.where(np.ones(tokens * heads * 4, scale_dtype), offsets // head_dim * 4, 4, 4, 0, 1) \
+            if grouped else None
+        values = np.ones((heads, tokens, head_dim), np.float32)
+        with _launch.recorded_launches() as launches:
+            kc.gather(src, scales, kind=kind, heads=heads, tokens=tokens, head_dim=head_dim, stored_dim=stored,
+                      quant_group=4, scale_dtype=scale_dtype)
+            divides = {kc.INT8: (False,), kc.E4M3: (False, True), kc.E5M2: (True,)}.get(kind, (False,))
+            for divide in (True, False) if full and kind in (kc.INT8, kc.E4M3, kc.E5M2) else divides:
+                kc.scatter(src, scales, values, kind=kind, heads=heads, tokens=tokens, head_dim=head_dim,
+                           quant_group=4, divide=divide, scale_dtype=scale_dtype)
+            if full or kind in (kc.FLOAT, kc.E4M3, kc.GROUP4):
+                kc.scatter(src, scales, None, np.zeros((heads, tokens, stored), storage),
+                           np.ones((heads, tokens, 4), scale_dtype) if grouped else None, kind=kind, heads=heads,
+                           tokens=tokens, head_dim=head_dim, quant_group=4, scale_dtype=scale_dtype)
+        label = f"convert kind {kind} {np.dtype(storage).name}"
+        out += [(label, kernel, args) for kernel, args in launches]
+    return out
+
+
 # Kernel families: name -> launches(full). A new operator module adds its family here; tests/test_ptx.py runs
 # one test per family and compute capability.
 FAMILIES = {"ppl": _ppl_launches, "onnx": _onnx_launches, "ft": _ft_launches, "trtllm": _trtllm_launches,
-            "ladder": _ladder_launches, "rung3": _rung3_launches, "rung4": _rung4_launches, "rung5": _rung5_launches}
+            "ladder": _ladder_launches, "rung3": _rung3_launches, "rung4": _rung4_launches, "rung5": _rung5_launches,
+            "convert": _convert_launches}
 
 
 def compile_all(ccs, families=tuple(FAMILIES), full=False, report=print) -> int:

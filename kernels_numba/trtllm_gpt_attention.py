@@ -4,8 +4,9 @@ Two kernels per call in the common case, all on the caller's stream with no host
 generation entries together (in-flight batching); the variants below add a launch each:
 
 1. preprocess (one thread per element of a token's Q, K or V head): QKV bias, rounding to the input dtype,
-   RoPE (GPT-J / GPT-NeoX, partial, linear or dynamic scaling; frequencies per entry from the host, or
-   `rotary_inv_freq` as given), then
+   RoPE (GPT-J / GPT-NeoX / long_rope / yarn, partial, linear or dynamic scaling; cos/sin read from the
+   `rotary_cos_sin` table at the token's position, or computed from frequencies per entry from the host, or
+   `rotary_inv_freq` as given, times the m-scale), Qwen's logn factor on Q, then
    - Q, K, V of the new tokens -> scratch (T, heads, Dh) in the accumulation dtype (the current tokens attend
      with their own unquantized K/V, as the reference's `keys[P:] = k_rot`),
    - K, V -> their cache slot (contiguous row, or paged block through the block offsets; cyclic with sinks and
@@ -13,7 +14,8 @@ generation entries together (in-flight batching); the variants below add a launc
      K/V from `qkv` writes it: one pass.
 2. attention (the core, fused): entry b's key t comes from the cache for t < past (beam indirection, cyclic slot,
    INT8 dequant / e4m3 decode) and from the scratch for t >= past; `score` applies the causal / window / sinks /
-   custom mask, softcap, then ALiBi or the relative bias; `key_range` bounds the walk to the visible keys.
+   custom mask (the context entries read it from `attention_packed_mask` when given, bit by bit in its fragment
+   order), softcap, then ALiBi or the relative bias; `key_range` bounds the walk to the visible keys.
 Unfused context (context_fmha_type 0, and FP8 context FMHA): scores in global memory, softmax rows, P V.
 Cross attention: a third kernel copies the context entries' encoder K/V (`cross_kv`) to the scratch and to
 cache slots 0..L-1 in one pass; keys are then the encoder's (scratch in the context phase, the cache in
@@ -52,15 +54,17 @@ from ._split_k import combine_kernel as _combine_kernel
 
 # TensorRT-LLM enum values (tensorrt_llm.functional), as cacheattn.trtllm validates them.
 PADDING, CAUSAL, SLIDING_WINDOW_CAUSAL, BIDIRECTIONAL = 0, 1, 2, 3
-ROPE_GPTJ, ROPE_GPT_NEOX, ALIBI, ALIBI_WITH_SCALE, RELATIVE = 1, 2, 4, 5, 6
+ROPE_GPTJ, ROPE_GPT_NEOX, LONG_ROPE, ALIBI, ALIBI_WITH_SCALE, RELATIVE, YARN = 1, 2, 3, 4, 5, 6, 8
 SCALING_LINEAR, SCALING_DYNAMIC = 1, 2
 CONTEXT = 0
 INT8_KV_CACHE, FP8_KV_CACHE = 64, 128
 FP8_MAX = 448.0
 
-# Per-entry table columns (int64): where the entry's tokens are in qkv/output, its lengths, its cache rows.
-TOKEN_START, PAST, NEW, FIRST_ROW, BEAM, SEQUENCE, PROMPT, IS_CONTEXT = range(8)
-TABLE_COLUMNS = 8
+# Per-entry table columns (int64): where the entry's tokens are in qkv/output, its lengths, its cache rows, the
+# m-tile its rows start at in the packed mask, the RoPE cos/sin table it reads (-1: none, 0: rotary_cos_sin,
+# 1: long_rope's long table).
+TOKEN_START, PAST, NEW, FIRST_ROW, BEAM, SEQUENCE, PROMPT, IS_CONTEXT, MASK_TILE, ROPE_TABLE = range(10)
+TABLE_COLUMNS = 10
 
 # Where cached token slots live. Contiguous: row r, slot s at r*s_row + kv*s_kv + h*s_head + s*Dh.
 # Paged: block = offsets[r, kv, s // tokens_per_block] + layer_blocks, at block*s_block + h*s_head + (s % tpb)*Dh.
@@ -157,8 +161,14 @@ def make_cache_address(head_size: int):
     return cache_address
 
 
-def make_rope(rope_style: int, rotary_dim: int, round_dtype, acc_t):
-    """(pair_of, rotate): RoPE of one element given its pair partner, the result rounded to the input dtype."""
+def make_rope(rope_style: int, rotary_dim: int, round_dtype, acc_t, tables: bool = True):
+    """(pair_of, rotate): RoPE of one element given its pair partner, the result rounded to the input dtype.
+
+    rotate's `rope` is a namedtuple with the fields table (the entry table), inv_freq (entries, rotary_dim/2 + 1:
+    the frequencies, then the entry's m-scale) and position_divisor, plus cos_sin and cos_sin_long (flat float32)
+    when `tables`: entry b reads cos/sin of pair i at position p from element 2 (p rotary_dim/2 + i) of cos_sin
+    (table[b, ROPE_TABLE] 0) or of cos_sin_long (1: long_rope past its original positions), else (-1, and always
+    without `tables`) computes m_scale (cos, sin)((p / position_divisor) inv_freq[b, i])."""
     # spec: trtllm/rope
     HALF = rotary_dim // 2
 
@@ -172,10 +182,21 @@ def make_rope(rope_style: int, rotary_dim: int, round_dtype, acc_t):
         return d % HALF, first, d + HALF if first else d - HALF
 
     @cuda.jit(device=True, inline="always")
-    def rotate(x, other, first, position, divisor, freq):
-        """x rotated with its partner at angle (position / divisor) * freq, formed in acc_t."""
-        angle = acc_t(np.float64(position) / divisor) * acc_t(freq)
-        cos, sin = acc_t(math.cos(angle)), acc_t(math.sin(angle))
+    def coefficients(rope, b, position, pair):
+        if tables:
+            at = rope.table[b, ROPE_TABLE]
+            if at >= 0:
+                k = 2 * (position * HALF + pair)
+                table = rope.cos_sin if at == 0 else rope.cos_sin_long
+                return acc_t(table[k]), acc_t(table[k + 1])
+        angle = acc_t(np.float64(position) / rope.position_divisor) * acc_t(rope.inv_freq[b, pair])
+        m = acc_t(rope.inv_freq[b, HALF])
+        return acc_t(math.cos(angle)) * m, acc_t(math.sin(angle)) * m
+
+    @cuda.jit(device=True, inline="always")
+    def rotate(x, other, first, rope, b, position, pair):
+        """x rotated with its partner by entry b's coefficients of `pair` at `position`, formed in acc_t."""
+        cos, sin = coefficients(rope, b, position, pair)
         if first:
             return round_dtype(x * cos - other * sin)
         return round_dtype(x * cos + other * sin)
@@ -192,7 +213,7 @@ def make_trt_access(quant: int, num_kv_heads: int, head_size: int, acc_t, round_
     (rope_style != 0 only for StreamingLLM; `src.rotate` says whether this source is K)."""
     _, decode = make_kv_codec(quant, acc_t)
     cache_address = make_cache_address(head_size)
-    pair_of, rotate = make_rope(rope_style, rotary_dim, round_dtype, acc_t)
+    pair_of, rotate = make_rope(rope_style, rotary_dim, round_dtype, acc_t, tables=False)   # StreamingLLM recomputes
 
     @cuda.jit(device=True, inline="always")
     def row_offsets(src, b, t, h):
@@ -219,7 +240,7 @@ def make_trt_access(quant: int, num_kv_heads: int, head_size: int, acc_t, round_
         b, slot = (where & 0xFFFFFFFF) - 1, where >> 32
         pair, first, partner = pair_of(d)
         other = decode(src.cache[index + partner], src.scale)
-        return rotate(x, other, first, slot, src.position_divisor, src.inv_freq[b, pair])
+        return rotate(x, other, first, src, b, slot, pair)
 
     return row_offsets, load
 
@@ -245,6 +266,18 @@ def t5_bucket(relative_position, num_buckets, max_distance, bidirectional):
     return bucket + min(large, num_buckets - 1)
 
 
+@cuda.jit(device=True, inline="always")
+def packed_mask_bit(packed, first_tile, row, col, words_per_row):
+    """Bit (row, col) of a sequence whose rows start at m-tile first_tile in TensorRT-LLM's packed mask: the word
+    of MMA thread t = warp*32 + lane_row*4 + pair in its 64 x 64 tile, bit 4k + 2 half + low (reference/
+    packed_mask.py has the layout)."""
+    r, c = row % 64, col % 64
+    warp, within = r // 16, r % 16
+    thread = warp * 32 + (within % 8) * 4 + (c % 8) // 2
+    word = (first_tile + row // 64) * (words_per_row // 2) * 128 + (col // 64) * 128 + thread
+    return (packed[word] >> (4 * (c // 8) + 2 * (within // 8) + c % 2)) & 1
+
+
 def make_trt_score(acc_t):
     """(score, key_range) of the core: custom mask, causal / window / sinks visibility, softcap, then ALiBi or
     the relative attention bias (a regular (H, L, L) table or implicit T5 buckets) (ScoreArgs)."""
@@ -258,7 +291,10 @@ def make_trt_score(acc_t):
         dense = args.streaming != 0 and args.table[b, IS_CONTEXT] != 0   # StreamingLLM prefill: no window
         if not dense and j <= p - (args.window - args.sinks) and j >= args.sinks:
             return NEG_INF                              # out of the window and not a sink
-        if args.mask_cols > 0 and not args.mask[(args.table[b, TOKEN_START] + i) * args.mask_cols + j]:
+        if args.packed_words > 0 and args.table[b, IS_CONTEXT] != 0:
+            if packed_mask_bit(args.packed, args.table[b, MASK_TILE], i, j, args.packed_words) == 0:
+                return NEG_INF                          # the context entries' custom mask, packed
+        elif args.mask_cols > 0 and not args.mask[(args.table[b, TOKEN_START] + i) * args.mask_cols + j]:
             return NEG_INF                              # custom mask: row = query token, True = attend
         s = qk
         if args.softcap > 0:                            # after the scaling, before the bias
@@ -287,7 +323,7 @@ def make_trt_score(acc_t):
 
 
 ScoreArgs = namedtuple("ScoreArgs", "table alibi alibi_on softcap causal window sinks streaming mask mask_cols "
-                                    "bias relative bias_len max_distance bidirectional")
+                                    "bias relative bias_len max_distance bidirectional packed packed_words")
 
 
 def _acc_type(dtype):
@@ -427,8 +463,7 @@ def _preprocess_kernel(dtype, num_heads, num_kv_heads, head_size, rotary_dim, ro
         if rope_style == 0 or hh >= H + HKV or d >= rotary_dim:
             return x
         pair, first, partner = pair_of(d)
-        return rotate(x, element(pre, token, hh, partner), first, position, pre.position_divisor,
-                      pre.inv_freq[b, pair])
+        return rotate(x, element(pre, token, hh, partner), first, pre, b, position, pair)
 
     @cuda.jit(device=True, inline="always")
     def store(dst, pre, b, position, g, d, x):
@@ -451,6 +486,8 @@ def _preprocess_kernel(dtype, num_heads, num_kv_heads, head_size, rotary_dim, ro
             rope_position = min(position, pre.k_dst.window)   # StreamingLLM generation: the index in the cache
         y = rotated(pre, b, token, rope_position, hh, d)
         if hh < H:
+            if pre.logn_on != 0:                        # Qwen's logn attention: Q scaled at its absolute position
+                y = round_dtype(y * acc_t(pre.logn[position]))
             if pre.write_scratch != 0:
                 pre.q_out[(token * H + hh) * DH + d] = y
         elif hh < H + HKV:
@@ -503,8 +540,8 @@ def _cross_kernel(dtype, num_kv_heads, head_size, quant):
     return cross_kernel
 
 
-Preprocess = namedtuple("Preprocess", "qkv bias table inv_freq position_divisor inv_scale q_out k_out v_out k_dst "
-                                      "v_dst write_scratch write_cache streaming")
+Preprocess = namedtuple("Preprocess", "qkv bias table inv_freq position_divisor cos_sin cos_sin_long inv_scale "
+                                      "q_out k_out v_out k_dst v_dst write_scratch write_cache streaming logn logn_on")
 
 
 # ---- Host side -----------------------------------------------------------------------------------------------
@@ -525,7 +562,40 @@ def rope_inv_freq(rotary_inv_freq, rotary_dim, base, scale_type, scale, max_posi
     return np.stack(rows)
 
 
-def entry_table(num_context, beam_width, past, new, context_lengths, token_starts) -> np.ndarray:
+RopePlan = namedtuple("RopePlan", "inv_freq position_divisor cos_sin cos_sin_long table_at")
+
+
+def rope_plan(like, *, position_embedding_type, rotary_dim, rotary_inv_freq, long_rope_rotary_inv_freq, rotary_cos_sin,
+              long_rope_rotary_cos_sin, base, scale_type, scale, max_positions, original_max_positions, short_m_scale,
+              long_m_scale, streamingllm, lengths, is_context, acc_t) -> RopePlan:
+    """Per entry: frequencies, m-scale and which table (if any) it reads cos/sin from, as reference.
+    trtllm_gpt_attention.rope_plan decides: long_rope takes the long frequencies and table for a whole phase once
+    its longest sequence passes original_max_positions; the table serves unless dynamic scaling, a length past
+    max_positions or StreamingLLM make the kernels recompute (times the m-scale of the newest position)."""
+    E = len(lengths)
+    long_phase = np.zeros(E, bool)
+    if position_embedding_type == LONG_ROPE:
+        for phase in (True, False):
+            members = is_context == phase
+            if members.any() and lengths[members].max() > original_max_positions:
+                long_phase[members] = True
+    freq = rope_inv_freq(rotary_inv_freq, rotary_dim, base, scale_type, scale, max_positions, lengths, acc_t)
+    if long_phase.any():
+        freq[long_phase] = np.asarray(long_rope_rotary_inv_freq).reshape(-1).astype(acc_t)
+    recompute = (scale_type == SCALING_DYNAMIC) | (lengths > max_positions) | bool(streamingllm)
+    table_at = np.where(recompute | (rotary_cos_sin is None), -1, long_phase.astype(np.int64)).astype(np.int64)
+    m_scale = np.where(lengths - 1 <= original_max_positions, short_m_scale, long_m_scale).astype(acc_t)
+    placeholder = to_kind(like, np.zeros(1, np.float32))
+    divisor = float(scale) if scale_type == SCALING_LINEAR and rotary_inv_freq is None else 1.0
+    # The m-scale rides as a last column of the frequencies: fewer kernel parameters than an array of its own.
+    return RopePlan(inv_freq=to_kind(like, np.concatenate([freq, m_scale[:, None]], axis=1)),
+                    position_divisor=np.float64(divisor),
+                    cos_sin=flat(rotary_cos_sin) if rotary_cos_sin is not None else placeholder,
+                    cos_sin_long=flat(long_rope_rotary_cos_sin) if long_rope_rotary_cos_sin is not None
+                    else placeholder, table_at=table_at)
+
+
+def entry_table(num_context, beam_width, past, new, context_lengths, token_starts, rope_tables=None) -> np.ndarray:
     """(entries, TABLE_COLUMNS) int64: see the column names. Generation entry e = C + bi*W + w reads the prompt
     from row C + bi*W and later tokens from row C + bi*W + cache_indirection[bi, w, slot]."""
     E = len(past)
@@ -537,11 +607,14 @@ def entry_table(num_context, beam_width, past, new, context_lengths, token_start
     table[num_context:, SEQUENCE], table[num_context:, BEAM] = sequence, beam
     table[num_context:, FIRST_ROW] = num_context + sequence * beam_width
     table[:, PROMPT] = context_lengths
+    # The packed custom mask pads each entry's query rows to 128 (two 64-row m-tiles).
+    table[:, MASK_TILE] = np.concatenate([[0], np.cumsum(-(-np.asarray(new) // 128) * 2)])[:-1]
+    table[:, ROPE_TABLE] = -1 if rope_tables is None else rope_tables
     return table
 
 
 def _kv_sources(*, cache_array, paged, block_offsets, indirection, table, k_scratch, v_scratch, layer_idx,
-                tokens_per_block, window, sinks, scale, num_kv_heads, head_size, like, inv_freq, divisor, rotate_keys):
+                tokens_per_block, window, sinks, scale, num_kv_heads, head_size, like, rope, rotate_keys):
     """KVSource for K and for V over the contiguous cache (rows, 2, Hkv, slots, Dh) or the paged pool
     (blocks, layers, 2, Hkv, tokens_per_block, Dh); e4m3 caches are read and written as their bytes."""
     if cache_array is None:                             # use_cache=False: every key is a new token
@@ -565,7 +638,7 @@ def _kv_sources(*, cache_array, paged, block_offsets, indirection, table, k_scra
                   indirection=to_kind(like, indirection), paged=i64(paged), tokens_per_block=i64(tokens_per_block),
                   layer_blocks=i64(2 * layer_idx), s_row=i64(s_row), s_kv=i64(s_kv), s_head=i64(s_head),
                   s_block=i64(s_block), window=i64(window), sinks=i64(sinks), bubble=i64(bubble),
-                  scale=np.float32(scale), inv_freq=inv_freq, position_divisor=np.float64(divisor))
+                  scale=np.float32(scale), inv_freq=rope.inv_freq, position_divisor=rope.position_divisor)
     return (KVSource(scratch=k_scratch, kv=i64(0), rotate=i64(rotate_keys), **common),
             KVSource(scratch=v_scratch, kv=i64(1), rotate=i64(0), **common))
 
@@ -592,13 +665,17 @@ def _unfused_context(q_scratch, token_starts, new, kvlens, num_context, k_src, v
            v_src, scores, totals, acc_t(s), inv_s, flat(output))
 
 
-def _mask_and_bias(attention_mask, relative_attention_bias, position_embedding_type, max_distance, mask_type, like):
+def _mask_and_bias(attention_mask, attention_packed_mask, relative_attention_bias, position_embedding_type,
+                   max_distance, mask_type, like):
     """ScoreArgs fields of the custom mask (mask_cols 0: none) and the relative attention bias (relative 0: none,
     1: the regular (H, L, L) table, 2: T5 buckets (H, num_buckets) with max_distance)."""
     placeholder = to_kind(like, np.zeros(1, np.float32))
     fields = dict(mask=to_kind(like, np.ones(1, np.bool_)), mask_cols=np.int64(0), bias=placeholder,
                   relative=np.int64(0), bias_len=np.int64(0), max_distance=np.int64(max_distance),
-                  bidirectional=np.int64(mask_type in (PADDING, BIDIRECTIONAL)))
+                  bidirectional=np.int64(mask_type in (PADDING, BIDIRECTIONAL)),
+                  packed=to_kind(like, np.zeros(1, np.int32)), packed_words=np.int64(0))
+    if attention_packed_mask is not None:
+        fields.update(packed=flat(attention_packed_mask), packed_words=np.int64(attention_packed_mask.shape[-1]))
     if attention_mask is not None:
         fields.update(mask=flat(attention_mask), mask_cols=np.int64(attention_mask.shape[-1]))
     if position_embedding_type == RELATIVE and relative_attention_bias is not None:
@@ -643,8 +720,11 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
                   host_max_attention_window_sizes, host_sink_token_length, context_lengths, cache_indirection,
                   host_request_types, layer_idx, num_heads, num_kv_heads, hidden_size_per_head, q_scaling,
                   attn_logit_softcapping_scale=0.0, rotary_embedding_dim=0, rotary_embedding_base=10000.0,
-                  rotary_embedding_scale_type=0, rotary_embedding_scale=1.0, rotary_embedding_max_positions=1024,
-                  position_embedding_type=0, rotary_inv_freq=None, kv_orig_quant_scale=None, kv_quant_orig_scale=None,
+                  rotary_embedding_scale_type=0, rotary_embedding_short_m_scale=1.0, rotary_embedding_long_m_scale=1.0,
+                  rotary_embedding_scale=1.0, rotary_embedding_max_positions=1024,
+                  rotary_embedding_original_max_positions=1024, position_embedding_type=0, rotary_inv_freq=None,
+                  rotary_cos_sin=None, long_rope_rotary_inv_freq=None, long_rope_rotary_cos_sin=None,
+                  logn_scaling=None, attention_packed_mask=None, kv_orig_quant_scale=None, kv_quant_orig_scale=None,
                   kv_cache_quant_mode=0, mask_type=CAUSAL, alibi_slopes=None, kv_cache_block_offsets=None,
                   do_cross_attention=False, cross_kv=None, encoder_input_lengths=None, relative_attention_bias=None,
                   max_distance=0, qkv_bias=None, use_cache=True, remove_input_padding=True, paged_kv_cache=False,
@@ -682,18 +762,26 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     new_starts = np.concatenate([[0], np.cumsum(new)]).astype(np.int64)
     token_starts = new_starts[:-1] if remove_input_padding else np.arange(E, dtype=np.int64) * qkv.shape[1]
     num_tokens = qkv.shape[0] if remove_input_padding else E * qkv.shape[1]
+    # long_rope and yarn rotate GPT-NeoX's halves.
+    rope_style = {ROPE_GPTJ: ROPE_GPTJ, ROPE_GPT_NEOX: ROPE_GPT_NEOX, LONG_ROPE: ROPE_GPT_NEOX,
+                  YARN: ROPE_GPT_NEOX}.get(position_embedding_type, 0)
+    rotary_dim = rotary_embedding_dim if rope_style else 0
+    rope = rope_plan(qkv, position_embedding_type=position_embedding_type, rotary_dim=rotary_dim,
+                     rotary_inv_freq=rotary_inv_freq, long_rope_rotary_inv_freq=long_rope_rotary_inv_freq,
+                     rotary_cos_sin=rotary_cos_sin if rope_style else None,
+                     long_rope_rotary_cos_sin=long_rope_rotary_cos_sin, base=rotary_embedding_base,
+                     scale_type=rotary_embedding_scale_type, scale=rotary_embedding_scale,
+                     max_positions=rotary_embedding_max_positions,
+                     original_max_positions=rotary_embedding_original_max_positions,
+                     short_m_scale=rotary_embedding_short_m_scale, long_m_scale=rotary_embedding_long_m_scale,
+                     streamingllm=streamingllm, lengths=lengths,
+                     is_context=np.arange(E) < num_context, acc_t=acc_t)
     table = to_kind(qkv, entry_table(num_context, beam_width, past, new, np.asarray(context_lengths, np.int64),
-                                     token_starts))
+                                     token_starts, rope.table_at))
     q_scratch = empty_like_kind(qkv, (num_tokens * H * Dh,), acc_t)
     k_scratch = empty_like_kind(qkv, (num_tokens * Hkv * Dh,), acc_t)
     v_scratch = empty_like_kind(qkv, (num_tokens * Hkv * Dh,), acc_t)
 
-    rope_style = position_embedding_type if position_embedding_type in (ROPE_GPTJ, ROPE_GPT_NEOX) else 0
-    rotary_dim = rotary_embedding_dim if rope_style else 0
-    inv_freq = to_kind(qkv, rope_inv_freq(rotary_inv_freq, rotary_dim, rotary_embedding_base,
-                                          rotary_embedding_scale_type, rotary_embedding_scale,
-                                          rotary_embedding_max_positions, lengths, acc_t))
-    divisor = float(rotary_embedding_scale) if rope_style and rotary_embedding_scale_type == SCALING_LINEAR else 1.0
     rotate_cached = bool(streamingllm and rope_style)   # StreamingLLM: cached K rotated at its cache index on load
 
     cache_array = (kv_cache_pool if paged_kv_cache else past_key_value) if use_cache else None
@@ -701,11 +789,14 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
                                indirection=cache_indirection, table=table, k_scratch=k_scratch, v_scratch=v_scratch,
                                layer_idx=layer_idx, tokens_per_block=tokens_per_block, window=window, sinks=sinks,
                                scale=kv_quant_orig_scale if quant else 1.0, num_kv_heads=Hkv, head_size=Dh, like=qkv,
-                               inv_freq=inv_freq, divisor=divisor, rotate_keys=rotate_cached)
+                               rope=rope, rotate_keys=rotate_cached)
     # A chunk that wraps the cyclic cache would overwrite keys its own queries read: write after attention.
     write_after = bool(use_cache) and not do_cross_attention and bool(((new > 1) & (lengths > window)).any())
     pre = Preprocess(qkv=flat(qkv), bias=flat(qkv_bias) if qkv_bias is not None else flat(qkv)[:1],
-                     table=table, inv_freq=inv_freq, position_divisor=np.float64(divisor),
+                     table=table, inv_freq=rope.inv_freq, position_divisor=rope.position_divisor,
+                     cos_sin=rope.cos_sin, cos_sin_long=rope.cos_sin_long,
+                     logn=flat(logn_scaling) if logn_scaling is not None else to_kind(qkv, np.ones(1, np.float32)),
+                     logn_on=np.int64(logn_scaling is not None),
                      inv_scale=np.float32(kv_orig_quant_scale if quant else 1.0), q_out=q_scratch, k_out=k_scratch,
                      v_out=v_scratch, k_dst=k_src, v_dst=v_src, write_scratch=np.int64(1),
                      write_cache=np.int64(bool(use_cache) and not write_after and not do_cross_attention),
@@ -730,8 +821,8 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
                      causal=np.int64(mask_type in (CAUSAL, SLIDING_WINDOW_CAUSAL) and not do_cross_attention),
                      window=k_src.window,
                      sinks=np.int64(sinks), streaming=np.int64(streamingllm),
-                     **_mask_and_bias(attention_mask, relative_attention_bias, position_embedding_type, max_distance,
-                                      mask_type, qkv))
+                     **_mask_and_bias(attention_mask, attention_packed_mask, relative_attention_bias,
+                                      position_embedding_type, max_distance, mask_type, qkv))
     rope_on_load = (rope_style, rotary_dim) if rotate_cached else (0, 0)
     # One kernel for every length past 16 query tokens.
     tiles = plan_tiles(H, Hkv, min(max_new, 16), Dh, Dh, np.dtype(acc_t).itemsize)

@@ -27,11 +27,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import rope
+from .packed_mask import unpack_attention_mask
 from .softmax import masked_softmax
 
 # TensorRT-LLM's enum values (tensorrt_llm.functional); cacheattn.trtllm re-exports them as IntEnums.
 PADDING, CAUSAL, SLIDING_WINDOW_CAUSAL, BIDIRECTIONAL, CUSTOM_MASK = 0, 1, 2, 3, 6
-LEARNED_ABSOLUTE, ROPE_GPTJ, ROPE_GPT_NEOX, ALIBI, ALIBI_WITH_SCALE, RELATIVE = 0, 1, 2, 4, 5, 6
+LEARNED_ABSOLUTE, ROPE_GPTJ, ROPE_GPT_NEOX, LONG_ROPE, ALIBI, ALIBI_WITH_SCALE, RELATIVE, YARN = 0, 1, 2, 3, 4, 5, 6, 8
+# RoPE position types and how they pair elements: long_rope (Phi-3) and yarn rotate GPT-NeoX's halves.
+ROPE_STYLES = {ROPE_GPTJ: rope.GPTJ, ROPE_GPT_NEOX: rope.GPT_NEOX, LONG_ROPE: rope.GPT_NEOX, YARN: rope.GPT_NEOX}
 SCALING_NONE, SCALING_LINEAR, SCALING_DYNAMIC, SCALING_LLAMA3 = 0, 1, 2, 4
 CONTEXT, GENERATION = 0, 1
 INT8_KV_CACHE, FP8_KV_CACHE = 64, 128
@@ -224,6 +227,28 @@ def _rope_freq(rotary_inv_freq, rotary_embedding_dim, rotary_embedding_base, rot
     return rope.inv_freq(rotary_embedding_dim, base, acc)
 
 
+def rope_plan(*, position_embedding_type, rotary_inv_freq, rotary_cos_sin, long_rope_rotary_inv_freq,
+              long_rope_rotary_cos_sin, rotary_embedding_original_max_positions, rotary_embedding_max_positions,
+              rotary_embedding_scale_type, streamingllm, lengths, is_context):
+    """Per entry: (frequencies given or None, cos/sin table or None, read the table?). TensorRT-LLM's kernels read
+    cos/sin from `rotary_cos_sin` at the token's position, and recompute them from the frequencies (times the
+    m-scale) where the table cannot serve: dynamic scaling (the base depends on the length), a kv length past
+    rotary_embedding_max_positions, StreamingLLM (keys rotated at their cache index on every load). long_rope
+    switches to the long frequencies and table for a whole phase (the context requests, or the generation
+    requests) once its longest sequence passes rotary_embedding_original_max_positions, as the plugin does."""
+    plans = []
+    for e, length in enumerate(lengths):
+        freq, table = rotary_inv_freq, rotary_cos_sin
+        if position_embedding_type == LONG_ROPE:
+            same_phase = lengths[is_context == is_context[e]]
+            if same_phase.max() > rotary_embedding_original_max_positions:
+                freq, table = long_rope_rotary_inv_freq, long_rope_rotary_cos_sin
+        recompute = (rotary_embedding_scale_type == SCALING_DYNAMIC or length > rotary_embedding_max_positions
+                     or streamingllm)
+        plans.append((freq, table, table is not None and not recompute))
+    return plans
+
+
 def _split_qkv(rows, qkv_bias, H, Hkv, Dh, dtype, acc):
     """The QKV split (MHA / MQA / GQA): [Q | K | V] along the hidden axis, H, Hkv and Hkv heads of Dh.
 
@@ -309,8 +334,11 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
                   host_max_attention_window_sizes, host_sink_token_length, context_lengths, cache_indirection,
                   host_request_types, layer_idx, num_heads, num_kv_heads, hidden_size_per_head, q_scaling,
                   attn_logit_softcapping_scale=0.0, rotary_embedding_dim=0, rotary_embedding_base=10000.0,
-                  rotary_embedding_scale_type=SCALING_NONE, rotary_embedding_scale=1.0,
-                  rotary_embedding_max_positions=1024, position_embedding_type=LEARNED_ABSOLUTE, rotary_inv_freq=None,
+                  rotary_embedding_scale_type=SCALING_NONE, rotary_embedding_short_m_scale=1.0,
+                  rotary_embedding_long_m_scale=1.0, rotary_embedding_scale=1.0, rotary_embedding_max_positions=1024,
+                  rotary_embedding_original_max_positions=1024, position_embedding_type=LEARNED_ABSOLUTE,
+                  rotary_inv_freq=None, rotary_cos_sin=None, long_rope_rotary_inv_freq=None,
+                  long_rope_rotary_cos_sin=None, logn_scaling=None, attention_packed_mask=None,
                   kv_orig_quant_scale=None, kv_quant_orig_scale=None, kv_cache_quant_mode=0, mask_type=CAUSAL,
                   alibi_slopes=None, kv_cache_block_offsets=None, do_cross_attention=False, cross_kv=None,
                   encoder_input_lengths=None, relative_attention_bias=None, max_distance=0, qkv_bias=None,
@@ -323,7 +351,8 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     Inputs are validated by cacheattn.gpt_attention; here they are host NumPy arrays and plain ints.
     Shapes: see cacheattn.gpt_attention. The last six arguments choose kernels or size buffers on a GPU and
     do not change the result (context_fmha_type: see the docs page on accumulation); host copies are checked
-    against their device tensors by the validation.
+    against their device tensors by the validation. attention_packed_mask, when given, is the mask the context
+    requests read (TensorRT-LLM's context FMHA reads the packed one, generation reads attention_mask).
     """
     H, Hkv, Dh = num_heads, num_kv_heads, hidden_size_per_head
     # spec: trtllm/mha-mqa-gqa
@@ -355,11 +384,23 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     # spec: trtllm/norm-factor
     norm_factor = 1.0 / (q_scaling * math.sqrt(Dh))                          # scales QK^T only
     # spec: trtllm/rope
-    rope_style = {ROPE_GPTJ: rope.GPTJ, ROPE_GPT_NEOX: rope.GPT_NEOX}.get(position_embedding_type)
-    if rope_style is not None and rotary_embedding_scale_type == SCALING_LINEAR:
+    rope_style = ROPE_STYLES.get(position_embedding_type)
+    if rope_style is not None and rotary_embedding_scale_type == SCALING_LINEAR and rotary_inv_freq is None:
         rope_position_divisor = rotary_embedding_scale                      # linear scaling divides the position
     else:
-        rope_position_divisor = 1.0
+        rope_position_divisor = 1.0                                         # (given frequencies carry it)
+    rope_plans = rope_plan(
+        position_embedding_type=position_embedding_type, rotary_inv_freq=rotary_inv_freq,
+        rotary_cos_sin=rotary_cos_sin, long_rope_rotary_inv_freq=long_rope_rotary_inv_freq,
+        long_rope_rotary_cos_sin=long_rope_rotary_cos_sin,
+        rotary_embedding_original_max_positions=rotary_embedding_original_max_positions,
+        rotary_embedding_max_positions=rotary_embedding_max_positions,
+        rotary_embedding_scale_type=rotary_embedding_scale_type, streamingllm=streamingllm, lengths=lengths,
+        is_context=is_context) if rope_style is not None else None
+    # The context requests' custom mask from the packed one, rows packed like the new tokens.
+    context_mask = None
+    if attention_packed_mask is not None:
+        context_mask = unpack_attention_mask(attention_packed_mask, new_tokens, lengths)
 
     # spec: trtllm/padded-packed, trtllm/packed-lengths, trtllm/padded-qkv-shape, trtllm/packed-qkv-shape
     # Packed ([num_tokens, hidden]) or padded ([batch_beam, max_seqlen, hidden]) QKV: entry e's tokens are
@@ -410,25 +451,39 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
             dense = streamingllm and bool(is_context[e])
             visible = visible_keys(positions, N, mask_type=PADDING if mask_type == CUSTOM_MASK else mask_type,
                                    window=window, sinks=sinks, dense=dense)
-            if mask_type == CUSTOM_MASK:
+            if mask_type == CUSTOM_MASK and context_mask is not None and is_context[e]:
+                visible &= context_mask[starts[e]:starts[e + 1], :N]           # (n, N) bool from the packed mask
+            elif mask_type == CUSTOM_MASK:
                 visible &= attention_mask[tokens_of[e]][:, :N]                  # (n, N) bool, True = attend
 
             # RoPE of the new tokens at their positions; StreamingLLM generation rotates them at the position in
             # the cache, min(past, W).
             # spec: trtllm/rope, trtllm/generation-mmha
             if rope_style is not None:
-                freq = _rope_freq(rotary_inv_freq, rotary_embedding_dim, rotary_embedding_base,
+                given_freq, table, from_table = rope_plans[e]
+                freq = _rope_freq(given_freq, rotary_embedding_dim, rotary_embedding_base,
                                   rotary_embedding_scale_type, rotary_embedding_scale, rotary_embedding_max_positions,
                                   N, acc)
+                # Recomputed coefficients carry the m-scale: the short one while the newest position is within
+                # rotary_embedding_original_max_positions, the long one past it (1 unless long_rope / yarn).
+                m_scale = (rotary_embedding_short_m_scale if N - 1 <= rotary_embedding_original_max_positions
+                           else rotary_embedding_long_m_scale)
 
-                def rotate(x, at, freq=freq):
-                    return rope.rotate(x, at / rope_position_divisor, freq, rope_style).astype(dtype).astype(acc)
+                def rotate(x, at, freq=freq, table=table if from_table else None, m_scale=m_scale):
+                    if table is not None:
+                        cos, sin = rope.table_coefficients(table, at, rotary_embedding_dim, acc)
+                    else:
+                        cos, sin = rope.coefficients(at / rope_position_divisor, freq, acc, m_scale)
+                    return rope.rotate_with(x, cos, sin, rope_style).astype(dtype).astype(acc)
 
                 # spec: trtllm/streaming-positions
                 at = np.full(n, min(P, window)) if streamingllm and not is_context[e] else positions
                 q, k_rot = rotate(q, at), rotate(k_new, at)
             else:
                 k_rot = k_new
+            if logn_scaling is not None:
+                # Qwen's logn attention: Q times the factor of its absolute position, after RoPE.
+                q = (q * logn_scaling[positions].astype(acc)[:, None, None]).astype(dtype).astype(acc)
 
             # Cached keys the queries can see: read them (dequantized) from the beam's row, at the cyclic slot.
             keys = np.zeros((N, Hkv, Dh), acc)

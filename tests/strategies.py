@@ -47,3 +47,24 @@ from cacheattn.testing.strategies import ft_cases  # noqa: E402, F401
 # ---- TensorRT-LLM (the strategies live in the kit too: test_trtllm_kernels checks our kernels through it)
 from cacheattn.examples import TrtCase, build_trt, float64_trt  # noqa: E402, F401
 from cacheattn.testing.strategies import trt_cases, trt_streaming_cases  # noqa: E402, F401
+
+# isort: split
+
+
+# ---- cacheattn.convert: a format variant, heads, head_dim, tokens and a seed (the caches come from the seed)
+from convert_formats import VARIANTS, torch_available  # noqa: E402
+
+CONVERT_VARIANTS = [v for v in VARIANTS if v[0] != "hf" or torch_available()]
+CONVERT = 100 * _SCALE
+
+
+def convert_variants():
+    """A format (each equally likely), then one of its variants."""
+    formats = sorted({f for f, _ in CONVERT_VARIANTS})
+    return st.sampled_from(formats).flatmap(lambda f: st.sampled_from([v for v in CONVERT_VARIANTS if v[0] == f]))
+
+
+@st.composite
+def convert_shapes(draw):
+    return dict(heads=draw(st.integers(1, 3)), head_dim=draw(st.sampled_from([16, 32])),
+                tokens=draw(st.integers(1, 16)), seed=draw(st.integers(0, 2**31 - 1)))

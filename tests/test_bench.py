@@ -1,13 +1,15 @@
 """`python -m cacheattn bench` runs where there is no GPU: it says so and times the reference instead."""
 
 import numpy as np
+from test_tables import check_table
 
+from cacheattn import _console
 from cacheattn.lab.bench import bench
 
 
 def test_bench_without_gpu_times_the_reference(capsys):
     assert bench(repeat=4) == 0
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())          # lines wrapped at 80 columns, words whole
     assert "No GPU" in out and "ms per call" in out
 
 
@@ -15,28 +17,42 @@ def test_bench_cpu_compares_the_reference_with_onnx(capsys):
     """The CPU bench checks every peer computes the reference's output before it times anything."""
     from cacheattn.lab.bench_cpu import PROBLEMS, bench_cpu
 
-    assert bench_cpu(repeat=1) == 0
+    with _console.recording() as tables:
+        assert bench_cpu(repeat=1) == 0
     out = capsys.readouterr().out
-    assert all(p.label in out for p in PROBLEMS) and "x onnx ReferenceEvaluator" in out, out
+    assert all(p.label in out for p in PROBLEMS) and "onnx ReferenceEvaluator time / ours" in out, out
+    (table,) = tables
+    check_table(table)
+    rows = _console.as_json(table)["rows"]
+    assert [r["problem"] for r in rows] == [p.label for p in PROBLEMS]
+    assert all(r["cacheattn_ms"] > 0 and r["onnx ReferenceEvaluator speed"] > 0 for r in rows)
 
 
-def test_gpu_harness_runs_tiny_in_the_simulator(tmp_path):
-    """`bench --tiny`: every line of the GPU harness (rotation, ceilings, peers, JSON, markdown) in the simulator."""
+def test_gpu_harness_runs_tiny_in_the_simulator(tmp_path, monkeypatch, capsys):
+    """`bench --tiny --out DIR`: every line of the GPU harness (rotation, ceilings, peers, JSON, markdown) in the
+    simulator, from the command line; nothing lands outside DIR, and its printed tables read whole."""
     import json
 
-    from cacheattn.lab.bench_gpu import LADDER_PEERS, TINY_CASES, run_harness
+    from cacheattn.__main__ import main
+    from cacheattn.lab.bench_gpu import LADDER_PEERS, TINY_CASES, markdown_table
 
-    result = run_harness(tiny=True, out_dir=tmp_path, report=lambda *_: None)
-    saved = json.loads((tmp_path / "bench.json").read_text())
-    assert saved == json.loads(json.dumps(result))
+    monkeypatch.chdir(tmp_path)
+    with _console.recording() as tables:
+        assert main(["bench", "--tiny", "--out", "out"]) == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    saved = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert [r["label"] for r in saved["rows"]] == [c.label for c in TINY_CASES]
     for row in saved["rows"]:
         assert row["ms"] > 0 and row["gb_per_s"] > 0 and row["tflops"] > 0
         assert set(row["peers_ms"]) == {"unfused (KeyValueCache + MultiHeadAttention)", "reference (NumPy)",
                                         *LADDER_PEERS}
-    table = (tmp_path / "bench.md").read_text()
-    assert "| case | ms |" in table and "TFLOP/s of rungs 2, 3, 4, 5" in table
-    assert all(c.label in table for c in TINY_CASES)
+    table = (tmp_path / "out" / "bench.md").read_text()
+    assert table == markdown_table(saved) and "| case | ms | host ms |" in table and "| case | peer | ms |" in table
+    assert all(c.label in table for c in TINY_CASES) and all(name in table for name in LADDER_PEERS)
+    assert len(tables) == 2 and len(tables[1].rows) == sum(len(r["peers_ms"]) for r in saved["rows"])
+    for t in tables:
+        check_table(t)
+    assert "numba CUDA simulator" in capsys.readouterr().out
     check_bench_plot(saved)
 
 
@@ -66,7 +82,8 @@ def test_bench_host_counts_launches_parameters_and_device_reads(tmp_path):
     from cacheattn.lab.bench_host import host_cases, host_overhead, kernel_parameters
 
     assert kernel_parameters((np.zeros((2, 3)), np.int64(1), 2.0)) == 5 + 2 * 2 + 1 + 1
-    rows = host_overhead(repeat=2, batch=2, context=8, out_dir=tmp_path, report=lambda *_: None)
+    with _console.recording() as tables:
+        rows = host_overhead(repeat=2, batch=2, context=8, out_dir=tmp_path)
     assert [r["label"] for r in rows] == [c.label for c in host_cases(2, 8)]
     for row, case in zip(rows, host_cases(2, 8)):
         assert row["launches"] == len(row["kernels"]) >= 2 and row["parameters"] > 40 * row["launches"]
@@ -74,6 +91,9 @@ def test_bench_host_counts_launches_parameters_and_device_reads(tmp_path):
         assert 0 < row["validation_us"] and 0 < row["host_us"]
     saved = json.loads((tmp_path / "host.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(rows)) and "CPU figures" in (tmp_path / "host.md").read_text()
+    assert len(tables) == 2
+    for table in tables:
+        check_table(table)
 
 
 def test_flashinfer_peer_is_skipped_with_a_note_when_not_installed(monkeypatch):
@@ -92,4 +112,6 @@ def test_flashinfer_peer_is_skipped_with_a_note_when_not_installed(monkeypatch):
                peers_ms={"plain CuPy": 2.0, **peer})
     table = markdown_table({"device": {"device": "test"}, "copy_bandwidth_gb_per_s": 2.0, "fp16_matmul_tflops": 1.0,
                             "repeat": 1, "rows": [row]})
-    assert "plain CuPy 2.000 (2.00x)" in table and table.rstrip().endswith("Not measured: FlashInfer (not installed).")
+    assert "| decode | plain CuPy | 2.000 | 2.00x | 0.50 |" in table
+    assert "| decode | FlashInfer (not installed) | - | - | - |" in table
+    assert table.rstrip().endswith("Not measured: FlashInfer (not installed).")

@@ -26,3 +26,34 @@ def test_check_catches_a_stale_output(tmp_path):
     assert len(_docs.check(page)) == 1
     assert _docs.update(page) == 1 and _docs.check(page) == []
     assert "```text\n42\n```" in page.read_text()
+
+
+def test_check_accepts_last_digit_noise_and_array_padding(tmp_path):
+    """The same value printed by another CPU's BLAS kernels: last digits differ and NumPy pads the array."""
+    page = tmp_path / "noise.md"
+    page.write_text("```python\nprint('got', [1.0, 0.9999999999], -0.30234986147246473, 'at', (0, 2))\n```\n\n"
+                    "```text\ngot [1.0, 0.9999999999999] -0.3023498614724648 at (0,   2)\n```\n")
+    assert _docs.check(page) == []
+    assert _docs.update(page) == 0          # nothing to rewrite: the shown digits stay
+
+
+@pytest.mark.parametrize("printed, why", [
+    ("print('got', [1.0, 0.99999], -0.30234986147246473, 'at', (0, 2))", "a float off by 1e-5"),
+    ("print('got', [1.0, 0.9999999999], -0.30234986147246473, 'at', (0, 3))", "an integer off by one"),
+    ("print('got', [1.0, 0.9999999999], -0.30234986147246473, 'in', (0, 2))", "a word changed"),
+    ("print('got', [1.0], -0.30234986147246473, 'at', (0, 2))", "a number missing"),
+    ("print('got', [1.0, 0.9999999999], -0.30234986147246473, 'at', (0, 2), 7)", "a number added"),
+    ("print('got', [1.0, 0.9999999999]); print(-0.30234986147246473, 'at', (0, 2))", "a line break added"),
+])
+def test_check_rejects_a_real_change(tmp_path, printed, why):
+    page = tmp_path / "changed.md"
+    page.write_text(f"```python\n{printed}\n```\n\n"
+                    "```text\ngot [1.0, 0.9999999999999] -0.3023498614724648 at (0, 2)\n```\n")
+    assert len(_docs.check(page)) == 1, why
+
+
+def test_numbers_inside_names_are_text():
+    """float16 vs float32 or sm_80 vs sm_90 are different words, not numbers within a tolerance."""
+    assert not _docs.same_output("float16 sm_80", "float32 sm_80")
+    assert not _docs.same_output("sm_80", "sm_90")
+    assert _docs.same_output("1e-06 and 2.5E+3", "1.0000001e-06 and 2500.0")

@@ -15,7 +15,7 @@ import cacheattn.testing as kit
 from cacheattn import AttentionWeight, DenseWeight
 from reference.ft_cross_attention import logical_caches
 
-from helpers import assert_bits_equal, assert_close
+from helpers import assert_bits_equal, assert_close, assert_same_values
 from strategies import HEAD_SIZES, KERNEL, REFERENCE, FTCase, build_ft, copy_inputs, float64_ft, ft_cases, with_
 
 OUTPUTS = ("key_cache", "value_cache", "context_buf", "cross_attentions")
@@ -29,8 +29,8 @@ def run(inputs, case, **backend):
 
 
 def assert_same_outputs(a, b, rows=slice(None)):
-    assert_bits_equal("hidden_features", a.hidden_features[rows], b.hidden_features[rows])
-    assert_bits_equal("context", a.context[rows], b.context[rows])
+    assert_same_values("hidden_features", a.hidden_features[rows], b.hidden_features[rows])
+    assert_same_values("context", a.context[rows], b.context[rows])
 
 
 def logical(x, case):
@@ -78,7 +78,7 @@ def test_the_two_cache_layouts_agree(case):
     for got, want in zip(logical(after_a, major), logical(after_b, plain)):
         assert_bits_equal("cache (logical [B, H, L, Dh])", got, want)
     if case.max_decoder_seq_len:
-        assert_bits_equal("cross_attentions", after_a["cross_attentions"], after_b["cross_attentions"])
+        assert_same_values("cross_attentions", after_a["cross_attentions"], after_b["cross_attentions"])
 
 
 def zero_biases(weights):

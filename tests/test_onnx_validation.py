@@ -74,3 +74,16 @@ def test_bad_onnx_attention_input(name, args, error, param, backend):
 def test_the_base_call_is_valid():
     out = cacheattn.onnx_attention(Q4, K4, V4, np.ones((3, 5), bool), nonpad_kv_seqlen=np.array([4, 5]))
     assert out.Y.shape == (2, 4, 3, 6) and out.qk_matmul_output is None
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+def test_is_causal_takes_python_and_numpy_bools(backend):
+    """ONNX's is_causal is an int attribute; a Python user writes True, which means 1 (and False 0). The flag is
+    turned into 0/1 before dispatch, so the kernels need one case (the simulator is slow)."""
+    q, k, v = Q4[:1], K4[:1], V4[:1]
+    flags = ((True, 1), (np.True_, 1), (False, 0)) if backend == "reference" else ((True, 1),)
+    for flag, same_as in flags:
+        got = cacheattn.onnx_attention(q, k, v, is_causal=flag, backend=backend).Y
+        np.testing.assert_array_equal(got, cacheattn.onnx_attention(q, k, v, is_causal=same_as, backend=backend).Y)
+    unmasked = cacheattn.onnx_attention(q, k, v, is_causal=False).Y
+    assert not np.allclose(cacheattn.onnx_attention(q, k, v, is_causal=True).Y, unmasked)

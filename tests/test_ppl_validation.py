@@ -88,6 +88,15 @@ BAD_MHCA = [
      "cachestarts", with_(BASE, cache_mode=0, cache_layout=0)),
     ("offset cachestarts 2-D", set_(cachestarts=lambda x: x["cachestarts"][:, None]), ValueError, "cachestarts",
      with_(BASE, cache_mode=0)),
+    # BASE's batch 0 stores position 4 (its page 1), batch 1 positions 2-4 (pages 0 and 1): sharing batch 0's
+    # table makes both store position 4 into one slot; an offset page makes batch 1 store twice into one slot.
+    ("two sequences write one paged slot", set_(cachestarts=lambda x: x["cachestarts"][[0, 0]]), ValueError,
+     "cachestarts", BASE),
+    ("a sequence writes one slot twice", set_(cachestarts=lambda x: np.stack(
+        [x["cachestarts"][0], [x["cachestarts"][1, 0], x["cachestarts"][1, 0] + 2, -1]])), ValueError, "cachestarts",
+     BASE),
+    ("two sequences write one offset slot", set_(cachestarts=lambda x: x["cachestarts"][[0, 0]]), ValueError,
+     "cachestarts", with_(BASE, cache_mode=0)),
     ("scale missing", set_(scale=None), ValueError, "scale", BASE),
     ("scale shape", set_(scale=lambda x: x["scale"][..., :1]), ValueError, "scale", BASE),
     ("scale dtype", set_(scale=lambda x: x["scale"].astype(np.float64)), TypeError, "scale", BASE),
@@ -188,3 +197,57 @@ def test_dynamic_mha_rejects_key_rows_not_matching_kvstarts():
     with pytest.raises(ValueError, match=r"^kvstarts\b"):
         cacheattn.dynamic_multi_head_attention(x["query"], key, key, x["seqstarts"], x["kvstarts"], 1, 3, 5,
                                                num_heads=4, head_dim=16, is_causal=True, num_kv_heads=2)
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+@pytest.mark.parametrize("operator", ["multi_head_cache_attention", "dynamic_key_value_cache"])
+def test_sequences_may_share_a_read_only_prefix_page(operator, backend):
+    """Two sequences whose page tables share the page of a common prefix (positions they only read) are legal,
+    and read it as if each had its own copy of that page; the shared page is left bit-identical."""
+    case = with_(BASE, seqlens=(1, 2), past=(4, 4), decoding_batches=1, cache_layout=0, mask="none")
+    shared = build_ppl(case)
+    table = shared["cachestarts"]
+    own_page = int(table[1, 0])
+    copied = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in shared.items()}
+    for x in (copied["cache"], copied["scale"]):          # layout 0: MaxT leads, a page is page_size rows
+        x[own_page:own_page + case.page_size] = x[table[0, 0]:table[0, 0] + case.page_size]
+    shared["cachestarts"] = np.stack([table[0], [table[0, 0], *table[1, 1:]]])
+    prefix = shared["cache"][table[0, 0]:table[0, 0] + case.page_size].copy()
+    outputs = []
+    for x in (shared, copied):
+        attrs = dict(case.attrs(), backend=backend)
+        if operator == "dynamic_key_value_cache":      # the cache half alone: no query, no attention attributes
+            x = {k: v for k, v in x.items() if k not in ("query", "decoding_batches", "attn_mask")}
+            attrs = {k: v for k, v in attrs.items()
+                     if k not in ("num_heads", "head_dim", "is_causal", "is_alibi", "num_kv_heads")}
+        result = getattr(cacheattn, operator)(**x, **attrs)
+        outputs.append(tuple(result) if operator == "dynamic_key_value_cache" else (result,))
+    for got, want in zip(*outputs):
+        np.testing.assert_array_equal(got, want)
+    assert np.array_equal(shared["cache"][table[0, 0]:table[0, 0] + case.page_size], prefix)
+
+
+def test_messages_name_the_kv_heads_and_print_shapes_as_python_does():
+    inputs, attrs = mhca_call(set_(current_key=lambda x: x["current_key"][:, :1]))
+    with pytest.raises(ValueError, match=r"^current_key: expected shape \(\*, 2, 16\) \(seqstarts\[B\], "
+                                         r"num_kv_heads, head_dim\), got \(4, 1, 16\)$"):
+        cacheattn.multi_head_cache_attention(**inputs, **attrs)
+    inputs, attrs = mhca_call(set_(start_pos=np.array([4])))
+    with pytest.raises(ValueError, match=r"^start_pos: expected shape \(2,\), got \(1,\)$"):
+        cacheattn.multi_head_cache_attention(**inputs, **attrs)
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+def test_dynamic_key_value_cache_refuses_two_writes_to_one_slot(backend):
+    """The cache half alone checks the same: two sequences storing into one slot name cachestarts, and the cache
+    is left as it was."""
+    x = build_ppl(BASE)
+    args = {k: x[k] for k in ("current_key", "current_value", "seqstarts", "kvstarts", "cachestarts", "start_pos",
+                              "max_seqlen", "max_kvlen", "cache", "scale")}
+    args["cachestarts"] = x["cachestarts"][[0, 0]]
+    attrs = {k: v for k, v in BASE.attrs().items() if k not in ("num_heads", "head_dim", "is_causal", "is_alibi",
+                                                                "num_kv_heads")}
+    cache = x["cache"].copy()
+    with _launch.recorded_launches() as launches, pytest.raises(ValueError, match=r"^cachestarts: .* both at slot"):
+        cacheattn.dynamic_key_value_cache(**args, **attrs, backend=backend)
+    assert launches == [] and np.array_equal(x["cache"], cache)

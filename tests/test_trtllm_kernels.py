@@ -289,3 +289,15 @@ def test_unfused_context_matches_fused(name):
     fused, fused_after = run(dict(args, context_fmha_type=1), "numba")
     assert_close("unfused vs fused", unfused, fused.astype(np.float64), case.dtype)
     assert_bits_equal("cache, fused", fused_after[cache_name(args)], after[cache_name(args)])
+
+
+def test_recorded_launches_leave_defined_outputs_for_the_bfloat16_rounding():
+    """The PTX check records launches without running them; the bfloat16 launcher still rounds its float32 output
+    on the host, which must then hold zeros, not leftover memory (NaN patterns warned 'invalid value in cast')."""
+    import warnings
+    args = build_trt(replace(SMALL, dtype="bfloat16"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with _launch.poisoned_outputs(None), _launch.recorded_launches() as launches:   # the suite poisons
+            output, _ = cacheattn.gpt_attention(**args, backend="numba")
+    assert launches and not output.astype(np.float32).any()

@@ -10,11 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cacheattn
-from reference import rope
+from reference import packed_mask, rope
 from reference import trtllm_gpt_attention as ref
 from reference.softmax import masked_softmax
 
-from helpers import assert_bits_equal, assert_close
+from helpers import assert_bits_equal, assert_close, assert_same_values
 from strategies import REFERENCE, TrtCase, build_trt, float64_trt, trt_cases
 
 FEW = max(REFERENCE // 6, 5)
@@ -112,7 +112,7 @@ def test_paged_cache_equals_contiguous(case, sinks):
     contiguous = as_contiguous(case, paged)
     out_paged, pool = run(paged)
     out_contiguous, cache = run(contiguous)
-    assert_bits_equal("output", out_paged, out_contiguous)
+    assert_same_values("output", out_paged, out_contiguous)
     assert_bits_equal("cache", gather_paged(case, paged, pool), cache)
 
 
@@ -138,7 +138,7 @@ def test_packed_equals_padded(case):
     out_padded, cache_padded = run(to_padded(case, packed))
     starts = np.concatenate([[0], np.cumsum(case.new)])
     for e in range(case.entries):
-        assert_bits_equal(f"entry {e}", out_padded[e, :case.new[e]], out_packed[starts[e]:starts[e + 1]])
+        assert_same_values(f"entry {e}", out_padded[e, :case.new[e]], out_packed[starts[e]:starts[e + 1]])
         assert (out_padded[e, case.new[e]:] == 0).all()
     assert_bits_equal("cache", cache_padded, cache_packed)
 
@@ -167,6 +167,9 @@ def alone(case: TrtCase, args, entries, gen_index):
         sub["cache_indirection"] = args["cache_indirection"][gen_index:gen_index + 1]
     if args.get("attention_mask") is not None:
         sub["attention_mask"] = args["attention_mask"][rows]
+    if args.get("attention_packed_mask") is not None:         # the same mask, packed for these entries alone
+        sub["attention_packed_mask"] = packed_mask.pack_attention_mask(
+            sub["attention_mask"], np.asarray(case.new)[entries], sub["sequence_length"])
     return sub, rows
 
 
@@ -181,7 +184,7 @@ def test_mixed_batch_equals_each_request_alone(case):
         gen_index = r - len(case.contexts) if r >= len(case.contexts) else None
         sub, rows = alone(case, args, entries, gen_index)
         out_alone, cache_alone = run(sub)
-        assert_bits_equal(f"request {r} output", output[rows], out_alone)
+        assert_same_values(f"request {r} output", output[rows], out_alone)
         assert_bits_equal(f"request {r} cache", cache[entries], cache_alone)
 
 
@@ -340,7 +343,7 @@ def test_beams_read_the_rows_the_indirection_names(case, identity):
             if args.get("attention_mask") is not None:
                 single["attention_mask"] = args["attention_mask"][starts[e]:starts[e + 1]]
             out, row_after = run(single)
-            assert_bits_equal(f"beam {w} of sequence {bi}", output[starts[e]:starts[e + 1]], out)
+            assert_same_values(f"beam {w} of sequence {bi}", output[starts[e]:starts[e + 1]], out)
             assert_bits_equal(f"beam {w} new token", cache[e][:, :, past], row_after[0][:, :, past])
 
 
@@ -611,12 +614,12 @@ def test_cross_attention_is_attention_over_the_encoder_states(encoder_lengths, s
         assert_bits_equal(f"encoder K cached {e}", cache[e, 0, :, :enc[e]],
                           kv[:enc[e], :16].reshape(-1, 2, 8).transpose(1, 0, 2))
     # TensorRT-LLM's packed [1, num_tokens, .] form, and the padded mode with cross_kv (E, max length, .).
-    assert_bits_equal("[1, num_tokens, .]", run(dict(args, cross_kv=cross_kv[None]))[0], got)
+    assert_same_values("[1, num_tokens, .]", run(dict(args, cross_kv=cross_kv[None]))[0], got)
     padded_kv = np.zeros((E, 5, 32))
     for e in range(E):
         padded_kv[e, :enc[e]] = cross_kv[starts[e]:starts[e + 1]]
     padded, _ = run(dict(to_padded(case, args), cross_kv=padded_kv))
-    assert_bits_equal("padded", padded.reshape(-1, 32), got)
+    assert_same_values("padded", padded.reshape(-1, 32), got)
     # A generation step reads the encoder states back from the cache and writes nothing.
     gen = dict(args, qkv=rng.standard_normal((E, 64)), sequence_length=np.full(E, 3, np.int32),
                host_past_key_value_lengths=np.full(E, 2, np.int32), host_request_types=np.ones(E, np.int32),

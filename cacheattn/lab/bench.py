@@ -2,8 +2,9 @@
 
 On a GPU it runs the harness in `cacheattn.lab.bench_gpu` (decode and prefill shaped like a served
 8B-class model: 32 query heads, 8 kv heads, head_dim 128, paged and offset caches, float16 and int8)
-and writes bench.json and bench.md. `--tiny` runs that harness in the simulator on tiny shapes (CI
-keeps it working). Without a GPU there is nothing to time: it says so and times the reference.
+and prints its tables (bench.json and bench.md with `--out DIR`). `--tiny` runs that harness in the
+simulator on tiny shapes (CI keeps it working). Without a GPU there is nothing to time: it says so and
+times the reference.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ def _median_ms(fn, repeat, sync):
     return float(np.median(times))
 
 
-def bench(repeat: int = 20, tiny: bool = False, out_dir: str = ".") -> int:
-    """On a GPU: the harness (cacheattn.lab.bench_gpu). tiny: the same harness in the simulator on tiny shapes.
-    Without a GPU: says so and times the reference."""
+def bench(repeat: int = 20, tiny: bool = False, out_dir: str | None = None) -> int:
+    """On a GPU: the harness (cacheattn.lab.bench_gpu), bench.json and bench.md written into out_dir when one is given.
+    tiny: the same harness in the simulator on tiny shapes. Without a GPU: says so and times the reference."""
     if tiny or _gpu():
         from .bench_gpu import run_harness
         run_harness(tiny=tiny, repeat=repeat, out_dir=out_dir)

@@ -63,7 +63,8 @@ def _contenders(problem: Problem, feeds: dict) -> dict:
         session = onnxruntime.InferenceSession(_onnx_model(problem).SerializeToString(),
                                                providers=["CPUExecutionProvider"])
     except Exception as exc:  # an onnxruntime without opset-24 Attention: say so, time the others
-        print(f"  onnxruntime cannot run this model: {type(exc).__name__}")
+        from .. import _console
+        _console.say(f"onnxruntime cannot run this model: {type(exc).__name__}")
         return calls
     calls["onnxruntime"] = lambda: session.run(None, feeds)[0]
     return calls
@@ -82,14 +83,19 @@ def _interleaved_medians(calls: dict, repeat: int) -> dict:
     return {name: float(np.median(t)) for name, t in times.items()}
 
 
+# Short names for the peers' columns; the legend spells them out.
+PEER_SHORT = {"onnx ReferenceEvaluator": "onnx", "onnxruntime": "ort"}
+
+
 def bench_cpu(repeat: int = 20) -> int:
+    from .. import _console
+
     try:
         import onnx  # noqa: F401
     except ImportError:
-        print("bench --cpu compares with onnx's ReferenceEvaluator: pip install onnx (it is in the test extra)")
+        _console.say("bench --cpu compares with onnx's ReferenceEvaluator: pip install onnx (it is in the test extra)")
         return 1
     rng = np.random.default_rng(0)
-    print(f"ONNX Attention, float32, NumPy reference vs peers (median of {repeat}, taking turns)\n")
     rows = []
     for problem in PROBLEMS:
         shape = (problem.batch, problem.q_heads, problem.q_len, problem.head_size)
@@ -103,12 +109,14 @@ def bench_cpu(repeat: int = 20) -> int:
             np.testing.assert_allclose(call(), reference_y, rtol=1e-4, atol=1e-5, err_msg=name)
         rows.append((problem.label, _interleaved_medians(calls, repeat)))
     peers = [name for name in rows[0][1] if name != "cacheattn"]
-    width = max(len(label) for label, _ in rows)
-    print(f"{'problem':<{width}}  {'cacheattn ms':>12}  " + "  ".join(f"{p + ' ms':>{max(len(p) + 3, 10)}}"
-                                                                    for p in peers) + "  speed vs each peer")
-    for label, ms in rows:
-        ratios = ", ".join(f"{ms[p] / ms['cacheattn']:.2f}x {p}" for p in peers)
-        print(f"{label:<{width}}  {ms['cacheattn']:12.3f}  " + "  ".join(f"{ms[p]:>{max(len(p) + 3, 10)}.3f}"
-                                                                         for p in peers) + f"  {ratios}")
-    print("\n(speed = peer time / cacheattn time: above 1 means the reference is faster)")
+    columns = [_console.Column("problem"), _console.Column("ours ms", "cacheattn_ms", lambda v: f"{v:.3f}",
+                                                           right=True, means="the NumPy reference (cacheattn)")]
+    for peer in peers:
+        short = PEER_SHORT.get(peer, peer)
+        columns += [_console.Column(f"{short} ms", f"{peer} ms", lambda v: f"{v:.3f}", right=True, means=peer),
+                    _console.Column(f"{short} x", f"{peer} speed", lambda v: f"{v:.2f}x", right=True,
+                                    means=f"{peer} time / ours: above 1, the reference is faster")]
+    _console.table(f"ONNX Attention, float32, NumPy reference vs peers (median of {repeat}, taking turns)", columns,
+                   [(label, ms["cacheattn"], *(v for p in peers for v in (ms[p], ms[p] / ms["cacheattn"])))
+                    for label, ms in rows])
     return 0

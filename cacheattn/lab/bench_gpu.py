@@ -10,7 +10,8 @@ What a figure needs before it means anything:
     `enable_gqa` on the same K/V made contiguous, a plain CuPy implementation, FlashInfer if installed;
   - the host time of one call (launch and validation cost, measured without a sync), shown beside it.
 Every row reports time, bytes moved and GB/s with its share of the copy bandwidth, TFLOP/s, and the
-ratio to each peer; the run is written as JSON and as a markdown table with the GPU, driver and versions.
+ratio to each peer; the run is printed as tables (`--format` text, markdown or json) with the GPU, driver and
+versions, and written as bench.json and bench.md where `--out` names a folder.
 
 `--tiny` runs the same harness in numba's CUDA simulator on tiny shapes, with the NumPy reference as the
 peer and host timers instead of events: its figures mean nothing, but CI keeps every line of it working.
@@ -298,56 +299,90 @@ def _unfused(x: dict, case: PPLCase, threads: int):
         num_kv_heads=case.num_kv_heads, backend="numba", threads=threads)
 
 
-def run_harness(*, tiny: bool = False, repeat: int = 50, out_dir: Path | str = ".", report=print) -> dict:
-    """Run every case; write bench.json and bench.md into out_dir; return the JSON object."""
+def run_harness(*, tiny: bool = False, repeat: int = 50, out_dir: Path | str | None = None,
+                show: bool = True) -> dict:
+    """Run every case; print the tables (unless show=False); write bench.json and bench.md into out_dir only when
+    one is given; return the JSON object."""
+    from .. import _console
+
     device = Device(tiny)
     repeat = 1 if tiny else repeat
     threads = TINY_THREADS if tiny else 128
     copy_bw = device.copy_bandwidth(repeat)
     matmul = device.matmul_rate(repeat)
     rows = []
-    for case in TINY_CASES if tiny else GPU_CASES:
-        host, inputs = _rotated_inputs(device, case)
-        attrs = dict(case.ppl_case().attrs(), backend="numba", threads=threads)
-        calls = [lambda x=x, attrs=attrs: cacheattn.multi_head_cache_attention(**x, **attrs) for x in inputs]
-        ms = device.median_ms(calls, repeat)
-        host_ms = device.host_ms(calls[0], max(1, repeat // 5))
-        gb_per_s = case.cache_bytes_read() / (ms * 1e-3) / 1e9
-        rows.append(Row(case.label, ms, host_ms, gb_per_s, gb_per_s * 1e9 / copy_bw, case.flops() / (ms * 1e-3) / 1e12,
-                        _peers(device, case, host, repeat, threads)))
-        report(f"  {case.label}: {ms:.3f} ms")
+    cases = TINY_CASES if tiny else GPU_CASES
+    with _console.progress(len(cases), "bench cases") as step:
+        for case in cases:
+            host, inputs = _rotated_inputs(device, case)
+            attrs = dict(case.ppl_case().attrs(), backend="numba", threads=threads)
+            calls = [lambda x=x, attrs=attrs: cacheattn.multi_head_cache_attention(**x, **attrs) for x in inputs]
+            ms = device.median_ms(calls, repeat)
+            host_ms = device.host_ms(calls[0], max(1, repeat // 5))
+            gb_per_s = case.cache_bytes_read() / (ms * 1e-3) / 1e9
+            rows.append(Row(case.label, ms, host_ms, gb_per_s, gb_per_s * 1e9 / copy_bw,
+                            case.flops() / (ms * 1e-3) / 1e12, _peers(device, case, host, repeat, threads)))
+            step(f"{case.label}: {ms:.3f} ms")
     result = {"device": device.describe(), "copy_bandwidth_gb_per_s": copy_bw / 1e9,
               "fp16_matmul_tflops": matmul / 1e12, "repeat": repeat, "rows": [asdict(r) for r in rows]}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "bench.md").write_text(markdown_table(result))
-    report(markdown_table(result))
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
+        (out / "bench.md").write_text(markdown_table(result))
+    if show:
+        for table in tables(result):
+            _console.print_table(table)
+        for line in _unmeasured_peers(result["rows"]):
+            _console.say(line)
     return result
 
 
-def markdown_table(result: dict) -> str:
-    """The run as a markdown table: ceilings first, then one row per case with each peer's ratio."""
+def _describe(result: dict) -> str:
     d = result["device"]
-    lines = [f"Device: {d['device']}" + "".join(f", {k} {d[k]}" for k in ("driver", "cupy", "torch", "numba")
-                                               if k in d),
-             f"Ceilings measured in this run: copy {result['copy_bandwidth_gb_per_s']:.0f} GB/s, "
-             f"float16 matmul {result['fp16_matmul_tflops']:.1f} TFLOP/s; median of {result['repeat']} calls.", "",
-             "| case | ms | host ms | GB/s | % of copy | TFLOP/s | TFLOP/s of rungs "
-             f"{', '.join(str(rung) for rung in LADDER_PEERS.values())} | peers (ms, ratio peer/ours) |",
-             "|---|---:|---:|---:|---:|---:|---:|---|"]
-    for r in result["rows"]:
-        peers = ", ".join(f"{name} {ms:.3f} ({ms / r['ms']:.2f}x)" for name, ms in r["peers_ms"].items()
-                          if not math.isnan(ms)) or "-"
-        # The same flops in a rung's time: TFLOP/s scales inversely with milliseconds ("-" where not timed).
-        rung_ms = [r["peers_ms"].get(name, math.nan) for name in LADDER_PEERS]
-        rungs = ", ".join("-" if math.isnan(ms) else f"{r['tflops'] * r['ms'] / ms:.2f}" for ms in rung_ms)
-        lines.append(f"| {r['label']} | {r['ms']:.3f} | {r['host_ms']:.3f} | {r['gb_per_s']:.1f} | "
-                     f"{100 * r['bandwidth_share']:.1f} | {r['tflops']:.2f} | {rungs} | {peers} |")
-    return "\n".join(lines + _unmeasured_peers(result["rows"])) + "\n"
+    return (f"Device: {d['device']}" + "".join(f", {k} {d[k]}" for k in ("driver", "cupy", "torch", "numba") if k in d)
+            + f". Ceilings measured in this run: copy {result['copy_bandwidth_gb_per_s']:.0f} GB/s, float16 matmul "
+            f"{result['fp16_matmul_tflops']:.1f} TFLOP/s; median of {result['repeat']} calls.")
+
+
+def _ms(ms: float) -> str:
+    return "-" if math.isnan(ms) else f"{ms:.3f}"
+
+
+def tables(result: dict) -> list:
+    """The run as two `_console` tables: our kernel per case against the ceilings, then every peer (the other
+    rungs of the ladder among them) per case with its time, its ratio to ours and the TFLOP/s of its time."""
+    from .. import _console
+
+    ours = _console.make_table(_describe(result), (
+        _console.Column("case", "label"), _console.Column("ms", show=_ms, right=True, means="device milliseconds"),
+        _console.Column("host ms", "host_ms", _ms, right=True, means="issuing one call, no sync"),
+        _console.Column("GB/s", "gb_per_s", lambda v: f"{v:.1f}", right=True, means="K/V bytes read per second"),
+        _console.Column("% copy", "bandwidth_share", lambda v: f"{100 * v:.1f}", right=True,
+                        means="of the copy bandwidth"),
+        _console.Column("TFLOP/s", "tflops", lambda v: f"{v:.2f}", right=True)),
+        [(r["label"], r["ms"], r["host_ms"], r["gb_per_s"], r["bandwidth_share"], r["tflops"])
+         for r in result["rows"]])
+    peers = _console.make_table("Peers and the other rungs on the same problems (- : not measured)", (
+        _console.Column("case", "label"), _console.Column("peer"),
+        _console.Column("ms", show=_ms, right=True),
+        _console.Column("ratio", show=lambda v: "-" if math.isnan(v) else f"{v:.2f}x", right=True,
+                        means="peer time / ours: above 1, ours is faster"),
+        _console.Column("TFLOP/s", "tflops", lambda v: "-" if math.isnan(v) else f"{v:.2f}", right=True,
+                        means="the case's flops in the peer's time")),
+        [(r["label"], name, ms, ms / r["ms"], r["tflops"] * r["ms"] / ms)
+         for r in result["rows"] for name, ms in r["peers_ms"].items()])
+    return [ours, peers]
+
+
+def markdown_table(result: dict) -> str:
+    """bench.md: both tables in markdown, then the peers that were not measured."""
+    from .. import _console
+    return "\n".join(_console.render_markdown(t) for t in tables(result)) + "".join(
+        line + "\n" for line in _unmeasured_peers(result["rows"]))
 
 
 def _unmeasured_peers(rows: list) -> list:
-    """A note under the table for each peer recorded as NaN (not installed, or failed), once."""
+    """A note under the tables for each peer recorded as NaN (not installed, or failed), once."""
     names = dict.fromkeys(name for r in rows for name, ms in r["peers_ms"].items() if math.isnan(ms))
     return ["", "Not measured: " + ", ".join(names) + "."] if names else []

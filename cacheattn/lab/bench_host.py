@@ -187,31 +187,53 @@ def measure(case: HostCase, *, gpu: bool, repeat: int) -> dict:
                 parameters=sum(kernel_parameters(a) for _, args in one_call for a in args), device_reads=reads[0])
 
 
+def tables(rows: list, where: str) -> list:
+    """The figures and the list of host reads as two `_console` tables (what the terminal, markdown and JSON
+    forms and host.md show)."""
+    from .. import _console
+
+    figures = _console.make_table(
+        f"Host time per decode call, launches recorded instead of run ({where}).",
+        (_console.Column("call", "label"),
+         _console.Column("host µs", "host_us", lambda us: f"{us:.0f}", right=True,
+                         means="median host time of one call"),
+         _console.Column("valid. µs", "validation_us", lambda us: f"{us:.0f}", right=True,
+                         means="of which validation (launchers stubbed out)"),
+         _console.Column("launches", right=True),
+         _console.Column("params", "parameters", right=True,
+                         means="kernel parameters after numba flattens the arguments, all launches"),
+         _console.Column("per launch", "kernels", lambda ks: ", ".join(f"{name} {n}" for name, n in ks),
+                         means="each launch's kernel and its parameters"),
+         _console.Column("reads", "device_reads", right=True, means="device tensors read back to the host")),
+        [(r["label"], r["host_us"], r["validation_us"], r["launches"], r["parameters"], r["kernels"],
+          r["device_reads"]) for r in rows])
+    reads = _console.make_table("Where device data comes back to the host (a sync on a GPU):",
+                                ("where", "reads", "why", "status"),
+                                [(h.where, h.reads, h.why, h.status) for h in HOST_READS])
+    return [figures, reads]
+
+
 def markdown(rows: list, where: str) -> str:
-    lines = [f"Host time per decode call, launches recorded instead of run ({where}).", "",
-             "| call | host µs | of which validation µs | launches | kernel parameters (per launch) | "
-             "device reads |", "|---|---:|---:|---:|---|---:|"]
-    for r in rows:
-        per_launch = ", ".join(f"{name} {n}" for name, n in r["kernels"])
-        lines.append(f"| {r['label']} | {r['host_us']:.0f} | {r['validation_us']:.0f} | {r['launches']} | "
-                     f"{r['parameters']} ({per_launch}) | {r['device_reads']} |")
-    lines += ["", "Where device data comes back to the host (a sync on a GPU):", "",
-              "| where | reads | why | status |", "|---|---|---|---|"]
-    lines += [f"| {h.where} | {h.reads} | {h.why} | {h.status} |" for h in HOST_READS]
-    return "\n".join(lines) + "\n"
+    """host.md: both tables in markdown."""
+    from .. import _console
+    return "\n".join(_console.render_markdown(t) for t in tables(rows, where))
 
 
 def host_overhead(*, gpu: bool = False, repeat: int = 30, batch: int = 64, context: int = 256,
-                  out_dir: Path | str | None = None, report=print) -> list:
-    """Measure every host case; write host.json and host.md into out_dir (if given); return the rows."""
+                  out_dir: Path | str | None = None, show: bool = True) -> list:
+    """Measure every host case; print the tables (unless show=False); write host.json and host.md into out_dir
+    only when one is given; return the rows."""
+    from .. import _console
+
     rows = [measure(case, gpu=gpu, repeat=repeat) for case in host_cases(batch, context)]
     where = "GPU machine's host, CuPy arrays" if gpu else "CPU figures: NumPy arrays, no GPU"
-    table = markdown(rows, where)
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "host.json").write_text(json.dumps({"where": where, "rows": rows,
                                                    "host_reads": [asdict(h) for h in HOST_READS]}, indent=2) + "\n")
-        (out / "host.md").write_text(table)
-    report(table)
+        (out / "host.md").write_text(markdown(rows, where))
+    if show:
+        for table in tables(rows, where):
+            _console.print_table(table)
     return rows

@@ -13,7 +13,6 @@ sectors, issue slots) come from `cacheattn.lab.bounds` once it is wired in; unti
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, replace
 
 import cacheattn
@@ -92,36 +91,33 @@ def ladder(cache: str = "float16", context: int = 255, head_dim: int = HEADLINE.
 def _cell(value) -> str:
     if value is None:
         return "-"
+    if isinstance(value, str):
+        return value
     return f"{value:,}" if isinstance(value, int) else f"{value:.3g}"
 
 
 def print_table(result: dict) -> None:
-    """Metric per row, rung per column."""
+    """Metric per row, rung per column (in the command's --format: text, markdown, or a JSON document)."""
     rungs = result["rungs"]
     names = list(recorder.METRICS) + list(next(iter(rungs.values()))["derived"])
-    rows = []
-    for name in names:
-        rows.append([name] + [_cell(r["metrics"][name] if name in r["metrics"] else r["derived"][name])
-                              for r in rungs.values()])
-    rows.append(["findings (race, uninitialized, out of bounds)"] + [str(r["hazards"]) for r in rungs.values()])
+    rows = [[name] + [r["metrics"][name] if name in r["metrics"] else r["derived"][name] for r in rungs.values()]
+            for name in names]
+    rows.append(["findings (race, uninitialized, out of bounds)"] + [r["hazards"] for r in rungs.values()])
     rows.append(["lower bounds per resource"] + ["to come"] * len(rungs))
-    case = result["case"]
-    columns = ["metric (counted)"] + [f"rung {rung}" for rung in rungs]
+    case, full = result["case"], result["full_case"]
+    columns = [_console.Column("metric (counted)", key="metric")] + [
+        _console.Column(f"rung {rung}", key=f"rung_{rung}", show=_cell, right=True) for rung in rungs]
     _console.table(f"{case['label']}: {case['num_heads']} q / {case['num_kv_heads']} kv heads, head_dim "
                    f"{case['head_dim']}, {result['threads']} threads, whole call (cache store + attention)",
-                   columns, rows, right=columns[1:])
+                   columns, rows)
     _console.say(f"Counted in numba's CUDA simulator, never timed. DRAM bytes: every distinct 32-byte sector of a "
-                 f"launch once (an L2 that holds the working set). The full launch ({result['full_case']['label']}) "
-                 f"has {result['full_case']['batch'] * result['full_case']['num_kv_heads']} attention blocks where "
-                 f"this one has {case['batch'] * case['num_kv_heads']}, and {result['full_case']['context']} cached "
-                 f"tokens per request where this has {case['context']}. Bounds: {BOUNDS}.")
+                 f"launch once (an L2 that holds the working set). The full launch ({full['label']}) has "
+                 f"{full['batch'] * full['num_kv_heads']} attention blocks where this one has "
+                 f"{case['batch'] * case['num_kv_heads']}, and {full['context']} cached tokens per request where "
+                 f"this has {case['context']}. Bounds: {BOUNDS}.")
 
 
-def main(cache: str = "float16", fmt: str = "text", quick: bool = False) -> int:
+def main(cache: str = "float16", quick: bool = False) -> int:
     """quick: head_dim 64 and 63 cached tokens (CI); otherwise head_dim 128 and 255 tokens."""
-    result = ladder(cache, context=63 if quick else 255, head_dim=64 if quick else HEADLINE.head_dim)
-    if fmt == "json":
-        print(json.dumps(result, indent=1))
-    else:
-        print_table(result)
+    print_table(ladder(cache, context=63 if quick else 255, head_dim=64 if quick else HEADLINE.head_dim))
     return 0

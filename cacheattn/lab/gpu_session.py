@@ -284,6 +284,14 @@ def _line(result: dict) -> str:
     status = result["status"]
     if status == "skipped":
         return f"skipped ({result['why']})"
+    detail = _detail(result)
+    return f"{status} in {result['seconds']} s" + (f": {detail}" if detail else "")
+
+
+def _detail(result: dict) -> str:
+    """What a step found, in a few words: pytest's summary, sanitizer errors, bench rows, the GPU."""
+    if result["status"] == "skipped":
+        return result["why"]
     found = result.get("findings", {})
     detail = []
     if "errors" in found:
@@ -297,7 +305,7 @@ def _line(result: dict) -> str:
         detail.append(f"{found['rows']} rows")
     if "gpu" in found:
         detail.append(found["gpu"])
-    return f"{status} in {result['seconds']} s" + (f": {'; '.join(detail)}" if detail else "")
+    return "; ".join(detail)
 
 
 def summary_markdown(summary: dict, out: Path) -> str:
@@ -318,10 +326,40 @@ def gpu_session(out_dir: str, *, steps: str | None = None, budget_s: float = BUD
     if env_only:
         print(json.dumps(environment()))
         return 0
+    from .. import _console
+
     chosen = select(default_steps(), steps)
     if dry_run:
-        print(describe(chosen, int(budget_s)))
+        if _console.current_format() == "text":         # one numbered line per step, commands as a shell takes them
+            _console.say(describe(chosen, int(budget_s)), wrap=False)
+        else:
+            _console.table(f"gpu-session: {len(chosen)} steps in order, {budget_s:g} s in all",
+                           (_console.Column("step"), _console.Column("limit s", "limit_s", right=True),
+                            _console.Column("env", show=lambda env: " ".join(f"{k}={v}" for k, v in env.items())),
+                            _console.Column("command", show=shlex.join)),
+                           [(s.name, s.timeout_s, s.env, s.command) for s in chosen])
         return 0
-    summary = run_session(chosen, out_dir, budget_s=budget_s)
-    print((Path(out_dir) / "summary.md").read_text())
+    summary = run_session(chosen, out_dir, budget_s=budget_s, report=_console.say)
+    show_summary(summary, Path(out_dir))
     return 0 if all(r["status"] in ("passed", "skipped") for r in summary["steps"].values()) else 1
+
+
+def show_summary(summary: dict, out: Path) -> None:
+    """The session on the console: one row per step, then the bench tables the session brought back."""
+    from .. import _console
+
+    _console.table(f"GPU session ({out / 'summary.md'} holds it all, with the environment record)",
+                   (_console.Column("step"), _console.Column("status"),
+                    _console.Column("s", "seconds", lambda s: "" if s is None else f"{s}", right=True,
+                                    means="seconds"),
+                    _console.Column("found", "detail", means="pytest's summary, sanitizer errors, bench rows")),
+                   [(name, r["status"], r.get("seconds"), _detail(r)) for name, r in summary["steps"].items()])
+    if (out / "bench.json").exists():
+        from .bench_gpu import tables
+        for table in tables(json.loads((out / "bench.json").read_text())):
+            _console.print_table(table)
+    if (out / "host.json").exists():
+        from .bench_host import tables
+        host = json.loads((out / "host.json").read_text())
+        for table in tables(host["rows"], host["where"]):
+            _console.print_table(table)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import cacheattn
 
+from .. import _console
 from ..examples import (
     build_ft,
     build_onnx,
@@ -165,10 +166,11 @@ def calls(full: bool = False) -> list[Call]:
     return _ppl_calls(full) + _onnx_calls(full) + _trt_calls(full) + _ft_calls(full)
 
 
-def sanitize(full: bool = False, report=print, only: str | None = None) -> int:
+def sanitize(full: bool = False, report=None, only: str | None = None) -> int:
     """Run every representative call under `lab.record()`, print each call's launches and findings, and end with
     the count. Returns the number of findings plus failed calls (0: clean). only: run the calls whose family
     contains it."""
+    report = report or (lambda line: _console.say(line, wrap=False))
     total, failed, start = 0, 0, time.perf_counter()
     for call in calls(full):
         if only and only not in call.family:

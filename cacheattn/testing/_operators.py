@@ -359,11 +359,17 @@ TRT_FEATURES = {
     "rope_gptj": "position_embedding_type rope_gptj (interleaved pairs), rotary_embedding_dim 2, 6, 8 or the head",
     "rope_gpt_neox": "position_embedding_type rope_gpt_neox (pairs across halves)",
     "rope_scaling": "rotary_embedding_scale_type linear and dynamic (NTK), with a RoPE feature",
+    "rope_table": "rotary_cos_sin (and rotary_inv_freq) built on the host, read where TensorRT-LLM reads it",
+    "long_rope": "position_embedding_type long_rope: short and long tables switched past "
+                 "rotary_embedding_original_max_positions (4), the m-scales",
+    "yarn": "position_embedding_type yarn: YaRN frequencies and its magnitude-scaled table",
+    "logn_scaling": "logn_scaling (Qwen's logn attention): Q scaled at its absolute position",
     "alibi": "position_embedding_type alibi and alibi_with_scale, alibi_slopes for any head count",
     "relative_bias": "position_embedding_type relative: relative_attention_bias (H, L, L), or T5 buckets with "
                      "max_distance",
     "bidirectional": "mask_type padding and bidirectional (no causal mask)",
     "custom_mask": "mask_type custom_mask with a bool attention_mask",
+    "packed_mask": "attention_packed_mask, the same custom mask packed as TensorRT-LLM's context FMHA reads it",
     "sliding_window": "host_max_attention_window_sizes below the sequence lengths: a cyclic cache (mask_type "
                       "sliding_window_causal too)",
     "streamingllm": "streamingllm with host_sink_token_length 0 to 2: whole contexts, keys cached before RoPE",
@@ -389,8 +395,8 @@ ROPE_WHY = "a RoPE'd key may be off by ulp + 2^-17 |its rotated pair| (quantized
 def _trt_strategy(f: frozenset, dtypes: tuple):
     masks = (1, 1) + ((2,) if "sliding_window" in f else ()) + ((0, 3) if "bidirectional" in f else ()) \
         + ((6,) if "custom_mask" in f else ())
-    positions = (0,) + tuple(p for p, name in ((1, "rope_gptj"), (2, "rope_gpt_neox"), (4, "alibi"), (5, "alibi"),
-                                               (6, "relative_bias")) if name in f)
+    positions = (0,) + tuple(p for p, name in ((1, "rope_gptj"), (2, "rope_gpt_neox"), (3, "long_rope"), (4, "alibi"),
+                                               (5, "alibi"), (6, "relative_bias"), (8, "yarn")) if name in f)
     return strategies.trt_cases(
         dtypes=dtypes, paged=tuple(p for p, name in ((False, "contiguous"), (True, "paged")) if name in f),
         quant=(0,) + ((64,) if "int8_kv" in f else ()) + ((128,) if "fp8_kv" in f else ()), positions=positions,
@@ -401,7 +407,7 @@ def _trt_strategy(f: frozenset, dtypes: tuple):
         rope_scaling="rope_scaling" in f, fmha_types=(1, 1, 0, 2) if "context_fmha_type" in f else (1,),
         streaming=(False, True) if "streamingllm" in f else (False,),
         cross=(False, True) if "cross_attention" in f else (False,), fp8_fmha="fp8_context_fmha" in f,
-        padded_inflight=False)
+        padded_inflight=False, rope_tables="rope_table" in f, logn="logn_scaling" in f, packed_mask="packed_mask" in f)
 
 
 def _trt_uses(c: TrtCase) -> frozenset:
@@ -414,7 +420,10 @@ def _trt_uses(c: TrtCase) -> frozenset:
              "alibi": c.position in (4, 5), "relative_bias": c.position == 6, "bidirectional": c.mask_type in (0, 3),
              "custom_mask": c.mask_type == 6, "sliding_window": c.window < max(c.lengths),
              "streamingllm": c.streamingllm, "cross_attention": bool(c.encoder_lengths), "softcap": c.softcap > 0,
-             "context_fmha_type": c.context_fmha_type != 1 and bool(c.contexts)}
+             "context_fmha_type": c.context_fmha_type != 1 and bool(c.contexts),
+             "rope_table": c.position in (3, 8) or (c.position in (1, 2) and c.rope_table),
+             "long_rope": c.position == 3, "yarn": c.position == 8, "logn_scaling": c.logn,
+             "packed_mask": c.mask_type == 6 and c.packed_mask}
     return frozenset(name for name, on in flags.items() if on)
 
 
@@ -474,7 +483,7 @@ def _trt_expect(case: TrtCase, inputs, attrs):
     expect = {"output": output,
               "present_key_value": None}         # the cache it returns: checked against past_key_value (aliases)
     cache_name = "kv_cache_pool" if case.paged else "past_key_value"
-    if case.position in (1, 2) and not case.streamingllm:
+    if case.position in (1, 2, 3, 8) and not case.streamingllm:
         expect[cache_name] = Expect("bits", after[cache_name], slack=_rope_slack(case, inputs, attrs, cache_name),
                                     why=ROPE_WHY)
     return expect
@@ -485,7 +494,8 @@ GPT_ATTENTION = Operator(
     dtypes=("float16", "bfloat16", "float32"), strategy=_trt_strategy, uses=_trt_uses, problem=_trt_problem,
     expect=_trt_expect, outputs=("output", "present_key_value"), in_place=TRT_CACHES,
     aliases={"present_key_value": "past_key_value"}, requires=(("contiguous", "paged"),),
-    needs={"fp8_context_fmha": ("fp8_kv",), "rope_scaling": ("rope_gptj", "rope_gpt_neox")},
+    needs={"fp8_context_fmha": ("fp8_kv",), "rope_scaling": ("rope_gptj", "rope_gpt_neox"),
+           "rope_table": ("rope_gptj", "rope_gpt_neox", "long_rope", "yarn"), "packed_mask": ("custom_mask",)},
     case_imports=("TrtCase",))
 
 

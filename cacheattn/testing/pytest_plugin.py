@@ -16,6 +16,15 @@ import pytest
 
 
 def pytest_addoption(parser):
+    """The options, all optional; `--cacheattn-impl` and `--cacheattn-op` come together.
+
+    - `--cacheattn-impl MODULE:FUNCTION`: the implementation, called like `cacheattn.<op>`.
+    - `--cacheattn-op NAME`: the operator, a key of `cacheattn.testing.OPERATORS`.
+    - `--cacheattn-features A,B`: the features the implementation supports (default: all of the operator's).
+    - `--cacheattn-dtypes A,B`: the dtypes to draw (default: all of the operator's).
+    - `--cacheattn-examples N`: problems to draw (default 100).
+    - `--cacheattn-seed N`: a repeatable run.
+    """
     group = parser.getgroup("cacheattn", "cacheattn conformance kit")
     group.addoption("--cacheattn-impl", metavar="MODULE:FUNCTION",
                     help="the implementation to check, called like the cacheattn function of --cacheattn-op")
@@ -31,7 +40,13 @@ def _split(text):
 
 
 def load_impl(spec: str):
-    """'package.module:attribute' -> the object."""
+    """The object `spec` ("package.module:attribute", the attribute possibly dotted) names.
+
+    Raises
+    ------
+    pytest.UsageError
+        `spec` is not of the form MODULE:ATTRIBUTE.
+    """
     module, sep, attribute = spec.partition(":")
     if not sep or not module or not attribute:
         raise pytest.UsageError(f"--cacheattn-impl: expected MODULE:FUNCTION, got {spec!r}")

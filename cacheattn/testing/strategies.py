@@ -20,7 +20,43 @@ from cacheattn.ft import HEAD_SIZES
 def ppl_cases(draw, *, max_batch=3, max_seqlen=5, max_past=9, quant_bits=(0, 8, 4), dtypes=("float16", "float32"),
               layouts=(0, 1, 2, 3), modes=(0, 1), masks=("none", "2d", "3d"), alibi=(False, True),
               causal=(False, True), groups=(1, 2, 3), decoding=True) -> PPLCase:
-    """dynamic_batching cases (MultiHeadCacheAttention and its two halves)."""
+    """Draw `PPLCase`s: dynamic_batching problems (MultiHeadCacheAttention and its two halves).
+
+    Parameters
+    ----------
+    max_batch : int, default 3
+        Sequences per call, 1 to `max_batch`.
+    max_seqlen : int, default 5
+        Longest current length of a prefill sequence (decode steps have 1).
+    max_past : int, default 9
+        Longest cached length before the call (0 included).
+    quant_bits, dtypes, layouts, modes : tuple
+        The `quant_bit`, query dtype, `cache_layout` and `cache_mode` values to draw from.
+    masks : tuple of str, default ("none", "2d", "3d")
+        `attn_mask` kinds.
+    alibi, causal : tuple of bool
+        `is_alibi` and `is_causal` values.
+    groups : tuple of int, default (1, 2, 3)
+        `num_heads // num_kv_heads` (1: no GQA).
+    decoding : bool, default True
+        Whether some leading sequences are decode steps (`decoding_batches` > 0).
+
+    Returns
+    -------
+    hypothesis.strategies.SearchStrategy
+        Of `PPLCase`; `cacheattn.examples.build_ppl` makes the arguments. Page sizes 1, 3, 4 or 8, head_dim 8, 16
+        or 24, one or two layers.
+
+    Examples
+    --------
+    >>> from hypothesis import given, settings
+    >>> from cacheattn.testing.strategies import ppl_cases
+    >>> @settings(max_examples=5, database=None)
+    ... @given(ppl_cases(quant_bits=(0,), modes=(1,)))
+    ... def test(case):
+    ...     assert case.quant_bit == 0 and case.cache_mode == 1 and len(case.seqlens) <= 3
+    >>> test()
+    """
     batch = draw(st.integers(1, max_batch))
     decoding_batches = draw(st.integers(0, batch)) if decoding else 0
     seqlens = tuple(1 if b < decoding_batches else draw(st.integers(1, max_seqlen)) for b in range(batch))
@@ -44,7 +80,20 @@ def ppl_cases(draw, *, max_batch=3, max_seqlen=5, max_past=9, quant_bits=(0, 8, 
 @st.composite
 def static_cases(draw, *, quant_bits=(0, 8, 4), dtypes=("float16", "float32"), layouts=(0, 1),
                  repeats=(1, 2, 3)) -> StaticCase:
-    """Static KeyValueCache cases."""
+    """Draw `StaticCase`s: static KeyValueCache problems (B 1 to 3, S 1 to 4, start_pos 0 to 5).
+
+    Parameters
+    ----------
+    quant_bits, dtypes, layouts : tuple
+        The `quant_bit`, dtype and `cache_layout` values to draw from.
+    repeats : tuple of int, default (1, 2, 3)
+        `num_repeat` values.
+
+    Returns
+    -------
+    hypothesis.strategies.SearchStrategy
+        Of `StaticCase`; `cacheattn.examples.build_static` makes the arguments.
+    """
     batch = draw(st.integers(1, 3))
     seqlen = draw(st.integers(1, 4))
     start_pos = draw(st.integers(0, 5))
@@ -64,7 +113,36 @@ def static_cases(draw, *, quant_bits=(0, 8, 4), dtypes=("float16", "float32"), l
 def onnx_cases(draw, *, dtypes=("float16", "float32", "float64"), past=True, windows=True, masks=("none", "bool",
                "float"), modes=(0, 1, 2, 3), nonpad=True, causal=(0, 1), groups=(1, 2, 3), three_d=(False, True),
                softcaps=(0.0, 0.0, 1.5, 30.0), scales=(None, None, 0.05, 0.7)) -> OnnxCase:
-    """ONNX Attention cases (opset 24; opset 25 when a window is drawn)."""
+    """Draw `OnnxCase`s: ONNX Attention problems (opset 24; opset 25 when a window is drawn).
+
+    Parameters
+    ----------
+    dtypes : tuple of str
+        Input dtypes.
+    past : bool, default True
+        Whether `past_key`/`past_value` may be drawn.
+    windows : bool, default True
+        Whether opset 25's `left_window_size`/`right_window_size` may be drawn.
+    masks : tuple of str
+        "none", "bool" and/or "float" `attn_mask`s (any broadcastable rank, last dim possibly short).
+    modes : tuple of int
+        `qk_matmul_output_mode` values.
+    nonpad : bool, default True
+        Whether `nonpad_kv_seqlen` may be drawn (only without a past).
+    causal : tuple of int
+        `is_causal` values.
+    groups : tuple of int
+        `q_num_heads // kv_num_heads`.
+    three_d : tuple of bool
+        Whether inputs are 3-D.
+    softcaps, scales : tuple
+        `softcap` and `scale` values (None: the default scale).
+
+    Returns
+    -------
+    hypothesis.strategies.SearchStrategy
+        Of `OnnxCase`; `cacheattn.examples.build_onnx` makes the inputs.
+    """
     batch = draw(st.integers(1, 2))
     kv_heads = draw(st.integers(1, 2))
     q_len, kv_len = draw(st.integers(1, 4)), draw(st.integers(1, 6))
@@ -100,9 +178,35 @@ def onnx_cases(draw, *, dtypes=("float16", "float32", "float64"), past=True, win
 def ft_cases(draw, *, dtypes=("float16", "float32"), layouts=(True, False), steps=(1, 2, 3), head_sizes=HEAD_SIZES,
              max_batch=3, max_mem_len=6, max_heads=3, finished=True, ia3=True, cross=True,
              context_bufs=True):
-    """One cross-attention step. Head sizes: four draws in five from the first two of `head_sizes` (simulator
-    kernels are cheap there), else any; lengths anywhere in [1, mem_len], finished rows and IA3 tasks sometimes.
-    cross / context_bufs False: never a cross_attentions output / an old context_buf."""
+    """Draw `FTCase`s: one FasterTransformer cross-attention step.
+
+    Head sizes: four draws in five from the first two of `head_sizes` (simulator kernels are cheap there), else
+    any; lengths anywhere in `[1, mem_len]`, finished rows and IA3 tasks sometimes.
+
+    Parameters
+    ----------
+    dtypes : tuple of str
+        Input dtypes.
+    layouts : tuple of bool
+        `is_batch_major_cache` values.
+    steps : tuple of int, default (1, 2, 3)
+        `step` values.
+    head_sizes : tuple of int
+        `size_per_head` values, a subset of `cacheattn.ft.HEAD_SIZES`.
+    max_batch, max_mem_len, max_heads : int
+        Largest B, `mem_max_seq_len` and `head_num`.
+    finished, ia3 : bool, default True
+        Whether `finished` rows / IA3 tasks may be drawn.
+    cross : bool, default True
+        False: never a `cross_attentions` output.
+    context_bufs : bool, default True
+        False: never an old `context_buf`.
+
+    Returns
+    -------
+    hypothesis.strategies.SearchStrategy
+        Of `FTCase`; `cacheattn.examples.build_ft` makes the arguments.
+    """
     batch = draw(st.integers(1, max_batch))
     mem_len = draw(st.integers(1, max_mem_len))
     step = draw(st.sampled_from(steps))
@@ -128,7 +232,7 @@ def trt_cases(draw, *, dtypes=("float16", "float32"), paged=(False, True), quant
               positions=(0, 1, 2, 4, 5, 6), masks=(1, 1, 2, 0, 3, 6), beams=(1, 1, 2), windowed=True, chunked=True,
               generation=True, packed=(True, False), softcap=True, groups=(1, 2, 3), qkv_bias=(False, True),
               rope_scaling=True, relative=("regular", "t5"), fmha_types=(1,), streaming=(False,), cross=(False,),
-              fp8_fmha=False, padded_inflight=True) -> TrtCase:
+              fp8_fmha=False, padded_inflight=True, rope_tables=True, logn=True, packed_mask=False) -> TrtCase:
     """A gpt_attention call: a few context requests (some chunked), a few generation sequences (maybe beams),
     awkward sizes (length 1, past 0, tokens_per_block not dividing the lengths, GQA group 3, head size 24).
 
@@ -136,7 +240,10 @@ def trt_cases(draw, *, dtypes=("float16", "float32"), paged=(False, True), quant
     attention). A StreamingLLM call has whole contexts, one beam and sink tokens below the window; a
     cross-attention call has encoder K/V (lengths up to the cache capacity), no position embedding, no custom
     mask and no window. fp8_fmha: FP8 context FMHA on some FP8-cache calls. padded_inflight False: padded
-    qkv only when every request is in the same phase (the document's in-flight batching needs packed input)."""
+    qkv only when every request is in the same phase (the document's in-flight batching needs packed input).
+    rope_tables: RoPE calls may carry the host-built rotary_cos_sin (long_rope and yarn, positions 3 and 8, always
+    do); logn: self-attention calls may carry logn_scaling; packed_mask: custom masks may come packed too (off by
+    default: a test that cuts a call into sub-calls would have to repack it; the kit turns it on)."""
     # One draw picks the kind of call, self attention three times in five when the others are allowed too.
     kinds = ("self",) * 3 * (False in streaming and False in cross) + ("streaming",) * (True in streaming) \
         + ("cross",) * (True in cross)
@@ -163,9 +270,9 @@ def trt_cases(draw, *, dtypes=("float16", "float32"), paged=(False, True), quant
         position = 0 if is_cross else draw(st.sampled_from(positions))
     head_size = draw(st.sampled_from([8, 24]))
     num_kv_heads = draw(st.integers(1, 2))
-    rope = position in (1, 2)
+    rope = position in (1, 2, 3, 8)
     rotary_dim = draw(st.sampled_from([d for d in (2, 6, 8, head_size) if d <= head_size])) if rope else 0
-    scale_types = ([0, 1, 2] if rotary_dim > 2 else [0, 1]) if rope_scaling else [0]
+    scale_types = ([0, 1, 2] if rotary_dim > 2 else [0, 1]) if rope_scaling and position in (1, 2) else [0]
     num_layers = draw(st.integers(1, 2))
     quant_mode = draw(st.sampled_from(quant))
     is_packed = draw(st.sampled_from(packed))
@@ -193,6 +300,12 @@ def trt_cases(draw, *, dtypes=("float16", "float32"), paged=(False, True), quant
         context_fmha_type=draw(st.sampled_from(fmha_types)))
     if is_streaming:
         case = replace(case, streamingllm=True, sinks=draw(st.integers(0, min(2, case.window - 1))))
+    if rope_tables and position in (1, 2):
+        case = replace(case, rope_table=draw(st.booleans()))
+    if logn and not is_cross:
+        case = replace(case, logn=draw(st.sampled_from([False, False, True])))
+    if packed_mask and case.mask_type == 6:
+        case = replace(case, packed_mask=draw(st.booleans()))
     return case
 
 

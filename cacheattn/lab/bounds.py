@@ -1,0 +1,280 @@
+"""Lower bounds on a kernel's time from counted figures: what each resource of an H100 SXM needs, never a timing.
+
+A launch counted in the simulator (`cacheattn.lab.record`, Nsight Compute's metric names) on a few blocks of the
+real block shape gives per-block figures; the full grid has `scale` times as many blocks doing the same work, so
+its figures are the counted ones times `scale`. Each resource then needs at least
+
+    DRAM            (dram__bytes_read.sum + dram__bytes_write.sum) x scale / HBM bandwidth
+    shared memory   (shared wavefronts, loads + stores) x scale / (1 wavefront per clock per SM x SMs x clock)
+    L1 (global)     (global sectors, loads + stores) x scale / (4 sectors per clock per SM x SMs x clock)
+    issue           warp instructions (from the SASS loop) / (4 schedulers x SMs x clock), when given
+    tensor cores    mma.m16n8k16 count / (1 per clock per SM x SMs x clock), when given
+
+and the kernel cannot run faster than the largest of them. Every shared or L1 bound assumes the work spreads
+evenly over the SMs and every unit runs at its peak: a lower bound, reached by no real kernel. DRAM bytes as the
+recorder counts them assume an L2 that holds the working set, so every byte comes from DRAM once.
+
+Figures are labelled `counted` (read off the recording, times the grid scale) or `derived` (computed from counted
+figures and the machine model); none is a measurement of time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# ----------------------------------------------------------------------------------------------------- the machine
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Peak rates of one GPU, the unit each bound divides by."""
+    name: str
+    sms: int
+    hbm_bytes_per_s: float
+    clock_hz: float
+    shared_wavefronts_per_clock: int      # per SM
+    l1_sectors_per_clock: int             # per SM, 32-byte sectors
+    issue_per_clock: int                  # warp instructions per SM per clock (one per scheduler)
+    mma_per_clock: float                  # mma.m16n8k16 (4096 FLOPs) per SM per clock, dense float16
+
+
+H100_SXM = Machine(
+    name="H100 SXM5",
+    # 132 SMs: NVIDIA H100 Tensor Core GPU datasheet and the Hopper architecture whitepaper (SXM5 product: 132 SMs
+    # of the full GH100's 144).
+    sms=132,
+    # 3.35 TB/s of HBM3: NVIDIA H100 Tensor Core GPU datasheet, "GPU memory bandwidth", H100 SXM.
+    hbm_bytes_per_s=3.35e12,
+    # 1.98 GHz: the H100 SXM5's maximum SM clock (nvidia-smi -q, "Max Clocks: SM 1980 MHz"); every per-clock bound
+    # uses it, so the bounds are the fastest the clock allows.
+    clock_hz=1.98e9,
+    # Shared memory serves one 128-byte wavefront (32 banks x 4 bytes) per clock per SM: CUDA C++ Programming
+    # Guide, "Shared Memory" of compute capability 5.x and later (32 banks, 32 bits per bank per clock).
+    shared_wavefronts_per_clock=1,
+    # L1 moves 128 bytes (4 sectors) per clock per SM, the same data path as shared memory (Hopper tuning guide:
+    # L1 and shared memory are one unit); 132 x 128 B x 1.98 GHz = 33 TB/s.
+    l1_sectors_per_clock=4,
+    # Four warp schedulers per SM, each issuing one warp instruction per clock: Hopper architecture whitepaper
+    # (SM: four processing blocks, each with its own warp scheduler and dispatch unit).
+    issue_per_clock=4,
+    # Dense float16 with float32 accumulation: 989.4 TFLOP/s at 1.83 GHz over 132 SMs (datasheet) = 4096 FLOPs per
+    # clock per SM, one m16n8k16 (16 x 8 x 16 x 2 FLOPs). mma.sync on Hopper reaches less than the wgmma rate.
+    mma_per_clock=1.0,
+)
+
+# ------------------------------------------------------------------------------------------------------ bench cases
+
+
+@dataclass(frozen=True)
+class BenchCase:
+    """One of issue 16's bench cases: OpenPPL paged GQA attention over a cache of `cache` format.
+
+    context: tokens cached before the step; new: query tokens per sequence (1 in decode), which the fused operator
+    stores first, so attention reads context + new keys. int8 / int4 caches carry one float16 scale per
+    `quant_group` elements (DESIGN.md, the OpenPPL cache formats: int8 per group of quant_group, and this project's
+    int4 with two values per byte)."""
+    name: str
+    batch: int
+    context: int
+    new: int
+    cache: str = "float16"
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    quant_group: int = 8
+    causal: bool = True
+
+    @property
+    def kvlen(self) -> int:
+        return self.context + self.new
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one cached K (or V) row of one kv head: the values, plus their float16 scales when quantized."""
+        if self.cache == "float16":
+            return 2 * self.head_dim
+        if self.cache not in ("int8", "int4"):
+            raise ValueError(f"cache: expected float16, int8 or int4, got {self.cache!r}")
+        values = self.head_dim if self.cache == "int8" else self.head_dim // 2
+        return values + 2 * (self.head_dim // self.quant_group)
+
+    @property
+    def must_move(self) -> dict:
+        """The bytes the attention must move at least, by part: K and V (with scales) once, Q read once, the
+        output (float16) written once."""
+        kv = 2 * self.batch * self.kvlen * self.num_kv_heads * self.row_bytes
+        q = self.batch * self.new * self.num_heads * self.head_dim * 2
+        return dict(kv=kv, q=q, o=q)
+
+    @property
+    def floor_bytes(self) -> int:
+        return sum(self.must_move.values())
+
+    @property
+    def flops(self) -> int:
+        """Multiply-adds of S = Q K^T and O = P V, times 2: 4 x head_dim per visible (query, key) pair per head; with
+        the causal rule query i of a sequence sees context + i + 1 keys."""
+        if self.causal:
+            pairs = self.new * self.context + self.new * (self.new + 1) // 2
+        else:
+            pairs = self.new * self.kvlen
+        return 4 * self.head_dim * self.num_heads * self.batch * pairs
+
+
+CASES = (
+    BenchCase("decode B64 ctx4096 float16", batch=64, context=4096, new=1, cache="float16"),
+    BenchCase("decode B64 ctx4096 int8", batch=64, context=4096, new=1, cache="int8"),
+    BenchCase("decode B64 ctx4096 int4", batch=64, context=4096, new=1, cache="int4"),
+    BenchCase("decode B1 ctx32k float16", batch=1, context=32768, new=1, cache="float16"),
+    BenchCase("prefill 4k float16", batch=1, context=0, new=4096, cache="float16"),
+)
+
+# ----------------------------------------------------------------------------------------------------------- bounds
+
+DRAM_READ, DRAM_WRITE = "dram__bytes_read.sum", "dram__bytes_write.sum"
+GLOBAL_SECTORS = ("l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum", "l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum")
+GLOBAL_LOAD_SECTORS = GLOBAL_SECTORS[0]
+GLOBAL_LOAD_REQUESTS = "l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum"
+# The bytes the lanes of global loads asked for (Nsight Compute: smsp__sass_data_bytes_mem_global_op_ld.sum); the
+# sector efficiency is these over 32 x the sectors they touched.
+GLOBAL_LOAD_BYTES = "smsp__sass_data_bytes_mem_global_op_ld.sum"
+SHARED_WAVEFRONTS = ("l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum",
+                     "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum")
+SHARED_CONFLICTS = ("l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum",
+                    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum")
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One number with what it is: `counted` (off the recording, scaled to the grid) or `derived`."""
+    value: float
+    unit: str
+    basis: str            # "counted" or "derived"
+    how: str
+
+    def __str__(self):
+        return f"{_fmt(self.value)} {self.unit} ({self.basis}: {self.how})"
+
+
+@dataclass
+class Bounds:
+    """Per-resource lower bounds on time (µs) of one launch over the full grid, and the figures behind them."""
+    machine: Machine
+    resources: dict = field(default_factory=dict)     # name -> Figure in µs (derived)
+    figures: dict = field(default_factory=dict)       # name -> Figure (counted or derived)
+
+    @property
+    def limiter(self) -> str:
+        """The resource with the largest bound."""
+        return max(self.resources, key=lambda name: self.resources[name].value)
+
+    @property
+    def bound_us(self) -> float:
+        """The kernel cannot run faster than this (derived, a lower bound on time)."""
+        return self.resources[self.limiter].value
+
+    @property
+    def hbm_share(self) -> float:
+        """Share of the HBM bandwidth the kernel would use running at its bound: the operator's bytes (the floor,
+        when a case was given, else the DRAM bytes counted) over the bound time, over the bandwidth."""
+        moved = self.figures["floor bytes"].value if "floor bytes" in self.figures else self.figures["DRAM bytes"].value
+        return moved / (self.bound_us * 1e-6) / self.machine.hbm_bytes_per_s
+
+    def summary(self) -> str:
+        """'cannot run faster than X µs (limited by R), Y% of HBM bandwidth', then each resource and figure."""
+        lines = [f"cannot run faster than {self.bound_us:.2f} µs (lower bound, derived; limited by {self.limiter}), "
+                 f"{self.hbm_share:.0%} of HBM bandwidth on {self.machine.name}"]
+        lines += [f"  {name:<14} ≥ {fig}" for name, fig in self.resources.items()]
+        lines += [f"  {name:<22} {fig}" for name, fig in self.figures.items()]
+        return "\n".join(lines)
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+
+
+def _total(metrics: dict, names) -> int | None:
+    present = [metrics[name] for name in names if name in metrics]
+    return sum(present) if present else None
+
+
+def bounds(metrics: dict, scale: float = 1.0, *, case: BenchCase | None = None, warp_instructions: float | None = None,
+           mma: float | None = None, machine: Machine = H100_SXM) -> Bounds:
+    """Lower bounds on the time of the full grid from figures counted on a scaled-down launch.
+
+    Parameters
+    ----------
+    metrics : dict
+        Nsight Compute metric name -> count, as `cacheattn.lab.record()` gives them (`rec.metrics`): DRAM bytes
+        read / written, global load / store sectors, shared wavefronts and bank conflicts; a missing metric leaves
+        its resource out.
+    scale : float
+        Blocks of the full grid per block counted (the per-block figures scale with the grid).
+    case : BenchCase, optional
+        The bench case: adds the floor (the bytes the operator must move) and DRAM bytes ÷ floor.
+    warp_instructions : float, optional
+        Warp instructions the full grid issues, for the issue bound; already at full scale. From the SASS key loop
+        (`cacheattn.lab.sass`) its length times the trips of every warp is an estimate, not a bound: a static count
+        includes instructions a branch skips and counts an inner loop's body once.
+    mma : float, optional
+        mma.m16n8k16 instructions of the full grid, for the tensor-core bound; already at full scale.
+    machine : Machine
+        Peak rates (H100_SXM).
+
+    Returns
+    -------
+    Bounds
+        `.resources` (µs each), `.limiter`, `.bound_us`, `.hbm_share`, `.figures`, `.summary()`.
+    """
+    if scale <= 0:
+        raise ValueError(f"scale: expected the positive ratio of full-grid blocks to counted blocks, got {scale!r}")
+    out = Bounds(machine)
+    per_clock = machine.sms * machine.clock_hz
+    scaled = f"counted x {scale:g}" if scale != 1 else "counted"
+
+    dram = _total(metrics, (DRAM_READ, DRAM_WRITE))
+    if dram is not None:
+        dram *= scale
+        out.figures["DRAM bytes"] = Figure(dram, "B", "counted", f"{scaled}, read + write")
+        out.resources["DRAM"] = Figure(dram / machine.hbm_bytes_per_s * 1e6, "µs", "derived",
+                                       f"DRAM bytes / {machine.hbm_bytes_per_s / 1e12:g} TB/s")
+    if case is not None:
+        out.figures["floor bytes"] = Figure(case.floor_bytes, "B", "derived", f"{case.name}: K/V once, Q, O")
+        if dram is not None:
+            out.figures["DRAM / floor"] = Figure(dram / case.floor_bytes, "x", "derived", "1.00 is the floor")
+
+    wavefronts = _total(metrics, SHARED_WAVEFRONTS)
+    if wavefronts is not None:
+        wavefronts *= scale
+        out.figures["shared wavefronts"] = Figure(wavefronts, "", "counted", f"{scaled}, loads + stores")
+        out.resources["shared"] = Figure(wavefronts / (machine.shared_wavefronts_per_clock * per_clock) * 1e6, "µs",
+                                         "derived", f"wavefronts / ({machine.shared_wavefronts_per_clock} per clock "
+                                                    f"x {machine.sms} SMs x {machine.clock_hz / 1e9:g} GHz)")
+        conflicts = _total(metrics, SHARED_CONFLICTS)
+        if conflicts is not None:
+            out.figures["bank conflicts"] = Figure(conflicts * scale, "", "counted", f"{scaled}, loads + stores")
+
+    sectors = _total(metrics, GLOBAL_SECTORS)
+    if sectors is not None:
+        sectors *= scale
+        out.figures["global sectors"] = Figure(sectors, "", "counted", f"{scaled}, through L1, loads + stores")
+        out.resources["L1"] = Figure(sectors / (machine.l1_sectors_per_clock * per_clock) * 1e6, "µs", "derived",
+                                     f"sectors / ({machine.l1_sectors_per_clock} per clock x {machine.sms} SMs x "
+                                     f"{machine.clock_hz / 1e9:g} GHz)")
+    if GLOBAL_LOAD_BYTES in metrics and metrics.get(GLOBAL_LOAD_SECTORS):
+        out.figures["sector efficiency"] = Figure(metrics[GLOBAL_LOAD_BYTES] / (32 * metrics[GLOBAL_LOAD_SECTORS]),
+                                                  "", "derived", "bytes the lanes asked for / (32 x load sectors)")
+    if warp_instructions is not None:
+        out.figures["warp instructions"] = Figure(warp_instructions, "", "derived", "as given, from the SASS")
+        out.resources["issue"] = Figure(warp_instructions / (machine.issue_per_clock * per_clock) * 1e6, "µs",
+                                        "derived", f"warp instructions / ({machine.issue_per_clock} per clock x "
+                                                   f"{machine.sms} SMs x {machine.clock_hz / 1e9:g} GHz)")
+    if mma is not None:
+        out.figures["mma"] = Figure(mma, "", "derived", "mma.m16n8k16 of the full grid")
+        out.resources["tensor"] = Figure(mma / (machine.mma_per_clock * per_clock) * 1e6, "µs", "derived",
+                                         f"mma / ({machine.mma_per_clock:g} per clock x {machine.sms} SMs x "
+                                         f"{machine.clock_hz / 1e9:g} GHz)")
+    if not out.resources:
+        raise ValueError("metrics: none of the DRAM, shared-memory or global-sector metrics is present, and no "
+                         f"warp_instructions or mma was given; got {sorted(metrics)}")
+    return out
