@@ -63,7 +63,8 @@ def main(argv=None) -> int:
     bench = sub.add_parser("bench", parents=[form], help="time the kernels against peers measured in the same run "
                            "(GPU)")
     bench.add_argument("--repeat", type=int, default=20)
-    bench.add_argument("--cpu", action="store_true", help="the NumPy references against onnx's evaluator instead")
+    bench.add_argument("--cpu", action="store_true", help="the NumPy references against onnx's evaluator, then "
+                       "every reference at serving shapes, instead")
     bench.add_argument("--tiny", action="store_true", help="the GPU harness in the simulator on tiny shapes")
     bench.add_argument("--host", action="store_true", help="host time, launches and kernel parameters per decode "
                        "call, launches recorded instead of run (CPU figures without a GPU)")
@@ -141,7 +142,11 @@ def _run(args) -> int:
         return counters(cache=args.cache, quick=args.quick)
     if args.command == "bench" and args.cpu:
         from .lab.bench_cpu import bench_cpu
-        return bench_cpu(repeat=args.repeat)
+        from .lab.bench_reference import bench_reference
+        status = bench_cpu(repeat=args.repeat)
+        print()
+        bench_reference(repeat=max(3, args.repeat // 3))
+        return status
     if args.command == "bench" and args.host:
         from .lab.bench_host import host_overhead
         host_overhead(gpu=gpu_present(), repeat=args.repeat, batch=args.batch, out_dir=args.out)

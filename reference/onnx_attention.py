@@ -150,28 +150,32 @@ def onnx_attention(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonp
     keys = present_key[:, :, None]                                                # (B, Hkv, 1, T, D)
     values = present_value[:, :, None]                                            # (B, Hkv, 1, T, Dv)
 
+    # spec: onnx/qk-output-modes, onnx/qk-output-shape
+    # qk_matmul_output is copied out at its stage when asked for, so each later stage may overwrite the one
+    # before it in place (a long prompt's scores are the largest arrays here).
+    keep = qk_matmul_output_mode if return_qk_matmul_output else None
     raw = _matmul(q_grouped * root, (keys * root).swapaxes(-1, -2))               # (B, Hkv, G, S, T)
     raw = raw.reshape(batch, heads, q_len, kv_len)                                # (B, Hq, S, T), mode 0
+    qk = raw.astype(q.dtype) if keep == 0 else None
     # spec: onnx/softcap
     # softcap before the mask: softcap * tanh(x / softcap) would turn -inf into -softcap.
     capped = raw if softcap <= 0 else (np.tanh(raw / raw.dtype.type(softcap)) * raw.dtype.type(softcap))
-    biased = capped if bias is None else capped + bias                            # mode 2
+    qk = capped.astype(q.dtype) if keep == 1 else qk
+    biased = capped if bias is None else np.add(capped, bias, out=capped)         # mode 2
     # spec: onnx/softmax-precision
     if softmax_precision is not None:
         biased = biased.astype(_dtype_of_precision(softmax_precision))
-    probs = masked_softmax(biased)
+    qk = biased.astype(q.dtype) if keep == 2 else qk
+    probs = masked_softmax(biased, out=biased)
     if bias is not None:
         # A row with no visible key (its bias all -inf) gives zeros, decided on the bias, not the scores.
         no_key = np.isneginf(bias.max(axis=-1, keepdims=True))
-        probs = np.where(no_key, probs.dtype.type(0), probs)                      # mode 3
+        np.copyto(probs, probs.dtype.type(0), where=no_key)                       # mode 3
+    qk = probs.astype(q.dtype) if keep == 3 else qk
 
     # spec: onnx/y-shape, onnx/types
-    p_grouped = probs.astype(q.dtype).reshape(batch, kv_heads, group, q_len, kv_len)
+    p_grouped = probs.astype(q.dtype, copy=False).reshape(batch, kv_heads, group, q_len, kv_len)
     y = _matmul(p_grouped, values).reshape(batch, heads, q_len, -1)               # (B, Hq, S, Dv)
     if three_d:
         y = y.transpose(0, 2, 1, 3).reshape(batch, q_len, -1)                     # (B, S, Hq * Dv)
-    qk = None
-    if return_qk_matmul_output:
-        # spec: onnx/qk-output-modes, onnx/qk-output-shape
-        qk = (raw, capped, biased, probs)[qk_matmul_output_mode].astype(q.dtype)
     return y, present_key, present_value, qk

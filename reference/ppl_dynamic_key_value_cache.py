@@ -15,7 +15,7 @@ from .quant import dequantize, quantize
 
 
 def cache_slots(b, positions, cachestarts, cache_mode, page_size):
-    """Token slot in MaxT of positions of batch b.
+    """Token slot in MaxT of positions of batch b (b may be an array too: one batch per position).
 
     cache_mode 0: cachestarts[b] + t.  cache_mode 1: cachestarts[b, t // page_size] + t % page_size
     (the page table holds token offsets into MaxT, not page numbers).
@@ -39,11 +39,11 @@ def dynamic_key_value_cache(current_key, current_value, seqstarts, kvstarts, cac
     k_cache, v_cache = layer_views(cache, axes, layer_idx)              # each (MaxT, H, Dh stored)
     if quant_bit:
         k_scales, v_scales = layer_views(scale, axes, layer_idx)        # each (MaxT, H, Dh/quant_group)
-    kv_total = int(kvstarts[-1])
-    key = np.empty((kv_total, *current_key.shape[1:]), current_key.dtype)    # (kvstarts[B], H, Dh)
-    value = np.empty((kv_total, *current_value.shape[1:]), current_value.dtype)
-
     batches = range(len(seqstarts) - 1)
+    if quant_bit:
+        # Every group of every token and head has its own scale: quantize all current tokens at once.
+        k_scale, k_quant = quantize(current_key, quant_bit, quant_group, scale.dtype)
+        v_scale, v_quant = quantize(current_value, quant_bit, quant_group, scale.dtype)
     # Store every batch first, then read: a read sees all of this call's writes.
     for b in batches:
         seq = slice(seqstarts[b], seqstarts[b + 1])
@@ -53,22 +53,25 @@ def dynamic_key_value_cache(current_key, current_value, seqstarts, kvstarts, cac
         stored = cache_slots(b, np.arange(start_p, start_p + seq.stop - seq.start), cachestarts, cache_mode,
                              page_size)
         if quant_bit:
-            k_scale, k_quant = quantize(current_key[seq], quant_bit, quant_group, scale.dtype)
-            v_scale, v_quant = quantize(current_value[seq], quant_bit, quant_group, scale.dtype)
-            k_scales[stored], k_cache[stored] = k_scale, k_quant
-            v_scales[stored], v_cache[stored] = v_scale, v_quant
+            k_scales[stored], k_cache[stored] = k_scale[seq], k_quant[seq]
+            v_scales[stored], v_cache[stored] = v_scale[seq], v_quant[seq]
         else:
             k_cache[stored], v_cache[stored] = current_key[seq], current_value[seq]
 
-    for b in batches:
-        # spec: ppl-mhca/kvstarts
-        # Read back positions [0, kvlen) of batch b; kvlen = start_pos + s.
-        kv = slice(kvstarts[b], kvstarts[b + 1])
-        read = cache_slots(b, np.arange(kv.stop - kv.start), cachestarts, cache_mode, page_size)
-        if quant_bit:
-            key[kv] = dequantize(k_cache[read], k_scales[read], quant_bit, quant_group, key.dtype)
-            value[kv] = dequantize(v_cache[read], v_scales[read], quant_bit, quant_group, value.dtype)
-        else:
-            key[kv], value[kv] = k_cache[read], v_cache[read]
+    # spec: ppl-mhca/kvstarts
+    # Read back positions [0, kvlen) of every batch, kvlen = start_pos + s: packed row r belongs to the batch b
+    # with kvstarts[b] <= r < kvstarts[b + 1] and holds its position r - kvstarts[b]. One gather for all batches.
+    owner = np.repeat(np.arange(len(batches)), np.diff(kvstarts))                # (kvstarts[B],)
+    position = np.arange(int(kvstarts[-1])) - np.asarray(kvstarts)[owner]        # within its batch
+    read = cache_slots(owner, position, np.asarray(cachestarts), cache_mode, page_size)
+    if quant_bit:
+        key = dequantize(k_cache[read], k_scales[read], quant_bit, quant_group, current_key.dtype)
+        value = dequantize(v_cache[read], v_scales[read], quant_bit, quant_group, current_value.dtype)
+    else:
+        key = k_cache[read].astype(current_key.dtype, copy=False)               # (kvstarts[B], H, Dh)
+        value = v_cache[read].astype(current_value.dtype, copy=False)
 
-    return np.repeat(key, num_repeat, axis=1), np.repeat(value, num_repeat, axis=1)
+    # num_repeat (GQA): each head repeated num_repeat times in a row on the head axis.
+    if num_repeat > 1:
+        key, value = np.repeat(key, num_repeat, axis=1), np.repeat(value, num_repeat, axis=1)
+    return key, value

@@ -16,7 +16,8 @@ from .softmax import masked_softmax
 
 def attention_bias(b, seqlen, kvlen, q_rows, kv_cols, decoding_batches, attn_mask, *, num_heads, is_causal,
                    is_alibi, dtype):
-    """(H, S, K) bias for batch b in float32 (float64 for float64 inputs), or None when there is nothing to add.
+    """Bias for batch b broadcastable to (H, S, K), in float32 (float64 for float64 inputs), or None when there
+    is nothing to add: (H, S, K) with ALiBi or a 3-D mask, else (1, S, K), the same for every head.
 
     Alignment is bottom-right: query i is the token at position kvlen - seqlen + i, so it
     may see keys j <= kvlen - seqlen + i (its past plus the current tokens up to itself).
@@ -31,6 +32,7 @@ def attention_bias(b, seqlen, kvlen, q_rows, kv_cols, decoding_batches, attn_mas
     mask = None if attn_mask is None else attn_mask[..., q_rows, kv_cols]  # (S, K) or (H, S, K)
     if not causal and mask is None:
         return None
+    acc = np.promote_types(dtype, np.float32)
     if is_alibi:
         # spec: ppl-mhca/alibi
         # ALiBi bias slope * (j - last_visible), plus the user mask, is formed in the query dtype.
@@ -38,11 +40,13 @@ def attention_bias(b, seqlen, kvlen, q_rows, kv_cols, decoding_batches, attn_mas
         bias = slopes * (j - last_visible).astype(dtype)                  # (H, S, K), query dtype
         if mask is not None:
             bias = bias + mask.astype(dtype)
+        bias = bias.astype(acc)
+    elif mask is None:
+        bias = np.zeros((1, seqlen, kvlen), acc)                          # causal only: one (S, K) for all heads
     else:
-        bias = np.zeros((num_heads, seqlen, kvlen), dtype) if mask is None else mask
-    bias = np.broadcast_to(bias, (num_heads, seqlen, kvlen)).astype(np.promote_types(dtype, np.float32))
+        bias = mask.reshape(-1, seqlen, kvlen).astype(acc)                # (1 or H, S, K), a copy of the mask
     if causal:
-        bias = np.where(j > last_visible, -np.inf, bias)
+        np.copyto(bias, -np.inf, where=j > last_visible)                  # keys after the query's position
     return bias
 
 
@@ -62,24 +66,32 @@ def dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decodin
     acc = np.promote_types(query.dtype, np.float32)
     attn_output = np.empty(query.shape, query.dtype)
 
+    # A loop over batches, since each has its own lengths; heads and tokens are one matmul each.
     for b in range(len(seqstarts) - 1):
         q_rows = slice(seqstarts[b], seqstarts[b + 1])
         kv_rows = slice(kvstarts[b], kvstarts[b + 1])
         seqlen, kvlen = q_rows.stop - q_rows.start, kv_rows.stop - kv_rows.start
-        q = query[q_rows].astype(acc)                                     # (S, H, Dh)
         # spec: ppl-mhca/gqa
         # GQA: "repeat key and value num_heads/num_kv_heads times": query head h reads kv head h // group.
-        k = np.repeat(key[kv_rows], group, axis=1).astype(acc)            # (K, H, Dh)
-        v = np.repeat(value[kv_rows], group, axis=1)                      # (K, H, Dh), value dtype
+        # Query heads grouped as (Hkv, G, S, Dh) against K/V as (Hkv, 1, K, Dh) broadcast each kv head over its
+        # group: the products of the repeat, without copying K and V group times. K and V are copied head-major
+        # (each head's rows contiguous) so that BLAS sees the same layout as for MHA with repeated heads: a GQA
+        # head then computes bit for bit what that MHA head does.
+        q = query[q_rows].astype(acc, copy=False).reshape(seqlen, num_kv_heads, group, head_dim)
+        q = q.transpose(1, 2, 0, 3)                                       # (Hkv, G, S, Dh)
+        k = np.ascontiguousarray(key[kv_rows].transpose(1, 0, 2), dtype=acc)[:, None]     # (Hkv, 1, K, Dh)
+        v = np.ascontiguousarray(value[kv_rows].transpose(1, 0, 2), dtype=acc)[:, None]   # (Hkv, 1, K, Dh)
 
         # spec: ppl-mhca/head-dim, ppl-mhca/shapes
-        scores = np.einsum("shd,khd->hsk", q, k) / acc.type(np.sqrt(head_dim))    # (H, S, K)
+        scores = np.matmul(q, k.swapaxes(-1, -2)).reshape(num_heads, seqlen, kvlen)   # (H, S, K), h = Hkv·G + g
+        scores /= acc.type(np.sqrt(head_dim))
         bias = attention_bias(b, seqlen, kvlen, q_rows, kv_rows, decoding_batches, attn_mask,
                               num_heads=num_heads, is_causal=is_causal, is_alibi=is_alibi, dtype=query.dtype)
         if bias is not None:
-            scores = scores + bias
-        probs = masked_softmax(scores).astype(value.dtype)                 # softmax in acc, cast to value dtype
+            scores += bias
+        probs = masked_softmax(scores, out=scores).astype(value.dtype, copy=False)   # in acc, cast to value dtype
         # probs @ value, products accumulated in float32 (acc) as the GPU kernels do.
-        out = np.einsum("hsk,khd->shd", probs.astype(acc), v.astype(acc))  # (S, H, Dh)
-        attn_output[q_rows] = out.astype(query.dtype)
+        probs = probs.astype(acc, copy=False).reshape(num_kv_heads, group, seqlen, kvlen)
+        out = np.matmul(probs, v)                                         # (Hkv, G, S, Dh)
+        attn_output[q_rows] = out.transpose(2, 0, 1, 3).reshape(seqlen, num_heads, head_dim)   # (S, H, Dh)
     return attn_output

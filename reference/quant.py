@@ -48,8 +48,9 @@ def dequantize(q: np.ndarray, scale: np.ndarray, quant_bit: int, quant_group: in
     if quant_bit == 4:
         q = unpack_int4(q)                                               # (..., Dh)
     groups = q.reshape(*q.shape[:-1], -1, quant_group)                   # (..., Dh/G, G)
-    x = groups.astype(scale.dtype) * scale[..., None]                    # scale-dtype product
-    return x.reshape(q.shape).astype(out_dtype)
+    x = groups.astype(scale.dtype)
+    x *= scale[..., None]                                                # scale-dtype product, in place
+    return x.reshape(q.shape).astype(out_dtype, copy=False)
 
 
 def pack_int4(q: np.ndarray) -> np.ndarray:
@@ -59,11 +60,19 @@ def pack_int4(q: np.ndarray) -> np.ndarray:
     return ((high << 4) | low).view(np.int8)
 
 
+def _signed_nibbles() -> np.ndarray:
+    """(256, 2) int8: the (low, high) nibbles of every byte value, each sign-extended from two's complement."""
+    b = np.arange(256, dtype=np.uint8)
+    nibbles = np.stack([b & 0x0F, b >> 4], axis=-1).astype(np.int8)
+    return np.where(nibbles >= 8, nibbles - 16, nibbles).astype(np.int8)
+
+
+_NIBBLES = _signed_nibbles()
+
+
 def unpack_int4(packed: np.ndarray) -> np.ndarray:
     """(..., Dh/2) int8 bytes -> (..., Dh) int8 values; sign-extends each two's-complement nibble."""
-    b = packed.view(np.uint8)
-    nibbles = np.stack([b & 0x0F, b >> 4], axis=-1).astype(np.int8)      # (..., Dh/2, 2)
-    nibbles = np.where(nibbles >= 8, nibbles - 16, nibbles).astype(np.int8)
+    nibbles = np.take(_NIBBLES, packed.view(np.uint8), axis=0)           # (..., Dh/2, 2): a table lookup per byte
     return nibbles.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
