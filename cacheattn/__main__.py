@@ -1,4 +1,4 @@
-"""python -m cacheattn {tour, docs, conformance, bench, gpu-session, hf} [--format text|markdown|json]; --version.
+"""python -m cacheattn {tour, docs, conformance, bench, gpu-session, hf, lab} [--format text|markdown|json]; --version.
 
 Without a GPU the kernels run in numba's CUDA simulator; that has to be chosen before numba
 is imported, so this module decides it first and imports the rest afterwards.
@@ -84,6 +84,13 @@ def main(argv=None) -> int:
     session.add_argument("--env", action="store_true", help="print the environment record (JSON) and stop")
     from .hf.cli import add_parser as add_hf  # torch-free: the command says so if the hf extra is missing
     add_hf(sub, parents=[form])
+    lab = sub.add_parser("lab", parents=[form], help="counters of every kernel-ladder rung on a scaled-down decode, "
+                         "counted in the simulator (--sanitize: race / initcheck / memcheck over every kernel family)")
+    lab.add_argument("--sanitize", action="store_true", help="one representative call of every kernel family under "
+                     "the recorder; ends with the number of findings")
+    lab.add_argument("--full", action="store_true", help="with --sanitize: more cases per family (slow)")
+    lab.add_argument("--cache", choices=("float16", "int8", "int4"), default="float16", help="the decode's cache")
+    lab.add_argument("--quick", action="store_true", help="head_dim 64 and 64 keys instead of 128 and 256 (CI)")
     args = parser.parse_args(argv)
     if args.command == "gpu-session" and args.out is None and not (args.dry_run or args.env):
         parser.error("gpu-session: --out DIR is needed (the session leaves its summary, tables and logs there)")
@@ -96,7 +103,7 @@ def _run(args) -> int:
     from . import _console
 
     if args.command == "gpu-session":       # decides nothing about the simulator: its steps are processes
-        from .gpu_session import gpu_session
+        from .lab.gpu_session import gpu_session
         return gpu_session(args.out, steps=args.steps, budget_s=args.budget_s, dry_run=args.dry_run,
                            env_only=args.env)
 
@@ -137,19 +144,28 @@ def _run(args) -> int:
         from .hf.bench import bench_hf
         bench_hf(tiny=args.tiny, rounds=max(1, min(args.repeat, 20) // 10))
         return 0
+    if args.command == "lab":
+        if gpu_present():
+            _console.say("python -m cacheattn lab counts in numba's CUDA simulator: run it with NUMBA_ENABLE_CUDASIM=1")
+            return 2
+        if args.sanitize:
+            from .lab.sanitize import sanitize
+            return 1 if sanitize(full=args.full) else 0
+        from .lab.counters import main as counters
+        return counters(cache=args.cache, quick=args.quick)
     if args.command == "bench" and args.cpu:
-        from .bench_cpu import bench_cpu
-        from .bench_reference import bench_reference
+        from .lab.bench_cpu import bench_cpu
+        from .lab.bench_reference import bench_reference
         status = bench_cpu(repeat=args.repeat)
         print()
         bench_reference(repeat=max(3, args.repeat // 3))
         return status
     if args.command == "bench" and args.host:
-        from .bench_host import host_overhead
+        from .lab.bench_host import host_overhead
         host_overhead(gpu=gpu_present(), repeat=args.repeat, batch=args.batch, out_dir=args.out)
         return 0
     if args.command == "bench":
-        from .bench import bench
+        from .lab.bench import bench
         return bench(repeat=args.repeat, tiny=args.tiny, out_dir=args.out)
     return 2
 

@@ -4,7 +4,7 @@ import numpy as np
 from test_tables import check_table
 
 from cacheattn import _console
-from cacheattn.bench import bench
+from cacheattn.lab.bench import bench
 
 
 def test_bench_without_gpu_times_the_reference(capsys):
@@ -15,7 +15,7 @@ def test_bench_without_gpu_times_the_reference(capsys):
 
 def test_bench_cpu_compares_the_reference_with_onnx(capsys):
     """The CPU bench checks every peer computes the reference's output before it times anything."""
-    from cacheattn.bench_cpu import PROBLEMS, bench_cpu
+    from cacheattn.lab.bench_cpu import PROBLEMS, bench_cpu
 
     with _console.recording() as tables:
         assert bench_cpu(repeat=1) == 0
@@ -34,7 +34,7 @@ def test_gpu_harness_runs_tiny_in_the_simulator(tmp_path, monkeypatch, capsys):
     import json
 
     from cacheattn.__main__ import main
-    from cacheattn.bench_gpu import LADDER_PEERS, TINY_CASES, markdown_table
+    from cacheattn.lab.bench_gpu import LADDER_PEERS, TINY_CASES, markdown_table
 
     monkeypatch.chdir(tmp_path)
     with _console.recording() as tables:
@@ -79,7 +79,7 @@ def test_bench_host_counts_launches_parameters_and_device_reads(tmp_path):
     the device index tensors are read back exactly once each (gpt_attention used to read two of them twice)."""
     import json
 
-    from cacheattn.bench_host import host_cases, host_overhead, kernel_parameters
+    from cacheattn.lab.bench_host import host_cases, host_overhead, kernel_parameters
 
     assert kernel_parameters((np.zeros((2, 3)), np.int64(1), 2.0)) == 5 + 2 * 2 + 1 + 1
     with _console.recording() as tables:
@@ -100,7 +100,7 @@ def test_flashinfer_peer_is_skipped_with_a_note_when_not_installed(monkeypatch):
     """Without FlashInfer the decode rows record it as not measured and the table says so; prefill has no entry."""
     import sys
 
-    from cacheattn.bench_gpu import GPU_CASES, flashinfer_peer, markdown_table
+    from cacheattn.lab.bench_gpu import GPU_CASES, flashinfer_peer, markdown_table
 
     monkeypatch.setitem(sys.modules, "flashinfer", None)          # import fails as if not installed
     decode, prefill = GPU_CASES[0], GPU_CASES[-1]

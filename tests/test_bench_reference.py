@@ -3,7 +3,7 @@
 from test_tables import check_table
 
 from cacheattn import _console
-from cacheattn.bench_reference import TINY, bench_reference, cases
+from cacheattn.lab.bench_reference import TINY, bench_reference, cases
 
 
 def test_bench_reference_times_every_operator(capsys):

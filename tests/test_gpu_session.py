@@ -6,7 +6,7 @@ import sys
 import tarfile
 
 from cacheattn.__main__ import main
-from cacheattn.gpu_session import (
+from cacheattn.lab.gpu_session import (
     RESERVE_S,
     SANITIZERS,
     Step,

@@ -13,7 +13,7 @@ from rich.console import Console
 
 from cacheattn import _console
 from cacheattn._console import Column, make_table, render_markdown, render_text
-from cacheattn.bench_host import HOST_READS
+from cacheattn.lab.bench_host import HOST_READS
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -212,8 +212,8 @@ def test_docs_command_prints_a_table_of_pages(tmp_path, monkeypatch, capsys):
 
 def test_gpu_session_summary_prints_its_steps_and_the_tables_it_brought_back(tmp_path, capsys):
     """The session's closing tables: one row per step, then host.json's tables (bench.json's the same way)."""
-    from cacheattn.bench_host import host_overhead
-    from cacheattn.gpu_session import show_summary
+    from cacheattn.lab.bench_host import host_overhead
+    from cacheattn.lab.gpu_session import show_summary
 
     host_overhead(repeat=1, batch=2, context=8, out_dir=tmp_path, show=False)
     steps = {"gpu-tests": {"status": "passed", "seconds": 12.5, "rc": 0,
@@ -235,7 +235,7 @@ def test_gpu_session_summary_prints_its_steps_and_the_tables_it_brought_back(tmp
 
 def test_gpu_session_dry_run_as_json_lists_every_step(capsys):
     from cacheattn.__main__ import main
-    from cacheattn.gpu_session import default_steps
+    from cacheattn.lab.gpu_session import default_steps
 
     assert main(["gpu-session", "--dry-run", "--format", "json"]) == 0
     rows = json.loads(capsys.readouterr().out)["tables"][0]["rows"]

@@ -20,7 +20,7 @@ import numpy as np
 
 import cacheattn
 
-from .examples import FTCase, OnnxCase, PPLCase, TrtCase, build_ft, build_onnx, build_ppl, build_trt
+from ..examples import FTCase, OnnxCase, PPLCase, TrtCase, build_ft, build_onnx, build_ppl, build_trt
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, BATCH, PROMPT = 8, 2, 64, 4, 8, 512
 
@@ -145,7 +145,7 @@ def measure(calls: dict, repeat: int, clock: str = "wall") -> dict:
 def bench_reference(repeat: int = 7, shapes: Shapes = Shapes(), only: str = "", clock: str = "wall") -> dict:
     """Print (and return) the reference's milliseconds per call, median [min, max], for every case whose label
     contains `only`."""
-    from . import _console
+    from .. import _console
 
     calls = {label: call for label, call in cases(shapes).items() if only in label}
     times = measure(calls, repeat, clock)

@@ -31,9 +31,9 @@ import numpy as np
 
 import cacheattn
 
-from . import _arrays
+from .. import _arrays
+from ..examples import OnnxCase, TrtCase, build_onnx, build_ppl, build_trt
 from .bench import _decode_case
-from .examples import OnnxCase, TrtCase, build_onnx, build_ppl, build_trt
 
 
 @dataclass(frozen=True)
@@ -190,7 +190,7 @@ def measure(case: HostCase, *, gpu: bool, repeat: int) -> dict:
 def tables(rows: list, where: str) -> list:
     """The figures and the list of host reads as two `_console` tables (what the terminal, markdown and JSON
     forms and host.md show)."""
-    from . import _console
+    from .. import _console
 
     figures = _console.make_table(
         f"Host time per decode call, launches recorded instead of run ({where}).",
@@ -215,7 +215,7 @@ def tables(rows: list, where: str) -> list:
 
 def markdown(rows: list, where: str) -> str:
     """host.md: both tables in markdown."""
-    from . import _console
+    from .. import _console
     return "\n".join(_console.render_markdown(t) for t in tables(rows, where))
 
 
@@ -223,7 +223,7 @@ def host_overhead(*, gpu: bool = False, repeat: int = 30, batch: int = 64, conte
                   out_dir: Path | str | None = None, show: bool = True) -> list:
     """Measure every host case; print the tables (unless show=False); write host.json and host.md into out_dir
     only when one is given; return the rows."""
-    from . import _console
+    from .. import _console
 
     rows = [measure(case, gpu=gpu, repeat=repeat) for case in host_cases(batch, context)]
     where = "GPU machine's host, CuPy arrays" if gpu else "CPU figures: NumPy arrays, no GPU"

@@ -326,7 +326,7 @@ def gpu_session(out_dir: str, *, steps: str | None = None, budget_s: float = BUD
     if env_only:
         print(json.dumps(environment()))
         return 0
-    from . import _console
+    from .. import _console
 
     chosen = select(default_steps(), steps)
     if dry_run:
@@ -346,7 +346,7 @@ def gpu_session(out_dir: str, *, steps: str | None = None, budget_s: float = BUD
 
 def show_summary(summary: dict, out: Path) -> None:
     """The session on the console: one row per step, then the bench tables the session brought back."""
-    from . import _console
+    from .. import _console
 
     _console.table(f"GPU session ({out / 'summary.md'} holds it all, with the environment record)",
                    (_console.Column("step"), _console.Column("status"),

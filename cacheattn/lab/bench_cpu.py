@@ -63,7 +63,7 @@ def _contenders(problem: Problem, feeds: dict) -> dict:
         session = onnxruntime.InferenceSession(_onnx_model(problem).SerializeToString(),
                                                providers=["CPUExecutionProvider"])
     except Exception as exc:  # an onnxruntime without opset-24 Attention: say so, time the others
-        from . import _console
+        from .. import _console
         _console.say(f"onnxruntime cannot run this model: {type(exc).__name__}")
         return calls
     calls["onnxruntime"] = lambda: session.run(None, feeds)[0]
@@ -88,7 +88,7 @@ PEER_SHORT = {"onnx ReferenceEvaluator": "onnx", "onnxruntime": "ort"}
 
 
 def bench_cpu(repeat: int = 20) -> int:
-    from . import _console
+    from .. import _console
 
     try:
         import onnx  # noqa: F401

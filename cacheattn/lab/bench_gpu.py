@@ -30,7 +30,7 @@ import numpy as np
 
 import cacheattn
 
-from .examples import PPLCase, build_ppl, copy_inputs
+from ..examples import PPLCase, build_ppl, copy_inputs
 
 L2_MULTIPLE = 4          # rotate inputs until their bytes exceed the L2 cache this many times
 
@@ -303,7 +303,7 @@ def run_harness(*, tiny: bool = False, repeat: int = 50, out_dir: Path | str | N
                 show: bool = True) -> dict:
     """Run every case; print the tables (unless show=False); write bench.json and bench.md into out_dir only when
     one is given; return the JSON object."""
-    from . import _console
+    from .. import _console
 
     device = Device(tiny)
     repeat = 1 if tiny else repeat
@@ -352,7 +352,7 @@ def _ms(ms: float) -> str:
 def tables(result: dict) -> list:
     """The run as two `_console` tables: our kernel per case against the ceilings, then every peer (the other
     rungs of the ladder among them) per case with its time, its ratio to ours and the TFLOP/s of its time."""
-    from . import _console
+    from .. import _console
 
     ours = _console.make_table(_describe(result), (
         _console.Column("case", "label"), _console.Column("ms", show=_ms, right=True, means="device milliseconds"),
@@ -377,7 +377,7 @@ def tables(result: dict) -> list:
 
 def markdown_table(result: dict) -> str:
     """bench.md: both tables in markdown, then the peers that were not measured."""
-    from . import _console
+    from .. import _console
     return "\n".join(_console.render_markdown(t) for t in tables(result)) + "".join(
         line + "\n" for line in _unmeasured_peers(result["rows"]))
 

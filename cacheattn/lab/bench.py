@@ -1,6 +1,6 @@
 """python -m cacheattn bench: kernel timings against ceilings and peers measured in the same run.
 
-On a GPU it runs the harness in `cacheattn.bench_gpu` (decode and prefill shaped like a served
+On a GPU it runs the harness in `cacheattn.lab.bench_gpu` (decode and prefill shaped like a served
 8B-class model: 32 query heads, 8 kv heads, head_dim 128, paged and offset caches, float16 and int8)
 and prints its tables (bench.json and bench.md with `--out DIR`). `--tiny` runs that harness in the
 simulator on tiny shapes (CI keeps it working). Without a GPU there is nothing to time: it says so and
@@ -15,8 +15,8 @@ import numpy as np
 
 import cacheattn
 
-from . import _console
-from .examples import PPLCase, build_ppl, copy_inputs
+from .. import _console
+from ..examples import PPLCase, build_ppl, copy_inputs
 
 
 def _decode_case(batch, past, quant_bit):
@@ -39,7 +39,7 @@ def _median_ms(fn, repeat, sync):
 
 
 def bench(repeat: int = 20, tiny: bool = False, out_dir: str | None = None) -> int:
-    """On a GPU: the harness (cacheattn.bench_gpu), bench.json and bench.md written into out_dir when one is given.
+    """On a GPU: the harness (cacheattn.lab.bench_gpu), bench.json and bench.md written into out_dir when one is given.
     tiny: the same harness in the simulator on tiny shapes. Without a GPU: says so and times the reference."""
     if tiny or _gpu():
         from .bench_gpu import run_harness

@@ -1,0 +1,195 @@
+"""python -m cacheattn lab --sanitize: one representative call of every kernel family under `lab.record()`.
+
+Every operator runs on the kernels in numba's CUDA simulator on the tour's example cases, cut to the tour's quick
+shapes (`cacheattn.tour`): OpenPPL's KeyValueCache, dynamic KeyValueCache, MultiHeadAttention and
+MultiHeadCacheAttention at every rung of the kernel ladder on float16, int8 and int4 caches; ONNX Attention;
+TensorRT-LLM gpt_attention (in-flight context + generation on a paged INT8 pool, StreamingLLM on a cyclic FP8 cache,
+multi-block generation, the unfused and FP8 context paths, cross attention); FasterTransformer cross attention (step 1
+and a later step). Each call's findings (race, uninitialized shared read, out-of-bounds index) are printed under it; the
+pass ends with the total, `0 findings` when clean.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import cacheattn
+
+from .. import _console
+from ..examples import (
+    build_ft,
+    build_onnx,
+    build_ppl,
+    build_static,
+    build_trt,
+    copy_inputs,
+    reference_cache_state,
+    with_,
+)
+from . import recorder
+
+THREADS = 32          # the simulator's cost is per thread: one warp a block (rungs 2-5 need whole warps)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One representative operator call: the family it stands for, a label, and the call itself."""
+    family: str
+    label: str
+    run: Callable[[], object]
+
+
+def _ppl_calls(full: bool) -> list[Call]:
+    from ..tour import ATTENTION_CASES, STATIC_CASE, _quick
+
+    decode, chunked, prefill = (_quick(case) for case in ATTENTION_CASES.values())
+    static = _quick(STATIC_CASE[1])
+    calls = [Call("ppl key_value_cache", "static cache, int8 layout 1, num_repeat 2",
+                  lambda: _static(static))]
+    calls.append(Call("ppl dynamic key_value_cache", "paged int8 cache, fp16", lambda: _dynamic_cache(decode)))
+    calls.append(Call("ppl dynamic multi_head_attention", "2 decode + chunked prefill, ALiBi, fp32",
+                      lambda: _dynamic_attention(chunked)))
+    # Rung 1 on the tour's three cases (paged int8 decode, offset float32 chunked prefill, paged int4 prefill
+    # with a 3-D mask); rungs 2-5 on decode with float16, int8 and int4 caches (rung 4 forced to 3 splits).
+    cases = [("paged int8 decode, fp16", decode), ("offset fp32 cache, chunked prefill, ALiBi", chunked),
+             ("paged int4 prefill, 3-D mask", prefill)]
+    for label, case in cases:
+        calls.append(Call("ppl multi_head_cache_attention rung 1", label, lambda case=case: _mhca(case, 1)))
+    caches = {"float16": dict(quant_bit=0), "int8": dict(quant_bit=8), "int4": dict(quant_bit=4)}
+    rungs = (2, 3, 4, 5)
+    for rung in rungs:
+        for cache, change in caches.items():
+            case = with_(decode, **change)
+            extra = {"num_splits": 3} if rung == 4 else {}
+            calls.append(Call(f"ppl multi_head_cache_attention rung {rung}", f"paged {cache} decode, fp16",
+                              lambda case=case, rung=rung, extra=extra: _mhca(case, rung, **extra)))
+    if full:                                      # the prefill cases on every later rung too
+        for rung in rungs:
+            for label, case in cases[1:]:
+                if rung == 5 and case.dtype != "float16":
+                    continue
+                calls.append(Call(f"ppl multi_head_cache_attention rung {rung}", label,
+                                  lambda case=case, rung=rung: _mhca(case, rung)))
+    return calls
+
+
+def _static(case):
+    x = build_static(case)
+    return cacheattn.key_value_cache(**x, num_layer=case.num_layer, layer_idx=case.layer_idx,
+                                     quant_bit=case.quant_bit, quant_group=case.quant_group,
+                                     num_repeat=case.num_repeat, cache_layout=case.cache_layout, backend="numba",
+                                     threads=THREADS)
+
+
+def _dynamic_cache(case):
+    x = build_ppl(case)
+    return cacheattn.dynamic_key_value_cache(
+        x["current_key"], x["current_value"], x["seqstarts"], x["kvstarts"], x["cachestarts"], x["start_pos"],
+        x["max_seqlen"], x["max_kvlen"], x["cache"], x["scale"], num_layer=case.num_layer, layer_idx=case.layer_idx,
+        quant_bit=case.quant_bit, quant_group=case.quant_group, cache_mode=case.cache_mode,
+        cache_layout=case.cache_layout, page_size=case.page_size, backend="numba", threads=THREADS)
+
+
+def _dynamic_attention(case):
+    x = build_ppl(case)
+    key, value, _, _ = reference_cache_state(x, case)     # packed key/value of kvstarts[B] tokens
+    return cacheattn.dynamic_multi_head_attention(
+        x["query"], key, value, x["seqstarts"], x["kvstarts"], case.decoding_batches, x["max_seqlen"],
+        x["max_kvlen"], x["attn_mask"], num_heads=case.num_heads, head_dim=case.head_dim, is_causal=case.is_causal,
+        is_alibi=case.is_alibi, num_kv_heads=case.num_kv_heads, backend="numba", threads=THREADS)
+
+
+def _mhca(case, rung, **extra):
+    x = build_ppl(case)
+    return cacheattn.multi_head_cache_attention(**x, **case.attrs(), backend="numba", threads=THREADS, rung=rung,
+                                                **extra)
+
+
+def _onnx_calls(full: bool) -> list[Call]:
+    from ..tour import ONNX_CASES, _quick
+
+    quick = {label: _quick(case) for label, case in ONNX_CASES.items()}
+    return [Call("onnx attention", label, lambda case=case: _onnx(case)) for label, case in quick.items()]
+
+
+def _onnx(case):
+    return cacheattn.onnx_attention(**build_onnx(case), **case.attrs(), return_qk_matmul_output=True,
+                                    backend="numba", threads=THREADS)
+
+
+def _trt_calls(full: bool) -> list[Call]:
+    from ..tour import TRT_CASES, _quick
+
+    inflight, streaming = (_quick(case) for case in TRT_CASES.values())
+    calls = [Call("trtllm gpt_attention context+generation paged int8", "in-flight chunk + 2 beams, NeoX RoPE",
+                  lambda: _trt(inflight)),
+             Call("trtllm gpt_attention fp8 streaming", "2 sinks, window 8, cyclic FP8 cache, GPT-J RoPE",
+                  lambda: _trt(streaming))]
+    # Multi-block: one generation sequence on few blocks, longer than a key tile (32): the launcher splits the
+    # keys in two and combines.
+    generation = with_(inflight, contexts=(), generations=((6, 40),), beam_width=1, paged=False, quant=0,
+                       capacity=48, window=48)
+    calls.append(Call("trtllm gpt_attention generation multi-block", "1 sequence, past 40, contiguous fp16",
+                      lambda: _trt(generation)))
+    unfused = with_(inflight, generations=(), context_fmha_type=0, quant=0, paged=False)
+    calls.append(Call("trtllm gpt_attention context unfused", "context_fmha_type 0, contiguous fp16",
+                      lambda: _trt(unfused)))
+    fp8_fmha = with_(inflight, generations=(), quant=128, fp8_context_fmha=True)
+    calls.append(Call("trtllm gpt_attention context fp8 fmha", "use_fp8_context_fmha, paged FP8",
+                      lambda: _trt(fp8_fmha)))
+    cross = with_(inflight, contexts=((0, 3),), generations=((2, 4),), beam_width=1, encoder_lengths=(5, 4),
+                  position=0, rotary_dim=0, quant=0, paged=False)
+    calls.append(Call("trtllm gpt_attention cross attention", "encoder K/V stored by context, read by generation",
+                      lambda: _trt(cross)))
+    return calls
+
+
+def _trt(case):
+    return cacheattn.gpt_attention(**build_trt(case), backend="numba", threads=THREADS)
+
+
+def _ft_calls(full: bool) -> list[Call]:
+    from ..tour import FT_CASES, _quick
+
+    quick = {label: _quick(case) for label, case in FT_CASES.items()}
+    return [Call("ft cross_attention", label, lambda case=case: _ft(case)) for label, case in quick.items()]
+
+
+def _ft(case):
+    return cacheattn.cross_attention(**copy_inputs(build_ft(case)), **case.attrs(), backend="numba")
+
+
+def calls(full: bool = False) -> list[Call]:
+    """The representative calls, every kernel family at least once; full: more cases per family."""
+    return _ppl_calls(full) + _onnx_calls(full) + _trt_calls(full) + _ft_calls(full)
+
+
+def sanitize(full: bool = False, report=None, only: str | None = None) -> int:
+    """Run every representative call under `lab.record()`, print each call's launches and findings, and end with
+    the count. Returns the number of findings plus failed calls (0: clean). only: run the calls whose family
+    contains it."""
+    report = report or (lambda line: _console.say(line, wrap=False))
+    total, failed, start = 0, 0, time.perf_counter()
+    for call in calls(full):
+        if only and only not in call.family:
+            continue
+        began = time.perf_counter()
+        error = None
+        try:
+            with recorder.record() as rec:
+                call.run()
+        except Exception as exc:  # a launch that fails (an index past the end) still shows what was found
+            error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            failed += 1
+        kernels = sorted({launch.kernel for launch in rec.launches})
+        report(f"{call.family}: {call.label}: {len(rec.launches)} launches ({', '.join(kernels)}), "
+               f"{len(rec.hazards)} findings, {time.perf_counter() - began:.1f} s")
+        if error:
+            report(f"    FAILED {error}")
+        for hazard in rec.hazards:
+            report(f"    {hazard}")
+        total += len(rec.hazards)
+    report(f"{total} findings{f', {failed} failed calls' if failed else ''} ({time.perf_counter() - start:.0f} s)")
+    return total + failed
