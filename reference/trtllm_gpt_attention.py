@@ -21,6 +21,7 @@ that wraps a cyclic cache cannot overwrite what its own earlier queries see).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -68,7 +69,17 @@ def quantize_kv(x: np.ndarray, kv_orig_quant_scale: float, quant_mode: int) -> n
 def dequantize_kv(codes: np.ndarray, kv_quant_orig_scale: float) -> np.ndarray:
     """codes -> float32: "quantized_value * kv_cache_scaling_factor"."""
     # spec: trtllm/dequant
+    if codes.dtype == fp8_e4m3():
+        # e4m3 codes decoded by a table of all 256 values: the very floats .astype(np.float32) gives, about 4x
+        # faster (ml_dtypes' cast is slow on large arrays).
+        return np.take(_e4m3_values(), codes.view(np.uint8)) * np.float32(kv_quant_orig_scale)
     return codes.astype(np.float32) * np.float32(kv_quant_orig_scale)
+
+
+@functools.cache
+def _e4m3_values() -> np.ndarray:
+    """(256,) float32: the value of every e4m3 code, indexed by its byte (NaN codes give NaN)."""
+    return np.arange(256, dtype=np.uint8).view(fp8_e4m3()).astype(np.float32)
 
 
 # ---- Sliding window / cyclic cache / StreamingLLM sinks ------------------------------------------------------
@@ -299,33 +310,47 @@ def _position_bias(position_embedding_type, positions, num_keys, *, alibi_slopes
 
 
 def _attend(q, k, v, visible, bias, *, norm_factor, softcap, fp8_fmha, kv_scales):
-    """One entry's attention: q (n, H, Dh), k, v (K, H, Dh) in acc, visible (n, K), bias (H, n, K) or None.
+    """One entry's attention: q (n, H, Dh), k, v (K, Hkv, Dh) in acc, visible (n, K), bias (H, n, K) or None.
 
     Returns (n, H, Dh) in acc. Order: QK^T * norm_factor, softcap c*tanh(qk/c), + bias (ALiBi / relative),
-    mask, softmax, @ V. FP8 context FMHA (`fp8_fmha`): Q, K, V rounded to e4m3 at the cache's per-tensor scale,
-    the unnormalised probabilities exp(s - max) rounded to e4m3 before P.V, the sum kept in float32.
+    mask, softmax, @ V. GQA: query head h reads kv head h // (H / Hkv). FP8 context FMHA (`fp8_fmha`): Q, K, V
+    rounded to e4m3 at the cache's per-tensor scale, the unnormalised probabilities exp(s - max) rounded to e4m3
+    before P.V, the sum kept in float32.
     """
     acc = q.dtype
+    n, H, Dh = q.shape
+    Hkv = k.shape[1]
     # spec: trtllm/fp8-context-fmha
     if fp8_fmha:
         inv_s, s = kv_scales
         q, k, v = (quantize_kv(x, inv_s, FP8_KV_CACHE).astype(acc) for x in (q, k, v))
         norm_factor = norm_factor * float(s) * float(s)                     # (q/s)(k/s) -> q k
-    scores = np.einsum("ihd,jhd->hij", q, k) * acc.type(norm_factor)     # (H, n, K)
+    # spec: trtllm/mha-mqa-gqa
+    # GQA without repeating K/V: query heads grouped as (Hkv, G, n, Dh) against K/V as (Hkv, 1, K, Dh), each kv
+    # head broadcast over its group of G = H / Hkv query heads (head h = kv·G + g). K and V are copied head-major so
+    # that BLAS sees one layout whatever the grouping: a GQA head computes bit for bit what the MHA head with
+    # repeated K/V does.
+    q = q.reshape(n, Hkv, H // Hkv, Dh).transpose(1, 2, 0, 3)               # (Hkv, G, n, Dh)
+    k = np.ascontiguousarray(k.transpose(1, 0, 2))[:, None]                 # (Hkv, 1, K, Dh)
+    v = np.ascontiguousarray(v.transpose(1, 0, 2))[:, None]                 # (Hkv, 1, K, Dh)
+    scores = np.matmul(q, k.swapaxes(-1, -2)).reshape(H, n, -1)             # (H, n, K) = QK^T
+    scores *= acc.type(norm_factor)
     if softcap > 0:
         # Softcapping after the scaling, before any bias or mask: a masked -inf must stay -inf.
-        scores = acc.type(softcap) * np.tanh(scores / acc.type(softcap))
+        cap = acc.type(softcap)
+        np.multiply(cap, np.tanh(np.divide(scores, cap, out=scores), out=scores), out=scores)   # c·tanh(s / c)
     if bias is not None:
-        scores = scores + bias
-    scores = np.where(visible[None], scores, -np.inf)
+        scores += bias
+    np.copyto(scores, -np.inf, where=~visible[None])                       # hidden keys: -inf
     if not fp8_fmha:
-        return np.einsum("hij,jhd->ihd", masked_softmax(scores), v)
+        probs = masked_softmax(scores, out=scores).reshape(Hkv, -1, n, scores.shape[-1])   # (Hkv, G, n, K)
+        return np.matmul(probs, v).reshape(H, n, Dh).transpose(1, 0, 2)    # (n, H, Dh)
     row_max = scores.max(axis=-1, keepdims=True)
     row_max = np.where(np.isneginf(row_max), 0, row_max)
-    p = np.exp(scores - row_max)                                             # (H, n, K), unnormalised, <= 1
+    p = np.exp(np.subtract(scores, row_max, out=scores), out=scores)        # (H, n, K), unnormalised, <= 1
     total = p.sum(axis=-1, keepdims=True)
     p8 = p.astype(fp8_e4m3()).astype(acc)                                    # P rounded to e4m3 before P.V
-    out = np.einsum("hij,jhd->hid", p8, v) * acc.type(kv_scales[1])
+    out = np.matmul(p8.reshape(Hkv, -1, n, p8.shape[-1]), v).reshape(H, n, Dh) * acc.type(kv_scales[1])
     out = np.divide(out, total, out=np.zeros_like(out), where=total > 0)
     return out.transpose(1, 0, 2)
 
@@ -355,8 +380,6 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     requests read (TensorRT-LLM's context FMHA reads the packed one, generation reads attention_mask).
     """
     H, Hkv, Dh = num_heads, num_kv_heads, hidden_size_per_head
-    # spec: trtllm/mha-mqa-gqa
-    group = H // Hkv                                                         # GQA: query head h reads h // group
     dtype = np.dtype(qkv.dtype)
     acc = accumulation_dtype(dtype)
     num_entries = int(sequence_length.shape[0])
@@ -418,7 +441,7 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
 
     # spec: trtllm/dequant, trtllm/quant-inverse-scale, trtllm/generation-mmha
     def load(codes):
-        return (dequantize_kv(codes, kv_quant_orig_scale) if quantized else codes).astype(acc)
+        return (dequantize_kv(codes, kv_quant_orig_scale) if quantized else codes).astype(acc, copy=False)
 
     def store(x):
         return quantize_kv(x, kv_orig_quant_scale, kv_cache_quant_mode) if quantized else x.astype(dtype)
@@ -486,9 +509,13 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
                 q = (q * logn_scaling[positions].astype(acc)[:, None, None]).astype(dtype).astype(acc)
 
             # Cached keys the queries can see: read them (dequantized) from the beam's row, at the cyclic slot.
-            keys = np.zeros((N, Hkv, Dh), acc)
-            vals = np.zeros((N, Hkv, Dh), acc)
             needed = np.flatnonzero(visible[:, :P].any(axis=0))              # cached positions in view
+            # All P in view (no window cut: the usual decode step): the reads fill keys[:P], nothing is left to
+            # zero. Otherwise the positions out of view keep zero keys (masked anyway).
+            every = needed.size == P
+            keys = np.empty((N, Hkv, Dh), acc) if every else np.zeros((N, Hkv, Dh), acc)
+            vals = np.empty((N, Hkv, Dh), acc) if every else np.zeros((N, Hkv, Dh), acc)
+            into = slice(0, P) if every else needed                          # where the read positions go
             if needed.size:
                 rows = np.full(needed.shape, e)
                 # spec: trtllm/cache-indirection, trtllm/beam-context
@@ -498,12 +525,12 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
                                       window=window, sinks=sinks)
                 # spec: trtllm/cyclic-cache
                 slots = cyclic_slot(needed, window, sinks, bubble)
-                keys[needed] = load(cache.read(rows, 0, slots))
-                vals[needed] = load(cache.read(rows, 1, slots))
+                keys[into] = load(cache.read(rows, 0, slots))
+                vals[into] = load(cache.read(rows, 1, slots))
                 # spec: trtllm/streaming-positions
                 if streamingllm and rope_style is not None:
                     # StreamingLLM caches K without RoPE and rotates it at its index in the cache.
-                    keys[needed] = rotate(keys[needed], cyclic_slot(needed, window, sinks))
+                    keys[into] = rotate(keys[into], cyclic_slot(needed, window, sinks))
             # The current tokens attend with their own (unquantized) K/V.
             keys[P:], vals[P:] = k_rot, v_new
 
@@ -520,13 +547,10 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
                                   relative_attention_bias=relative_attention_bias, max_distance=max_distance,
                                   mask_type=mask_type, acc=acc)
 
-        # GQA: query head h reads kv head h // group.
-        # spec: trtllm/mha-mqa-gqa
-        keys_h = np.repeat(keys, group, axis=1)                              # (K, H, Dh)
-        vals_h = np.repeat(vals, group, axis=1)
         # spec: trtllm/fp8-context-fmha
         fp8_fmha = use_fp8_context_fmha and bool(is_context[e])
-        out = _attend(q, keys_h, vals_h, visible, bias, norm_factor=norm_factor,
+        # GQA: query head h reads kv head h // (H / Hkv); _attend broadcasts each kv head over its group.
+        out = _attend(q, keys, vals, visible, bias, norm_factor=norm_factor,
                       softcap=attn_logit_softcapping_scale, fp8_fmha=fp8_fmha,
                       kv_scales=(kv_orig_quant_scale, kv_quant_orig_scale))
         output[tokens_of[e]] = out.reshape(n, H * Dh).astype(dtype)

@@ -518,6 +518,44 @@ def test_one_context_request_explicitly(softcap, q_scaling, bias, mask_type, see
     assert_bits_equal("K stored", cache[0, 0, :, :5], x[:, 144:192].reshape(5, 2, 24).transpose(1, 0, 2))
 
 
+def repeat_kv_heads(case: TrtCase, args, group: int) -> dict:
+    """The same call as MHA: every K/V head repeated `group` times in qkv, qkv_bias, cross_kv and the cache."""
+    H, Hkv, Dh = case.num_heads, case.num_kv_heads, case.head_size
+
+    def heads(x, axis):
+        return None if x is None else np.repeat(x, group, axis=axis)
+
+    def packed(x, parts):                                    # [Q? | K | V] along the last axis -> K, V repeated
+        q = x[..., :(H * Dh if parts == 3 else 0)]
+        kv = x[..., q.shape[-1]:].reshape(*x.shape[:-1], 2, Hkv, Dh)
+        return np.concatenate([q, heads(kv, -2).reshape(*x.shape[:-1], 2 * H * Dh)], axis=-1)
+
+    mha = dict(args, num_kv_heads=H, qkv=packed(args["qkv"], 3))
+    if args.get("qkv_bias") is not None:
+        mha["qkv_bias"] = packed(args["qkv_bias"], 3)
+    if args.get("cross_kv") is not None:
+        mha["cross_kv"] = packed(args["cross_kv"], 2)
+    if args.get("kv_cache_pool") is not None:
+        mha["kv_cache_pool"] = heads(args["kv_cache_pool"], 3)            # (blocks, layers, 2, Hkv, tpb, Dh)
+    else:
+        mha["past_key_value"] = heads(args["past_key_value"], 2)          # (rows, 2, Hkv, slots, Dh)
+    return mha
+
+
+@pytest.mark.spec("trtllm/mha-mqa-gqa")
+@settings(max_examples=SOME)
+@given(trt_cases(groups=(2, 3), streaming=(False, True), cross=(False, True), fp8_fmha=True))
+def test_gqa_equals_mha_with_repeated_kv_heads(case):
+    """Query head h reads kv head h // (H / Hkv): GQA computes what MHA computes on K/V heads repeated over each
+    group, and stores the same tokens (the MHA cache holds each kv head `group` times)."""
+    group = case.num_heads // case.num_kv_heads
+    args = build_trt(case)
+    gqa_out, gqa_cache = run(args)
+    mha_out, mha_cache = run(repeat_kv_heads(case, args, group))
+    assert_same_values("output", gqa_out, mha_out)
+    assert_bits_equal("cache", np.repeat(gqa_cache, group, axis=3 if case.paged else 2), mha_cache)
+
+
 # ---- INT8 / FP8 caches ---------------------------------------------------------------------------------------------
 
 @pytest.mark.spec("trtllm/int8-fp8-cache", "trtllm/quant-inverse-scale", "trtllm/dequant")
