@@ -8,7 +8,11 @@ gets, 1, as 512 blocks fill 132 SMs) under `lab.record()` in numba's CUDA simula
 
 Per block the figures scale with the keys a block walks; over the launch with the number of blocks: the full grid
 has B x kv heads = 512 attention blocks where this one has 2. Lower bounds per resource (DRAM, shared memory, L1
-sectors, issue slots) come from `cacheattn.lab.bounds` once it is wired in; until then the table says "to come".
+sectors) come from `cacheattn.lab.bounds` on the full launch's figures, estimated from the counted ones: in
+decode nearly every counted byte, sector and wavefront belongs to a key a block walks, so each metric is scaled by
+(attention blocks x keys per sequence x head_dim) of the full launch over those of the counted one. The query and
+output (one row per head, a 1/kvlen share) are scaled with them, which overstates them slightly; the DRAM / floor
+row shows how far the estimate sits from the bytes the operator must move.
 """
 
 from __future__ import annotations
@@ -19,13 +23,14 @@ import cacheattn
 
 from .. import _console
 from ..examples import build_ppl
-from . import recorder
+from . import bounds, recorder
 from .bench_gpu import GPU_CASES, BenchCase
 
 HEADLINE = GPU_CASES[0]                    # decode B64 ctx4096 paged fp16
 CACHES = {"float16": 0, "int8": 8, "int4": 4}
 RUNGS = (1, 2, 3, 4, 5)
-BOUNDS = "to come (cacheattn.lab.bounds)"
+# The bound model's bench case for each cache format of the headline decode.
+BOUND_CASES = {case.cache: case for case in bounds.CASES if case.name.startswith("decode B64 ctx4096")}
 
 
 def scaled_case(cache: str = "float16", context: int = 255, head_dim: int = HEADLINE.head_dim,
@@ -69,19 +74,41 @@ def derived(rec: recorder.Recording) -> dict:
             "barriers (warp-level)": x["barriers"]}
 
 
+def grid_scale(counted: BenchCase, full: BenchCase) -> float:
+    """Full launch over counted launch: attention blocks x keys per sequence x head_dim (see the module docstring)."""
+    def size(case):
+        return case.batch * case.num_kv_heads * (case.context + case.new_tokens) * case.head_dim
+    return size(full) / size(counted)
+
+
+def lower_bounds(rec: recorder.Recording, counted: BenchCase, cache: str) -> bounds.Bounds:
+    """The full headline decode's per-resource lower bounds (derived) from this recording's counts."""
+    full = replace(HEADLINE, quant_bit=CACHES[cache])
+    metrics = dict(rec.metrics, **{bounds.GLOBAL_LOAD_BYTES: rec.extra["global_ld_bytes_requested"]})
+    return bounds.bounds(metrics, grid_scale(counted, full), case=BOUND_CASES[cache])
+
+
+def _bound_figures(b: bounds.Bounds) -> dict:
+    return {"DRAM / floor (derived)": round(b.figures["DRAM / floor"].value, 3),
+            "lower bound µs (derived)": round(b.bound_us, 1),
+            "limited by": b.limiter,
+            "HBM share at the bound": round(b.hbm_share, 3),
+            **{f"{name} µs (derived)": round(fig.value, 1) for name, fig in b.resources.items()}}
+
+
 def ladder(cache: str = "float16", context: int = 255, head_dim: int = HEADLINE.head_dim, threads: int = 128,
            rungs=RUNGS) -> dict:
-    """Every rung's counters on the scaled decode: a JSON-ready dict."""
+    """Every rung's counters on the scaled decode, and the full launch's lower bounds: a JSON-ready dict."""
     case = scaled_case(cache, context, head_dim)
     result = {"case": asdict(case), "full_case": asdict(replace(HEADLINE, quant_bit=CACHES[cache])),
-              "threads": threads, "rungs": {}, "bounds": BOUNDS,
+              "threads": threads, "rungs": {}, "scale": grid_scale(case, replace(HEADLINE, quant_bit=CACHES[cache])),
               "note": "counted in numba's CUDA simulator; DRAM bytes count every distinct sector of a launch once "
                       "(an L2 that holds the working set); figures are counts, never timings"}
     for rung in rungs:
         rec = count_rung(case, rung, threads)
         result["rungs"][str(rung)] = {
             "metrics": dict(rec.metrics), "extra": dict(rec.extra), "derived": derived(rec),
-            "hazards": len(rec.hazards),
+            "hazards": len(rec.hazards), "bounds": _bound_figures(lower_bounds(rec, case, cache)),
             "launches": [{"kernel": launch.kernel, "grid": list(launch.grid), "block": list(launch.block),
                           "metrics": launch.metrics, "dram": {k: list(v) for k, v in launch.dram.items()}}
                          for launch in rec.launches]}
@@ -103,7 +130,8 @@ def print_table(result: dict) -> None:
     rows = [[name] + [r["metrics"][name] if name in r["metrics"] else r["derived"][name] for r in rungs.values()]
             for name in names]
     rows.append(["findings (race, uninitialized, out of bounds)"] + [r["hazards"] for r in rungs.values()])
-    rows.append(["lower bounds per resource"] + ["to come"] * len(rungs))
+    first = next(iter(rungs.values()))["bounds"]
+    rows += [[name] + [r["bounds"].get(name) for r in rungs.values()] for name in first]
     case, full = result["case"], result["full_case"]
     columns = [_console.Column("metric (counted)", key="metric")] + [
         _console.Column(f"rung {rung}", key=f"rung_{rung}", show=_cell, right=True) for rung in rungs]
@@ -114,7 +142,9 @@ def print_table(result: dict) -> None:
                  f"launch once (an L2 that holds the working set). The full launch ({full['label']}) has "
                  f"{full['batch'] * full['num_kv_heads']} attention blocks where this one has "
                  f"{case['batch'] * case['num_kv_heads']}, and {full['context']} cached tokens per request where "
-                 f"this has {case['context']}. Bounds: {BOUNDS}.")
+                 f"this has {case['context']}. The rows marked derived are lower bounds on the full launch's time on "
+                 f"an {bounds.H100_SXM.name}: every counted figure scaled by {result['scale']:,.0f} (attention blocks "
+                 f"x keys x head_dim, full over counted), over the machine's peak rates; never timings.")
 
 
 def main(cache: str = "float16", quick: bool = False) -> int:
