@@ -25,9 +25,9 @@ def pairs(table, positions):
     return table.reshape(-1, DIM // 2, 2)[:positions].astype(np.float64)
 
 
-def test_long_rope_tables_are_phi3s_longrope():
+def phi3_longrope_config():
+    """(short factors, long factors, a Phi-3 config whose longrope uses them)."""
     from transformers import Phi3Config
-    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
     short = np.linspace(1.0, 1.5, DIM // 2)
     long_ = np.linspace(1.0, 8.0, DIM // 2)
     config = Phi3Config(hidden_size=2 * DIM, num_attention_heads=2, max_position_embeddings=MAX_POSITIONS,
@@ -35,6 +35,12 @@ def test_long_rope_tables_are_phi3s_longrope():
                         rope_parameters={"rope_type": "longrope", "rope_theta": BASE, "short_factor": short.tolist(),
                                          "long_factor": long_.tolist(), "factor": MAX_POSITIONS / ORIGINAL,
                                          "original_max_position_embeddings": ORIGINAL})
+    return short, long_, config
+
+
+def test_long_rope_tables_are_phi3s_longrope():
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+    short, long_, config = phi3_longrope_config()
     embedding = Phi3RotaryEmbedding(config)
     ours = rope.long_rope_tables(MAX_POSITIONS, ORIGINAL, DIM, BASE, short, long_)
     assert ours["rotary_embedding_short_m_scale"] == pytest.approx(embedding.attention_scaling, rel=1e-12)
@@ -69,15 +75,8 @@ def test_gpt_attention_caches_keys_rotated_as_phi3_rotates_them(tokens):
     """End to end: a long_rope context request of `tokens` tokens caches K rotated as Phi-3's attention rotates it
     (transformers' apply_rotary_pos_emb with Phi3RotaryEmbedding's cos/sin): the short factors up to the original
     positions, the long ones past them, the m-scale in both."""
-    from transformers import Phi3Config
     from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding, apply_rotary_pos_emb
-    short = np.linspace(1.0, 1.5, DIM // 2)
-    long_ = np.linspace(1.0, 8.0, DIM // 2)
-    config = Phi3Config(hidden_size=2 * DIM, num_attention_heads=2, max_position_embeddings=MAX_POSITIONS,
-                        original_max_position_embeddings=ORIGINAL,
-                        rope_parameters={"rope_type": "longrope", "rope_theta": BASE, "short_factor": short.tolist(),
-                                         "long_factor": long_.tolist(), "factor": MAX_POSITIONS / ORIGINAL,
-                                         "original_max_position_embeddings": ORIGINAL})
+    short, long_, config = phi3_longrope_config()
     qkv = np.random.default_rng(0).standard_normal((tokens, 3 * DIM)).astype(np.float32)
     cache = np.zeros((1, 2, 1, tokens, DIM), np.float32)
     cacheattn.gpt_attention(
