@@ -415,3 +415,39 @@ def test_dynamic_shared_memory():
     m = rec.metrics
     assert (m[WAVEFRONTS_LD], m[CONFLICTS_LD], m[WAVEFRONTS_ST]) == (2, 1, 2)
     assert rec.hazards == []
+
+
+def test_lines_say_where_the_conflicts_are():
+    # The column walk's 31 conflicts belong to its load line; the row stores before it have none.
+    out = np.zeros(32, np.float32)
+    rec = counted(make_shared_walk(32, np.float32, 0), 1, 32, out)
+    conflicted = {line: f for line, f in rec.lines.items() if f["shared_ld_conflicts"]}
+    assert len(conflicted) == 1
+    (line, figures), = conflicted.items()
+    assert (figures["shared_ld_requests"], figures["shared_ld_wavefronts"], figures["shared_ld_conflicts"]) == \
+        (1, 32, 31)
+    assert sum(f["shared_st_wavefronts"] for f in rec.lines.values()) == rec.metrics[WAVEFRONTS_ST] == 32
+    assert sum(f["global_st_sectors"] for f in rec.lines.values()) == rec.metrics[SECTORS_ST] == 4
+
+
+def test_hmma_counts_one_per_warp_per_mma():
+    # Two warps, three mma.sync each: 6 warp-level HMMA, whatever the 64 threads do with the results.
+    from kernels_numba._mma import mma_m16n8k16, scratch_shapes
+
+    regs_shape, _ = scratch_shapes(2)
+
+    @cuda.jit
+    def three_mmas(out):
+        scratch = cuda.shared.array(regs_shape, np.uint32)
+        t = cuda.threadIdx.x
+        d = np.float32(0.0)
+        for _ in range(3):
+            d0, d1, d2, d3 = mma_m16n8k16(np.uint32(0x3C003C00), np.uint32(0), np.uint32(0), np.uint32(0),
+                                          np.uint32(0x3C003C00), np.uint32(0), d, d, d, d, scratch, t // 32, t % 32)
+            d = d0
+        out[t] = d
+
+    out = np.full(64, np.nan, np.float32)
+    rec = counted(three_mmas, 1, 64, out)
+    assert rec.extra[lab.recorder.HMMA] == 6
+    assert not np.isnan(out).any()

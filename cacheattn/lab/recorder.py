@@ -77,8 +77,16 @@ METRICS = (GLOBAL_LD, GLOBAL_ST, SECTORS_LD, SECTORS_ST, WAVEFRONTS_LD, WAVEFRON
 
 # Counts beside the Nsight metrics, under plain names: what the lanes asked for (sector efficiency), shared
 # requests (wavefronts per request) and warp-level barriers.
+# HMMA: warp-level mma.sync.m16n8k16 instructions executed (one HMMA.16816 each on sm_80 and later), Nsight
+# Compute's smsp__inst_executed_pipe_tensor_op_hmma.sum, counted at the simulator twin of `_mma.mma_m16n8k16`.
+HMMA = "smsp__inst_executed_pipe_tensor_op_hmma.sum"
 EXTRA = ("global_ld_bytes_requested", "global_st_bytes_requested", "shared_ld_requests", "shared_st_requests",
-         "barriers", "launches", "blocks")
+         "barriers", HMMA, "launches", "blocks")
+# Per source line (Nsight Compute's source view): requests, sectors and bytes asked for of global loads / stores,
+# requests, wavefronts and bank conflicts of shared loads / stores.
+LINE_FIGURES = ("global_ld_requests", "global_ld_sectors", "global_ld_bytes_requested", "global_st_requests",
+                "global_st_sectors", "global_st_bytes_requested", "shared_ld_requests", "shared_ld_wavefronts",
+                "shared_ld_conflicts", "shared_st_requests", "shared_st_wavefronts", "shared_st_conflicts")
 
 # How a frame's code takes part in attributing an access (see Recording._site); _NORMAL is 0, never falsy-missed
 # because lookups that find nothing return None.
@@ -187,12 +195,15 @@ class Tracked:
 
 
 class Recording:
-    """What `record()` collects: `metrics` (Nsight names, summed over launches), `extra`, `hazards`, `launches`."""
+    """What `record()` collects: `metrics` (Nsight names, summed over launches), `extra`, `hazards`, `launches`,
+    and `lines`: "file.py:line" -> {LINE_FIGURES name: count} over every launch (where in the source the sectors,
+    wavefronts and conflicts are)."""
 
     def __init__(self):
         self.metrics = dict.fromkeys(METRICS, 0)
         self.extra = dict.fromkeys(EXTRA, 0)
         self.launches: list[Launch] = []
+        self.lines: dict = {}
         self._findings: dict = {}
         self._active = False
         self._lock = threading.Lock()
@@ -202,6 +213,7 @@ class Recording:
         self._launch = None
         self._sim_dir = ""
         self._fake_shape = tuple
+        self._mma_code = None
 
     # --- results ---------------------------------------------------------------------------------------------
     @property
@@ -309,6 +321,7 @@ class Recording:
             launch["global_requests"] = {}
             launch["shared_requests"] = {}
             launch["barrier_requests"] = set()
+            launch["mma_requests"] = set()
             launch["shared_state"] = {}                 # per block: a GPU gives every block its own shared memory
 
     def _end_block(self):
@@ -318,15 +331,18 @@ class Recording:
         counts = launch["metrics"]
         counts["blocks"] += 1
         counts["barriers"] += len(launch.pop("barrier_requests"))
+        counts[HMMA] += len(launch.pop("mma_requests"))
         read, written = launch["read"], launch["written"]
         per_array = launch["global_arrays"]
-        for (_, _, _, write), accesses in launch.pop("global_requests").items():
+        for (_, site, _, write), accesses in launch.pop("global_requests").items():
             sectors = {(mem, sector) for mem, offset, width in accesses
                        for sector in range(offset >> 5, ((offset + width - 1) >> 5) + 1)}
             asked = _distinct_bytes(accesses)
             counts[GLOBAL_ST if write else GLOBAL_LD] += 1
             counts[SECTORS_ST if write else SECTORS_LD] += len(sectors)
             counts["global_st_bytes_requested" if write else "global_ld_bytes_requested"] += asked
+            self._count_line(site, "global_st" if write else "global_ld",
+                             requests=1, sectors=len(sectors), bytes_requested=asked)
             (written if write else read).update(sectors)
             mems = {mem for mem, _, _ in accesses}
             for mem in mems:                              # almost always one array per request
@@ -335,17 +351,35 @@ class Recording:
                 figures[3 * write + 1] += sum(1 for m, _ in sectors if m is mem)
                 figures[3 * write + 2] += asked if len(mems) == 1 else \
                     _distinct_bytes({a for a in accesses if a[0] is mem})
-        for (_, _, _, write), accesses in launch.pop("shared_requests").items():
+        for (_, site, _, write), accesses in launch.pop("shared_requests").items():
             wavefronts, fewest = _wavefronts(accesses)
             counts[WAVEFRONTS_ST if write else WAVEFRONTS_LD] += wavefronts
             counts[CONFLICTS_ST if write else CONFLICTS_LD] += wavefronts - fewest
             counts["shared_st_requests" if write else "shared_ld_requests"] += 1
+            self._count_line(site, "shared_st" if write else "shared_ld",
+                             requests=1, wavefronts=wavefronts, conflicts=wavefronts - fewest)
         launch.pop("shared_state")
+
+    def _count_line(self, site, prefix, **figures):
+        line = self.lines.get(self._line(site))
+        if line is None:
+            line = self.lines[self._line(site)] = dict.fromkeys(LINE_FIGURES, 0)
+        for name, value in figures.items():
+            line[f"{prefix}_{name}"] += value
 
     def _barrier(self, thread, frame):
         """A syncthreads reached by `thread`: a new race epoch, unless a register-emulating twin holds it."""
         launch = self._launch
         if launch is None:
+            return
+        caller = frame
+        while caller is not None and (self._codes.get(caller.f_code) or self._code_kind(caller.f_code)) == _TRANSPARENT:
+            caller = caller.f_back
+        if caller is not None and caller.f_code is self._mma_code:   # the mma twin's two barriers: one HMMA a warp
+            counts = _thread_counts(thread)
+            k = counts["mma"] = counts.get("mma", 0) + 1
+            if k % 2:
+                launch["mma_requests"].add((thread.thread_id >> 5, k))
             return
         where = self._site(frame)
         if where is None:
@@ -723,6 +757,8 @@ def record():
     rec._fake_shape = devicearray.FakeShape
     for code in _emulating_codes():
         rec._codes[code] = _EMULATED
+    from kernels_numba import _mma
+    rec._mma_code = getattr(_mma.mma_m16n8k16, "py_func", _mma.mma_m16n8k16).__code__
     for code in _transparent_codes():
         rec._codes[code] = _TRANSPARENT
     for code in _atomic_codes(kernelapi):
