@@ -84,13 +84,18 @@ def main(argv=None) -> int:
     session.add_argument("--env", action="store_true", help="print the environment record (JSON) and stop")
     from .hf.cli import add_parser as add_hf  # torch-free: the command says so if the hf extra is missing
     add_hf(sub, parents=[form])
-    lab = sub.add_parser("lab", parents=[form], help="counters of every kernel-ladder rung on a scaled-down decode, "
-                         "counted in the simulator (--sanitize: race / initcheck / memcheck over every kernel family)")
+    lab = sub.add_parser("lab", parents=[form], help="counters and lower bounds of every kernel-ladder rung per bench "
+                         "case, counted in the simulator (--sanitize: race / initcheck / memcheck over every kernel "
+                         "family)")
     lab.add_argument("--sanitize", action="store_true", help="one representative call of every kernel family under "
                      "the recorder; ends with the number of findings")
     lab.add_argument("--full", action="store_true", help="with --sanitize: more cases per family (slow)")
-    lab.add_argument("--cache", choices=("float16", "int8", "int4"), default="float16", help="the decode's cache")
-    lab.add_argument("--quick", action="store_true", help="head_dim 64 and 64 keys instead of 128 and 256 (CI)")
+    lab.add_argument("--case", action="append", choices=("decode", "decode-int8", "decode-int4", "decode-32k",
+                                                          "prefill-4k"),
+                     help="a bench case to count (repeatable; default: all five)")
+    lab.add_argument("--jobs", type=int, help="processes counting side by side (default: 2 where there are 2 cores)")
+    lab.add_argument("--quick", action="store_true", help="the float16 decode alone at head_dim 64, 32 and 64 keys "
+                     "(CI)")
     args = parser.parse_args(argv)
     if args.command == "gpu-session" and args.out is None and not (args.dry_run or args.env):
         parser.error("gpu-session: --out DIR is needed (the session leaves its summary, tables and logs there)")
@@ -152,7 +157,7 @@ def _run(args) -> int:
             from .lab.sanitize import sanitize
             return 1 if sanitize(full=args.full) else 0
         from .lab.counters import main as counters
-        return counters(cache=args.cache, quick=args.quick)
+        return counters(quick=args.quick, cases=args.case, jobs=args.jobs)
     if args.command == "bench" and args.cpu:
         from .lab.bench_cpu import bench_cpu
         from .lab.bench_reference import bench_reference

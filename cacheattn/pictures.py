@@ -61,6 +61,7 @@ def source_lines(func, *markers: str) -> str:
     kernel factory under functools.cache, or a numba dispatcher (its Python function is quoted)."""
     func = inspect.unwrap(getattr(func, "py_func", func))
     lines, first = inspect.getsourcelines(func)
+    first = max(first, 1)                       # a module's source starts at line 1; getsourcelines says 0
     path = inspect.getsourcefile(func)
     short = path[path.rfind("/", 0, path.rfind("/")) + 1:]
     out = [f"{short}:{first + n}: {line.strip()}" for n, line in enumerate(lines)

@@ -2,9 +2,10 @@
 
 import pytest
 
-from cacheattn.lab.bounds import CASES, H100_SXM, BenchCase, bounds
+from cacheattn.lab.bounds import H100_SXM, bounds
+from cacheattn.lab.cases import LAB_CASES, BenchCase
 
-DECODE_F16, DECODE_I8, DECODE_I4, LONG, PREFILL = CASES
+DECODE_F16, DECODE_I8, DECODE_I4, LONG, PREFILL = LAB_CASES
 CLOCKS = 132 * 1.98e9            # SM clocks per second over the whole H100 SXM: 2.6136e11
 
 
@@ -90,5 +91,21 @@ def test_bad_input_is_named():
         bounds({"dram__bytes_read.sum": 1}, scale=0)
     with pytest.raises(ValueError, match="metrics"):
         bounds({"unrelated": 3})
-    with pytest.raises(ValueError, match="cache"):
-        _ = BenchCase("bad", batch=1, context=1, new=1, cache="fp8").row_bytes
+    with pytest.raises(ValueError, match="quant_bit"):
+        _ = BenchCase("bad", batch=1, context=1, new_tokens=1, quant_bit=3).row_bytes
+
+
+def test_few_blocks_leave_sms_idle():
+    # 261,360 sectors take 250 µs spread over 132 SMs (test_every_resource_and_the_largest, scale 1000 there). On 8
+    # blocks only 8 SMs work: 132 / 8 = 16.5 x longer. 512 blocks put ceil(512 / 132) = 4 on the busiest SM where
+    # the average is 3.879: 4 x 132 / 512 = 1.03125 x. DRAM is shared by all SMs: no change.
+    metrics = {"l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum": 261_360_000, "dram__bytes_read.sum": 3_350_000}
+    spread = bounds(metrics)
+    assert spread.resources["L1"].value == pytest.approx(250.0)
+    few = bounds(metrics, blocks=8)
+    assert few.resources["L1"].value == pytest.approx(250.0 * 16.5)
+    assert few.resources["DRAM"].value == pytest.approx(spread.resources["DRAM"].value)
+    assert bounds(metrics, blocks=512).resources["L1"].value == pytest.approx(250.0 * 1.03125)
+    assert bounds(metrics, blocks=264).resources["L1"].value == pytest.approx(250.0)
+    with pytest.raises(ValueError, match="blocks"):
+        bounds(metrics, blocks=0)

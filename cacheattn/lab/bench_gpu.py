@@ -31,58 +31,11 @@ import numpy as np
 import cacheattn
 
 from ..examples import PPLCase, build_ppl, copy_inputs
+from .cases import GPU_CASES, TINY_CASES, BenchCase
 
 L2_MULTIPLE = 4          # rotate inputs until their bytes exceed the L2 cache this many times
 
 
-@dataclass(frozen=True)
-class BenchCase:
-    """One benchmark problem: an OpenPPL MultiHeadCacheAttention call (decode or prefill)."""
-    label: str
-    batch: int
-    context: int                 # cached tokens per request before this call
-    new_tokens: int              # tokens per request in this call (1: decode)
-    num_heads: int = 32
-    num_kv_heads: int = 8
-    head_dim: int = 128
-    quant_bit: int = 0
-    cache_mode: int = 1          # 1 paged, 0 offset
-    page_size: int = 64
-
-    def ppl_case(self) -> PPLCase:
-        decode = self.new_tokens == 1
-        return PPLCase(seqlens=(self.new_tokens,) * self.batch, past=(self.context,) * self.batch,
-                       decoding_batches=self.batch if decode else 0, num_heads=self.num_heads,
-                       num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype="float16",
-                       quant_bit=self.quant_bit, quant_group=8, scale_dtype="float16", cache_layout=0,
-                       cache_mode=self.cache_mode, page_size=self.page_size, num_layer=1, layer_idx=0,
-                       is_causal=True, is_alibi=False, mask="none", mask_pad=0, seed=0)
-
-    def cache_bytes_read(self) -> int:
-        """K and V bytes the attention reads: every cached and new token, every kv head, plus int8 scales."""
-        tokens = self.batch * (self.context + self.new_tokens)
-        per_token = self.head_dim * (1 if self.quant_bit == 8 else 2)
-        scales = (self.head_dim // 8) * 2 if self.quant_bit else 0
-        return 2 * tokens * self.num_kv_heads * (per_token + scales)
-
-    def flops(self) -> float:
-        """2 * (QK^T + PV) multiply-adds over the visible keys (causal: the new tokens see half their own block)."""
-        visible = self.context * self.new_tokens + self.new_tokens * (self.new_tokens + 1) / 2
-        return 4.0 * self.batch * self.num_heads * self.head_dim * visible
-
-
-GPU_CASES = (
-    BenchCase("decode B64 ctx4096 paged fp16", 64, 4096, 1),
-    BenchCase("decode B64 ctx4096 paged int8", 64, 4096, 1, quant_bit=8),
-    BenchCase("decode B64 ctx4096 offset fp16", 64, 4096, 1, cache_mode=0),
-    BenchCase("decode B1 ctx32768 paged fp16", 1, 32768, 1),
-    BenchCase("prefill B1 4096 tokens fp16", 1, 0, 4096),
-)
-TINY_CASES = (
-    BenchCase("tiny decode B2 ctx12 paged int8", 2, 12, 1, num_heads=2, num_kv_heads=1, head_dim=8, page_size=4,
-              quant_bit=8),
-    BenchCase("tiny prefill B1 5 tokens fp16", 1, 0, 5, num_heads=2, num_kv_heads=1, head_dim=8, page_size=4),
-)
 TINY_THREADS = 32        # the simulator's cost is per thread
 # Rungs of the kernel ladder timed beside the default kernel (rung 1): {peer name: rung}. Every case is a float16
 # query, which rung 5 needs.
@@ -319,9 +272,9 @@ def run_harness(*, tiny: bool = False, repeat: int = 50, out_dir: Path | str | N
             calls = [lambda x=x, attrs=attrs: cacheattn.multi_head_cache_attention(**x, **attrs) for x in inputs]
             ms = device.median_ms(calls, repeat)
             host_ms = device.host_ms(calls[0], max(1, repeat // 5))
-            gb_per_s = case.cache_bytes_read() / (ms * 1e-3) / 1e9
+            gb_per_s = case.must_move["kv"] / (ms * 1e-3) / 1e9
             rows.append(Row(case.label, ms, host_ms, gb_per_s, gb_per_s * 1e9 / copy_bw,
-                            case.flops() / (ms * 1e-3) / 1e12, _peers(device, case, host, repeat, threads)))
+                            case.flops / (ms * 1e-3) / 1e12, _peers(device, case, host, repeat, threads)))
             step(f"{case.label}: {ms:.3f} ms")
     result = {"device": device.describe(), "copy_bandwidth_gb_per_s": copy_bw / 1e9,
               "fp16_matmul_tflops": matmul / 1e12, "repeat": repeat, "rows": [asdict(r) for r in rows]}

@@ -20,7 +20,10 @@ figures and the machine model); none is a measurement of time.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+from .cases import BenchCase
 
 # ----------------------------------------------------------------------------------------------------- the machine
 
@@ -60,73 +63,6 @@ H100_SXM = Machine(
     # Dense float16 with float32 accumulation: 989.4 TFLOP/s at 1.83 GHz over 132 SMs (datasheet) = 4096 FLOPs per
     # clock per SM, one m16n8k16 (16 x 8 x 16 x 2 FLOPs). mma.sync on Hopper reaches less than the wgmma rate.
     mma_per_clock=1.0,
-)
-
-# ------------------------------------------------------------------------------------------------------ bench cases
-
-
-@dataclass(frozen=True)
-class BenchCase:
-    """One of issue 16's bench cases: OpenPPL paged GQA attention over a cache of `cache` format.
-
-    context: tokens cached before the step; new: query tokens per sequence (1 in decode), which the fused operator
-    stores first, so attention reads context + new keys. int8 / int4 caches carry one float16 scale per
-    `quant_group` elements (DESIGN.md, the OpenPPL cache formats: int8 per group of quant_group, and this project's
-    int4 with two values per byte)."""
-    name: str
-    batch: int
-    context: int
-    new: int
-    cache: str = "float16"
-    num_heads: int = 32
-    num_kv_heads: int = 8
-    head_dim: int = 128
-    quant_group: int = 8
-    causal: bool = True
-
-    @property
-    def kvlen(self) -> int:
-        return self.context + self.new
-
-    @property
-    def row_bytes(self) -> int:
-        """Bytes of one cached K (or V) row of one kv head: the values, plus their float16 scales when quantized."""
-        if self.cache == "float16":
-            return 2 * self.head_dim
-        if self.cache not in ("int8", "int4"):
-            raise ValueError(f"cache: expected float16, int8 or int4, got {self.cache!r}")
-        values = self.head_dim if self.cache == "int8" else self.head_dim // 2
-        return values + 2 * (self.head_dim // self.quant_group)
-
-    @property
-    def must_move(self) -> dict:
-        """The bytes the attention must move at least, by part: K and V (with scales) once, Q read once, the
-        output (float16) written once."""
-        kv = 2 * self.batch * self.kvlen * self.num_kv_heads * self.row_bytes
-        q = self.batch * self.new * self.num_heads * self.head_dim * 2
-        return dict(kv=kv, q=q, o=q)
-
-    @property
-    def floor_bytes(self) -> int:
-        return sum(self.must_move.values())
-
-    @property
-    def flops(self) -> int:
-        """Multiply-adds of S = Q K^T and O = P V, times 2: 4 x head_dim per visible (query, key) pair per head; with
-        the causal rule query i of a sequence sees context + i + 1 keys."""
-        if self.causal:
-            pairs = self.new * self.context + self.new * (self.new + 1) // 2
-        else:
-            pairs = self.new * self.kvlen
-        return 4 * self.head_dim * self.num_heads * self.batch * pairs
-
-
-CASES = (
-    BenchCase("decode B64 ctx4096 float16", batch=64, context=4096, new=1, cache="float16"),
-    BenchCase("decode B64 ctx4096 int8", batch=64, context=4096, new=1, cache="int8"),
-    BenchCase("decode B64 ctx4096 int4", batch=64, context=4096, new=1, cache="int4"),
-    BenchCase("decode B1 ctx32k float16", batch=1, context=32768, new=1, cache="float16"),
-    BenchCase("prefill 4k float16", batch=1, context=0, new=4096, cache="float16"),
 )
 
 # ----------------------------------------------------------------------------------------------------------- bounds
@@ -199,7 +135,7 @@ def _total(metrics: dict, names) -> int | None:
 
 
 def bounds(metrics: dict, scale: float = 1.0, *, case: BenchCase | None = None, warp_instructions: float | None = None,
-           mma: float | None = None, machine: Machine = H100_SXM) -> Bounds:
+           mma: float | None = None, blocks: int | None = None, machine: Machine = H100_SXM) -> Bounds:
     """Lower bounds on the time of the full grid from figures counted on a scaled-down launch.
 
     Parameters
@@ -218,6 +154,10 @@ def bounds(metrics: dict, scale: float = 1.0, *, case: BenchCase | None = None, 
         includes instructions a branch skips and counts an inner loop's body once.
     mma : float, optional
         mma.m16n8k16 instructions of the full grid, for the tensor-core bound; already at full scale.
+    blocks : int, optional
+        Blocks of the full grid, each doing an equal share of the work. The per-SM bounds (shared, L1, issue,
+        tensor) then charge the busiest SM, which runs ceil(blocks / SMs) of them: 8 blocks use 8 of 132 SMs,
+        512 blocks put 4 on some SMs where the average is 3.88. Without it the work spreads evenly over all SMs.
     machine : Machine
         Peak rates (H100_SXM).
 
@@ -228,8 +168,15 @@ def bounds(metrics: dict, scale: float = 1.0, *, case: BenchCase | None = None, 
     """
     if scale <= 0:
         raise ValueError(f"scale: expected the positive ratio of full-grid blocks to counted blocks, got {scale!r}")
+    if blocks is not None and blocks < 1:
+        raise ValueError(f"blocks: expected the full grid's block count, at least 1, got {blocks!r}")
     out = Bounds(machine)
-    per_clock = machine.sms * machine.clock_hz
+    # The rate of the SMs the busiest one stands for: SMs x clock, over its extra share of the blocks.
+    busiest = 1.0 if blocks is None else math.ceil(blocks / machine.sms) * machine.sms / blocks
+    per_clock = machine.sms * machine.clock_hz / busiest
+    if blocks is not None:
+        out.figures["busiest SM"] = Figure(busiest, "x", "derived", f"ceil({blocks} blocks / {machine.sms} SMs) "
+                                                                      f"over the average share")
     scaled = f"counted x {scale:g}" if scale != 1 else "counted"
 
     dram = _total(metrics, (DRAM_READ, DRAM_WRITE))
@@ -239,7 +186,7 @@ def bounds(metrics: dict, scale: float = 1.0, *, case: BenchCase | None = None, 
         out.resources["DRAM"] = Figure(dram / machine.hbm_bytes_per_s * 1e6, "µs", "derived",
                                        f"DRAM bytes / {machine.hbm_bytes_per_s / 1e12:g} TB/s")
     if case is not None:
-        out.figures["floor bytes"] = Figure(case.floor_bytes, "B", "derived", f"{case.name}: K/V once, Q, O")
+        out.figures["floor bytes"] = Figure(case.floor_bytes, "B", "derived", f"{case.label}: K/V once, Q, O")
         if dram is not None:
             out.figures["DRAM / floor"] = Figure(dram / case.floor_bytes, "x", "derived", "1.00 is the floor")
 

@@ -1,153 +1,312 @@
-"""python -m cacheattn lab: the counters of every rung of the kernel ladder on a scaled-down decode launch.
+"""python -m cacheattn lab: the counters of every rung of the kernel ladder, per bench case, and the lower bounds they
+give on an H100 SXM.
 
-The bench's headline decode (`bench_gpu.GPU_CASES`: paged GQA decode, B = 64, context 4096, 32 query / 8 kv heads,
-head_dim 128, float16 query) is cut to a few blocks of the same block shape: B = 2, 4 query heads on 1 kv head (the
-same GQA group of 4), the same head_dim, page size and threads, and a shorter context. Each rung runs one
-`multi_head_cache_attention` call (the cache store, then attention; rung 4 at the split count the full launch
-gets, 1, as 512 blocks fill 132 SMs) under `lab.record()` in numba's CUDA simulator.
+The issue's bench cases (`cases.LAB_CASES`: the headline paged GQA decode, B = 64 at context 4096, with float16,
+int8 and int4 caches; B = 1 at context 32768; a causal prefill of 4096 tokens; 32 query / 8 kv heads, head_dim 128)
+are far too large for numba's CUDA simulator, which runs every thread in Python. Each is counted on launches of the
+same block shape cut down twice:
 
-Per block the figures scale with the keys a block walks; over the launch with the number of blocks: the full grid
-has B x kv heads = 512 attention blocks where this one has 2. Lower bounds per resource (DRAM, shared memory, L1
-sectors) come from `cacheattn.lab.bounds` on the full launch's figures, estimated from the counted ones: in
-decode nearly every counted byte, sector and wavefront belongs to a key a block walks, so each metric is scaled by
-(attention blocks x keys per sequence x head_dim) of the full launch over those of the counted one. The query and
-output (one row per head, a 1/kvlen share) are scaled with them, which overstates them slightly; the DRAM / floor
-row shows how far the estimate sits from the bytes the operator must move.
+- **across the grid**: one kv head with its GQA group of 4 query heads, and 2 requests (decode B = 64) or 1. Blocks
+  of different kv heads or requests do the same work on other bytes, so every figure of the full launch is the
+  counted one times (requests x kv heads, full over counted);
+- **along the sequence**: the same launch at a few lengths (`Plan.points`): decode at two context lengths, where
+  every figure is a + b x keys (a: the query, the output, the block's setup; b: one key's loads, sectors and
+  wavefronts), and the causal prefill at three prompt lengths, where it is a + b N + c N^2 (blocks of later query
+  tiles walk more keys). The fit through the counted points, taken at the full length, is exact when every count
+  is such a polynomial: the points are multiples of every rung's query tile and key step, and a test counts one
+  more point and checks the fit predicts it.
+
+Rung 4 runs at the split count its launcher picks for the *full* grid (`_split_k.choose_splits`: 1 for the B = 64
+decode, whose 512 blocks fill 132 SMs; 33 for B = 1, its 8 blocks x 33 = 264 blocks), and its decode points are
+multiples of splits x keys per step, so every split walks whole steps.
+
+Every call is the whole OpenPPL `multi_head_cache_attention` (the cache store, then attention, then rung 4's
+combine), recorded by `lab.record()`. The bounds (`bounds.bounds`) are derived from the full launch's figures: lower
+bounds on time, never timings.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, replace
+import math
+import os
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, replace
+
+import numpy as np
 
 import cacheattn
 
 from .. import _console
 from ..examples import build_ppl
 from . import bounds, recorder
-from .bench_gpu import GPU_CASES, BenchCase
+from .cases import LAB_CASES, BenchCase
 
-HEADLINE = GPU_CASES[0]                    # decode B64 ctx4096 paged fp16
-CACHES = {"float16": 0, "int8": 8, "int4": 4}
 RUNGS = (1, 2, 3, 4, 5)
-# The bound model's bench case for each cache format of the headline decode.
-BOUND_CASES = {case.cache: case for case in bounds.CASES if case.name.startswith("decode B64 ctx4096")}
+THREADS = 128
+GROUP = 4                      # query heads per kv head in every bench case (32 / 8)
+KV_ARRAYS = "_src.data"        # the attention kernels name the cache K/V `k_src.data` / `v_src.data`
+HMMA = recorder.HMMA
 
 
-def scaled_case(cache: str = "float16", context: int = 255, head_dim: int = HEADLINE.head_dim,
-                batch: int = 2) -> BenchCase:
-    """The headline decode with `batch` requests on one kv head (its GQA group kept), `context` cached tokens."""
-    group = HEADLINE.num_heads // HEADLINE.num_kv_heads
-    return replace(HEADLINE, label=f"decode B{batch} ctx{context} paged {cache} (scaled)", batch=batch,
-                   context=context, num_heads=group, num_kv_heads=1, head_dim=head_dim, quant_bit=CACHES[cache])
+@dataclass(frozen=True)
+class Plan:
+    """How one bench case is counted: `counted` is the case cut down across the grid; `points` are the lengths
+    (decode: cached tokens + 1, the keys; prefill: new tokens) the launch is counted at, the fit's degree one less
+    than their number."""
+    case: BenchCase
+    counted: BenchCase
+    points: tuple
+    rungs: tuple = RUNGS
+    split_points: tuple = ()         # rung 4's, when it splits: multiples of splits x keys per step
+
+    def points_for(self, rung: int) -> tuple:
+        return self.split_points if rung == 4 and self.split_points else self.points
+
+    @property
+    def prefill(self) -> bool:
+        return self.case.new_tokens > 1
+
+    @property
+    def grid_scale(self) -> float:
+        """Requests x kv heads of the full launch over the counted launch's."""
+        return (self.case.batch * self.case.num_kv_heads) / (self.counted.batch * self.counted.num_kv_heads)
+
+    @property
+    def full_length(self) -> int:
+        return self.case.new_tokens if self.prefill else self.case.kvlen
+
+    def at(self, length: int) -> BenchCase:
+        """The counted case at one of the points."""
+        if self.prefill:
+            return replace(self.counted, new_tokens=length, context=0, label=f"{self.counted.label} N{length}")
+        return replace(self.counted, context=length - 1, label=f"{self.counted.label} kv{length}")
 
 
-def count_rung(case: BenchCase, rung: int, threads: int = 128) -> recorder.Recording:
-    """One multi_head_cache_attention call of `case` at `rung`, recorded."""
+def cut_down(case: BenchCase, head_dim: int | None = None) -> BenchCase:
+    """`case` with one kv head and its GQA group, two requests at most (the counted launch's grid)."""
+    return replace(case, label=f"{case.label} (counted)", batch=min(case.batch, 2), num_heads=GROUP, num_kv_heads=1,
+                   head_dim=head_dim or case.head_dim)
+
+
+def splits_for(case: BenchCase, threads: int = THREADS) -> tuple[int, int]:
+    """Rung 4's split count for the full launch of `case`, as its launcher picks it on a 132-SM GPU, and the keys
+    a block takes per step."""
+    from kernels_numba._attention_vector import keys_per_step
+    from kernels_numba._cache import chunk_elements
+    from kernels_numba._split_k import choose_splits
+    from kernels_numba.ppl_dynamic_multi_head_attention import block_plan
+
+    chunk = chunk_elements(case.quant_bit, np.int8 if case.quant_bit else np.float16)
+    heads_per_block, q_tile = block_plan(3, case.num_heads, case.num_kv_heads, case.new_tokens, case.head_dim,
+                                         threads, chunk)
+    blocks = math.ceil(case.new_tokens / q_tile) * (case.num_heads // heads_per_block) * case.batch
+    step = keys_per_step(case.head_dim, chunk, threads // 32)
+    return choose_splits(blocks, case.kvlen, step, num_sms=132), step
+
+
+def plans(quick: bool = False) -> list[Plan]:
+    """The five bench cases' counting plans; quick (CI): the float16 decode alone, head_dim 64, short contexts."""
+    # Decode points: multiples of every rung's keys per block step (rung 5: 4 warps x 16 keys; rung 1: 32).
+    if quick:
+        decode = replace(LAB_CASES[0], head_dim=64, label=f"{LAB_CASES[0].label} head_dim 64")
+        return [Plan(decode, cut_down(decode), (64, 128))]
+    out = []
+    for case in LAB_CASES:
+        counted = cut_down(case)
+        if case.new_tokens > 1:
+            out.append(Plan(case, counted, (64, 128, 192)))
+            continue
+        splits, step = splits_for(case)
+        split_points = (splits * step, 2 * splits * step) if splits > 1 else ()
+        out.append(Plan(case, counted, (128, 256), split_points=split_points))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------- counting
+
+def count_rung(case: BenchCase, rung: int, threads: int = THREADS, num_splits: int = 1) -> recorder.Recording:
+    """One multi_head_cache_attention call of `case` at `rung` (rung 4 at `num_splits`), recorded."""
     ppl = case.ppl_case()
-    extra = {"num_splits": 1} if rung == 4 else {}
+    extra = {"num_splits": num_splits} if rung == 4 else {}
     with recorder.record() as rec:
         cacheattn.multi_head_cache_attention(**build_ppl(ppl), **ppl.attrs(), backend="numba", threads=threads,
                                              rung=rung, **extra)
     return rec
 
 
-def derived(rec: recorder.Recording) -> dict:
-    """Ratios a kernel engineer reads first: sectors per request and sector efficiency (distinct bytes the lanes asked
-    for / 32 x sectors) of the K/V loads and of all global loads, shared wavefronts per request, warp-level
-    barriers."""
-    m, x = rec.metrics, rec.extra
+def figures(rec: recorder.Recording, case: BenchCase) -> dict:
+    """Every count of one recording in one flat dict: the Nsight metrics, the extras, the K/V loads alone, the
+    attention launch's blocks, and the K/V bytes its blocks must see (each block every key visible to its rows,
+    K and V, once)."""
+    out = dict(rec.metrics)
+    out.update(rec.extra)
+    kv = [f for launch in rec.launches for name, f in launch.arrays.items() if KV_ARRAYS in name]
+    for key in ("ld_requests", "ld_sectors", "ld_bytes_requested"):
+        out[f"kv_{key}"] = sum(f[key] for f in kv)
+    attention = [launch for launch in rec.launches if "attention" in launch.kernel]
+    (grid_x, grid_y, grid_z), = {launch.grid for launch in attention}
+    out["attention blocks"] = grid_x * grid_y * grid_z
+    q_tile = math.ceil(case.new_tokens / grid_x)
+    visible = sum(min(case.kvlen, case.context + (t + 1) * q_tile) for t in range(grid_x))
+    out["kv_must_see"] = visible * grid_y * case.batch * 2 * case.row_bytes
+    out["hazards"] = len(rec.hazards)
+    return out
 
+
+def _count(job):
+    plan, rung, length, threads, splits = job
+    case = plan.at(length)
+    return figures(count_rung(case, rung, threads, splits), case)
+
+
+def fit(points, values, at: float) -> float:
+    """The polynomial of degree len(points) - 1 through (points, values), at `at` (exact for integer counts that
+    are such a polynomial; rounded back to the nearest integer when the value is a count)."""
+    coefficients = np.polyfit(np.asarray(points, np.float64), np.asarray(values, np.float64), len(points) - 1)
+    return float(np.polyval(coefficients, at))
+
+
+def full_figures(lengths, plan: Plan, counted: list[dict]) -> dict:
+    """The full launch's figures from the figures counted at `lengths`: fitted along the sequence, times the grid
+    scale."""
+    out = {}
+    for key in counted[0]:
+        value = fit(lengths, [c[key] for c in counted], plan.full_length)
+        out[key] = value if key == "hazards" else value * plan.grid_scale
+    out["hazards"] = max(c["hazards"] for c in counted)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- derivations
+
+def derived(full: dict, plan: Plan, splits: int) -> dict:
+    """The ratios a kernel engineer reads first, from the full launch's figures."""
     def ratio(a, b):
         return round(a / b, 3) if b else None
 
-    # The attention kernels name the cache K/V `k_src.data` / `v_src.data` (one array when they share a cache).
-    kv = [figures for launch in rec.launches for name, figures in launch.arrays.items() if "_src.data" in name]
-    kv_requests, kv_sectors, kv_asked = (sum(f[key] for f in kv) for key in
-                                         ("ld_requests", "ld_sectors", "ld_bytes_requested"))
-    return {"K/V ld sectors/request": ratio(kv_sectors, kv_requests),
-            "K/V ld sector efficiency": ratio(kv_asked, 32 * kv_sectors),
-            "global ld sectors/request": ratio(m[recorder.SECTORS_LD], m[recorder.GLOBAL_LD]),
-            "global ld sector efficiency": ratio(x["global_ld_bytes_requested"], 32 * m[recorder.SECTORS_LD]),
-            "global st sectors/request": ratio(m[recorder.SECTORS_ST], m[recorder.GLOBAL_ST]),
-            "shared ld wavefronts/request": ratio(m[recorder.WAVEFRONTS_LD], x["shared_ld_requests"]),
-            "shared st wavefronts/request": ratio(m[recorder.WAVEFRONTS_ST], x["shared_st_requests"]),
-            "barriers (warp-level)": x["barriers"]}
+    case = plan.case
+    mma_floor = case.flops / 4096
+    return {"K/V ld sectors/request": ratio(full["kv_ld_sectors"], full["kv_ld_requests"]),
+            "K/V ld sector efficiency": ratio(full["kv_ld_bytes_requested"], 32 * full["kv_ld_sectors"]),
+            "K/V reads per block (loaded / must see)": ratio(full["kv_ld_bytes_requested"], full["kv_must_see"]),
+            "global ld sector efficiency": ratio(full["global_ld_bytes_requested"],
+                                                 32 * full[recorder.SECTORS_LD]),
+            "shared ld wavefronts/request": ratio(full[recorder.WAVEFRONTS_LD], full["shared_ld_requests"]),
+            "shared st wavefronts/request": ratio(full[recorder.WAVEFRONTS_ST], full["shared_st_requests"]),
+            "barriers (warp-level) per key a block sees": ratio(full["barriers"],
+                                                                full["kv_must_see"] / (2 * case.row_bytes)),
+            "HMMA / (FLOPs / 4096)": ratio(full[HMMA], mma_floor) if full[HMMA] else None,
+            "blocks (attention)": round(full["attention blocks"]),
+            "splits": splits}
 
 
-def grid_scale(counted: BenchCase, full: BenchCase) -> float:
-    """Full launch over counted launch: attention blocks x keys per sequence x head_dim (see the module docstring)."""
-    def size(case):
-        return case.batch * case.num_kv_heads * (case.context + case.new_tokens) * case.head_dim
-    return size(full) / size(counted)
+def lower_bounds(full: dict, plan: Plan) -> bounds.Bounds:
+    """The full launch's per-resource lower bounds (derived), its work spread over the SMs by its blocks."""
+    metrics = {name: full[name] for name in recorder.METRICS}
+    metrics[bounds.GLOBAL_LOAD_BYTES] = full["global_ld_bytes_requested"]
+    return bounds.bounds(metrics, case=plan.case, mma=full[HMMA] or None, blocks=round(full["attention blocks"]))
 
 
-def lower_bounds(rec: recorder.Recording, counted: BenchCase, cache: str) -> bounds.Bounds:
-    """The full headline decode's per-resource lower bounds (derived) from this recording's counts."""
-    full = replace(HEADLINE, quant_bit=CACHES[cache])
-    metrics = dict(rec.metrics, **{bounds.GLOBAL_LOAD_BYTES: rec.extra["global_ld_bytes_requested"]})
-    return bounds.bounds(metrics, grid_scale(counted, full), case=BOUND_CASES[cache])
+def bound_figures(b: bounds.Bounds, case: BenchCase) -> dict:
+    out = {"DRAM / floor (derived)": round(b.figures["DRAM / floor"].value, 3),
+           "lower bound µs (derived)": round(b.bound_us, 1),
+           "limited by": b.limiter,
+           "HBM share at the bound": round(b.hbm_share, 3)}
+    if case.new_tokens > 1:
+        out["TFLOP/s at the bound (derived)"] = round(case.flops / (b.bound_us * 1e-6) / 1e12, 1)
+    out.update({f"{name} µs (derived)": round(fig.value, 1) for name, fig in b.resources.items()})
+    return out
 
 
-def _bound_figures(b: bounds.Bounds) -> dict:
-    return {"DRAM / floor (derived)": round(b.figures["DRAM / floor"].value, 3),
-            "lower bound µs (derived)": round(b.bound_us, 1),
-            "limited by": b.limiter,
-            "HBM share at the bound": round(b.hbm_share, 3),
-            **{f"{name} µs (derived)": round(fig.value, 1) for name, fig in b.resources.items()}}
-
-
-def ladder(cache: str = "float16", context: int = 255, head_dim: int = HEADLINE.head_dim, threads: int = 128,
-           rungs=RUNGS) -> dict:
-    """Every rung's counters on the scaled decode, and the full launch's lower bounds: a JSON-ready dict."""
-    case = scaled_case(cache, context, head_dim)
-    result = {"case": asdict(case), "full_case": asdict(replace(HEADLINE, quant_bit=CACHES[cache])),
-              "threads": threads, "rungs": {}, "scale": grid_scale(case, replace(HEADLINE, quant_bit=CACHES[cache])),
-              "note": "counted in numba's CUDA simulator; DRAM bytes count every distinct sector of a launch once "
-                      "(an L2 that holds the working set); figures are counts, never timings"}
+def count_plan(plan: Plan, threads: int = THREADS, jobs: int = 1, rungs=None) -> dict:
+    """Every rung of one plan: the counted points, the full launch's figures, derived ratios and bounds."""
+    rungs = rungs or plan.rungs
+    splits = {rung: splits_for(plan.case, threads)[0] if rung == 4 else 1 for rung in rungs}
+    work = [(plan, rung, length, threads, splits[rung]) for rung in rungs for length in plan.points_for(rung)]
+    if jobs > 1:
+        with ProcessPoolExecutor(jobs) as pool:
+            counted = iter(list(pool.map(_count, work)))
+    else:
+        counted = iter([_count(job) for job in work])
+    n = len(plan.points)
+    result = {"case": asdict(plan.case), "counted": asdict(plan.counted), "points": list(plan.points),
+              "fit": f"degree {n - 1} in {'new tokens' if plan.prefill else 'keys'}", "grid_scale": plan.grid_scale,
+              "threads": threads, "rungs": {}}
     for rung in rungs:
-        rec = count_rung(case, rung, threads)
+        lengths = plan.points_for(rung)
+        points = [next(counted) for _ in lengths]
+        full = full_figures(lengths, plan, points)
         result["rungs"][str(rung)] = {
-            "metrics": dict(rec.metrics), "extra": dict(rec.extra), "derived": derived(rec),
-            "hazards": len(rec.hazards), "bounds": _bound_figures(lower_bounds(rec, case, cache)),
-            "launches": [{"kernel": launch.kernel, "grid": list(launch.grid), "block": list(launch.block),
-                          "metrics": launch.metrics, "dram": {k: list(v) for k, v in launch.dram.items()}}
-                         for launch in rec.launches]}
+            "points": list(lengths), "counted": points, "full": {k: round(v, 1) for k, v in full.items()},
+            "derived": derived(full, plan, splits[rung]),
+            "bounds": bound_figures(lower_bounds(full, plan), plan.case)}
     return result
 
+
+def ladder(quick: bool = False, threads: int = THREADS, jobs: int = 1, cases=None) -> dict:
+    """Every bench case x rung: a JSON-ready dict (what `--format json` and the ladder page read)."""
+    selected = [p for p in plans(quick) if cases is None or p.case.label in cases]
+    return {"machine": asdict(bounds.H100_SXM),
+            "note": "counted in numba's CUDA simulator on cut-down launches and scaled to the full grid (see "
+                    "cacheattn/lab/counters.py); DRAM bytes count every distinct sector of a launch once (an L2 "
+                    "that holds the working set); the bounds are derived lower bounds on time, never timings",
+            "cases": {p.case.label: count_plan(p, threads, jobs) for p in selected}}
+
+
+# --------------------------------------------------------------------------------------------------------- tables
 
 def _cell(value) -> str:
     if value is None:
         return "-"
     if isinstance(value, str):
         return value
+    if isinstance(value, float) and value.is_integer() and abs(value) >= 1000:
+        value = int(value)
     return f"{value:,}" if isinstance(value, int) else f"{value:.3g}"
 
 
-def print_table(result: dict) -> None:
-    """Metric per row, rung per column (in the command's --format: text, markdown, or a JSON document)."""
+FULL_ROWS = (recorder.SECTORS_LD, recorder.WAVEFRONTS_LD, recorder.WAVEFRONTS_ST, recorder.CONFLICTS_LD,
+             recorder.CONFLICTS_ST, recorder.DRAM_READ, recorder.DRAM_WRITE, HMMA)
+
+
+def print_case(label: str, result: dict) -> None:
+    """Figure per row, rung per column (in the command's --format: text, markdown, or a JSON document)."""
     rungs = result["rungs"]
-    names = list(recorder.METRICS) + list(next(iter(rungs.values()))["derived"])
-    rows = [[name] + [r["metrics"][name] if name in r["metrics"] else r["derived"][name] for r in rungs.values()]
-            for name in names]
-    rows.append(["findings (race, uninitialized, out of bounds)"] + [r["hazards"] for r in rungs.values()])
-    first = next(iter(rungs.values()))["bounds"]
-    rows += [[name] + [r["bounds"].get(name) for r in rungs.values()] for name in first]
-    case, full = result["case"], result["full_case"]
-    columns = [_console.Column("metric (counted)", key="metric")] + [
+    first = next(iter(rungs.values()))
+    rows = [[f"{name} (full, counted)"] + [r["full"][name] for r in rungs.values()] for name in FULL_ROWS]
+    rows += [[name] + [r["derived"][name] for r in rungs.values()] for name in first["derived"]]
+    rows.append(["findings (race, uninitialized, out of bounds)"] + [r["full"]["hazards"] for r in rungs.values()])
+    rows += [[name] + [r["bounds"].get(name) for r in rungs.values()] for name in first["bounds"]]
+    columns = [_console.Column("figure", key="metric")] + [
         _console.Column(f"rung {rung}", key=f"rung_{rung}", show=_cell, right=True) for rung in rungs]
-    _console.table(f"{case['label']}: {case['num_heads']} q / {case['num_kv_heads']} kv heads, head_dim "
-                   f"{case['head_dim']}, {result['threads']} threads, whole call (cache store + attention)",
+    counted = result["counted"]
+    along = "new tokens" if result["case"]["new_tokens"] > 1 else "keys"
+    _console.table(f"{label}: counted with {counted['num_heads']} q / {counted['num_kv_heads']} kv head, batch "
+                   f"{counted['batch']}, at {', '.join(map(str, result['points']))} {along} ({result['fit']}), "
+                   f"x {result['grid_scale']:g} across the grid; head_dim {counted['head_dim']}, "
+                   f"{result['threads']} threads",
                    columns, rows)
-    _console.say(f"Counted in numba's CUDA simulator, never timed. DRAM bytes: every distinct 32-byte sector of a "
-                 f"launch once (an L2 that holds the working set). The full launch ({full['label']}) has "
-                 f"{full['batch'] * full['num_kv_heads']} attention blocks where this one has "
-                 f"{case['batch'] * case['num_kv_heads']}, and {full['context']} cached tokens per request where "
-                 f"this has {case['context']}. The rows marked derived are lower bounds on the full launch's time on "
-                 f"an {bounds.H100_SXM.name}: every counted figure scaled by {result['scale']:,.0f} (attention blocks "
-                 f"x keys x head_dim, full over counted), over the machine's peak rates; never timings.")
 
 
-def main(cache: str = "float16", quick: bool = False) -> int:
-    """quick: head_dim 64 and 63 cached tokens (CI); otherwise head_dim 128 and 255 tokens."""
-    print_table(ladder(cache, context=63 if quick else 255, head_dim=64 if quick else HEADLINE.head_dim))
+def print_ladder(result: dict) -> None:
+    for label, case in result["cases"].items():
+        print_case(label, case)
+    _console.say("Counted in numba's CUDA simulator on cut-down launches, never timed: one kv head with its 4 query "
+                 "heads, at the lengths named, fitted along the sequence and scaled across the grid "
+                 "(cacheattn/lab/counters.py says how). DRAM bytes: every distinct 32-byte sector of a launch once "
+                 "(an L2 that holds the working set). Rows marked derived are lower bounds on the full launch's "
+                 f"time on an {bounds.H100_SXM.name} (its peak rates, the busiest SM's share of the blocks), never "
+                 "timings.")
+
+
+# The command line's names of the bench cases.
+CASE_NAMES = dict(zip(("decode", "decode-int8", "decode-int4", "decode-32k", "prefill-4k"),
+                      (case.label for case in LAB_CASES)))
+
+
+def main(quick: bool = False, cases=None, jobs: int | None = None) -> int:
+    """quick: the float16 decode at head_dim 64 (CI); otherwise the named bench cases (`CASE_NAMES`; all five when
+    none is named) at head_dim 128."""
+    jobs = jobs or (1 if quick else min(2, os.cpu_count() or 1))
+    print_ladder(ladder(quick, jobs=jobs, cases=[CASE_NAMES[c] for c in cases] if cases else None))
     return 0
