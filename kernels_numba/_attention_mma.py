@@ -129,6 +129,8 @@ def make_mma_attention_kernel(row_offsets, load_chunk, score, key_range, *, head
     MERGE, Q_FRAGMENTS = merge_shape(DV, WARPS, RT), q_shape(DK, RT)
     KEYS, WORDS = stage_shape(DK, DV, WARPS, RT)  # keys staged per step (every warp's tile); pairs of a K row
     K_ROW, V_ROW = WORDS + 4, 2 * WORDS + 8        # padded rows of the stage, in words: one key / two keys
+    STAGE_WORDS = KEYS * K_ROW                     # = KEYS // 2 * V_ROW
+    PIECE = 2 * chunk                              # a thread's chunk of two keys (stage_v), dequantized
     CHUNKS = -(-2 * WORDS // chunk)                # chunks a row is copied in
     THREADS = WARPS * WARP_SIZE
     # Lanes start at different words of their chunks (rotated by lane // rotation), or a warp's stores would
@@ -195,8 +197,8 @@ def make_mma_attention_kernel(row_offsets, load_chunk, score, key_range, *, head
         quad_scratch = cuda.shared.array(QUAD_SCRATCH, f32)
         merge = cuda.shared.array(MERGE, f32)
         q_s = cuda.shared.array(Q_FRAGMENTS, np.uint32)
-        kv_s = cuda.shared.array(KEYS * K_ROW, np.uint32)
-        piece = cuda.local.array(2 * chunk, f32)
+        kv_s = cuda.shared.array(STAGE_WORDS, np.uint32)
+        piece = cuda.local.array(PIECE, f32)
 
         # This lane's two rows, grp and grp + 8 of the tile: query position, head, and whether they exist.
         row_i = cuda.local.array(2, np.int64)
