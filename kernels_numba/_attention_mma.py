@@ -55,14 +55,20 @@ def _largest_divisor_at_most(n: int, limit: int) -> int:
 def plan_mma_rows(num_heads: int, num_kv_heads: int, max_seqlen: int, warps: int, head_dim: int):
     """(heads_per_block, positions_per_tile, row_tiles): a row tile is positions_per_tile query positions of
     heads_per_block heads of one GQA group (<= 16 rows); the block's warps cover row_tiles tiles and split
-    the keys warps / row_tiles ways, so decode (one row tile) still keeps every warp busy. The most row tiles
-    the query positions need, as long as the block's shared memory fits (one always does: check_fits)."""
+    the keys warps / row_tiles ways, so decode (one row tile) still keeps every warp busy. The row tiles the
+    query positions need, or the nearest count whose shared memory fits: more row tiles hold more Q fragments,
+    more key splits stage more keys and merge more (some count always fits: check_fits)."""
     heads_per_block = _largest_divisor_at_most(num_heads // num_kv_heads, MMA_M)
     positions = MMA_M // heads_per_block
-    row_tiles = _largest_divisor_at_most(warps, -(-max(max_seqlen, 1) // positions))
-    while row_tiles > 1 and shared_bytes(head_dim, head_dim, warps, row_tiles) > SHARED_BYTES:
-        row_tiles = _largest_divisor_at_most(warps, row_tiles - 1)
-    return heads_per_block, positions, row_tiles
+    wanted = _largest_divisor_at_most(warps, -(-max(max_seqlen, 1) // positions))
+    return heads_per_block, positions, min(_fitting_row_tiles(head_dim, warps), key=lambda d: (abs(d - wanted), d))
+
+
+def _fitting_row_tiles(head_dim: int, warps: int) -> list:
+    """Row-tile counts (divisors of warps) whose block fits the shared memory; extra row tiles past the query
+    positions hold empty rows, which the kernel skips."""
+    return [d for d in range(1, warps + 1) if warps % d == 0 and shared_bytes(head_dim, head_dim, warps, d)
+            <= SHARED_BYTES] or [1]
 
 
 def _padded(n: int, multiple: int) -> int:
@@ -81,7 +87,9 @@ def merge_shape(head_dim_v: int, warps: int, row_tiles: int) -> tuple:
     each lane's m and l of its two rows and its O fragments, lane last (a warp's 32 words of one value fall in 32
     banks); one element when the keys are not split."""
     splits = warps // row_tiles
-    return (row_tiles * (splits // 2) if splits > 1 else 1, 4 + _padded(head_dim_v, MMA_N) // 2, WARP_SIZE)
+    if splits == 1:
+        return 1, 1, 1
+    return row_tiles * (splits // 2), 4 + _padded(head_dim_v, MMA_N) // 2, WARP_SIZE
 
 
 def stage_shape(head_dim_k: int, head_dim_v: int, warps: int, row_tiles: int) -> tuple:
@@ -103,10 +111,9 @@ def shared_bytes(head_dim_k: int, head_dim_v: int, warps: int, row_tiles: int) -
 
 
 def check_fits(head_dim: int, warps: int) -> None:
-    """ValueError naming head_dim unless a plan of this many warps fits the shared memory. One row tile (the
-    keys split across every warp, as in decode) is the plan every problem can fall back to; the launchers call
-    this before anything runs."""
-    if shared_bytes(head_dim, head_dim, warps, 1) > SHARED_BYTES:
+    """ValueError naming head_dim unless a plan of this many warps fits the shared memory: some split of the warps
+    into row tiles (the launchers call this before anything runs)."""
+    if shared_bytes(head_dim, head_dim, warps, _fitting_row_tiles(head_dim, warps)[0]) > SHARED_BYTES:
         raise ValueError(f"head_dim: {head_dim} needs more than {SHARED_BYTES} bytes of shared memory per block "
                          f"with {warps} warps in the rung-5 kernel (fewer threads fit)")
 
