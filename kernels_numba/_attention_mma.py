@@ -9,19 +9,24 @@ grp = lane >> 2 and quad = lane % 4, a lane's C fragment elements are rows grp a
     1. Q as A fragments, once per row tile: head_dim / 16 k-steps x 4 registers of two float16 each, kept in
        shared memory (one word per lane, no bank conflicts) rather than in registers, which O and the K/V
        loads need (in registers they pushed an int8-cache kernel at head_dim 128 past 255 and into spills);
-    2. S = Q Kᵀ in two 16x8 C tiles (keys t0..t0+7, t0+8..t0+15), head_dim / 16 mma each; K's B fragment is
-       K[key t0 + grp][2 * quad + {0, 1, 8, 9}] per k-step, loaded straight from the cache by this lane;
+    2. S = Q Kᵀ in two 16x8 C tiles (keys t0..t0+7, t0+8..t0+15), head_dim / 16 mma each. The block first copies
+       the K rows of every warp's key tile into shared memory together (`load_chunk`: 16-byte loads when the
+       launcher found the rows aligned, consecutive lanes on consecutive chunks of a row, so every sector a warp
+       touches is used whole), dequantized and packed to float16 pairs, so K is read from global memory once per
+       block rather than once per warp. Rows are padded by 4 words: K's B fragment, the words
+       (key t0 + grp, 2 * quad + {0, 1}) and (.., + {8, 9}) per k-step, then hits 32 different banks;
     3. scores through the operator's `score` (-inf outside [lo, hi) and for empty rows), then the online
        softmax on the fragments: a row's maximum over its 16 keys is the max over the 4 lanes of a quad
        (`quad_max2`); each lane keeps the partial row sum of its own columns (summed over the quad at the end);
     4. P stays in registers: the two C tiles of S *are* the A fragment of P·V (row grp, columns 2 * quad + {0, 1}
        of the first tile, row grp + 8 of it, then the same of the second: registers 0..3), packed to float16;
-    5. O += P V over head_dim / 8 C tiles; V's B fragment is V[key t0 + 2 * quad + {0, 1, 8, 9}][grp];
+    5. O += P V over head_dim / 8 C tiles, V staged in the same buffer as K was, transposed in pairs of keys:
+       V's B fragment, V[key t0 + 2 * quad + {0, 1}][grp] and V[.. + {8, 9}][grp], is then two shared words;
     6. the block's warps that share a row tile but walked different keys (decode: few rows, many keys) merge
        their (m, l, O) pairwise through shared memory with the multi-block rule; the first writes O / l.
 
-K and V come through the operator's `row_offsets` / `load` device functions, dequantized, as float32 values
-and are rounded to float16 for the mma. For a float16 query (the only dtype this rung takes) the document's
+K and V come through the operator's `row_offsets` / `load_chunk` device functions, dequantized, as float32
+values and are rounded to float16 for the mma. For a float16 query (the only dtype this rung takes) the document's
 dequantized K/V are float16 tensors already (`load` rounds q * scale to the output dtype), so the rounding is
 exact for float16, int8 and int4 caches alike; what the tensor cores do not reproduce is the float32
 accumulation order and P, which is rounded to float16 before P·V (as in FlashAttention-2) while its sum l is
@@ -50,14 +55,20 @@ def _largest_divisor_at_most(n: int, limit: int) -> int:
 def plan_mma_rows(num_heads: int, num_kv_heads: int, max_seqlen: int, warps: int, head_dim: int):
     """(heads_per_block, positions_per_tile, row_tiles): a row tile is positions_per_tile query positions of
     heads_per_block heads of one GQA group (<= 16 rows); the block's warps cover row_tiles tiles and split
-    the keys warps / row_tiles ways, so decode (one row tile) still keeps every warp busy. The most row tiles
-    the query positions need, as long as the block's shared memory fits (one always does: check_fits)."""
+    the keys warps / row_tiles ways, so decode (one row tile) still keeps every warp busy. The row tiles the
+    query positions need, or the nearest count whose shared memory fits: more row tiles hold more Q fragments,
+    more key splits stage more keys and merge more (some count always fits: check_fits)."""
     heads_per_block = _largest_divisor_at_most(num_heads // num_kv_heads, MMA_M)
     positions = MMA_M // heads_per_block
-    row_tiles = _largest_divisor_at_most(warps, -(-max(max_seqlen, 1) // positions))
-    while row_tiles > 1 and shared_bytes(head_dim, head_dim, warps, row_tiles) > SHARED_BYTES:
-        row_tiles = _largest_divisor_at_most(warps, row_tiles - 1)
-    return heads_per_block, positions, row_tiles
+    wanted = _largest_divisor_at_most(warps, -(-max(max_seqlen, 1) // positions))
+    return heads_per_block, positions, min(_fitting_row_tiles(head_dim, warps), key=lambda d: (abs(d - wanted), d))
+
+
+def _fitting_row_tiles(head_dim: int, warps: int) -> list:
+    """Row-tile counts (divisors of warps) whose block fits the shared memory; extra row tiles past the query
+    positions hold empty rows, which the kernel skips."""
+    return [d for d in range(1, warps + 1) if warps % d == 0 and shared_bytes(head_dim, head_dim, warps, d)
+            <= SHARED_BYTES] or [1]
 
 
 def _padded(n: int, multiple: int) -> int:
@@ -73,30 +84,45 @@ def q_shape(head_dim_k: int, row_tiles: int) -> tuple:
 
 def merge_shape(head_dim_v: int, warps: int, row_tiles: int) -> tuple:
     """Shared float32 array for the warps' pairwise merge: per slot (a warp handing its state to its partner),
-    each lane's m and l of its two rows and its O fragments; one element when the keys are not split."""
+    each lane's m and l of its two rows and its O fragments, lane last (a warp's 32 words of one value fall in 32
+    banks); one element when the keys are not split."""
     splits = warps // row_tiles
-    return (row_tiles * (splits // 2) if splits > 1 else 1, WARP_SIZE, 4 + _padded(head_dim_v, MMA_N) // 2)
+    if splits == 1:
+        return 1, 1, 1
+    return row_tiles * (splits // 2), 4 + _padded(head_dim_v, MMA_N) // 2, WARP_SIZE
+
+
+def stage_shape(head_dim_k: int, head_dim_v: int, warps: int, row_tiles: int) -> tuple:
+    """(keys, words): the shared uint32 buffer that holds the K, then the V, of the block's key tiles (every warp's
+    tile) as float16 pairs, keys x (words + 4) of them. K: one row per key, `words` = head_dim / 2 pairs of
+    neighbouring elements, padded by 4 words (a row starts 4 banks after the one above, so the 8 rows x 4 words of
+    a K fragment read fall in 32 banks). V: one row per two keys, 2 x words pairs (key 2k, key 2k + 1) of one
+    element, padded by 8 (a V fragment read, 4 rows x 8 words, likewise in 32 banks): the same size."""
+    return (warps // row_tiles) * KEY_TILE, max(_padded(head_dim_k, MMA_K), _padded(head_dim_v, MMA_N)) // 2
 
 
 def shared_bytes(head_dim_k: int, head_dim_v: int, warps: int, row_tiles: int) -> int:
-    """Shared memory of one block: Q fragments, the merge slots, the simulator's scratch (4-byte words)."""
-    shapes = (q_shape(head_dim_k, row_tiles), merge_shape(head_dim_v, warps, row_tiles), *scratch_shapes(warps))
+    """Shared memory of one block: Q fragments, the K/V stage, the merge slots, the simulator's scratch (4-byte
+    words)."""
+    keys, words = stage_shape(head_dim_k, head_dim_v, warps, row_tiles)
+    shapes = (q_shape(head_dim_k, row_tiles), (keys, words + 4),
+              merge_shape(head_dim_v, warps, row_tiles), *scratch_shapes(warps))
     return 4 * sum(math.prod(shape) for shape in shapes)
 
 
 def check_fits(head_dim: int, warps: int) -> None:
-    """ValueError naming head_dim unless a plan of this many warps fits the shared memory. One row tile (the
-    keys split across every warp, as in decode) is the plan every problem can fall back to; the launchers call
-    this before anything runs."""
-    if shared_bytes(head_dim, head_dim, warps, 1) > SHARED_BYTES:
+    """ValueError naming head_dim unless a plan of this many warps fits the shared memory: some split of the warps
+    into row tiles (the launchers call this before anything runs)."""
+    if shared_bytes(head_dim, head_dim, warps, _fitting_row_tiles(head_dim, warps)[0]) > SHARED_BYTES:
         raise ValueError(f"head_dim: {head_dim} needs more than {SHARED_BYTES} bytes of shared memory per block "
                          f"with {warps} warps in the rung-5 kernel (fewer threads fit)")
 
 
-def make_mma_attention_kernel(row_offsets, load, score, key_range, *, head_dim_k: int, head_dim_v: int,
-                              heads_per_block: int, positions: int, row_tiles: int, group: int, warps: int):
+def make_mma_attention_kernel(row_offsets, load_chunk, score, key_range, *, head_dim_k: int, head_dim_v: int,
+                              chunk: int, heads_per_block: int, positions: int, row_tiles: int, group: int, warps: int):
     """Build the kernel. Launch grid (ceil(max_seqlen / (positions * row_tiles)), num_heads / heads_per_block, B),
-    32 * warps threads; arguments as `_attention_core.make_attention_kernel`'s kernel (float16 query)."""
+    32 * warps threads; arguments as `_attention_core.make_attention_kernel`'s kernel (float16 query).
+    load_chunk: `_cache.make_chunk_load`'s device function for `chunk` elements (one 16-byte piece of a row)."""
     HPB, DK, DV, WARPS, RT = heads_per_block, head_dim_k, head_dim_v, warps, row_tiles
     SPLITS = WARPS // RT                        # warps per row tile, each on its own share of the key tiles
     K_STEPS = _padded(DK, MMA_K) // MMA_K       # k16 steps of Q·Kᵀ
@@ -108,8 +134,57 @@ def make_mma_attention_kernel(row_offsets, load, score, key_range, *, head_dim_k
                          f"with {WARPS} warps and {RT} row tiles in the rung-5 kernel")
     MMA_SCRATCH, QUAD_SCRATCH = scratch_shapes(WARPS)
     MERGE, Q_FRAGMENTS = merge_shape(DV, WARPS, RT), q_shape(DK, RT)
+    KEYS, WORDS = stage_shape(DK, DV, WARPS, RT)  # keys staged per step (every warp's tile); pairs of a K row
+    K_ROW, V_ROW = WORDS + 4, 2 * WORDS + 8        # padded rows of the stage, in words: one key / two keys
+    STAGE_WORDS = KEYS * K_ROW                     # = KEYS // 2 * V_ROW
+    PIECE = 2 * chunk                              # a thread's chunk of two keys (stage_v), dequantized
+    CHUNKS = -(-2 * WORDS // chunk)                # chunks a row is copied in
+    THREADS = WARPS * WARP_SIZE
+    # Lanes start at different words of their chunks (rotated by lane // rotation), or a warp's stores would
+    # pile into a few banks; at head_dim 128 these spread the 32 lanes over 32 banks for every format.
+    K_ROTATE, V_ROTATE = max(1, 64 // chunk), max(1, 32 // chunk)
     f32 = np.float32
     NEG_INF = f32(-math.inf)
+
+    @cuda.jit(device=True, inline="always")
+    def stage_k(src, kv_s, piece, b, t_stage, hi, g, tid):
+        """The block copies K of keys t_stage .. t_stage + KEYS - 1 (kv head g) into kv_s, row key, word w = the
+        elements 2w, 2w + 1; elements past head_dim and keys from hi on are zeros. Thread tid takes chunks tid,
+        tid + THREADS, ...: a warp's 32 chunks lie side by side in a row (or run on into the next), so its loads
+        cover whole sectors."""
+        for at in range(tid, KEYS * CHUNKS, THREADS):
+            key, c = at // CHUNKS, at % CHUNKS
+            t = t_stage + key
+            for e in range(chunk):
+                piece[e] = 0.0
+            if t < hi and c * chunk < DK:
+                row, sc_row = row_offsets(src, b, t, g)
+                load_chunk(src, row, sc_row, c * chunk, piece, 0, DK)
+            for j in range(chunk // 2):
+                e = (j + tid % WARP_SIZE // K_ROTATE) % (chunk // 2)
+                w = c * (chunk // 2) + e
+                if w < WORDS:
+                    kv_s[key * K_ROW + w] = pack_half2(piece[2 * e], piece[2 * e + 1])
+
+    @cuda.jit(device=True, inline="always")
+    def stage_v(src, kv_s, piece, b, t_stage, hi, g, tid):
+        """The block copies V of the same keys into kv_s transposed in pairs: row k, word d = the elements d of
+        keys 2k and 2k + 1, which is what a B fragment register of P·V holds. A thread loads one chunk of both
+        keys; a warp's first loads cover 16 chunks of one row and 16 of the row two keys on, whole sectors."""
+        for at in range(tid, KEYS // 2 * CHUNKS, THREADS):
+            k, c = at // CHUNKS, at % CHUNKS
+            for e in range(2 * chunk):
+                piece[e] = 0.0
+            for u in range(2):
+                t = t_stage + 2 * k + u
+                if t < hi and c * chunk < DV:
+                    row, sc_row = row_offsets(src, b, t, g)
+                    load_chunk(src, row, sc_row, c * chunk, piece, u * chunk, DV)
+            for j in range(chunk):
+                e = (j + tid % WARP_SIZE // V_ROTATE) % chunk
+                d = c * chunk + e
+                if d < 2 * WORDS:
+                    kv_s[k * V_ROW + d] = pack_half2(piece[e], piece[chunk + e])
 
     @cuda.jit
     def mma_attention_kernel(q_geom, out_geom, seqlens, kvlens, k_src, v_src, score_args, sm_scale):
@@ -129,6 +204,8 @@ def make_mma_attention_kernel(row_offsets, load, score, key_range, *, head_dim_k
         quad_scratch = cuda.shared.array(QUAD_SCRATCH, f32)
         merge = cuda.shared.array(MERGE, f32)
         q_s = cuda.shared.array(Q_FRAGMENTS, np.uint32)
+        kv_s = cuda.shared.array(STAGE_WORDS, np.uint32)
+        piece = cuda.local.array(PIECE, f32)
 
         # This lane's two rows, grp and grp + 8 of the tile: query position, head, and whether they exist.
         row_i = cuda.local.array(2, np.int64)
@@ -168,30 +245,28 @@ def make_mma_attention_kernel(row_offsets, load, score, key_range, *, head_dim_k
                 o[vt, e] = 0.0
         s = cuda.local.array((2, 4), f32)            # C fragments of S (keys t0.., t0+8..), then P
         tile_max = cuda.local.array(2, f32)
-        bx = cuda.local.array(4, f32)                # this lane's four B elements, of K then of V
-        k_rows = cuda.local.array((2, 2), np.int64)
-        v_rows = cuda.local.array((4, 2), np.int64)
 
         i_last = min(i0 + q_tile, seqlen) - 1
         lo, hi = key_range(score_args, b, i0, i_last, seqlen, kvlen)
         first = lo - lo % KEY_TILE
         tiles = -(-(hi - first) // KEY_TILE) if hi > lo else 0
         for step in range(-(-tiles // SPLITS)):      # the same count in every warp: the simulator's barriers
-            t0 = first + (step * SPLITS + split) * KEY_TILE
-            # 2. S = Q Kᵀ; a key past hi loads key hi - 1 (real data) and is masked below
+            t_stage = first + step * KEYS            # the block's keys this step; this warp's tile starts at t0
+            t0 = t_stage + split * KEY_TILE
+            kv = split * KEY_TILE                    # the stage row of key t0
+            # 2. S = Q Kᵀ, K staged first (keys at or past hi are zeros, and masked below)
+            stage_k(k_src, kv_s, piece, b, t_stage, hi, g, tid)
+            cuda.syncthreads()
             for nt in range(2):
-                k_rows[nt, 0], k_rows[nt, 1] = row_offsets(k_src, b, min(t0 + 8 * nt + grp, hi - 1), g)
                 for e in range(4):
                     s[nt, e] = 0.0
             for ks in range(K_STEPS):
                 a0, a1 = q_s[tile, ks, 0, lane], q_s[tile, ks, 1, lane]
                 a2, a3 = q_s[tile, ks, 2, lane], q_s[tile, ks, 3, lane]
                 for nt in range(2):
-                    for e in range(4):
-                        d = ks * MMA_K + 2 * quad + e % 2 + 8 * (e // 2)
-                        bx[e] = load(k_src, k_rows[nt, 0], k_rows[nt, 1], d) if d < DK else f32(0.0)
+                    at = (kv + 8 * nt + grp) * K_ROW + ks * 8 + quad
                     s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3] = mma_m16n8k16(
-                        a0, a1, a2, a3, pack_half2(bx[0], bx[1]), pack_half2(bx[2], bx[3]),
+                        a0, a1, a2, a3, kv_s[at], kv_s[at + 4],
                         s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3], mma_scratch, warp, lane)
             # 3. scores and the online softmax; element e of a C tile is row grp + 8 * (e // 2), key 2 * quad + e % 2
             for r in range(2):
@@ -228,17 +303,17 @@ def make_mma_attention_kernel(row_offsets, load, score, key_range, *, head_dim_k
             # 4. P as the A fragment of P·V: the two S tiles side by side are a 16x16 tile in the A layout
             p0, p1 = pack_half2(s[0, 0], s[0, 1]), pack_half2(s[0, 2], s[0, 3])
             p2, p3 = pack_half2(s[1, 0], s[1, 1]), pack_half2(s[1, 2], s[1, 3])
-            # 5. O += P V; this lane's B elements are keys 2 * quad + {0, 1, 8, 9} of the tile, column grp
-            for e in range(4):
-                v_rows[e, 0], v_rows[e, 1] = row_offsets(v_src, b, min(t0 + 2 * quad + e % 2 + 8 * (e // 2), hi - 1),
-                                                         g)
+            # 5. O += P V, V staged where K was once every warp is done with K; this lane's B registers are keys
+            #    2 * quad + {0, 1} and 2 * quad + {8, 9} of the tile, column grp: two words of the V stage
+            cuda.syncthreads()
+            stage_v(v_src, kv_s, piece, b, t_stage, hi, g, tid)
+            cuda.syncthreads()
             for vt in range(V_TILES):
-                d = vt * MMA_N + grp
-                for e in range(4):
-                    bx[e] = load(v_src, v_rows[e, 0], v_rows[e, 1], d) if d < DV else f32(0.0)
+                at = (kv // 2 + quad) * V_ROW + vt * MMA_N + grp
                 o[vt, 0], o[vt, 1], o[vt, 2], o[vt, 3] = mma_m16n8k16(
-                    p0, p1, p2, p3, pack_half2(bx[0], bx[1]), pack_half2(bx[2], bx[3]),
-                    o[vt, 0], o[vt, 1], o[vt, 2], o[vt, 3], mma_scratch, warp, lane)
+                    p0, p1, p2, p3, kv_s[at], kv_s[at + 4 * V_ROW], o[vt, 0], o[vt, 1], o[vt, 2], o[vt, 3],
+                    mma_scratch, warp, lane)
+            cuda.syncthreads()                       # every warp is done with V before the next K lands
 
         # 6. warps of one row tile merge pairwise: split s + stride into split s, lane by lane (same layout)
         stride = 1
@@ -247,23 +322,23 @@ def make_mma_attention_kernel(row_offsets, load, score, key_range, *, head_dim_k
             slot = tile * (SPLITS // 2) + split // (2 * stride)
             if split % (2 * stride) == stride:
                 for r in range(2):
-                    merge[slot, lane, r] = row_max[r]
-                    merge[slot, lane, 2 + r] = row_sum[r]
+                    merge[slot, r, lane] = row_max[r]
+                    merge[slot, 2 + r, lane] = row_sum[r]
                 for vt in range(V_TILES):
                     for e in range(4):
-                        merge[slot, lane, 4 + 4 * vt + e] = o[vt, e]
+                        merge[slot, 4 + 4 * vt + e, lane] = o[vt, e]
             cuda.syncthreads()
             if split % (2 * stride) == 0 and split + stride < SPLITS:
                 for r in range(2):
-                    other = merge[slot, lane, r]
+                    other = merge[slot, r, lane]
                     top = max(row_max[r], other)
                     if top != NEG_INF:
                         mine, theirs = math.exp(row_max[r] - top), math.exp(other - top)
-                        row_sum[r] = row_sum[r] * mine + merge[slot, lane, 2 + r] * theirs
+                        row_sum[r] = row_sum[r] * mine + merge[slot, 2 + r, lane] * theirs
                         for vt in range(V_TILES):
                             for c in range(2):
                                 e = 2 * r + c
-                                o[vt, e] = o[vt, e] * mine + merge[slot, lane, 4 + 4 * vt + e] * theirs
+                                o[vt, e] = o[vt, e] * mine + merge[slot, 4 + 4 * vt + e, lane] * theirs
                         row_max[r] = top
             stride *= 2
 

@@ -89,11 +89,11 @@ def attention_kernel(quant_bit, quant_group, scale_dtype, value_dtype, query_dty
     rung 1: the shared-memory tile loop (_attention_core); rung 2: a warp per key (_attention_warp); rung 3
     (rung 4's too): lane groups per key reading 16-byte chunks of a `cache_dtype` cache, in vector loads when
     `vector` (_attention_vector), writing split-K partials when `partials`; rung 5: tensor cores (_attention_mma,
-    float16 query)."""
+    float16 query; K/V staged in shared memory in 16-byte chunks, vector loads when `vector`)."""
     round_scale = rounder(scale_dtype) if quant_bit else keep_float32
     row_offsets, load = make_cache_access(quant_bit, quant_group, round_scale, rounder(value_dtype))
     score, key_range = make_ppl_score(rounder(query_dtype))
-    warps, chunk = threads // 32, chunk_elements(quant_bit, cache_dtype) if rung == 3 else None
+    warps, chunk = threads // 32, chunk_elements(quant_bit, cache_dtype) if rung in (3, 5) else None
     plan = block_plan(rung, num_heads, num_kv_heads, max_seqlen, head_dim, threads, chunk)
     if rung == 3:
         heads_per_block, q_tile = plan
@@ -111,9 +111,11 @@ def attention_kernel(quant_bit, quant_group, scale_dtype, value_dtype, query_dty
         return kernel, heads_per_block, q_tile
     if rung == 5:
         heads_per_block, positions, row_tiles = plan
-        kernel = make_mma_attention_kernel(row_offsets, load, score, key_range, head_dim_k=head_dim,
-                                           head_dim_v=head_dim, heads_per_block=heads_per_block, positions=positions,
-                                           row_tiles=row_tiles, group=num_heads // num_kv_heads, warps=warps)
+        load_chunk = make_chunk_load(quant_bit, quant_group, round_scale, rounder(value_dtype), chunk, vector)
+        kernel = make_mma_attention_kernel(row_offsets, load_chunk, score, key_range, head_dim_k=head_dim,
+                                           head_dim_v=head_dim, chunk=chunk, heads_per_block=heads_per_block,
+                                           positions=positions, row_tiles=row_tiles, group=num_heads // num_kv_heads,
+                                           warps=warps)
         return kernel, heads_per_block, positions * row_tiles
     heads_per_block, q_tile, key_tile = plan
     kernel = make_attention_kernel(row_offsets, load, score, key_range, head_dim_k=head_dim, head_dim_v=head_dim,
@@ -130,12 +132,12 @@ def attend(query, key_src, value_src, seqstarts, kvstarts, decoding_batches, max
     cores; threads a multiple of 32 from rung 2); num_splits: rung 4's split count (None: `choose_splits`)."""
     head_dim = query.shape[2]
     batch = seqstarts.shape[0] - 1
-    # Rungs 3-4 read whole 16-byte chunks when every row of both sources is aligned (decided here, per launch).
-    vector = rung in (3, 4) and all(vector_loads_ok(src, quant_bit, head_dim) for src in (key_src, value_src))
+    # Rungs 3-5 read whole 16-byte chunks when every row of both sources is aligned (decided here, per launch).
+    vector = rung in (3, 4, 5) and all(vector_loads_ok(src, quant_bit, head_dim) for src in (key_src, value_src))
     # Query tiles stop growing at 16 rows, so lengths past 16 share one compiled kernel; rung 4 is rung 3's.
     shape = (quant_bit, quant_group, np.dtype(scale_dtype).str, np.dtype(value_dtype).str, query.dtype.str, head_dim,
              num_heads, num_kv_heads, min(max_seqlen, 16), 3 if rung == 4 else rung, threads if rung >= 2 else 128,
-             key_src.data.dtype.str if rung in (3, 4) else None, vector)
+             key_src.data.dtype.str if rung in (3, 4, 5) else None, vector)
     kernel, heads_per_block, q_tile = attention_kernel(*shape)
     grid = (max(1, ceil_div(max_seqlen, q_tile)), num_heads // heads_per_block, batch)
     splits = 1
