@@ -6,15 +6,19 @@ keys in tiles of 16. The lane layout of every fragment is `_mma`'s (PTX ISA 9.7.
 grp = lane >> 2 and quad = lane % 4, a lane's C fragment elements are rows grp and grp + 8, columns
 2 * quad + {0, 1} of the 16x8 tile:
 
-    1. Q as A fragments, once per row tile: head_dim / 16 k-steps x 4 registers of two float16 each, kept in
-       shared memory (one word per lane, no bank conflicts) rather than in registers, which O and the K/V
-       loads need (in registers they pushed an int8-cache kernel at head_dim 128 past 255 and into spills);
+    1. Q as A fragments, once per row tile: head_dim / 16 k-steps x 4 registers of two float16 each. For float16
+       and int8 caches (`q_registers`) they stay in registers, 32 a lane at head_dim 128 beside O's 64; an int4
+       cache's staging unpacks 32 elements a chunk and leaves no room, so there they live in shared memory (one
+       word per lane, no bank conflicts) and are read again for every key tile;
     2. S = Q Kᵀ in two 16x8 C tiles (keys t0..t0+7, t0+8..t0+15), head_dim / 16 mma each. The block first copies
        the K rows of every warp's key tile into shared memory together (`load_chunk`: 16-byte loads when the
        launcher found the rows aligned, consecutive lanes on consecutive chunks of a row, so every sector a warp
        touches is used whole), dequantized and packed to float16 pairs, so K is read from global memory once per
        block rather than once per warp. Rows are padded by 4 words: K's B fragment, the words
-       (key t0 + grp, 2 * quad + {0, 1}) and (.., + {8, 9}) per k-step, then hits 32 different banks;
+       (key t0 + grp, 2 * quad + {0, 1}) and (.., + {8, 9}) per k-step, then hits 32 different banks. Each lane
+       stores its chunk's words starting at a lane-dependent one, so a warp's stores hit 32 banks too; the
+       rotation is done on registers with selects (`rotate`), since indexing by it would move the chunk, and an
+       address per word, into local memory;
     3. scores through the operator's `score` (-inf outside [lo, hi) and for empty rows), then the online
        softmax on the fragments: a row's maximum over its 16 keys is the max over the 4 lanes of a quad
        (`quad_max2`); each lane keeps the partial row sum of its own columns (summed over the quad at the end);
@@ -24,6 +28,13 @@ grp = lane >> 2 and quad = lane % 4, a lane's C fragment elements are rows grp a
        V's B fragment, V[key t0 + 2 * quad + {0, 1}][grp] and V[.. + {8, 9}][grp], is then two shared words;
     6. the block's warps that share a row tile but walked different keys (decode: few rows, many keys) merge
        their (m, l, O) pairwise through shared memory with the multi-block rule; the first writes O / l.
+
+What bounds it is shared memory: per warp and 16-key tile at head_dim 128 there are 16 mma for S and 16 for P·V,
+and the shared-memory wavefronts they need are K's B fragments (16 x 2), V's (16 x 2) and the K and V staging
+stores (2 x 4 KB / 128 bytes, shared by the 4 warps of a 128-thread prefill block: 16), 80 for 32 mma: 2.5 a mma.
+Reading Q's A fragments from shared memory adds 8 x 4 = 32 (3.5 a mma, the int4 kernel). Every fragment read
+indexes the stage with an unsigned offset: numba wraps negative signed indices, and that select kept each of the
+64 reads' addresses in its own register for the whole key loop.
 
 K and V come through the operator's `row_offsets` / `load_chunk` device functions, dequantized, as float32
 values and are rounded to float16 for the mma. For a float16 query (the only dtype this rung takes) the document's
@@ -119,10 +130,13 @@ def check_fits(head_dim: int, warps: int) -> None:
 
 
 def make_mma_attention_kernel(row_offsets, load_chunk, score, key_range, *, head_dim_k: int, head_dim_v: int,
-                              chunk: int, heads_per_block: int, positions: int, row_tiles: int, group: int, warps: int):
+                              chunk: int, heads_per_block: int, positions: int, row_tiles: int, group: int, warps: int,
+                              q_registers: bool = False):
     """Build the kernel. Launch grid (ceil(max_seqlen / (positions * row_tiles)), num_heads / heads_per_block, B),
     32 * warps threads; arguments as `_attention_core.make_attention_kernel`'s kernel (float16 query).
-    load_chunk: `_cache.make_chunk_load`'s device function for `chunk` elements (one 16-byte piece of a row)."""
+    load_chunk: `_cache.make_chunk_load`'s device function for `chunk` elements (one 16-byte piece of a row).
+    q_registers: keep Q's A fragments in registers (head_dim / 4 per lane) instead of shared memory, which saves
+    4 wavefronts per k-step and key tile; for the caches whose K/V loads leave the registers for it."""
     HPB, DK, DV, WARPS, RT = heads_per_block, head_dim_k, head_dim_v, warps, row_tiles
     SPLITS = WARPS // RT                        # warps per row tile, each on its own share of the key tiles
     K_STEPS = _padded(DK, MMA_K) // MMA_K       # k16 steps of Q·Kᵀ
@@ -133,7 +147,13 @@ def make_mma_attention_kernel(row_offsets, load_chunk, score, key_range, *, head
         raise ValueError(f"head_dim: {DK}/{DV} needs more than {SHARED_BYTES} bytes of shared memory per block "
                          f"with {WARPS} warps and {RT} row tiles in the rung-5 kernel")
     MMA_SCRATCH, QUAD_SCRATCH = scratch_shapes(WARPS)
-    MERGE, Q_FRAGMENTS = merge_shape(DV, WARPS, RT), q_shape(DK, RT)
+    MERGE = merge_shape(DV, WARPS, RT)
+    # Q's fragments in registers (K_STEPS x 4 per lane) or in shared memory; the other holds one dummy element.
+    # Registers save 4 wavefronts per k-step and key tile (3.5 -> 2.5 wavefronts per mma at head_dim 128).
+    # The plan counts Q's shared memory either way (shared_bytes), so a kernel of either kind fits it.
+    Q_IN_REGISTERS = q_registers
+    Q_FRAGMENTS = (1, 1, 1, 1) if q_registers else q_shape(DK, RT)
+    Q_REGISTERS = K_STEPS if q_registers else 1
     KEYS, WORDS = stage_shape(DK, DV, WARPS, RT)  # keys staged per step (every warp's tile); pairs of a K row
     K_ROW, V_ROW = WORDS + 4, 2 * WORDS + 8        # padded rows of the stage, in words: one key / two keys
     STAGE_WORDS = KEYS * K_ROW                     # = KEYS // 2 * V_ROW
@@ -143,11 +163,24 @@ def make_mma_attention_kernel(row_offsets, load_chunk, score, key_range, *, head
     # Lanes start at different words of their chunks (rotated by lane // rotation), or a warp's stores would
     # pile into a few banks; at head_dim 128 these spread the 32 lanes over 32 banks for every format.
     K_ROTATE, V_ROTATE = max(1, 64 // chunk), max(1, 32 // chunk)
+    K_LOG, V_LOG = (chunk // 2).bit_length() - 1, chunk.bit_length() - 1    # chunk: a power of two
     f32 = np.float32
     NEG_INF = f32(-math.inf)
 
     @cuda.jit(device=True, inline="always")
-    def stage_k(src, kv_s, piece, b, t_stage, hi, g, tid):
+    def rotate(words, spare, log_n, by):
+        """words[j] <- words[(j + by) % n] for j < n = 2 ** log_n: log_n rounds of selects at fixed indices, which
+        keep both arrays in registers (reading words[(j + by) % n] would put them, and an address per j, in local
+        memory)."""
+        for bit in range(log_n):
+            take = by >> bit & 1
+            for j in range(1 << log_n):
+                spare[j] = words[(j + (1 << bit)) % (1 << log_n)] if take else words[j]
+            for j in range(1 << log_n):
+                words[j] = spare[j]
+
+    @cuda.jit(device=True, inline="always")
+    def stage_k(src, kv_s, piece, words, spare, b, t_stage, hi, g, tid):
         """The block copies K of keys t_stage .. t_stage + KEYS - 1 (kv head g) into kv_s, row key, word w = the
         elements 2w, 2w + 1; elements past head_dim and keys from hi on are zeros. Thread tid takes chunks tid,
         tid + THREADS, ...: a warp's 32 chunks lie side by side in a row (or run on into the next), so its loads
@@ -161,13 +194,16 @@ def make_mma_attention_kernel(row_offsets, load_chunk, score, key_range, *, head
                 row, sc_row = row_offsets(src, b, t, g)
                 load_chunk(src, row, sc_row, c * chunk, piece, 0, DK)
             for j in range(chunk // 2):
-                e = (j + tid % WARP_SIZE // K_ROTATE) % (chunk // 2)
-                w = c * (chunk // 2) + e
+                words[j] = pack_half2(piece[2 * j], piece[2 * j + 1])
+            by = tid % WARP_SIZE // K_ROTATE % (chunk // 2)
+            rotate(words, spare, K_LOG, by)
+            for j in range(chunk // 2):
+                w = c * (chunk // 2) + (j + by) % (chunk // 2)
                 if w < WORDS:
-                    kv_s[key * K_ROW + w] = pack_half2(piece[2 * e], piece[2 * e + 1])
+                    kv_s[key * K_ROW + w] = words[j]
 
     @cuda.jit(device=True, inline="always")
-    def stage_v(src, kv_s, piece, b, t_stage, hi, g, tid):
+    def stage_v(src, kv_s, piece, words, spare, b, t_stage, hi, g, tid):
         """The block copies V of the same keys into kv_s transposed in pairs: row k, word d = the elements d of
         keys 2k and 2k + 1, which is what a B fragment register of P·V holds. A thread loads one chunk of both
         keys; a warp's first loads cover 16 chunks of one row and 16 of the row two keys on, whole sectors."""
@@ -181,10 +217,13 @@ def make_mma_attention_kernel(row_offsets, load_chunk, score, key_range, *, head
                     row, sc_row = row_offsets(src, b, t, g)
                     load_chunk(src, row, sc_row, c * chunk, piece, u * chunk, DV)
             for j in range(chunk):
-                e = (j + tid % WARP_SIZE // V_ROTATE) % chunk
-                d = c * chunk + e
+                words[j] = pack_half2(piece[j], piece[chunk + j])
+            by = tid % WARP_SIZE // V_ROTATE % chunk
+            rotate(words, spare, V_LOG, by)
+            for j in range(chunk):
+                d = c * chunk + (j + by) % chunk
                 if d < 2 * WORDS:
-                    kv_s[k * V_ROW + d] = pack_half2(piece[e], piece[chunk + e])
+                    kv_s[k * V_ROW + d] = words[j]
 
     @cuda.jit
     def mma_attention_kernel(q_geom, out_geom, seqlens, kvlens, k_src, v_src, score_args, sm_scale):
@@ -206,6 +245,8 @@ def make_mma_attention_kernel(row_offsets, load_chunk, score, key_range, *, head
         q_s = cuda.shared.array(Q_FRAGMENTS, np.uint32)
         kv_s = cuda.shared.array(STAGE_WORDS, np.uint32)
         piece = cuda.local.array(PIECE, f32)
+        words = cuda.local.array(chunk, np.uint32)   # a staged chunk's float16 pairs, rotated (`rotate`)
+        spare = cuda.local.array(chunk, np.uint32)
 
         # This lane's two rows, grp and grp + 8 of the tile: query position, head, and whether they exist.
         row_i = cuda.local.array(2, np.int64)
@@ -218,9 +259,11 @@ def make_mma_attention_kernel(row_offsets, load_chunk, score, key_range, *, head
             row_ok[r] = rr < ROWS and row_i[r] < seqlen
 
         # 1. Q as A fragments, once per row tile: register k holds row grp + 8 * (k % 2), columns
-        #    2 * quad + 8 * (k // 2) + {0, 1}
+        #    2 * quad + 8 * (k // 2) + {0, 1}. In registers (q_r) every warp loads its own tile's; in shared
+        #    memory the first warp of the tile stores them for the others.
         q, q_starts, q_sb, q_si, q_sh = q_geom
-        if split == 0:
+        q_r = cuda.local.array((Q_REGISTERS, 4), np.uint32)
+        if Q_IN_REGISTERS or split == 0:
             for ks in range(K_STEPS):
                 for k in range(4):
                     r, d = k % 2, ks * MMA_K + 2 * quad + 8 * (k // 2)
@@ -231,7 +274,10 @@ def make_mma_attention_kernel(row_offsets, load_chunk, score, key_range, *, head
                             x0 = f32(q[at])
                         if d + 1 < DK:
                             x1 = f32(q[at + 1])
-                    q_s[tile, ks, k, lane] = pack_half2(x0, x1)
+                    if Q_IN_REGISTERS:
+                        q_r[ks, k] = pack_half2(x0, x1)
+                    else:
+                        q_s[tile, ks, k, lane] = pack_half2(x0, x1)
         cuda.syncthreads()
 
         row_max = cuda.local.array(2, f32)
@@ -255,18 +301,21 @@ def make_mma_attention_kernel(row_offsets, load_chunk, score, key_range, *, head
             t0 = t_stage + split * KEY_TILE
             kv = split * KEY_TILE                    # the stage row of key t0
             # 2. S = Q Kᵀ, K staged first (keys at or past hi are zeros, and masked below)
-            stage_k(k_src, kv_s, piece, b, t_stage, hi, g, tid)
+            stage_k(k_src, kv_s, piece, words, spare, b, t_stage, hi, g, tid)
             cuda.syncthreads()
             for nt in range(2):
                 for e in range(4):
                     s[nt, e] = 0.0
-            for ks in range(K_STEPS):
-                a0, a1 = q_s[tile, ks, 0, lane], q_s[tile, ks, 1, lane]
-                a2, a3 = q_s[tile, ks, 2, lane], q_s[tile, ks, 3, lane]
+            for ks in range(K_STEPS):                # unsigned stage offsets: see the module docstring
+                if Q_IN_REGISTERS:
+                    a0, a1, a2, a3 = q_r[ks, 0], q_r[ks, 1], q_r[ks, 2], q_r[ks, 3]
+                else:
+                    a0, a1 = q_s[tile, ks, 0, lane], q_s[tile, ks, 1, lane]
+                    a2, a3 = q_s[tile, ks, 2, lane], q_s[tile, ks, 3, lane]
                 for nt in range(2):
-                    at = (kv + 8 * nt + grp) * K_ROW + ks * 8 + quad
+                    at = np.uint64((kv + 8 * nt + grp) * K_ROW + ks * 8 + quad)
                     s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3] = mma_m16n8k16(
-                        a0, a1, a2, a3, kv_s[at], kv_s[at + 4],
+                        a0, a1, a2, a3, kv_s[at], kv_s[at + np.uint64(4)],
                         s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3], mma_scratch, warp, lane)
             # 3. scores and the online softmax; element e of a C tile is row grp + 8 * (e // 2), key 2 * quad + e % 2
             for r in range(2):
@@ -306,12 +355,12 @@ def make_mma_attention_kernel(row_offsets, load_chunk, score, key_range, *, head
             # 5. O += P V, V staged where K was once every warp is done with K; this lane's B registers are keys
             #    2 * quad + {0, 1} and 2 * quad + {8, 9} of the tile, column grp: two words of the V stage
             cuda.syncthreads()
-            stage_v(v_src, kv_s, piece, b, t_stage, hi, g, tid)
+            stage_v(v_src, kv_s, piece, words, spare, b, t_stage, hi, g, tid)
             cuda.syncthreads()
             for vt in range(V_TILES):
-                at = (kv // 2 + quad) * V_ROW + vt * MMA_N + grp
+                at = np.uint64((kv // 2 + quad) * V_ROW + vt * MMA_N + grp)
                 o[vt, 0], o[vt, 1], o[vt, 2], o[vt, 3] = mma_m16n8k16(
-                    p0, p1, p2, p3, kv_s[at], kv_s[at + 4 * V_ROW], o[vt, 0], o[vt, 1], o[vt, 2], o[vt, 3],
+                    p0, p1, p2, p3, kv_s[at], kv_s[at + np.uint64(4 * V_ROW)], o[vt, 0], o[vt, 1], o[vt, 2], o[vt, 3],
                     mma_scratch, warp, lane)
             cuda.syncthreads()                       # every warp is done with V before the next K lands
 

@@ -115,7 +115,7 @@ def attention_kernel(quant_bit, quant_group, scale_dtype, value_dtype, query_dty
         kernel = make_mma_attention_kernel(row_offsets, load_chunk, score, key_range, head_dim_k=head_dim,
                                            head_dim_v=head_dim, chunk=chunk, heads_per_block=heads_per_block,
                                            positions=positions, row_tiles=row_tiles, group=num_heads // num_kv_heads,
-                                           warps=warps)
+                                           warps=warps, q_registers=quant_bit != 4)   # int4: no registers left
         return kernel, heads_per_block, positions * row_tiles
     heads_per_block, q_tile, key_tile = plan
     kernel = make_attention_kernel(row_offsets, load, score, key_range, head_dim_k=head_dim, head_dim_v=head_dim,
