@@ -20,6 +20,8 @@ PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#b07aa1", "#76b7b2")
 HIDDEN, EMPTY, SINK = "#eeeeee", "#ffffff", "#9c755f"
 # The GPU bench run the kernel-ladder page plots, once a session with a GPU commits one.
 BENCH_RUN = Path(__file__).resolve().parents[1] / "docs" / "bench" / "bench.json"
+# The lab's counted run (python -m cacheattn lab --write), whose derived bounds the kernel-ladder page plots.
+LAB_RUN = Path(__file__).resolve().parents[1] / "docs" / "kernel-ladder-counts.json"
 
 
 class Svg:
@@ -224,6 +226,40 @@ def bench_plot(result: dict) -> str:
     return svg.render()
 
 
+def bounds_plot(result: dict) -> str:
+    """A `python -m cacheattn lab` run (docs/kernel-ladder-counts.json) drawn as the bench plot is: per bench case,
+    one bar per rung, the floor's time (the bytes the case must move over the HBM bandwidth, or its FLOPs over the
+    tensor cores) as a share of the rung's lower bound, so 100% is a rung that can reach the floor. Derived from
+    counts, never timed."""
+    from .lab import bounds, cases
+
+    machine = bounds.H100_SXM
+    svg, left, full, bar = Svg(), 260, 300, 12
+    svg.text(4, 14, f"{machine.name}: the floor's time as a share of each rung's lower bound (derived, not timed)",
+             bold=True)
+    y = 30
+    for label, case in result["cases"].items():
+        bench = cases.BenchCase(**case["case"])
+        floor_us = bench.floor_bytes / machine.hbm_bytes_per_s * 1e6
+        if bench.new_tokens > 1:
+            floor_us = max(floor_us, bench.flops / 4096 / (machine.mma_per_clock * machine.sms * machine.clock_hz)
+                           * 1e6)
+        svg.text(4, y + 12, f"{label}: floor {floor_us:,.1f} µs", bold=True)
+        y += 18
+        for k, (rung, figures_rung) in enumerate(case["rungs"].items()):
+            b = figures_rung["bounds"]
+            share = floor_us / b["lower bound µs (derived)"]
+            svg.text(left - 6, y + 10, f"rung {rung}", anchor="end")
+            svg.rect(left, y, max(1.0, round(min(share, 1.0) * full, 1)), bar, PALETTE[k % len(PALETTE)])
+            svg.text(round(left + min(share, 1.0) * full + 6, 1), y + 10,
+                     f"{100 * share:.0f}%  ≥ {b['lower bound µs (derived)']:,.1f} µs ({b['limited by']})")
+            y += bar + 4
+        y += 8
+    svg.rect(left + full, 24, 1, y - 24, "#555")                 # 100 %: the floor
+    svg.text(left + full, y + 12, "100%", anchor="middle")
+    return svg.render()
+
+
 def figures() -> dict[str, str]:
     """{file name: SVG text} of every figure the pages embed."""
     from reference.cache_layout import DYNAMIC_LAYOUTS
@@ -238,6 +274,8 @@ def figures() -> dict[str, str]:
             axes, extents, 24, f"cache_layout {layout}: ({', '.join(axes.split())}) with T=3 tokens, H=2, Dh=2")
     if BENCH_RUN.exists():                       # committed from a GPU run (python -m cacheattn gpu-session)
         out["bench.svg"] = bench_plot(json.loads(BENCH_RUN.read_text()))
+    if LAB_RUN.exists():                         # committed from python -m cacheattn lab --write
+        out["lab-bounds.svg"] = bounds_plot(json.loads(LAB_RUN.read_text()))
     return out
 
 

@@ -109,3 +109,12 @@ def test_few_blocks_leave_sms_idle():
     assert bounds(metrics, blocks=264).resources["L1"].value == pytest.approx(250.0)
     with pytest.raises(ValueError, match="blocks"):
         bounds(metrics, blocks=0)
+
+
+def test_cuda_core_rungs_are_held_to_the_fma_rate():
+    # 128 float32 lanes x 2 FLOPs per clock per SM: the 4k prefill's 137,472,507,904 FLOPs / (256 x 2.6136e11) =
+    # 2054.6 µs on the CUDA cores, 16x the tensor cores' 128.4 µs (test_prefill_flops_and_mma_bound).
+    b = bounds({"dram__bytes_read.sum": PREFILL.floor_bytes}, case=PREFILL, fma_flops=PREFILL.flops)
+    assert b.resources["FMA"].value == pytest.approx(PREFILL.flops / (256 * CLOCKS) * 1e6)
+    assert b.resources["FMA"].value == pytest.approx(2054.6, rel=1e-4)
+    assert b.limiter == "FMA" and b.resources["FMA"].basis == "derived"

@@ -50,3 +50,40 @@ def test_rung_4_splits_the_long_decode_over_two_blocks_an_sm():
     assert counters.splits_for(LAB_CASES[0])[0] == 1
     (plan,) = [p for p in counters.plans() if p.case is long_decode]
     assert plan.points_for(4) == (264, 528) and plan.points_for(3) == (128, 256)
+
+
+@pytest.mark.parametrize("case_index,rung", [(0, 3), (4, 5)])
+def test_the_committed_counts_are_current(case_index, rung):
+    # The ladder page shows docs/kernel-ladder-counts.json (`python -m cacheattn lab --write ...`, minutes). Recount
+    # its first point of the best decode rung and of the prefill's tensor-core rung: a kernel change that moves
+    # any count must come with a new file.
+    result = counters.committed()
+    plan = counters.plans()[case_index]
+    shown = result["cases"][plan.case.label]["rungs"][str(rung)]
+    threads = result["cases"][plan.case.label]["threads"]
+    now = counters._count((plan, rung, shown["points"][0], threads, shown["derived"]["splits"]))
+    stale = "run python -m cacheattn lab --write docs/kernel-ladder-counts.json"
+    assert now == shown["counted"][0], stale
+    # ... and the derivations from the committed full-launch figures are today's.
+    assert counters.derived(shown["full"], plan, shown["derived"]["splits"]) == shown["derived"], stale
+    bound = counters.bound_figures(counters.lower_bounds(shown["full"], plan), plan.case)
+    assert {k: v for k, v in shown["bounds"].items() if "estimate" not in k} == bound, stale
+
+
+def test_the_issue_estimate_is_the_key_loop_once_per_trip_of_every_warp():
+    # Rung 3, float16, head_dim 128: 16 lanes share a key (16 chunks of 8 halves), so a warp takes 2 keys a trip.
+    # 512 blocks see 4097 keys each: 512 x 4097 / 2 trips of the committed loop body, at 4 warp instructions per
+    # clock per SM, the busiest SM running ceil(512 / 132) = 4 blocks where the average is 3.879.
+    from cacheattn.lab import sass
+    plan = counters.plans()[0]
+    full = {"kv_must_see": 512 * 4097 * 2 * plan.case.row_bytes, "attention blocks": 512}
+    body = sass.committed()["variants"]["rung3-float16-decode"]["key_loop"]["mix"]["total"]
+    expected = 512 * 4097 / 2 * body / (4 * 132 * 1.98e9 * 512 / (4 * 132)) * 1e6
+    assert counters.issue_estimate(full, plan, 3, 128) == pytest.approx(expected)
+    # Rung 2: a warp per key, the same trips twice over for a body of its own.
+    body2 = sass.committed()["variants"]["rung2-float16-decode"]["key_loop"]["mix"]["total"]
+    assert counters.issue_estimate(full, plan, 2, 128) == pytest.approx(expected * 2 * body2 / body)
+    # No estimate where the loop has inner loops (rungs 1 and 5), for prefill or for other shapes than the SASS's.
+    assert counters.issue_estimate(full, plan, 5, 128) is None
+    assert counters.issue_estimate(full, plan, 3, 256) is None
+    assert counters.issue_estimate(full, counters.plans()[4], 3, 128) is None

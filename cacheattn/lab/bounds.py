@@ -10,8 +10,9 @@ its figures are the counted ones times `scale`. Each resource then needs at leas
     issue           warp instructions (from the SASS loop) / (4 schedulers x SMs x clock), when given
     tensor cores    mma.m16n8k16 count / (1 per clock per SM x SMs x clock), when given
 
-and the kernel cannot run faster than the largest of them. Every shared or L1 bound assumes the work spreads
-evenly over the SMs and every unit runs at its peak: a lower bound, reached by no real kernel. DRAM bytes as the
+and the kernel cannot run faster than the largest of them. Every shared, L1, issue or tensor bound assumes every
+unit runs at its peak and the work spreads over the SMs as evenly as the grid allows (given the block count, the
+busiest SM runs ceil(blocks / SMs) blocks: 8 blocks keep 124 SMs idle): a lower bound, reached by no real kernel. DRAM bytes as the
 recorder counts them assume an L2 that holds the working set, so every byte comes from DRAM once.
 
 Figures are labelled `counted` (read off the recording, times the grid scale) or `derived` (computed from counted
@@ -39,6 +40,7 @@ class Machine:
     l1_sectors_per_clock: int             # per SM, 32-byte sectors
     issue_per_clock: int                  # warp instructions per SM per clock (one per scheduler)
     mma_per_clock: float                  # mma.m16n8k16 (4096 FLOPs) per SM per clock, dense float16
+    fma_per_clock: int                    # float32 FMA (2 FLOPs) per SM per clock on the CUDA cores
 
 
 H100_SXM = Machine(
@@ -63,6 +65,9 @@ H100_SXM = Machine(
     # Dense float16 with float32 accumulation: 989.4 TFLOP/s at 1.83 GHz over 132 SMs (datasheet) = 4096 FLOPs per
     # clock per SM, one m16n8k16 (16 x 8 x 16 x 2 FLOPs). mma.sync on Hopper reaches less than the wgmma rate.
     mma_per_clock=1.0,
+    # 128 float32 lanes per SM (four processing blocks of 32: Hopper architecture whitepaper), an FMA each per
+    # clock: 132 x 128 x 2 FLOPs x 1.98 GHz = 66.9 TFLOP/s, the datasheet's 67 for the SXM5.
+    fma_per_clock=128,
 )
 
 # ----------------------------------------------------------------------------------------------------------- bounds
@@ -135,7 +140,8 @@ def _total(metrics: dict, names) -> int | None:
 
 
 def bounds(metrics: dict, scale: float = 1.0, *, case: BenchCase | None = None, warp_instructions: float | None = None,
-           mma: float | None = None, blocks: int | None = None, machine: Machine = H100_SXM) -> Bounds:
+           mma: float | None = None, fma_flops: float | None = None, blocks: int | None = None,
+           machine: Machine = H100_SXM) -> Bounds:
     """Lower bounds on the time of the full grid from figures counted on a scaled-down launch.
 
     Parameters
@@ -154,6 +160,9 @@ def bounds(metrics: dict, scale: float = 1.0, *, case: BenchCase | None = None, 
         includes instructions a branch skips and counts an inner loop's body once.
     mma : float, optional
         mma.m16n8k16 instructions of the full grid, for the tensor-core bound; already at full scale.
+    fma_flops : float, optional
+        FLOPs the full grid runs as float32 FMA on the CUDA cores (a kernel without mma: the operator's FLOPs), for
+        the FMA bound. Derived from the operator, not counted: the simulator counts memory, not arithmetic.
     blocks : int, optional
         Blocks of the full grid, each doing an equal share of the work. The per-SM bounds (shared, L1, issue,
         tensor) then charge the busiest SM, which runs ceil(blocks / SMs) of them: 8 blocks use 8 of 132 SMs,
@@ -221,7 +230,12 @@ def bounds(metrics: dict, scale: float = 1.0, *, case: BenchCase | None = None, 
         out.resources["tensor"] = Figure(mma / (machine.mma_per_clock * per_clock) * 1e6, "µs", "derived",
                                          f"mma / ({machine.mma_per_clock:g} per clock x {machine.sms} SMs x "
                                          f"{machine.clock_hz / 1e9:g} GHz)")
+    if fma_flops is not None:
+        out.figures["FMA FLOPs"] = Figure(fma_flops, "", "derived", "the operator's FLOPs, on the CUDA cores")
+        out.resources["FMA"] = Figure(fma_flops / (2 * machine.fma_per_clock * per_clock) * 1e6, "µs", "derived",
+                                      f"FLOPs / (2 x {machine.fma_per_clock} per clock x {machine.sms} SMs x "
+                                      f"{machine.clock_hz / 1e9:g} GHz)")
     if not out.resources:
         raise ValueError("metrics: none of the DRAM, shared-memory or global-sector metrics is present, and no "
-                         f"warp_instructions or mma was given; got {sorted(metrics)}")
+                         f"warp_instructions, mma or fma_flops was given; got {sorted(metrics)}")
     return out

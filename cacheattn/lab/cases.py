@@ -47,10 +47,14 @@ class BenchCase:
         return self.context + self.new_tokens
 
     @property
+    def value_bytes(self) -> int:
+        """Bytes of the values of one cached K (or V) row of one kv head, without scales."""
+        return {"float16": 2 * self.head_dim, "int8": self.head_dim, "int4": self.head_dim // 2}[self.cache]
+
+    @property
     def row_bytes(self) -> int:
         """Bytes of one cached K (or V) row of one kv head: the values, plus their float16 scales when quantized."""
-        values = {"float16": 2 * self.head_dim, "int8": self.head_dim, "int4": self.head_dim // 2}[self.cache]
-        return values + (2 * (self.head_dim // self.quant_group) if self.quant_bit else 0)
+        return self.value_bytes + (2 * (self.head_dim // self.quant_group) if self.quant_bit else 0)
 
     @property
     def must_move(self) -> dict:

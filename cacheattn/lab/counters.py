@@ -27,18 +27,22 @@ bounds on time, never timings.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import numpy as np
 
 import cacheattn
+from kernels_numba._attention_vector import lanes_per_key
+from kernels_numba._warp import WARP_SIZE
 
 from .. import _console
 from ..examples import build_ppl
-from . import bounds, recorder
+from . import bounds, recorder, sass
 from .cases import LAB_CASES, BenchCase
 
 RUNGS = (1, 2, 3, 4, 5)
@@ -188,7 +192,9 @@ def derived(full: dict, plan: Plan, splits: int) -> dict:
     mma_floor = case.flops / 4096
     return {"K/V ld sectors/request": ratio(full["kv_ld_sectors"], full["kv_ld_requests"]),
             "K/V ld sector efficiency": ratio(full["kv_ld_bytes_requested"], 32 * full["kv_ld_sectors"]),
-            "K/V reads per block (loaded / must see)": ratio(full["kv_ld_bytes_requested"], full["kv_must_see"]),
+            # the K/V loads are the values (KV_ARRAYS); kv_must_see counts whole rows, scales included
+            "K/V reads per block (loaded / must see)": ratio(full["kv_ld_bytes_requested"],
+                                                             full["kv_must_see"] * case.value_bytes / case.row_bytes),
             "global ld sector efficiency": ratio(full["global_ld_bytes_requested"],
                                                  32 * full[recorder.SECTORS_LD]),
             "shared ld wavefronts/request": ratio(full[recorder.WAVEFRONTS_LD], full["shared_ld_requests"]),
@@ -204,7 +210,31 @@ def lower_bounds(full: dict, plan: Plan) -> bounds.Bounds:
     """The full launch's per-resource lower bounds (derived), its work spread over the SMs by its blocks."""
     metrics = {name: full[name] for name in recorder.METRICS}
     metrics[bounds.GLOBAL_LOAD_BYTES] = full["global_ld_bytes_requested"]
-    return bounds.bounds(metrics, case=plan.case, mma=full[HMMA] or None, blocks=round(full["attention blocks"]))
+    # A rung without mma runs the operator's multiply-adds as float32 FMA on the CUDA cores.
+    return bounds.bounds(metrics, case=plan.case, mma=full[HMMA] or None,
+                         fma_flops=None if full[HMMA] else plan.case.flops, blocks=round(full["attention blocks"]))
+
+
+def issue_estimate(full: dict, plan: Plan, rung: int, threads: int) -> float | None:
+    """Microseconds the busiest SM needs to issue the key loop's warp instructions: the loop body of the committed
+    SASS (docs/kernel-ladder-sass.json, decode at head_dim 128, 128 threads) once per trip of every warp. An
+    estimate, not a bound: the static body holds the instructions of branches a trip skips, so it over-counts
+    those; it leaves out what runs outside the loop. For rungs 2 to 4 in decode, whose loop has no inner loop."""
+    case, machine = plan.case, sass.committed()
+    shapes = machine["shapes"]
+    variant = machine["variants"].get(f"rung{rung}-{case.cache}-decode")
+    if (plan.prefill or rung not in (2, 3, 4) or variant is None or variant["key_loop"]["inner_loops"]
+            or (case.head_dim, threads) != (shapes["head_dim"], shapes["threads"])):
+        return None
+    if rung == 2:
+        keys_per_trip = 1                              # a warp per key
+    else:                                              # a lane group per key, 16-byte chunks
+        chunk = 128 // (case.quant_bit or 16)
+        keys_per_trip = WARP_SIZE // lanes_per_key(-(-case.head_dim // chunk))
+    trips = full["kv_must_see"] / (2 * case.row_bytes) / keys_per_trip
+    issue = bounds.bounds({}, warp_instructions=trips * variant["key_loop"]["mix"]["total"],
+                          blocks=round(full["attention blocks"]))
+    return issue.resources["issue"].value
 
 
 def bound_figures(b: bounds.Bounds, case: BenchCase) -> dict:
@@ -240,6 +270,9 @@ def count_plan(plan: Plan, threads: int = THREADS, jobs: int = 1, rungs=None) ->
             "points": list(lengths), "counted": points, "full": {k: round(v, 1) for k, v in full.items()},
             "derived": derived(full, plan, splits[rung]),
             "bounds": bound_figures(lower_bounds(full, plan), plan.case)}
+        issue = issue_estimate(full, plan, rung, threads)
+        if issue is not None:
+            result["rungs"][str(rung)]["bounds"]["issue µs (SASS estimate)"] = round(issue, 1)
     return result
 
 
@@ -276,7 +309,8 @@ def print_case(label: str, result: dict) -> None:
     rows = [[f"{name} (full, counted)"] + [r["full"][name] for r in rungs.values()] for name in FULL_ROWS]
     rows += [[name] + [r["derived"][name] for r in rungs.values()] for name in first["derived"]]
     rows.append(["findings (race, uninitialized, out of bounds)"] + [r["full"]["hazards"] for r in rungs.values()])
-    rows += [[name] + [r["bounds"].get(name) for r in rungs.values()] for name in first["bounds"]]
+    bound_names = dict.fromkeys(name for r in rungs.values() for name in r["bounds"])    # rungs differ: FMA, issue
+    rows += [[name] + [r["bounds"].get(name) for r in rungs.values()] for name in bound_names]
     columns = [_console.Column("figure", key="metric")] + [
         _console.Column(f"rung {rung}", key=f"rung_{rung}", show=_cell, right=True) for rung in rungs]
     counted = result["counted"]
@@ -296,7 +330,8 @@ def print_ladder(result: dict) -> None:
                  "(cacheattn/lab/counters.py says how). DRAM bytes: every distinct 32-byte sector of a launch once "
                  "(an L2 that holds the working set). Rows marked derived are lower bounds on the full launch's "
                  f"time on an {bounds.H100_SXM.name} (its peak rates, the busiest SM's share of the blocks), never "
-                 "timings.")
+                 "timings. The issue row is an estimate, not a bound: the key loop's static SASS body once per trip "
+                 "of every warp.")
 
 
 # The command line's names of the bench cases.
@@ -304,9 +339,55 @@ CASE_NAMES = dict(zip(("decode", "decode-int8", "decode-int4", "decode-32k", "pr
                       (case.label for case in LAB_CASES)))
 
 
-def main(quick: bool = False, cases=None, jobs: int | None = None) -> int:
+def main(quick: bool = False, cases=None, jobs: int | None = None, write: Path | None = None) -> int:
     """quick: the float16 decode at head_dim 64 (CI); otherwise the named bench cases (`CASE_NAMES`; all five when
-    none is named) at head_dim 128."""
+    none is named) at head_dim 128. write: a file for the JSON as well."""
     jobs = jobs or (1 if quick else min(2, os.cpu_count() or 1))
-    print_ladder(ladder(quick, jobs=jobs, cases=[CASE_NAMES[c] for c in cases] if cases else None))
+    result = ladder(quick, jobs=jobs, cases=[CASE_NAMES[c] for c in cases] if cases else None)
+    if write is not None:
+        write.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n")
+    print_ladder(result)
     return 0
+
+
+# ------------------------------------------------------------------------------------------- the ladder page
+
+COMMITTED = Path(__file__).resolve().parents[2] / "docs" / "kernel-ladder-counts.json"
+
+
+def committed(path: Path = COMMITTED) -> dict:
+    """The committed full run (`python -m cacheattn lab --write docs/kernel-ladder-counts.json`), which the ladder
+    page shows; tests/test_lab_counters.py recounts one of its points to keep it current."""
+    return json.loads(path.read_text())
+
+
+def _short(label: str) -> str:
+    return label.replace("decode B64 ctx4096 paged ", "B64 ").replace("decode B1 ctx32768 paged fp16", "B1 32k") \
+        .replace("prefill B1 4096 tokens fp16", "prefill 4k")
+
+
+def rung_summary(result: dict, rung: int) -> str:
+    """One rung against every bench case, a line each: its lower bound and limiter, DRAM / floor, how much of its
+    K/V sectors it uses, how often a block reads its K/V, bank conflicts per key, and HMMA over the FLOPs."""
+    lines = []
+    for label, case in result["cases"].items():
+        r = case["rungs"].get(str(rung))
+        if r is None:
+            continue
+        b, d, full = r["bounds"], r["derived"], r["full"]
+        keys = full["kv_must_see"] / (2 * BenchCase(**case["case"]).row_bytes)
+        conflicts = (full[recorder.CONFLICTS_LD] + full[recorder.CONFLICTS_ST]) / keys
+        line = (f"{_short(label):<10} ≥ {b['lower bound µs (derived)']:>7,.1f} µs ({b['limited by']}, "
+                f"{b['HBM share at the bound']:.0%} of HBM); DRAM/floor {b['DRAM / floor (derived)']:.3f}; K/V sectors "
+                f"{d['K/V ld sector efficiency']:.0%} used, read {d['K/V reads per block (loaded / must see)']:.2f}x "
+                f"a block; {conflicts:.2f} conflicts/key")
+        if d["splits"] > 1:
+            line += f"; {d['splits']} splits, {d['blocks (attention)']} blocks"
+        if d["HMMA / (FLOPs / 4096)"]:
+            line += f"; HMMA {d['HMMA / (FLOPs / 4096)']:.2f}x FLOPs/4096"
+        if "issue µs (SASS estimate)" in b:
+            line += f"; issue ≈ {b['issue µs (SASS estimate)']:,.0f} µs (SASS estimate)"
+        if "TFLOP/s at the bound (derived)" in b:
+            line += f"; {b['TFLOP/s at the bound (derived)']:.0f} TFLOP/s"
+        lines.append(line)
+    return "\n".join(lines)
