@@ -7,11 +7,16 @@ the 16 bytes a load can carry for float16, 1 for int8. This rung gives each lane
 a power of 2, at most 32), so a warp walks 32 / LANES keys at once, one per group of LANES lanes:
 
     1. lane l of group k holds chunks l, l + LANES, ... of every query row of the block (registers);
-    2. each step the block takes WARPS * 32 / LANES consecutive keys, one per lane group; each lane loads its
-       chunks of key t and value t (a group reads one row: consecutive lanes, consecutive 16 bytes);
-    3. per query row, the partial products are summed within the lane group (`_warp.xor_reduce_many`,
-       (1, LANES)), giving the logit in every lane of the group;
-    4. each group keeps its own online-softmax state per row (`_attention_warp.add_key`);
+    2. each step the block takes WARPS * 32 / LANES * TILE consecutive keys, a tile of TILE per lane group
+       (`keys_per_tile`: 2 for float16 at head_dim 128, 1 for int8/int4); each lane loads its chunks of the tile's
+       keys and values (a group reads one row per load: consecutive lanes, consecutive 16 bytes). The page of the
+       group's first key is walked forward (`_cache.page_walk`), never divided out inside the loop;
+    3. the partial products of every (row, key) of the tile are summed within the lane group by a transposed
+       butterfly (`_warp.transpose_sum`), which leaves lane n of the group with the logit of row slot n // TILE,
+       key n % TILE: `score` runs once per lane, not once per row and key in every lane;
+    4. the online softmax steps once per row and tile (`_attention_warp.softmax_weights`): the max over the slot's
+       lanes, alpha and p in the lane, the sum of p; every lane then takes each row's alpha and each (row, key)'s p
+       by shuffles (`_warp.lane_values`) and updates its output slices;
     5. the groups of a warp merge their states with shuffles across groups (`xor_reduce_many`, (LANES, 32)), then
        the warps merge through shared memory (`_attention_warp.make_row_writer`).
 Rows whose 16-byte alignment the host cannot promise take the same loop with one element load per value
@@ -91,7 +96,9 @@ def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, h
                                  partials: bool = False):
     """Build the kernel. Launch grid (ceil(max_seqlen / q_tile), num_heads / heads_per_block, B, times num_splits
     with partials), 32 * warps threads; arguments as `_attention_core.make_attention_kernel`'s kernel.
-    load_chunk(src, row, sc_row, d0, regs, at, dims) fills regs[at:at + chunk] with elements d0.. of a row."""
+    load_chunk(src, row, sc_row, d0, regs, at, dims) fills regs[at:at + chunk] with elements d0.. of a row.
+    The loop walks the page tables of `_cache.CacheSource` sources itself (`_cache.page_rows`, the formula
+    row_offsets uses); row_offsets places the last visible key, which keys past the end read instead."""
     HPB, DK, DV, WARPS, E = heads_per_block, head_dim_k, head_dim_v, warps, chunk
     ROWS = HPB * q_tile
     K_CHUNKS, V_CHUNKS = ceil_div(DK, E), ceil_div(DV, E)

@@ -5,6 +5,8 @@ and every lane of a group ends with the same bits (each step combines the same t
 `xor_reduce` combines over the lanes that differ from this one only in the bits first, 2 first, ..., stop / 2:
 (1, 32) is the whole warp (`warp_sum`), (1, w) a group of w consecutive lanes (rung 3: the lanes that share one
 key row), (w, 32) the lanes at the same place of every group (rung 3: merging the keys a warp walked at once).
+`transpose_sum` sums many values over a group so that each lane ends with a different one (rung 3's logits of
+a tile of keys) and `lane_values` reads other lanes' values (`shfl_sync`).
 numba's CUDA simulator has no shuffles, so there the same device functions go through a per-warp row of
 shared memory between two block barriers (`xor_reduce_many`: one pair for several values, as the simulator's
 cost is its barriers); their callers therefore call them the same number of times in
