@@ -7,11 +7,16 @@ the 16 bytes a load can carry for float16, 1 for int8. This rung gives each lane
 a power of 2, at most 32), so a warp walks 32 / LANES keys at once, one per group of LANES lanes:
 
     1. lane l of group k holds chunks l, l + LANES, ... of every query row of the block (registers);
-    2. each step the block takes WARPS * 32 / LANES consecutive keys, one per lane group; each lane loads its
-       chunks of key t and value t (a group reads one row: consecutive lanes, consecutive 16 bytes);
-    3. per query row, the partial products are summed within the lane group (`_warp.xor_reduce_many`,
-       (1, LANES)), giving the logit in every lane of the group;
-    4. each group keeps its own online-softmax state per row (`_attention_warp.add_key`);
+    2. each step the block takes WARPS * 32 / LANES * TILE consecutive keys, a tile of TILE per lane group
+       (`keys_per_tile`: 2 for float16 at head_dim 128, 1 for int8/int4); each lane loads its chunks of the tile's
+       keys and values (a group reads one row per load: consecutive lanes, consecutive 16 bytes). The page of the
+       group's first key is walked forward (`_cache.page_walk`), never divided out inside the loop;
+    3. the partial products of every (row, key) of the tile are summed within the lane group by a transposed
+       butterfly (`_warp.transpose_sum`), which leaves lane n of the group with the logit of row slot n // TILE,
+       key n % TILE: `score` runs once per lane, not once per row and key in every lane;
+    4. the online softmax steps once per row and tile (`_attention_warp.softmax_weights`): the max over the slot's
+       lanes, alpha and p in the lane, the sum of p; every lane then takes each row's alpha and each (row, key)'s p
+       by shuffles (`_warp.lane_values`) and updates its output slices;
     5. the groups of a warp merge their states with shuffles across groups (`xor_reduce_many`, (LANES, 32)), then
        the warps merge through shared memory (`_attention_warp.make_row_writer`).
 Rows whose 16-byte alignment the host cannot promise take the same loop with one element load per value
@@ -29,11 +34,13 @@ import math
 import numpy as np
 from numba import cuda
 
-from ._attention_warp import add_key, make_row_starter, make_row_writer, plan_warp_rows
+from ._attention_warp import make_row_starter, make_row_writer, plan_warp_rows, softmax_weights
+from ._cache import page_rows, page_walk
 from ._launch import ceil_div
-from ._warp import SIMULATED, WARP_SIZE, xor_reduce_many
+from ._warp import SIMULATED, WARP_SIZE, lane_values, transpose_sum, xor_reduce_many
 
 LANE_REGISTERS = 128    # floats of q and output slices one lane holds for all its rows (of 255 registers)
+TILE_REGISTERS = 32     # floats of K and V slices one lane holds for the keys of a tile
 
 
 def lanes_per_key(chunks: int) -> int:
@@ -45,19 +52,43 @@ def lanes_per_key(chunks: int) -> int:
     return lanes
 
 
+def _pow2(n: int) -> int:
+    """The least power of 2 >= n."""
+    out = 1
+    while out < n:
+        out *= 2
+    return out
+
+
+def max_rows(head_dim: int, chunk: int) -> int:
+    """Query rows a block of this kernel holds at most (when its GQA group splits evenly): LANE_REGISTERS floats
+    of q and output slices per lane (int4 at head_dim 128: 4 lanes a key, 32 + 32 floats a row, 2 rows; float16:
+    16 lanes, 8 + 8, 8 rows)."""
+    chunks = ceil_div(head_dim, chunk)
+    per_lane = ceil_div(chunks, lanes_per_key(chunks)) * chunk
+    return max(1, min(8, LANE_REGISTERS // (2 * per_lane)))
+
+
+def keys_per_tile(head_dim: int, chunk: int) -> int:
+    """Keys a lane group takes per step: its LANES lanes finish the (row slot, key) logits of a tile, one each,
+    for row slots enough for `max_rows` (the next power of 2), and the tile's K and V slices fit TILE_REGISTERS
+    floats a lane: float16 at 128, 16 lanes / 8 slots = 2 keys of 8 + 8 floats; int8 and int4 (16 and 32 floats
+    a slice) one. One key too when a group has fewer lanes than slots (its lanes then finish several rows)."""
+    chunks = ceil_div(head_dim, chunk)
+    per_lane = ceil_div(chunks, lanes_per_key(chunks)) * chunk
+    keys = min(lanes_per_key(chunks) // _pow2(max_rows(head_dim, chunk)), TILE_REGISTERS // (2 * per_lane))
+    return _pow2(keys + 1) // 2 if keys >= 1 else 1       # a power of 2, at least 1
+
+
 def keys_per_step(head_dim: int, chunk: int, warps: int) -> int:
-    """Keys a block takes at once: one per lane group of every warp."""
-    return warps * (WARP_SIZE // lanes_per_key(ceil_div(head_dim, chunk)))
+    """Keys a block takes at once: a tile of keys per lane group of every warp."""
+    return warps * (WARP_SIZE // lanes_per_key(ceil_div(head_dim, chunk))) * keys_per_tile(head_dim, chunk)
 
 
 def plan_vector_rows(num_heads: int, num_kv_heads: int, max_seqlen: int, head_dim: int, chunk: int, warps: int):
-    """(heads_per_block, q_tile) as `plan_warp_rows`, with fewer rows when a lane's slice of a row is wide: a lane
-    holds LANE_REGISTERS floats of q and output slices in all (int4 at head_dim 128: 4 lanes a key, 32 + 32
-    floats a row, 2 rows; float16: 16 lanes, 8 + 8, 8 rows), so the loop can keep them in registers."""
-    chunks = ceil_div(head_dim, chunk)
-    per_lane = ceil_div(chunks, lanes_per_key(chunks)) * chunk
-    return plan_warp_rows(num_heads, num_kv_heads, max_seqlen, head_dim, warps,
-                          max_rows=max(1, min(8, LANE_REGISTERS // (2 * per_lane))))
+    """(heads_per_block, q_tile) as `plan_warp_rows`, with at most `max_rows` rows, so the loop keeps a lane's
+    slices of q and the output in registers."""
+    return plan_warp_rows(num_heads, num_kv_heads, max_seqlen, head_dim, warps, max_rows=max_rows(head_dim, chunk))
 
 
 def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, head_dim_k: int, head_dim_v: int,
@@ -65,23 +96,43 @@ def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, h
                                  partials: bool = False):
     """Build the kernel. Launch grid (ceil(max_seqlen / q_tile), num_heads / heads_per_block, B, times num_splits
     with partials), 32 * warps threads; arguments as `_attention_core.make_attention_kernel`'s kernel.
-    load_chunk(src, row, sc_row, d0, regs, at, dims) fills regs[at:at + chunk] with elements d0.. of a row."""
+    load_chunk(src, row, sc_row, d0, regs, at, dims) fills regs[at:at + chunk] with elements d0.. of a row.
+    The loop walks the page tables of `_cache.CacheSource` sources itself (`_cache.page_rows`, the formula
+    row_offsets uses); row_offsets places the last visible key, which keys past the end read instead."""
     HPB, DK, DV, WARPS, E = heads_per_block, head_dim_k, head_dim_v, warps, chunk
     ROWS = HPB * q_tile
     K_CHUNKS, V_CHUNKS = ceil_div(DK, E), ceil_div(DV, E)
     LANES = lanes_per_key(max(K_CHUNKS, V_CHUNKS))
-    KEYS = WARP_SIZE // LANES                          # keys a warp walks at once
-    STEP = WARPS * KEYS                                # keys a block walks at once
+    KEYS = WARP_SIZE // LANES                          # lane groups of a warp
+    TILE = keys_per_tile(max(DK, DV), E)               # keys a lane group takes per step
+    SLOTS = max(_pow2(ROWS), LANES // TILE)            # row slots of a tile (rows past ROWS are padding)
+    PER = SLOTS * TILE // LANES                        # logits a lane finishes: 1 unless a group cannot split
+    SPAN = max(1, TILE // PER)                         # lanes that hold one slot's logits
+    LOGITS, WEIGHTS = LANES * PER, ROWS * TILE         # (slot, key) logits of a tile; (row, key) weights
+    STEP = WARPS * KEYS * TILE                         # keys a block walks at once
     K_LOADS, V_LOADS = ceil_div(K_CHUNKS, LANES), ceil_div(V_CHUNKS, LANES)    # chunks per lane
     KR, VR = K_LOADS * E, V_LOADS * E                  # registers per lane for one row of q / of the output
     acc_t = np.float32
     NEG_INF = acc_t(-math.inf)
     MERGED = VR + 1                                    # a row's output slice and sum, merged across lane groups
-    SCRATCH = max(ROWS, MERGED) if SIMULATED else 1    # values xor_reduce_many combines at once in the simulator
+    SCRATCH = max(LOGITS, MERGED) if SIMULATED else 1    # values the simulator's warp functions exchange
     start_rows = make_row_starter(heads_per_block=HPB, q_tile=q_tile, head_dim_k=DK, chunk=E, lanes=LANES,
                                   q_per_lane=KR, out_per_lane=VR)
     write_rows = make_row_writer(heads_per_block=HPB, q_tile=q_tile, head_dim_v=DV, warps=WARPS,
                                  partials=partials)
+
+    @cuda.jit(device=True, inline="always")
+    def from_lanes(out, count, stride, values, gathered, scratch, warp, lane, first_lane):
+        """out[r] = entry r * stride of the tile's logit layout (lane n // PER of the group, its values[n % PER]),
+        r < count, in every lane."""
+        if PER == 1:
+            lane_values(out, count, values[0], scratch, warp, lane, first_lane, stride)
+            return
+        for k in range(PER):
+            lane_values(gathered, ((count - 1) * stride) // PER + 1, values[k], scratch, warp, lane, first_lane, 1)
+            for r in range(count):
+                if (r * stride) % PER == k:
+                    out[r] = gathered[(r * stride) // PER]
 
     @cuda.jit
     def vector_attention_kernel(q_geom, out_geom, seqlens, kvlens, k_src, v_src, score_args, sm_scale):
@@ -98,8 +149,9 @@ def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, h
         tid = cuda.threadIdx.x
         warp, lane = tid // WARP_SIZE, tid % WARP_SIZE
         key_of_warp, group_lane = lane // LANES, lane % LANES
+        first_lane = key_of_warp * LANES             # of this lane's group, in the warp
 
-        scratch = cuda.shared.array((WARPS, WARP_SIZE, SCRATCH), acc_t)     # the simulator's reductions only
+        scratch = cuda.shared.array((WARPS, WARP_SIZE, SCRATCH), acc_t)     # the simulator's warp functions only
         warp_max = cuda.shared.array((WARPS, ROWS), acc_t)
         warp_sum = cuda.shared.array((WARPS, ROWS), acc_t)
         warp_out = cuda.shared.array((WARPS, ROWS, DV), acc_t)
@@ -112,47 +164,107 @@ def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, h
         start_rows(q_geom, b, i0, h0, seqlen, group_lane, q_reg, row_max, row_sum, acc)
         k_reg = cuda.local.array(KR, acc_t)
         v_reg = cuda.local.array(VR, acc_t)
-        dots = cuda.local.array(ROWS, acc_t)
+        dots = cuda.local.array(LOGITS, acc_t)     # (row slot, key) partial logits of a tile, slot-major
+        logits = cuda.local.array(PER, acc_t)        # this lane's logits, entries group_lane * PER + k
+        m_lane = cuda.local.array(PER, acc_t)        # their rows' softmax states (a slot's lanes agree)
+        l_lane = cuda.local.array(PER, acc_t)
+        alpha = cuda.local.array(PER, acc_t)
+        p = cuda.local.array(PER, acc_t)
+        combined = cuda.local.array(PER, acc_t)
+        gathered = cuda.local.array(LANES, acc_t)
+        weights = cuda.local.array(WEIGHTS, acc_t)     # p of every (row, key) of the tile, from the lanes
+        alphas = cuda.local.array(ROWS, acc_t)
+        k_rows = cuda.local.array((TILE, 2), np.int64)
+        v_rows = cuda.local.array((TILE, 2), np.int64)
         merged = cuda.local.array(MERGED, acc_t)
         for x in range(KR):
             k_reg[x] = 0.0                            # elements past the row stay 0 (their q is 0 too)
         for x in range(VR):
             v_reg[x] = 0.0
+        for k in range(PER):
+            m_lane[k], l_lane[k] = NEG_INF, 0.0
 
         i_last = min(i0 + q_tile, seqlen) - 1
         lo, hi = key_range(score_args, b, i0, i_last, seqlen, kvlen)
         if partials:                                  # this split's keys
             per_split = -(-kvlen // num_splits)
             lo, hi = max(lo, split * per_split), min(hi, (split + 1) * per_split)
-        steps = -(-max(hi - lo, 0) // STEP)          # the same count in every thread: xor_reduce may hold barriers
+        steps = -(-max(hi - lo, 0) // STEP)          # the same count in every thread: the warp functions may hold
+        t0 = lo + (warp * KEYS + key_of_warp) * TILE  # barriers; t0: this group's first key
+        # Keys past hi read the last visible key instead (weighed 0), and the page of t0 is walked forward a step at
+        # a time (`page_walk`), so the loop divides by the page size nowhere.
+        k_page, k_offset, v_page, v_offset = t0 // k_src.page, t0 % k_src.page, t0 // v_src.page, t0 % v_src.page
+        last = max(hi - 1, 0)
+        k_last, k_last_sc = row_offsets(k_src, b, last, g)
+        v_last, v_last_sc = row_offsets(v_src, b, last, g)
         for step in range(steps):
-            t = lo + step * STEP + warp * KEYS + key_of_warp
-            valid = t < hi
-            tc = min(t, hi - 1)                      # a group past the end loads a real key and weighs it 0
-            # 2. this lane's chunks of key t and value t
-            k_row, k_scale_row = row_offsets(k_src, b, tc, g)
-            v_row, v_scale_row = row_offsets(v_src, b, tc, g)
-            for m in range(K_LOADS):
-                c = group_lane + m * LANES
-                if c < K_CHUNKS:
-                    load_chunk(k_src, k_row, k_scale_row, c * E, k_reg, m * E, DK)
-            for m in range(V_LOADS):
-                c = group_lane + m * LANES
-                if c < V_CHUNKS:
-                    load_chunk(v_src, v_row, v_scale_row, c * E, v_reg, m * E, DV)
-            # 3. the logits of key t, each row's partial products summed over the key's lane group
+            # 2. where keys t0 .. t0 + TILE - 1 live
+            for j in range(TILE):
+                k_rows[j, 0], k_rows[j, 1], v_rows[j, 0], v_rows[j, 1] = k_last, k_last_sc, v_last, v_last_sc
+                if t0 + j < hi:
+                    kp, ko = page_walk(k_page, k_offset, j, k_src.page)
+                    vp, vo = page_walk(v_page, v_offset, j, v_src.page)
+                    k_rows[j, 0], k_rows[j, 1] = page_rows(k_src, b, kp, ko, g)
+                    v_rows[j, 0], v_rows[j, 1] = page_rows(v_src, b, vp, vo, g)
+            # 3. each key's partial logits for every row, then each lane's (slot, key) summed over the lane group
+            for n in range(LOGITS):
+                dots[n] = 0.0
+            for j in range(TILE):
+                for m in range(K_LOADS):
+                    c = group_lane + m * LANES
+                    if c < K_CHUNKS:
+                        load_chunk(k_src, k_rows[j, 0], k_rows[j, 1], c * E, k_reg, m * E, DK)
+                for r in range(ROWS):
+                    for x in range(KR):
+                        dots[r * TILE + j] += q_reg[r, x] * k_reg[x]
+            transpose_sum(dots, PER, scratch, warp, lane, LANES)
+            for k in range(PER):
+                n = group_lane * PER + k
+                slot, t = n // TILE, t0 + n % TILE
+                i = i0 + slot // HPB
+                logits[k] = NEG_INF                  # a padding slot, a row past the sequence, a key past hi
+                if slot < ROWS and i < seqlen and t < hi:
+                    logits[k] = score(score_args, dots[k] * sm_scale, b, h0 + slot % HPB, i, t, seqlen, kvlen)
+            # 4. the online softmax, once per row and tile: the slot's max over its TILE keys (in this lane, then
+            # over its SPAN lanes), then alpha, p and the slot's sum of p
+            for k in range(PER):
+                combined[k] = logits[k]
+                for k2 in range(PER):
+                    if k2 // TILE == k // TILE:
+                        combined[k] = max(combined[k], logits[k2])
+            xor_reduce_many(combined, PER, scratch, warp, lane, 1, SPAN, True)
+            for k in range(PER):
+                new_max = max(m_lane[k], combined[k])
+                alpha[k], p[k] = softmax_weights(m_lane[k], new_max, logits[k])
+                m_lane[k] = new_max
+            for k in range(PER):
+                combined[k] = 0.0
+                for k2 in range(PER):
+                    if k2 // TILE == k // TILE:
+                        combined[k] += p[k2]
+            xor_reduce_many(combined, PER, scratch, warp, lane, 1, SPAN, False)
+            for k in range(PER):
+                l_lane[k] = l_lane[k] * alpha[k] + combined[k]
+            # every lane takes each row's alpha and each (row, key)'s p from the lane that holds it
+            from_lanes(alphas, ROWS, TILE, alpha, gathered, scratch, warp, lane, first_lane)
+            from_lanes(weights, WEIGHTS, 1, p, gathered, scratch, warp, lane, first_lane)
             for r in range(ROWS):
-                dots[r] = 0.0
-                for x in range(KR):
-                    dots[r] += q_reg[r, x] * k_reg[x]
-            xor_reduce_many(dots, ROWS, scratch, warp, lane, 1, LANES, False)
-            for r in range(ROWS):
-                i = i0 + r // HPB
-                s = NEG_INF
-                if valid and i < seqlen:
-                    s = score(score_args, dots[r] * sm_scale, b, h0 + r % HPB, i, t, seqlen, kvlen)
-                # 4. this group's online softmax for row r
-                add_key(row_max, row_sum, acc, r, s, v_reg, VR)
+                for x in range(VR):
+                    acc[r, x] *= alphas[r]
+            for j in range(TILE):
+                for m in range(V_LOADS):
+                    c = group_lane + m * LANES
+                    if c < V_CHUNKS:
+                        load_chunk(v_src, v_rows[j, 0], v_rows[j, 1], c * E, v_reg, m * E, DV)
+                for r in range(ROWS):
+                    for x in range(VR):
+                        acc[r, x] += weights[r * TILE + j] * v_reg[x]
+            t0 += STEP
+            k_page, k_offset = page_walk(k_page, k_offset, STEP, k_src.page)
+            v_page, v_offset = page_walk(v_page, v_offset, STEP, v_src.page)
+        # every lane takes each row's max and sum from the row's first lane
+        from_lanes(row_max, ROWS, TILE, m_lane, gathered, scratch, warp, lane, first_lane)
+        from_lanes(row_sum, ROWS, TILE, l_lane, gathered, scratch, warp, lane, first_lane)
 
         # 5. merge the lane groups of each warp (the same chunk positions, different keys), then the warps
         if KEYS > 1 and steps > 0:                   # (an empty split has nothing to merge)

@@ -28,6 +28,8 @@ from numba import cuda
 from ._attention_core import SHARED_BYTES
 from ._warp import WARP_SIZE, warp_sum
 
+LOWEST = np.float32(-np.finfo(np.float32).max)
+
 
 def plan_warp_rows(num_heads: int, num_kv_heads: int, max_seqlen: int, head_dim_v: int, warps: int,
                    elem_bytes: int = 4, max_rows: int = 8):
@@ -138,12 +140,21 @@ def make_warp_attention_kernel(row_offsets, load, score, key_range, *, head_dim_
 
 
 @cuda.jit(device=True, inline="always")
+def softmax_weights(old_max, new_max, s):
+    """(alpha, p) of the online softmax when a row's max moves from old_max to new_max (>= old_max, >= s):
+    alpha = e^(old_max - new_max) rescales what the row holds, p = e^(s - new_max) weighs logit s. While every key
+    so far is hidden (new_max = -inf) both are 0, not NaN: the max is floored at the lowest float32, so an empty
+    state stays empty without a branch."""
+    top = max(new_max, LOWEST)
+    return math.exp(old_max - top), math.exp(s - top)
+
+
+@cuda.jit(device=True, inline="always")
 def add_key(row_max, row_sum, acc, r, s, v_reg, count):
     """Row r's online-softmax state (max, sum, this lane's acc[r, :count]) takes one key: logit s, value v_reg."""
     new_max = max(row_max[r], s)
     if new_max != -math.inf:                          # all hidden so far: nothing to rescale or add
-        alpha = math.exp(row_max[r] - new_max)
-        p = math.exp(s - new_max)
+        alpha, p = softmax_weights(row_max[r], new_max, s)
         row_sum[r] = row_sum[r] * alpha + p
         for m in range(count):
             acc[r, m] = acc[r, m] * alpha + p * v_reg[m]

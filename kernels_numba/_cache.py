@@ -24,7 +24,7 @@ import numpy as np
 from numba import cuda
 
 from ._launch import OFFSET_PAGE, axis_strides, flat
-from ._numerics import rounder
+from ._numerics import keep_float32, round_to_float16, rounder
 from ._vector import VECTOR_BYTES, float_from_bits, half_from_bits, load16
 
 QMAX = {8: 127, 4: 7}
@@ -66,6 +66,26 @@ def token_head_item(starts, num_heads, items_per_head):
     return b, i, (idx // items_per_head) % num_heads, idx % items_per_head
 
 
+@cuda.jit(device=True, inline="always")
+def page_rows(src, b, page_index, offset, h):
+    """(row, scale_row) of the token at `offset` in page `page_index` of sequence b (`row_offsets` with t split)."""
+    slot = src.starts[b, page_index] + offset
+    return (src.base + b * src.s_b + slot * src.s_t + h * src.s_h,
+            src.sc_base + b * src.sc_s_b + slot * src.sc_s_t + h * src.sc_s_h)
+
+
+@cuda.jit(device=True, inline="always")
+def page_walk(page_index, offset, step, page):
+    """(page index, offset) of the token `step` tokens after the one at (page_index, offset): a key loop that
+    walks t += step keeps the pair and calls this instead of dividing t by the page size (a 64-bit division by
+    a runtime value is a call of ~40 instructions) for every key."""
+    offset += step
+    while offset >= page:
+        offset -= page
+        page_index += 1
+    return page_index, offset
+
+
 def make_cache_access(quant_bit: int, quant_group: int, round_scale, round_value, value_type=np.float32):
     """Device functions (row_offsets, load) for a cache of the given quantization.
 
@@ -77,9 +97,7 @@ def make_cache_access(quant_bit: int, quant_group: int, round_scale, round_value
     @cuda.jit(device=True, inline="always")
     # spec: ppl-mhca/offset-mode, ppl-mhca/paged-mode, ppl-mhca/layouts
     def row_offsets(src, b, t, h):
-        slot = src.starts[b, t // src.page] + t % src.page
-        return (src.base + b * src.s_b + slot * src.s_t + h * src.s_h,
-                src.sc_base + b * src.sc_s_b + slot * src.sc_s_t + h * src.sc_s_h)
+        return page_rows(src, b, t // src.page, t % src.page, h)
 
     dequantize = make_dequantize(round_scale, round_value)
 
@@ -138,6 +156,9 @@ def make_chunk_load(quant_bit: int, quant_group: int, round_scale, round_value, 
     dequantize = make_dequantize(round_scale, round_value)
     per_word = elements // 4                          # elements in each 32-bit word of the chunk
     bits = 32 // per_word
+    # A float16 element widened to float32 is already what float16 or float32 holds: rounding it again is a
+    # no-op that would cost two instructions an element (bfloat16 output still rounds).
+    exact = quant_bit == 0 and bits == 16 and (round_value is round_to_float16 or round_value is keep_float32)
 
     @cuda.jit(device=True, inline="always")
     def load_chunk(src, row, sc_row, d0, regs, at, dims):
@@ -156,7 +177,7 @@ def make_chunk_load(quant_bit: int, quant_group: int, round_scale, round_value, 
                 field = (word >> (bits * k)) & ((1 << bits) - 1)
                 if quant_bit == 0:
                     x = half_from_bits(field) if bits == 16 else float_from_bits(field)
-                    regs[at + e] = round_value(x)
+                    regs[at + e] = x if exact else round_value(x)
                     continue
                 if e == 0 or (d0 + e) % quant_group == 0:
                     scale = np.float32(scales[sc_row + (d0 + e) // quant_group])

@@ -5,6 +5,8 @@ and every lane of a group ends with the same bits (each step combines the same t
 `xor_reduce` combines over the lanes that differ from this one only in the bits first, 2 first, ..., stop / 2:
 (1, 32) is the whole warp (`warp_sum`), (1, w) a group of w consecutive lanes (rung 3: the lanes that share one
 key row), (w, 32) the lanes at the same place of every group (rung 3: merging the keys a warp walked at once).
+`transpose_sum` sums many values over a group so that each lane ends with a different one (rung 3's logits of
+a tile of keys) and `lane_values` reads other lanes' values (`shfl_sync`).
 numba's CUDA simulator has no shuffles, so there the same device functions go through a per-warp row of
 shared memory between two block barriers (`xor_reduce_many`: one pair for several values, as the simulator's
 cost is its barriers); their callers therefore call them the same number of times in
@@ -73,6 +75,55 @@ else:
         """values[:count], each combined as `xor_reduce` does, in place (scratch unused on a GPU)."""
         for k in range(count):
             values[k] = xor_reduce(values[k], scratch, warp, lane, first, stop, take_max)
+
+
+if SIMULATED:
+    @cuda.jit(device=True)
+    def transpose_sum(values, per, scratch, warp, lane, lanes):
+        """values[:lanes * per] summed over this lane's group of `lanes` consecutive lanes, `per` sums to a lane:
+        lane j of the group ends with entries j * per .. j * per + per - 1 summed, in values[:per] (scratch: shared
+        (warps, 32, >= lanes * per))."""
+        cuda.syncthreads()
+        for k in range(lanes * per):
+            scratch[warp, lane, k] = values[k]
+        cuda.syncthreads()
+        base = lane - lane % lanes
+        for k in range(per):
+            n = (lane % lanes) * per + k
+            total = scratch[warp, base, n]
+            for x in range(1, lanes):
+                total += scratch[warp, base + x, n]
+            values[k] = total
+
+    @cuda.jit(device=True)
+    def lane_values(out, count, x, scratch, warp, lane, first, stride):
+        """out[k] = x of lane first + k * stride of this warp, k < count (scratch: shared (warps, 32, >= 1))."""
+        cuda.syncthreads()
+        scratch[warp, lane, 0] = x
+        cuda.syncthreads()
+        for k in range(count):
+            out[k] = scratch[warp, first + k * stride, 0]
+else:
+    @cuda.jit(device=True, inline="always")
+    def transpose_sum(values, per, scratch, warp, lane, lanes):
+        """values[:lanes * per] summed over this lane's group of `lanes` consecutive lanes, `per` sums to a lane
+        (lane j: entries j * per ..., in values[:per]). A butterfly that halves the values each step: the
+        partner whose bit is set keeps the upper half and sends the lower, so lanes * per sums take
+        (lanes - 1) * per shuffles, not lanes * per * log2(lanes) as one xor_reduce per value would."""
+        half = lanes // 2
+        while half >= 1:
+            upper = (lane & half) != 0
+            for k in range(half * per):
+                mine = values[k + half * per] if upper else values[k]
+                other = values[k] if upper else values[k + half * per]
+                values[k] = mine + cuda.shfl_xor_sync(FULL_MASK, other, half)
+            half //= 2
+
+    @cuda.jit(device=True, inline="always")
+    def lane_values(out, count, x, scratch, warp, lane, first, stride):
+        """out[k] = x of lane first + k * stride of this warp, k < count (scratch unused on a GPU)."""
+        for k in range(count):
+            out[k] = cuda.shfl_sync(FULL_MASK, x, first + k * stride)
 
 
 @cuda.jit(device=True, inline="always")

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kernels_numba._attention_core import SHARED_BYTES, plan_tiles, shared_bytes
-from kernels_numba._attention_vector import keys_per_step, lanes_per_key, plan_vector_rows
+from kernels_numba._attention_vector import keys_per_step, keys_per_tile, lanes_per_key, plan_vector_rows
 from kernels_numba._cache import cache_source, chunk_elements, vector_loads_ok
 
 
@@ -32,14 +32,17 @@ def test_decode_reads_kv_once_per_group(group, head_dim):
     assert (heads_per_block, q_tile) == (group, 1)
 
 
-@pytest.mark.parametrize("quant_bit,dtype,head_dim,lanes,rows", [(0, np.float16, 128, 16, 8), (8, np.int8, 128, 8, 4),
-                                                                  (4, np.int8, 128, 4, 2), (0, np.float32, 128, 32, 8)])
-def test_rung_3_lane_groups_and_register_rows(quant_bit, dtype, head_dim, lanes, rows):
+@pytest.mark.parametrize("quant_bit,dtype,head_dim,lanes,rows,tile", [
+    (0, np.float16, 128, 16, 8, 2), (8, np.int8, 128, 8, 4, 1), (4, np.int8, 128, 4, 2, 1),
+    (0, np.float32, 128, 32, 8, 4)])
+def test_rung_3_lane_groups_and_register_rows(quant_bit, dtype, head_dim, lanes, rows, tile):
     """A 16-byte chunk per lane: Dh * bytes / 16 lanes per key, and fewer rows per block the wider a lane's slice
-    (32/8 heads: the whole group of 4, or half of it for int4)."""
+    (32/8 heads: the whole group of 4, or half of it for int4), and a tile of keys per lane group whose K and V
+    slices fit 32 floats a lane."""
     chunk = chunk_elements(quant_bit, dtype)
     assert lanes_per_key(-(-head_dim // chunk)) == lanes
-    assert keys_per_step(head_dim, chunk, warps=4) == 4 * 32 // lanes
+    assert keys_per_tile(head_dim, chunk) == tile
+    assert keys_per_step(head_dim, chunk, warps=4) == 4 * 32 // lanes * tile
     heads_per_block, q_tile = plan_vector_rows(8 * 4, 8, 1, head_dim, chunk, warps=4)
     assert heads_per_block * q_tile == min(rows, 4)
 

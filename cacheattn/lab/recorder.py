@@ -714,7 +714,8 @@ def _emulating_codes():
     """Code of the simulator twins that stand in for registers (warp shuffles, mma.sync): their shared
     scratch is not memory on a GPU, and their barriers are not barriers there."""
     from kernels_numba import _mma, _warp
-    twins = [_warp.xor_reduce, _warp.xor_reduce_many, _mma.mma_m16n8k16, _mma._quad_values]
+    twins = [_warp.xor_reduce, _warp.xor_reduce_many, _warp.transpose_sum, _warp.lane_values, _mma.mma_m16n8k16,
+             _mma._quad_values]
     return [twin.py_func.__code__ for twin in twins if hasattr(twin, "py_func")]
 
 
