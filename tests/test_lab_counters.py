@@ -44,12 +44,13 @@ def test_the_quadratic_fit_predicts_a_prefill_it_did_not_count():
 def test_rung_4_splits_the_long_decode_over_two_blocks_an_sm():
     long_decode = LAB_CASES[3]
     assert (long_decode.batch, long_decode.kvlen) == (1, 32769)
-    # 8 blocks (one per kv head, its GQA group of 4 in one block): ceil(2 x 132 / 8) = 33 splits, 264 blocks.
-    assert counters.splits_for(long_decode) == (33, 8)
+    # 8 blocks (one per kv head, its GQA group of 4 in one block): ceil(2 x 132 / 8) = 33 splits, 264 blocks; a
+    # block step is 4 warps x 2 lane groups x a tile of 2 keys = 16 keys, so rung 4 is counted at 33 x 16 x (1, 2).
+    assert counters.splits_for(long_decode) == (33, 16)
     # The B = 64 decode's 512 blocks fill the GPU: no split.
     assert counters.splits_for(LAB_CASES[0])[0] == 1
     (plan,) = [p for p in counters.plans() if p.case is long_decode]
-    assert plan.points_for(4) == (264, 528) and plan.points_for(3) == (128, 256)
+    assert plan.points_for(4) == (528, 1056) and plan.points_for(3) == (128, 256)
 
 
 @pytest.mark.parametrize("case_index,rung", [(0, 3), (4, 5)])
@@ -71,14 +72,15 @@ def test_the_committed_counts_are_current(case_index, rung):
 
 
 def test_the_issue_estimate_is_the_key_loop_once_per_trip_of_every_warp():
-    # Rung 3, float16, head_dim 128: 16 lanes share a key (16 chunks of 8 halves), so a warp takes 2 keys a trip.
-    # 512 blocks see 4097 keys each: 512 x 4097 / 2 trips of the committed loop body, at 4 warp instructions per
+    # Rung 3, float16, head_dim 128: 16 lanes share a key (16 chunks of 8 halves), two lane groups a warp, each
+    # taking a tile of 2 keys: 4 keys a trip. 512 blocks see 4097 keys each: 512 x 4097 / 4 trips of the committed
+    # loop body, at 4 warp instructions per
     # clock per SM, the busiest SM running ceil(512 / 132) = 4 blocks where the average is 3.879.
     from cacheattn.lab import sass
     plan = counters.plans()[0]
     full = {"kv_must_see": 512 * 4097 * 2 * plan.case.row_bytes, "attention blocks": 512}
     body = sass.committed()["variants"]["rung3-float16-decode"]["key_loop"]["mix"]["total"]
-    expected = 512 * 4097 / 2 * body / (4 * 132 * 1.98e9 * 512 / (4 * 132)) * 1e6
+    expected = 512 * 4097 / 4 * body / (4 * 132 * 1.98e9 * 512 / (4 * 132)) * 1e6
     assert counters.issue_estimate(full, plan, 3, 128) == pytest.approx(expected)
     # Rung 2: a warp per key, the same trips twice over for a body of its own.
     body2 = sass.committed()["variants"]["rung2-float16-decode"]["key_loop"]["mix"]["total"]

@@ -37,8 +37,7 @@ from pathlib import Path
 import numpy as np
 
 import cacheattn
-from kernels_numba._attention_vector import lanes_per_key
-from kernels_numba._warp import WARP_SIZE
+from kernels_numba._attention_vector import keys_per_step
 
 from .. import _console
 from ..examples import build_ppl
@@ -95,7 +94,6 @@ def cut_down(case: BenchCase, head_dim: int | None = None) -> BenchCase:
 def splits_for(case: BenchCase, threads: int = THREADS) -> tuple[int, int]:
     """Rung 4's split count for the full launch of `case`, as its launcher picks it on a 132-SM GPU, and the keys
     a block takes per step."""
-    from kernels_numba._attention_vector import keys_per_step
     from kernels_numba._cache import chunk_elements
     from kernels_numba._split_k import choose_splits
     from kernels_numba.ppl_dynamic_multi_head_attention import block_plan
@@ -226,11 +224,11 @@ def issue_estimate(full: dict, plan: Plan, rung: int, threads: int) -> float | N
     if (plan.prefill or rung not in (2, 3, 4) or variant is None or variant["key_loop"]["inner_loops"]
             or (case.head_dim, threads) != (shapes["head_dim"], shapes["threads"])):
         return None
+    warps = threads // 32
     if rung == 2:
         keys_per_trip = 1                              # a warp per key
-    else:                                              # a lane group per key, 16-byte chunks
-        chunk = 128 // (case.quant_bit or 16)
-        keys_per_trip = WARP_SIZE // lanes_per_key(-(-case.head_dim // chunk))
+    else:                                              # a tile of keys per lane group, 16-byte chunks
+        keys_per_trip = keys_per_step(case.head_dim, 128 // (case.quant_bit or 16), warps) // warps
     trips = full["kv_must_see"] / (2 * case.row_bytes) / keys_per_trip
     issue = bounds.bounds({}, warp_instructions=trips * variant["key_loop"]["mix"]["total"],
                           blocks=round(full["attention blocks"]))
