@@ -95,6 +95,9 @@ def main(argv=None) -> int:
                      help="a bench case to count (repeatable; default: all five)")
     lab.add_argument("--write", type=Path, help="also write the whole result as JSON to this file (the ladder page "
                      "reads docs/kernel-ladder-counts.json)")
+    lab.add_argument("--rederive", type=Path, metavar="JSON", help="count nothing: make that file's derived ratios "
+                     "and bounds again from its full-launch figures, and write it back (after a change to the bound "
+                     "model or to docs/kernel-ladder-sass.json)")
     lab.add_argument("--jobs", type=int, help="processes counting side by side (default: 2 where there are 2 cores)")
     lab.add_argument("--quick", action="store_true", help="the float16 decode alone at head_dim 64, 32 and 64 keys "
                      "(CI)")
@@ -159,7 +162,8 @@ def _run(args) -> int:
             from .lab.sanitize import sanitize
             return 1 if sanitize(full=args.full) else 0
         from .lab.counters import main as counters
-        return counters(quick=args.quick, cases=args.case, jobs=args.jobs, write=args.write)
+        return counters(quick=args.quick, cases=args.case, jobs=args.jobs, write=args.write,
+                        rederive_file=args.rederive)
     if args.command == "bench" and args.cpu:
         from .lab.bench_cpu import bench_cpu
         from .lab.bench_reference import bench_reference

@@ -114,8 +114,9 @@ else:
         while half >= 1:
             upper = (lane & half) != 0
             for k in range(half * per):
-                mine = values[k + half * per] if upper else values[k]
-                other = values[k] if upper else values[k + half * per]
+                # select values, not indices: a constant index keeps `values` in registers
+                low, high = values[k], values[k + half * per]
+                mine, other = (high, low) if upper else (low, high)
                 values[k] = mine + cuda.shfl_xor_sync(FULL_MASK, other, half)
             half //= 2
 

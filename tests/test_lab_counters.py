@@ -82,10 +82,15 @@ def test_the_issue_estimate_is_the_key_loop_once_per_trip_of_every_warp():
     body = sass.committed()["variants"]["rung3-float16-decode"]["key_loop"]["mix"]["total"]
     expected = 512 * 4097 / 4 * body / (4 * 132 * 1.98e9 * 512 / (4 * 132)) * 1e6
     assert counters.issue_estimate(full, plan, 3, 128) == pytest.approx(expected)
-    # Rung 2: a warp per key, the same trips twice over for a body of its own.
+    # Rung 2: a warp per key, four times the trips, of a body of its own.
     body2 = sass.committed()["variants"]["rung2-float16-decode"]["key_loop"]["mix"]["total"]
-    assert counters.issue_estimate(full, plan, 2, 128) == pytest.approx(expected * 2 * body2 / body)
-    # No estimate where the loop has inner loops (rungs 1 and 5), for prefill or for other shapes than the SASS's.
+    assert counters.issue_estimate(full, plan, 2, 128) == pytest.approx(expected * 4 * body2 / body)
+    # Rung 3's page walks run at most once a trip while a page holds a block's 16 keys; not with pages of 8.
+    assert sass.committed()["variants"]["rung3-float16-decode"]["key_loop"]["walk_loops"] > 0
+    small_pages = replace(plan, case=replace(plan.case, page_size=8))
+    assert counters.issue_estimate(full, small_pages, 3, 128) is None
+    # No estimate where the loop has inner loops that load (rungs 1 and 5), for prefill or for other shapes than the
+    # SASS's.
     assert counters.issue_estimate(full, plan, 5, 128) is None
     assert counters.issue_estimate(full, plan, 3, 256) is None
     assert counters.issue_estimate(full, counters.plans()[4], 3, 128) is None

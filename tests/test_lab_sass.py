@@ -76,6 +76,10 @@ def test_loops_the_key_loop_and_its_mix():
     assert sorted((code[a][0], code[b][0]) for a, b in spans) == [(0x20, 0xF0), (0x40, 0x60), (0x110, 0x130)]
     first, last = sass.key_loop(code)                   # three loads beat the inner loop's one and the later two
     assert (code[first][0], code[last][0]) == (0x20, 0xF0)
+    # The inner loop loads, the later one stores: neither is a page walk; a loop of integer arithmetic is.
+    assert sass.page_walks(code, spans) == []
+    walk = sass.parse_sass(".L_x_9:\n  /*0000*/  IADD3 R1, R1, -R2, RZ ;\n  /*0010*/  @P0 BRA `(.L_x_9) ;")
+    assert sass.page_walks(walk, sass.loops(walk)) == [(0, 1)]
     mix = sass.instruction_mix(code[first:last + 1])
     assert mix == {"LDG.8": 0, "LDG.16": 1, "LDG.32": 0, "LDG.64": 0, "LDG.128": 2, "STG": 0, "LDS": 1, "STS": 1,
                    "LDL": 0, "STL": 0, "SHFL": 1, "BAR": 1, "FFMA": 1, "HFMA2": 1, "HMMA": 1, "MUFU.EX2": 1,

@@ -217,18 +217,23 @@ def issue_estimate(full: dict, plan: Plan, rung: int, threads: int) -> float | N
     """Microseconds the busiest SM needs to issue the key loop's warp instructions: the loop body of the committed
     SASS (docs/kernel-ladder-sass.json, decode at head_dim 128, 128 threads) once per trip of every warp. An
     estimate, not a bound: the static body holds the instructions of branches a trip skips, so it over-counts
-    those; it leaves out what runs outside the loop. For rungs 2 to 4 in decode, whose loop has no inner loop."""
+    those; it leaves out what runs outside the loop. For rungs 2 to 4 in decode, whose loop holds no inner loop
+    but page walks, each counted once: a walk runs at most once a trip while a page holds a block's step of keys."""
     case, machine = plan.case, sass.committed()
     shapes = machine["shapes"]
     variant = machine["variants"].get(f"rung{rung}-{case.cache}-decode")
-    if (plan.prefill or rung not in (2, 3, 4) or variant is None or variant["key_loop"]["inner_loops"]
+    if (plan.prefill or rung not in (2, 3, 4) or variant is None
+            or variant["key_loop"]["inner_loops"] > variant["key_loop"].get("walk_loops", 0)
             or (case.head_dim, threads) != (shapes["head_dim"], shapes["threads"])):
         return None
     warps = threads // 32
     if rung == 2:
         keys_per_trip = 1                              # a warp per key
     else:                                              # a tile of keys per lane group, 16-byte chunks
-        keys_per_trip = keys_per_step(case.head_dim, 128 // (case.quant_bit or 16), warps) // warps
+        step = keys_per_step(case.head_dim, 128 // (case.quant_bit or 16), warps)
+        if case.cache_mode == 1 and case.page_size < step:
+            return None                                # a walk may run more than once a trip
+        keys_per_trip = step // warps
     trips = full["kv_must_see"] / (2 * case.row_bytes) / keys_per_trip
     issue = bounds.bounds({}, warp_instructions=trips * variant["key_loop"]["mix"]["total"],
                           blocks=round(full["attention blocks"]))
@@ -266,11 +271,27 @@ def count_plan(plan: Plan, threads: int = THREADS, jobs: int = 1, rungs=None) ->
         full = full_figures(lengths, plan, points)
         result["rungs"][str(rung)] = {
             "points": list(lengths), "counted": points, "full": {k: round(v, 1) for k, v in full.items()},
-            "derived": derived(full, plan, splits[rung]),
-            "bounds": bound_figures(lower_bounds(full, plan), plan.case)}
-        issue = issue_estimate(full, plan, rung, threads)
-        if issue is not None:
-            result["rungs"][str(rung)]["bounds"]["issue µs (SASS estimate)"] = round(issue, 1)
+            **derivations(full, plan, rung, threads, splits[rung])}
+    return result
+
+
+def derivations(full: dict, plan: Plan, rung: int, threads: int, splits: int) -> dict:
+    """A rung's derived ratios and bounds from its full-launch figures (no counting)."""
+    out = {"derived": derived(full, plan, splits), "bounds": bound_figures(lower_bounds(full, plan), plan.case)}
+    issue = issue_estimate(full, plan, rung, threads)
+    if issue is not None:
+        out["bounds"]["issue µs (SASS estimate)"] = round(issue, 1)
+    return out
+
+
+def rederive(result: dict) -> dict:
+    """`result` (what `ladder` returned) with every derivation made again from its full-launch figures: after a
+    change to the bound model or to the committed SASS that moves no count."""
+    by_label = {p.case.label: p for p in plans()}
+    for label, case in result["cases"].items():
+        for rung, shown in case["rungs"].items():
+            shown.update(derivations(shown["full"], by_label[label], int(rung), case["threads"],
+                                     shown["derived"]["splits"]))
     return result
 
 
@@ -337,11 +358,17 @@ CASE_NAMES = dict(zip(("decode", "decode-int8", "decode-int4", "decode-32k", "pr
                       (case.label for case in LAB_CASES)))
 
 
-def main(quick: bool = False, cases=None, jobs: int | None = None, write: Path | None = None) -> int:
+def main(quick: bool = False, cases=None, jobs: int | None = None, write: Path | None = None,
+         rederive_file: Path | None = None) -> int:
     """quick: the float16 decode at head_dim 64 (CI); otherwise the named bench cases (`CASE_NAMES`; all five when
-    none is named) at head_dim 128. write: a file for the JSON as well."""
+    none is named) at head_dim 128. write: a file for the JSON as well. rederive_file: no counting; that file's
+    derivations made again (and written back unless `write` names another file)."""
     jobs = jobs or (1 if quick else min(2, os.cpu_count() or 1))
-    result = ladder(quick, jobs=jobs, cases=[CASE_NAMES[c] for c in cases] if cases else None)
+    if rederive_file is not None:
+        result = rederive(json.loads(rederive_file.read_text()))
+        write = write or rederive_file
+    else:
+        result = ladder(quick, jobs=jobs, cases=[CASE_NAMES[c] for c in cases] if cases else None)
     if write is not None:
         write.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n")
     print_ladder(result)

@@ -210,6 +210,14 @@ def key_loop(instructions) -> tuple[int, int]:
     return max(candidates, key=lambda span: (loads(span), -(span[1] - span[0])))
 
 
+def page_walks(instructions, spans) -> list[tuple[int, int]]:
+    """The loops of `spans` that touch no memory: in the ladder's key loops, page walks (`_cache.page_walk`), which
+    run at most once a trip while a page holds a block's step of keys. A loop that loads or stores (rung 1's
+    tiles, rung 5's head_dim) runs many times a trip."""
+    return [(a, b) for a, b in spans
+            if not any(opcode(text).startswith(("LD", "ST")) for _, text, _ in instructions[a:b + 1])]
+
+
 def excerpt(instructions, span, classes=("LDG", "LDS", "STS", "SHFL", "BAR", "HMMA", "MUFU.EX2"), per_class=3) -> list:
     """The key loop's memory, shuffle, barrier, tensor-core and exp instructions in program order, the first
     `per_class` of each class (global loads by width), each '/*addr*/ instruction', then the backward branch that
@@ -316,12 +324,14 @@ def analyse(variant: Variant, ptxas_text: str, sass_text: str, threads: int) -> 
     span = key_loop(instructions)
     body = instructions[span[0]:span[1] + 1]
     inner = [(a, b) for a, b in loops(instructions) if span[0] <= a and b <= span[1] and (a, b) != span]
+    walks = page_walks(instructions, inner)
     return dict(rung=variant.rung, cache=variant.cache, phase=variant.phase, kernel=RUNG_KERNELS[variant.rung],
                 threads=threads, **resources, shared_dynamic=0,         # numba's kernels declare static arrays only
                 spill_bytes=resources["spill_stores"],                 # bytes a thread spills (and reloads)
                 occupancy=occupancy(resources["registers"], resources["shared"], 0, threads),
                 instructions=len(instructions), loops=len(loops(instructions)),
-                key_loop=dict(first=body[0][0], last=body[-1][0], inner_loops=len(inner), mix=instruction_mix(body),
+                key_loop=dict(first=body[0][0], last=body[-1][0], inner_loops=len(inner), walk_loops=len(walks),
+                              mix=instruction_mix(body),
                               excerpt=excerpt(instructions, span)))
 
 
@@ -432,7 +442,8 @@ def show_loop(result: dict) -> str:
             f"{result['spill_bytes']} bytes spilled, {result['shared']} bytes of shared memory, "
             f"{occ['blocks_per_sm']} blocks/SM ({occ['occupancy']:.0%} occupancy, {occ['limited_by']})\n"
             f"key loop /*{result['key_loop']['first']:04x}*/-/*{result['key_loop']['last']:04x}*/, "
-            f"{result['key_loop']['inner_loops']} inner loops: {mix['total']} instructions; {counts}")
+            f"{result['key_loop']['inner_loops']} inner loops ({result['key_loop']['walk_loops']} page walks): "
+            f"{mix['total']} instructions; {counts}")
     return "\n".join([head, *("    " + line for line in result["key_loop"]["excerpt"])])
 
 
