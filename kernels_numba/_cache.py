@@ -99,7 +99,7 @@ def make_cache_access(quant_bit: int, quant_group: int, round_scale, round_value
     def row_offsets(src, b, t, h):
         return page_rows(src, b, t // src.page, t % src.page, h)
 
-    dequantize = make_dequantize(round_scale, round_value)
+    dequantize, _ = make_dequantize(round_scale, round_value)
 
     @cuda.jit(device=True, inline="always")
     def load(src, row, sc_row, d):
@@ -117,12 +117,22 @@ def make_cache_access(quant_bit: int, quant_group: int, round_scale, round_value
 
 
 def make_dequantize(round_scale, round_value):
+    """(dequantize(q, scale), round_product(x)): the document's dequantized element, and the rounding of q * scale
+    (exact in float32: an 8-bit q times an 11-bit significand) that it applies."""
+    # A value the scale dtype holds is unchanged by rounding it to that dtype again or to float32: skip the second
+    # rounding then (float16 scales and output: two instructions a value in the key loop).
+    once = round_value is round_scale or round_value is keep_float32
+
+    @cuda.jit(device=True, inline="always")
+    def round_product(x):
+        """q * scale rounded to the scale dtype, then to the output dtype."""
+        return round_scale(x) if once else round_value(round_scale(x))
+
     @cuda.jit(device=True, inline="always")
     def dequantize(q, scale):
-        """The document's dequantized element: q * scale rounded to the scale dtype, then to the output dtype."""
-        return round_value(round_scale(np.float32(q) * np.float32(scale)))
+        return round_product(np.float32(q) * np.float32(scale))
 
-    return dequantize
+    return dequantize, round_product
 
 
 def chunk_elements(quant_bit: int, cache_dtype) -> int:
@@ -153,9 +163,12 @@ def make_chunk_load(quant_bit: int, quant_group: int, round_scale, round_value, 
     row (those below dims), dequantized as `load` returns them, into regs[at:]. vector: one 16-byte load
     (`_vector.load16`) unpacked in registers; else one `load` per element (rung 2's reads)."""
     _, load = make_cache_access(quant_bit, quant_group, round_scale, round_value)
-    dequantize = make_dequantize(round_scale, round_value)
+    dequantize, round_product = make_dequantize(round_scale, round_value)
     per_word = elements // 4                          # elements in each 32-bit word of the chunk
     bits = 32 // per_word
+    # int4: flipping bit 3 of every nibble (one xor a word) makes each field q + 8, unsigned, so q * scale is one
+    # fma of the field with the scale and -8 * scale, exact in float32 as q * scale is: no sign extension a value.
+    biased = quant_bit == 4
     # A float16 element widened to float32 is already what float16 or float32 holds: rounding it again is a
     # no-op that would cost two instructions an element (bfloat16 output still rounds).
     exact = quant_bit == 0 and bits == 16 and (round_value is round_to_float16 or round_value is keep_float32)
@@ -169,9 +182,9 @@ def make_chunk_load(quant_bit: int, quant_group: int, round_scale, round_value, 
             return
         data, scales = src.data, src.scales
         words = load16(data, row + (d0 // 2 if quant_bit == 4 else d0))
-        scale = np.float32(0.0)
+        scale = offset = np.float32(0.0)
         for j in range(4):
-            word = words[j]
+            word = words[j] ^ np.uint32(0x88888888) if biased else words[j]
             for k in range(per_word):                 # little-endian: element e is the e-th field from bit 0
                 e = j * per_word + k
                 field = (word >> (bits * k)) & ((1 << bits) - 1)
@@ -181,6 +194,10 @@ def make_chunk_load(quant_bit: int, quant_group: int, round_scale, round_value, 
                     continue
                 if e == 0 or (d0 + e) % quant_group == 0:
                     scale = np.float32(scales[sc_row + (d0 + e) // quant_group])
+                    offset = np.float32(-8.0) * scale
+                if biased:
+                    regs[at + e] = round_product(cuda.fma(np.float32(np.int32(field)), scale, offset))
+                    continue
                 sign = 1 << (bits - 1)
                 q = np.int32(field ^ sign) - sign                # two's complement of a bits-wide field
                 regs[at + e] = dequantize(q, scale)
