@@ -8,7 +8,7 @@ a power of 2, at most 32), so a warp walks 32 / LANES keys at once, one per grou
 
     1. lane l of group k holds chunks l, l + LANES, ... of every query row of the block (registers);
     2. each step the block takes WARPS * 32 / LANES * TILE consecutive keys, a tile of TILE per lane group
-       (`keys_per_tile`: 2 for float16 at head_dim 128, 1 for int8/int4); each lane loads its chunks of the tile's
+       (`keys_per_tile`: 2 for float16 and int8 at head_dim 128, 1 for int4); each lane loads its chunks of the tile's
        keys and values (a group reads one row per load: consecutive lanes, consecutive 16 bytes). The page of the
        group's first key is walked forward (`_cache.page_walk`), never divided out inside the loop;
     3. the partial products of every (row, key) of the tile are summed within the lane group by a transposed
@@ -40,7 +40,7 @@ from ._launch import ceil_div
 from ._warp import SIMULATED, WARP_SIZE, lane_values, transpose_sum, xor_reduce_many
 
 LANE_REGISTERS = 128    # floats of q and output slices one lane holds for all its rows (of 255 registers)
-TILE_REGISTERS = 32     # floats of K and V slices one lane holds for the keys of a tile
+TILE_REGISTERS = 64     # floats of K and V slices one lane holds for the keys of a tile
 
 
 def lanes_per_key(chunks: int) -> int:
@@ -72,8 +72,9 @@ def max_rows(head_dim: int, chunk: int) -> int:
 def keys_per_tile(head_dim: int, chunk: int) -> int:
     """Keys a lane group takes per step: its LANES lanes finish the (row slot, key) logits of a tile, one each,
     for row slots enough for `max_rows` (the next power of 2), and the tile's K and V slices fit TILE_REGISTERS
-    floats a lane: float16 at 128, 16 lanes / 8 slots = 2 keys of 8 + 8 floats; int8 and int4 (16 and 32 floats
-    a slice) one. One key too when a group has fewer lanes than slots (its lanes then finish several rows)."""
+    floats a lane: float16 at 128, 16 lanes / 8 slots = 2 keys of 8 + 8 floats; int8, 8 lanes / 4 slots = 2 keys
+    of 16 + 16; int4 one of 32 + 32. One key too when a group has fewer lanes than slots (its lanes then finish
+    several rows). A tile shares one softmax step, one set of shuffles and the page lookups among its keys."""
     chunks = ceil_div(head_dim, chunk)
     per_lane = ceil_div(chunks, lanes_per_key(chunks)) * chunk
     keys = min(lanes_per_key(chunks) // _pow2(max_rows(head_dim, chunk)), TILE_REGISTERS // (2 * per_lane))
