@@ -65,3 +65,20 @@ def test_lab_counts_every_rung_and_bounds_the_full_decode(capsys):
         assert rows["K/V reads per block (loaded / must see)"][rung] == 1.0
     # Rung 5 runs tensor cores on 16-row tiles of which decode fills 4: 4 x the HMMA its FLOPs need.
     assert rows["HMMA / (FLOPs / 4096)"]["rung_5"] == 4.0
+
+
+def test_rederive_makes_a_written_files_derivations_again_without_counting(tmp_path, monkeypatch, capsys):
+    from cacheattn.lab import counters
+
+    committed = counters.committed()
+    stale = json.loads(json.dumps(committed))
+    shown = stale["cases"][counters.plans()[0].case.label]["rungs"]["3"]
+    shown["derived"]["K/V ld sector efficiency"] = 0.5
+    del shown["bounds"]["issue µs (SASS estimate)"]
+    shown["bounds"]["lower bound µs (derived)"] = 1.0
+    path = tmp_path / "counts.json"
+    path.write_text(json.dumps(stale))
+    monkeypatch.setattr(counters, "_count", lambda job: pytest.fail("--rederive counted a launch"))
+    assert main(["lab", "--rederive", str(path)]) == 0
+    assert json.loads(path.read_text()) == committed      # the committed file is current (test_lab_counters)
+    assert "issue µs (SASS estimate)" in capsys.readouterr().out          # and printed the tables
