@@ -95,6 +95,11 @@ def main(argv=None) -> int:
                      help="a bench case to count (repeatable; default: all five)")
     lab.add_argument("--write", type=Path, help="also write the whole result as JSON to this file (the ladder page "
                      "reads docs/kernel-ladder-counts.json)")
+    lab.add_argument("--rung", action="append", type=int, choices=range(1, 6),
+                     help="a rung to count (repeatable; default: all five)")
+    lab.add_argument("--update", type=Path, metavar="JSON", help="put what this run counts in place of the same "
+                     "cases and rungs in that written file, make its derivations again and write it back (after a "
+                     "kernel change: recount the rungs it touched, keep the rest)")
     lab.add_argument("--rederive", type=Path, metavar="JSON", help="count nothing: make that file's derived ratios "
                      "and bounds again from its full-launch figures, and write it back (after a change to the bound "
                      "model or to docs/kernel-ladder-sass.json)")
@@ -162,8 +167,8 @@ def _run(args) -> int:
             from .lab.sanitize import sanitize
             return 1 if sanitize(full=args.full) else 0
         from .lab.counters import main as counters
-        return counters(quick=args.quick, cases=args.case, jobs=args.jobs, write=args.write,
-                        rederive_file=args.rederive)
+        return counters(quick=args.quick, cases=args.case, rungs=args.rung, jobs=args.jobs, write=args.write,
+                        rederive_file=args.rederive, update=args.update)
     if args.command == "bench" and args.cpu:
         from .lab.bench_cpu import bench_cpu
         from .lab.bench_reference import bench_reference

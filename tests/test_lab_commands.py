@@ -82,3 +82,27 @@ def test_rederive_makes_a_written_files_derivations_again_without_counting(tmp_p
     assert main(["lab", "--rederive", str(path)]) == 0
     assert json.loads(path.read_text()) == committed      # the committed file is current (test_lab_counters)
     assert "issue µs (SASS estimate)" in capsys.readouterr().out          # and printed the tables
+
+
+def test_update_puts_recounted_rungs_in_place_of_a_written_files(tmp_path, capsys):
+    path = tmp_path / "quick.json"
+    assert main(["lab", "--quick", "--rung", "2", "--rung", "3", "--write", str(path)]) == 0
+    written = json.loads(path.read_text())
+    (label,) = written["cases"]
+    stale = json.loads(path.read_text())
+    stale["cases"][label]["rungs"]["3"]["full"][DRAM_READ] = 1.0      # as a kernel change might leave it
+    stale["cases"][label]["rungs"]["3"]["bounds"]["lower bound µs (derived)"] = 1.0
+    stale["cases"][label]["rungs"]["2"]["counted"][0]["barriers"] = -1      # a rung the recount leaves alone
+    path.write_text(json.dumps(stale))
+    assert main(["lab", "--quick", "--rung", "3", "--update", str(path)]) == 0
+    updated = json.loads(path.read_text())
+    assert updated["cases"][label]["rungs"]["2"]["counted"][0]["barriers"] == -1
+    updated["cases"][label]["rungs"]["2"]["counted"][0]["barriers"] = \
+        written["cases"][label]["rungs"]["2"]["counted"][0]["barriers"]
+    assert updated == written
+    # A case the file does not hold is refused, the file left as it was.
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**written, "cases": {}}))
+    assert main(["lab", "--quick", "--rung", "3", "--update", str(other)]) == 2
+    assert "not in the file to update" in capsys.readouterr().err
+    assert json.loads(other.read_text())["cases"] == {}

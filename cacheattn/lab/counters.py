@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -287,7 +288,7 @@ def derivations(full: dict, plan: Plan, rung: int, threads: int, splits: int) ->
 def rederive(result: dict) -> dict:
     """`result` (what `ladder` returned) with every derivation made again from its full-launch figures: after a
     change to the bound model or to the committed SASS that moves no count."""
-    by_label = {p.case.label: p for p in plans()}
+    by_label = {p.case.label: p for p in plans() + plans(quick=True)}
     for label, case in result["cases"].items():
         for rung, shown in case["rungs"].items():
             shown.update(derivations(shown["full"], by_label[label], int(rung), case["threads"],
@@ -295,14 +296,25 @@ def rederive(result: dict) -> dict:
     return result
 
 
-def ladder(quick: bool = False, threads: int = THREADS, jobs: int = 1, cases=None) -> dict:
-    """Every bench case x rung: a JSON-ready dict (what `--format json` and the ladder page read)."""
+def ladder(quick: bool = False, threads: int = THREADS, jobs: int = 1, cases=None, rungs=None) -> dict:
+    """Every bench case x rung (or the `cases` labels and `rungs` named): a JSON-ready dict (what `--format json`
+    and the ladder page read)."""
     selected = [p for p in plans(quick) if cases is None or p.case.label in cases]
     return {"machine": asdict(bounds.H100_SXM),
             "note": "counted in numba's CUDA simulator on cut-down launches and scaled to the full grid (see "
                     "cacheattn/lab/counters.py); DRAM bytes count every distinct sector of a launch once (an L2 "
                     "that holds the working set); the bounds are derived lower bounds on time, never timings",
-            "cases": {p.case.label: count_plan(p, threads, jobs) for p in selected}}
+            "cases": {p.case.label: count_plan(p, threads, jobs, rungs) for p in selected}}
+
+
+def splice(result: dict, into: dict) -> dict:
+    """`into` (a written ladder) with the cases x rungs of `result` put in their places, every derivation then made
+    again: recounting the rungs a kernel change touched keeps the rest of a full run."""
+    for label, case in result["cases"].items():
+        if label not in into["cases"] or case["threads"] != into["cases"][label]["threads"]:
+            raise ValueError(f"{label} at {case['threads']} threads is not in the file to update")
+        into["cases"][label]["rungs"].update(case["rungs"])
+    return rederive(into)
 
 
 # --------------------------------------------------------------------------------------------------------- tables
@@ -358,21 +370,32 @@ CASE_NAMES = dict(zip(("decode", "decode-int8", "decode-int4", "decode-32k", "pr
                       (case.label for case in LAB_CASES)))
 
 
-def main(quick: bool = False, cases=None, jobs: int | None = None, write: Path | None = None,
-         rederive_file: Path | None = None) -> int:
+def main(quick: bool = False, cases=None, rungs=None, jobs: int | None = None, write: Path | None = None,
+         rederive_file: Path | None = None, update: Path | None = None) -> int:
     """quick: the float16 decode at head_dim 64 (CI); otherwise the named bench cases (`CASE_NAMES`; all five when
-    none is named) at head_dim 128. write: a file for the JSON as well. rederive_file: no counting; that file's
-    derivations made again (and written back unless `write` names another file)."""
+    none is named) at head_dim 128, at the `rungs` named (all when none is). write: a file for the JSON as well.
+    rederive_file: no counting; that file's derivations made again (and written back unless `write` names another
+    file). update: a written file that takes what was counted in place of its own figures (`splice`)."""
     jobs = jobs or (1 if quick else min(2, os.cpu_count() or 1))
     if rederive_file is not None:
         result = rederive(json.loads(rederive_file.read_text()))
         write = write or rederive_file
     else:
-        result = ladder(quick, jobs=jobs, cases=[CASE_NAMES[c] for c in cases] if cases else None)
+        result = ladder(quick, jobs=jobs, cases=[CASE_NAMES[c] for c in cases] if cases else None, rungs=rungs)
+    if update is not None:
+        try:
+            write_json(update, splice(result, json.loads(update.read_text())))
+        except ValueError as exc:
+            print(f"python -m cacheattn lab --update: {exc}", file=sys.stderr)
+            return 2
     if write is not None:
-        write.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n")
+        write_json(write, result)
     print_ladder(result)
     return 0
+
+
+def write_json(path: Path, result: dict) -> None:
+    path.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n")
 
 
 # ------------------------------------------------------------------------------------------- the ladder page
