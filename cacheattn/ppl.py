@@ -643,7 +643,7 @@ def _check_plan(engine, rung, threads, num_heads, kv_heads, max_seqlen, head_dim
     from kernels_numba._cache import chunk_elements
     from kernels_numba.ppl_dynamic_multi_head_attention import block_plan
 
-    chunk = chunk_elements(quant_bit, cache_dtype) if rung in (3, 4) else None
+    chunk = chunk_elements(quant_bit, cache_dtype, rung) if rung in (3, 4) else None
     block_plan(rung, num_heads, kv_heads, max_seqlen, head_dim, threads, chunk)
 
 

@@ -2,9 +2,10 @@
 
 Rung 2 (`_attention_warp.py`) gives each lane of a warp one element of a key row per load instruction: 2 of
 the 16 bytes a load can carry for float16, 1 for int8. This rung gives each lane a 16-byte chunk of the row
-(8 float16, 4 float32, 16 int8, 32 int4 values) in one `ld.global.nc.v4.u32` and unpacks it in registers
-(`_cache.make_chunk_load`). A row of Dh * bytes is then covered by LANES = Dh * bytes / 16 lanes (rounded up to
-a power of 2, at most 32), so a warp walks 32 / LANES keys at once, one per group of LANES lanes:
+(8 float16, 4 float32, 16 int8 values) in one `ld.global.nc.v4.u32`, or an 8-byte chunk of 16 int4 values in one
+`ld.global.nc.v2.u32` (`_cache.chunk_elements`), and unpacks it in registers (`_cache.make_chunk_load`). A row
+is then covered by LANES = its chunks (rounded up to a power of 2, at most 32), so a warp walks 32 / LANES keys at
+once, one per group of LANES lanes:
 
     1. lane l of group k holds chunks l, l + LANES, ... of every query row of the block (registers);
     2. each step the block takes WARPS * 32 / LANES * TILE consecutive keys, a tile of TILE per lane group
@@ -62,8 +63,8 @@ def _pow2(n: int) -> int:
 
 def max_rows(head_dim: int, chunk: int) -> int:
     """Query rows a block of this kernel holds at most (when its GQA group splits evenly): LANE_REGISTERS floats
-    of q and output slices per lane (int4 at head_dim 128: 4 lanes a key, 32 + 32 floats a row, 2 rows; float16:
-    16 lanes, 8 + 8, 8 rows)."""
+    of q and output slices per lane (int8 or int4 at head_dim 128: 8 lanes a key, 16 + 16 floats a row, 4 rows;
+    float16: 16 lanes, 8 + 8, 8 rows; int4 in 16-byte chunks would give 4 lanes, 32 + 32, 2 rows)."""
     chunks = ceil_div(head_dim, chunk)
     per_lane = ceil_div(chunks, lanes_per_key(chunks)) * chunk
     return max(1, min(8, LANE_REGISTERS // (2 * per_lane)))

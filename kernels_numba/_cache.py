@@ -25,7 +25,7 @@ from numba import cuda
 
 from ._launch import OFFSET_PAGE, axis_strides, flat
 from ._numerics import keep_float32, round_to_float16, rounder
-from ._vector import VECTOR_BYTES, float_from_bits, half_from_bits, load16
+from ._vector import VECTOR_BYTES, float_from_bits, half_from_bits, load8, load16
 
 QMAX = {8: 127, 4: 7}
 MIN_SCALE = 1e-5
@@ -135,9 +135,14 @@ def make_dequantize(round_scale, round_value):
     return dequantize, round_product
 
 
-def chunk_elements(quant_bit: int, cache_dtype) -> int:
-    """Elements of a row in one 16-byte chunk: 8 float16, 4 float32, 16 int8, 32 int4."""
-    return 32 if quant_bit == 4 else VECTOR_BYTES // np.dtype(cache_dtype).itemsize
+def chunk_elements(quant_bit: int, cache_dtype, rung: int) -> int:
+    """Elements of a row one lane loads at once: a 16-byte chunk (8 float16, 4 float32, 16 int8, 32 int4), but on
+    rungs 3 and 4 an 8-byte chunk of int4 (16 values). Their lanes hold a slice of every query and output row in
+    registers, 32 + 32 floats a row for a 32-value slice: 16 let 8 lanes share a key and a block take a GQA group
+    of 4 rows, not 2, so no two blocks unpack the same keys."""
+    if quant_bit == 4:
+        return 16 if rung in (3, 4) else 32
+    return VECTOR_BYTES // np.dtype(cache_dtype).itemsize
 
 
 def _address(array) -> int:
@@ -160,12 +165,15 @@ def vector_loads_ok(src: CacheSource, quant_bit: int, head_dim: int) -> bool:
 
 def make_chunk_load(quant_bit: int, quant_group: int, round_scale, round_value, elements: int, vector: bool):
     """Device function load_chunk(src, row, sc_row, d0, regs, at, dims): elements d0 .. d0 + elements - 1 of a
-    row (those below dims), dequantized as `load` returns them, into regs[at:]. vector: one 16-byte load
-    (`_vector.load16`) unpacked in registers; else one `load` per element (rung 2's reads)."""
+    row (those below dims), dequantized as `load` returns them, into regs[at:]. vector: one vector load
+    (`_vector.load16`, or `load8` for an 8-byte chunk, `chunk_elements`) unpacked in registers; else one `load`
+    per element (rung 2's reads)."""
     _, load = make_cache_access(quant_bit, quant_group, round_scale, round_value)
     dequantize, round_product = make_dequantize(round_scale, round_value)
-    per_word = elements // 4                          # elements in each 32-bit word of the chunk
-    bits = 32 // per_word
+    bits = quant_bit or 128 // elements               # float caches: 16-byte chunks of float16 or float32
+    words = elements * bits // 32                     # 32-bit words of the chunk: 4, or 2 for 8 bytes of int4
+    per_word = 32 // bits                             # elements in each word
+    load_words = load8 if words == 2 else load16
     # int4: flipping bit 3 of every nibble (one xor a word) makes each field q + 8, unsigned, so q * scale is one
     # fma of the field with the scale and -8 * scale, exact in float32 as q * scale is: no sign extension a value.
     biased = quant_bit == 4
@@ -181,10 +189,10 @@ def make_chunk_load(quant_bit: int, quant_group: int, round_scale, round_value, 
                     regs[at + e] = load(src, row, sc_row, d0 + e)
             return
         data, scales = src.data, src.scales
-        words = load16(data, row + (d0 // 2 if quant_bit == 4 else d0))
+        loaded = load_words(data, row + (d0 // 2 if quant_bit == 4 else d0))
         scale = offset = np.float32(0.0)
-        for j in range(4):
-            word = words[j] ^ np.uint32(0x88888888) if biased else words[j]
+        for j in range(words):
+            word = loaded[j] ^ np.uint32(0x88888888) if biased else loaded[j]
             for k in range(per_word):                 # little-endian: element e is the e-th field from bit 0
                 e = j * per_word + k
                 field = (word >> (bits * k)) & ((1 << bits) - 1)

@@ -1,12 +1,13 @@
-"""16-byte vector loads and the bit-level conversions that unpack them, for the kernel ladder's third rung.
+"""16- and 8-byte vector loads and the bit-level conversions that unpack them, for the kernel ladder's third rung.
 
 numba-cuda has no vector load: indexing an array loads one element per instruction. `load16` is an
 `@intrinsic` that emits one `ld.global.nc.v4.u32` (16 bytes through the read-only data path) from the address
-of an array element and returns the four 32-bit words; the caller unpacks them in registers with shifts
+of an array element and returns the four 32-bit words (`load8`: `ld.global.nc.v2.u32`, two words, for rung 3's
+int4 chunks); the caller unpacks them in registers with shifts
 (int8, int4) or with `half_from_bits` / `float_from_bits` (float16, float32), which are bit casts in LLVM IR
 (`cvt.f32.f16` and a plain register move in PTX).
 
-The address must be 16-byte aligned and the 16 bytes read-only during the kernel: the launcher decides on
+The address must be aligned to the load's size and the 16 bytes read-only during the kernel: the launcher decides on
 the host that both hold before it picks the kernel that calls this (`_cache.vector_loads_ok`).
 
 numba's CUDA simulator cannot run an intrinsic, so there the same three functions are NumPy views of the
@@ -30,6 +31,12 @@ if SIMULATED:
         return words[0], words[1], words[2], words[3]
 
     @cuda.jit(device=True)
+    def load8(data, index):
+        """The 8 bytes from element `index` of the 1-D array `data` as two uint32 words (little-endian)."""
+        words = np.asarray(data[index:index + 8 // data.itemsize]).view(np.uint32)
+        return words[0], words[1]
+
+    @cuda.jit(device=True)
     def half_from_bits(bits):
         """The float16 whose bits are the low 16 of `bits`, as a float32."""
         return np.float32(np.uint16(bits & 0xFFFF).view(np.float16))
@@ -46,25 +53,35 @@ else:
 
     _WORD = ir.IntType(32)
 
-    @intrinsic
-    def load16(typingctx, data, index):
-        """One ld.global.nc.v4.u32 from the address of data[index] (1-D array, 16-byte aligned)."""
-        if not (isinstance(data, types.Array) and data.ndim == 1 and isinstance(index, types.Integer)):
-            return None
-        words = types.UniTuple(types.uint32, 4)
+    def _vector_load(words):
+        """An intrinsic: one ld.global.nc.v<words>.u32 from the address of data[index] (1-D array, aligned to
+        4 * words bytes), the words as a tuple of uint32."""
+        outputs = ", ".join(f"${k}" for k in range(words))
+        asm_text = (f"{{ .reg .u64 g; cvta.to.global.u64 g, ${words}; "          # generic -> global address
+                    f"ld.global.nc.v{words}.u32 {{{outputs}}}, [g]; }}")
+        constraints = ",".join(["=r"] * words + ["l"])
 
-        def codegen(context, builder, sig, args):
-            array_type, index_type = sig.args
-            array = context.make_array(array_type)(context, builder, value=args[0])
-            position = context.cast(builder, args[1], index_type, types.intp)
-            pointer = cgutils.get_item_pointer(context, builder, array_type, array, [position])
-            vector_type = ir.FunctionType(ir.LiteralStructType([_WORD] * 4), [pointer.type])
-            asm = ir.InlineAsm(vector_type, "{ .reg .u64 g; cvta.to.global.u64 g, $4; "     # generic -> global address
-                               "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [g]; }", "=r,=r,=r,=r,l")
-            loaded = builder.call(asm, [pointer])
-            return context.make_tuple(builder, sig.return_type, [builder.extract_value(loaded, k) for k in range(4)])
+        def load(typingctx, data, index):
+            if not (isinstance(data, types.Array) and data.ndim == 1 and isinstance(index, types.Integer)):
+                return None
 
-        return words(data, index), codegen
+            def codegen(context, builder, sig, args):
+                array_type, index_type = sig.args
+                array = context.make_array(array_type)(context, builder, value=args[0])
+                position = context.cast(builder, args[1], index_type, types.intp)
+                pointer = cgutils.get_item_pointer(context, builder, array_type, array, [position])
+                asm_type = ir.FunctionType(ir.LiteralStructType([_WORD] * words), [pointer.type])
+                loaded = builder.call(ir.InlineAsm(asm_type, asm_text, constraints), [pointer])
+                return context.make_tuple(builder, sig.return_type,
+                                          [builder.extract_value(loaded, k) for k in range(words)])
+
+            return types.UniTuple(types.uint32, words)(data, index), codegen
+
+        load.__name__ = load.__qualname__ = f"load{4 * words}"
+        return load
+
+    load16 = intrinsic(_vector_load(4))
+    load8 = intrinsic(_vector_load(2))
 
     @intrinsic
     def half_from_bits(typingctx, bits):

@@ -93,7 +93,7 @@ def attention_kernel(quant_bit, quant_group, scale_dtype, value_dtype, query_dty
     round_scale = rounder(scale_dtype) if quant_bit else keep_float32
     row_offsets, load = make_cache_access(quant_bit, quant_group, round_scale, rounder(value_dtype))
     score, key_range = make_ppl_score(rounder(query_dtype))
-    warps, chunk = threads // 32, chunk_elements(quant_bit, cache_dtype) if rung in (3, 5) else None
+    warps, chunk = threads // 32, chunk_elements(quant_bit, cache_dtype, rung) if rung in (3, 5) else None
     plan = block_plan(rung, num_heads, num_kv_heads, max_seqlen, head_dim, threads, chunk)
     if rung == 3:
         heads_per_block, q_tile = plan
@@ -142,7 +142,7 @@ def attend(query, key_src, value_src, seqstarts, kvstarts, decoding_batches, max
     grid = (max(1, ceil_div(max_seqlen, q_tile)), num_heads // heads_per_block, batch)
     splits = 1
     if rung == 4:
-        step = keys_per_step(head_dim, chunk_elements(quant_bit, key_src.data.dtype), threads // 32)
+        step = keys_per_step(head_dim, chunk_elements(quant_bit, key_src.data.dtype, rung), threads // 32)
         splits = num_splits or choose_splits(grid[0] * grid[1] * grid[2], max_kvlen, step)
     is_alibi = alibi_slopes is not None
     # Upstream forms the ALiBi bias in the query dtype, so the slopes are rounded to it first.

@@ -288,7 +288,7 @@ def _rung5_launches(full: bool):
 # into the PTX without reading it, so these are also assembled with ptxas when it is installed (the CUDA toolkit
 # wheels of numba-cuda's cu12 extra bring it): a bad operand or constraint fails here, not when a GPU loads the module.
 REQUIRED_PTX = {"mma_attention_kernel": "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"}
-PTX_MARKERS = {VECTOR_LOAD: "ld.global.nc.v4.u32"}
+PTX_MARKERS = {VECTOR_LOAD: "ld.global.nc.v"}          # v4: 16-byte chunks; v2: rung 3/4's 8-byte int4 chunks
 
 
 def _required_ptx(label: str, kernel) -> list:

@@ -153,16 +153,18 @@ def test_cupy_arrays_dispatch_to_kernels_and_come_back_as_cupy():
     assert_close("attn_output", out.get(), float64_ppl_attention(inputs, case, key, value), case.dtype)
 
 
-@pytest.mark.parametrize("quant_bit,seed", [(0, 1), (8, 2)])
+@pytest.mark.parametrize("quant_bit,seed", [(0, 1), (8, 2), (4, 3)])
 def test_rung_3_tiles_of_keys_at_head_dim_128(device, quant_bit, seed):
     """The kit's head_dims are too small for a lane group to take more than one key a step; at head_dim 128 with a
-    GQA group of 4, float16 and int8 groups take tiles of 2 keys (`keys_per_tile`), summed by the transposed
-    butterfly and stepped through one softmax update a tile. 45 and 70 keys end mid-step and mid-page."""
+    GQA group of 4, every cache format's groups take tiles of 2 keys (`keys_per_tile`; int4 in 8-byte chunks),
+    summed by the transposed butterfly and stepped through one softmax update a tile. 45 and 70 keys end mid-step
+    and mid-page."""
     case = PPLCase(seqlens=(1, 1), past=(44, 69), decoding_batches=2, num_heads=4, num_kv_heads=1, head_dim=128,
                    dtype="float16", quant_bit=quant_bit, quant_group=8, scale_dtype="float16", cache_layout=0,
                    cache_mode=1, page_size=16, num_layer=1, layer_idx=0, is_causal=True, is_alibi=False,
                    mask="none", mask_pad=0, seed=seed)
     from kernels_numba._attention_vector import keys_per_tile
-    assert keys_per_tile(128, 16 if quant_bit else 8) == 2
+    from kernels_numba._cache import chunk_elements
+    assert keys_per_tile(128, chunk_elements(quant_bit, np.int8 if quant_bit else np.float16, 3)) == 2
     kit.check_case("multi_head_cache_attention", kernels(device, cacheattn.multi_head_cache_attention, 64, rung=3),
                    case)

@@ -33,13 +33,13 @@ def test_decode_reads_kv_once_per_group(group, head_dim):
 
 
 @pytest.mark.parametrize("quant_bit,dtype,head_dim,lanes,rows,tile", [
-    (0, np.float16, 128, 16, 8, 2), (8, np.int8, 128, 8, 4, 2), (4, np.int8, 128, 4, 2, 1),
+    (0, np.float16, 128, 16, 8, 2), (8, np.int8, 128, 8, 4, 2), (4, np.int8, 128, 8, 4, 2),
     (0, np.float32, 128, 32, 8, 4)])
 def test_rung_3_lane_groups_and_register_rows(quant_bit, dtype, head_dim, lanes, rows, tile):
-    """A 16-byte chunk per lane: Dh * bytes / 16 lanes per key, and fewer rows per block the wider a lane's slice
-    (32/8 heads: the whole group of 4, or half of it for int4), and a tile of keys per lane group whose K and V
-    slices fit 64 floats a lane."""
-    chunk = chunk_elements(quant_bit, dtype)
+    """A chunk per lane (16 bytes; 8 for int4): Dh * bytes / chunk lanes per key, and fewer rows per block the wider
+    a lane's slice (32/8 heads: the whole group of 4 on every cache format at head_dim 128), and a tile of keys per
+    lane group whose K and V slices fit 64 floats a lane."""
+    chunk = chunk_elements(quant_bit, dtype, 3)
     assert lanes_per_key(-(-head_dim // chunk)) == lanes
     assert keys_per_tile(head_dim, chunk) == tile
     assert keys_per_step(head_dim, chunk, warps=4) == 4 * 32 // lanes * tile

@@ -725,9 +725,10 @@ def _atomic_codes(kernelapi):
 
 
 def _transparent_codes():
-    """Code whose accesses count at its caller's line: the simulator twin of `load16` (one 16-byte load)."""
+    """Code whose accesses count at its caller's line: the simulator twins of `load16` and `load8` (one vector
+    load each)."""
     from kernels_numba import _vector
-    return [_vector.load16.py_func.__code__] if hasattr(_vector.load16, "py_func") else []
+    return [load.py_func.__code__ for load in (_vector.load16, _vector.load8) if hasattr(load, "py_func")]
 
 
 @contextmanager
