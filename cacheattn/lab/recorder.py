@@ -16,15 +16,15 @@ What is counted (Nsight Compute's names and meanings):
     dram__bytes_read/write.sum                              32 x the distinct global sectors a launch reads /
                                                             writes (an L2 that holds the working set)
 
-A request is what the lanes of one warp do at one dynamic execution of one access site: the site is the source
-line and column of the access (a device function's access is its own site; the simulator twin of `load16` counts
-at the line that calls it), and the k-th execution of a site by one lane meets the k-th execution by the other
-lanes. Warps are formed from the linear thread id x + y Dx + z Dx Dy. That is exact while the lanes of a warp take
-the same path; where they diverge, lanes that execute a site a different number of times are paired by count, not
-by time: a loop with a lane-dependent trip count gives the GPU's requests only if every lane's k-th visit is the
+A request is what the lanes of one warp do at one dynamic execution of one access site: the site is the source line
+and column of the access (a device function's access is its own site; the simulator twins of `load16` and `load8`
+count at the line that calls them), and the k-th execution of a site by one lane meets the k-th execution by the
+other lanes. Warps are formed from the linear thread id x + y Dx + z Dx Dy. That is exact while the lanes of a warp
+take the same path; where they diverge, lanes that execute a site a different number of times are paired by count,
+not by time: a loop with a lane-dependent trip count gives the GPU's requests only if every lane's k-th visit is the
 same instruction issue, which holds for the masked-off tail of such a loop but not for lanes that re-converge
-through different branches. Addresses count from each array's own start, as if every allocation were
-sector-aligned (cudaMalloc aligns to 256 bytes). Local arrays and scalars are registers: not counted.
+through different branches. Addresses count from each array's own start, as if every allocation were sector-aligned
+(cudaMalloc aligns to 256 bytes). Local arrays and scalars are registers: not counted.
 
 Shared arrays that only stand in for registers in the simulator (the twins of warp shuffles and `mma.sync` in
 `kernels_numba._warp` / `_mma`) are neither counted nor checked, and the barriers those twins hold are not
@@ -40,12 +40,12 @@ Words are 4 bytes, or the element where it is narrower (a byte array's bytes are
 bounds-checked only: racecheck and initcheck here look at shared memory.
 
 Details: indexing that makes a sub-array (a row, a slice) is no access; its elements are, and taking a view's values
-at once (`np.asarray(view)`, as the `load16` twin does) is one access of all its bytes. Arrays that are views of the
-same memory (K and V of one cache) are one array, named `k_src.data=v_src.data`. `cuda.atomic.*` accesses are no
-load/store requests and never race with each other; their sectors count as read and written. Blocks run as the
-simulator runs them, except that the main thread sleeps until one of the block's threads reaches a barrier or ends
-(the simulator's own loop polls without pause, taking the interpreter from the threads it waits for).
-"""
+at once (`np.asarray(view)`, as the `load16` and `load8` twins do) is one access of all its bytes. Arrays that are
+views of the same memory (K and V of one cache) are one array, named `k_src.data=v_src.data`. `cuda.atomic.*`
+accesses are no load/store requests and never race with each other; their sectors count as read and written. Blocks
+run as the simulator runs them, except that the main thread sleeps until one of the block's threads reaches a
+barrier or ends (the simulator's own loop polls without pause, taking the interpreter from the threads it waits
+for). """
 
 from __future__ import annotations
 
