@@ -9,8 +9,8 @@ once, one per group of LANES lanes:
 
     1. lane l of group k holds chunks l, l + LANES, ... of every query row of the block (registers);
     2. each step the block takes WARPS * 32 / LANES * TILE consecutive keys, a tile of TILE per lane group
-       (`keys_per_tile`: 2 for float16 and int8 at head_dim 128, 1 for int4); each lane loads its chunks of the tile's
-       keys and values (a group reads one row per load: consecutive lanes, consecutive 16 bytes). The page of the
+       (`keys_per_tile`: 2 on every cache format at head_dim 128); each lane loads its chunks of the tile's keys
+       and values (a group reads one row per load: consecutive lanes, consecutive chunks). The page of the
        group's first key is walked forward (`_cache.page_walk`), never divided out inside the loop;
     3. the partial products of every (row, key) of the tile are summed within the lane group by a transposed
        butterfly (`_warp.transpose_sum`), which leaves lane n of the group with the logit of row slot n // TILE,
@@ -73,8 +73,8 @@ def max_rows(head_dim: int, chunk: int) -> int:
 def keys_per_tile(head_dim: int, chunk: int) -> int:
     """Keys a lane group takes per step: its LANES lanes finish the (row slot, key) logits of a tile, one each,
     for row slots enough for `max_rows` (the next power of 2), and the tile's K and V slices fit TILE_REGISTERS
-    floats a lane: float16 at 128, 16 lanes / 8 slots = 2 keys of 8 + 8 floats; int8, 8 lanes / 4 slots = 2 keys
-    of 16 + 16; int4 one of 32 + 32. One key too when a group has fewer lanes than slots (its lanes then finish
+    floats a lane: float16 at 128, 16 lanes / 8 slots = 2 keys of 8 + 8 floats; int8 and int4 (8-byte chunks),
+    8 lanes / 4 slots = 2 keys of 16 + 16. One key when a group has fewer lanes than slots (its lanes then finish
     several rows). A tile shares one softmax step, one set of shuffles and the page lookups among its keys."""
     chunks = ceil_div(head_dim, chunk)
     per_lane = ceil_div(chunks, lanes_per_key(chunks)) * chunk

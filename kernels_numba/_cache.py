@@ -153,7 +153,8 @@ def _address(array) -> int:
 def vector_loads_ok(src: CacheSource, quant_bit: int, head_dim: int) -> bool:
     """Whether every row of `src` can be read in 16-byte vector loads (decided on the host, once per launch):
     a float16/float32/int8 cache whose data starts 16-byte aligned, with every row offset (base and strides,
-    in bytes) a multiple of 16 and a row a whole number of 16-byte chunks."""
+    in bytes) a multiple of 16 and a row a whole number of 16-byte chunks (also for rung 3's 8-byte int4 chunks,
+    which need less)."""
     itemsize = src.data.dtype.itemsize
     if src.data.dtype.kind not in "fi" or itemsize > 4:
         return False

@@ -7,8 +7,8 @@ int4 chunks); the caller unpacks them in registers with shifts
 (int8, int4) or with `half_from_bits` / `float_from_bits` (float16, float32), which are bit casts in LLVM IR
 (`cvt.f32.f16` and a plain register move in PTX).
 
-The address must be aligned to the load's size and the 16 bytes read-only during the kernel: the launcher decides on
-the host that both hold before it picks the kernel that calls this (`_cache.vector_loads_ok`).
+The address must be aligned to the load's size and the bytes read-only during the kernel: the launcher decides
+on the host that both hold before it picks the kernel that calls this (`_cache.vector_loads_ok`).
 
 numba's CUDA simulator cannot run an intrinsic, so there the same three functions are NumPy views of the
 same bytes: the simulator twin reads exactly the bits the GPU reads, and the shared unpacking code after it

@@ -244,18 +244,23 @@ def _ladder_launches(full: bool):
 # and the compile time), then the element-load fallback (int8 rows of 24 bytes).
 RUNG3_REPRESENTATIVES = ((0, np.float16, 1, False), (8, np.float16, 3, True), (4, np.float32, 1, False))
 RUNG3_FALLBACK = ((8, np.float32, 1, False),)
-VECTOR_LOAD = "[16-byte loads]"          # a label with this marker must compile to ld.global.nc.v4 (PTX_MARKERS)
+# A label with one of these markers must compile to its vector load (PTX_MARKERS): rungs 3 and 4 read int4 in 8-byte
+# chunks, every other format in 16-byte ones (`_cache.chunk_elements`).
+VECTOR_LOAD, VECTOR_LOAD_INT4 = "[16-byte loads]", "[8-byte loads]"
 
 
 def _rung_launches(full: bool, rung: int, representatives, fallback=(), **launch):
     """Rung 3 or 4's vector attention kernel (and rung 4's combine kernel) on the OpenPPL launches:
     `representatives` with 16-byte loads at head_dim 32, `fallback` with element loads at head_dim 24."""
     out = []
-    for variants, head_dim, marker in ((representatives, 32, f" {VECTOR_LOAD}"), (fallback, 24, "")):
+    for variants, head_dim, vector in ((representatives, 32, True), (fallback, 24, False)):
         for label, kernel, args in _ppl_launches(full, rung, variants, head_dim, **launch):
             name = kernel.py_func.__name__
+            marker = ""
+            if vector and name == "vector_attention_kernel":
+                marker = f" {VECTOR_LOAD_INT4 if label.startswith('quant_bit=4 ') else VECTOR_LOAD}"
             if name in ("vector_attention_kernel", "combine_kernel"):
-                out.append((f"rung {rung} {label}{marker if name == 'vector_attention_kernel' else ''}", kernel, args))
+                out.append((f"rung {rung} {label}{marker}", kernel, args))
     return out
 
 
@@ -288,7 +293,7 @@ def _rung5_launches(full: bool):
 # into the PTX without reading it, so these are also assembled with ptxas when it is installed (the CUDA toolkit
 # wheels of numba-cuda's cu12 extra bring it): a bad operand or constraint fails here, not when a GPU loads the module.
 REQUIRED_PTX = {"mma_attention_kernel": "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"}
-PTX_MARKERS = {VECTOR_LOAD: "ld.global.nc.v"}          # v4: 16-byte chunks; v2: rung 3/4's 8-byte int4 chunks
+PTX_MARKERS = {VECTOR_LOAD: "ld.global.nc.v4.u32", VECTOR_LOAD_INT4: "ld.global.nc.v2.u32"}
 
 
 def _required_ptx(label: str, kernel) -> list:

@@ -93,13 +93,18 @@ def cut_down(case: BenchCase, head_dim: int | None = None) -> BenchCase:
                    head_dim=head_dim or case.head_dim)
 
 
+def case_chunk(case: BenchCase, rung: int) -> int:
+    """Elements a lane of `rung` loads at once from the case's cache (`_cache.chunk_elements`)."""
+    return chunk_elements(case.quant_bit, np.int8 if case.quant_bit else np.float16, rung)
+
+
 def splits_for(case: BenchCase, threads: int = THREADS) -> tuple[int, int]:
     """Rung 4's split count for the full launch of `case`, as its launcher picks it on a 132-SM GPU, and the keys
     a block takes per step."""
     from kernels_numba._split_k import choose_splits
     from kernels_numba.ppl_dynamic_multi_head_attention import block_plan
 
-    chunk = chunk_elements(case.quant_bit, np.int8 if case.quant_bit else np.float16, 3)
+    chunk = case_chunk(case, 3)
     heads_per_block, q_tile = block_plan(3, case.num_heads, case.num_kv_heads, case.new_tokens, case.head_dim,
                                          threads, chunk)
     blocks = math.ceil(case.new_tokens / q_tile) * (case.num_heads // heads_per_block) * case.batch
@@ -230,9 +235,8 @@ def issue_estimate(full: dict, plan: Plan, rung: int, threads: int) -> float | N
     warps = threads // 32
     if rung == 2:
         keys_per_trip = 1                              # a warp per key
-    else:                                              # a tile of keys per lane group, 16-byte chunks
-        step = keys_per_step(case.head_dim, chunk_elements(case.quant_bit, np.int8 if case.quant_bit else np.float16,
-                                                            rung), warps)
+    else:                                              # a tile of keys per lane group
+        step = keys_per_step(case.head_dim, case_chunk(case, rung), warps)
         if case.cache_mode == 1 and case.page_size < step:
             return None                                # a walk may run more than once a trip
         keys_per_trip = step // warps
