@@ -206,8 +206,17 @@ def _check_mask(attn_mask, query, num_heads, total_tokens, total_kv):
         raise ValueError(f"attn_mask: expected a last dim >= sum kvlens = {total_kv}, got {attn_mask.shape[-1]}")
 
 
-def _check_decoding(decoding_batches, batch):
-    check_int("decoding_batches", decoding_batches, low=0, high=batch)
+def _check_decoding(decoding_batches, seqlens):
+    """The document: "how many batches in front are being decoded, those who are not need causal mask". A decode
+    step has one query token, so the first decoding_batches sequences must each have seqlen 1; a longer one there
+    would silently lose its causal mask."""
+    check_int("decoding_batches", decoding_batches, low=0, high=seqlens.shape[0])
+    bad = np.flatnonzero(seqlens[:decoding_batches] != 1)
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(f"decoding_batches: expected the first {decoding_batches} sequences to be decode steps of "
+                         f"one query token each (decoding requests first, then prefill), got seqlen {seqlens[b]} "
+                         f"for batch {b} (seqstarts[{b + 1}] - seqstarts[{b}])")
 
 
 def _check_kernel_tensors(engine, **tensors):
@@ -520,7 +529,8 @@ def dynamic_multi_head_attention(query: Tensor, key: Tensor, value: Tensor, seqs
     kvstarts : IndexTensor
         `(B + 1,)`, integer: `0`, then the running sum of the key lengths.
     decoding_batches : int
-        The first `decoding_batches` sequences are decode steps (no causal mask), in `[0, B]`.
+        The first `decoding_batches` sequences are decode steps (no causal mask), in `[0, B]`; each of them has
+        exactly one query token (seqlen 1), the sequences after them are prefill.
     max_seqlen : int
         ≥ the longest query length.
     max_kvlen : int
@@ -557,8 +567,8 @@ def dynamic_multi_head_attention(query: Tensor, key: Tensor, value: Tensor, seqs
     ------
     ValueError
         A shape, length or attribute out of range, named by its parameter (`num_kv_heads` not dividing
-        `num_heads`, `key` rows not `kvstarts[B]`, `rung`, `threads`, a `head_dim` too wide for the kernels'
-        shared memory, ...).
+        `num_heads`, `key` rows not `kvstarts[B]`, a decoding sequence with more than one query token
+        (`decoding_batches`), `rung`, `threads`, a `head_dim` too wide for the kernels' shared memory, ...).
     TypeError
         Mismatched or unsupported dtypes, a non-bool `is_causal`.
 
@@ -593,7 +603,7 @@ def dynamic_multi_head_attention(query: Tensor, key: Tensor, value: Tensor, seqs
     kvlens = check_starts("kvstarts", kvs, int(key.shape[0]), "the row count of key")
     if kvlens.shape != seqlens.shape:
         raise ValueError(f"kvstarts: expected shape {seqs.shape} like seqstarts, got {kvs.shape}")
-    _check_decoding(decoding_batches, seqlens.shape[0])
+    _check_decoding(decoding_batches, seqlens)
     _check_max("max_seqlen", max_seqlen, seqlens)
     _check_max("max_kvlen", max_kvlen, kvlens)
     _check_mask(attn_mask, query, num_heads, int(seqs[-1]), int(kvs[-1]))
@@ -693,7 +703,8 @@ def multi_head_cache_attention(query: Tensor, current_key: Tensor, current_value
     start_pos : IndexTensor
         `(B,)`, integer ≥ 0: each sequence's cached length before this call.
     decoding_batches : int
-        The first `decoding_batches` sequences are decode steps (no causal mask), in `[0, B]`.
+        The first `decoding_batches` sequences are decode steps (no causal mask), in `[0, B]`; each of them has
+        exactly one query token (seqlen 1), the sequences after them are prefill.
     max_seqlen : int
         ≥ the longest `seqlen`.
     max_kvlen : int
@@ -754,9 +765,10 @@ def multi_head_cache_attention(query: Tensor, current_key: Tensor, current_value
     ------
     ValueError
         Named by the parameter, before the store or any kernel runs: shapes, lengths (`kvlen != start_pos +
-        seqlen` names `kvstarts`), attributes, a slot or page outside MaxT, and `cachestarts` when two current
-        tokens would be stored into one slot — two sequences whose written slots overlap, or one sequence whose
-        pages overlap where it writes (a data race on a GPU). Read-only sharing of a prefix stays legal.
+        seqlen` names `kvstarts`; a decoding sequence with more than one query token names `decoding_batches`),
+        attributes, a slot or page outside MaxT, and `cachestarts` when two current tokens would be stored into
+        one slot — two sequences whose written slots overlap, or one sequence whose pages overlap where it writes
+        (a data race on a GPU). Read-only sharing of a prefix stays legal.
     TypeError
         Mismatched or unsupported dtypes, float index tensors, a non-bool `is_causal`.
 
@@ -795,7 +807,7 @@ def multi_head_cache_attention(query: Tensor, current_key: Tensor, current_value
                        cache_mode=cache_mode, cache_layout=cache_layout, page_size=page_size)
     idx = _dynamic_cache_checks(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
                                 max_kvlen, cache, scale, num_kv_heads=kv_heads, head_dim=head_dim, **cache_attrs)
-    _check_decoding(decoding_batches, idx["seqstarts"].shape[0] - 1)
+    _check_decoding(decoding_batches, np.diff(idx["seqstarts"]))
     _check_mask(attn_mask, query, num_heads, int(idx["seqstarts"][-1]), int(idx["kvstarts"][-1]))
     _check_kernel_tensors(engine, query=query, cache=cache, scale=scale, attn_mask=attn_mask)
     _check_plan(engine, rung, threads, num_heads, kv_heads, max_seqlen, head_dim, quant_bit, cache.dtype)

@@ -231,6 +231,7 @@ def validate(a: dict) -> dict:
     them. Returns the normalised arguments the reference takes: host int arrays for index tensors, ints for enums,
     floats for scales."""
     out = dict(a)
+    _check_cache_settings(a)
     _check_unbuilt_and_pool(a)
     for name in (*NO_EFFECT, *NOT_BUILT, "host_kv_cache_pool_pointers"):
         out.pop(name)
@@ -277,10 +278,19 @@ def validate(a: dict) -> dict:
     if windows.ndim != 1 or windows.shape[0] < 1:
         raise ValueError(f"host_max_attention_window_sizes: expected a 1-D tensor of windows (repeated over the "
                          f"layers when shorter), got shape {windows.shape}")
-    window = int(windows[layer_idx % windows.shape[0]])
+    # A window of no token is the caller's mistake, named here before the sinks are compared with it.
+    entry = layer_idx % windows.shape[0]
+    if (windows < 1).any():
+        i = entry if windows[entry] < 1 else int(np.flatnonzero(windows < 1)[0])
+        whose = f"layer {layer_idx}'s window" if i == entry else "another layer's window"
+        raise ValueError(f"host_max_attention_window_sizes: expected windows >= 1 token, got {int(windows[i])} at "
+                         f"entry {i} ({whose})")
+    window = int(windows[entry])
     sinks_host = arrays.index_array("host_sink_token_length", a["host_sink_token_length"])
     check_shape("host_sink_token_length", sinks_host, (1,), "(1,)")
     sinks = int(sinks_host[0])
+    # This layer's window, resolved once: the reference and the kernels both read this single entry.
+    out.update(host_max_attention_window_sizes=np.array([window], np.int64), host_sink_token_length=sinks_host)
     if sinks < 0:
         raise ValueError(f"host_sink_token_length: expected a number of sink tokens >= 0, got {sinks}")
     if sinks and not a["streamingllm"]:
@@ -298,6 +308,10 @@ def validate(a: dict) -> dict:
         if not is_context.all() or past.any():
             raise ValueError("use_cache: without a cache every request is a whole context (no past, no "
                              "generation)")
+        for name in ("past_key_value", "kv_cache_pool", "kv_cache_block_offsets", "host_kv_cache_block_offsets"):
+            if a[name] is not None:
+                raise ValueError(f"{name}: given with use_cache=False, which reads and writes no cache; pass "
+                                 f"{name}=None, or use_cache=True to write the new tokens")
         out.update(_host_lengths_and_cache(a, per_entry, E, None, None, False))
         return _cross(a, out, qkv, is_context, E, Hkv, Dh, pos_type, lengths, None)
 
@@ -334,7 +348,7 @@ def validate(a: dict) -> dict:
         _check_pages_not_raced(out["kv_cache_block_offsets"], per_entry, is_context, layer=int(a["layer_idx"]),
                                tpb=int(a["tokens_per_block"]), window=window, sinks=sinks, bubble=bubble,
                                encoder=enc, slots=slots_needed)
-    out.update(cache_indirection=ci, host_max_attention_window_sizes=windows, host_sink_token_length=sinks_host)
+    out["cache_indirection"] = ci
     return _cross(a, out, qkv, is_context, E, Hkv, Dh, pos_type, lengths, enc)
 
 
@@ -407,6 +421,12 @@ def _check_scalars_and_quantization(a, out, qkv, hidden):
     if quant:
         out["kv_orig_quant_scale"] = _positive_scale("kv_orig_quant_scale", a["kv_orig_quant_scale"])
         out["kv_quant_orig_scale"] = _positive_scale("kv_quant_orig_scale", a["kv_quant_orig_scale"])
+    else:
+        for name in ("kv_orig_quant_scale", "kv_quant_orig_scale"):
+            if a[name] is not None:
+                raise ValueError(f"{name}: the scale of an INT8/FP8 KV cache, but kv_cache_quant_mode is QuantMode(0) "
+                                 f"(the cache holds qkv's dtype and the scale would not be read); pass {name}=None, "
+                                 f"or kv_cache_quant_mode INT8_KV_CACHE / FP8_KV_CACHE")
     if a["use_fp8_context_fmha"] and not quant & 128:
         raise ValueError("use_fp8_context_fmha: needs an FP8 KV cache (kv_cache_quant_mode = FP8_KV_CACHE), "
                          f"got kv_cache_quant_mode {quant}")
@@ -439,6 +459,25 @@ def _check_rope(a, out, pos_type, scale_type, Dh):
                              f"a rotary_embedding_dim > 2, got {rot}")
     elif rot:
         raise ValueError(f"rotary_embedding_dim: expected 0 without a RoPE position_embedding_type, got {rot}")
+    elif a["rotary_inv_freq"] is not None:
+        raise ValueError(f"rotary_inv_freq: only with a RoPE position_embedding_type, got "
+                         f"{PositionEmbeddingType(pos_type).name}")
+
+
+PAGED_ONLY = ("kv_cache_pool", "kv_cache_block_offsets", "host_kv_cache_block_offsets", "host_kv_cache_pool_mapping")
+
+
+def _check_cache_settings(a):
+    """The cache arguments a call reads depend on paged_kv_cache; one it would not read is refused naming both
+    (a pool given with paged_kv_cache left False would run on past_key_value and leave the pool as it was)."""
+    if not a["paged_kv_cache"]:
+        for name in PAGED_ONLY:
+            if a[name] is not None:
+                raise ValueError(f"{name}: read only with paged_kv_cache=True, but paged_kv_cache is False (the "
+                                 f"cache is then past_key_value); set paged_kv_cache=True, or pass {name}=None")
+    elif a["past_key_value"] is not None:
+        raise ValueError("past_key_value: not read with paged_kv_cache=True (the cache is kv_cache_pool); pass "
+                         "past_key_value=None, or paged_kv_cache=False to run on it")
 
 
 def _check_unbuilt_and_pool(a):
@@ -825,7 +864,8 @@ def gpt_attention(
         `[Q | K | V]` along the last axis; float16, bfloat16, float32 or float64. Required.
     past_key_value : array (>= E, 2, Hkv, max_seqlen, Dh) or None
         The contiguous cache (paged_kv_cache False): qkv's dtype, int8 or float8_e4m3fn; written in place and
-        returned as present_key_value. None with a paged cache. Required.
+        returned as present_key_value. None with a paged cache or use_cache False (refused otherwise: the call
+        would not read it). Required.
     attention_mask : bool array (T or (E, max_seqlen), >= max L_e), optional
         Custom mask, True = attend; row = query token, column = key position. Only with mask_type custom_mask.
         Default None.
@@ -837,8 +877,8 @@ def gpt_attention(
     host_past_key_value_lengths : int array (E,)
         Tokens already in the cache. Required.
     host_max_attention_window_sizes : int32 array (num_layers,) or shorter
-        Attention window `W` per layer, repeated over the layers when shorter. The cache is cyclic when `W` is at
-        most its capacity. Required.
+        Attention window `W` per layer (each >= 1), repeated over the layers when shorter. The cache is cyclic when
+        `W` is at most its capacity. Required.
     host_sink_token_length : int32 array (1,)
         StreamingLLM sink tokens `S`, `0 <= S < W` (0 without streamingllm). Required.
     context_lengths : int array (E,)
@@ -887,16 +927,17 @@ def gpt_attention(
         relative. Default learned_absolute.
     rotary_inv_freq : float32 array (rotary_embedding_dim / 2,), optional
         Frequencies used as they are (linear scaling already in them; llama3: `reference.rope.llama3_inv_freq`).
-        Required with long_rope, yarn and llama3. Default None.
+        Required with long_rope, yarn and llama3; only with a RoPE position_embedding_type. Default None.
     rotary_cos_sin : float32 array (1, num_pos rotary_embedding_dim), optional
         cos/sin table, `(cos, sin)` of position `p`, pair `i` at `2 (p rotary_embedding_dim / 2 + i)`; read at the
         token's position, except with dynamic scaling, past rotary_embedding_max_positions and with
         streamingllm, where cos/sin are recomputed. `reference.rope.plugin_tables`, `long_rope_tables`,
         `yarn_tables` build it. Required with long_rope and yarn. Default None.
     kv_orig_quant_scale : float32 array (1,), optional
-        `1 / s`, the INT8/FP8 cache's quantization scale (store `x / s`). Default None.
+        `1 / s`, the INT8/FP8 cache's quantization scale (store `x / s`); only with such a cache
+        (kv_cache_quant_mode). Default None.
     kv_quant_orig_scale : float32 array (1,), optional
-        `s` (load `code s`). Default None.
+        `s` (load `code s`); only with an INT8/FP8 cache. Default None.
     attention_output_orig_quant_scale : float32 array (1,), optional
         FP8 output: not built, refused unless None. Default None.
     attention_output_sf_scale : float32 array (1,), optional
@@ -930,22 +971,24 @@ def gpt_attention(
         Paged block table: the offset `o` of entry `e`, K (0) or V (1), block index `t // tokens_per_block`
         addresses block `o + 2 layer_idx` of the pool seen as blocks (a manager writes
         `o = block num_layers 2 + kv`). Entries may share blocks read-only (a common prefix); a slot one entry
-        writes must not be written or read by another in the same call (a data race on a GPU, refused).
-        Default None.
+        writes must not be written or read by another in the same call (a data race on a GPU, refused). Only
+        with paged_kv_cache True. Default None.
     host_kv_cache_block_offsets : int array, optional
-        Host copy of kv_cache_block_offsets, checked equal. Default None.
+        Host copy of kv_cache_block_offsets, checked equal; only with paged_kv_cache True. Default None.
     host_kv_cache_pool_pointers : int64 array (num_pools, 2), optional
         Raw pool addresses: refused; pass the pool as kv_cache_pool. Default None.
     host_kv_cache_pool_mapping : int32 array (num_layers, 2), optional
-        (pool, layer in pool) per layer: one pool only, layer l as (0, l). Default None.
+        (pool, layer in pool) per layer: one pool only, layer l as (0, l); only with paged_kv_cache True.
+        Default None.
     do_cross_attention : bool
         Attend to encoder states (cross_kv, cached by the context phase). Default False.
     cross_kv : array ([1,] encoder tokens, 2 Hkv Dh) packed or (E, max encoder length, 2 Hkv Dh), optional
         `[K | V]` of the context requests' encoder tokens, qkv's dtype. Default None.
     cross_kv_length : int, optional
-        Longest encoder length, checked. Default None.
+        Longest encoder length, checked with cross attention (not read without it: TensorRT-LLM passes it to a
+        decoder's self attention too). Default None.
     encoder_input_lengths : int array (E,), optional
-        Encoder tokens per entry, with cross attention. Default None.
+        Encoder tokens per entry, with cross attention (not read without it, as cross_kv_length). Default None.
     relative_attention_bias : array (H, L, L) or (H, num_buckets), optional
         Relative attention bias (position_embedding_type relative): a regular table, or T5 buckets with
         max_distance > 0. qkv's dtype. Default None.
@@ -959,7 +1002,8 @@ def gpt_attention(
     qkv_bias : array ((H + 2 Hkv) Dh,), optional
         Added to qkv before RoPE, qkv's dtype. Default None.
     use_cache : bool
-        False runs whole contexts without reading or writing a cache. Default True.
+        False runs whole contexts without reading or writing a cache (past_key_value, kv_cache_pool and the block
+        tables stay None). Default True.
     spec_decoding_is_generation_length_variable : bool
         Speculative decoding setting: accepted, not used. Default False.
     spec_decoding_max_generation_length : int
@@ -1029,7 +1073,8 @@ def gpt_attention(
     multi_block_mode : bool
         Plugin config: split long generation keys over several blocks (kernels). Default True.
     kv_cache_pool : array (num_blocks, num_layers, 2, Hkv, tokens_per_block, Dh), optional
-        The paged pool, qkv's dtype, int8 or float8_e4m3fn, written in place. Default None.
+        The paged pool, qkv's dtype, int8 or float8_e4m3fn, written in place. Only with paged_kv_cache True
+        (with False the call runs on past_key_value, so a pool given then is refused). Default None.
     backend : str
         "auto" (NumPy: reference, GPU arrays: kernels), "reference" or "numba". Default "auto".
     threads : int
@@ -1046,7 +1091,10 @@ def gpt_attention(
     ------
     ValueError
         A value, shape or combination TensorRT-LLM's document does not allow, or a feature not built here; the
-        message starts with the argument's name. Raised before any kernel runs; the cache is untouched.
+        message starts with the argument's name. An argument the call would not read under another one's setting
+        is refused, naming both: kv_cache_pool or a block table with paged_kv_cache False, past_key_value with it
+        True, a cache with use_cache False, KV scales with kv_cache_quant_mode QuantMode(0), rotary_inv_freq
+        without RoPE. Raised before any kernel runs; the cache is untouched.
     TypeError
         A dtype or argument kind that does not fit (an index tensor of floats, a non-bool mask).
 

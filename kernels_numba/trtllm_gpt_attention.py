@@ -754,7 +754,7 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     E = len(past)
     num_context = int((np.asarray(host_request_types) == CONTEXT).sum())
     beam_width = int(cache_indirection.shape[1]) if cache_indirection is not None else 1
-    window = int(host_max_attention_window_sizes[layer_idx])
+    window = int(host_max_attention_window_sizes[layer_idx % len(host_max_attention_window_sizes)])  # list repeats
     sinks = int(host_sink_token_length[0])
     quant = kv_cache_quant_mode & (INT8_KV_CACHE | FP8_KV_CACHE)
 

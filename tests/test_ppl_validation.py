@@ -2,11 +2,13 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cacheattn
 from kernels_numba import _launch
 
-from strategies import PPLCase, StaticCase, build_ppl, build_static, with_
+from strategies import REFERENCE, PPLCase, StaticCase, build_ppl, build_static, copy_inputs, ppl_cases, with_
 
 BASE = PPLCase(seqlens=(1, 3), past=(4, 2), decoding_batches=1, num_heads=4, num_kv_heads=2, head_dim=16,
                dtype="float16", quant_bit=8, quant_group=8, scale_dtype="float16", cache_layout=1, cache_mode=1,
@@ -58,6 +60,11 @@ BAD_MHCA = [
     ("max_kvlen too small", set_(max_kvlen=4), ValueError, "max_kvlen", BASE),
     ("decoding_batches > B", set_(decoding_batches=3), ValueError, "decoding_batches", BASE),
     ("decoding_batches < 0", set_(decoding_batches=-1), ValueError, "decoding_batches", BASE),
+    # BASE is a decode step (1 token) then a 3-token prefill: counting the prefill as decoding would drop its mask.
+    ("a prefill counted as decoding", set_(decoding_batches=2), ValueError, "decoding_batches", BASE),
+    ("decoding_batches float", set_(decoding_batches=1.0), TypeError, "decoding_batches", BASE),
+    ("a leading prefill counted as decoding", set_(decoding_batches=1), ValueError, "decoding_batches",
+     with_(BASE, seqlens=(2, 1), past=(3, 4), decoding_batches=0)),
     ("rung 6", set_(rung=6), ValueError, "rung", BASE),
     ("num_splits without rung 4", set_(rung=3, num_splits=2), ValueError, "num_splits", BASE),
     ("num_splits 0", set_(rung=4, num_splits=0), ValueError, "num_splits", BASE),
@@ -121,9 +128,12 @@ BAD_MHCA = [
 def test_bad_multi_head_cache_attention_input(name, mutate, error, param, case, backend):
     inputs, attrs = mhca_call(mutate, case)
     attrs.setdefault("backend", backend)
+    before = {k: inputs[k].copy() for k in ("cache", "scale") if isinstance(inputs.get(k), np.ndarray)}
     with _launch.recorded_launches() as launches, pytest.raises(error, match=rf"^{param}\b"):
         cacheattn.multi_head_cache_attention(**inputs, **attrs)
     assert launches == [], "a kernel launch was attempted before validation failed"
+    for k, x in before.items():
+        assert x.tobytes() == inputs[k].tobytes(), f"{name}: the refused call changed {k}"
 
 
 def test_head_dim_past_the_kernels_shared_memory_is_refused_before_the_cache_store():
@@ -251,3 +261,51 @@ def test_dynamic_key_value_cache_refuses_two_writes_to_one_slot(backend):
     with _launch.recorded_launches() as launches, pytest.raises(ValueError, match=r"^cachestarts: .* both at slot"):
         cacheattn.dynamic_key_value_cache(**args, **attrs, backend=backend)
     assert launches == [] and np.array_equal(x["cache"], cache)
+
+
+# ---- decoding_batches against seqstarts: the first decoding_batches sequences decode one token each
+
+@settings(max_examples=max(REFERENCE // 3, 10))
+@given(case=ppl_cases(), backend=st.sampled_from(["reference", "numba"]), data=st.data())
+def test_a_longer_sequence_counted_as_decoding_is_refused_before_the_store(case, backend, data):
+    """A drawn valid call whose decoding_batches is raised past a sequence of more than one query token (it would
+    silently lose its causal mask) names decoding_batches and that sequence, launches nothing, and leaves the
+    cache and scale bit-identical; with decoding_batches as drawn the same call runs."""
+    longer = [b for b, n in enumerate(case.seqlens) if n > 1]
+    if not longer:                              # every sequence decodes: the last one becomes a 2-token prefill
+        batch = len(case.seqlens)
+        case = with_(case, seqlens=case.seqlens[:-1] + (2,), decoding_batches=min(case.decoding_batches, batch - 1))
+        longer = [batch - 1]
+    first = longer[0]
+    decoding = data.draw(st.integers(first + 1, len(case.seqlens)), label="decoding_batches")
+    inputs, attrs = build_ppl(case), dict(case.attrs(), backend=backend)
+    valid = cacheattn.multi_head_cache_attention(**copy_inputs(inputs), **dict(attrs, backend="reference"))
+    assert np.isfinite(valid).all()
+    before = {k: inputs[k].copy() for k in ("cache", "scale") if inputs[k] is not None}
+    with _launch.recorded_launches() as launches, pytest.raises(
+            ValueError, match=rf"^decoding_batches: expected the first {decoding} sequences .* got seqlen "
+                              rf"{case.seqlens[first]} for batch {first} "):
+        cacheattn.multi_head_cache_attention(**dict(inputs, decoding_batches=decoding), **attrs)
+    assert launches == []
+    for k, x in before.items():
+        assert x.tobytes() == inputs[k].tobytes(), f"the refused call changed {k}"
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+def test_dynamic_mha_refuses_a_prefill_counted_as_decoding(backend):
+    """The attention half checks the same rule against its own seqstarts: sequences of 1, 3 and 1 query tokens
+    with decoding_batches 2 name decoding_batches and batch 1; decoding_batches 1 runs, and so does 0 (a
+    one-token sequence after the decoding ones is a prefill of one token)."""
+    rng = np.random.default_rng(7)
+    seqstarts, kvstarts = np.array([0, 1, 4, 5]), np.array([0, 5, 11, 14])
+    query = rng.standard_normal((5, 4, 16)).astype(np.float32)
+    key, value = (rng.standard_normal((14, 2, 16)).astype(np.float32) for _ in range(2))
+    attrs = dict(num_heads=4, head_dim=16, is_causal=True, num_kv_heads=2, backend=backend)
+    with _launch.recorded_launches() as launches, pytest.raises(
+            ValueError, match=r"^decoding_batches: .* got seqlen 3 for batch 1 \(seqstarts\[2\] - seqstarts\[1\]\)"):
+        cacheattn.dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, 2, 3, 6, **attrs)
+    assert launches == []
+    for decoding in (0, 1):
+        out = cacheattn.dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decoding, 3, 6,
+                                                     **dict(attrs, backend="reference"))
+        assert out.shape == query.shape and np.isfinite(out).all()

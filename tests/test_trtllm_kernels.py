@@ -17,13 +17,14 @@ from numba import cuda
 
 import cacheattn
 import cacheattn.testing as kit
+from cacheattn import trtllm
 from kernels_numba import _launch
 from kernels_numba._numerics import round_to_bfloat16
 from kernels_numba.trtllm_gpt_attention import e4m3_decode, e4m3_encode
 from reference import trtllm_gpt_attention as ref
 
 from helpers import assert_bits_equal, assert_close
-from strategies import KERNEL, REFERENCE, TrtCase, build_trt
+from strategies import KERNEL, REFERENCE, TrtCase, build_trt, copy_inputs, float64_trt
 
 BASE = TrtCase(contexts=((0, 5), (2, 3)), generations=((3, 4),), beam_width=2, num_heads=4, num_kv_heads=2,
                head_size=8, dtype="float32", capacity=8, window=8, seed=3)
@@ -303,3 +304,38 @@ def test_recorded_launches_leave_defined_outputs_for_the_bfloat16_rounding():
         with _launch.poisoned_outputs(None), _launch.recorded_launches() as launches:   # the suite poisons
             output, _ = cacheattn.gpt_attention(**args, backend="numba")
     assert launches and not output.astype(np.float32).any()
+
+
+# ---- host_max_attention_window_sizes shorter than the layers: repeated ------------------------------------------
+
+@pytest.mark.parametrize("windows,layer_idx,paged", [([4], 1, False), ([9, 4], 3, True)],
+                         ids=["one-entry-layer1-contiguous", "two-entries-layer3-paged"])
+def test_a_shorter_window_list_repeats_on_the_kernels(windows, layer_idx, paged, monkeypatch):
+    """Layer l reads entry l % len of the window list, on the kernels as on the reference: a window of 4 that
+    makes the cache cyclic (a 6-token context, then a generation step past it), given as a list shorter than the
+    layers, with ALiBi (no RoPE: the cache is exact) and an INT8 pool when paged. The output is within the dtype's
+    tolerance of the reference's and of the float64 evaluation, the cache bit for bit the reference's; the
+    reference on the full per-layer list computes the same, and so does the launcher handed the short list itself
+    (validation hands it the resolved window)."""
+    case = replace(BASE, contexts=((0, 6),), generations=((2, 5),), beam_width=1, window=4, capacity=4,
+                   paged=paged, tokens_per_block=2, num_layers=layer_idx + 1, layer_idx=layer_idx, position=4,
+                   quant=64 if paged else 0)
+    args = dict(build_trt(case), host_max_attention_window_sizes=np.asarray(windows, np.int32))
+    output, after = run(args, "numba")
+    ref_output, ref_after = run(args, "reference")
+    full_output, _ = run(dict(args, host_max_attention_window_sizes=np.full(case.num_layers, 4, np.int32)),
+                         "reference")
+    want, _ = float64_trt(copy_inputs(args))
+    assert_close("kernels vs reference", output, ref_output.astype(np.float64), case.dtype)
+    assert_close("kernels vs float64", output, want, case.dtype, scale=4.0)
+    assert_bits_equal("cache", after[cache_name(args)], ref_after[cache_name(args)])
+    assert_bits_equal("full list vs shorter", full_output, ref_output)
+
+    validate = trtllm.validate
+
+    def unresolved(a):
+        return dict(validate(a), host_max_attention_window_sizes=a["host_max_attention_window_sizes"])
+    monkeypatch.setattr(trtllm, "validate", unresolved)
+    direct, direct_after = run(args, "numba")
+    assert_bits_equal("launcher on the short list", direct, output)
+    assert_bits_equal("cache, launcher on the short list", direct_after[cache_name(args)], after[cache_name(args)])

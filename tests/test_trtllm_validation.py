@@ -1,14 +1,20 @@
 """Bad gpt_attention input raises a ValueError/TypeError naming TensorRT-LLM's argument, before any backend runs,
 and leaves the cache untouched."""
 
+import inspect
 from dataclasses import replace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cacheattn
-from cacheattn.examples import TrtCase, build_trt
+from cacheattn import trtllm
+from cacheattn.examples import TrtCase, build_trt, copy_inputs
 from kernels_numba import _launch
+
+from strategies import REFERENCE, trt_cases
 
 # Two context requests (one chunked), one generation sequence of two beams; 6 query heads over 2 KV heads.
 BASE = TrtCase(contexts=((0, 3), (2, 2)), generations=((2, 4),), beam_width=2, num_heads=6, num_kv_heads=2,
@@ -88,6 +94,13 @@ BAD = [
     ("beam search past the window", call(host_max_attention_window_sizes=np.full(2, 4, np.int32)), ValueError,
      "host_max_attention_window_sizes"),
     ("no window", call(host_max_attention_window_sizes=np.zeros(0, np.int32)), ValueError,
+     "host_max_attention_window_sizes"),
+    # a window of no token is the window's fault, not the sinks' (0 sinks are never fewer than a window of 0)
+    ("window 0", call(host_max_attention_window_sizes=np.zeros(2, np.int32)), ValueError,
+     "host_max_attention_window_sizes"),
+    ("negative window of this layer", call(host_max_attention_window_sizes=np.array([8, -4], np.int32)), ValueError,
+     "host_max_attention_window_sizes"),
+    ("window 0 of another layer", call(host_max_attention_window_sizes=np.array([0, 8], np.int32)), ValueError,
      "host_max_attention_window_sizes"),
     ("padded cross_kv short", call(remove_input_padding=False, qkv=np.zeros((4, 3, 80), np.float32),
                                    do_cross_attention=True, encoder_input_lengths=np.full(4, 3, np.int32),
@@ -243,3 +256,130 @@ def test_without_a_cache_whole_contexts_run_and_nothing_is_returned():
     output, present = cacheattn.gpt_attention(**dict(args, use_cache=False, past_key_value=None))
     assert present is None
     assert np.array_equal(output, with_cache)
+
+
+# ---- An argument the call would not read, given another argument's setting: refused, naming both ----------------
+
+P = build_trt(PAGED)
+WHOLE = replace(BASE, contexts=((0, 3), (0, 2)), generations=())          # use_cache=False takes whole contexts
+RAMP = np.linspace(0.5, 0.01, 4).astype(np.float32)                      # frequencies for 8 rotary dims
+
+UNREAD = [
+    # (id, arguments, the argument refused, the argument whose setting leaves it unread)
+    ("pool with a contiguous cache", call(kv_cache_pool=P["kv_cache_pool"]), "kv_cache_pool", "paged_kv_cache"),
+    ("block table with a contiguous cache", call(kv_cache_block_offsets=P["kv_cache_block_offsets"]),
+     "kv_cache_block_offsets", "paged_kv_cache"),
+    ("host block table with a contiguous cache", call(host_kv_cache_block_offsets=P["kv_cache_block_offsets"]),
+     "host_kv_cache_block_offsets", "paged_kv_cache"),
+    ("pool mapping with a contiguous cache", call(host_kv_cache_pool_mapping=np.array([[0, 0], [0, 1]], np.int32)),
+     "host_kv_cache_pool_mapping", "paged_kv_cache"),
+    ("past_key_value with a paged cache", call(PAGED, past_key_value=A["past_key_value"]), "past_key_value",
+     "paged_kv_cache"),
+    ("past_key_value without a cache", call(WHOLE, use_cache=False), "past_key_value", "use_cache"),
+    ("pool without a cache", call(replace(WHOLE, paged=True, tokens_per_block=2), use_cache=False), "kv_cache_pool",
+     "use_cache"),
+    ("quantization scale with a float cache", call(kv_orig_quant_scale=np.array([25.0], np.float32)),
+     "kv_orig_quant_scale", "kv_cache_quant_mode"),
+    ("dequantization scale with a float cache", call(kv_quant_orig_scale=np.array([0.04], np.float32)),
+     "kv_quant_orig_scale", "kv_cache_quant_mode"),
+    ("RoPE frequencies without RoPE", call(rotary_inv_freq=RAMP), "rotary_inv_freq", "position_embedding_type"),
+    ("RoPE frequencies with ALiBi", call(rotary_inv_freq=RAMP, position_embedding_type=4,
+                                         alibi_slopes=np.linspace(0.5, 0.1, 6).astype(np.float32)),
+     "rotary_inv_freq", "position_embedding_type"),
+]
+
+
+def _caches(args):
+    """Every cache array a call was given, copied: a refused call must leave each one as it was."""
+    return {k: args[k].copy() for k in ("past_key_value", "kv_cache_pool") if args.get(k) is not None}
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+@pytest.mark.parametrize("name,args,param,setting", UNREAD, ids=[u[0] for u in UNREAD])
+def test_an_argument_the_call_would_not_read_is_refused_naming_both(name, args, param, setting, backend):
+    before = _caches(args)
+    with _launch.recorded_launches() as launches, pytest.raises(ValueError, match=rf"^{param}: .*\b{setting}\b"):
+        cacheattn.gpt_attention(**args, backend=backend)
+    assert launches == []
+    for k, x in before.items():
+        assert x.tobytes() == args[k].tobytes(), f"{name}: the refused call changed {k}"
+
+
+def _unread_breaks(case, args, rng):
+    """(argument, value, the setting named with it) that this valid call would not read."""
+    Hkv, Dh = case.num_kv_heads, case.head_size
+    like = args["kv_cache_pool"] if case.paged else args["past_key_value"]
+    breaks = []
+    if case.paged:
+        row_cache = rng.standard_normal((case.entries, 2, Hkv, case.capacity, Dh)).astype(like.dtype)
+        breaks.append(("past_key_value", row_cache, "paged_kv_cache"))
+    else:
+        pool = rng.standard_normal((3, case.num_layers, 2, Hkv, case.tokens_per_block, Dh)).astype(like.dtype)
+        offsets = rng.permutation(6)[None, None, :].reshape(1, 1, 2, 3).repeat(case.entries, axis=1)
+        breaks += [("kv_cache_pool", pool, "paged_kv_cache"),
+                   ("kv_cache_block_offsets", offsets.astype(np.int32), "paged_kv_cache")]
+    if not case.quant:
+        breaks += [("kv_orig_quant_scale", np.array([rng.uniform(10, 50)], np.float32), "kv_cache_quant_mode"),
+                   ("kv_quant_orig_scale", np.array([rng.uniform(0.02, 0.1)], np.float32), "kv_cache_quant_mode")]
+    if case.position not in (1, 2, 3, 8):
+        freq = rng.uniform(0.01, 1.0, max(case.rotary_dim, 8) // 2).astype(np.float32)
+        breaks.append(("rotary_inv_freq", freq, "position_embedding_type"))
+    return breaks
+
+
+@settings(max_examples=max(REFERENCE // 3, 10))
+@given(case=trt_cases(), backend=st.sampled_from(["reference", "numba"]), data=st.data())
+def test_a_drawn_call_given_an_argument_it_would_not_read_is_refused(case, backend, data):
+    """A drawn valid call (it runs on the reference) given one argument its settings leave unread is refused,
+    naming the argument and the setting, before any kernel; every cache stays bit-identical."""
+    args = build_trt(case)
+    output, _ = cacheattn.gpt_attention(**copy_inputs(args), backend="reference")
+    assert np.isfinite(output).all()
+    breaks = _unread_breaks(case, args, np.random.default_rng(case.seed))
+    name, value, setting = data.draw(st.sampled_from(breaks), label="unread argument")
+    broken = dict(args, **{name: value})
+    before = _caches(broken)
+    with _launch.recorded_launches() as launches, pytest.raises(ValueError, match=rf"^{name}: .*\b{setting}\b"):
+        cacheattn.gpt_attention(**broken, backend=backend)
+    assert launches == []
+    for k, x in before.items():
+        assert x.tobytes() == broken[k].tobytes(), f"the refused call changed {k}"
+
+
+def test_what_tensorrt_llm_passes_to_every_layer_is_accepted():
+    """TensorRT-LLM's layers pass some tensors whatever the settings: encoder_input_lengths and cross_kv_length to
+    a decoder's self attention, cache_indirection with one beam. Given with a self-attention call they change
+    nothing."""
+    args = build_trt(replace(BASE, beam_width=1))
+    plain, _ = cacheattn.gpt_attention(**copy_inputs(args))
+    given, _ = cacheattn.gpt_attention(**copy_inputs(args), encoder_input_lengths=np.full(3, 5, np.int32),
+                                       cross_kv_length=5)
+    assert np.array_equal(given, plain)
+    assert args["cache_indirection"].shape[1] == 1 and not args["cache_indirection"].any()
+
+
+# ---- The attention window: checked first, resolved once for both backends ---------------------------------------
+
+@pytest.mark.parametrize("sinks,streamingllm", [(0, False), (1, True)])
+def test_a_window_of_no_token_names_the_window_not_the_sinks(sinks, streamingllm):
+    args = call(WHOLE, host_max_attention_window_sizes=np.array([8, 0], np.int32), streamingllm=streamingllm,
+                host_sink_token_length=np.array([sinks], np.int32))
+    with pytest.raises(ValueError, match=r"^host_max_attention_window_sizes: expected windows >= 1 token, got 0 at "
+                                         r"entry 1 \(layer 1's window\)$"):
+        cacheattn.gpt_attention(**args)
+
+
+def _all_arguments(args):
+    """gpt_attention's keyword arguments with its defaults filled in, as validate() receives them."""
+    defaults = {k: p.default for k, p in inspect.signature(cacheattn.gpt_attention).parameters.items()
+                if p.default is not inspect.Parameter.empty and k not in ("backend", "threads")}
+    return {**defaults, **args}
+
+
+@pytest.mark.parametrize("windows,layer_idx,want", [([5], 1, 5), ([8, 5], 1, 5), ([8, 5, 6], 4, 5), ([6, 8], 0, 6)])
+def test_validation_hands_both_backends_the_layers_window_once(windows, layer_idx, want):
+    """The list repeats over the layers when shorter: layer l reads entry l % len. Validation resolves it once and
+    hands the reference and the kernels that single window."""
+    args = call(host_max_attention_window_sizes=np.array(windows, np.int32), layer_idx=layer_idx)
+    checked = trtllm.validate(_all_arguments(args))
+    assert checked["host_max_attention_window_sizes"].tolist() == [want]
