@@ -33,7 +33,8 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every subcommand, its options and their help."""
     from . import _console
 
     parser = argparse.ArgumentParser(prog="python -m cacheattn", description=__doc__.splitlines()[0])
@@ -53,13 +54,16 @@ def main(argv=None) -> int:
     tour.add_argument("--backend", choices=("both", "reference", "numba"), default="both")
     tour.add_argument("--cache", choices=("int8", "int4", "float32"), default="int8",
                       help="the serving loop's OpenPPL paged cache format")
-    docs = sub.add_parser("docs", parents=[form], help="run the read-and-run pages in docs/ and check their shown "
-                          "outputs")
+    docs_help = ("run the read-and-run pages in docs/ and check their shown outputs (about two minutes on 2 "
+                 "cores, the kernels in the simulator; a progress bar on a terminal)")
+    docs = sub.add_parser("docs", parents=[form], help=docs_help, description=docs_help)
     docs.add_argument("--update", action="store_true", help="rewrite the pages' outputs with what the code prints")
     docs.add_argument("pages", nargs="*", type=Path, help="pages to run (default: docs/*.md)")
-    conf = sub.add_parser("conformance", parents=[form], help="run the onnx node test cases for Attention; print "
-                          "the table")
-    conf.add_argument("--backend", choices=("reference", "numba", "both"), default="both")
+    conf_help = ("run the onnx node test cases for Attention; print the table (both backends: about 7 minutes on "
+                 "2 cores without a GPU, the kernels in the simulator; a progress bar on a terminal)")
+    conf = sub.add_parser("conformance", parents=[form], help=conf_help, description=conf_help)
+    conf.add_argument("--backend", choices=("reference", "numba", "both"), default="both",
+                      help="reference: seconds; numba or both: the kernels, about 7 minutes in the simulator")
     bench = sub.add_parser("bench", parents=[form], help="time the kernels against peers measured in the same run "
                            "(GPU)")
     bench.add_argument("--repeat", type=int, default=20)
@@ -73,22 +77,23 @@ def main(argv=None) -> int:
     bench.add_argument("--batch", type=int, default=64, help="--host: requests per decode call (default 64)")
     bench.add_argument("--out", help="folder to write bench.json and bench.md (--host: host.json and host.md) "
                        "into; without it nothing is written")
-    session = sub.add_parser("gpu-session", parents=[form], help="on a lent GPU: environment, GPU tests, bench, "
+    session = sub.add_parser("gpu-session", parents=[form], help="on a GPU machine: environment, GPU tests, bench, "
                              "compute-sanitizer and kernel tests in one command, each under a time limit; a summary "
                              "in --out")
     session.add_argument("--out", help="folder for the summary, bench tables and logs (needed to run the steps)")
     session.add_argument("--steps", help="comma-separated subset, in the session's order (see --dry-run)")
-    session.add_argument("--budget-s", type=float, default=570, help="seconds for all steps (default 570: one "
-                         "10-minute device command)")
+    session.add_argument("--budget-s", type=float, default=570, help="seconds for all steps (default 570: inside "
+                         "a 10-minute limit on one command)")
     session.add_argument("--dry-run", action="store_true", help="list the steps and their commands; run nothing")
     session.add_argument("--env", action="store_true", help="print the environment record (JSON) and stop")
     from .hf.cli import add_parser as add_hf  # torch-free: the command says so if the hf extra is missing
     add_hf(sub, parents=[form])
-    lab = sub.add_parser("lab", parents=[form], help="counters and lower bounds of every kernel-ladder rung per bench "
-                         "case, counted in the simulator (--sanitize: race / initcheck / memcheck over every kernel "
-                         "family)")
+    lab_help = ("counters and lower bounds of every kernel-ladder rung per bench case, counted in the simulator "
+                "(about half an hour on 2 cores; --quick: under a minute; a progress bar on a terminal) (--sanitize: "
+                "race / initcheck / memcheck over every kernel family, about a minute)")
+    lab = sub.add_parser("lab", parents=[form], help=lab_help, description=lab_help)
     lab.add_argument("--sanitize", action="store_true", help="one representative call of every kernel family under "
-                     "the recorder; ends with the number of findings")
+                     "the recorder, a table row each; ends with the number of findings")
     lab.add_argument("--full", action="store_true", help="with --sanitize: more cases per family (slow)")
     lab.add_argument("--case", action="append", choices=("decode", "decode-int8", "decode-int4", "decode-32k",
                                                           "prefill-4k"),
@@ -104,8 +109,15 @@ def main(argv=None) -> int:
                      "and bounds again from its full-launch figures, and write it back (after a change to the bound "
                      "model or to docs/kernel-ladder-sass.json)")
     lab.add_argument("--jobs", type=int, help="processes counting side by side (default: 2 where there are 2 cores)")
-    lab.add_argument("--quick", action="store_true", help="the float16 decode alone at head_dim 64, 32 and 64 keys "
-                     "(CI)")
+    lab.add_argument("--quick", action="store_true", help="the float16 decode alone at head_dim 64, counted at 64 "
+                     "and 128 keys (the test suite runs it)")
+    return parser
+
+
+def main(argv=None) -> int:
+    from . import _console
+
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "gpu-session" and args.out is None and not (args.dry_run or args.env):
         parser.error("gpu-session: --out DIR is needed (the session leaves its summary, tables and logs there)")
@@ -136,10 +148,12 @@ def _run(args) -> int:
         from . import _docs
         pages = args.pages or _docs.pages(Path.cwd())
         if args.update:
-            _console.table(None, ("page", "blocks rewritten"), [(str(page), _docs.update(page)) for page in pages],
-                           right=("blocks rewritten",))
+            with _console.progress(sum(_docs.count_blocks(page) for page in pages), "docs blocks") as step:
+                rewritten = [(str(page), _docs.update(page, on_block=step)) for page in pages]
+            _console.table(None, ("page", "blocks rewritten"), rewritten, right=("blocks rewritten",))
             return 0
-        checked = [(page, _docs.check(page)) for page in pages]
+        with _console.progress(sum(_docs.count_blocks(page) for page in pages), "docs blocks") as step:
+            checked = [(page, _docs.check(page, on_block=step)) for page in pages]
         _console.table(None, ("page", "result"), [(str(page), f"{len(problems)} blocks differ" if problems else "ok")
                                                   for page, problems in checked])
         for _, problems in checked:

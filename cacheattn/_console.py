@@ -298,11 +298,19 @@ def progress(total: int, description: str) -> Iterator:
     if not console.is_terminal:
         yield lambda label="": None
         return
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("{task.fields[label]}"))
+    bar_width = 20
+    columns = (TextColumn("{task.description}"), BarColumn(bar_width=bar_width), MofNCompleteColumn(),
+               TimeElapsedColumn(), TextColumn("{task.fields[label]}"))
+    # The label (what just finished) gets what the other columns leave, cut short with an ellipsis, so the counts
+    # and the time stay whole on a narrow terminal (the 5: a space between columns and one spare).
+    room = console.width - len(description) - bar_width - (2 * len(str(total)) + 1) - len("0:00:00") - 5
+
+    def cut(label: str) -> str:
+        return label if len(label) <= room else label[:max(0, room - 1)] + "…"
+
     with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task(description, total=total, label="")
-        yield lambda label="": bar.update(task, advance=1, label=label)
+        yield lambda label="": bar.update(task, advance=1, label=cut(label))
 
 
 @contextmanager

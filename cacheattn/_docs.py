@@ -3,6 +3,9 @@
 A ```text block right after a python block holds what that block prints. `check` runs a page
 and reports every block whose output differs from the page; `update` rewrites the text blocks
 with what the run printed. So every output a reader sees was produced by the code beside it.
+A shown output must show something: an empty text block, or a block that now prints nothing
+where the page shows output, fails the check (code that filters its own source for a line that
+has since gone prints nothing, and the page would otherwise point at an empty box).
 
 The comparison is exact for the words and line structure, and numeric for the numbers: the last
 digits of a float depend on which BLAS kernels the CPU gets (OpenBLAS picks AVX-512 code on one
@@ -47,8 +50,14 @@ def parse(page: str) -> list[Block]:
     return blocks
 
 
-def run(path: Path) -> list[Block]:
-    """Execute every python block of the page in order; each block's stdout goes to .printed."""
+def count_blocks(path: Path) -> int:
+    """How many python blocks `run` executes on the page (a progress bar's total)."""
+    return len(parse(path.read_text()))
+
+
+def run(path: Path, on_block=None) -> list[Block]:
+    """Execute every python block of the page in order; each block's stdout goes to .printed.
+    on_block(label) is called after each block ("page.md:line"), a progress bar's step."""
     blocks = parse(path.read_text())
     namespace = {"__name__": f"docs.{path.stem}"}
     for block in blocks:
@@ -56,6 +65,8 @@ def run(path: Path) -> list[Block]:
         with contextlib.redirect_stdout(out):
             exec(compile(block.code, f"{path}:{block.code_line}", "exec"), namespace)
         block.printed = out.getvalue()
+        if on_block is not None:
+            on_block(f"{path.name}:{block.code_line}")
     return blocks
 
 
@@ -80,27 +91,35 @@ def same_output(shown: str, printed: str) -> bool:
             and all(_numbers_agree(a, b) for a, b in zip(shown_numbers, printed_numbers)))
 
 
-def check(path: Path) -> list[str]:
-    """Differences between what the page shows and what its code prints, one message per block."""
+def check(path: Path, on_block=None) -> list[str]:
+    """Differences between what the page shows and what its code prints, one message per block, each naming the
+    page, the block's number on it and its first line. An output block must show something: an empty one fails,
+    and so does a block that prints nothing where the page shows output."""
     problems = []
-    for block in run(path):
-        if block.output is not None and not same_output(block.output, block.printed):
-            problems.append(f"{path}:{block.code_line}: the block prints\n{block.printed}\nbut the page shows\n"
-                            f"{block.output}")
+    for number, block in enumerate(run(path, on_block), 1):
+        where = f"{path}:{block.code_line}: block {number}"
+        if block.output is not None and not block.output.strip():
+            problems.append(f"{where} has an empty output block: a shown output must show something (it prints "
+                            f"{'nothing' if not block.printed.strip() else repr(block.printed)})")
+        elif block.output is not None and not block.printed.strip():
+            problems.append(f"{where} prints nothing, but the page shows\n{block.output}")
+        elif block.output is not None and not same_output(block.output, block.printed):
+            problems.append(f"{where} prints\n{block.printed}\nbut the page shows\n{block.output}")
         elif block.output is None and block.printed.strip():
-            problems.append(f"{path}:{block.code_line}: the block prints output the page does not show")
+            problems.append(f"{where} prints output the page does not show")
     return problems
 
 
-def update(path: Path) -> int:
-    """Rewrite the page's text blocks (adding missing ones) with what the code prints; returns blocks changed."""
+def update(path: Path, on_block=None) -> int:
+    """Rewrite the page's text blocks (adding missing ones) with what the code prints; returns blocks changed. A
+    block that prints nothing keeps its shown output: `check` then names it."""
     page = path.read_text()
-    blocks = run(path)
+    blocks = run(path, on_block)
     changed = 0
     for block in reversed(blocks):       # back to front keeps the earlier spans valid
         printed = block.printed.rstrip() + "\n"
         if block.output_span is not None:
-            if not same_output(block.output, printed):
+            if block.printed.strip() and not same_output(block.output, printed):
                 start, end = block.output_span
                 page = page[:start] + printed + page[end:]
                 changed += 1

@@ -60,3 +60,19 @@ def test_numbers_inside_names_are_text():
     assert not _docs.same_output("float16 sm_80", "float32 sm_80")
     assert not _docs.same_output("sm_80", "sm_90")
     assert _docs.same_output("1e-06 and 2.5E+3", "1.0000001e-06 and 2500.0")
+
+
+@pytest.mark.parametrize("code, shown", [
+    ("x = 1  # prints nothing", ""),                                    # an empty output block
+    ("print('\\n'.join(line for line in ['a', 'b'] if 'slot' in line))", "\n"),   # a filter that found no line
+    ("print(end='')", "a line the code once printed\n"),              # the output vanished
+])
+def test_check_fails_an_empty_or_vanished_output_naming_page_and_block(tmp_path, code, shown):
+    page = tmp_path / "empty.md"
+    page.write_text("```python\nprint('first')\n```\n\n```text\nfirst\n```\n\n"
+                    f"```python\n{code}\n```\n\n```text\n{shown}```\n")
+    (problem,) = _docs.check(page)
+    assert problem.startswith(f"{page}:9: block 2 ")
+    assert "empty output block" in problem or "prints nothing" in problem
+    _docs.update(page)                       # nothing printed: the page keeps what it shows, and still fails
+    assert len(_docs.check(page)) == 1

@@ -5,6 +5,7 @@ import json
 import os
 
 import pytest
+from test_tables import check_table
 
 from cacheattn.__main__ import main
 from cacheattn.lab.recorder import CONFLICTS_LD, DRAM_READ
@@ -15,7 +16,8 @@ pytestmark = pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") != "1",
 LONG = int(os.environ.get("CACHEATTN_EXAMPLES", "1")) >= 2
 
 
-def test_sanitize_every_kernel_family_finds_nothing(capsys):
+def test_sanitize_every_kernel_family_finds_nothing(capsys, monkeypatch):
+    from cacheattn import _console
     from cacheattn.lab.sanitize import calls, sanitize
 
     families = {call.family for call in calls(LONG)}
@@ -25,13 +27,22 @@ def test_sanitize_every_kernel_family_finds_nothing(capsys):
                  "trtllm gpt_attention context unfused", "trtllm gpt_attention cross attention", "ft cross_attention",
                  *(f"ppl multi_head_cache_attention rung {rung}" for rung in range(1, 6))):
         assert name in families
-    assert sanitize(full=LONG) == 0
+    monkeypatch.delenv("COLUMNS", raising=False)
+    with _console.recording() as tables:
+        assert sanitize(full=LONG) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[-1].startswith("0 findings")
+    assert out.splitlines()[-1].startswith(f"0 findings in {len(calls(LONG))} calls")
+    (table,) = tables                                   # no findings: no second table
+    rows = {(row["family"], row["call"]): row for row in _console.as_json(table)["rows"]}
+    assert len(rows) == len(calls(LONG)) and all(row["findings"] == 0 for row in rows.values())
     # The multi-block and split-K representatives really split (their combine kernels ran).
-    assert "generation multi-block: 1 sequence, past 40, contiguous fp16: 3 launches (attention_kernel, " \
-           "combine_kernel" in out
-    assert out.count("combine_kernel, store_kernel, vector_attention_kernel") == 3        # rung 4, three caches
+    multi_block = rows["trtllm gpt_attention generation multi-block", "1 sequence, past 40, contiguous fp16"]
+    assert multi_block["launches"] == 3 and "combine_kernel" in multi_block["kernels"]
+    split_k = [row for (family, _), row in rows.items() if family.endswith("rung 4")]
+    assert len(split_k) == 3 and all(row["kernels"] == ["combine_kernel", "store_kernel", "vector_attention_kernel"]
+                                     for row in split_k)              # three caches
+    assert max(len(line) for line in out.splitlines()) <= 80          # piped: the tables fit 80 columns
+    check_table(table)
 
 
 def test_lab_counts_every_rung_and_bounds_the_full_decode(capsys):

@@ -1,4 +1,4 @@
-"""Measuring the kernels without a GPU (issue 16), apart from the operators in `cacheattn/`.
+"""Measuring the kernels without a GPU, apart from the operators in `cacheattn/`.
 
 - `record()` (`recorder`): Nsight Compute-style memory counters and compute-sanitizer-style findings (races,
   uninitialized shared reads, out-of-bounds indices) of any numba.cuda kernel launch, counted in numba's CUDA

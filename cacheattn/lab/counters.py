@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import os
 import sys
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -167,6 +168,18 @@ def _count(job):
     return figures(count_rung(case, rung, threads, splits), case)
 
 
+def _job_label(job) -> str:
+    """What a progress bar says of one counted launch: the case, the rung and the length."""
+    plan, rung, length = job[:3]
+    return f"{_short(plan.case.label)} rung {rung}, {length} {'new tokens' if plan.prefill else 'keys'}"
+
+
+def launches(selected, rungs=None) -> int:
+    """How many launches counting the plans `selected` at `rungs` (default: each plan's) records: the progress
+    bar's total."""
+    return sum(len(plan.points_for(rung)) for plan in selected for rung in (rungs or plan.rungs))
+
+
 def fit(points, values, at: float) -> float:
     """The polynomial of degree len(points) - 1 through (points, values), at `at` (exact for integer counts that
     are such a polynomial; rounded back to the nearest integer when the value is a count)."""
@@ -257,16 +270,27 @@ def bound_figures(b: bounds.Bounds, case: BenchCase) -> dict:
     return out
 
 
-def count_plan(plan: Plan, threads: int = THREADS, jobs: int = 1, rungs=None) -> dict:
-    """Every rung of one plan: the counted points, the full launch's figures, derived ratios and bounds."""
+def count_plan(plan: Plan, threads: int = THREADS, jobs: int = 1, rungs=None, on_count=None) -> dict:
+    """Every rung of one plan: the counted points, the full launch's figures, derived ratios and bounds.
+    on_count(label) is called once per counted launch, as it finishes (a progress bar's step)."""
+    on_count = on_count or (lambda label: None)
     rungs = rungs or plan.rungs
     splits = {rung: splits_for(plan.case, threads)[0] if rung == 4 else 1 for rung in rungs}
     work = [(plan, rung, length, threads, splits[rung]) for rung in rungs for length in plan.points_for(rung)]
     if jobs > 1:
-        with ProcessPoolExecutor(jobs) as pool:
-            counted = iter(list(pool.map(_count, work)))
+        # Fresh interpreters, not forks: the parent may be drawing a progress bar from a thread, and a fork taken
+        # while that thread holds the stderr lock would leave the child unable to write a warning.
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {pool.submit(_count, job): job for job in work}
+            for future in as_completed(futures):
+                on_count(_job_label(futures[future]))
+            counted = iter([future.result() for future in futures])
     else:
-        counted = iter([_count(job) for job in work])
+        counted = []
+        for job in work:
+            counted.append(_count(job))
+            on_count(_job_label(job))
+        counted = iter(counted)
     n = len(plan.points)
     result = {"case": asdict(plan.case), "counted": asdict(plan.counted), "points": list(plan.points),
               "fit": f"degree {n - 1} in {'new tokens' if plan.prefill else 'keys'}", "grid_scale": plan.grid_scale,
@@ -301,15 +325,21 @@ def rederive(result: dict) -> dict:
     return result
 
 
-def ladder(quick: bool = False, threads: int = THREADS, jobs: int = 1, cases=None, rungs=None) -> dict:
+def selected_plans(quick: bool = False, cases=None) -> list[Plan]:
+    """The plans `ladder` counts: every bench case's, or those whose labels `cases` names."""
+    return [p for p in plans(quick) if cases is None or p.case.label in cases]
+
+
+def ladder(quick: bool = False, threads: int = THREADS, jobs: int = 1, cases=None, rungs=None,
+           on_count=None) -> dict:
     """Every bench case x rung (or the `cases` labels and `rungs` named): a JSON-ready dict (what `--format json`
-    and the ladder page read)."""
-    selected = [p for p in plans(quick) if cases is None or p.case.label in cases]
+    and the ladder page read). on_count(label): once per counted launch (`count_plan`)."""
+    selected = selected_plans(quick, cases)
     return {"machine": asdict(bounds.H100_SXM),
             "note": "counted in numba's CUDA simulator on cut-down launches and scaled to the full grid (see "
                     "cacheattn/lab/counters.py); DRAM bytes count every distinct sector of a launch once (an L2 "
                     "that holds the working set); the bounds are derived lower bounds on time, never timings",
-            "cases": {p.case.label: count_plan(p, threads, jobs, rungs) for p in selected}}
+            "cases": {p.case.label: count_plan(p, threads, jobs, rungs, on_count) for p in selected}}
 
 
 def splice(result: dict, into: dict) -> dict:
@@ -386,7 +416,10 @@ def main(quick: bool = False, cases=None, rungs=None, jobs: int | None = None, w
         result = rederive(json.loads(rederive_file.read_text()))
         write = write or rederive_file
     else:
-        result = ladder(quick, jobs=jobs, cases=[CASE_NAMES[c] for c in cases] if cases else None, rungs=rungs)
+        labels = [CASE_NAMES[c] for c in cases] if cases else None
+        # A bar on stderr when it is a terminal (the full run takes about half an hour): one step per launch.
+        with _console.progress(launches(selected_plans(quick, labels), rungs), "counting launches") as step:
+            result = ladder(quick, jobs=jobs, cases=labels, rungs=rungs, on_count=step)
     if update is not None:
         try:
             write_json(update, splice(result, json.loads(update.read_text())))

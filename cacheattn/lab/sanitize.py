@@ -5,8 +5,8 @@ shapes (`cacheattn.tour`): OpenPPL's KeyValueCache, dynamic KeyValueCache, Multi
 MultiHeadCacheAttention at every rung of the kernel ladder on float16, int8 and int4 caches; ONNX Attention;
 TensorRT-LLM gpt_attention (in-flight context + generation on a paged INT8 pool, StreamingLLM on a cyclic FP8 cache,
 multi-block generation, the unfused and FP8 context paths, cross attention); FasterTransformer cross attention (step 1
-and a later step). Each call's findings (race, uninitialized shared read, out-of-bounds index) are printed under it; the
-pass ends with the total, `0 findings` when clean.
+and a later step). A table gives each call's launches, kernels and findings (race, uninitialized shared read,
+out-of-bounds index), a second one every finding; the pass ends with the total, `0 findings` when clean.
 """
 
 from __future__ import annotations
@@ -166,15 +166,23 @@ def calls(full: bool = False) -> list[Call]:
     return _ppl_calls(full) + _onnx_calls(full) + _trt_calls(full) + _ft_calls(full)
 
 
-def sanitize(full: bool = False, report=None, only: str | None = None) -> int:
-    """Run every representative call under `lab.record()`, print each call's launches and findings, and end with
-    the count. Returns the number of findings plus failed calls (0: clean). only: run the calls whose family
-    contains it."""
-    report = report or (lambda line: _console.say(line, wrap=False))
-    total, failed, start = 0, 0, time.perf_counter()
-    for call in calls(full):
-        if only and only not in call.family:
-            continue
+@dataclass
+class Checked:
+    """What one representative call gave under the recorder: its launches' kernels, its findings, and the error
+    that stopped it, if one did."""
+    call: Call
+    launches: int
+    kernels: tuple
+    hazards: list
+    error: str | None
+    seconds: float
+
+
+def check_calls(selected, on_call=None) -> list[Checked]:
+    """Run each call under `lab.record()`; on_call(label) once per call, as it finishes (a progress bar's step)."""
+    on_call = on_call or (lambda label: None)
+    checked = []
+    for call in selected:
         began = time.perf_counter()
         error = None
         try:
@@ -182,14 +190,45 @@ def sanitize(full: bool = False, report=None, only: str | None = None) -> int:
                 call.run()
         except Exception as exc:  # a launch that fails (an index past the end) still shows what was found
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-            failed += 1
-        kernels = sorted({launch.kernel for launch in rec.launches})
-        report(f"{call.family}: {call.label}: {len(rec.launches)} launches ({', '.join(kernels)}), "
-               f"{len(rec.hazards)} findings, {time.perf_counter() - began:.1f} s")
-        if error:
-            report(f"    FAILED {error}")
-        for hazard in rec.hazards:
-            report(f"    {hazard}")
-        total += len(rec.hazards)
-    report(f"{total} findings{f', {failed} failed calls' if failed else ''} ({time.perf_counter() - start:.0f} s)")
+        checked.append(Checked(call, len(rec.launches), tuple(sorted({launch.kernel for launch in rec.launches})),
+                               list(rec.hazards), error, time.perf_counter() - began))
+        on_call(f"{call.family}: {call.label}")
+    return checked
+
+
+def calls_table(checked: list[Checked]) -> _console.Table:
+    """One row per call: its family, what it runs, its launches and their kernels, its findings and seconds (a call
+    that failed shows in `findings_table`)."""
+    columns = (_console.Column("family"), _console.Column("call"),
+               _console.Column("launches", right=True), _console.Column("kernels", show=", ".join),
+               _console.Column("findings", right=True),
+               _console.Column("s", "seconds", lambda s: f"{s:.1f}", right=True, means="seconds in the simulator"))
+    return _console.make_table("Every kernel family under the recorder (race, uninitialized, out of bounds)",
+                               columns, [(c.call.family, c.call.label, c.launches, c.kernels,
+                                          len(c.hazards), c.seconds) for c in checked])
+
+
+def findings_table(checked: list[Checked]) -> _console.Table:
+    """One row per finding (or failed call): the call and what was found."""
+    rows = [(f"{c.call.family}: {c.call.label}", f"FAILED {c.error}") for c in checked if c.error]
+    rows += [(f"{c.call.family}: {c.call.label}", str(hazard)) for c in checked for hazard in c.hazards]
+    return _console.make_table("Findings", (_console.Column("call"), _console.Column("finding")), rows)
+
+
+def sanitize(full: bool = False, only: str | None = None) -> int:
+    """Run every representative call under `lab.record()` (a progress bar on a terminal), print a row per call,
+    then every finding, and end with the count. Returns the number of findings plus failed calls (0: clean).
+    only: run the calls whose family contains it."""
+    start = time.perf_counter()
+    selected = [call for call in calls(full) if not only or only in call.family]
+    with _console.progress(len(selected), "sanitizing kernel families") as step:
+        checked = check_calls(selected, on_call=step)
+    _console.print_table(calls_table(checked))
+    findings = findings_table(checked)
+    if findings.rows:
+        _console.print_table(findings)
+    total = sum(len(c.hazards) for c in checked)
+    failed = sum(c.error is not None for c in checked)
+    _console.say(f"{total} findings{f', {failed} failed calls' if failed else ''} in {len(checked)} calls "
+                 f"({time.perf_counter() - start:.0f} s)")
     return total + failed
