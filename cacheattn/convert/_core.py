@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from collections.abc import MutableSequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,9 +41,24 @@ def fp8_dtype(kind: str) -> np.dtype:
 
 @dataclass
 class Quant:
-    """How a cache's values were quantized: kind, the stored codes (num_kv_heads, tokens, stored head_dim) in
-    the cache's dtype, and the scales (group kinds: arrays (num_kv_heads, tokens, head_dim / quant_group) in
-    the scale tensor's dtype; per-tensor kinds: one float each for K and V)."""
+    """How a cache's values were quantized: the stored codes and scales, so that a destination with the same
+    rule copies the codes as they are (lossless).
+
+    Parameters
+    ----------
+    kind : str
+        "int8_group" or "int4_group" (OpenPPL: one scale per `quant_group` elements of head_dim, per token and
+        head), or a per-tensor kind, one scale for the whole tensor: "int8" (TensorRT-LLM), "fp8_e4m3"
+        (TensorRT-LLM, vLLM "fp8", FlashInfer), "fp8_e5m2" (vLLM, FlashInfer). Decoded value = code * scale.
+    key_codes, value_codes : array
+        `(num_kv_heads, tokens, stored head_dim)` in the cache's dtype: int8 (int4: two codes a byte, so the
+        stored head_dim is head_dim / 2), or the fp8 dtype (or uint8 holding its bytes).
+    key_scale, value_scale : array or float
+        Group kinds: `(num_kv_heads, tokens, head_dim / quant_group)` in the scale tensor's float dtype;
+        per-tensor kinds: one positive finite float each.
+    quant_group : int, default 0
+        Elements sharing a scale (group kinds; divides head_dim, even for int4); unused by per-tensor kinds.
+    """
     kind: str
     key_codes: np.ndarray
     value_codes: np.ndarray
@@ -53,19 +69,47 @@ class Quant:
 
 @dataclass
 class KV:
-    """One sequence's keys and values in one layer, in token order.
+    """One sequence's keys and values in one layer, in token order: what `export` returns and `import_` writes.
 
-    key, value: float (num_kv_heads, tokens, head_dim); positions: int64 (tokens,) the positions they hold (a
-    cyclic cache holds its sink tokens and the last window); rotated: True when the keys carry RoPE (what
-    attention reads in most formats), False for un-rotated keys (TensorRT-LLM StreamingLLM), None when RoPE
-    does not apply (cross-attention keys of an encoder); quant: what produced the values, or None for a float
-    cache.
+    Built, it is checked at once (and again by every import, before anything is written): an error names the
+    field, as `kv.value`, `kv.positions`, `kv.quant.key_codes`.
+
+    Parameters
+    ----------
+    key : array
+        `(num_kv_heads, tokens, head_dim)`, float16, bfloat16, float32 or float64; a NumPy or GPU array.
+    value : array
+        `(num_kv_heads, tokens, v_head_dim)`, the heads and tokens of `key` (v_head_dim differs from head_dim
+        only for ONNX, whose `past_value` may be narrower or wider).
+    positions : array of int
+        `(tokens,)`: the position each token holds, non-negative and increasing (token order). Stored as
+        int64. Usually `0 ... tokens - 1`; a cyclic TensorRT-LLM cache holds its sink tokens and the last
+        window, so its export has a gap. TensorRT-LLM imports put each token at the slot of its position; the
+        other formats write the tokens at `0 ... tokens - 1` in order.
+    rotated : bool or None, default True
+        True when the keys carry RoPE (what attention reads in most formats), False for un-rotated keys
+        (TensorRT-LLM StreamingLLM), None when RoPE does not apply (an encoder's cross-attention keys).
+    quant : Quant or None, default None
+        What produced the values of a quantized cache (its codes and scales), None for a float cache.
+
+    Raises
+    ------
+    TypeError
+        A field of the wrong type or dtype: key or value not a float array, positions not integers, rotated not
+        a bool or None, quant not a `Quant` (or its codes not of its kind's dtype).
+    ValueError
+        Shapes that disagree (key and value heads or tokens, one position per token, codes and scales against
+        the values), positions negative or not increasing, a per-tensor scale not positive and finite.
     """
     key: np.ndarray
     value: np.ndarray
     positions: np.ndarray
     rotated: bool | None = True
     quant: Quant | None = None
+
+    def __post_init__(self):
+        self.positions = _positions("kv.positions", self.positions)
+        check_kv(self)
 
     @property
     def num_kv_heads(self) -> int:
@@ -78,6 +122,107 @@ class KV:
     @property
     def head_dim(self) -> int:
         return int(self.key.shape[2])
+
+
+def _positions(name: str, positions) -> np.ndarray:
+    """Positions as a host int64 array (an empty list too); other dtypes are refused, not cast."""
+    if isinstance(positions, (str, bytes, dict, set)) or positions is None:
+        raise TypeError(f"{name}: expected an integer array (tokens,), got {type(positions).__name__}")
+    try:
+        p = np.asarray(arrays.to_host(positions))
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{name}: expected an integer array (tokens,), got {type(positions).__name__}") from e
+    if p.size == 0 and p.dtype.kind == "f":
+        p = p.astype(np.int64)                             # np.asarray([]) is float64
+    if p.dtype.kind not in "iu":
+        raise TypeError(f"{name}: expected integers, got dtype {p.dtype}")
+    return p.astype(np.int64, copy=False)
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, np.ndarray) or arrays.is_device_array(x)
+
+
+def _shape(x) -> tuple:
+    return tuple(int(s) for s in x.shape)
+
+
+def check_kv(kv, name: str = "kv") -> KV:
+    """Every promise of KV's docstring (shapes, dtypes, positions, quant); returns kv, with its positions made
+    an int64 host array again if they were replaced since it was built."""
+    if not isinstance(kv, KV):
+        raise TypeError(f"{name}: expected a cacheattn.convert.KV, got {type(kv).__name__}")
+    for field_name in ("key", "value"):
+        x = getattr(kv, field_name)
+        if not _is_array(x):
+            raise TypeError(f"{name}.{field_name}: expected a NumPy or GPU array, got {type(x).__name__}")
+        if not is_float(x.dtype):
+            raise TypeError(f"{name}.{field_name}: expected float16, bfloat16, float32 or float64, got {x.dtype}")
+        if len(x.shape) != 3:
+            raise ValueError(f"{name}.{field_name}: expected shape (num_kv_heads, tokens, head_dim), "
+                             f"got {_shape(x)}")
+    heads, tokens = _shape(kv.key)[:2]
+    if _shape(kv.value)[:2] != (heads, tokens):
+        raise ValueError(f"{name}.value: expected the num_kv_heads and tokens of {name}.key ({heads}, {tokens}), "
+                         f"got {_shape(kv.value)[:2]}")
+    positions = kv.positions
+    if not (isinstance(positions, np.ndarray) and positions.dtype == np.int64):
+        positions = _positions(f"{name}.positions", positions)
+    if positions.shape != (tokens,):
+        raise ValueError(f"{name}.positions: expected one position per token of {name}.key, shape ({tokens},), "
+                         f"got {positions.shape}")
+    if tokens and positions.min() < 0:
+        raise ValueError(f"{name}.positions: expected non-negative positions, got {int(positions.min())}")
+    if tokens > 1 and np.any(np.diff(positions) <= 0):
+        i = int(np.argmax(np.diff(positions) <= 0))
+        raise ValueError(f"{name}.positions: expected increasing positions (token order), got "
+                         f"{int(positions[i])} then {int(positions[i + 1])}")
+    if kv.rotated is not None and not isinstance(kv.rotated, (bool, np.bool_)):
+        raise TypeError(f"{name}.rotated: expected True, False or None, got {kv.rotated!r}")
+    if kv.quant is not None:
+        _check_quant(kv.quant, f"{name}.quant", _shape(kv.key), _shape(kv.value))
+    if positions is not kv.positions:
+        kv = KV(kv.key, kv.value, positions, kv.rotated, kv.quant)
+    return kv
+
+
+def _check_quant(q, name: str, key_shape: tuple, value_shape: tuple) -> None:
+    if not isinstance(q, Quant):
+        raise TypeError(f"{name}: expected a cacheattn.convert.Quant or None, got {type(q).__name__}")
+    if q.kind not in GROUP_KINDS + TENSOR_KINDS:
+        raise ValueError(f"{name}.kind: expected one of {GROUP_KINDS + TENSOR_KINDS}, got {q.kind!r}")
+    codes_dtypes = (np.dtype(np.int8),) if q.kind in GROUP_KINDS + ("int8",) else \
+        (fp8_dtype(q.kind), np.dtype(np.uint8))
+    halve = 2 if q.kind == "int4_group" else 1
+    group = q.kind in GROUP_KINDS
+    if group:
+        qg = q.quant_group
+        if isinstance(qg, bool) or not isinstance(qg, (int, np.integer)):
+            raise TypeError(f"{name}.quant_group: expected an int, got {qg!r}")
+        if qg < 1 or key_shape[2] % qg or value_shape[2] % qg or (halve == 2 and qg % 2):
+            raise ValueError(f"{name}.quant_group: expected an (even for int4) divisor of head_dim "
+                             f"{key_shape[2]}, got {qg}")
+    for field_name, codes, scale, shape in (("key", q.key_codes, q.key_scale, key_shape),
+                                            ("value", q.value_codes, q.value_scale, value_shape)):
+        if not _is_array(codes):
+            raise TypeError(f"{name}.{field_name}_codes: expected a NumPy or GPU array, got {type(codes).__name__}")
+        if np.dtype(codes.dtype) not in codes_dtypes:
+            raise TypeError(f"{name}.{field_name}_codes: expected {codes_dtypes[0]} for kind {q.kind!r}, "
+                            f"got {codes.dtype}")
+        want = (shape[0], shape[1], shape[2] // halve)
+        if _shape(codes) != want:
+            raise ValueError(f"{name}.{field_name}_codes: expected shape {want} (the values' heads and tokens, "
+                             f"stored head_dim), got {_shape(codes)}")
+        if group:
+            if not _is_array(scale) or not is_float(scale.dtype):
+                raise TypeError(f"{name}.{field_name}_scale: expected a float array for kind {q.kind!r}, got "
+                                f"{getattr(scale, 'dtype', type(scale).__name__)}")
+            want = (shape[0], shape[1], shape[2] // q.quant_group)
+            if _shape(scale) != want:
+                raise ValueError(f"{name}.{field_name}_scale: expected shape {want} (head_dim / quant_group "
+                                 f"last), got {_shape(scale)}")
+        else:
+            positive_scalar(f"{name}.{field_name}_scale", scale)
 
 
 @dataclass(frozen=True)
@@ -223,19 +368,50 @@ def step_bound(kind: str | None, values: np.ndarray, *, dtype=None, scale=None, 
 
 # ---------------------------------------------------------------------------------------------- page tables
 
-def take_pages(free_pages, count: int, name: str = "free_pages") -> list:
-    """The first `count` pages of the caller's free list (not removed yet: `commit_pages` does that after the
-    writes); a clear error when the list is short."""
+def take_pages(free_pages, count: int, *, num_pages: int, meaning: str = "page numbers", used=None,
+               name: str = "free_pages") -> list:
+    """The first `count` pages of the caller's free list; not removed yet: `commit_pages` does that once every
+    check has passed. The whole list is checked, not only the pages taken now: integers in [0, num_pages),
+    each once, none held by another sequence (`used`: page -> its holder) - a page listed twice would otherwise
+    go to two sequences by two imports. None: no list, []."""
     if free_pages is None:
         return []
-    if len(free_pages) < count:
-        raise ValueError(f"{name}: expected at least {count} free pages for this sequence, got {len(free_pages)}")
-    return [int(p) for p in list(free_pages)[:count]]
+    if not isinstance(free_pages, MutableSequence):
+        raise TypeError(f"{name}: expected a list of {meaning} (import removes the ones it takes from its front), "
+                        f"got {type(free_pages).__name__}")
+    for p in free_pages:
+        if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, np.integer)):
+            raise TypeError(f"{name}: expected integer {meaning}, got {p!r}")
+    pages = [int(p) for p in free_pages]
+    check_index(name, np.asarray(pages, np.int64), 0, num_pages, meaning)
+    if len(set(pages)) != len(pages):
+        twice = next(p for i, p in enumerate(pages) if p in pages[:i])
+        raise ValueError(f"{name}: expected distinct {meaning}, got {twice} twice")
+    held = [p for p in pages if p in (used or {})]
+    if held:
+        raise ValueError(f"{name}: expected {meaning} no other sequence holds, got {held[0]} ({used[held[0]]} "
+                         f"holds it)")
+    if len(pages) < count:
+        raise ValueError(f"{name}: expected at least {count} free pages for this sequence, got {len(pages)}")
+    return pages[:count]
 
 
 def commit_pages(free_pages, count: int) -> None:
     if free_pages is not None and count:
         del free_pages[:count]
+
+
+def check_own(name: str, pages, used: dict, meaning: str = "page numbers") -> None:
+    """The pages one sequence writes are distinct and held by no other sequence (`used`: page -> its holder):
+    two tokens in one slot, or a slot another sequence reads, would silently lose a token."""
+    pages = [int(p) for p in np.asarray(pages).reshape(-1)]
+    seen = set()
+    for p in pages:
+        if p in seen:
+            raise ValueError(f"{name}: expected distinct {meaning} for this sequence, got {p} twice")
+        seen.add(p)
+        if p in used:
+            raise ValueError(f"{name}: expected {meaning} no other sequence holds, got {p} ({used[p]} holds it)")
 
 
 def check_index(name: str, index: np.ndarray, low: int, high: int, meaning: str) -> None:
@@ -246,7 +422,9 @@ def check_index(name: str, index: np.ndarray, low: int, high: int, meaning: str)
 
 
 def check_sequence(name: str, sequence, count: int) -> int:
-    if isinstance(sequence, bool) or not isinstance(sequence, (int, np.integer)) or not 0 <= sequence < count:
+    if isinstance(sequence, (bool, np.bool_)) or not isinstance(sequence, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int, got {type(sequence).__name__} {sequence!r}")
+    if not 0 <= sequence < count:
         raise ValueError(f"{name}: expected an int in [0, {count}), got {sequence!r}")
     return int(sequence)
 
@@ -259,6 +437,88 @@ def check_cache_array(name: str, x):
     if flags is not None and not flags["C_CONTIGUOUS"]:
         raise ValueError(f"{name}: expected a C-contiguous array, got strides {x.strides}")
     return x
+
+
+def check_writable(name: str, x) -> None:
+    """An array import writes: a read-only NumPy array (a broadcast view, a frozen buffer) would fail midway."""
+    if isinstance(x, np.ndarray) and not x.flags["WRITEABLE"]:
+        raise ValueError(f"{name}: expected a writable array, got a read-only one")
+
+
+def table(name: str, x, *, ndim: int | None = None, written: bool = False) -> np.ndarray:
+    """A host copy of an integer table or length argument (NumPy, GPU array, or a list where import only reads
+    it), checked: integers, `ndim` dimensions. written: import writes it, so it must be a writable integer
+    NumPy or GPU array."""
+    if written:
+        if not _is_array(x):
+            raise TypeError(f"{name}: expected a NumPy or GPU integer array (import writes it), got "
+                            f"{type(x).__name__}")
+        check_writable(name, x)
+    if x is None or isinstance(x, (str, bytes, dict, set)):
+        raise TypeError(f"{name}: expected an integer array, got {type(x).__name__}")
+    try:
+        t = host(x)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{name}: expected an integer array, got {type(x).__name__}") from e
+    if t.dtype.kind not in "iu":
+        raise TypeError(f"{name}: expected integers, got dtype {t.dtype}")
+    if ndim is not None and t.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimension{'s' if ndim != 1 else ''}, got shape {t.shape}")
+    return t
+
+
+def lengths(name: str, x, count: int, high: int | None = None, meaning: str = "") -> np.ndarray:
+    """A per-sequence length vector (count,) of integers in [0, high]."""
+    t = table(name, x)
+    if t.shape != (count,):
+        raise ValueError(f"{name}: expected one length per sequence, shape ({count},){meaning}, got {t.shape}")
+    bad = (t < 0) | (t > high) if high is not None else t < 0
+    if bad.any():
+        span = f"in [0, {high}]" if high is not None else ">= 0"
+        raise ValueError(f"{name}: expected lengths {span}, got {int(t[bad][0])}")
+    return t.astype(np.int64)
+
+
+def positive_scalar(name: str, x, default=None) -> np.float32:
+    """One positive finite float (a Python float, a NumPy scalar or a one-element array); None: `default`."""
+    if x is None and default is not None:
+        x = default
+    if x is None or isinstance(x, (str, bytes, bool, np.bool_)):
+        raise TypeError(f"{name}: expected one positive float, got {x!r}")
+    try:
+        value = np.asarray(arrays.to_host(x), np.float32).reshape(-1)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{name}: expected one positive float, got {type(x).__name__}") from e
+    if value.size != 1 or not np.isfinite(value[0]) or value[0] <= 0:
+        raise ValueError(f"{name}: expected one positive finite float, got {x!r}")
+    return np.float32(value[0])
+
+
+def check_choice_str(name: str, value, choices) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name}: expected one of {tuple(choices)}, got {value!r}")
+    return value
+
+
+def check_bool(name: str, value) -> bool:
+    """A flag: Python or NumPy bool, or 0 / 1."""
+    if isinstance(value, (bool, np.bool_)) or (isinstance(value, (int, np.integer)) and value in (0, 1)):
+        return bool(value)
+    raise TypeError(f"{name}: expected True or False, got {type(value).__name__} {value!r}")
+
+
+def check_rotated(name: str, value) -> bool | None:
+    """True, False or None (RoPE does not apply)."""
+    return None if value is None else check_bool(name, value)
+
+
+def check_kv_fits(kv: KV, heads: int, head_dim: int, where: str, v_head_dim: int | None = None) -> None:
+    """kv has the destination's heads and head_dim, keys and values alike (values: v_head_dim if it differs)."""
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
+    got = (kv.num_kv_heads, kv.head_dim, int(kv.value.shape[2]))
+    if got != (heads, head_dim, v_head_dim):
+        raise ValueError(f"kv: expected {heads} heads, head_dim {head_dim} (keys) and {v_head_dim} (values) for "
+                         f"{where}, got {got[0]} heads, {got[1]} and {got[2]}")
 
 
 def host(x):
@@ -310,22 +570,46 @@ def read_pair(k_site: Site, v_site: Site, kind, k_scale, v_scale, quant_group, p
               np.asarray(positions, np.int64), rotated, quant)
 
 
+def copies_codes(kv: KV, kind, dtype, scale_dtype=None, scale=(None, None), quant_group: int = 0) -> bool:
+    """Whether a destination of this rule takes kv's codes as they are: the same kind and stored dtype, and the
+    same scales (group kinds: the same quant_group and scale dtype; per-tensor kinds: the same two floats)."""
+    q = kv.quant
+    if q is None or q.kind != kind or storage_dtype(q.key_codes.dtype) != storage_dtype(dtype):
+        return False
+    if kind in GROUP_KINDS:
+        return q.quant_group == quant_group and np.dtype(q.key_scale.dtype) == np.dtype(scale_dtype)
+    return np.float32(q.key_scale) == np.float32(scale[0]) and np.float32(q.value_scale) == np.float32(scale[1])
+
+
 def codes_for(kv: KV, kind, *, dtype, scale=(None, None), inverse_scale=(None, None), scale_dtype=None,
               quant_group: int = 0):
     """(k_codes, v_codes, k_scales, v_scales) a destination stores for kv: the source's own codes when the rule
     and scales are the same (lossless), else the values encoded by the destination's rule."""
     q = kv.quant
-    if q is not None and q.kind == kind and storage_dtype(q.key_codes.dtype) == storage_dtype(dtype):
-        if kind in GROUP_KINDS and q.quant_group == quant_group and np.dtype(q.key_scale.dtype) == scale_dtype:
-            return q.key_codes, q.value_codes, q.key_scale, q.value_scale
-        if kind in TENSOR_KINDS and np.float32(q.key_scale) == np.float32(scale[0]) and \
-                np.float32(q.value_scale) == np.float32(scale[1]):
-            return q.key_codes, q.value_codes, None, None
+    if kind is not None and copies_codes(kv, kind, dtype, scale_dtype, scale, quant_group):
+        group = kind in GROUP_KINDS
+        return q.key_codes, q.value_codes, (q.key_scale if group else None), (q.value_scale if group else None)
     kc, ks = encode(kind, kv.key, dtype=dtype, scale=scale[0], inverse_scale=inverse_scale[0],
                     scale_dtype=scale_dtype, quant_group=quant_group)
     vc, vs = encode(kind, kv.value, dtype=dtype, scale=scale[1], inverse_scale=inverse_scale[1],
                     scale_dtype=scale_dtype, quant_group=quant_group)
     return kc, vc, ks, vs
+
+
+def check_finite(kv: KV, kind) -> None:
+    """Values a destination quantizes are finite: a NaN or an infinity has no code (an int8 cast of NaN is
+    undefined, and one infinity in a group makes its scale infinite). A float destination casts them as they are."""
+    for field_name in ("key", "value"):
+        x = getattr(kv, field_name)
+        if isinstance(x, np.ndarray):
+            finite = np.isfinite(x)
+        else:
+            import cupy
+            finite = cupy.isfinite(cupy.asarray(x)).get()
+        if not finite.all():
+            at = tuple(int(i) for i in np.argwhere(~finite)[0])
+            raise ValueError(f"kv.{field_name}: expected finite values to quantize ({kind}), got "
+                             f"{float(np.asarray(arrays.to_host(x))[at])} at (head, token, element) {at}")
 
 
 def prepare_pair(kv: KV, kind, k_site: Site, v_site: Site, scale_sites=None, *, scale=(None, None),
@@ -335,6 +619,8 @@ def prepare_pair(kv: KV, kind, k_site: Site, v_site: Site, scale_sites=None, *, 
     they write (after every check has passed either way)."""
     dtype = k_site.array.dtype
     scale_dtype = None if scale_sites is None else scale_sites[0].array.dtype
+    if kind is not None and not copies_codes(kv, kind, dtype, scale_dtype, scale, quant_group):
+        check_finite(kv, kind)
     if use_kernels(k_site.array):
         return lambda: _scatter_pair(kv, kind, k_site, v_site, scale_sites, scale, inverse_scale, quant_group)
     kc, vc, ks, vs = codes_for(kv, kind, dtype=dtype, scale=scale, inverse_scale=inverse_scale,
@@ -369,11 +655,8 @@ def _scatter_pair(kv, kind, k_site, v_site, scale_sites, scale, inverse_scale, q
     from kernels_numba import convert as kc
     q = kv.quant
     dtype = k_site.array.dtype
-    copy = q is not None and q.kind == kind and storage_dtype(q.key_codes.dtype) == storage_dtype(dtype) and (
-        (kind in GROUP_KINDS and q.quant_group == quant_group and
-         np.dtype(q.key_scale.dtype) == np.dtype(scale_sites[0].array.dtype)) or
-        (kind in TENSOR_KINDS and np.float32(q.key_scale) == np.float32(scale[0]) and
-         np.float32(q.value_scale) == np.float32(scale[1])))
+    copy = kind is not None and copies_codes(kv, kind, dtype, None if scale_sites is None else
+                                             scale_sites[0].array.dtype, scale, quant_group)
     for i, s in enumerate((k_site, v_site)):
         like = s.array
         per_tensor = inverse_scale[i] if inverse_scale[i] is not None else scale[i]
@@ -400,6 +683,8 @@ _BACKEND = contextvars.ContextVar("cacheattn_convert_backend", default="auto")
 def backend(name: str):
     """Within: "reference" (NumPy gathers and scatters), "numba" (the kernels; NumPy arrays run them in the
     simulator) or "auto" (the kernels for GPU arrays)."""
+    if not isinstance(name, str):
+        raise TypeError(f"backend: expected one of {arrays.BACKENDS}, got {type(name).__name__}")
     if name not in arrays.BACKENDS:
         raise ValueError(f"backend: expected one of {arrays.BACKENDS}, got {name!r}")
     token = _BACKEND.set(name)

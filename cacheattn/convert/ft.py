@@ -9,13 +9,28 @@ from __future__ import annotations
 import numpy as np
 
 from .._validate import check_int
-from ._core import KV, check_cache_array, check_sequence, host, is_float, prepare_pair, read_pair, site
+from ._core import (
+    KV,
+    check_bool,
+    check_cache_array,
+    check_kv,
+    check_kv_fits,
+    check_sequence,
+    check_writable,
+    is_float,
+    lengths,
+    prepare_pair,
+    read_pair,
+    site,
+)
 
 
 def _layout(key_cache, value_cache, is_batch_major_cache, layer_idx):
     """(key axes, value axes, fixed layer index, batch, mem_max_seq_len, heads, head_dim)."""
     check_cache_array("key_cache", key_cache)
     check_cache_array("value_cache", value_cache)
+    check_int("layer_idx", layer_idx, low=0)
+    is_batch_major_cache = check_bool("is_batch_major_cache", is_batch_major_cache)
     k_axes, v_axes = ("B H DC T X", "B H T D") if is_batch_major_cache else ("B T H D", "B T H D")
     layered = value_cache.ndim == 5
     if layered:
@@ -51,23 +66,56 @@ def _sites(key_cache, value_cache, k_axes, v_axes, fixed, b, tokens):
 
 def export(key_cache, value_cache, encoder_sequence_length, *, sequence, is_batch_major_cache=True,
            layer_idx=0) -> KV:
-    """Batch `sequence`'s encoder tokens [0, encoder_sequence_length[b])."""
+    """Batch `sequence`'s encoder tokens [0, encoder_sequence_length[b]) (keys: rotated=None, no RoPE).
+
+    Parameters
+    ----------
+    key_cache : array
+        Batch-major `[B, H, Dh / x, mem_max_seq_len, x]` with x = 16 bytes / element size, else
+        `[B, mem_max_seq_len, H, Dh]`; a leading layer axis is accepted. Float.
+    value_cache : array
+        Batch-major `[B, H, mem_max_seq_len, Dh]`, else `[B, mem_max_seq_len, H, Dh]` (and the layer axis).
+    encoder_sequence_length : int array
+        `(B,)`: each batch's encoder tokens.
+    sequence : int
+        The batch b.
+    is_batch_major_cache : bool
+        Which of the two layouts.
+    layer_idx : int
+        The layer, with a leading layer axis (else ignored).
+    """
     k_axes, v_axes, fixed, B, L, _, _ = _layout(key_cache, value_cache, is_batch_major_cache, layer_idx)
     b = check_sequence("sequence", sequence, B)
-    tokens = int(host(encoder_sequence_length).reshape(-1)[b])
-    if not 0 <= tokens <= L:
-        raise ValueError(f"encoder_sequence_length: expected values in [0, mem_max_seq_len = {L}], got {tokens}")
+    tokens = int(lengths("encoder_sequence_length", encoder_sequence_length, B, L, " (B)")[b])
     ks, vs = _sites(key_cache, value_cache, k_axes, v_axes, fixed, b, tokens)
     return read_pair(ks, vs, None, None, None, 0, np.arange(tokens), None)
 
 
 def import_(kv: KV, key_cache, value_cache, *, sequence, is_batch_major_cache=True, layer_idx=0) -> dict:
-    """Write kv's tokens at encoder positions [0, T) of batch `sequence` (the caller's encoder_sequence_length[b]
-    becomes T); a cast to the cache's dtype."""
+    """Write kv's tokens at encoder positions [0, T) of batch `sequence`, a cast to the cache's dtype. Returns
+    {"encoder_sequence_length": T}; the caller's encoder_sequence_length[sequence] becomes T.
+
+    Parameters
+    ----------
+    kv : KV
+        The tokens to write (H and Dh of the caches).
+    key_cache : array
+        As for export (written).
+    value_cache : array
+        As for export (written).
+    sequence : int
+        The batch b.
+    is_batch_major_cache : bool
+        Which of the two layouts.
+    layer_idx : int
+        The layer written, with a leading layer axis (else ignored).
+    """
+    kv = check_kv(kv)
     k_axes, v_axes, fixed, B, L, H, D = _layout(key_cache, value_cache, is_batch_major_cache, layer_idx)
+    check_writable("key_cache", key_cache)
+    check_writable("value_cache", value_cache)
     b = check_sequence("sequence", sequence, B)
-    if (kv.num_kv_heads, kv.head_dim) != (H, D):
-        raise ValueError(f"kv: expected {H} heads of Dh {D} (value_cache), got {kv.num_kv_heads} of {kv.head_dim}")
+    check_kv_fits(kv, H, D, "value_cache (H, Dh)")
     if kv.tokens > L:
         raise ValueError(f"key_cache: expected mem_max_seq_len >= {kv.tokens} tokens, got {L}")
     ks, vs = _sites(key_cache, value_cache, k_axes, v_axes, fixed, b, kv.tokens)
@@ -76,6 +124,7 @@ def import_(kv: KV, key_cache, value_cache, *, sequence, is_batch_major_cache=Tr
 
 
 def rule(key_cache, value_cache=None, **_) -> dict:
+    """How this destination stores values (for `cacheattn.convert.error_bound`)."""
     return dict(kind=None, dtype=key_cache.dtype)
 
 

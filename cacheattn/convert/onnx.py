@@ -7,7 +7,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._core import KV, check_cache_array, check_sequence, host, is_float, prepare_pair, read_pair, site
+from ._core import (
+    KV,
+    check_cache_array,
+    check_kv,
+    check_kv_fits,
+    check_rotated,
+    check_sequence,
+    check_writable,
+    is_float,
+    lengths,
+    prepare_pair,
+    read_pair,
+    site,
+)
 
 
 def _check(past_key, past_value):
@@ -27,25 +40,53 @@ def _sites(past_key, past_value, b, tokens):
 
 
 def export(past_key, past_value, nonpad_kv_seqlen=None, *, sequence, rotated=True) -> KV:
-    """Batch `sequence`'s tokens: all past_sequence_length of them, or its nonpad_kv_seqlen."""
+    """Batch `sequence`'s tokens: all past_sequence_length of them, or its nonpad_kv_seqlen.
+
+    Parameters
+    ----------
+    past_key : array
+        `(batch_size, kv_num_heads, past_sequence_length, head_size)`, float.
+    past_value : array
+        `(batch_size, kv_num_heads, past_sequence_length, v_head_size)`, past_key's dtype.
+    nonpad_kv_seqlen : int array or None
+        `(batch_size,)`: the real tokens of each batch (None: all past_sequence_length).
+    sequence : int
+        The batch b.
+    rotated : bool or None
+        Whether the keys carry RoPE (the model's choice; usually True).
+    """
     _check(past_key, past_value)
+    rotated = check_rotated("rotated", rotated)
     b = check_sequence("sequence", sequence, past_key.shape[0])
-    tokens = past_key.shape[2] if nonpad_kv_seqlen is None else int(host(nonpad_kv_seqlen).reshape(-1)[b])
-    if not 0 <= tokens <= past_key.shape[2]:
-        raise ValueError(f"nonpad_kv_seqlen: expected values in [0, {past_key.shape[2]}], got {tokens}")
+    tokens = past_key.shape[2] if nonpad_kv_seqlen is None else \
+        int(lengths("nonpad_kv_seqlen", nonpad_kv_seqlen, past_key.shape[0], past_key.shape[2],
+                    " (batch_size)")[b])
     ks, vs = _sites(past_key, past_value, b, tokens)
     return read_pair(ks, vs, None, None, None, 0, np.arange(tokens), rotated)
 
 
 def import_(kv: KV, past_key, past_value, *, sequence) -> dict:
-    """Write kv's tokens at [sequence, :, 0:T] of the caller's past tensors (T <= past_sequence_length; the
-    caller's nonpad_kv_seqlen[sequence] becomes T). A cast to the tensors' dtype."""
+    """Write kv's tokens at [sequence, :, 0:T] of the caller's past tensors (T <= past_sequence_length), a cast to
+    their dtype. Returns {"nonpad_kv_seqlen": T}; the caller's nonpad_kv_seqlen[sequence] becomes T.
+
+    Parameters
+    ----------
+    kv : KV
+        The tokens to write (kv_num_heads, head_size and v_head_size of the tensors).
+    past_key : array
+        `(batch_size, kv_num_heads, past_sequence_length, head_size)` (written).
+    past_value : array
+        `(batch_size, kv_num_heads, past_sequence_length, v_head_size)` (written).
+    sequence : int
+        The batch b.
+    """
+    kv = check_kv(kv)
     _check(past_key, past_value)
+    check_writable("past_key", past_key)
+    check_writable("past_value", past_value)
     b = check_sequence("sequence", sequence, past_key.shape[0])
-    if (kv.num_kv_heads, kv.head_dim, kv.value.shape[2]) != (past_key.shape[1], past_key.shape[3],
-                                                             past_value.shape[3]):
-        raise ValueError(f"kv: expected {past_key.shape[1]} heads, head_size {past_key.shape[3]} and v_head_size "
-                         f"{past_value.shape[3]}, got {kv.num_kv_heads}, {kv.head_dim}, {kv.value.shape[2]}")
+    check_kv_fits(kv, past_key.shape[1], past_key.shape[3], "past_key / past_value (kv_num_heads, head_size, "
+                  "v_head_size)", v_head_dim=past_value.shape[3])
     if kv.tokens > past_key.shape[2]:
         raise ValueError(f"past_key: expected past_sequence_length >= {kv.tokens} tokens, got {past_key.shape[2]}")
     ks, vs = _sites(past_key, past_value, b, kv.tokens)
@@ -54,8 +95,10 @@ def import_(kv: KV, past_key, past_value, *, sequence) -> dict:
 
 
 def rule(past_key, past_value=None, **_) -> dict:
+    """How this destination stores values (for `cacheattn.convert.error_bound`)."""
     return dict(kind=None, dtype=past_key.dtype)
 
 
 def stores_rotated(**_) -> bool:
+    """ONNX past keys are post-RoPE in practice."""
     return True

@@ -20,16 +20,23 @@ from .._validate import check_int
 from ._core import (
     KV,
     assign,
+    check_bool,
     check_cache_array,
     check_index,
+    check_kv,
+    check_kv_fits,
+    check_own,
     check_sequence,
+    check_writable,
     commit_pages,
     fp8_dtype,
-    host,
     is_float,
+    lengths,
+    positive_scalar,
     prepare_pair,
     read_pair,
     site,
+    table,
     take_pages,
 )
 
@@ -37,15 +44,12 @@ from ._core import (
 def _scalar(name, x):
     if x is None:
         raise ValueError(f"{name}: required with an INT8 or FP8 kv_cache_quant_mode, got None")
-    value = np.asarray(x, np.float32).reshape(-1)
-    if value.size != 1 or not np.isfinite(value[0]) or value[0] <= 0:
-        raise ValueError(f"{name}: expected one positive finite float32, got {x!r}")
-    return np.float32(value[0])
+    return positive_scalar(name, x)
 
 
 def _quant(kv_cache_quant_mode, kv_quant_orig_scale, kv_orig_quant_scale):
     """(kind, stored dtype or None, s, 1/s) of a quant mode."""
-    mode = int(kv_cache_quant_mode)
+    mode = check_int("kv_cache_quant_mode", kv_cache_quant_mode, low=0)
     if mode & ~(trt.INT8_KV_CACHE | trt.FP8_KV_CACHE) or mode == trt.INT8_KV_CACHE | trt.FP8_KV_CACHE:
         raise ValueError(f"kv_cache_quant_mode: expected 0, 64 (INT8_KV_CACHE) or 128 (FP8_KV_CACHE), got {mode}")
     if not mode:
@@ -59,8 +63,10 @@ def _quant(kv_cache_quant_mode, kv_quant_orig_scale, kv_orig_quant_scale):
 
 def _layout(past_key_value, kv_cache_pool, kv_cache_block_offsets, paged_kv_cache, tokens_per_block, layer_idx,
             stored):
-    """(name, array, heads, head_size, capacity per row, rows) of the cache in use, checked."""
-    if paged_kv_cache:
+    """(name, array, heads, head_size, capacity per row, rows, offsets or None) of the cache in use, checked."""
+    check_int("layer_idx", layer_idx, low=0)
+    offsets = None
+    if check_bool("paged_kv_cache", paged_kv_cache):
         pool = check_cache_array("kv_cache_pool", kv_cache_pool)
         check_int("tokens_per_block", tokens_per_block, low=1)
         if tokens_per_block & (tokens_per_block - 1):
@@ -69,10 +75,10 @@ def _layout(past_key_value, kv_cache_pool, kv_cache_block_offsets, paged_kv_cach
             raise ValueError(f"kv_cache_pool: expected shape (num_blocks, num_layers, 2, num_kv_heads, "
                              f"tokens_per_block = {tokens_per_block}, head_size), got {tuple(pool.shape)}")
         check_int("layer_idx", layer_idx, low=0, high=pool.shape[1] - 1)
-        offsets = host(kv_cache_block_offsets)
-        if offsets.ndim != 4 or offsets.shape[2] != 2 or not np.issubdtype(offsets.dtype, np.integer):
-            raise ValueError(f"kv_cache_block_offsets: expected integers of shape (num_pools, batch_beam, 2, "
-                             f"max_blocks_per_seq), got {offsets.dtype} {offsets.shape}")
+        offsets = table("kv_cache_block_offsets", kv_cache_block_offsets)
+        if offsets.ndim != 4 or offsets.shape[2] != 2:
+            raise ValueError(f"kv_cache_block_offsets: expected shape (num_pools, batch_beam, 2, "
+                             f"max_blocks_per_seq), got {offsets.shape}")
         array, name = pool, "kv_cache_pool"
         heads, head_size, capacity, rows = pool.shape[3], pool.shape[5], offsets.shape[3] * tokens_per_block, \
             offsets.shape[1]
@@ -87,14 +93,22 @@ def _layout(past_key_value, kv_cache_pool, kv_cache_block_offsets, paged_kv_cach
         raise TypeError(f"{name}: expected dtype {want} for the kv_cache_quant_mode, got {array.dtype}")
     if want is None and not is_float(array.dtype):
         raise TypeError(f"{name}: expected a float dtype without a quantized kv_cache_quant_mode, got {array.dtype}")
-    return name, array, heads, head_size, capacity, rows
+    return name, array, heads, head_size, capacity, rows, offsets
 
 
 def _window(host_max_attention_window_sizes, host_sink_token_length, layer_idx):
-    windows = host(host_max_attention_window_sizes).reshape(-1)
+    windows = table("host_max_attention_window_sizes", host_max_attention_window_sizes).reshape(-1)
+    if windows.size == 0:
+        raise ValueError("host_max_attention_window_sizes: expected one window per layer (or one for all), got none")
     window = int(windows[layer_idx % len(windows)])                     # a shorter list repeats over the layers
-    sinks = int(host(host_sink_token_length).reshape(-1)[0])
-    if window < 1 or not 0 <= sinks < window:
+    if window < 1:
+        raise ValueError(f"host_max_attention_window_sizes: expected windows >= 1, got {window} for layer "
+                         f"{layer_idx}")
+    sinks = table("host_sink_token_length", host_sink_token_length).reshape(-1)
+    if sinks.size != 1:
+        raise ValueError(f"host_sink_token_length: expected one value, got shape {sinks.shape}")
+    sinks = int(sinks[0])
+    if not 0 <= sinks < window:
         raise ValueError(f"host_sink_token_length: expected sinks in [0, window = {window}), got {sinks}")
     return window, sinks
 
@@ -107,18 +121,26 @@ def held_positions(length: int, window: int, sinks: int) -> np.ndarray:
     return np.concatenate([np.arange(sinks), np.arange(length - (window - sinks), length)])
 
 
-def _sites(array, paged, kv_cache_block_offsets, row, layer_idx, slots, tokens_per_block):
+def _block_ids(offsets, row, layer_idx, slots, tokens_per_block, pool):
+    """(2, blocks) ids of the pool seen as blocks (num_blocks * num_layers * 2 of them) that row `row` reads or
+    writes for these slots: spec: the plugin's layer offset, block o + 2 * layer_idx."""
+    num_blocks, num_layers = pool.shape[:2]
+    index = np.unique(slots // tokens_per_block)
+    ids = offsets[0, row][:, index].astype(np.int64) + 2 * layer_idx
+    check_index("kv_cache_block_offsets", ids - 2 * layer_idx, 0, num_blocks * num_layers * 2 - 2 * layer_idx,
+                f"block offsets of row {row} (the pool has {num_blocks * num_layers * 2} blocks)")
+    return ids
+
+
+def _sites(array, paged, offsets, row, layer_idx, slots, tokens_per_block):
     if not paged:
         return [site(array, "R KV H T D", {"R": row, "KV": kv}, {"T": slots}) for kv in (0, 1)]
     num_blocks, num_layers = array.shape[:2]
     blocks = array.reshape(-1, *array.shape[3:])                                # (num_blocks * L * 2, H, tpb, D)
+    _block_ids(offsets, row, layer_idx, slots, tokens_per_block, array)            # every id inside the pool
     out = []
     for kv in (0, 1):
-        # spec: the plugin's layer offset: block o + 2 * layer_idx of the pool seen as blocks
-        block = host(kv_cache_block_offsets)[0, row, kv, slots // tokens_per_block].astype(np.int64) \
-            + 2 * layer_idx
-        check_index("kv_cache_block_offsets", block - 2 * layer_idx, 0, num_blocks * num_layers * 2 - 2 * layer_idx,
-                    f"block offsets of row {row} (the pool has {num_blocks * num_layers * 2} blocks)")
+        block = offsets[0, row, kv, slots // tokens_per_block].astype(np.int64) + 2 * layer_idx
         out.append(site(blocks, "N H T D", {}, {"N": block, "T": slots % tokens_per_block}))
     return out
 
@@ -128,53 +150,143 @@ def export(*, past_key_value=None, kv_cache_pool=None, kv_cache_block_offsets=No
            tokens_per_block=64, streamingllm=False, kv_cache_quant_mode=0, kv_quant_orig_scale=None,
            kv_orig_quant_scale=None) -> KV:
     """Cache row `sequence` of layer `layer_idx` after sequence_length[sequence] tokens: the tokens it still
-    holds, with their positions (beam search's indirection is not followed: row `sequence` is read as it is)."""
+    holds, with their positions (beam search's indirection is not followed: row `sequence` is read as it is).
+
+    Parameters
+    ----------
+    past_key_value : array or None
+        Contiguous cache of one layer: `(batch_beam, 2, num_kv_heads, max_seqlen, head_size)` (axis 1: K, V).
+    kv_cache_pool : array or None
+        Paged pool: `(num_blocks, num_layers, 2, num_kv_heads, tokens_per_block, head_size)`.
+    kv_cache_block_offsets : int array or None
+        Paged: `(num_pools, batch_beam, 2, max_blocks_per_seq)`, the blocks of each row (pool 0 is used), the
+        KV cache manager's numbering block * num_layers * 2 + kv (the plugin adds 2 * layer_idx).
+    sequence_length : int array
+        `(batch_beam,)`: tokens each row has seen (past + current).
+    host_max_attention_window_sizes : int array
+        The window W per layer (a shorter list repeats over the layers): a cache of more than W tokens is
+        cyclic.
+    host_sink_token_length : int array
+        `(1,)`: the S sink tokens a cyclic cache keeps, in [0, W).
+    sequence : int
+        The row.
+    layer_idx : int
+        The model layer: the pool's layer, and which window applies (a contiguous cache is that layer's).
+    paged_kv_cache : bool
+        True: the pool and its offsets; False: past_key_value.
+    tokens_per_block : int
+        The pool's tokens a block (a power of two).
+    streamingllm : bool
+        The keys are stored un-rotated (the KV says rotated=False).
+    kv_cache_quant_mode : int
+        0, 64 (INT8_KV_CACHE) or 128 (FP8_KV_CACHE, e4m3).
+    kv_quant_orig_scale : float array or None
+        INT8 / FP8: the scale s, value = code * s.
+    kv_orig_quant_scale : float array or None
+        INT8 / FP8: 1 / s, used to encode (default 1 / kv_quant_orig_scale).
+    """
     kind, stored, s, _ = _quant(kv_cache_quant_mode, kv_quant_orig_scale, kv_orig_quant_scale)
-    name, array, heads, head_size, capacity, rows = _layout(past_key_value, kv_cache_pool, kv_cache_block_offsets,
-                                                            paged_kv_cache, tokens_per_block, layer_idx, stored)
+    name, array, heads, head_size, capacity, rows, offsets = _layout(
+        past_key_value, kv_cache_pool, kv_cache_block_offsets, paged_kv_cache, tokens_per_block, layer_idx, stored)
+    paged = offsets is not None
     row = check_sequence("sequence", sequence, rows)
-    length = int(host(sequence_length).reshape(-1)[row])
+    length = int(lengths("sequence_length", sequence_length, rows, meaning=" (batch_beam)")[row])
     window, sinks = _window(host_max_attention_window_sizes, host_sink_token_length, layer_idx)
     positions = held_positions(length, window, sinks)
-    bubble = trt.paged_bubble(sinks, tokens_per_block) if paged_kv_cache else 0
+    bubble = trt.paged_bubble(sinks, tokens_per_block) if paged else 0
     slots = trt.cyclic_slot(positions, window, sinks, bubble)
     check_index("sequence_length", slots, 0, capacity, f"cache slots of row {row} (capacity {capacity})")
-    ks, vs = _sites(array, paged_kv_cache, kv_cache_block_offsets, row, layer_idx, slots, tokens_per_block)
-    return read_pair(ks, vs, kind, s, s, 0, positions, not streamingllm)
+    ks, vs = _sites(array, paged, offsets, row, layer_idx, slots, tokens_per_block)
+    return read_pair(ks, vs, kind, s, s, 0, positions, not check_bool("streamingllm", streamingllm))
 
 
 def import_(kv: KV, *, past_key_value=None, kv_cache_pool=None, kv_cache_block_offsets=None,
             host_max_attention_window_sizes, host_sink_token_length, sequence, layer_idx=0, paged_kv_cache=False,
             tokens_per_block=64, streamingllm=False, kv_cache_quant_mode=0, kv_quant_orig_scale=None,
-            kv_orig_quant_scale=None, free_pages=None) -> dict:
+            kv_orig_quant_scale=None, free_pages=None, sequence_length=None) -> dict:
     """Write kv's tokens into row `sequence` at the cyclic slots of their positions (a token a later one
-    overwrites is not written). Paged with `free_pages` (block numbers of the pool): the row's
-    kv_cache_block_offsets get fresh blocks, written the manager's way (block * num_layers * 2 + kv).
-    Returns {"sequence_length": last position + 1, "slots", "pages"}."""
+    overwrites is not written). Returns {"sequence_length": last position + 1, "slots", "pages"}; the caller's
+    sequence_length[sequence] becomes that.
+
+    Parameters
+    ----------
+    kv : KV
+        The tokens to write, at the slots of kv.positions (num_kv_heads and head_size of the cache).
+    past_key_value : array or None
+        As for export (written).
+    kv_cache_pool : array or None
+        As for export (written).
+    kv_cache_block_offsets : int array or None
+        As for export; paged with free_pages: the row's first blocks (both halves) are set to fresh blocks,
+        the manager's way (block * num_layers * 2 + kv).
+    host_max_attention_window_sizes : int array
+        The window W per layer.
+    host_sink_token_length : int array
+        `(1,)`: the S sink tokens, in [0, W).
+    sequence : int
+        The row.
+    layer_idx : int
+        The model layer written: the pool's layer, and which window applies.
+    paged_kv_cache : bool
+        True: the pool and its offsets; False: past_key_value.
+    tokens_per_block : int
+        The pool's tokens a block (a power of two).
+    streamingllm : bool
+        The cache stores un-rotated keys (`convert` un-rotates rotated ones first).
+    kv_cache_quant_mode : int
+        0, 64 (INT8_KV_CACHE) or 128 (FP8_KV_CACHE, e4m3): code = sat(round(x * kv_orig_quant_scale)).
+    kv_quant_orig_scale : float array or None
+        INT8 / FP8: the scale s.
+    kv_orig_quant_scale : float array or None
+        INT8 / FP8: 1 / s (default 1 / kv_quant_orig_scale).
+    free_pages : list of int or None
+        Paged: free block numbers of the pool (its first axis); the row takes as many as its slots need,
+        removed from the list once written.
+    sequence_length : int array or None
+        `(batch_beam,)`, read only: the other rows' lengths, so that a block another row holds is refused as
+        one of this row's.
+    """
+    kv = check_kv(kv)
     kind, stored, s, inv = _quant(kv_cache_quant_mode, kv_quant_orig_scale, kv_orig_quant_scale)
-    name, array, heads, head_size, capacity, rows = _layout(past_key_value, kv_cache_pool, kv_cache_block_offsets,
-                                                            paged_kv_cache, tokens_per_block, layer_idx, stored)
-    if (kv.num_kv_heads, kv.head_dim) != (heads, head_size):
-        raise ValueError(f"kv: expected {heads} heads of head_size {head_size} ({name}), got {kv.num_kv_heads} of "
-                         f"{kv.head_dim}")
+    name, array, heads, head_size, capacity, rows, offsets = _layout(
+        past_key_value, kv_cache_pool, kv_cache_block_offsets, paged_kv_cache, tokens_per_block, layer_idx, stored)
+    paged = offsets is not None
+    check_bool("streamingllm", streamingllm)
+    check_writable(name, array)
+    check_kv_fits(kv, heads, head_size, f"{name} (num_kv_heads, head_size)")
     row = check_sequence("sequence", sequence, rows)
     window, sinks = _window(host_max_attention_window_sizes, host_sink_token_length, layer_idx)
-    bubble = trt.paged_bubble(sinks, tokens_per_block) if paged_kv_cache else 0
+    bubble = trt.paged_bubble(sinks, tokens_per_block) if paged else 0
     slots = trt.cyclic_slot(kv.positions, window, sinks, bubble)
     kept = trt._last_writer(slots)                                               # the latest token of each slot
     slots = slots[kept]
     check_index("host_max_attention_window_sizes", slots, 0, capacity,
                 f"cache slots of the tokens (capacity {capacity} of {name})")
-    offsets = kv_cache_block_offsets
+    if sequence_length is not None:
+        lengths("sequence_length", sequence_length, rows, meaning=" (batch_beam)")
     pages = []
-    if paged_kv_cache and free_pages is not None:
+    if paged:
         num_blocks, num_layers = array.shape[:2]
-        pages = take_pages(free_pages, int(slots.max()) // tokens_per_block + 1 if slots.size else 0)
-        check_index("free_pages", np.asarray(pages, np.int64), 0, num_blocks, "block numbers of kv_cache_pool")
-        offsets = host(kv_cache_block_offsets).copy()
-        for kv_half in (0, 1):
-            offsets[0, row, kv_half, :len(pages)] = np.asarray(pages) * num_layers * 2 + kv_half
-    ks, vs = _sites(array, paged_kv_cache, offsets, row, layer_idx, slots, tokens_per_block)
+        used = {}                                   # block id of the pool seen as blocks -> the row holding it
+        if sequence_length is not None:
+            lens = lengths("sequence_length", sequence_length, rows, meaning=" (batch_beam)")
+            for r in range(rows):
+                if r != row:
+                    theirs = trt.cyclic_slot(held_positions(int(lens[r]), window, sinks), window, sinks, bubble)
+                    check_index("sequence_length", theirs, 0, capacity, f"cache slots of row {r}")
+                    for i in _block_ids(offsets, r, layer_idx, theirs, tokens_per_block, array).reshape(-1):
+                        used.setdefault(int(i), f"row {r}")
+        if free_pages is not None:
+            table("kv_cache_block_offsets", kv_cache_block_offsets, written=True)
+            pages = take_pages(free_pages, int(slots.max()) // tokens_per_block + 1 if slots.size else 0,
+                               num_pages=num_blocks, meaning="block numbers of kv_cache_pool",
+                               used={i // (2 * num_layers): who for i, who in used.items()})
+            offsets = offsets.copy()
+            for kv_half in (0, 1):
+                offsets[0, row, kv_half, :len(pages)] = np.asarray(pages) * num_layers * 2 + kv_half
+        check_own("kv_cache_block_offsets", _block_ids(offsets, row, layer_idx, slots, tokens_per_block, array),
+                  used, f"blocks of row {row} (offset + 2 * layer_idx)")
+    ks, vs = _sites(array, paged, offsets, row, layer_idx, slots, tokens_per_block)
     write = prepare_pair(_take(kv, kept), kind, ks, vs, scale=(s, s), inverse_scale=(inv, inv))
     if pages:
         assign(kv_cache_block_offsets, (0, row, slice(None), slice(0, len(pages))), offsets[0, row, :, :len(pages)])
@@ -198,6 +310,7 @@ def _take(kv: KV, kept: np.ndarray) -> KV:
 
 def rule(*, past_key_value=None, kv_cache_pool=None, paged_kv_cache=False, kv_cache_quant_mode=0,
          kv_quant_orig_scale=None, kv_orig_quant_scale=None, **_) -> dict:
+    """How this destination stores values (for `cacheattn.convert.error_bound`)."""
     kind, _, s, _ = _quant(kv_cache_quant_mode, kv_quant_orig_scale, kv_orig_quant_scale)
     array = kv_cache_pool if paged_kv_cache else past_key_value
     return dict(kind=kind, dtype=array.dtype, scale=(s, s))
