@@ -66,6 +66,10 @@ def source_lines(func, *markers: str) -> str:
     short = path[path.rfind("/", 0, path.rfind("/")) + 1:]
     out = [f"{short}:{first + n}: {line.strip()}" for n, line in enumerate(lines)
            if any(m in line for m in markers)]
+    # A marker that matches nothing means the quoted code changed under the page: fail loudly, not quote less.
+    missing = [m for m in markers if not any(m in line for line in lines)]
+    if missing:
+        raise LookupError(f"{short}: no line of {func.__qualname__} contains {missing}")
     return "\n".join(out)
 
 

@@ -1,7 +1,7 @@
 """From each defining sentence of the source documents to the code and the tests that implement and check it.
 
 The sentences live in docs/traceability/<prefix>.txt, one file per document: a `document:` line naming
-the file in shared/seeds/, a `status:` line (`covered` or `pending`), then `id | quote | gloss` lines.
+the source document's file (its public original is linked in `DOCUMENTS` below), a `status:` line (`covered` or `pending`), then `id | quote | gloss` lines.
 The code cites a sentence with a comment `spec` marker in reference/, kernels_numba/ or cacheattn/
 (a `#` comment whose text is `spec: <prefix>/<id>`, several ids separated by commas), and a test with
 the pytest marker `@pytest.mark.spec("<prefix>/<id>", ...)` (or a module's `pytestmark`).
@@ -26,8 +26,9 @@ _MARKER = re.compile(r"#\s*spec:\s*(.+?)\s*$")
 _ID = re.compile(r"[a-z0-9-]+/[a-z0-9-]+")
 
 
-# The public originals of the source documents, by seed file name (the seeds are copies this repository does not
-# contain): (short title, address). The FasterTransformer one is an article reading FasterTransformer's decoder
+# The public originals of the source documents, by document file name (the quote check reads local copies of
+# them when they are present beside the checkout): (short title, address). The FasterTransformer one is an
+# article reading FasterTransformer's decoder
 # (DecoderCrossAttentionLayer); the project's own docs are https://github.com/NVIDIA/FasterTransformer/blob/main/
 # docs/decoder_guide.md.
 ORIGINALS = {

@@ -27,7 +27,7 @@ A_AT, B_AT, C_AT = position_table(_mma.a_position, 8), position_table(_mma.b_pos
     position_table(_mma.c_position, 4)
 MMA_SCRATCH, QUAD_SCRATCH = _mma.scratch_shapes(1)          # one warp
 
-# The first thing a lent GPU runs (`python -m cacheattn gpu-session`'s gpu-tests step): the layout table against
+# The first thing a GPU session runs (`python -m cacheattn gpu-session`'s gpu-tests step): the layout table against
 # the hardware's mma.sync.
 pytestmark = pytest.mark.hardware
 

@@ -272,7 +272,7 @@ def test_splits_cover_the_keys_once_on_tile_boundaries(kvlen, num_splits, key_ti
 def test_choose_splits_puts_two_blocks_on_every_idle_sm():
     from kernels_numba.trtllm_gpt_attention import choose_splits
     assert choose_splits(blocks=132, max_kv_len=4096, key_tile=32, num_sms=132) == 1       # the grid fills the GPU
-    # Two blocks on every SM: ceil(2 x 132 / 8) = 33 splits, 264 blocks (issue 16's split-K target: >= 2 x 132).
+    # Two blocks on every SM: ceil(2 x 132 / 8) = 33 splits, 264 blocks (the lab's split-K target: >= 2 x 132).
     assert choose_splits(blocks=8, max_kv_len=4096, key_tile=32, num_sms=132) == 33
     assert choose_splits(blocks=100, max_kv_len=4096, key_tile=32, num_sms=132) == 3       # 300 blocks
     assert choose_splits(blocks=8, max_kv_len=40, key_tile=32, num_sms=132) == 2           # two key tiles only

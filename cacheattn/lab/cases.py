@@ -21,8 +21,8 @@ class BenchCase:
 
     context: tokens cached per request before the call; new_tokens: query tokens per request (1 in decode), which
     the fused operator stores first, so attention reads context + new_tokens keys. int8 / int4 caches carry one
-    float16 scale per `quant_group` elements (DESIGN.md, the OpenPPL cache formats: int8 per group of quant_group,
-    and this project's int4 with two values per byte). cache_mode 1 is paged (page_size tokens a page), 0 offset."""
+    float16 scale per `quant_group` elements (docs/semantics.md: int8 per group of quant_group, and int4 with two
+    values per byte). cache_mode 1 is paged (page_size tokens a page), 0 offset."""
     label: str
     batch: int
     context: int
@@ -94,7 +94,7 @@ PREFILL = BenchCase("prefill B1 4096 tokens fp16", 1, 0, 4096)
 # What `python -m cacheattn bench` times on a GPU (the offset cache beside the paged one)...
 GPU_CASES = (DECODE, DECODE_INT8, BenchCase("decode B64 ctx4096 offset fp16", 64, 4096, 1, cache_mode=0),
              LONG_DECODE, PREFILL)
-# ... and what issue 16's lab counts and bounds: the headline decode with each cache format, B = 1 at 32k, prefill.
+# ... and what the lab counts and bounds: the headline decode with each cache format, B = 1 at 32k, prefill.
 LAB_CASES = (DECODE, DECODE_INT8, DECODE_INT4, LONG_DECODE, PREFILL)
 TINY_CASES = (
     BenchCase("tiny decode B2 ctx12 paged int8", 2, 12, 1, num_heads=2, num_kv_heads=1, head_dim=8, page_size=4,

@@ -1,7 +1,7 @@
 """python -m cacheattn lab: the counters of every rung of the kernel ladder, per bench case, and the lower bounds they
 give on an H100 SXM.
 
-The issue's bench cases (`cases.LAB_CASES`: the headline paged GQA decode, B = 64 at context 4096, with float16,
+The bench cases (`cases.LAB_CASES`: the headline paged GQA decode, B = 64 at context 4096, with float16,
 int8 and int4 caches; B = 1 at context 32768; a causal prefill of 4096 tokens; 32 query / 8 kv heads, head_dim 128)
 are far too large for numba's CUDA simulator, which runs every thread in Python. Each is counted on launches of the
 same block shape cut down twice:

@@ -1,7 +1,7 @@
-"""python -m cacheattn gpu-session --out DIR: everything a lent GPU should run, in one command.
+"""python -m cacheattn gpu-session --out DIR: everything a GPU session should run, in one command.
 
-A lent GPU comes for at most 30 minutes of device time and 10 minutes per command, and its folder of results
-comes back as at most 8 files. So the session runs its steps in order, each under its own time limit and all
+It is built for a GPU that is borrowed for a short time: commands of at most 10 minutes each, and a folder of
+results of at most 8 files. So the session runs its steps in order, each under its own time limit and all
 under one budget (`--budget-s`, default 570 s, inside one 10-minute command); a step that fails or runs out
 of time is recorded and the next one starts; a step the budget no longer fits is skipped and named, so the
 next command can run it with `--steps`. DIR receives at most seven files:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# The headline shapes of the ladder page and issue 16's bench cases.
+# The headline shapes of the ladder page and the lab's bench cases.
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, QUANT_GROUP, THREADS = 32, 8, 128, 8, 128
 CACHES = {"float16": 0, "int8": 8, "int4": 4}            # cache format -> OpenPPL quant_bit
 # The kernel each rung launches for attention (rung 4: the split-K partials kernel; its combine is a small pass).
