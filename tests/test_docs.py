@@ -16,7 +16,7 @@ def test_there_are_pages():
 
 @pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
 def test_page_runs_and_shows_what_it_prints(page):
-    if page.name == "hf.md":                     # serves transformers models: the hf extra (CI installs it)
+    if page.name in ("hf.md", "convert.md"):     # transformers models and caches: the hf extra (CI installs it)
         pytest.importorskip("torch")
         pytest.importorskip("transformers")
     problems = _docs.check(page)
