@@ -109,8 +109,10 @@ def validate(input_query, encoder_output, encoder_sequence_length, step, key_cac
     # spec: ft/head-size-dispatch
     if isinstance(size_per_head, bool) or size_per_head not in HEAD_SIZES:
         raise ValueError(f"size_per_head: expected one of {HEAD_SIZES}, got {size_per_head!r}")
-    if not isinstance(q_scaling, (int, float, np.floating)) or not q_scaling > 0:
-        raise ValueError(f"q_scaling: expected a positive float, got {q_scaling!r}")
+    # NaN fails the comparison; an infinite q_scaling would flatten every score to 0 (uniform attention).
+    if isinstance(q_scaling, (bool, np.bool_)) or not isinstance(q_scaling, (int, float, np.integer, np.floating)) \
+            or not 0 < q_scaling < np.inf:
+        raise ValueError(f"q_scaling: expected a positive finite float, got {q_scaling!r}")
     if is_batch_major_cache not in (True, False):
         raise ValueError(f"is_batch_major_cache: expected True or False, got {is_batch_major_cache!r}")
     hidden = head_num * size_per_head
@@ -250,7 +252,7 @@ def cross_attention(input_query: Tensor, encoder_output: Tensor, encoder_sequenc
     size_per_head : int
         One of 32, 48, 64, 80, 96, 112, 128, 144, 160, 192, 224, 256 (FasterTransformer's kernel dispatch).
     q_scaling : float, default 1.0
-        > 0; divides the scores besides `sqrt(size_per_head)`.
+        > 0 and finite; divides the scores besides `sqrt(size_per_head)`.
     is_batch_major_cache : bool, default True
         Which cache layout (see `key_cache`).
     backend : str, default "auto"

@@ -53,6 +53,10 @@ def _check_float(name, x, like=None):
         raise TypeError(f"{name}: expected the dtype of {like[0]} ({_dtype_name(like[1])}), got {_dtype_name(x)}")
 
 
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+
+
 def _heads(name, x, num_heads, attr):
     """(heads, seq, size) of a 3-D or 4-D Q/K/V."""
     if x.ndim == 4:
@@ -74,19 +78,23 @@ def validate(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, *, is_c
     for name, x in (("Q", Q), ("K", K), ("V", V)):
         if getattr(x, "ndim", None) not in (3, 4):
             raise ValueError(f"{name}: expected a 3-D or 4-D tensor, got shape {tuple(getattr(x, 'shape', ()))}")
-    if not Q.ndim == K.ndim == V.ndim:
-        raise ValueError(f"K: expected the rank of Q ({Q.ndim}) for K and V, got K {K.ndim}-D, V {V.ndim}-D")
+    for name, x in (("K", K), ("V", V)):
+        if x.ndim != Q.ndim:
+            raise ValueError(f"{name}: expected the rank of Q ({Q.ndim}-D), got {x.ndim}-D")
     _check_float("Q", Q)
     _check_float("K", K, ("Q", Q))
     _check_float("V", V, ("Q", Q))
     if opset == 25 and Q.ndim == 4 and (q_num_heads is not None or kv_num_heads is not None):
-        raise ValueError("q_num_heads: opset 25 forbids q_num_heads / kv_num_heads with 4-D inputs")
+        named = "q_num_heads" if q_num_heads is not None else "kv_num_heads"
+        raise ValueError(f"{named}: opset 25 forbids q_num_heads / kv_num_heads with 4-D inputs (the head axis "
+                         f"says), got {named} = {q_num_heads if q_num_heads is not None else kv_num_heads}")
     q_heads, q_len, head_size = _heads("Q", Q, q_num_heads, "q_num_heads")
     kv_heads, kv_len, k_size = _heads("K", K, kv_num_heads, "kv_num_heads")
     v_heads, v_len, v_size = _heads("V", V, kv_num_heads, "kv_num_heads")
     batch = int(Q.shape[0])
-    if K.shape[0] != batch or V.shape[0] != batch:
-        raise ValueError(f"K: expected batch_size {batch} (Q's) for K and V, got {K.shape[0]} and {V.shape[0]}")
+    for name, x in (("K", K), ("V", V)):
+        if x.shape[0] != batch:
+            raise ValueError(f"{name}: expected batch_size {batch} (Q's), got {x.shape[0]}")
     if k_size != head_size:
         raise ValueError(f"K: expected head_size {head_size} (Q's), got {k_size}")
     if (v_heads, v_len) != (kv_heads, kv_len):
@@ -135,10 +143,11 @@ def validate(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, *, is_c
 
     check_flag("is_causal", is_causal)
     check_choice("qk_matmul_output_mode", qk_matmul_output_mode, (0, 1, 2, 3))
-    if scale is not None and not (isinstance(scale, (int, float, np.floating)) and scale > 0):
-        raise ValueError(f"scale: expected a positive float or None, got {scale!r}")
-    if not isinstance(softcap, (int, float, np.floating)) or softcap < 0:
-        raise ValueError(f"softcap: expected a float >= 0 (0 disables it), got {softcap!r}")
+    # NaN fails every comparison, and an infinite scale or cap only turns the scores into NaN: both refused.
+    if scale is not None and not (_is_real(scale) and 0 < scale < np.inf):
+        raise ValueError(f"scale: expected a positive finite float or None, got {scale!r}")
+    if not (_is_real(softcap) and 0 <= softcap < np.inf):
+        raise ValueError(f"softcap: expected a finite float >= 0 (0 disables it), got {softcap!r}")
     if softmax_precision is not None:
         check_choice("softmax_precision", softmax_precision, (1, 10, 11, 16))
     for name, size in (("left_window_size", left_window_size), ("right_window_size", right_window_size)):
@@ -204,9 +213,9 @@ def onnx_attention(Q: Tensor, K: Tensor, V: Tensor, attn_mask: Tensor | None = N
     qk_matmul_output_mode : int, default 0
         Which stage `qk_matmul_output` shows: 0 the matmul, 1 after softcap, 2 after the bias, 3 after softmax.
     scale : float or None, default None
-        > 0; None means `1 / sqrt(head_size)`. Applied as `sqrt(scale)` on Q and on K.
+        > 0 and finite; None means `1 / sqrt(head_size)`. Applied as `sqrt(scale)` on Q and on K.
     softcap : float, default 0.0
-        ≥ 0; 0 disables it.
+        ≥ 0 and finite; 0 disables it.
     softmax_precision : int or None, default None
         A TensorProto element type for the softmax: 1 float32, 10 float16, 11 float64, 16 bfloat16; None: the
         input dtype.
@@ -237,7 +246,8 @@ def onnx_attention(Q: Tensor, K: Tensor, V: Tensor, attn_mask: Tensor | None = N
     ValueError
         Named by the ONNX input or attribute: ranks, head counts, sizes, a mask not broadcastable,
         `past_key` without `past_value`, `nonpad_kv_seqlen` with a past or at opset 23, attributes out of
-        range (`is_causal` other than 0/1/False/True), an opset 25 attribute at opset 24.
+        range (`is_causal` other than 0/1/False/True; a NaN or infinite `scale` or `softcap`), an opset 25
+        attribute at opset 24.
     TypeError
         A dtype outside the four floats, mismatched dtypes, a float `nonpad_kv_seqlen`.
 

@@ -29,6 +29,10 @@ from cacheattn.hf.models import (  # noqa: E402
     tiny_model,
 )
 
+# The suite's own calls use transformers' current API (a model's cache keyword is `cache`, no longer
+# `past_key_values`): its deprecation warning fails the test that triggers it.
+pytestmark = pytest.mark.filterwarnings("error:.*past_key_values.*:FutureWarning")
+
 WIDE = int(os.environ.get("CACHEATTN_EXAMPLES", "1")) >= 2
 PROMPTS = [[3, 14, 15, 9, 2, 6], [6, 5, 35, 8, 9, 7, 9, 3, 2], [38, 4]]
 ARRIVALS = [0, 0, 2]                 # the third joins while the first two decode
@@ -105,10 +109,134 @@ def test_a_feature_the_operator_lacks_is_refused_before_any_prompt(monkeypatch):
     (dict(operator="gpt_attention", page_size=12), "tokens_per_block must be a power of two"),
     (dict(operator="multi_head_cache_attention", kv_cache_dtype="int8", quant_group=3), "quant_group"),
     (dict(operator="gpt_attention", kv_scales=0.1), "kv_scales: per-tensor scales belong to"),
+    (dict(operator="gpt_attention", kv_cache_dtype="int8", kv_scales=[0.1, 0.2]), r"kv_scales: .*one per layer "
+                                                                                  r"\(1\)"),
+    (dict(operator="gpt_attention", kv_cache_dtype="fp8", kv_scales=float("nan")), "kv_scales: expected finite"),
+    (dict(page_size=0), "page_size: expected an int >= 1"),
+    (dict(operator="multi_head_cache_attention", kv_cache_dtype="int8", quant_group=0), "quant_group"),
+    (dict(num_pages=0), "num_pages: expected an int >= 1"),
+    (dict(backend="cuda"), "backend: expected one of"),
 ])
 def test_bad_engine_arguments_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Engine(tiny_model("llama", layers=1), **kwargs)
+
+
+def test_engine_takes_numpy_dtypes_and_refuses_what_is_no_model():
+    assert Engine(tiny_model("llama", layers=1), operator="gpt_attention", kv_cache_dtype=np.float16).kv_cache_dtype \
+        == "float16"
+    with pytest.raises(TypeError, match="^model: expected a transformers PreTrainedModel"):
+        Engine("llama")
+    with pytest.raises(TypeError, match="^page_size: expected an int"):
+        Engine(tiny_model("llama", layers=1), page_size=4.0)
+
+
+@pytest.fixture(scope="module")
+def small_engine():
+    return Engine(tiny_model("llama", layers=1), operator="onnx_attention")
+
+
+@pytest.mark.parametrize("prompts,kwargs,error,match", [
+    # text where token ids belong, whole or as one prompt: say to tokenize it
+    (["hello"], {}, TypeError, r"^prompts: prompts\[0\] is text \('hello'\); the engine takes token ids: "
+                               r"tokenize it first"),
+    ("hello", {}, TypeError, r"^prompts: expected a list of token-id lists, got 'hello'"),
+    ([[1, 2], [3, 97]], {}, ValueError, r"^prompts: token id 97 \(prompts\[1\]\[1\]\) is outside the model's "
+                                        r"vocabulary \[0, 97\)"),
+    ([[-1]], {}, ValueError, r"^prompts: token id -1 .*vocabulary \[0, 97\)"),
+    ([[1, 2.0]], {}, TypeError, r"^prompts: prompts\[0\]\[1\] must be an int token id, got float 2.0"),
+    ([[1], []], {}, ValueError, r"^prompts: prompts\[1\] is empty"),
+    ([], {}, ValueError, "^prompts: expected at least one prompt"),
+    ([np.array([1.0, 2.0])], {}, TypeError, r"^prompts: prompts\[0\] must hold integer token ids"),
+    ([[1]], dict(max_new_tokens=0), ValueError, "^max_new_tokens: expected an int >= 1, got 0"),
+    ([[1]], dict(max_new_tokens=2.5), TypeError, "^max_new_tokens: expected an int"),
+    ([[1], [2]], dict(arrivals=[0]), ValueError, r"^arrivals: expected one step per prompt \(2\), got 1"),
+    ([[1], [2]], dict(arrivals=[0, -1]), ValueError, r"^arrivals: expected steps >= 0, got -1 at arrivals\[1\]"),
+    ([[1]], dict(arrivals=[0.5]), TypeError, r"^arrivals: expected int steps"),
+    ([[1]], dict(on_step=3), TypeError, "^on_step: expected a callable"),
+])
+def test_bad_generate_arguments_say_what_to_pass(small_engine, prompts, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        small_engine.generate(prompts, **kwargs)
+
+
+def test_numpy_and_torch_prompts_are_token_ids(small_engine):
+    want = small_engine.generate([[3, 14, 15]], 2).tokens
+    assert small_engine.generate([np.array([3, 14, 15])], 2).tokens == want
+    assert small_engine.generate([torch.tensor([3, 14, 15])], 2).tokens == want
+
+
+def test_learned_positions_bound_the_request():
+    """GPT-2 has n_positions learned positions (64 here): a request that would feed more is refused by name,
+    before any step, instead of failing inside torch's embedding lookup."""
+    engine = Engine(tiny_model("gpt2", layers=1), operator="onnx_attention")
+    assert engine.position_limit() == 64 and Engine(tiny_model("llama", layers=1)).position_limit() is None
+    engine.check_requests([list(range(60))], 5)                       # positions 0..63: the whole table
+    with pytest.raises(ValueError, match=r"^max_new_tokens: 6 new tokens after a 60-token prompt need 65 positions"
+                                         r", more than the model's 64 learned positions; expected max_new_tokens "
+                                         r"<= 5"):
+        engine.generate([list(range(60))], 6)
+    with pytest.raises(ValueError, match=r"^prompts: prompts\[0\] has 65 tokens"):
+        engine.generate([[1] * 65], 1)
+
+
+def run_command(capsys, *argv):
+    """`python -m cacheattn hf ...` in this process: (exit status, stdout, stderr)."""
+    from cacheattn.__main__ import main
+    status = main(["hf", *argv])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["/no/such/dir"], "error: no such checkpoint directory '/no/such/dir'; expected an existing directory "
+                       "(config.json and weights) or a family: bart, gemma2, gpt2, gpt_neox, llama, mistral, phi, "
+                       "qwen2, t5"),
+    (["lama"], "error: 'lama' is neither a family nor a checkpoint directory; expected a family (bart, gemma2, "),
+    (["llama", "--prompt", "hello there"], "error: --prompt 'hello there': text needs a checkpoint directory with "
+                                           "a tokenizer; a family (llama) takes token ids, e.g. --prompt 3,14,15"),
+    (["llama", "--prompt", "1,2,500"], "error: --prompt: token id 500 (prompts[0][2]) is outside the model's "
+                                       "vocabulary [0, 97)"),
+    (["llama", "--arrivals", "0,x"], "error: --arrivals: expected one step >= 0 per prompt, like '0,0,2', got "
+                                     "'0,x'"),
+    (["llama", "--arrivals", "0,1"], "error: --arrivals: expected one step per prompt (3), got 2"),
+    (["llama", "--page-size", "0"], "error: --page-size: expected an int >= 1, got 0"),
+    (["llama", "--max-new-tokens", "0"], "error: --max-new-tokens: expected an int >= 1, got 0"),
+    (["llama", "--operator", "onnx_attention", "--kv-cache-dtype", "int8"], "error: --kv-cache-dtype: "
+                                                                            "onnx_attention has no 'int8' cache"),
+    (["gemma2"], "error: attention logit softcapping (softcap=2, layer 0): multi_head_cache_attention cannot"),
+])
+def test_command_line_mistakes_are_one_line_and_exit_2(capsys, argv, message):
+    status, out, err = run_command(capsys, *argv, "--layers", "1")
+    assert status == 2 and "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), lines
+
+
+def test_a_checkpoint_without_a_tokenizer_asks_for_token_ids(tmp_path, capsys):
+    tiny_model("phi", layers=1).save_pretrained(tmp_path)             # weights and config, no tokenizer
+    status, _, err = run_command(capsys, str(tmp_path), "--prompt", "hello there")
+    last = err.strip().splitlines()[-1]                 # after transformers' progress bars
+    assert status == 2 and "Traceback" not in err
+    assert last.startswith(f"error: --prompt 'hello there': text needs the checkpoint's tokenizer, and {tmp_path} "
+                           f"has none (tokenizer.json, ")
+    assert last.endswith("pass token ids instead, e.g. --prompt 3,14,15")
+    (tmp_path / "config.json").unlink()
+    status, _, err = run_command(capsys, str(tmp_path))
+    assert status == 2 and err.strip().splitlines()[-1].startswith(
+        f"error: '{tmp_path}' has no config.json: not a transformers checkpoint")
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch):
+    """Only the user's mistakes become one line: an exception of another kind leaves the command as it is."""
+    from cacheattn.__main__ import main
+    from cacheattn.hf import engine
+
+    def broken(self, *args, **kwargs):
+        raise IndexError("a bug")
+    monkeypatch.setattr(engine.Engine, "generate", broken)
+    with pytest.raises(IndexError, match="a bug"):
+        main(["hf", "llama", "--layers", "1"])
 
 
 # Half and quantized caches against the float32 run of the same engine: the logit error within the derived

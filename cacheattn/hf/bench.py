@@ -35,6 +35,13 @@ def _model(shape, seed=0):
     return model.eval()
 
 
+def cache_keyword(model) -> str:
+    """The name model.forward takes its KV cache by: `cache` in current transformers, `past_key_values` before
+    (still accepted there with a FutureWarning)."""
+    import inspect
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def _transformers_eager(model, prompts, steps):
     """Decode-step seconds of transformers' own loop (eager attention, DynamicCache), greedy."""
     import torch
@@ -43,12 +50,12 @@ def _transformers_eager(model, prompts, steps):
     ids = torch.tensor(prompts)
     times = []
     with torch.no_grad():
-        cache = DynamicCache(config=model.config)
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache = {cache_keyword(model): DynamicCache(config=model.config)}
+        out = model(input_ids=ids, **cache, use_cache=True, logits_to_keep=1)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         for _ in range(steps):
             start = time.perf_counter()
-            out = model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = model(input_ids=token, **cache, use_cache=True, logits_to_keep=1)
             token = out.logits[:, -1].argmax(-1, keepdim=True)
             times.append(time.perf_counter() - start)
     return times

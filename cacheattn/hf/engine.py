@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import cacheattn
+from cacheattn._arrays import BACKENDS
+from cacheattn._validate import check_int
 
 from .blocks import PagedKVManager, SlotKVManager
 
@@ -63,6 +65,16 @@ CROSS_MODULE_NAMES = ("encoder_attn", "EncDecAttention")
 _ACTIVE: list = []          # the engine whose step is running (the interface function finds it here)
 
 
+def _dtype_name(kv_cache_dtype) -> str:
+    """A cache dtype's name: strings as given, NumPy dtypes and types (np.float16) by their name."""
+    if isinstance(kv_cache_dtype, str):
+        return kv_cache_dtype
+    try:
+        return np.dtype(kv_cache_dtype).name
+    except TypeError:
+        return repr(kv_cache_dtype)
+
+
 def register() -> None:
     """Register `_attention` as transformers' attn_implementation "cacheattn" (idempotent)."""
     from transformers import AttentionInterface
@@ -75,6 +87,44 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     if not _ACTIVE:
         raise RuntimeError('attn_implementation="cacheattn" runs only inside cacheattn.hf.Engine.generate')
     return _ACTIVE[-1]._attend(module, query, key, value, scaling, kwargs), None
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_sequence(x) -> bool:
+    return hasattr(x, "__len__") and hasattr(x, "__getitem__")
+
+
+def _brief(x) -> str:
+    """A value as an error message shows it: short text quoted, anything else by its type."""
+    if isinstance(x, str):
+        return repr(x if len(x) <= 20 else x[:17] + "...")
+    if _is_int(x) or isinstance(x, float):
+        return f"{type(x).__name__} {x!r}"
+    return type(x).__name__
+
+
+def _token_ids(prompt, i: int) -> list:
+    """prompts[i] as a list of int token ids: a list or tuple of ints, or an integer NumPy array or torch tensor."""
+    if isinstance(prompt, (str, bytes)):
+        raise TypeError(f"prompts: prompts[{i}] is text ({_brief(prompt)}); the engine takes token ids: tokenize "
+                        f"it first, e.g. tokenizer(text)['input_ids']")
+    if hasattr(prompt, "numpy") and hasattr(prompt, "dtype"):          # a torch tensor
+        prompt = prompt.detach().cpu().numpy()
+    if isinstance(prompt, np.ndarray):
+        if prompt.dtype.kind not in "iu":
+            raise TypeError(f"prompts: prompts[{i}] must hold integer token ids, got dtype {prompt.dtype.name}")
+        if prompt.ndim != 1:
+            raise ValueError(f"prompts: prompts[{i}] must be 1-D (one request's token ids), got shape {prompt.shape}")
+        return [int(t) for t in prompt]
+    if not _is_sequence(prompt):
+        raise TypeError(f"prompts: prompts[{i}] must be a list of token ids, got {_brief(prompt)}")
+    for j, t in enumerate(prompt):
+        if not _is_int(t):
+            raise TypeError(f"prompts: prompts[{i}][{j}] must be an int token id, got {_brief(t)}")
+    return [int(t) for t in prompt]
 
 
 @dataclass
@@ -150,38 +200,64 @@ class Engine:
     Raises
     ------
     ValueError
-        Before any prompt runs, for an operator, cache kind or dtype that does not exist, and for a feature the
-        model's attention needs that the operator's arguments cannot express (named, with the operators that
-        have it).
+        Before any prompt runs, for an operator, cache kind, dtype or backend that does not exist, a page_size,
+        quant_group or num_pages below 1, kv_scales that are not one positive scale (or one per layer), and for
+        a feature the model's attention needs that the operator's arguments cannot express (named, with the
+        operators that have it).
+    TypeError
+        A model that is not a transformers model, a non-int page_size, quant_group or num_pages.
     """
 
     def __init__(self, model, operator="multi_head_cache_attention", cache=None, kv_cache_dtype=None, page_size=16,
                  quant_group=8, backend="reference", kv_scales=None, num_pages=None):
+        if not (hasattr(model, "config") and hasattr(model, "set_attn_implementation")):
+            raise TypeError(f"model: expected a transformers PreTrainedModel (AutoModelForCausalLM or "
+                            f"AutoModelForSeq2SeqLM), got {type(model).__name__}")
         if operator not in OPERATORS:
             raise ValueError(f"operator: expected one of {OPERATORS}, got {operator!r}")
         kinds = CACHE_KINDS[operator]
         cache = kinds[0] if cache is None else cache
         if cache not in kinds:
             raise ValueError(f"cache: {operator} keeps a {' or '.join(map(repr, kinds))} cache, got {cache!r}")
-        dtype = "float32" if kv_cache_dtype is None else str(kv_cache_dtype)
+        dtype = "float32" if kv_cache_dtype is None else _dtype_name(kv_cache_dtype)
         if dtype not in KV_DTYPES[operator]:
             having = [op for op in OPERATORS if dtype in KV_DTYPES[op]]
             raise ValueError(f"kv_cache_dtype: {operator} has no {dtype!r} cache (it has {KV_DTYPES[operator]}); "
                              f"operators that have it: {having or 'none'}")
+        page_size = check_int("page_size", page_size, low=1)
+        quant_group = check_int("quant_group", quant_group, low=1)
         if operator == "gpt_attention" and cache == "paged" and page_size & (page_size - 1):
             raise ValueError(f"page_size: TensorRT-LLM's tokens_per_block must be a power of two, got {page_size}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
         if kv_scales is not None and not (operator == "gpt_attention" and dtype in ("int8", "fp8")):
             raise ValueError(f"kv_scales: per-tensor scales belong to gpt_attention's int8/fp8 caches, got operator "
                              f"{operator} with a {dtype} cache")
+        if num_pages is not None:
+            num_pages = check_int("num_pages", num_pages, low=1)
         self.model, self.operator, self.cache, self.kv_cache_dtype = model, operator, cache, dtype
-        self.page_size, self.quant_group, self.backend = int(page_size), int(quant_group), backend
-        self.kv_scales, self.num_pages = kv_scales, num_pages
+        self.page_size, self.quant_group, self.backend = page_size, quant_group, backend
+        self.num_pages = num_pages
         self.encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
         register()
         model.eval()
         self.layers, self.cross_modules = self._probe()
         self._check_features()
+        self.kv_scales = None if kv_scales is None else self._check_scales(kv_scales)
         self._record = None                         # calibration: layer -> amax of the K/V it stored
+
+    def _check_scales(self, kv_scales) -> list:
+        """kv_scales as one positive finite float per layer (one value serves every layer)."""
+        try:
+            scales = np.asarray(kv_scales, np.float64)
+        except (TypeError, ValueError):
+            raise TypeError(f"kv_scales: expected a float or one float per layer, got {kv_scales!r}") from None
+        if scales.ndim > 1 or scales.size not in (1, len(self.layers)):
+            raise ValueError(f"kv_scales: expected one scale or one per layer ({len(self.layers)}), got shape "
+                             f"{scales.shape}")
+        if not (np.isfinite(scales) & (scales > 0)).all():
+            raise ValueError(f"kv_scales: expected finite scales > 0, got {kv_scales!r}")
+        return [float(s) for s in np.broadcast_to(scales.reshape(-1), (len(self.layers),))]
 
     # ------------------------------------------------------------------ what the model needs, before any prompt
     def _probe(self):
@@ -315,25 +391,31 @@ class Engine:
         Parameters
         ----------
         prompts : list of list of int
-            Token ids (the encoder's input for an encoder-decoder model).
+            Token ids in [0, vocabulary size) (the encoder's input for an encoder-decoder model); each prompt may
+            also be a 1-D integer NumPy array or torch tensor. Text must be tokenized first.
         max_new_tokens : int
-            Tokens every request produces (no stop at EOS).
+            Tokens every request produces (no stop at EOS), >= 1.
         arrivals : list of int, optional
-            arrivals[i] is the step at which prompt i joins (default: all at step 0).
+            arrivals[i] >= 0 is the step at which prompt i joins (default: all at step 0).
         on_step : callable, optional
             on_step(step, description) after each step (progress).
 
         Returns
         -------
         GenerateResult
+
+        Raises
+        ------
+        TypeError, ValueError
+            Before any step runs (`check_requests`), naming the argument: text or floats where token ids belong,
+            an id outside the vocabulary, an empty prompt, more positions than a learned position table holds,
+            arrivals that are not one int >= 0 per prompt.
         """
         import torch
-        prompts = [[int(t) for t in p] for p in prompts]
-        arrivals = [0] * len(prompts) if arrivals is None else [int(a) for a in arrivals]
-        if len(arrivals) != len(prompts):
-            raise ValueError(f"arrivals: expected one step per prompt ({len(prompts)}), got {len(arrivals)}")
-        if any(not p for p in prompts) or max_new_tokens < 1 or any(a < 0 for a in arrivals):
-            raise ValueError("prompts: expected non-empty token lists, max_new_tokens >= 1 and arrivals >= 0")
+        prompts, max_new_tokens, arrivals = self.check_requests(prompts, max_new_tokens, arrivals)
+        if on_step is not None and not callable(on_step):
+            raise TypeError(f"on_step: expected a callable on_step(step, description) or None, got "
+                            f"{type(on_step).__name__}")
         scales = self._scales(prompts) if self.kv_cache_dtype in ("int8", "fp8") and \
             self.operator == "gpt_attention" else None
         state = _Serving(self, prompts, max_new_tokens, scales)
@@ -379,14 +461,72 @@ class Engine:
         result.saturated = state.saturated
         return result
 
+    def check_requests(self, prompts, max_new_tokens=16, arrivals=None) -> tuple[list, int, list]:
+        """generate's arguments checked before anything runs, as (prompts as lists of int, max_new_tokens,
+        arrivals as a list of int). Raises TypeError / ValueError naming the argument: text where token ids belong,
+        ids outside the model's vocabulary, an empty prompt, a request longer than the model's learned positions,
+        arrivals that are not one step >= 0 per prompt."""
+        if isinstance(prompts, (str, bytes)) or not _is_sequence(prompts):
+            raise TypeError(f"prompts: expected a list of token-id lists, got {_brief(prompts)}")
+        if len(prompts) == 0:
+            raise ValueError("prompts: expected at least one prompt, got an empty list")
+        prompts = [_token_ids(p, i) for i, p in enumerate(prompts)]
+        vocab = self.vocab_size()
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompts: prompts[{i}] is empty; every request needs at least one token id")
+            bad = [t for t in p if not 0 <= t < vocab]
+            if bad:
+                j = p.index(bad[0])
+                raise ValueError(f"prompts: token id {bad[0]} (prompts[{i}][{j}]) is outside the model's vocabulary "
+                                 f"[0, {vocab})")
+        max_new_tokens = check_int("max_new_tokens", max_new_tokens, low=1)
+        limit = self.position_limit()
+        if limit is not None:
+            # A decoder-only request feeds its prompt and every new token but the last; a decoder of an
+            # encoder-decoder model feeds the start token and every new token but the last (its prompt goes to the
+            # encoder, which has as many positions).
+            longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+            prompt_len = len(prompts[longest])
+            if prompt_len > limit:
+                raise ValueError(f"prompts: prompts[{longest}] has {prompt_len} tokens, more than the model's "
+                                 f"{limit} learned positions")
+            fed = max_new_tokens + (0 if self.encoder_decoder else prompt_len - 1)
+            if fed > limit:
+                raise ValueError(f"max_new_tokens: {max_new_tokens} new tokens after a {prompt_len}-token prompt "
+                                 f"need {fed} positions, more than the model's {limit} learned positions; expected "
+                                 f"max_new_tokens <= {limit - fed + max_new_tokens}")
+        if arrivals is None:
+            return prompts, max_new_tokens, [0] * len(prompts)
+        if isinstance(arrivals, (str, bytes)) or not _is_sequence(arrivals):
+            raise TypeError(f"arrivals: expected a list of steps, one per prompt, got {_brief(arrivals)}")
+        arrivals = list(arrivals)
+        if len(arrivals) != len(prompts):
+            raise ValueError(f"arrivals: expected one step per prompt ({len(prompts)}), got {len(arrivals)}")
+        for i, a in enumerate(arrivals):
+            if not _is_int(a):
+                raise TypeError(f"arrivals: expected int steps, got {_brief(a)} at arrivals[{i}]")
+            if a < 0:
+                raise ValueError(f"arrivals: expected steps >= 0, got {int(a)} at arrivals[{i}]")
+        return prompts, max_new_tokens, [int(a) for a in arrivals]
+
+    def vocab_size(self) -> int:
+        """Token ids the model's input embedding has rows for."""
+        embedding = self.model.get_input_embeddings()
+        rows = getattr(embedding, "num_embeddings", None)
+        return int(rows if rows is not None else self.model.config.vocab_size)
+
+    def position_limit(self) -> int | None:
+        """How many positions the model's learned absolute position table holds (GPT-2's wpe, BART's
+        embed_positions), or None for a model without one (RoPE, T5's relative bias)."""
+        learned = any(name.split(".")[-1] in ("wpe", "embed_positions") for name, _ in self.model.named_modules())
+        config = self.model.config
+        limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+        return int(limit) if learned and limit else None
+
     # ------------------------------------------------------------------ TensorRT-LLM's per-tensor scales
     def _scales(self, prompts):
-        if self.kv_scales is None:
-            return self.calibrate(prompts)
-        scales = np.broadcast_to(np.asarray(self.kv_scales, np.float64), (len(self.layers),))
-        if not (scales > 0).all():
-            raise ValueError(f"kv_scales: expected scales > 0, got {self.kv_scales!r}")
-        return [float(s) for s in scales]
+        return self.calibrate(prompts) if self.kv_scales is None else self.kv_scales
 
     def calibrate(self, prompts) -> list:
         """Per-layer scales s (kv_quant_orig_scale) for gpt_attention's INT8/FP8 cache, from the prompts' K/V.

@@ -50,6 +50,9 @@ def tiny_model(family: str, seed: int = 0, layers: int = 2, vocab: int = 97, **o
     keys = LAYER_KEYS.get(family, "num_hidden_layers")
     for key in (keys if isinstance(keys, tuple) else (keys,)):
         kwargs.setdefault(key, layers)
+    if "layer_types" in kwargs and "layer_types" not in overrides:     # Gemma 2's alternation, one entry a layer
+        pattern = kwargs["layer_types"]
+        kwargs["layer_types"] = [pattern[i % len(pattern)] for i in range(kwargs[keys])]
     kwargs.setdefault("bos_token_id", 0)                 # inside the tiny vocabulary (GPT-2's default is 50256)
     kwargs.setdefault("eos_token_id", 1)
     if family in ("bart", "t5"):
@@ -80,9 +83,26 @@ def redraw_weights(model, seed: int) -> None:
 
 
 def load(path_or_family: str, seed: int = 0, **overrides):
-    """A local checkpoint directory (from_pretrained, no download) or a family name (tiny_model)."""
+    """A local checkpoint directory (from_pretrained, no download) or a family name (tiny_model).
+
+    Raises FileNotFoundError for a path that is no directory, or a directory without config.json, and
+    ValueError for a name that is neither a family nor a directory; each lists the families."""
     from pathlib import Path
-    if Path(path_or_family).is_dir():
+    families = ", ".join(sorted(FAMILIES))
+    path = Path(path_or_family)
+    if path_or_family not in FAMILIES and not path.is_dir():
+        if path.exists():
+            raise FileNotFoundError(f"{path_or_family!r} is a file; expected a checkpoint directory (config.json "
+                                    f"and weights) or a family: {families}")
+        if any(sep in path_or_family for sep in ("/", "\\")) or path_or_family.startswith(("~", ".")):
+            raise FileNotFoundError(f"no such checkpoint directory {path_or_family!r}; expected an existing "
+                                    f"directory (config.json and weights) or a family: {families}")
+        raise ValueError(f"{path_or_family!r} is neither a family nor a checkpoint directory; expected a family "
+                         f"({families}) or a local directory (config.json and weights)")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path_or_family!r} has no config.json: not a transformers checkpoint "
+                                    f"(save one with model.save_pretrained(directory))")
         import transformers
         config = transformers.AutoConfig.from_pretrained(path_or_family, local_files_only=True)
         auto = transformers.AutoModelForSeq2SeqLM if config.is_encoder_decoder else \
