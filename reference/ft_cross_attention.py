@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .blas import matmul
+
 CHUNK_BYTES = 16          # one vectorised load per thread
 SUM_EPSILON = 1e-6        # inv_sum = 1 / (sum + 1e-6)
 
@@ -80,7 +82,7 @@ def _store(key_cache, value_cache, keys, values, is_batch_major_cache):
 def _gemm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """a . b accumulated in float32 (float64 for a float64 evaluation), rounded to a's dtype."""
     acc = np.float64 if a.dtype == np.float64 else np.float32
-    return np.matmul(a.astype(acc, copy=False), b.astype(acc, copy=False)).astype(a.dtype, copy=False)
+    return matmul(a.astype(acc, copy=False), b.astype(acc, copy=False)).astype(a.dtype, copy=False)
 
 
 def _bias(weight, size, dtype):
@@ -145,14 +147,15 @@ def cross_attention(input_query, encoder_output, encoder_sequence_length, step, 
             # spec: ft/store-first-step
             _store(key_cache[b:b + 1], value_cache[b:b + 1], keys, values, is_batch_major_cache)
         q = q_buf[b].reshape(heads, dim) + q_bias                                 # [H, Dh], in T
-        # Scores in float32, scaled by 1 / (sqrt(Dh) * q_scaling).
-        qk = np.einsum("hd,htd->ht", q.astype(acc), k.astype(acc, copy=False)) * inv_sqrt_dh   # [H, n]
+        # Scores in float32, scaled by 1 / (sqrt(Dh) * q_scaling): each head's query row against its keys.
+        q_row = q.astype(acc).reshape(heads, 1, dim)                              # [H, 1, Dh]
+        qk = matmul(q_row, k.astype(acc, copy=False).swapaxes(-1, -2))[:, 0] * inv_sqrt_dh   # [H, n]
         logits = np.exp(qk - qk.max(axis=-1, keepdims=True))
         inv_sum = acc(1.0) / (logits.sum(axis=-1, keepdims=True) + acc(SUM_EPSILON))
         probs = logits * inv_sum                                                  # [H, n]
         if cross_attentions is not None:
             cross_attentions[b, :, step - 1, :n] = probs                          # row step - 1; [n, L) untouched
-        out = np.einsum("ht,htd->hd", probs, v.astype(acc, copy=False))           # [H, Dh]
+        out = matmul(probs.reshape(heads, 1, n), v.astype(acc, copy=False))[:, 0]   # [H, 1, n] @ [H, n, Dh]
         context[b] = out.reshape(hidden).astype(dtype)
 
     # ---- 3. output linear: over every row, finished ones too (their context row is whatever it held)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .blas import matmul
 from .softmax import masked_softmax
 
 # TensorProto element types that softmax_precision may name.
@@ -56,7 +57,7 @@ def _to_4d(x, num_heads):
 
 def _matmul(a, b):
     """MatMul in the inputs' dtype (numpy promotes bfloat16; the result is cast back, as ONNX types it)."""
-    return np.matmul(a, b).astype(a.dtype, copy=False)
+    return matmul(a, b).astype(a.dtype, copy=False)
 
 
 def key_offsets(batch, q_len, past_len, nonpad_kv_seqlen):
@@ -96,8 +97,10 @@ def attention_bias(attn_mask, batch, q_len, kv_len, offsets, nonpad_kv_seqlen, *
         bias = bias + mask                                                        # right-aligned broadcast
     i = np.arange(q_len)[:, None]                                                 # (q, 1)
     j = np.arange(kv_len)[None, :]                                                # (1, kv)
-    position = offsets[:, None, None, None] + i                                   # (batch, 1, q, 1)
-    hidden = np.zeros((batch, 1, q_len, kv_len), bool)
+    # Without nonpad_kv_seqlen every batch has the same offset: one (q, kv) plane of hidden keys serves them all.
+    planes = batch if nonpad_kv_seqlen is not None else 1
+    position = offsets[:planes, None, None, None] + i                             # (planes, 1, q, 1)
+    hidden = np.zeros((planes, 1, q_len, kv_len), bool)
     # spec: onnx/is-causal-top-left, onnx/causal-with-mask, onnx/self-cross
     if is_causal:
         hidden |= j > position                                                    # key after the query
@@ -108,7 +111,7 @@ def attention_bias(attn_mask, batch, q_len, kv_len, offsets, nonpad_kv_seqlen, *
     # spec: onnx/nonpad, onnx/cache-outside
     if nonpad_kv_seqlen is not None:
         hidden |= j >= np.asarray(nonpad_kv_seqlen).reshape(-1, 1, 1, 1)          # padding keys
-    return np.where(hidden, neg_inf, bias).astype(dtype)
+    return np.where(hidden, neg_inf, bias).astype(dtype, copy=False)
 
 
 def onnx_attention(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv_seqlen=None, *,
@@ -141,20 +144,18 @@ def onnx_attention(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonp
                           left_window_size=left_window_size, right_window_size=right_window_size, dtype=q.dtype)
 
     # spec: onnx/gqa
-    # GQA / MQA: each kv head serves q_num_heads / kv_num_heads consecutive query heads. Grouping the query
-    # heads as (B, Hkv, group, S, D) against K/V viewed as (B, Hkv, 1, T, D) broadcasts each kv head over
-    # its group: the same products as repeating K/V along the head axis, without copying them.
+    # GQA / MQA: each kv head serves q_num_heads / kv_num_heads consecutive query heads. Stacking the G query heads
+    # of a kv head as the rows of one matrix, (B, Hkv, G·S, D) against K/V (B, Hkv, T, D), gives the products of
+    # repeating K/V along the head axis without copying them, in one BLAS product per kv head.
     kv_heads = present_key.shape[1]
     group = heads // kv_heads
-    q_grouped = q.reshape(batch, kv_heads, group, q_len, head_size)              # (B, Hkv, G, S, D)
-    keys = present_key[:, :, None]                                                # (B, Hkv, 1, T, D)
-    values = present_value[:, :, None]                                            # (B, Hkv, 1, T, Dv)
+    q_rows = (q * root).reshape(batch, kv_heads, group * q_len, head_size)       # (B, Hkv, G·S, D), scaled
 
     # spec: onnx/qk-output-modes, onnx/qk-output-shape
     # qk_matmul_output is copied out at its stage when asked for, so each later stage may overwrite the one
     # before it in place (a long prompt's scores are the largest arrays here).
     keep = qk_matmul_output_mode if return_qk_matmul_output else None
-    raw = _matmul(q_grouped * root, (keys * root).swapaxes(-1, -2))               # (B, Hkv, G, S, T)
+    raw = _matmul(q_rows, (present_key * root).swapaxes(-1, -2))                  # (B, Hkv, G·S, T)
     raw = raw.reshape(batch, heads, q_len, kv_len)                                # (B, Hq, S, T), mode 0
     qk = raw.astype(q.dtype) if keep == 0 else None
     # spec: onnx/softcap
@@ -170,12 +171,13 @@ def onnx_attention(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonp
     if bias is not None:
         # A row with no visible key (its bias all -inf) gives zeros, decided on the bias, not the scores.
         no_key = np.isneginf(bias.max(axis=-1, keepdims=True))
-        np.copyto(probs, probs.dtype.type(0), where=no_key)                       # mode 3
+        if no_key.any():                              # (a copy with `where` visits every score: only when needed)
+            np.copyto(probs, probs.dtype.type(0), where=no_key)                   # mode 3
     qk = probs.astype(q.dtype) if keep == 3 else qk
 
     # spec: onnx/y-shape, onnx/types
-    p_grouped = probs.astype(q.dtype, copy=False).reshape(batch, kv_heads, group, q_len, kv_len)
-    y = _matmul(p_grouped, values).reshape(batch, heads, q_len, -1)               # (B, Hq, S, Dv)
+    p_rows = probs.astype(q.dtype, copy=False).reshape(batch, kv_heads, group * q_len, kv_len)   # (B, Hkv, G·S, T)
+    y = _matmul(p_rows, present_value).reshape(batch, heads, q_len, -1)           # (B, Hq, S, Dv)
     if three_d:
         y = y.transpose(0, 2, 1, 3).reshape(batch, q_len, -1)                     # (B, S, Hq * Dv)
     return y, present_key, present_value, qk

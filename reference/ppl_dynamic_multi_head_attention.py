@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from .alibi import alibi_slopes
+from .blas import matmul
 from .softmax import masked_softmax
 
 
@@ -72,18 +73,16 @@ def dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decodin
         kv_rows = slice(kvstarts[b], kvstarts[b + 1])
         seqlen, kvlen = q_rows.stop - q_rows.start, kv_rows.stop - kv_rows.start
         # spec: ppl-mhca/gqa
-        # GQA: "repeat key and value num_heads/num_kv_heads times": query head h reads kv head h // group.
-        # Query heads grouped as (Hkv, G, S, Dh) against K/V as (Hkv, 1, K, Dh) broadcast each kv head over its
-        # group: the products of the repeat, without copying K and V group times. K and V are copied head-major
-        # (each head's rows contiguous) so that BLAS sees the same layout as for MHA with repeated heads: a GQA
-        # head then computes bit for bit what that MHA head does.
+        # GQA: "repeat key and value num_heads/num_kv_heads times": query head h reads kv head h // group. The G
+        # query heads of a kv head stacked as the rows of one matrix, (Hkv, G·S, Dh) against K/V (Hkv, K, Dh), give
+        # the products of the repeat without copying K and V, in one BLAS product per kv head.
         q = query[q_rows].astype(acc, copy=False).reshape(seqlen, num_kv_heads, group, head_dim)
-        q = q.transpose(1, 2, 0, 3)                                       # (Hkv, G, S, Dh)
-        k = np.ascontiguousarray(key[kv_rows].transpose(1, 0, 2), dtype=acc)[:, None]     # (Hkv, 1, K, Dh)
-        v = np.ascontiguousarray(value[kv_rows].transpose(1, 0, 2), dtype=acc)[:, None]   # (Hkv, 1, K, Dh)
+        q = q.transpose(1, 2, 0, 3).reshape(num_kv_heads, group * seqlen, head_dim)       # (Hkv, G·S, Dh)
+        k = key[kv_rows].astype(acc, copy=False).transpose(1, 0, 2)                       # (Hkv, K, Dh)
+        v = value[kv_rows].astype(acc, copy=False).transpose(1, 0, 2)                     # (Hkv, K, Dh)
 
         # spec: ppl-mhca/head-dim, ppl-mhca/shapes
-        scores = np.matmul(q, k.swapaxes(-1, -2)).reshape(num_heads, seqlen, kvlen)   # (H, S, K), h = Hkv·G + g
+        scores = matmul(q, k.swapaxes(-1, -2)).reshape(num_heads, seqlen, kvlen)   # (H, S, K), h = Hkv·G + g
         scores /= acc.type(np.sqrt(head_dim))
         bias = attention_bias(b, seqlen, kvlen, q_rows, kv_rows, decoding_batches, attn_mask,
                               num_heads=num_heads, is_causal=is_causal, is_alibi=is_alibi, dtype=query.dtype)
@@ -91,7 +90,7 @@ def dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decodin
             scores += bias
         probs = masked_softmax(scores, out=scores).astype(value.dtype, copy=False)   # in acc, cast to value dtype
         # probs @ value, products accumulated in float32 (acc) as the GPU kernels do.
-        probs = probs.astype(acc, copy=False).reshape(num_kv_heads, group, seqlen, kvlen)
-        out = np.matmul(probs, v)                                         # (Hkv, G, S, Dh)
-        attn_output[q_rows] = out.transpose(2, 0, 1, 3).reshape(seqlen, num_heads, head_dim)   # (S, H, Dh)
+        probs = probs.astype(acc, copy=False).reshape(num_kv_heads, group * seqlen, kvlen)  # (Hkv, G·S, K)
+        out = matmul(probs, v).reshape(num_heads, seqlen, head_dim)                 # (H, S, Dh)
+        attn_output[q_rows] = out.transpose(1, 0, 2)                                # (S, H, Dh)
     return attn_output

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import rope
+from .blas import matmul
 from .packed_mask import unpack_attention_mask
 from .softmax import masked_softmax
 
@@ -159,7 +160,7 @@ def split_attention(scores: np.ndarray, values: np.ndarray, num_splits: int):
         p = np.exp(s - safe_m[..., None])
         ms.append(m)
         ls.append(p.sum(axis=-1))
-        os_.append(np.einsum("hik,khd->hid", p, values[tile].astype(s.dtype)))
+        os_.append(matmul(p, values[tile].astype(s.dtype).transpose(1, 0, 2)))  # (H, n, k) @ (H, k, Dv)
     return np.stack(ms), np.stack(ls), np.stack(os_)
 
 
@@ -326,14 +327,11 @@ def _attend(q, k, v, visible, bias, *, norm_factor, softcap, fp8_fmha, kv_scales
         q, k, v = (quantize_kv(x, inv_s, FP8_KV_CACHE).astype(acc) for x in (q, k, v))
         norm_factor = norm_factor * float(s) * float(s)                     # (q/s)(k/s) -> q k
     # spec: trtllm/mha-mqa-gqa
-    # GQA without repeating K/V: query heads grouped as (Hkv, G, n, Dh) against K/V as (Hkv, 1, K, Dh), each kv
-    # head broadcast over its group of G = H / Hkv query heads (head h = kv·G + g). K and V are copied head-major so
-    # that BLAS sees one layout whatever the grouping: a GQA head computes bit for bit what the MHA head with
-    # repeated K/V does.
-    q = q.reshape(n, Hkv, H // Hkv, Dh).transpose(1, 2, 0, 3)               # (Hkv, G, n, Dh)
-    k = np.ascontiguousarray(k.transpose(1, 0, 2))[:, None]                 # (Hkv, 1, K, Dh)
-    v = np.ascontiguousarray(v.transpose(1, 0, 2))[:, None]                 # (Hkv, 1, K, Dh)
-    scores = np.matmul(q, k.swapaxes(-1, -2)).reshape(H, n, -1)             # (H, n, K) = QK^T
+    # GQA without repeating K/V: the G = H / Hkv query heads of each kv head stacked as the rows of one matrix,
+    # (Hkv, G·n, Dh) against K/V (Hkv, K, Dh) (head h = kv·G + g), one BLAS product per kv head.
+    q = q.reshape(n, Hkv, H // Hkv, Dh).transpose(1, 2, 0, 3).reshape(Hkv, -1, Dh)    # (Hkv, G·n, Dh)
+    k, v = k.transpose(1, 0, 2), v.transpose(1, 0, 2)                                # (Hkv, K, Dh)
+    scores = matmul(q, k.swapaxes(-1, -2)).reshape(H, n, -1)                # (H, n, K) = QK^T
     scores *= acc.type(norm_factor)
     if softcap > 0:
         # Softcapping after the scaling, before any bias or mask: a masked -inf must stay -inf.
@@ -343,14 +341,14 @@ def _attend(q, k, v, visible, bias, *, norm_factor, softcap, fp8_fmha, kv_scales
         scores += bias
     np.copyto(scores, -np.inf, where=~visible[None])                       # hidden keys: -inf
     if not fp8_fmha:
-        probs = masked_softmax(scores, out=scores).reshape(Hkv, -1, n, scores.shape[-1])   # (Hkv, G, n, K)
-        return np.matmul(probs, v).reshape(H, n, Dh).transpose(1, 0, 2)    # (n, H, Dh)
+        probs = masked_softmax(scores, out=scores).reshape(Hkv, -1, scores.shape[-1])   # (Hkv, G·n, K)
+        return matmul(probs, v).reshape(H, n, Dh).transpose(1, 0, 2)       # (n, H, Dh)
     row_max = scores.max(axis=-1, keepdims=True)
     row_max = np.where(np.isneginf(row_max), 0, row_max)
     p = np.exp(np.subtract(scores, row_max, out=scores), out=scores)        # (H, n, K), unnormalised, <= 1
     total = p.sum(axis=-1, keepdims=True)
     p8 = p.astype(fp8_e4m3()).astype(acc)                                    # P rounded to e4m3 before P.V
-    out = np.matmul(p8.reshape(Hkv, -1, n, p8.shape[-1]), v).reshape(H, n, Dh) * acc.type(kv_scales[1])
+    out = matmul(p8.reshape(Hkv, -1, p8.shape[-1]), v).reshape(H, n, Dh) * acc.type(kv_scales[1])
     out = np.divide(out, total, out=np.zeros_like(out), where=total > 0)
     return out.transpose(1, 0, 2)
 
@@ -549,7 +547,7 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
 
         # spec: trtllm/fp8-context-fmha
         fp8_fmha = use_fp8_context_fmha and bool(is_context[e])
-        # GQA: query head h reads kv head h // (H / Hkv); _attend broadcasts each kv head over its group.
+        # GQA: query head h reads kv head h // (H / Hkv); _attend stacks the query heads of each kv head.
         out = _attend(q, keys, vals, visible, bias, norm_factor=norm_factor,
                       softcap=attn_logit_softcapping_scale, fp8_fmha=fp8_fmha,
                       kv_scales=(kv_orig_quant_scale, kv_quant_orig_scale))

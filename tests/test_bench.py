@@ -14,18 +14,37 @@ def test_bench_without_gpu_times_the_reference(capsys):
 
 
 def test_bench_cpu_compares_the_reference_with_onnx(capsys):
-    """The CPU bench checks every peer computes the reference's output before it times anything."""
-    from cacheattn.lab.bench_cpu import PROBLEMS, bench_cpu
+    """The CPU bench checks every peer computes the reference's output before it times anything, then gives each
+    problem a row per contender: its milliseconds and its time over ours in the same rounds, median [min, max]."""
+    from cacheattn.lab.bench_cpu import OURS, PROBLEMS, bench_cpu
 
     with _console.recording() as tables:
-        assert bench_cpu(repeat=1) == 0
-    out = capsys.readouterr().out
-    assert all(p.label in out for p in PROBLEMS) and "onnx ReferenceEvaluator time / ours" in out, out
+        assert bench_cpu(repeat=2) == 0
+    out = " ".join(capsys.readouterr().out.split())          # lines wrapped at 80 columns, words whole
+    assert all(p.label in out for p in PROBLEMS) and "median [min, max] of 2 rounds" in out, out
     (table,) = tables
     check_table(table)
     rows = _console.as_json(table)["rows"]
-    assert [r["problem"] for r in rows] == [p.label for p in PROBLEMS]
-    assert all(r["cacheattn_ms"] > 0 and r["onnx ReferenceEvaluator speed"] > 0 for r in rows)
+    assert list(dict.fromkeys(r["problem"] for r in rows)) == [p.label for p in PROBLEMS]
+    for problem in PROBLEMS:
+        mine = [r for r in rows if r["problem"] == problem.label]
+        assert [r["contender"] for r in mine][:2] == [OURS, "onnx ReferenceEvaluator"]
+        for r in mine:
+            assert 0 < r["min_ms"] <= r["median_ms"] <= r["max_ms"]
+            low, high = r["time_over_ours"][1:]
+            assert 0 < low <= r["time_over_ours"][0] <= high
+        assert mine[0]["time_over_ours"] == [1.0, 1.0, 1.0]
+
+
+def test_bench_cpu_rounds_take_turns():
+    """Each round starts with the next contender, so none always runs right after the same other one."""
+    from cacheattn.lab.bench_cpu import _rounds
+
+    order = []
+    calls = {name: (lambda name=name: order.append(name)) for name in "abc"}
+    times = _rounds(calls, repeat=3)
+    assert order == list("abc") + list("abc") + list("bca") + list("cab")       # warm-up, then 3 rounds
+    assert all(len(ms) == 3 and min(ms) >= 0 for ms in times.values())
 
 
 def test_gpu_harness_runs_tiny_in_the_simulator(tmp_path, monkeypatch, capsys):

@@ -2,13 +2,21 @@
 onnxruntime, when installed) on the same ONNX Attention problems, measured in one run.
 
 The references are what the tour, the conformance runs and the checking kit execute thousands of
-times, so their speed is felt; onnx's evaluator is the peer that computes the same thing in NumPy.
-Each timing is the median of `repeat` calls after a warm-up, the contenders taking turns call by
-call, so a busy machine slows all of them alike and the ratios stay meaningful.
+times, so their speed is felt; onnx's evaluator is the peer that computes the same thing in NumPy, and
+onnxruntime the compiled one. Each problem is timed in `repeat` rounds after a warm-up; in a round every
+contender is called once, one after the other, starting with a different one each round (so none always
+runs right after another one's threads). A busy machine then slows all of them alike, and the ratio of a
+peer's time to ours within a round stays meaningful: the table gives its median and spread over the rounds.
+
+On a machine shared with other work, a multi-threaded BLAS (NumPy's, under ours and the evaluator) waits at
+every product for its threads to get a core, and its times spread widely; onnxruntime schedules its own threads.
+`OPENBLAS_NUM_THREADS=1 python -m cacheattn bench --cpu` times the NumPy contenders on one BLAS thread; the
+table's title says which setting was in force.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -33,8 +41,12 @@ PROBLEMS = (
     Problem("decode B1 H8 T1024 D64", 1, 8, 8, 1, 1024, 64, 0),
     Problem("decode B4 GQA 32/8 T512 D128", 4, 32, 8, 1, 512, 128, 0),
     Problem("prefill B1 H8 S256 D64 causal", 1, 8, 8, 256, 256, 64, 1),
+    Problem("prefill B2 H8 S256 D64 causal", 2, 8, 8, 256, 256, 64, 1),
     Problem("prefill B2 GQA 8/2 S128 D64 causal", 2, 8, 2, 128, 128, 64, 1),
+    Problem("prefill B1 GQA 16/4 S512 D128 causal", 1, 16, 4, 512, 512, 128, 1),
 )
+
+OURS = "cacheattn"
 
 
 def _onnx_model(problem: Problem):
@@ -48,9 +60,9 @@ def _onnx_model(problem: Problem):
 
 
 def _contenders(problem: Problem, feeds: dict) -> dict:
-    """{name: zero-argument call} for every peer available here."""
-    calls = {"cacheattn": lambda: cacheattn.onnx_attention(feeds["Q"], feeds["K"], feeds["V"],
-                                                           is_causal=problem.is_causal).Y}
+    """{name: zero-argument call} for every peer available here, ours first."""
+    calls = {OURS: lambda: cacheattn.onnx_attention(feeds["Q"], feeds["K"], feeds["V"],
+                                                    is_causal=problem.is_causal).Y}
     from onnx.reference import ReferenceEvaluator
 
     evaluator = ReferenceEvaluator(_onnx_model(problem))
@@ -70,21 +82,39 @@ def _contenders(problem: Problem, feeds: dict) -> dict:
     return calls
 
 
-def _interleaved_medians(calls: dict, repeat: int) -> dict:
-    """Median milliseconds of each call, the calls taking turns."""
-    times = {name: [] for name in calls}
+def blas_threads() -> str:
+    """The BLAS thread setting NumPy was started with, as the environment gives it, or "default"."""
+    for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        if os.environ.get(name):
+            return f"{name}={os.environ[name]}"
+    return "default"
+
+
+def _rounds(calls: dict, repeat: int) -> dict:
+    """{name: milliseconds of each round}, after one warm-up call each. Round r starts with the r-th contender
+    (then the next ones, wrapping around), so that each one follows each of the others equally often."""
+    names = list(calls)
+    times = {name: [] for name in names}
     for call in calls.values():
         call()                                                   # warm-up
-    for _ in range(repeat):
-        for name, call in calls.items():
+    for r in range(repeat):
+        for name in names[r % len(names):] + names[:r % len(names)]:
             start = time.perf_counter()
-            call()
+            calls[name]()
             times[name].append((time.perf_counter() - start) * 1e3)
-    return {name: float(np.median(t)) for name, t in times.items()}
+    return times
 
 
-# Short names for the peers' columns; the legend spells them out.
-PEER_SHORT = {"onnx ReferenceEvaluator": "onnx", "onnxruntime": "ort"}
+def _spread(values) -> tuple[float, float, float]:
+    """(median, min, max)."""
+    return float(np.median(values)), float(np.min(values)), float(np.max(values))
+
+
+def rows_of(label: str, times: dict) -> list[tuple]:
+    """One row per contender: (problem, contender, median ms, min ms, max ms, (median, min, max) over the rounds of
+    the contender's time / ours in the same round)."""
+    ours = np.asarray(times[OURS])
+    return [(label, name, *_spread(ms), _spread(np.asarray(ms) / ours)) for name, ms in times.items()]
 
 
 def bench_cpu(repeat: int = 20) -> int:
@@ -104,19 +134,19 @@ def bench_cpu(repeat: int = 20) -> int:
                  "K": rng.standard_normal(kv_shape).astype(np.float32),
                  "V": rng.standard_normal(kv_shape).astype(np.float32)}
         calls = _contenders(problem, feeds)
-        reference_y = calls["cacheattn"]()
+        reference_y = calls[OURS]()
         for name, call in calls.items():             # the peers compute the same thing, or the timing is moot
             np.testing.assert_allclose(call(), reference_y, rtol=1e-4, atol=1e-5, err_msg=name)
-        rows.append((problem.label, _interleaved_medians(calls, repeat)))
-    peers = [name for name in rows[0][1] if name != "cacheattn"]
-    columns = [_console.Column("problem"), _console.Column("ours ms", "cacheattn_ms", lambda v: f"{v:.3f}",
-                                                           right=True, means="the NumPy reference (cacheattn)")]
-    for peer in peers:
-        short = PEER_SHORT.get(peer, peer)
-        columns += [_console.Column(f"{short} ms", f"{peer} ms", lambda v: f"{v:.3f}", right=True, means=peer),
-                    _console.Column(f"{short} x", f"{peer} speed", lambda v: f"{v:.2f}x", right=True,
-                                    means=f"{peer} time / ours: above 1, the reference is faster")]
-    _console.table(f"ONNX Attention, float32, NumPy reference vs peers (median of {repeat}, taking turns)", columns,
-                   [(label, ms["cacheattn"], *(v for p in peers for v in (ms[p], ms[p] / ms["cacheattn"])))
-                    for label, ms in rows])
+        rows += rows_of(problem.label, _rounds(calls, repeat))
+    ms = lambda v: f"{v:.2f}"
+    columns = [_console.Column("problem"),
+               _console.Column("contender", means=f"{OURS}: the NumPy reference (ours)"),
+               _console.Column("median", "median_ms", ms, right=True, means="milliseconds per call"),
+               _console.Column("min", "min_ms", ms, right=True),
+               _console.Column("max", "max_ms", ms, right=True),
+               _console.Column("time / ours", "time_over_ours", lambda v: f"{v[0]:.2f}x [{v[1]:.2f}, {v[2]:.2f}]",
+                               right=True, means="the contender's time over ours in the same round, median "
+                                                 "[min, max] over the rounds: above 1, the reference is faster")]
+    _console.table(f"ONNX Attention, float32, NumPy reference vs peers; ms per call, median [min, max] of {repeat} "
+                   f"rounds taking turns; BLAS threads: {blas_threads()}", columns, rows)
     return 0
