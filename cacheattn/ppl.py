@@ -116,7 +116,9 @@ def _check_dynamic_indices(seqstarts, kvstarts, cachestarts, start_pos, max_seql
     _check_max("max_seqlen", max_seqlen, seqlens)
     _check_max("max_kvlen", max_kvlen, kvlens)
     _check_cachestarts(cachestarts, kvlens, max_t, cache_mode=cache_mode, page_size=page_size)
-    _check_written_slots(cachestarts, start_pos, seqlens, cache_mode=cache_mode, page_size=page_size)
+    written = _written_slots(cachestarts, start_pos, seqlens, cache_mode=cache_mode, page_size=page_size)
+    _check_written_slots(*written)
+    _check_reads_not_overwritten(cachestarts, start_pos, *written, cache_mode=cache_mode, page_size=page_size)
     return seqlens, kvlens
 
 
@@ -152,10 +154,8 @@ def _check_cachestarts(cachestarts, kvlens, max_t, *, cache_mode, page_size):
                          f"{max_t}; cachestarts[{b}, {p}] = {cachestarts[b, p]} with page_size {page_size}")
 
 
-def _check_written_slots(cachestarts, start_pos, seqlens, *, cache_mode, page_size):
-    """No two current tokens of the call may be stored into the same cache slot: the store writes every token in
-    parallel, so on a GPU that is a data race whose winner is undefined. Only the slots written now count:
-    sequences may share the pages of a common prefix, which this call only reads (positions < start_pos)."""
+def _written_slots(cachestarts, start_pos, seqlens, *, cache_mode, page_size):
+    """(slot, batch, position) of every current token, in packed order: the slots this call stores into."""
     batch_of = np.repeat(np.arange(seqlens.shape[0]), seqlens)                  # (sum seqlens,) the token's batch
     first = np.cumsum(seqlens) - seqlens                                         # (B,) its first packed row
     position = start_pos[batch_of] + np.arange(batch_of.shape[0]) - first[batch_of]
@@ -163,6 +163,13 @@ def _check_written_slots(cachestarts, start_pos, seqlens, *, cache_mode, page_si
         slots = cachestarts[batch_of] + position
     else:
         slots = cachestarts[batch_of, position // page_size] + position % page_size
+    return slots, batch_of, position
+
+
+def _check_written_slots(slots, batch_of, position):
+    """No two current tokens of the call may be stored into the same cache slot: the store writes every token in
+    parallel, so on a GPU that is a data race whose winner is undefined. Only the slots written now count:
+    sequences may share the pages of a common prefix, which this call only reads (positions < start_pos)."""
     order = np.argsort(slots, kind="stable")
     clash = np.nonzero(slots[order][1:] == slots[order][:-1])[0]
     if clash.size:
@@ -171,6 +178,38 @@ def _check_written_slots(cachestarts, start_pos, seqlens, *, cache_mode, page_si
                          f"{batch_of[i]} position {position[i]} and batch {batch_of[j]} position {position[j]} both "
                          f"at slot {slots[i]} (a write race on a GPU; sequences may share only pages they read, "
                          f"positions < start_pos)")
+
+
+def _check_reads_not_overwritten(cachestarts, start_pos, slots, batch_of, position, *, cache_mode, page_size):
+    """No current token may be stored into a slot that holds a cached position (< start_pos) some sequence of
+    the call reads, its own or another's: the store would replace a key the attention is to read (on a GPU,
+    while other blocks read it). Checked per read run of slots (a page, or an offset sequence's prefix), not per
+    cached token, so a long context costs its page count."""
+    if cache_mode == 0:
+        owner, first_pos = np.arange(start_pos.shape[0]), np.zeros_like(start_pos)
+        run_start, run_len = cachestarts, start_pos
+    else:
+        page_pos = np.arange(cachestarts.shape[1]) * page_size                  # (MaxP,) each page's first position
+        cached = np.clip(start_pos[:, None] - page_pos, 0, page_size)         # (B, MaxP) its cached positions
+        owner, page = np.nonzero(cached)
+        first_pos, run_start, run_len = page_pos[page], cachestarts[owner, page], cached[owner, page]
+    keep = run_len > 0
+    owner, first_pos, run_start, run_end = owner[keep], first_pos[keep], run_start[keep], (run_start + run_len)[keep]
+    if not owner.size or not slots.size:
+        return
+    # A slot lies in some run [start, end) iff the furthest end among the runs starting at or before it passes it.
+    order = np.argsort(run_start, kind="stable")
+    reach = np.maximum.accumulate(run_end[order])
+    last = np.searchsorted(run_start[order], slots, side="right") - 1
+    hit = np.flatnonzero((last >= 0) & (reach[np.maximum(last, 0)] > slots))
+    if hit.size:
+        i = int(hit[0])
+        r = int(np.flatnonzero((run_start <= slots[i]) & (slots[i] < run_end))[0])
+        b = int(owner[r])
+        raise ValueError(f"cachestarts: expected the slots this call stores to hold no cached position it reads, "
+                         f"got batch {batch_of[i]} position {position[i]} stored at slot {slots[i]}, which holds "
+                         f"batch {b}'s cached position {first_pos[r] + slots[i] - run_start[r]} (< start_pos[{b}] = "
+                         f"{start_pos[b]}); the store would overwrite a cached key/value that the call reads back")
 
 
 def _check_attention_attrs(num_heads, head_dim, num_kv_heads, is_causal, is_alibi):
@@ -395,7 +434,8 @@ def dynamic_key_value_cache(current_key: Tensor, current_value: Tensor, seqstart
         offset in MaxT of each page of sequence b (entries past its last page are not read; -1 is customary).
         Every slot of `[0, kvlen)` lies in `[0, MaxT)`; a used page lies whole inside MaxT.
         Sequences may share the pages (or offsets) of a common prefix that this call only reads
-        (positions `< start_pos[b]`); no two current tokens may be stored into one slot (see Raises).
+        (positions `< start_pos[b]`); no two current tokens may be stored into one slot, nor into a slot that
+        holds a cached position the call reads back (see Raises).
     start_pos : IndexTensor
         `(B,)`, integer ≥ 0: the cached length of each sequence before this call.
     max_seqlen : int
@@ -442,7 +482,9 @@ def dynamic_key_value_cache(current_key: Tensor, current_value: Tensor, seqstart
         Named by the parameter: `seqstarts`/`kvstarts` not starting at 0, decreasing, or not matching the
         packed tensors; `kvlen != start_pos + seqlen`; `max_seqlen`/`max_kvlen` too small; a slot or page
         outside MaxT; too few pages; and `cachestarts` when two current tokens (of two sequences, or of one)
-        would be stored into the same slot — a data race on a GPU, refused on both backends.
+        would be stored into the same slot — a data race on a GPU — or a current token into a slot holding a
+        cached position (`< start_pos`) of any sequence of the call, its own included: refused on both
+        backends.
     TypeError
         Float index tensors, float `cache` with `quant_bit`, dtypes outside float16/float32.
 
@@ -567,7 +609,7 @@ def dynamic_multi_head_attention(query: Tensor, key: Tensor, value: Tensor, seqs
     ------
     ValueError
         A shape, length or attribute out of range, named by its parameter (`num_kv_heads` not dividing
-        `num_heads`, `key` rows not `kvstarts[B]`, a decoding sequence with more than one query token
+        `num_heads`, `key` or `value` rows not `kvstarts[B]`, a decoding sequence with more than one query token
         (`decoding_batches`), `rung`, `threads`, a `head_dim` too wide for the kernels' shared memory, ...).
     TypeError
         Mismatched or unsupported dtypes, a non-bool `is_causal`.
@@ -603,6 +645,9 @@ def dynamic_multi_head_attention(query: Tensor, key: Tensor, value: Tensor, seqs
     kvlens = check_starts("kvstarts", kvs, int(key.shape[0]), "the row count of key")
     if kvlens.shape != seqlens.shape:
         raise ValueError(f"kvstarts: expected shape {seqs.shape} like seqstarts, got {kvs.shape}")
+    # The kernels read value row kvstarts[b] + j beside key row kvstarts[b] + j.
+    if value.shape[0] != kvs[-1]:
+        raise ValueError(f"value: expected kvstarts[B] = {int(kvs[-1])} rows like key, got {int(value.shape[0])}")
     _check_decoding(decoding_batches, seqlens)
     _check_max("max_seqlen", max_seqlen, seqlens)
     _check_max("max_kvlen", max_kvlen, kvlens)
@@ -699,7 +744,8 @@ def multi_head_cache_attention(query: Tensor, current_key: Tensor, current_value
         the token offset in MaxT of each page of each sequence (MaxP ≥ `ceil(kvlen / page_size)`; entries past
         a sequence's last page are not read, -1 is customary). Sequences may share the pages of a common
         prefix that this call only reads (positions `< start_pos[b]`); the slots it writes (positions
-        `start_pos[b] ... kvlen - 1`) must be distinct across the whole call (see Raises).
+        `start_pos[b] ... kvlen - 1`) must be distinct across the whole call and hold no position it reads
+        from the cache (see Raises).
     start_pos : IndexTensor
         `(B,)`, integer ≥ 0: each sequence's cached length before this call.
     decoding_batches : int
@@ -765,10 +811,13 @@ def multi_head_cache_attention(query: Tensor, current_key: Tensor, current_value
     ------
     ValueError
         Named by the parameter, before the store or any kernel runs: shapes, lengths (`kvlen != start_pos +
-        seqlen` names `kvstarts`; a decoding sequence with more than one query token names `decoding_batches`),
-        attributes, a slot or page outside MaxT, and `cachestarts` when two current tokens would be stored into
-        one slot — two sequences whose written slots overlap, or one sequence whose pages overlap where it writes
-        (a data race on a GPU). Read-only sharing of a prefix stays legal.
+        seqlen` names `kvstarts`; a decoding sequence with more than one query token names `decoding_batches`;
+        `query` rows not `seqstarts[B]`), attributes, a slot or page outside MaxT, and `cachestarts` when two
+        current tokens would be stored into one slot — two sequences whose written slots overlap, or one
+        sequence whose pages overlap where it writes (a data race on a GPU) — or when a current token would be
+        stored into a slot holding a cached position (`< start_pos`) that the call reads, of another sequence
+        or of its own (a written page mapped onto a page of the prefix). Read-only sharing of a prefix stays
+        legal.
     TypeError
         Mismatched or unsupported dtypes, float index tensors, a non-bool `is_causal`.
 
@@ -807,6 +856,10 @@ def multi_head_cache_attention(query: Tensor, current_key: Tensor, current_value
                        cache_mode=cache_mode, cache_layout=cache_layout, page_size=page_size)
     idx = _dynamic_cache_checks(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
                                 max_kvlen, cache, scale, num_kv_heads=kv_heads, head_dim=head_dim, **cache_attrs)
+    # seqstarts was checked against current_key's rows; the kernels read query row seqstarts[b] + i as well.
+    if query.shape[0] != idx["seqstarts"][-1]:
+        raise ValueError(f"query: expected seqstarts[B] = {int(idx['seqstarts'][-1])} rows like current_key, got "
+                         f"{int(query.shape[0])}")
     _check_decoding(decoding_batches, np.diff(idx["seqstarts"]))
     _check_mask(attn_mask, query, num_heads, int(idx["seqstarts"][-1]), int(idx["kvstarts"][-1]))
     _check_kernel_tensors(engine, query=query, cache=cache, scale=scale, attn_mask=attn_mask)

@@ -153,6 +153,16 @@ ROPE_TYPES = (1, 2, 3, 8)
 ALIBI_TYPES = (4, 5)
 SCALING_TYPES = (0, 1, 2, 3, 4, 5)
 
+# The float attributes and tables, each checked once by _check_floats: finite, and inside its range.
+# (name, lowest value, whether the lowest itself is allowed)
+FLOAT_SCALARS = (("q_scaling", 0.0, False), ("attn_logit_softcapping_scale", 0.0, True),     # 0: no softcap
+                 ("rotary_embedding_base", 0.0, False), ("rotary_embedding_scale", 0.0, False),
+                 ("rotary_embedding_short_m_scale", 0.0, False), ("rotary_embedding_long_m_scale", 0.0, False))
+# (name, whether every entry must be > 0): logn_scaling multiplies Q by log_{seq_length}(position + 1) or 1.
+FLOAT_TABLES = (("rotary_inv_freq", False), ("rotary_cos_sin", False), ("long_rope_rotary_inv_freq", False),
+                ("long_rope_rotary_cos_sin", False), ("logn_scaling", True), ("alibi_slopes", False),
+                ("relative_attention_bias", False))
+
 # Keywords of TensorRT-LLM's gpt_attention that size buffers, pick kernels or describe the parallel layout and do
 # not change the result here: accepted and not used.
 NO_EFFECT = ("block_sparse_block_size", "block_sparse_homo_head_pattern", "block_sparse_num_local_blocks",
@@ -270,6 +280,7 @@ def validate(a: dict) -> dict:
     _check_position_biases(a, pos_type, H, qkv, lengths)
     _check_mask(a, mask_type, qkv, packed, E, lengths)
     _check_packed_mask(a, mask_type, lengths - past, lengths)
+    _check_floats(a)
 
     # Window, sinks, cache capacity.
     layer_idx = check_int("layer_idx", a["layer_idx"], low=0)
@@ -402,11 +413,6 @@ def _check_requests(a, qkv, packed, hidden):
 def _check_scalars_and_quantization(a, out, qkv, hidden):
     """Scalar attributes, the plugin settings, the KV cache quantization and its scales, qkv_bias.
     Returns (tokens_per_block, quant mode)."""
-    if not a["q_scaling"] > 0:
-        raise ValueError(f"q_scaling: expected a float > 0, got {a['q_scaling']!r}")
-    if not a["attn_logit_softcapping_scale"] >= 0:
-        raise ValueError(f"attn_logit_softcapping_scale: expected a float >= 0 (0 disables it), "
-                         f"got {a['attn_logit_softcapping_scale']!r}")
     # spec: trtllm/context-unfused, trtllm/context-fmha-fp32-acc
     check_choice("context_fmha_type", a["context_fmha_type"], (0, 1, 2))
     tpb = check_int("tokens_per_block", a["tokens_per_block"], low=1)
@@ -450,9 +456,6 @@ def _check_rope(a, out, pos_type, scale_type, Dh):
         elif scale_type == RotaryScalingType.llama3:
             raise ValueError("rotary_inv_freq: llama3 scaling needs the host-computed frequencies "
                              "(reference.rope.llama3_inv_freq), got None")
-        if not a["rotary_embedding_base"] > 0 or not a["rotary_embedding_scale"] > 0:
-            raise ValueError(f"rotary_embedding_base: expected base > 0 and rotary_embedding_scale > 0, got "
-                             f"{a['rotary_embedding_base']!r}, {a['rotary_embedding_scale']!r}")
         check_int("rotary_embedding_max_positions", a["rotary_embedding_max_positions"], low=1)
         if scale_type == RotaryScalingType.dynamic and rot <= 2 and a["rotary_inv_freq"] is None:
             raise ValueError(f"rotary_embedding_dim: dynamic NTK scaling raises the base to d / (d - 2), so it needs "
@@ -545,9 +548,6 @@ def _check_rope_tables(a, out, pos_type, scale_type, per_entry, is_context):
         freq = np.asarray(arrays.to_host(a["long_rope_rotary_inv_freq"]))
         check_shape("long_rope_rotary_inv_freq", freq.reshape(-1), (rot // 2,), "(rotary_embedding_dim / 2,)")
         out["long_rope_rotary_inv_freq"] = freq.reshape(-1).astype(np.float32)
-    for name in ("rotary_embedding_short_m_scale", "rotary_embedding_long_m_scale"):
-        if not a[name] > 0:
-            raise ValueError(f"{name}: expected a float > 0, got {a[name]!r}")
     check_int("rotary_embedding_original_max_positions", a["rotary_embedding_original_max_positions"], low=1)
     lengths = per_entry["sequence_length"]
     plans = ref.rope_plan(
@@ -583,6 +583,48 @@ def _check_logn(a, lengths):
     if len(logn.shape) != 1 or logn.shape[0] < lengths.max():
         raise ValueError(f"logn_scaling: expected shape (>= {int(lengths.max())},), one factor per position up to "
                          f"the longest sequence_length, got {tuple(logn.shape)}")
+
+
+def _check_floats(a):
+    """Every float attribute finite and in its range, every float table given finite (logn_scaling's factors
+    also > 0): a NaN or an infinity there would reach each output it touches without an error. The tables' dtypes
+    and shapes are checked before this."""
+    for name, low, inclusive in FLOAT_SCALARS:
+        value = a[name]
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+            raise TypeError(f"{name}: expected a float, got {type(value).__name__} {value!r}")
+        if not (np.isfinite(value) and (value >= low if inclusive else value > low)):
+            raise ValueError(f"{name}: expected a finite float {'>=' if inclusive else '>'} {low:g}, got {value!r}")
+    for name, positive in FLOAT_TABLES:
+        if a[name] is not None:
+            bad = _first_bad_entry(a[name], positive)
+            if bad is not None:
+                index, value = bad
+                raise ValueError(f"{name}: expected finite entries{' > 0' if positive else ''}, got {value!r} at "
+                                 f"flat index {index}")
+
+
+def _first_bad_entry(x, positive):
+    """(flat index, value) of x's first entry that is not finite (or not > 0 with `positive`), else None. A GPU
+    table is reduced where it lives when CuPy is there: a cos/sin table can hold millions of entries, and this
+    runs on every call."""
+    xp, entries = np, None
+    if arrays.is_device_array(x):
+        try:
+            import cupy
+        except ImportError:
+            pass
+        else:
+            xp, entries = cupy, cupy.asarray(arrays.as_kernel_array(x)).reshape(-1)
+    if entries is None:
+        entries = np.asarray(arrays.to_host(x)).reshape(-1).astype(np.float64)   # bfloat16 too, exactly
+    bad = ~xp.isfinite(entries)
+    if positive:
+        bad |= entries <= 0
+    if not bool(bad.any()):
+        return None
+    index = int(xp.argmax(bad))
+    return index, float(entries[index])
 
 
 def _check_packed_mask(a, mask_type, new, lengths):

@@ -22,7 +22,18 @@ from cacheattn import convert
 from cacheattn.examples import copy_inputs
 from cacheattn.testing._core import call as call_operator
 from cacheattn.testing._operators import OPERATORS
-from cacheattn.testing.breakage import BREAKAGES, Call, Inapplicable, broken, check_refused, need, required, sets
+from cacheattn.testing.breakage import (
+    BREAKAGES,
+    Call,
+    Inapplicable,
+    broken,
+    check_refused,
+    need,
+    required,
+    sets,
+    snapshot,
+    tensor_bits,
+)
 
 # A few draws per row: the rows, not the draws, are what this file covers (CACHEATTN_EXAMPLES scales them). No
 # shrinking: a failure's message names the row and what happened, and the drawn calls are small already.
@@ -74,6 +85,25 @@ def test_the_check_fails_on_silence_on_another_name_and_on_a_write():
     check_refused(refuse("cache: expected shape (4,), got (5,)"), Call(dict(cache=cache), {}), row)
     check_refused(refuse("weights.key_weight.kernel: no", TypeError), Call({}, {}),
                   broken("weights.key_weight", "anything", sets()))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float8_e4m3fn", "float32"])
+def test_the_snapshot_sees_a_write_into_a_torch_tensor_of_any_float_dtype(dtype):
+    """NumPy lacks bfloat16 and torch's float8 types: the snapshot reads their bits, so a refused call that wrote
+    one element of such a tensor is caught, and an untouched one compares equal."""
+    torch = pytest.importorskip("torch")
+    tensor = torch.from_numpy(np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32))
+    tensor = tensor.to(getattr(torch, dtype))[:, 1:]                        # a strided view, as callers pass
+    call = Call(dict(past=tensor), {})
+    before = snapshot(call)
+    assert snapshot(call) == before
+
+    def writes(c):
+        c["past"][1, 0, 2] = -tensor[1, 0, 2].float() - 1
+        raise ValueError("past: refused too late")
+
+    with pytest.raises(AssertionError, match=r"wrote into past first"):
+        check_refused(writes, call, broken("past", "anything", sets()))
 
 
 # ---------------------------------------------------------------------------------------------- the operators
@@ -138,7 +168,10 @@ def _layerless(fmt, arguments) -> bool:
     return False
 
 
-ONE_LAYER = {"trtllm": "a contiguous TensorRT-LLM cache", "ft": "a FasterTransformer cache without a layer axis"}
+# The layerless caches whose layer_idx means nothing, where a non-zero one is refused. TensorRT-LLM's contiguous
+# cache has no row here: its layer_idx picks the layer's attention window from host_max_attention_window_sizes
+# (repeated over the layers), as gpt_attention reads it, so any layer is a valid one there.
+ONE_LAYER = {"ft": "a FasterTransformer cache without a layer axis"}
 
 # A layer past the cache's, in general, in the layerless caches of formats that take layer_idx, and in transformers'.
 LAYER_ROWS = [
@@ -215,9 +248,30 @@ def _paged(call) -> bool:
     return call["free_pages"] is not None
 
 
+PAGE_TOKENS = 4                                  # every builder's pages hold 4 tokens
+
+
 def _two_pages(call) -> bool:
-    """The drawn sequence takes at least two pages (every builder's pages hold 4 tokens)."""
-    return _paged(call) and call["kv"].tokens > 4
+    """The drawn sequence takes at least two pages."""
+    return _paged(call) and call["kv"].tokens > PAGE_TOKENS
+
+
+# The read-only lengths argument through which import_ learns which pages the other sequences hold (a padded
+# page table cannot tell a held page from padding without it): (its name, the page table, the table's sequence
+# axis; the table's last axis is the pages of a sequence).
+OTHERS_LENGTHS = {"ppl": ("kvstarts", "cachestarts", 0), "trtllm": ("sequence_length", "kv_cache_block_offsets", 1),
+                  "vllm": ("seq_lens", "block_tables", 0)}
+
+
+def _held_page_first_lengths_given(call) -> None:
+    """free_pages led by a page another sequence holds, with the lengths argument saying every other sequence
+    holds all the pages of its row (the converted sequence's own entry, which import_ does not read, says 0)."""
+    name, table, axis = OTHERS_LENGTHS[call["format"]]
+    shape = np.shape(required(call, table))
+    lengths = np.full(shape[axis], shape[-1] * PAGE_TOKENS, np.int64)
+    lengths[SEQUENCE] = 0
+    call[name] = np.concatenate([[0], np.cumsum(lengths)]) if name == "kvstarts" else lengths
+    _free_pages(lambda c, free: _pages_of_others(c)[:1] + free[1:])(call)
 
 
 IMPORT = [
@@ -238,9 +292,13 @@ IMPORT = [
     *LAYER_ROWS,
     broken("free_pages", "a page twice", _free_pages(lambda c, free: free[:1] * 2 + free[1:]), when=_two_pages),
     broken("free_pages", "a page past the pool", _free_pages(lambda c, free: [10 ** 6] + free[1:]), when=_paged),
-    *(broken("free_pages", f"a page another sequence holds ({fmt})", _free_pages(
-        lambda c, free: _pages_of_others(c)[:1] + free[1:]), when=lambda c, fmt=fmt: _is(fmt)(c) and _paged(c))
-      for fmt in ("ppl", "trtllm", "vllm", "flashinfer")),
+    # ppl, trtllm and vllm learn the other sequences' pages from their lengths, which these rows pass (a caller
+    # asks for the check so); FlashInfer's CSR page table says which pages each request holds by itself.
+    broken("free_pages", "a page another sequence holds (flashinfer)", _free_pages(
+        lambda c, free: _pages_of_others(c)[:1] + free[1:]), when=lambda c: _is("flashinfer")(c) and _paged(c)),
+    *(broken("free_pages", f"a page another sequence holds, their lengths given ({fmt})",
+             _held_page_first_lengths_given, when=lambda c, fmt=fmt: _is(fmt)(c) and _paged(c))
+      for fmt in OTHERS_LENGTHS),
     broken("free_pages", "a float page", _free_pages(lambda c, free: [float(free[0])] + free[1:]), when=_paged),
     broken("free_pages", "a tuple", _free_pages(lambda c, free: tuple(free)), when=_paged),
     # each format's own arguments
@@ -509,7 +567,7 @@ def _engine_run(model):
 
 
 def _weights(model) -> dict:
-    return {name: p.detach().numpy().tobytes() for name, p in model.state_dict().items()}
+    return {name: tensor_bits(p).tobytes() for name, p in model.state_dict().items()}
 
 
 @needs_hf

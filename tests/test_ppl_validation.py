@@ -33,6 +33,10 @@ BAD_MHCA = [
     # (id, mutation, error type, parameter named in the message, case)
     ("query rank", set_(query=lambda x: x["query"][..., None]), ValueError, "query", BASE),
     ("query dtype", set_(query=lambda x: x["query"].astype(np.int32)), TypeError, "query", BASE),
+    # seqstarts and current_key agree; the kernels would read query row seqstarts[B] - 1 past its end
+    ("query a row short", set_(query=lambda x: x["query"][:-1]), ValueError, "query", BASE),
+    ("query a row more", set_(query=lambda x: np.concatenate([x["query"], x["query"][:1]])), ValueError, "query",
+     BASE),
     ("current_key dtype", set_(current_key=lambda x: x["current_key"].astype(np.float32)), TypeError,
      "current_key", BASE),
     ("current_key heads", set_(current_key=lambda x: x["current_key"][:, :1]), ValueError, "current_key", BASE),
@@ -104,6 +108,18 @@ BAD_MHCA = [
      BASE),
     ("two sequences write one offset slot", set_(cachestarts=lambda x: x["cachestarts"][[0, 0]]), ValueError,
      "cachestarts", with_(BASE, cache_mode=0)),
+    # Batch 0 reads positions 0-3 from its page 0 and writes position 4 into its page 1; batch 1 reads 0-1 and
+    # writes 2-4. A write into a slot holding a cached position the call reads replaces a key it attends to.
+    ("a sequence's written page mapped onto its own prefix page", set_(cachestarts=lambda x: np.stack(
+        [[x["cachestarts"][0, 0], x["cachestarts"][0, 0], -1], x["cachestarts"][1]])), ValueError, "cachestarts",
+     BASE),
+    ("a sequence writes over another's cached position (paged)", set_(cachestarts=lambda x: np.stack(
+        [x["cachestarts"][0], [x["cachestarts"][1, 0], x["cachestarts"][0, 0], -1]])), ValueError, "cachestarts",
+     BASE),
+    # offsets: batch 0's region ends where batch 1's begins, so batch 0 stores its position 4 over batch 1's
+    # cached position 0
+    ("a sequence writes over another's cached position (offsets)", set_(cachestarts=lambda x: np.array(
+        [x["cachestarts"][1] - 4, x["cachestarts"][1]])), ValueError, "cachestarts", with_(BASE, cache_mode=0)),
     ("scale missing", set_(scale=None), ValueError, "scale", BASE),
     ("scale shape", set_(scale=lambda x: x["scale"][..., :1]), ValueError, "scale", BASE),
     ("scale dtype", set_(scale=lambda x: x["scale"].astype(np.float64)), TypeError, "scale", BASE),
@@ -207,6 +223,66 @@ def test_dynamic_mha_rejects_key_rows_not_matching_kvstarts():
     with pytest.raises(ValueError, match=r"^kvstarts\b"):
         cacheattn.dynamic_multi_head_attention(x["query"], key, key, x["seqstarts"], x["kvstarts"], 1, 3, 5,
                                                num_heads=4, head_dim=16, is_causal=True, num_kv_heads=2)
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+@pytest.mark.parametrize("short", ["key", "value"])
+def test_dynamic_mha_refuses_key_or_value_rows_short_of_kvstarts(short, backend):
+    """The kernels read key and value row kvstarts[b] + j side by side: one row short of kvstarts[B] in either
+    is refused by name before any launch (key's rows are what kvstarts is checked against, so a short key names
+    kvstarts)."""
+    rng = np.random.default_rng(11)
+    seqstarts, kvstarts = np.array([0, 1, 3]), np.array([0, 4, 9])
+    query = rng.standard_normal((3, 4, 16)).astype(np.float32)
+    kv = {name: rng.standard_normal((9, 2, 16)).astype(np.float32) for name in ("key", "value")}
+    kv[short] = kv[short][:-1]
+    named = "kvstarts" if short == "key" else "value"
+    with _launch.recorded_launches() as launches, pytest.raises(ValueError, match=rf"^{named}: expected .*\b9\b"):
+        cacheattn.dynamic_multi_head_attention(query, kv["key"], kv["value"], seqstarts, kvstarts, 1, 2, 5,
+                                               num_heads=4, head_dim=16, is_causal=True, num_kv_heads=2,
+                                               backend=backend)
+    assert launches == []
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+def test_a_query_row_short_of_seqstarts_is_refused_before_the_store(backend):
+    """multi_head_cache_attention checks seqstarts against current_key; a query one row short is refused naming
+    query and the expected count, before the store kernel writes the cache (the kernels would read past it)."""
+    inputs, attrs = mhca_call(set_(query=lambda x: x["query"][:-1]))
+    cache, scale = inputs["cache"].copy(), inputs["scale"].copy()
+    with _launch.recorded_launches() as launches, pytest.raises(
+            ValueError, match=r"^query: expected seqstarts\[B\] = 4 rows like current_key, got 3$"):
+        cacheattn.multi_head_cache_attention(**inputs, **dict(attrs, backend=backend))
+    assert launches == []
+    assert np.array_equal(inputs["cache"], cache) and np.array_equal(inputs["scale"], scale)
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+@pytest.mark.parametrize("operator", ["multi_head_cache_attention", "dynamic_key_value_cache"])
+@pytest.mark.parametrize("whose", ["its own", "another's"])
+def test_a_store_over_a_cached_position_the_call_reads_is_refused(whose, operator, backend):
+    """BASE's batch 0 reads positions 0-3 from its page 0 and stores position 4 into its page 1. Its page 1 mapped
+    onto its own page 0, or batch 1's page 1 mapped onto it, stores a current token over cached position 0 of
+    batch 0 while the call reads it: refused naming cachestarts, the writer and the position overwritten, before
+    any kernel, the cache and scale bit-identical."""
+    x = build_ppl(BASE)
+    table = x["cachestarts"].copy()
+    writer = 0 if whose == "its own" else 1
+    table[writer, 1] = table[0, 0]
+    x["cachestarts"] = table
+    attrs = dict(BASE.attrs(), backend=backend)
+    if operator == "dynamic_key_value_cache":
+        x = {k: v for k, v in x.items() if k not in ("query", "decoding_batches", "attn_mask")}
+        attrs = {k: v for k, v in attrs.items()
+                 if k not in ("num_heads", "head_dim", "is_causal", "is_alibi", "num_kv_heads")}
+    before = {k: x[k].copy() for k in ("cache", "scale")}
+    with _launch.recorded_launches() as launches, pytest.raises(
+            ValueError, match=rf"^cachestarts: .* got batch {writer} position 4 stored at slot {table[0, 0]}, which "
+                              rf"holds batch 0's cached position 0 \(< start_pos\[0\] = 4\)"):
+        getattr(cacheattn, operator)(**x, **attrs)
+    assert launches == []
+    for k, want in before.items():
+        assert np.array_equal(x[k], want), f"the refused call changed {k}"
 
 
 @pytest.mark.parametrize("backend", ["reference", "numba"])

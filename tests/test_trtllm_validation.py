@@ -2,6 +2,7 @@
 and leaves the cache untouched."""
 
 import inspect
+import sys
 from dataclasses import replace
 
 import numpy as np
@@ -43,6 +44,19 @@ def indirection_with(value):
 
 A = build_trt(BASE)
 ROPE = dict(position_embedding_type=cacheattn.PositionEmbeddingType.rope_gpt_neox)
+# BASE with each float table gpt_attention takes
+TABLES = {"logn_scaling": replace(BASE, logn=True), "alibi_slopes": replace(BASE, position=4),
+          "relative_attention_bias": replace(BASE, position=6, relative="regular"),
+          "rotary_cos_sin": replace(BASE, position=2, rotary_dim=8, rope_table=True),
+          "rotary_inv_freq": replace(BASE, position=2, rotary_dim=8, rope_table=True)}
+
+
+def table_with(name, index, value):
+    """The call of TABLES[name] with entry `index` of its table `name` set to value."""
+    args = build_trt(TABLES[name])
+    table = args[name].copy()
+    table[index] = value
+    return dict(args, **{name: table})
 
 BAD = [
     # request order and per-entry tensors
@@ -159,7 +173,28 @@ BAD = [
     ("custom mask short", call(mask_type=6, attention_mask=np.ones((7, 4), bool)), ValueError, "attention_mask"),
     # scalars and plugin settings
     ("q_scaling 0", call(q_scaling=0.0), ValueError, "q_scaling"),
+    ("q_scaling infinite", call(q_scaling=np.inf), ValueError, "q_scaling"),
+    ("q_scaling a string", call(q_scaling="1"), TypeError, "q_scaling"),
     ("negative softcap", call(attn_logit_softcapping_scale=-1.0), ValueError, "attn_logit_softcapping_scale"),
+    ("softcap NaN", call(attn_logit_softcapping_scale=np.nan), ValueError, "attn_logit_softcapping_scale"),
+    ("softcap infinite", call(attn_logit_softcapping_scale=np.inf), ValueError, "attn_logit_softcapping_scale"),
+    # float attributes and tables: finite, in range
+    ("rotary base infinite", call(rotary_embedding_dim=4, rotary_embedding_base=np.inf, **ROPE), ValueError,
+     "rotary_embedding_base"),
+    ("rotary scale NaN", call(rotary_embedding_dim=4, rotary_embedding_scale=np.nan, **ROPE), ValueError,
+     "rotary_embedding_scale"),
+    ("rotary scale 0 without RoPE", call(rotary_embedding_scale=0.0), ValueError, "rotary_embedding_scale"),
+    ("short m-scale NaN", call(rotary_embedding_short_m_scale=np.nan), ValueError, "rotary_embedding_short_m_scale"),
+    ("long m-scale negative", call(rotary_embedding_long_m_scale=-1.0), ValueError, "rotary_embedding_long_m_scale"),
+    ("logn_scaling NaN", table_with("logn_scaling", -1, np.nan), ValueError, "logn_scaling"),
+    ("logn_scaling infinite", table_with("logn_scaling", 2, np.inf), ValueError, "logn_scaling"),
+    ("logn_scaling 0", table_with("logn_scaling", 0, 0.0), ValueError, "logn_scaling"),
+    ("logn_scaling negative", table_with("logn_scaling", 4, -1.0), ValueError, "logn_scaling"),
+    ("alibi slope NaN", table_with("alibi_slopes", 3, np.nan), ValueError, "alibi_slopes"),
+    ("relative bias infinite", table_with("relative_attention_bias", (1, 2, 0), -np.inf), ValueError,
+     "relative_attention_bias"),
+    ("cos/sin table NaN", table_with("rotary_cos_sin", (0, 9), np.nan), ValueError, "rotary_cos_sin"),
+    ("inverse frequency infinite", table_with("rotary_inv_freq", 1, np.inf), ValueError, "rotary_inv_freq"),
     ("context_fmha_type 3", call(context_fmha_type=3), ValueError, "context_fmha_type"),
     ("layer_idx float", call(layer_idx=1.0), TypeError, "layer_idx"),
     # cross attention
@@ -213,6 +248,43 @@ def test_bad_gpt_attention_input(name, args, error, param, backend):
     assert launches == []
     if cache is not None:
         assert before.tobytes() == cache.tobytes(), f"{name}: the refused call changed the cache"
+
+
+@pytest.mark.parametrize("name", sorted(TABLES))
+def test_the_table_calls_are_valid(name):
+    """The float-table rows above start from valid calls: the table as built is accepted."""
+    args = build_trt(TABLES[name])
+    assert args[name] is not None
+    output, _ = cacheattn.gpt_attention(**args)
+    assert np.isfinite(output).all()
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+def test_a_nan_logn_factor_is_refused_naming_it_and_its_entry(backend):
+    """A NaN factor at the last position of logn_scaling would reach that token's query and every output it
+    touches; it is refused naming logn_scaling and the entry, before any kernel, the cache untouched."""
+    args = table_with("logn_scaling", -1, np.nan)
+    cache = args["past_key_value"].copy()
+    last = args["logn_scaling"].shape[0] - 1
+    with _launch.recorded_launches() as launches, pytest.raises(
+            ValueError, match=rf"^logn_scaling: expected finite entries > 0, got nan at flat index {last}$"):
+        cacheattn.gpt_attention(**args, backend=backend)
+    assert launches == [] and args["past_key_value"].tobytes() == cache.tobytes()
+
+
+def test_a_device_table_is_checked_through_a_host_copy_without_cupy(monkeypatch):
+    """A GPU table (here a stand-in with the CUDA array interface) is checked too; without CuPy to reduce it on
+    the device, through a host copy."""
+    monkeypatch.setitem(sys.modules, "cupy", None)                       # `import cupy` raises ImportError
+
+    class Table(FakeDeviceArray):
+        def copy_to_host(self):
+            return self.host
+
+    index, value = trtllm._first_bad_entry(Table(np.array([1.0, 2.0, np.nan, -1.0], np.float32)), positive=False)
+    assert index == 2 and np.isnan(value)
+    assert trtllm._first_bad_entry(Table(np.array([1.0, 2.0, -1.0], np.float32)), positive=True) == (2, -1.0)
+    assert trtllm._first_bad_entry(Table(np.array([1.0, 2.0], np.float32)), positive=True) is None
 
 
 @pytest.mark.parametrize("case", [BASE, PAGED, INT8], ids=["contiguous", "paged", "int8"])

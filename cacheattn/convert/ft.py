@@ -45,6 +45,11 @@ def _layout(key_cache, value_cache, is_batch_major_cache, layer_idx):
     if layered:
         check_int("layer_idx", layer_idx, low=0, high=v["L"] - 1)
         fixed = {"L": layer_idx}
+    elif layer_idx:
+        # Without the layer axis the caches are one layer's; another index would be silently read as this one.
+        raise ValueError(f"layer_idx: expected 0, as key_cache and value_cache have no layer axis (they hold one "
+                         f"layer: pass that layer's caches, or the decoder's buffer with its leading layer axis), "
+                         f"got {layer_idx}")
     if is_batch_major_cache:
         x = 16 // np.dtype(key_cache.dtype).itemsize
         if k["X"] != x or k["DC"] * x != v["D"]:
@@ -82,7 +87,7 @@ def export(key_cache, value_cache, encoder_sequence_length, *, sequence, is_batc
     is_batch_major_cache : bool
         Which of the two layouts.
     layer_idx : int
-        The layer, with a leading layer axis (else ignored).
+        The layer, with a leading layer axis (else 0: the caches are one layer's).
     """
     k_axes, v_axes, fixed, B, L, _, _ = _layout(key_cache, value_cache, is_batch_major_cache, layer_idx)
     b = check_sequence("sequence", sequence, B)
@@ -108,7 +113,7 @@ def import_(kv: KV, key_cache, value_cache, *, sequence, is_batch_major_cache=Tr
     is_batch_major_cache : bool
         Which of the two layouts.
     layer_idx : int
-        The layer written, with a leading layer axis (else ignored).
+        The layer written, with a leading layer axis (else 0: the caches are one layer's).
     """
     kv = check_kv(kv)
     k_axes, v_axes, fixed, B, L, H, D = _layout(key_cache, value_cache, is_batch_major_cache, layer_idx)

@@ -111,9 +111,8 @@ def array_leaves(value, path: str):
     caches (their layers' keys and values), lists and dicts."""
     if isinstance(value, np.ndarray):
         yield path, value
-    elif hasattr(value, "detach") and hasattr(value, "numpy"):    # a torch tensor, as bytes (NumPy lacks bfloat16)
-        import torch
-        yield path, value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    elif hasattr(value, "detach") and hasattr(value, "numpy"):    # a torch tensor, as its bits
+        yield path, tensor_bits(value)
     elif isinstance(getattr(value, "arguments", None), dict):                  # a cacheattn.convert.Cache
         yield from array_leaves(value.arguments, path)
     elif isinstance(getattr(value, "layers", None), list):                      # a transformers Cache
@@ -132,6 +131,15 @@ def array_leaves(value, path: str):
     elif isinstance(value, dict):
         for key, item in value.items():
             yield from array_leaves(item, f"{path}[{key!r}]")
+
+
+def tensor_bits(tensor) -> np.ndarray:
+    """A torch tensor's elements as NumPy integers of the same width, bit for bit: NumPy has no bfloat16 (nor
+    torch's float8 types), so `.numpy()` refuses them, but not a same-width integer view of them."""
+    import torch
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(flat.element_size())
+    return (flat if width is None else flat.view(width)).numpy()
 
 
 def snapshot(call: Call) -> dict:
@@ -763,8 +771,14 @@ GPT_ATTENTION = [
         "hidden_size_per_head", 1)), "qkv"),
     broken("q_scaling", "0", sets(q_scaling=0.0)),
     broken("q_scaling", "NaN", sets(q_scaling=float("nan"))),
+    broken("q_scaling", "infinite", sets(q_scaling=float("inf"))),
+    broken("q_scaling", "a string", sets(q_scaling="1.0")),
     broken("attn_logit_softcapping_scale", "negative", sets(attn_logit_softcapping_scale=-1.0)),
     broken("attn_logit_softcapping_scale", "NaN", sets(attn_logit_softcapping_scale=float("nan"))),
+    broken("attn_logit_softcapping_scale", "infinite", sets(attn_logit_softcapping_scale=float("inf"))),
+    broken("rotary_embedding_base", "NaN", sets(rotary_embedding_base=float("nan"))),
+    broken("rotary_embedding_scale", "0", sets(rotary_embedding_scale=0.0)),
+    broken("rotary_embedding_short_m_scale", "infinite", sets(rotary_embedding_short_m_scale=float("inf"))),
     broken("rotary_embedding_dim", "odd with RoPE", sets(rotary_embedding_dim=plus("rotary_embedding_dim", -1)),
            when=lambda c: c["rotary_embedding_dim"]),
     broken("rotary_embedding_dim", "past the head", sets(rotary_embedding_dim=plus("hidden_size_per_head", 2)),
@@ -794,6 +808,16 @@ GPT_ATTENTION = [
            when=present("relative_attention_bias")),
     broken("logn_scaling", "NaN", sets(logn_scaling=with_entry("logn_scaling", -1, lambda c, x: np.nan)),
            when=present("logn_scaling")),
+    broken("logn_scaling", "0 at position 0", sets(logn_scaling=with_entry("logn_scaling", 0, lambda c, x: 0.0)),
+           when=present("logn_scaling")),
+    broken("alibi_slopes", "infinite", sets(alibi_slopes=with_entry("alibi_slopes", 0, lambda c, x: np.inf)),
+           when=present("alibi_slopes")),
+    broken("relative_attention_bias", "NaN", sets(relative_attention_bias=with_entry(
+        "relative_attention_bias", (0, 0), lambda c, x: np.nan)), when=present("relative_attention_bias")),
+    broken("rotary_cos_sin", "NaN", sets(rotary_cos_sin=with_entry("rotary_cos_sin", (0, 1), lambda c, x: np.nan)),
+           when=present("rotary_cos_sin")),
+    broken("rotary_inv_freq", "NaN", sets(rotary_inv_freq=with_entry("rotary_inv_freq", 0, lambda c, x: np.nan)),
+           when=present("rotary_inv_freq")),
     broken("attention_mask", "a row short", sets(attention_mask=shrink("attention_mask", 0)),
            when=present("attention_mask")),
 ]
@@ -810,4 +834,4 @@ BREAKAGES = {
 }
 
 __all__ = ["Accepted", "BREAKAGES", "Breakage", "Call", "Inapplicable", "broken", "check_refused", "need",
-           "required", "sets", "snapshot"]
+           "required", "sets", "snapshot", "tensor_bits"]
