@@ -35,7 +35,6 @@ import numpy as np
 from ._validate import check_int
 
 DEFAULT_THREADS = 128          # the block size every rung was counted at (docs/kernel-ladder.md)
-RUNGS = (1, 2, 3, 4, 5)
 MMA_FLOPS = 16 * 8 * 16 * 2    # one mma.m16n8k16
 MMA_ROWS = 16                  # query rows of one mma tile; rung 5 pads a block's rows to it
 # Shared-memory wavefronts per mma of rung 5 (kernels_numba/_attention_mma.py: K and V fragments and staging,
@@ -113,11 +112,6 @@ class AttentionShape:
         object.__setattr__(self, "causal", bool(self.causal))
 
     @property
-    def group(self) -> int:
-        """Query heads per kv head."""
-        return self.num_heads // self.num_kv_heads
-
-    @property
     def row_bytes(self) -> int:
         """Bytes of one cached K (or V) row of one kv head: the values, plus float16 scales when quantized."""
         if not self.quant_bit:
@@ -177,7 +171,8 @@ def plan(shape: AttentionShape, *, rung: int | None = None, num_splits: int | No
     num_splits : int or None, default None
         Rung 4's split count; given without `rung`, it asks for rung 4.
     threads : int or None, default None
-        The block size; None lets the plan pick (128, or fewer warps where rung 5's tiles need them).
+        The block size; None lets the plan pick (128, or fewer warps where a rung's shared-memory buffers need
+        them).
     sms : int or None, default None
         The GPU's multiprocessors; None reads the current device (132, an H100 SXM, without one).
 
@@ -188,8 +183,9 @@ def plan(shape: AttentionShape, *, rung: int | None = None, num_splits: int | No
     Raises
     ------
     ValueError
-        A `rung` asked for that cannot serve the call (named by `threads`, `rung` or `head_dim`), or a call that
-        no rung can hold (`head_dim` too wide for every kernel's shared memory at the block sizes tried).
+        A `rung` asked for that cannot serve the call (named by `threads`, `rung` or `head_dim`), a `num_splits`
+        outside 1 to 64, or a call that no rung can hold (`head_dim` too wide for every kernel's shared memory at
+        the block sizes tried).
 
     Examples
     --------
@@ -220,7 +216,7 @@ def _plan(shape, rung, num_splits, threads, sms):
     cores, why_not_cores = _cuda_core_rung(shape, threads, sms)
     tensor, why_not_tensor = _tensor_core_rung(shape, threads, sms)
     if tensor is not None and (cores is None or tensor[1].bound_us < cores[1].bound_us):
-        chosen, b = tensor
+        chosen = tensor[0]
         against = f"; CUDA cores: {_us(cores[1], cores[1].limiter)}" if cores is not None else ""
         return replace(chosen, reason=chosen.reason + against)
     if cores is not None:
@@ -237,9 +233,12 @@ def _plan(shape, rung, num_splits, threads, sms):
 
 def _forced(shape, rung, num_splits, threads, sms, why):
     """The rung asked for, checked as its launcher will check it, with rung 4's split count."""
+    from kernels_numba._split_k import MAX_SPLITS
     from kernels_numba.ppl_dynamic_multi_head_attention import block_plan
 
     check_int("rung", rung, low=1, high=5)
+    if num_splits is not None:
+        check_int("num_splits", num_splits, low=1, high=MAX_SPLITS)
     if rung >= 2 and threads % 32:
         raise ValueError(f"threads: expected a multiple of 32 for rung {rung} (whole warps), got {threads}")
     if rung == 5 and shape.query_dtype != np.float16:

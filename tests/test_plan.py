@@ -82,6 +82,8 @@ def test_asked_for_rungs_and_splits_are_kept_and_checked():
     assert plan(shape(**decode), rung=4, sms=16).num_splits == 16
     with pytest.raises(ValueError, match=r"^threads\b"):
         plan(shape(**decode), rung=3, threads=48)
+    with pytest.raises(ValueError, match=r"^num_splits\b"):
+        plan(shape(**decode), num_splits=65)
     with pytest.raises(ValueError, match=r"^rung\b"):
         plan(shape(**decode, query_dtype="float32"), rung=5)
     with pytest.raises(ValueError, match=r"^head_dim\b"):
