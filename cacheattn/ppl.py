@@ -545,7 +545,7 @@ def dynamic_multi_head_attention(query: Tensor, key: Tensor, value: Tensor, seqs
         "auto", "reference" or "numba".
     threads : int or None, default None
         The kernels' block size, 32 to 1024 (a multiple of 32 for rungs 2 to 5); None: the plan's (128, fewer
-        warps where rung 5's tiles need them).
+        warps where a rung's shared-memory buffers need them).
     rung : int or None, default None
         Which kernel of the ladder runs (docs/kernel-ladder.md). None: the plan's choice for this call's shapes
         (`cacheattn.plan`): rung 3 for decode, rung 4 when the grid leaves SMs idle, rung 5 where tensor cores
@@ -605,8 +605,8 @@ def dynamic_multi_head_attention(query: Tensor, key: Tensor, value: Tensor, seqs
     _check_max("max_kvlen", max_kvlen, kvlens)
     _check_mask(attn_mask, query, num_heads, int(seqs[-1]), int(kvs[-1]))
     _check_kernel_tensors(engine, query=query, key=key, value=value, attn_mask=attn_mask)
-    launch = _kernel_plan(engine, rung, threads, num_splits, _attention_shape(
-        query, seqlens, max_seqlen, max_kvlen, num_heads, kv_heads, head_dim, key.dtype, is_causal, is_alibi))
+    launch = _kernel_plan(engine, rung, threads, num_splits, query, seqlens, max_seqlen, max_kvlen, num_heads,
+                          kv_heads, head_dim, key.dtype, is_causal, is_alibi)
     attrs = dict(num_heads=num_heads, head_dim=head_dim, is_causal=bool(is_causal), num_kv_heads=num_kv_heads)
     if engine == "reference":
         return arrays.run_reference(data, (), lambda h: reference.dynamic_multi_head_attention(
@@ -641,24 +641,21 @@ def _check_rung(rung, query):
         raise ValueError(f"rung: 5 (tensor cores, mma.sync on float16) needs a float16 query, got {query.dtype}")
 
 
-def _attention_shape(query, seqlens, max_seqlen, max_kvlen, num_heads, kv_heads, head_dim, cache_dtype, is_causal,
-                     is_alibi, quant_bit=0, quant_group=0, page_size=0):
-    """The call in the plan's neutral terms (`cacheattn.plan.AttentionShape`); seqlens: the host query lengths."""
-    return AttentionShape(batch=int(seqlens.shape[0]), max_query_len=max_seqlen, max_kv_len=max_kvlen,
-                          num_heads=num_heads, num_kv_heads=kv_heads, head_dim=head_dim, query_dtype=query.dtype,
-                          cache_dtype=cache_dtype, quant_bit=quant_bit, quant_group=quant_group if quant_bit else 0,
-                          page_size=page_size, decode_sequences=int(np.count_nonzero(seqlens == 1)),
-                          causal=bool(is_causal or is_alibi))
-
-
-def _kernel_plan(engine, rung, threads, num_splits, shape):
-    """The kernels' rung, split count and block size (`cacheattn.plan`), planned before the cache store or any
-    kernel runs: every kernel keeps its rows' K/V tiles or softmax states in shared memory, so a rung asked for
-    whose layout does not fit is a ValueError naming head_dim here, from the launcher's own planner. A rung asked
-    for by name (2 to 5, or 4 through num_splits) is checked on either backend, so the call fails the same way
-    wherever it runs; the plan's own choice is made on the kernels only (the reference ignores the rung)."""
+def _kernel_plan(engine, rung, threads, num_splits, query, seqlens, max_seqlen, max_kvlen, num_heads, kv_heads,
+                 head_dim, cache_dtype, is_causal, is_alibi, quant_bit=0, quant_group=0, page_size=0):
+    """The kernels' rung, split count and block size (`cacheattn.plan`, from the call's shapes; seqlens: the host
+    query lengths), planned before the cache store or any kernel runs: every kernel keeps its rows' K/V tiles or
+    softmax states in shared memory, so a rung asked for whose layout does not fit is a ValueError naming head_dim
+    here, from the launcher's own planner. A rung asked for by name (2 to 5, or 4 through num_splits) is checked on
+    either backend, so the call fails the same way wherever it runs; the plan's own choice is made on the kernels
+    only (the reference ignores the rung)."""
     if engine == "reference" and rung in (None, 1) and num_splits is None:
         return None
+    shape = AttentionShape(batch=int(seqlens.shape[0]), max_query_len=max_seqlen, max_kv_len=max_kvlen,
+                           num_heads=num_heads, num_kv_heads=kv_heads, head_dim=head_dim, query_dtype=query.dtype,
+                           cache_dtype=cache_dtype, quant_bit=quant_bit, quant_group=quant_group if quant_bit else 0,
+                           page_size=page_size, decode_sequences=int(np.count_nonzero(seqlens == 1)),
+                           causal=bool(is_causal or is_alibi))
     return plan_kernels(shape, rung=rung, num_splits=num_splits, threads=threads)
 
 
@@ -758,7 +755,7 @@ def multi_head_cache_attention(query: Tensor, current_key: Tensor, current_value
         "auto", "reference" or "numba".
     threads : int or None, default None
         The kernels' block size, 32 to 1024 (a multiple of 32 for rungs 2 to 5); None: the plan's (128, fewer
-        warps where rung 5's tiles need them).
+        warps where a rung's shared-memory buffers need them).
     rung : int or None, default None
         Which kernel of the ladder runs (docs/kernel-ladder.md). None: the plan's choice for this call's shapes
         (`cacheattn.plan`): rung 3 for decode, rung 4 when the grid leaves SMs idle, rung 5 where tensor cores
@@ -822,9 +819,9 @@ def multi_head_cache_attention(query: Tensor, current_key: Tensor, current_value
     _check_decoding(decoding_batches, idx["seqstarts"].shape[0] - 1)
     _check_mask(attn_mask, query, num_heads, int(idx["seqstarts"][-1]), int(idx["kvstarts"][-1]))
     _check_kernel_tensors(engine, query=query, cache=cache, scale=scale, attn_mask=attn_mask)
-    launch = _kernel_plan(engine, rung, threads, num_splits, _attention_shape(
-        query, np.diff(idx["seqstarts"]), max_seqlen, max_kvlen, num_heads, kv_heads, head_dim, cache.dtype,
-        is_causal, is_alibi, quant_bit, quant_group, page_size if cache_mode == 1 else 0))
+    launch = _kernel_plan(engine, rung, threads, num_splits, query, np.diff(idx["seqstarts"]), max_seqlen,
+                          max_kvlen, num_heads, kv_heads, head_dim, cache.dtype, is_causal, is_alibi, quant_bit,
+                          quant_group, page_size if cache_mode == 1 else 0)
     order = ("seqstarts", "kvstarts", "cachestarts", "start_pos")
     attrs = dict(num_heads=num_heads, head_dim=head_dim, is_causal=bool(is_causal), num_kv_heads=num_kv_heads)
     if engine == "reference":
