@@ -204,3 +204,15 @@ def test_the_plan_is_what_the_operator_runs():
         cacheattn.multi_head_cache_attention(**build_ppl(problem), **problem.attrs(), backend="numba",
                                              threads=threads)
     assert chosen.rung == rung == 4 and launches[1][1][1][5] == chosen.num_splits == 3   # out_geom's num_splits
+
+
+def test_a_head_dim_rung_1_cannot_hold_runs_on_the_vector_loads(device, monkeypatch):
+    """Head_dim 704: rung 1's K/V tiles do not fit its shared memory (the old default refused the call), while
+    rung 3's lanes take three 16-byte chunks of every row each (split 3 ways here: 2 blocks for 132 SMs); the plan
+    serves the call, and it conforms."""
+    problem = case((1,), (8,), head_dim=704)
+    with pytest.raises(ValueError, match=r"^head_dim\b"):
+        plan_tiles(4, 2, 1, 704, 704)
+    names = spied(monkeypatch)
+    kit.check_case("multi_head_cache_attention", on_device(device, cacheattn.multi_head_cache_attention), problem)
+    assert names == RUNG_KERNELS[4], names
