@@ -211,8 +211,8 @@ def bench_plot(result: dict) -> str:
     for row in result["rows"]:
         svg.text(4, y + 12, row["label"], bold=True)
         y += 18
-        timed = [("ours (rung 1)", row["ms"])] + [(name, ms) for name, ms in row["peers_ms"].items()
-                                                   if ms == ms]     # NaN: not measured
+        timed = [("ours (the plan's rung)", row["ms"])] + [(name, ms) for name, ms in row["peers_ms"].items()
+                                                            if ms == ms]     # NaN: not measured
         for k, (name, ms) in enumerate(timed):
             speed = row["ms"] / ms                                 # the same work in ms: scale our figures
             share = max(row["gb_per_s"] * speed / copy_gb, row["tflops"] * speed / matmul_tflops)

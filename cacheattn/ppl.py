@@ -29,6 +29,8 @@ from ._validate import (
     check_shape,
     check_starts,
 )
+from .plan import AttentionShape
+from .plan import plan as plan_kernels
 
 QUANT_BITS = (0, 4, 8)
 
@@ -543,7 +545,8 @@ def dynamic_multi_head_attention(query: Tensor, key: Tensor, value: Tensor, seqs
                                  kvstarts: IndexTensor, decoding_batches: int, max_seqlen: int, max_kvlen: int,
                                  attn_mask: Tensor | None = None, *, num_heads: int, head_dim: int, is_causal: bool,
                                  is_alibi: bool = False, num_kv_heads: int = 0, backend: str = "auto",
-                                 threads: int = 128, rung: int = 1, num_splits: int | None = None) -> Tensor:
+                                 threads: int | None = None, rung: int | None = None,
+                                 num_splits: int | None = None) -> Tensor:
     """OpenPPL `dynamic_batching.MultiHeadAttention` over packed key/value (as `dynamic_key_value_cache`
     returns them).
 
@@ -592,13 +595,17 @@ def dynamic_multi_head_attention(query: Tensor, key: Tensor, value: Tensor, seqs
         Key/value heads, dividing `num_heads` (grouped-query attention); 0 means `num_heads`.
     backend : str, default "auto"
         "auto", "reference" or "numba".
-    threads : int, default 128
-        The kernels' block size, 32 to 1024 (a multiple of 32 for rungs 2 to 5).
-    rung : int, default 1
-        Which kernel of the ladder runs (docs/kernel-ladder.md): 1 shared-memory tiles, 2 a warp per key,
-        3 16-byte loads, 4 split-K, 5 tensor cores (float16 `query` only).
+    threads : int or None, default None
+        The kernels' block size, 32 to 1024 (a multiple of 32 for rungs 2 to 5); None: the plan's (128, fewer
+        warps where a rung's shared-memory buffers need them).
+    rung : int or None, default None
+        Which kernel of the ladder runs (docs/kernel-ladder.md). None: the plan's choice for this call's shapes
+        (`cacheattn.plan`): rung 3 for decode, rung 4 when the grid leaves SMs idle, rung 5 where tensor cores
+        are faster (a float16 `query`), rung 1 where those cannot run (`threads` not whole warps, a `head_dim`
+        too wide for them). 1 to 5 force one: 1 shared-memory tiles, 2 a warp per key, 3 16-byte loads,
+        4 split-K, 5 tensor cores (float16 `query` only).
     num_splits : int or None, default None
-        Rung 4's key splits, 1 to 64 (None: chosen for the GPU's SM count).
+        Rung 4's key splits, 1 to 64 (None: chosen for the GPU's SM count); given with `rung` None, rung 4 runs.
 
     Returns
     -------
@@ -653,7 +660,8 @@ def dynamic_multi_head_attention(query: Tensor, key: Tensor, value: Tensor, seqs
     _check_max("max_kvlen", max_kvlen, kvlens)
     _check_mask(attn_mask, query, num_heads, int(seqs[-1]), int(kvs[-1]))
     _check_kernel_tensors(engine, query=query, key=key, value=value, attn_mask=attn_mask)
-    _check_plan(engine, rung, threads, num_heads, kv_heads, max_seqlen, head_dim, cache_dtype=key.dtype)
+    launch = _kernel_plan(engine, rung, threads, num_splits, query, seqlens, max_seqlen, max_kvlen, num_heads,
+                          kv_heads, head_dim, key.dtype, is_causal, is_alibi)
     attrs = dict(num_heads=num_heads, head_dim=head_dim, is_causal=bool(is_causal), num_kv_heads=num_kv_heads)
     if engine == "reference":
         return arrays.run_reference(data, (), lambda h: reference.dynamic_multi_head_attention(
@@ -663,20 +671,21 @@ def dynamic_multi_head_attention(query: Tensor, key: Tensor, value: Tensor, seqs
     return arrays.kernels().dynamic_multi_head_attention(
         data["query"], data["key"], data["value"], arrays.kernel_index(data["query"], seqstarts, seqs),
         arrays.kernel_index(data["query"], kvstarts, kvs), decoding_batches, max_seqlen, max_kvlen, data["attn_mask"],
-        alibi_slopes=alibi_slopes(num_heads) if is_alibi else None, threads=threads, rung=rung, num_splits=num_splits,
-        **attrs)
+        alibi_slopes=alibi_slopes(num_heads) if is_alibi else None, **_launch_args(launch), **attrs)
 
 
 MAX_SPLITS = 64      # rung 4's most key splits, the cap of kernels_numba._split_k.choose_splits too
 
 
 def _check_launch(threads, rung, num_splits):
-    check_choice("rung", rung, (1, 2, 3, 4, 5))
-    check_int("threads", threads, low=32, high=1024)
-    if rung >= 2 and threads % 32:
-        raise ValueError(f"threads: expected a multiple of 32 for rung {rung} (whole warps), got {threads}")
+    if rung is not None:
+        check_choice("rung", rung, (1, 2, 3, 4, 5))
+    if threads is not None:
+        check_int("threads", threads, low=32, high=1024)
+        if (rung or 1) >= 2 and threads % 32:
+            raise ValueError(f"threads: expected a multiple of 32 for rung {rung} (whole warps), got {threads}")
     if num_splits is not None:
-        if rung != 4:
+        if rung not in (None, 4):
             raise ValueError(f"num_splits: only rung 4 (split-K) splits the keys, got num_splits={num_splits!r} "
                              f"with rung {rung}")
         check_int("num_splits", num_splits, low=1, high=MAX_SPLITS)
@@ -687,19 +696,27 @@ def _check_rung(rung, query):
         raise ValueError(f"rung: 5 (tensor cores, mma.sync on float16) needs a float16 query, got {query.dtype}")
 
 
-def _check_plan(engine, rung, threads, num_heads, kv_heads, max_seqlen, head_dim, quant_bit=0, cache_dtype=None):
-    """Every kernel keeps its rows' K/V tiles or softmax states in shared memory, so a head_dim too wide for it is
-    a ValueError naming head_dim here, from the launcher's own planner, before the cache store or any kernel runs.
-    A rung asked for by name (2 to 5) is checked on either backend, so the call fails the same way wherever it
-    runs; the default rung 1 only on the kernels (the reference has no such limit)."""
-    if rung == 1 and engine == "reference":
-        return
-    # numba only now, as arrays.kernels() explains
-    from kernels_numba._cache import chunk_elements
-    from kernels_numba.ppl_dynamic_multi_head_attention import block_plan
+def _kernel_plan(engine, rung, threads, num_splits, query, seqlens, max_seqlen, max_kvlen, num_heads, kv_heads,
+                 head_dim, cache_dtype, is_causal, is_alibi, quant_bit=0, quant_group=0, page_size=0):
+    """The kernels' rung, split count and block size (`cacheattn.plan`, from the call's shapes; seqlens: the host
+    query lengths), planned before the cache store or any kernel runs: every kernel keeps its rows' K/V tiles or
+    softmax states in shared memory, so a rung asked for whose layout does not fit is a ValueError naming head_dim
+    here, from the launcher's own planner. A rung asked for by name (2 to 5, or 4 through num_splits) is checked on
+    either backend, so the call fails the same way wherever it runs; the plan's own choice is made on the kernels
+    only (the reference ignores the rung)."""
+    if engine == "reference" and rung in (None, 1) and num_splits is None:
+        return None
+    shape = AttentionShape(batch=int(seqlens.shape[0]), max_query_len=max_seqlen, max_kv_len=max_kvlen,
+                           num_heads=num_heads, num_kv_heads=kv_heads, head_dim=head_dim, query_dtype=query.dtype,
+                           cache_dtype=cache_dtype, quant_bit=quant_bit, quant_group=quant_group if quant_bit else 0,
+                           page_size=page_size, decode_sequences=int(np.count_nonzero(seqlens == 1)),
+                           causal=bool(is_causal or is_alibi))
+    return plan_kernels(shape, rung=rung, num_splits=num_splits, threads=threads)
 
-    chunk = chunk_elements(quant_bit, cache_dtype, rung) if rung in (3, 4) else None
-    block_plan(rung, num_heads, kv_heads, max_seqlen, head_dim, threads, chunk)
+
+def _launch_args(launch):
+    """A KernelPlan as the kernel launchers' keywords."""
+    return dict(threads=launch.threads, rung=launch.rung, num_splits=launch.num_splits if launch.rung == 4 else None)
 
 
 @arrays.accepts_torch
@@ -710,7 +727,7 @@ def multi_head_cache_attention(query: Tensor, current_key: Tensor, current_value
                                head_dim: int, is_causal: bool, is_alibi: bool = False, num_kv_heads: int = 0,
                                num_layer: int = 1, layer_idx: int = 0, quant_bit: int = 0, quant_group: int = 8,
                                cache_mode: int = 0, cache_layout: int = 0, page_size: int = 128,
-                               backend: str = "auto", threads: int = 128, rung: int = 1,
+                               backend: str = "auto", threads: int | None = None, rung: int | None = None,
                                num_splits: int | None = None) -> Tensor:
     """OpenPPL `dynamic_batching.MultiHeadCacheAttention`: `dynamic_key_value_cache` then
     `dynamic_multi_head_attention`, fused.
@@ -793,13 +810,17 @@ def multi_head_cache_attention(query: Tensor, current_key: Tensor, current_value
         Tokens per page with `cache_mode` 1.
     backend : str, default "auto"
         "auto", "reference" or "numba".
-    threads : int, default 128
-        The kernels' block size, 32 to 1024 (a multiple of 32 for rungs 2 to 5).
-    rung : int, default 1
-        Kernel ladder rung: 1 shared-memory tiles, 2 a warp per key, 3 16-byte loads, 4 split-K, 5 tensor cores
-        (float16 `query` only).
+    threads : int or None, default None
+        The kernels' block size, 32 to 1024 (a multiple of 32 for rungs 2 to 5); None: the plan's (128, fewer
+        warps where a rung's shared-memory buffers need them).
+    rung : int or None, default None
+        Which kernel of the ladder runs (docs/kernel-ladder.md). None: the plan's choice for this call's shapes
+        (`cacheattn.plan`): rung 3 for decode, rung 4 when the grid leaves SMs idle, rung 5 where tensor cores
+        are faster (a float16 `query`), rung 1 where those cannot run (`threads` not whole warps, a `head_dim`
+        too wide for them). 1 to 5 force one: 1 shared-memory tiles, 2 a warp per key, 3 16-byte loads,
+        4 split-K, 5 tensor cores (float16 `query` only).
     num_splits : int or None, default None
-        Rung 4's key splits, 1 to 64 (None: chosen for the GPU's SM count).
+        Rung 4's key splits, 1 to 64 (None: chosen for the GPU's SM count); given with `rung` None, rung 4 runs.
 
     Returns
     -------
@@ -863,7 +884,9 @@ def multi_head_cache_attention(query: Tensor, current_key: Tensor, current_value
     _check_decoding(decoding_batches, np.diff(idx["seqstarts"]))
     _check_mask(attn_mask, query, num_heads, int(idx["seqstarts"][-1]), int(idx["kvstarts"][-1]))
     _check_kernel_tensors(engine, query=query, cache=cache, scale=scale, attn_mask=attn_mask)
-    _check_plan(engine, rung, threads, num_heads, kv_heads, max_seqlen, head_dim, quant_bit, cache.dtype)
+    launch = _kernel_plan(engine, rung, threads, num_splits, query, np.diff(idx["seqstarts"]), max_seqlen,
+                          max_kvlen, num_heads, kv_heads, head_dim, cache.dtype, is_causal, is_alibi, quant_bit,
+                          quant_group, page_size if cache_mode == 1 else 0)
     order = ("seqstarts", "kvstarts", "cachestarts", "start_pos")
     attrs = dict(num_heads=num_heads, head_dim=head_dim, is_causal=bool(is_causal), num_kv_heads=num_kv_heads)
     if engine == "reference":
@@ -879,4 +902,4 @@ def multi_head_cache_attention(query: Tensor, current_key: Tensor, current_value
         *(arrays.kernel_index(data["cache"], x, idx[n]) for n, x in zip(order, given)), decoding_batches, max_seqlen,
         max_kvlen, data["cache"], data["scale"], data["attn_mask"],
         alibi_slopes=alibi_slopes(num_heads) if is_alibi else None, cache_axes=DYNAMIC_LAYOUTS[cache_layout],
-        threads=threads, rung=rung, num_splits=num_splits, **attrs, **cache_attrs)
+        **_launch_args(launch), **attrs, **cache_attrs)

@@ -152,13 +152,16 @@ def test_bad_multi_head_cache_attention_input(name, mutate, error, param, case, 
         assert x.tobytes() == inputs[k].tobytes(), f"{name}: the refused call changed {k}"
 
 
-def test_head_dim_past_the_kernels_shared_memory_is_refused_before_the_cache_store():
-    """Rung 1's K/V tiles of head_dim 704 need more than 48 KiB even at 8 keys and one row: the kernels refuse it
-    by name before the store kernel writes the cache; the reference, which has no such limit, runs it."""
+@pytest.mark.parametrize("launch", [{"rung": 1}, {"threads": 1024}], ids=["rung 1", "the plan at 32 warps"])
+def test_head_dim_past_the_kernels_shared_memory_is_refused_before_the_cache_store(launch):
+    """Rung 1's K/V tiles of head_dim 704 need more than 48 KiB even at 8 keys and one row, and so do the merge
+    buffers of rungs 3 and 5 with 32 warps: the kernels refuse it by name (rung 1 asked for, or the plan finding
+    no rung for that block size) before the store kernel writes the cache; the reference, which has no such
+    limit, runs it."""
     inputs, attrs = mhca_call(lambda inputs, attrs: None, with_(BASE, head_dim=704))
     cache = inputs["cache"].copy()
     with _launch.recorded_launches() as launches, pytest.raises(ValueError, match=r"^head_dim\b"):
-        cacheattn.multi_head_cache_attention(**inputs, **attrs, backend="numba")
+        cacheattn.multi_head_cache_attention(**inputs, **attrs, backend="numba", **launch)
     assert launches == [] and np.array_equal(inputs["cache"], cache)
     assert cacheattn.multi_head_cache_attention(**inputs, **attrs, backend="reference").shape == inputs["query"].shape
 

@@ -1,0 +1,351 @@
+"""Which rung of the kernel ladder runs an attention call: the plan, made on the host from what the call is.
+
+An operator describes its call in neutral terms (`AttentionShape`: sequences, the longest query and key ranges,
+heads, head_dim, the query and cache formats) and `plan` returns a `KernelPlan`: the rung, rung 4's split count,
+the block size and a one-line reason. Like FlashInfer's `plan()` and TensorRT-LLM's dispatch heuristics it looks
+at shapes only, never at the data, so a server can make it once per batch step; it is cached per shape.
+
+The choice, among the rungs of docs/kernel-ladder.md that can serve the call:
+
+- **rung 3, or rung 4 when SMs would idle.** Lane groups with vector loads reach the DRAM bound in decode. When
+  the grid has fewer blocks than the GPU has SMs, rung 4 splits every block's keys so each SM gets about two
+  (`kernels_numba._split_k.choose_splits`, TensorRT-LLM's multi-block mode);
+- **rung 5 when the tensor cores are faster.** The lab's bound model (`cacheattn.lab.bounds`, an H100 SXM with the
+  device's SM count) bounds both: rungs 3/4 by DRAM bytes and float32 FMA on the CUDA cores, rung 5 by DRAM bytes,
+  mma.sync and the shared-memory wavefronts that feed it, each per-SM resource charged to the busiest SM of its
+  grid. Rung 5 wins only where its bound is lower: prefill with a float16 query, or decode with a GQA group wide
+  enough to be compute-bound. A memory-bound call ties at its DRAM time and keeps rung 3/4, whose split-K fills
+  the SMs that rung 5's grid would leave idle;
+- **rung 1 as the fallback** where neither can run: block sizes that are not whole warps, or a head_dim whose rows
+  do not fit those kernels' shared memory at the block size asked for. Rung 2 is never chosen: rung 3 serves every
+  call rung 2 can, with fewer instructions a key.
+
+Figures in the reasons are lower bounds derived from shapes (never timings); with ragged batches they are taken at
+the longest lengths, so they bound a call from above as well.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+import numpy as np
+
+from ._validate import check_int
+
+DEFAULT_THREADS = 128          # the block size every rung was counted at (docs/kernel-ladder.md)
+MMA_FLOPS = 16 * 8 * 16 * 2    # one mma.m16n8k16
+MMA_ROWS = 16                  # query rows of one mma tile; rung 5 pads a block's rows to it
+# Shared-memory wavefronts per mma of rung 5 (kernels_numba/_attention_mma.py: K and V fragments and staging,
+# 2.5 a mma; an int4 cache keeps Q's fragments in shared memory too, 3.5). The lab counts them: 2.5 in prefill.
+MMA_WAVEFRONTS = {4: 3.5}
+MMA_WAVEFRONTS_DEFAULT = 2.5
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What one attention call is, in terms no operator owns.
+
+    Attributes
+    ----------
+    batch : int
+        Sequences (requests) in the call.
+    max_query_len : int
+        Query tokens of the longest sequence this call (1: decode only). The kernels' grid is sized by it.
+    max_kv_len : int
+        Keys the longest sequence attends to (its cached tokens plus its new ones).
+    num_heads : int
+        Query heads.
+    num_kv_heads : int
+        Key/value heads, dividing `num_heads` (grouped-query attention); `num_heads` for multi-head attention.
+    head_dim : int
+        Elements of one head's query, key and value.
+    query_dtype : dtype-like
+        float16 or float32.
+    cache_dtype : dtype-like or None
+        How keys and values are stored: float16, float32, or int8 for quantized caches (int4 packs two values in
+        a byte); None means `query_dtype`.
+    quant_bit : int
+        0 (not quantized), 8 or 4.
+    quant_group : int
+        Elements per float16 scale of a quantized cache (counted in the bytes to move); 0 when not quantized.
+    page_size : int
+        Tokens a page of a paged cache; 0 for one contiguous range per sequence. Every rung walks pages the same
+        way, so no choice depends on it today.
+    decode_sequences : int
+        Of `batch`, the sequences with one query token (decode steps); the rest are prefill. Only the FLOP
+        estimate uses it.
+    causal : bool
+        Whether prefill query rows see only the keys up to their own position (bottom-right aligned); halves a
+        prefill's FLOPs.
+    """
+    batch: int
+    max_query_len: int
+    max_kv_len: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    query_dtype: object = "float16"
+    cache_dtype: object = None
+    quant_bit: int = 0
+    quant_group: int = 0
+    page_size: int = 0
+    decode_sequences: int = 0
+    causal: bool = False
+
+    def __post_init__(self):
+        for name, low in (("batch", 0), ("max_query_len", 0), ("max_kv_len", 0), ("num_heads", 1),
+                          ("num_kv_heads", 1), ("head_dim", 1), ("page_size", 0), ("quant_group", 0)):
+            check_int(name, getattr(self, name), low=low)
+        check_int("decode_sequences", self.decode_sequences, low=0, high=self.batch)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads: expected a divisor of num_heads ({self.num_heads}), "
+                             f"got {self.num_kv_heads}")
+        if self.quant_bit not in (0, 4, 8):
+            raise ValueError(f"quant_bit: expected one of (0, 4, 8), got {self.quant_bit!r}")
+        # Dtypes as NumPy dtypes, so equal shapes hash equal (the plan is cached per shape).
+        object.__setattr__(self, "query_dtype", np.dtype(self.query_dtype))
+        cache = np.dtype(np.int8 if self.quant_bit else self.query_dtype if self.cache_dtype is None
+                         else self.cache_dtype)
+        object.__setattr__(self, "cache_dtype", cache)
+        object.__setattr__(self, "causal", bool(self.causal))
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one cached K (or V) row of one kv head: the values, plus float16 scales when quantized."""
+        if not self.quant_bit:
+            return self.head_dim * self.cache_dtype.itemsize
+        groups = self.head_dim // self.quant_group if self.quant_group else 0
+        return self.head_dim * self.quant_bit // 8 + 2 * groups
+
+    @property
+    def bytes_to_move(self) -> int:
+        """K and V once (with their scales), Q read once and the output written once: what any kernel moves."""
+        kv = 2 * self.batch * self.max_kv_len * self.num_kv_heads * self.row_bytes
+        rows = self.decode_sequences + (self.batch - self.decode_sequences) * self.max_query_len
+        return kv + 2 * rows * self.num_heads * self.head_dim * self.query_dtype.itemsize
+
+    @property
+    def flops(self) -> int:
+        """2 x multiply-adds of S = Q K^T and P V over the visible (query, key) pairs, at the longest lengths."""
+        q, kv = self.max_query_len, self.max_kv_len
+        prefill_pairs = q * (kv - q) + q * (q + 1) // 2 if self.causal and q <= kv else q * kv
+        pairs = self.decode_sequences * kv + (self.batch - self.decode_sequences) * prefill_pairs
+        return 4 * self.head_dim * self.num_heads * pairs
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """How the kernels run one call.
+
+    Attributes
+    ----------
+    rung : int
+        The kernel of the ladder (docs/kernel-ladder.md): 1 shared-memory tiles, 2 a warp per key, 3 lane
+        groups with vector loads, 4 rung 3 with split-K, 5 tensor cores.
+    num_splits : int
+        Blocks each block's keys are split over (rung 4; 1 otherwise).
+    threads : int
+        The block size.
+    reason : str
+        Why, in one line: the bound that decided, or why a faster rung cannot serve the call.
+    """
+    rung: int
+    num_splits: int
+    threads: int
+    reason: str
+
+
+def plan(shape: AttentionShape, *, rung: int | None = None, num_splits: int | None = None,
+         threads: int | None = None, sms: int | None = None) -> KernelPlan:
+    """The kernel plan for a call of this shape.
+
+    Parameters
+    ----------
+    shape : AttentionShape
+        What the call is.
+    rung : int or None, default None
+        None: the plan's choice. 1 to 5: that rung (the ladder's teaching override); ValueError naming
+        `head_dim` or `threads` when it cannot serve the call, as the kernels would raise.
+    num_splits : int or None, default None
+        Rung 4's split count; given without `rung`, it asks for rung 4.
+    threads : int or None, default None
+        The block size; None lets the plan pick (128, or fewer warps where a rung's shared-memory buffers need
+        them).
+    sms : int or None, default None
+        The GPU's multiprocessors; None reads the current device (132, an H100 SXM, without one).
+
+    Returns
+    -------
+    KernelPlan
+
+    Raises
+    ------
+    ValueError
+        A `rung` asked for that cannot serve the call (named by `threads`, `rung` or `head_dim`), a `num_splits`
+        outside 1 to 64, or a call that no rung can hold (`head_dim` too wide for every kernel's shared memory at
+        the block sizes tried).
+
+    Examples
+    --------
+    Decode of 64 requests at 4096 cached tokens fills an H100 with rung 3; one request at 32768 splits its keys:
+
+    >>> from cacheattn.plan import AttentionShape, plan
+    >>> heads = dict(num_heads=32, num_kv_heads=8, head_dim=128, query_dtype="float16")
+    >>> plan(AttentionShape(batch=64, max_query_len=1, max_kv_len=4097, decode_sequences=64, **heads), sms=132).rung
+    3
+    >>> long = plan(AttentionShape(batch=1, max_query_len=1, max_kv_len=32769, decode_sequences=1, **heads), sms=132)
+    >>> long.rung, long.num_splits, long.threads
+    (4, 33, 128)
+    >>> long.reason
+    '8 blocks for 132 SMs: 33 splits make 264; memory-bound, DRAM ≥ 40.1 µs, FMA ≥ 8.0 µs'
+    """
+    if sms is None:
+        from kernels_numba._split_k import sm_count
+        sms = sm_count()
+    return _plan(shape, rung, num_splits, threads, sms)
+
+
+@lru_cache(maxsize=512)
+def _plan(shape, rung, num_splits, threads, sms):
+    if rung is None and num_splits is not None:
+        return _forced(shape, 4, num_splits, threads or DEFAULT_THREADS, sms, f"num_splits={num_splits} given")
+    if rung is not None:
+        return _forced(shape, rung, num_splits, threads or DEFAULT_THREADS, sms, f"rung={rung} asked for")
+    cores, why_not_cores = _cuda_core_rung(shape, threads, sms)
+    tensor, why_not_tensor = _tensor_core_rung(shape, threads, sms)
+    if tensor is not None and (cores is None or tensor[1].bound_us < cores[1].bound_us):
+        chosen = tensor[0]
+        against = f"; CUDA cores: {_us(cores[1], cores[1].limiter)}" if cores is not None else ""
+        return replace(chosen, reason=chosen.reason + against)
+    if cores is not None:
+        chosen, b = cores
+        if b.limiter != "DRAM" and why_not_tensor:
+            chosen = replace(chosen, reason=f"{chosen.reason}; no tensor cores: {why_not_tensor}")
+        return chosen
+    from kernels_numba._attention_core import plan_tiles
+
+    # Rung 1 plans its tiles for any block size; a head_dim it cannot hold raises here, as it always has.
+    plan_tiles(shape.num_heads, shape.num_kv_heads, max(shape.max_query_len, 1), shape.head_dim, shape.head_dim)
+    return KernelPlan(1, 1, threads or DEFAULT_THREADS, f"fallback to shared-memory tiles: {why_not_cores}")
+
+
+def _forced(shape, rung, num_splits, threads, sms, why):
+    """The rung asked for, checked as its launcher will check it, with rung 4's split count."""
+    from kernels_numba._split_k import MAX_SPLITS
+    from kernels_numba.ppl_dynamic_multi_head_attention import block_plan
+
+    check_int("rung", rung, low=1, high=5)
+    if num_splits is not None:
+        check_int("num_splits", num_splits, low=1, high=MAX_SPLITS)
+    if rung >= 2 and threads % 32:
+        raise ValueError(f"threads: expected a multiple of 32 for rung {rung} (whole warps), got {threads}")
+    if rung == 5 and shape.query_dtype != np.float16:
+        raise ValueError(f"rung: 5 (tensor cores, mma.sync on float16) needs a float16 query, "
+                         f"got {shape.query_dtype.name}")
+    block_plan(rung, shape.num_heads, shape.num_kv_heads, max(shape.max_query_len, 1), shape.head_dim, threads,
+               _chunk(shape, rung) if rung in (3, 4) else None)
+    if rung != 4:
+        return KernelPlan(rung, 1, threads, why)
+    blocks, step = _vector_grid(shape, threads)
+    splits = num_splits or _splits(shape, blocks, step, sms)
+    return KernelPlan(4, splits, threads, f"{why}: {splits} splits of {blocks} blocks")
+
+
+def _chunk(shape, rung):
+    from kernels_numba._cache import chunk_elements
+    return chunk_elements(shape.quant_bit, shape.cache_dtype, rung)
+
+
+def _vector_grid(shape, threads):
+    """Rung 3's blocks and the keys a block takes per step (ValueError naming head_dim when its rows do not
+    fit the shared memory)."""
+    from kernels_numba._attention_vector import keys_per_step, plan_vector_rows
+
+    warps, chunk, rows = threads // 32, _chunk(shape, 3), max(shape.max_query_len, 1)
+    heads_per_block, q_tile = plan_vector_rows(shape.num_heads, shape.num_kv_heads, rows, shape.head_dim, chunk,
+                                               warps)
+    blocks = math.ceil(rows / q_tile) * (shape.num_heads // heads_per_block) * shape.batch
+    return max(blocks, 1), keys_per_step(shape.head_dim, chunk, warps)
+
+
+def _splits(shape, blocks, step, sms):
+    from kernels_numba._split_k import choose_splits
+    return choose_splits(blocks, shape.max_kv_len, step, sms)
+
+
+def _bounds(shape, sms, blocks, **work):
+    """The lab's lower bounds (`cacheattn.lab.bounds`) for the call's bytes and `work` (fma_flops, or mma and
+    shared wavefronts) on an H100 SXM with `sms` multiprocessors, over a grid of `blocks` blocks."""
+    from cacheattn.lab import bounds as lab
+
+    metrics = {lab.DRAM_READ: shape.bytes_to_move}
+    if "wavefronts" in work:
+        metrics[lab.SHARED_WAVEFRONTS[0]] = work.pop("wavefronts")
+    return lab.bounds(metrics, blocks=blocks, machine=replace(lab.H100_SXM, sms=sms), **work)
+
+
+def _us(bounds, name):
+    return f"{name} ≥ {bounds.resources[name].value:,.1f} µs"
+
+
+def _block_sizes(threads):
+    """The block sizes to try: the one asked for, else 128 and then fewer warps (smaller shared-memory buffers)."""
+    return (threads,) if threads is not None else (DEFAULT_THREADS, 64, 32)
+
+
+def _fewer(shape, t, threads):
+    return f" at {t} threads (head_dim {shape.head_dim} does not fit {DEFAULT_THREADS})" if t != (
+        threads or DEFAULT_THREADS) else ""
+
+
+def _cuda_core_rung(shape, threads, sms):
+    """((plan, bounds), None) for rung 3, or 4 when rung 3's grid leaves SMs idle; (None, why not)."""
+    if threads is not None and threads % 32:
+        return None, f"rungs 2-5 need whole warps, threads is {threads}"
+    why = ""
+    for t in _block_sizes(threads):
+        try:
+            blocks, step = _vector_grid(shape, t)
+        except ValueError as e:
+            why = why or f"rung 3: {e}"
+            continue
+        splits = _splits(shape, blocks, step, sms)
+        b = _bounds(shape, sms, blocks * splits, fma_flops=shape.flops)
+        figures = f"{'memory' if b.limiter == 'DRAM' else 'compute'}-bound, {_us(b, 'DRAM')}, {_us(b, 'FMA')}"
+        if splits > 1:
+            reason = f"{blocks} blocks for {sms} SMs: {splits} splits make {blocks * splits}"
+        else:
+            reason = f"{blocks} blocks fill {sms} SMs" if blocks >= sms else f"{blocks} blocks, too few keys to split"
+        return (KernelPlan(4 if splits > 1 else 3, splits, t, f"{reason}{_fewer(shape, t, threads)}; {figures}"),
+                b), None
+    return None, why
+
+
+def _tensor_core_rung(shape, threads, sms):
+    """((plan, bounds), None) for rung 5, or (None, why not). Without a block size asked for, fewer warps where
+    rung 5's tiles do not fit the shared memory at 128 threads."""
+    from kernels_numba._attention_mma import check_fits, plan_mma_rows
+
+    if shape.query_dtype != np.float16:
+        return None, f"rung 5 takes a float16 query, got {shape.query_dtype.name}"
+    if threads is not None and threads % 32:
+        return None, f"rung 5 needs whole warps, threads is {threads}"
+    rows, why = max(shape.max_query_len, 1), ""
+    for t in _block_sizes(threads):
+        try:
+            check_fits(shape.head_dim, t // 32)
+        except ValueError as e:
+            why = why or str(e)
+            continue
+        heads_per_block, positions, row_tiles = plan_mma_rows(shape.num_heads, shape.num_kv_heads, rows, t // 32,
+                                                              shape.head_dim)
+        blocks = max(1, math.ceil(rows / (positions * row_tiles)) * (shape.num_heads // heads_per_block) * shape.batch)
+        # An mma tile computes 16 rows whatever it holds: decode fills heads_per_block of them.
+        mma = shape.flops / MMA_FLOPS * MMA_ROWS / (heads_per_block * min(positions, rows))
+        b = _bounds(shape, sms, blocks, mma=mma,
+                    wavefronts=mma * MMA_WAVEFRONTS.get(shape.quant_bit, MMA_WAVEFRONTS_DEFAULT))
+        return (KernelPlan(5, 1, t, f"tensor cores{_fewer(shape, t, threads)}: {_us(b, b.limiter)} on {blocks} "
+                                    f"blocks"), b), None
+    return None, f"rung 5: {why}"

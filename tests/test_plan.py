@@ -1,0 +1,218 @@
+"""The kernel plan (`cacheattn.plan`): which rung OpenPPL's attention operators run when `rung` is not given.
+
+Host-only checks of the choice (the lab's bench cases, the fallbacks and their reasons, every call rung 1 can
+serve still served), then the default call itself on the kernels: one small problem for each rung the plan
+picks, its launches recorded and its output held to a float64 evaluation by the conformance kit.
+"""
+
+import functools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cacheattn
+import cacheattn.testing as kit
+import kernels_numba.ppl_dynamic_multi_head_attention as ppl_kernels
+from cacheattn.lab import counters
+from cacheattn.lab.cases import LAB_CASES
+from cacheattn.plan import AttentionShape, KernelPlan, plan
+from kernels_numba import _launch
+from kernels_numba._attention_core import plan_tiles
+from kernels_numba._cache import chunk_elements
+from kernels_numba.ppl_dynamic_multi_head_attention import block_plan
+
+from strategies import PPLCase, build_ppl
+
+RUNG_KERNELS = {1: ["attention_kernel"], 3: ["vector_attention_kernel"],
+                4: ["vector_attention_kernel", "combine_kernel"], 5: ["mma_attention_kernel"]}
+
+
+def bench_shape(case):
+    """A lab bench case (an OpenPPL paged GQA call, float16 query) in the plan's terms."""
+    return AttentionShape(batch=case.batch, max_query_len=case.new_tokens, max_kv_len=case.kvlen,
+                          num_heads=case.num_heads, num_kv_heads=case.num_kv_heads, head_dim=case.head_dim,
+                          query_dtype="float16", quant_bit=case.quant_bit, quant_group=case.quant_group,
+                          page_size=case.page_size, decode_sequences=case.batch if case.new_tokens == 1 else 0,
+                          causal=True)
+
+
+@pytest.mark.parametrize("case", LAB_CASES, ids=[c.label for c in LAB_CASES])
+def test_the_bench_cases_get_the_rungs_the_lab_counts_at_their_bound(case):
+    """Decode at B = 64 fills the 132 SMs with rung 3's 512 blocks (every cache format); B = 1 at 32k splits them
+    as the lab counted rung 4 (33 splits); the float16 prefill goes to the tensor cores."""
+    chosen = plan(bench_shape(case), sms=132)
+    if case.new_tokens > 1:
+        assert chosen.rung == 5 and "tensor cores" in chosen.reason
+    elif case.batch == 64:
+        assert (chosen.rung, chosen.num_splits) == (3, 1) and "512 blocks fill 132 SMs; memory-bound" in chosen.reason
+    else:
+        assert (chosen.rung, chosen.num_splits) == (4, counters.splits_for(case)[0]) == (4, 33)
+    assert chosen.threads == 128
+
+
+def shape(**changes):
+    """A GQA call of 32/8 heads at head_dim 128: a causal float16 prefill of 2048 tokens unless changed."""
+    facts = dict(batch=1, max_query_len=2048, max_kv_len=2048, num_heads=32, num_kv_heads=8, head_dim=128,
+                 query_dtype="float16", causal=True)
+    return AttentionShape(**{**facts, **changes})
+
+
+def test_fallbacks_say_why():
+    decode = shape(batch=4, max_query_len=1, max_kv_len=100, decode_sequences=4)
+    # Not whole warps: only rung 1's tile loops take any block size.
+    assert plan(decode, threads=48, sms=132) == KernelPlan(
+        1, 1, 48, "fallback to shared-memory tiles: rungs 2-5 need whole warps, threads is 48")
+    # A prefill the CUDA cores would be bound on, with a float32 query the tensor cores cannot take.
+    chosen = plan(shape(query_dtype="float32"), sms=132)
+    assert chosen.rung == 3 and chosen.reason.endswith("no tensor cores: rung 5 takes a float16 query, got float32")
+    assert "compute-bound" in chosen.reason
+    # Float16, it goes to rung 5; at a head_dim whose tiles need fewer warps, with fewer warps.
+    assert plan(shape(), sms=132).rung == 5
+    wide = plan(shape(head_dim=320), sms=132)
+    assert (wide.rung, wide.threads) == (5, 64) and "head_dim 320 does not fit 128" in wide.reason
+
+
+def test_asked_for_rungs_and_splits_are_kept_and_checked():
+    decode = dict(max_query_len=1, max_kv_len=4096, num_heads=8, num_kv_heads=2, head_dim=64, decode_sequences=1)
+    assert plan(shape(**decode), rung=2, sms=132) == KernelPlan(2, 1, 128, "rung=2 asked for")
+    forced = plan(shape(**decode), num_splits=5, sms=132)
+    assert (forced.rung, forced.num_splits) == (4, 5)
+    # rung 4 without a count: the launcher's own heuristic, for the SMs given (2 blocks: 2 x 16 / 2 = 16 splits).
+    assert plan(shape(**decode), rung=4, sms=16).num_splits == 16
+    with pytest.raises(ValueError, match=r"^threads\b"):
+        plan(shape(**decode), rung=3, threads=48)
+    with pytest.raises(ValueError, match=r"^num_splits\b"):
+        plan(shape(**decode), num_splits=65)
+    with pytest.raises(ValueError, match=r"^rung\b"):
+        plan(shape(**decode, query_dtype="float32"), rung=5)
+    with pytest.raises(ValueError, match=r"^head_dim\b"):
+        plan(shape(**{**decode, "head_dim": 704}), rung=1)
+
+
+@pytest.mark.parametrize("field,value", [("num_kv_heads", 3), ("batch", -1), ("head_dim", 0), ("quant_bit", 2),
+                                         ("decode_sequences", 2)])
+def test_shape_facts_are_checked(field, value):
+    facts = dict(batch=1, max_query_len=1, max_kv_len=8, num_heads=4, num_kv_heads=2, head_dim=8)
+    with pytest.raises(ValueError, match=rf"^{field}\b"):
+        AttentionShape(**{**facts, field: value})
+
+
+@settings(max_examples=200, deadline=None)
+@given(batch=st.integers(1, 80), query_len=st.sampled_from([1, 1, 2, 5, 17, 300]), kv_len=st.integers(1, 40000),
+       group=st.sampled_from([1, 2, 4, 8, 16, 32]), kv_heads=st.sampled_from([1, 2, 8]),
+       head_dim=st.sampled_from([8, 24, 64, 80, 128, 256, 512, 704, 1024]),
+       dtype=st.sampled_from(["float16", "float32"]), quant_bit=st.sampled_from([0, 8, 4]),
+       threads=st.sampled_from([None, None, 32, 48, 64, 96, 128, 256, 1024]), sms=st.sampled_from([8, 108, 132]))
+def test_every_call_rung_1_serves_is_served_by_a_rung_that_fits(batch, query_len, kv_len, group, kv_heads, head_dim,
+                                                                dtype, quant_bit, threads, sms):
+    """Never a refusal where the old default (rung 1) ran; never rung 2 (rung 3 serves every call it can); and
+    the chosen rung's own planner accepts the call at the chosen block size."""
+    facts = AttentionShape(batch=batch, max_query_len=query_len, max_kv_len=max(kv_len, query_len),
+                           num_heads=group * kv_heads, num_kv_heads=kv_heads, head_dim=head_dim, query_dtype=dtype,
+                           quant_bit=quant_bit, quant_group=8 if quant_bit else 0, causal=True)
+    try:
+        plan_tiles(facts.num_heads, kv_heads, query_len, head_dim, head_dim)
+    except ValueError:
+        return                                        # rung 1 cannot run it: nothing to keep
+    chosen = plan(facts, threads=threads, sms=sms)
+    assert chosen.rung in (1, 3, 4, 5) and chosen.reason
+    assert threads is None or chosen.threads == threads
+    assert (chosen.num_splits > 1) == (chosen.rung == 4) and chosen.num_splits <= 64
+    assert chosen.rung != 5 or dtype == "float16"
+    chunk = chunk_elements(quant_bit, facts.cache_dtype, chosen.rung) if chosen.rung in (3, 4) else None
+    block_plan(chosen.rung, facts.num_heads, kv_heads, query_len, head_dim, chosen.threads, chunk)
+
+
+# ------------------------------------------------------------------------------------------ the default call
+
+def case(seqlens, past, dtype="float16", **changes):
+    fields = dict(seqlens=seqlens, past=past, decoding_batches=sum(s == 1 for s in seqlens), num_heads=4,
+                  num_kv_heads=2, head_dim=8, dtype=dtype, quant_bit=0, quant_group=8, scale_dtype=dtype,
+                  cache_layout=0, cache_mode=1, page_size=4, num_layer=1, layer_idx=0, is_causal=True,
+                  is_alibi=False, mask="none", mask_pad=0, seed=len(seqlens) + sum(past))
+    return PPLCase(**{**fields, **changes})
+
+
+# One small problem per rung the plan picks, with the block size a caller would pass (None: the plan's). Decode
+# with short contexts stays on rung 3; 70 keys at one warp a block (32 keys a step) split 3 ways; a float16
+# prefill takes the tensor cores; 48 threads are not whole warps.
+DEFAULT_CALLS = {
+    "decode, int8 cache": (case((1, 1), (6, 11), quant_bit=8), None, 3),
+    "decode, float32": (case((1, 1), (3, 9), "float32", cache_layout=2), None, 3),
+    "long decode, one warp": (case((1,), (69,), quant_bit=4), 32, 4),
+    "decode and prefill, float16": (case((1, 3), (5, 0), is_alibi=True), None, 5),
+    "decode, 48 threads": (case((1, 2), (5, 3), mask="3d", mask_pad=1), 48, 1),
+}
+
+
+def spied(monkeypatch):
+    """The names of the kernels the OpenPPL attention launcher runs, in order."""
+    names = []
+    real = ppl_kernels.launch
+
+    def launch(kernel, *args):
+        names.append(kernel.py_func.__name__)
+        return real(kernel, *args)
+    monkeypatch.setattr(ppl_kernels, "launch", launch)
+    return names
+
+
+def on_device(device, function, **launch):
+    """`function` on the kernels with NumPy arrays (CuPy ones on a GPU, in-place tensors copied back)."""
+    fn = functools.partial(function, backend="numba", **launch)
+    if not device.gpu:
+        return fn
+
+    def call(*args, **attrs):
+        moved = [device.put(a) for a in args]
+        out = fn(*moved, **attrs)
+        for host, there in zip(args, moved):
+            if there is not host:
+                host[...] = device.get(there)
+        return device.get(out)
+    return call
+
+
+def test_the_default_calls_cover_every_rung_the_plan_picks():
+    assert sorted({rung for _, _, rung in DEFAULT_CALLS.values()}) == [1, 3, 4, 5]
+
+
+@pytest.mark.parametrize("label", DEFAULT_CALLS)
+def test_the_default_call_runs_the_planned_rung_and_conforms(device, monkeypatch, label):
+    """The attention operators without `rung`: the kernels the plan names run (recorded as they launch), and the
+    kit holds the output to a float64 evaluation and the cache to the reference's bits. The unfused operator
+    shares the dispatch, and its default runs on the kit's problems in test_ppl_kernels.py; here it takes the
+    fallback case only."""
+    problem, threads, rung = DEFAULT_CALLS[label]
+    launch = {} if threads is None else {"threads": threads}
+    ops = ["multi_head_cache_attention"] + (["dynamic_multi_head_attention"] if rung == 1 else [])
+    for op in ops:
+        names = spied(monkeypatch)
+        kit.check_case(op, on_device(device, getattr(cacheattn, op), **launch), problem)
+        assert names == RUNG_KERNELS[rung], (op, names)
+        monkeypatch.undo()
+
+
+def test_the_plan_is_what_the_operator_runs():
+    """The operator asks the plan with the call's facts: the same rung and split count as `plan` on them."""
+    problem, threads, rung = DEFAULT_CALLS["long decode, one warp"]
+    facts = AttentionShape(batch=1, max_query_len=1, max_kv_len=70, num_heads=4, num_kv_heads=2, head_dim=8,
+                           query_dtype="float16", quant_bit=4, quant_group=8, page_size=4, decode_sequences=1)
+    chosen = plan(facts, threads=threads)
+    with _launch.recorded_launches() as launches:
+        cacheattn.multi_head_cache_attention(**build_ppl(problem), **problem.attrs(), backend="numba",
+                                             threads=threads)
+    assert chosen.rung == rung == 4 and launches[1][1][1][5] == chosen.num_splits == 3   # out_geom's num_splits
+
+
+def test_a_head_dim_rung_1_cannot_hold_runs_on_the_vector_loads(device, monkeypatch):
+    """Head_dim 704: rung 1's K/V tiles do not fit its shared memory (the old default refused the call), while
+    rung 3's lanes take three 16-byte chunks of every row each (split 3 ways here: 2 blocks for 132 SMs); the plan
+    serves the call, and it conforms."""
+    problem = case((1,), (8,), head_dim=704)
+    with pytest.raises(ValueError, match=r"^head_dim\b"):
+        plan_tiles(4, 2, 1, 704, 704)
+    names = spied(monkeypatch)
+    kit.check_case("multi_head_cache_attention", on_device(device, cacheattn.multi_head_cache_attention), problem)
+    assert names == RUNG_KERNELS[4], names
