@@ -159,9 +159,12 @@ FLOAT_SCALARS = (("q_scaling", 0.0, False), ("attn_logit_softcapping_scale", 0.0
                  ("rotary_embedding_base", 0.0, False), ("rotary_embedding_scale", 0.0, False),
                  ("rotary_embedding_short_m_scale", 0.0, False), ("rotary_embedding_long_m_scale", 0.0, False))
 # (name, whether every entry must be > 0): logn_scaling multiplies Q by log_{seq_length}(position + 1) or 1.
-FLOAT_TABLES = (("rotary_inv_freq", False), ("rotary_cos_sin", False), ("long_rope_rotary_inv_freq", False),
-                ("long_rope_rotary_cos_sin", False), ("logn_scaling", True), ("alibi_slopes", False),
-                ("relative_attention_bias", False))
+# Float tables and what their entries may be: "finite", "positive" (finite and > 0), or "bias" (finite or -inf:
+# an additive -inf hides a key, as a mask would).
+FLOAT_TABLES = (("rotary_inv_freq", "finite"), ("rotary_cos_sin", "finite"), ("long_rope_rotary_inv_freq", "finite"),
+                ("long_rope_rotary_cos_sin", "finite"), ("logn_scaling", "positive"), ("alibi_slopes", "finite"),
+                ("relative_attention_bias", "bias"))
+_ENTRY_RULE = {"finite": "finite entries", "positive": "finite entries > 0", "bias": "finite or -inf entries"}
 
 # Keywords of TensorRT-LLM's gpt_attention that size buffers, pick kernels or describe the parallel layout and do
 # not change the result here: accepted and not used.
@@ -595,17 +598,16 @@ def _check_floats(a):
             raise TypeError(f"{name}: expected a float, got {type(value).__name__} {value!r}")
         if not (np.isfinite(value) and (value >= low if inclusive else value > low)):
             raise ValueError(f"{name}: expected a finite float {'>=' if inclusive else '>'} {low:g}, got {value!r}")
-    for name, positive in FLOAT_TABLES:
+    for name, rule in FLOAT_TABLES:
         if a[name] is not None:
-            bad = _first_bad_entry(a[name], positive)
+            bad = _first_bad_entry(a[name], rule)
             if bad is not None:
                 index, value = bad
-                raise ValueError(f"{name}: expected finite entries{' > 0' if positive else ''}, got {value!r} at "
-                                 f"flat index {index}")
+                raise ValueError(f"{name}: expected {_ENTRY_RULE[rule]}, got {value!r} at flat index {index}")
 
 
-def _first_bad_entry(x, positive):
-    """(flat index, value) of x's first entry that is not finite (or not > 0 with `positive`), else None. A GPU
+def _first_bad_entry(x, rule):
+    """(flat index, value) of x's first entry that breaks `rule` (a key of _ENTRY_RULE), else None. A GPU
     table is reduced where it lives when CuPy is there: a cos/sin table can hold millions of entries, and this
     runs on every call."""
     xp, entries = np, None
@@ -619,8 +621,10 @@ def _first_bad_entry(x, positive):
     if entries is None:
         entries = np.asarray(arrays.to_host(x)).reshape(-1).astype(np.float64)   # bfloat16 too, exactly
     bad = ~xp.isfinite(entries)
-    if positive:
+    if rule == "positive":
         bad |= entries <= 0
+    elif rule == "bias":
+        bad &= entries != -xp.inf
     if not bool(bad.any()):
         return None
     index = int(xp.argmax(bad))

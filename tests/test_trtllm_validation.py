@@ -191,7 +191,10 @@ BAD = [
     ("logn_scaling 0", table_with("logn_scaling", 0, 0.0), ValueError, "logn_scaling"),
     ("logn_scaling negative", table_with("logn_scaling", 4, -1.0), ValueError, "logn_scaling"),
     ("alibi slope NaN", table_with("alibi_slopes", 3, np.nan), ValueError, "alibi_slopes"),
-    ("relative bias infinite", table_with("relative_attention_bias", (1, 2, 0), -np.inf), ValueError,
+    # -inf hides a key (a mask written into the bias, which callers use); NaN and +inf have no meaning.
+    ("relative bias +inf", table_with("relative_attention_bias", (1, 2, 0), np.inf), ValueError,
+     "relative_attention_bias"),
+    ("relative bias NaN", table_with("relative_attention_bias", (1, 2, 0), np.nan), ValueError,
      "relative_attention_bias"),
     ("cos/sin table NaN", table_with("rotary_cos_sin", (0, 9), np.nan), ValueError, "rotary_cos_sin"),
     ("inverse frequency infinite", table_with("rotary_inv_freq", 1, np.inf), ValueError, "rotary_inv_freq"),
@@ -281,10 +284,10 @@ def test_a_device_table_is_checked_through_a_host_copy_without_cupy(monkeypatch)
         def copy_to_host(self):
             return self.host
 
-    index, value = trtllm._first_bad_entry(Table(np.array([1.0, 2.0, np.nan, -1.0], np.float32)), positive=False)
+    index, value = trtllm._first_bad_entry(Table(np.array([1.0, 2.0, np.nan, -1.0], np.float32)), "finite")
     assert index == 2 and np.isnan(value)
-    assert trtllm._first_bad_entry(Table(np.array([1.0, 2.0, -1.0], np.float32)), positive=True) == (2, -1.0)
-    assert trtllm._first_bad_entry(Table(np.array([1.0, 2.0], np.float32)), positive=True) is None
+    assert trtllm._first_bad_entry(Table(np.array([1.0, 2.0, -1.0], np.float32)), "positive") == (2, -1.0)
+    assert trtllm._first_bad_entry(Table(np.array([1.0, 2.0], np.float32)), "positive") is None
 
 
 @pytest.mark.parametrize("case", [BASE, PAGED, INT8], ids=["contiguous", "paged", "int8"])

@@ -438,7 +438,8 @@ PPL_ATTENTION = [   # MultiHeadAttention's arguments, shared with MultiHeadCache
 PPL_LAUNCH = [      # the kernels' own keywords (not the document's), checked on both backends
     broken("rung", "6", sets(rung=6)),
     broken("threads", "0", sets(threads=0)),
-    broken("num_splits", "without rung 4", sets(num_splits=2)),
+    broken("num_splits", "with rung 3", sets(num_splits=2, rung=3)),        # alone, num_splits asks for rung 4
+    broken("num_splits", "0", sets(num_splits=0)),
 ]
 
 MULTI_HEAD_CACHE_ATTENTION = PPL_CACHE + PPL_ATTENTION + PPL_LAUNCH + [
