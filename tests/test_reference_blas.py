@@ -1,8 +1,11 @@
 """reference.blas: the matrix product every reference uses, whatever the operands' layout."""
 
+import contextlib
+
 import numpy as np
 import pytest
 
+from reference import blas
 from reference.blas import blas_ready, matmul
 
 from helpers import assert_close
@@ -39,3 +42,22 @@ def test_matmul_equals_a_float64_product_for_every_layout(name):
     x64 = x.astype(np.float64)
     assert_close(f"{name} @ right", matmul(x, right), x64 @ right.astype(np.float64), "float32")
     assert_close(f"left @ {name}", matmul(left, x), left.astype(np.float64) @ x64, "float32")
+
+
+def test_mid_sized_products_run_on_one_blas_thread(monkeypatch):
+    """A product between the thresholds runs under a one-thread limit; a tiny or a large one is left alone."""
+    calls = []
+
+    class Controller:
+        def limit(self, limits, user_api):
+            calls.append((limits, user_api))
+            return contextlib.nullcontext()
+
+    monkeypatch.setattr(blas, "_blas_threads", lambda: Controller())
+    rng = np.random.default_rng(3)
+    for rows, inner, cols, limited in [(1, 64, 64, False), (256, 64, 256, True), (512, 128, 512, False)]:
+        a, b = rng.standard_normal((2, rows, inner)), rng.standard_normal((2, inner, cols))
+        before = len(calls)
+        np.testing.assert_allclose(blas.matmul(a, b), a @ b, rtol=1e-12, atol=1e-12)
+        assert (len(calls) - before == 1) == limited, (rows, inner, cols)
+    assert set(calls) == {(1, "blas")}
