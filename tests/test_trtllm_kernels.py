@@ -96,9 +96,9 @@ def kernels(threads: int):
 DTYPES = ("float16", "bfloat16", "float32")
 
 
-def run(args, backend):
+def run(args, backend, **launch):
     args = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in args.items()}
-    output, _ = cacheattn.gpt_attention(**args, backend=backend)
+    output, _ = cacheattn.gpt_attention(**args, backend=backend, **launch)
     return output, args
 
 
@@ -221,9 +221,9 @@ def test_bfloat16_kernels_match_the_reference(case, changes):
 
 @pytest.mark.spec("trtllm/multi-block")
 def test_multi_block_equals_single_block(monkeypatch):
-    """Several split counts over key tiles of 2, one with splits that see no key (the window hides the first tile,
-    the last split has none): the combined output matches one block per row and the reference, and the cache is
-    written the same."""
+    """Rung 1's multi-block mode: several split counts over key tiles of 2, one with splits that see no key (the
+    window hides the first tile, the last split has none): the combined output matches one block per row and the
+    reference, and the cache is written the same."""
     from kernels_numba import trtllm_gpt_attention as kernels
     case = replace(BASE, contexts=(), generations=((2, 7),), beam_width=1, capacity=8, window=5, quant=64,
                    position=4, softcap=3.0, num_heads=2, num_kv_heads=1)
@@ -240,7 +240,7 @@ def test_multi_block_equals_single_block(monkeypatch):
 
         monkeypatch.setattr(kernels, "choose_splits", lambda *_, count=splits, **__: count)
         monkeypatch.setattr(kernels, "launch", counted)
-        outputs[splits], caches[splits] = run(args, "numba")
+        outputs[splits], caches[splits] = run(args, "numba", rung=1)
         launch_counts[splits] = len(launched)
         assert_bits_equal(f"cache, {splits} splits", caches[splits][cache_name(args)], caches[1][cache_name(args)])
     assert launch_counts[2] == launch_counts[5] == launch_counts[1] + 1          # + the combine kernel
