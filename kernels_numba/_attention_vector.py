@@ -24,9 +24,10 @@ once, one per group of LANES lanes:
 Rows whose 16-byte alignment the host cannot promise take the same loop with one element load per value
 (`vector=False`), so the lane-group structure and every result stay the same.
 
-partials (rung 4, split-K): grid z = B * num_splits; block z walks split z % num_splits of its sequence's keys
-(ceil(kvlen / num_splits) keys each; a split past the last key is empty) and writes unnormalised acc, M and L
-per row as `_attention_core.make_attention_kernel(partials=True)` documents; `_split_k.combine_kernel` finishes.
+partials (rung 4, split-K): grid z = B * num_splits; block z walks split z % num_splits of the keys its rows can
+see, [lo, hi) from key_range (ceil((hi - lo) / num_splits) keys each, so a window's keys spread over every split; a
+split past the last key is empty) and writes unnormalised acc, M and L per row as
+`_attention_core.make_attention_kernel(partials=True)` documents; `_split_k.combine_kernel` finishes.
 """
 
 from __future__ import annotations
@@ -226,9 +227,9 @@ def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, h
 
         i_last = min(i0 + q_tile, seqlen) - 1
         lo, hi = key_range(score_args, b, i0, i_last, seqlen, kvlen)
-        if partials:                                  # this split's keys
-            per_split = -(-kvlen // num_splits)
-            lo, hi = max(lo, split * per_split), min(hi, (split + 1) * per_split)
+        if partials:                                  # this split's share of the visible keys (a window's too)
+            per_split = -(-max(hi - lo, 0) // num_splits)
+            lo, hi = lo + split * per_split, min(hi, lo + (split + 1) * per_split)
         steps = -(-max(hi - lo, 0) // STEP)          # the same count in every thread: the warp functions may hold
         t0 = lo + (warp * KEYS + key_of_warp) * TILE  # barriers; t0: this group's first key
         # Keys past hi read the last visible key instead (weighed 0), and t0's place is walked forward a step at a

@@ -264,8 +264,11 @@ def attend_generation(rung, num_splits, multi_block_mode, num_sms, q_geom, out_g
     key = (rounds_as, H, num_kv_heads, head_size, quant, cache_itemsize, vector, new_in_cache, threads, *rope_on_load)
     kernel, heads_per_block, folded = generation_kernel(*key)
     live = new > 0
+    visible = np.asarray(kvlens, np.int64)
+    if int(args.sinks) == 0 and int(args.streaming) == 0:    # key_range starts at the window then
+        visible = np.minimum(visible, int(args.window))
     splits = generation_splits(rung, num_splits, multi_block_mode, (H // heads_per_block) * int(live.sum()),
-                               int(np.max(np.where(live, kvlens, 0))), key_step(head_size, chunk, threads), num_sms)
+                               int(np.max(np.where(live, visible, 0))), key_step(head_size, chunk, threads), num_sms)
     if folded:
         sm_scale = np.float32(float(sm_scale) * float(k_src.scale) * fold_factor(quant))
     lens = to_kind(like, new), to_kind(like, kvlens)

@@ -164,8 +164,9 @@ GENERATION = {
     "bfloat16-paged-neox-int8": replace(GEN, dtype="bfloat16", quant=64, position=2, rotary_dim=16, qkv_bias=True,
                                         beam_width=1),
 }
-# Rung 4 where splitting meets something new: beams, a folded INT8 scale, keys rotated on load; one sequence.
-SPLIT = ("paged-fp16-beams-alibi-softcap", "contiguous-int8-t5-logn", "streamingllm-fp8-neox-sinks")
+# Rung 4 where splitting meets something new: beams, a window (split, not [0, kvlen)), keys rotated on load; one
+# sequence.
+SPLIT = ("paged-fp16-beams-alibi-softcap", "paged-fp8-cyclic-window-regular-bias", "streamingllm-fp8-neox-sinks")
 
 
 def launched(args, **launch) -> list:
