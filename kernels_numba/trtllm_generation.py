@@ -29,6 +29,7 @@ the input dtype.
 from __future__ import annotations
 
 import math
+from collections import namedtuple
 from functools import cache
 
 import numpy as np
@@ -41,7 +42,12 @@ from ._numerics import rounder
 from ._split_k import choose_splits, combine_kernel
 from ._vector import VECTOR_BYTES, float_from_bits, half_from_bits, load16
 from .trtllm_gpt_attention import (BEAM, FIRST_ROW, FP8_KV_CACHE, INT8_KV_CACHE, IS_CONTEXT, PAST, PROMPT, SEQUENCE,
-                                   TOKEN_START, cyclic_slot, make_trt_access, make_trt_score)
+                                   TOKEN_START, cyclic_slot, make_new_token, make_trt_access, make_trt_score)
+
+# What the generation kernel forms its query rows from: the preprocess's inputs (qkv, bias, the RoPE frequencies and
+# tables, logn; the entry table of the call's own tokens) and the cache's window (StreamingLLM rotates Q at min(p, W)).
+QuerySource = namedtuple("QuerySource", "qkv bias table inv_freq position_divisor cos_sin cos_sin_long logn logn_on "
+                                        "streaming window")
 
 # The e4m3 bits shifted into a float16's place give the e4m3 value / 256 (float16's exponent bias is 8 more): the
 # folded FP8 scale carries the 256, exactly.
@@ -193,6 +199,28 @@ def make_generation_chunk_load(quant: int, elements: int, vector: bool, fold: bo
     return load_chunk
 
 
+def make_query(dtype, num_heads, num_kv_heads, head_size, rotary_dim, rope_style, has_bias):
+    """query(src, b, i, h, d) of the vector kernel: element d of head h of entry b's new token i, as the preprocess
+    would write it to the scratch (qkv + bias in the input dtype, RoPE at its position, or at min(p, W) in
+    StreamingLLM generation, then Qwen's logn factor), from a QuerySource: no Q scratch written or read."""
+    element, rotated = make_new_token(dtype, num_heads, num_kv_heads, head_size, rotary_dim, rope_style, has_bias)
+    round_dtype = rounder(dtype)
+
+    @cuda.jit(device=True, inline="always")
+    def query(src, b, i, h, d):
+        token = src.table[b, TOKEN_START] + i
+        position = src.table[b, PAST] + i
+        rope_position = position
+        if src.streaming != 0 and src.table[b, IS_CONTEXT] == 0:
+            rope_position = min(position, src.window)
+        y = rotated(src, b, token, rope_position, h, d)
+        if src.logn_on != 0:
+            y = round_dtype(y * np.float32(src.logn[position]))
+        return y
+
+    return query
+
+
 def make_value_scale(quant: int):
     """value_scale(v_src) of the vector kernel for a folded cache: its per-tensor scale (times 256 for e4m3)."""
     factor = np.float32(fold_factor(quant))
@@ -217,11 +245,12 @@ def key_step(head_size: int, chunk: int, threads: int) -> int:
 
 @cache
 def generation_kernel(dtype, num_heads, num_kv_heads, head_size, quant, cache_itemsize, vector, new_in_cache,
-                      threads, rope_style=0, rotary_dim=0, partials=False):
+                      threads, query_rope, rope_style=0, rotary_dim=0, partials=False):
     """The vector kernel for TensorRT-LLM generation entries (one new token each): `dtype` the one whose roundings
     the kernels emulate (float16, bfloat16 or float32; the accumulator is float32), the cache's element size,
-    whether its rows take 16-byte loads, whether the new token is read from its cache slot; rope_style/rotary_dim
-    only for StreamingLLM (cached keys rotated on load: no folded scale); partials: rung 4's split kernel.
+    whether its rows take 16-byte loads, whether the new token is read from its cache slot; query_rope: the
+    (rotary_dim, rope_style, has_bias) its query rows are formed with (`make_query`); rope_style/rotary_dim only
+    for StreamingLLM (cached keys rotated on load: no folded scale); partials: rung 4's split kernel.
     Returns (kernel, heads_per_block, folded), folded whether the launcher multiplies the logit scale by the
     cache's per-tensor scale (`fold_factor` included)."""
     round_dtype = rounder(dtype)
@@ -236,7 +265,8 @@ def generation_kernel(dtype, num_heads, num_kv_heads, head_size, quant, cache_it
                                           head_dim_v=head_size, chunk=chunk, heads_per_block=heads_per_block,
                                           q_tile=q_tile, group=num_heads // num_kv_heads, warps=threads // 32,
                                           partials=partials, walker=walker,
-                                          value_scale=make_value_scale(quant) if fold else None)
+                                          value_scale=make_value_scale(quant) if fold else None,
+                                          query=make_query(dtype, num_heads, num_kv_heads, head_size, *query_rope))
     return kernel, heads_per_block, fold
 
 
@@ -249,19 +279,24 @@ def generation_splits(rung, num_splits, multi_block_mode, blocks, max_kv_len, ke
 
 
 # spec: trtllm/generation-mmha, trtllm/multi-block
-def attend_generation(rung, num_splits, multi_block_mode, num_sms, q_geom, out_geom, new, kvlens, k_src, v_src,
-                      args, sm_scale, rounds_as, num_heads, num_kv_heads, head_size, quant, rope_on_load, new_in_cache,
-                      num_tokens, threads, stream):
+def attend_generation(rung, num_splits, multi_block_mode, num_sms, pre, out_geom, new, kvlens, k_src, v_src, args,
+                      sm_scale, rounds_as, num_heads, num_kv_heads, head_size, quant, rope_on_load, new_in_cache,
+                      num_tokens, threads, stream, query_rope):
     """Launch the generation kernel over the entries with new[e] = 1 (the others' blocks return at once): rung 3,
-    or rung 4's partials and `_split_k.combine_kernel`. q_geom / out_geom as trtllm_gpt_attention.gpt_attention
-    builds them (Q from the preprocess's scratch, rows of the output); sm_scale the document's 1 / (q_scaling
-    sqrt(Dh)), times the per-tensor scale here when the loads fold it out."""
+    or rung 4's partials and `_split_k.combine_kernel`. pre: the preprocess's arguments (its qkv, bias, RoPE and
+    logn inputs, its entry table: the query rows come from them, `make_query`); query_rope: (rotary_dim,
+    rope_style, has_bias); out_geom as trtllm_gpt_attention.gpt_attention builds it (the output's rows); sm_scale
+    the document's 1 / (q_scaling sqrt(Dh)), times the per-tensor scale here when the loads fold it out."""
     H, E = num_heads, len(new)
-    like = q_geom[0]
+    like = pre.table
+    q_src = QuerySource(qkv=pre.qkv, bias=pre.bias, table=pre.table, inv_freq=pre.inv_freq,
+                        position_divisor=pre.position_divisor, cos_sin=pre.cos_sin, cos_sin_long=pre.cos_sin_long,
+                        logn=pre.logn, logn_on=pre.logn_on, streaming=pre.streaming, window=pre.k_dst.window)
     cache_itemsize = np.dtype(k_src.cache.dtype).itemsize
     chunk = chunk_elements(cache_itemsize)
     vector = vector_loads_ok(k_src.cache, head_size)
-    key = (rounds_as, H, num_kv_heads, head_size, quant, cache_itemsize, vector, new_in_cache, threads, *rope_on_load)
+    key = (rounds_as, H, num_kv_heads, head_size, quant, cache_itemsize, vector, new_in_cache, threads, query_rope,
+           *rope_on_load)
     kernel, heads_per_block, folded = generation_kernel(*key)
     live = new > 0
     visible = np.asarray(kvlens, np.int64)
@@ -274,16 +309,16 @@ def attend_generation(rung, num_splits, multi_block_mode, num_sms, q_geom, out_g
     lens = to_kind(like, new), to_kind(like, kvlens)
     grid = (1, H // heads_per_block, E * splits)
     if splits == 1:
-        launch(kernel, grid, threads, stream, q_geom, out_geom, *lens, k_src, v_src, args, np.float32(sm_scale))
+        launch(kernel, grid, threads, stream, q_src, out_geom, *lens, k_src, v_src, args, np.float32(sm_scale))
         return
     # Rung 4: each split's (m, l, unnormalised o) per row, then one combine pass over the splits.
     rows = num_tokens * H
     o_part = empty_like_kind(like, (splits * rows * head_size,), np.float32)
     m_part, l_part = (empty_like_kind(like, (splits * rows,), np.float32) for _ in range(2))
-    split_geom = (o_part, *q_geom[1:], np.int64(splits), np.int64(rows * head_size), np.int64(rows), np.int64(H),
+    split_geom = (o_part, *out_geom[1:], np.int64(splits), np.int64(rows * head_size), np.int64(rows), np.int64(H),
                   m_part, l_part)
     partials, _, _ = generation_kernel(*key, partials=True)
-    launch(partials, grid, threads, stream, q_geom, split_geom, *lens, k_src, v_src, args, np.float32(sm_scale))
+    launch(partials, grid, threads, stream, q_src, split_geom, *lens, k_src, v_src, args, np.float32(sm_scale))
     starts = to_kind(like, np.concatenate([[0], np.cumsum(new)]).astype(np.int64))
     launch(combine_kernel(rounds_as, H, head_size), (max(1, ceil_div(H * head_size, threads)), E), threads, stream,
-           o_part, m_part, l_part, np.int64(splits), q_geom[1], starts, out_geom[0])
+           o_part, m_part, l_part, np.int64(splits), out_geom[1], starts, out_geom[0])

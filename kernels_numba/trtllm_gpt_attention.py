@@ -433,17 +433,12 @@ def _unfused_kernels(dtype, num_heads, num_kv_heads, head_size, quant, rope_styl
     return scores_kernel, softmax_kernel, pv_kernel
 
 
-@cache
-def _preprocess_kernel(dtype, num_heads, num_kv_heads, head_size, rotary_dim, rope_style, quant, has_bias):
-    """Kernel: bias, dtype rounding, RoPE of one element of a new token's Q/K/V head, then scratch and cache.
-
-    Grid (x: ceil(max new tokens * (H + 2 Hkv) * Dh / threads), y: entries); one thread per element. A rotated
-    element reads its pair partner too (both threads of a pair compute the same two inputs)."""
+def make_new_token(dtype, num_heads, num_kv_heads, head_size, rotary_dim, rope_style, has_bias):
+    """(element, rotated) device functions of a new token's Q/K/V element, read from `src.qkv` (a Preprocess, or
+    anything with its fields qkv, bias and the RoPE ones make_rope's rotate reads): the preprocess kernel's, and
+    the generation kernel's, which forms its query rows from qkv itself (trtllm_generation)."""
     acc_t = _acc_type(dtype)
-    # spec: trtllm/generation-mmha
     round_dtype = rounder(dtype)
-    encode, _ = make_kv_codec(quant, acc_t)
-    cache_address = make_cache_address(head_size)
     pair_of, rotate = make_rope(rope_style, rotary_dim, round_dtype, acc_t)
     H, HKV, DH = num_heads, num_kv_heads, head_size
     HEADS = H + 2 * HKV
@@ -465,6 +460,26 @@ def _preprocess_kernel(dtype, num_heads, num_kv_heads, head_size, rotary_dim, ro
         pair, first, partner = pair_of(d)
         return rotate(x, element(pre, token, hh, partner), first, pre, b, position, pair)
 
+    return element, rotated
+
+
+@cache
+def _preprocess_kernel(dtype, num_heads, num_kv_heads, head_size, rotary_dim, rope_style, quant, has_bias):
+    """Kernel: bias, dtype rounding, RoPE of one element of a new token's Q/K/V head, then scratch and cache.
+
+    Grid (x: ceil(max new tokens * (H + 2 Hkv) * Dh / threads), y: entries); one thread per element. A rotated
+    element reads its pair partner too (both threads of a pair compute the same two inputs). A generation entry
+    writes to the scratch only what `pre.generation_scratch` asks for (bit 1: Q, bit 2: K and V): the generation
+    kernel of rungs 3 and 4 forms Q from qkv itself, and reads K and V from the cache when it holds them exactly."""
+    acc_t = _acc_type(dtype)
+    # spec: trtllm/generation-mmha
+    round_dtype = rounder(dtype)
+    encode, _ = make_kv_codec(quant, acc_t)
+    cache_address = make_cache_address(head_size)
+    element, rotated = make_new_token(dtype, num_heads, num_kv_heads, head_size, rotary_dim, rope_style, has_bias)
+    H, HKV, DH = num_heads, num_kv_heads, head_size
+    HEADS = H + 2 * HKV
+
     @cuda.jit(device=True, inline="always")
     def store(dst, pre, b, position, g, d, x):
         """x -> cache row b at the position's cyclic slot, unless a later new token of this call takes the slot."""
@@ -479,6 +494,10 @@ def _preprocess_kernel(dtype, num_heads, num_kv_heads, head_size, rotary_dim, ro
         b, i, hh, d = token_head_item(new_starts, HEADS, DH)
         if i < 0:
             return
+        wanted = 3 if pre.table[b, IS_CONTEXT] != 0 else pre.generation_scratch     # bit 1: Q, bit 2: K and V
+        if hh < H and wanted & 1 == 0:
+            return                                      # the generation kernel forms this query element itself
+        scratch, kv_scratch = pre.write_scratch != 0 and wanted & 1 != 0, pre.write_scratch != 0 and wanted & 2 != 0
         token = pre.table[b, TOKEN_START] + i
         position = pre.table[b, PAST] + i
         rope_position = position
@@ -488,17 +507,17 @@ def _preprocess_kernel(dtype, num_heads, num_kv_heads, head_size, rotary_dim, ro
         if hh < H:
             if pre.logn_on != 0:                        # Qwen's logn attention: Q scaled at its absolute position
                 y = round_dtype(y * acc_t(pre.logn[position]))
-            if pre.write_scratch != 0:
+            if scratch:
                 pre.q_out[(token * H + hh) * DH + d] = y
         elif hh < H + HKV:
             g = hh - H
-            if pre.write_scratch != 0 and (pre.table[b, IS_CONTEXT] != 0 or pre.generation_kv_scratch != 0):
+            if kv_scratch:
                 pre.k_out[(token * HKV + g) * DH + d] = y
             if pre.write_cache != 0:               # StreamingLLM caches K before RoPE
                 store(pre.k_dst, pre, b, position, g, d, element(pre, token, hh, d) if pre.streaming != 0 else y)
         else:
             g = hh - H - HKV
-            if pre.write_scratch != 0 and (pre.table[b, IS_CONTEXT] != 0 or pre.generation_kv_scratch != 0):
+            if kv_scratch:
                 pre.v_out[(token * HKV + g) * DH + d] = y
             if pre.write_cache != 0:
                 store(pre.v_dst, pre, b, position, g, d, y)
@@ -542,7 +561,7 @@ def _cross_kernel(dtype, num_kv_heads, head_size, quant):
 
 Preprocess = namedtuple("Preprocess", "qkv bias table inv_freq position_divisor cos_sin cos_sin_long inv_scale "
                                       "q_out k_out v_out k_dst v_dst write_scratch write_cache streaming logn logn_on "
-                                      "generation_kv_scratch")
+                                      "generation_scratch")
 
 
 # ---- Host side -----------------------------------------------------------------------------------------------
@@ -800,9 +819,10 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
                                rope=rope, rotate_keys=rotate_cached)
     # A chunk that wraps the cyclic cache would overwrite keys its own queries read: write after attention.
     write_after = bool(use_cache) and not do_cross_attention and bool(((new > 1) & (lengths > window)).any())
-    # Rungs 3 and 4 (trtllm_generation) take the generation entries (float32 accumulation); rung 1 the rest. The new
-    # token's K/V are read back from the cache slot the preprocess writes when it holds them as the document
-    # attends with them (unquantized, after RoPE, written before attention): no K/V scratch for those entries then.
+    # Rungs 3 and 4 (trtllm_generation) take the generation entries (float32 accumulation); rung 1 the rest. Their
+    # kernel forms Q from qkv itself, and reads the new token's K/V back from the cache slot the preprocess writes
+    # when it holds them as the document attends with them (unquantized, after RoPE, written before attention): no
+    # scratch for those entries then.
     generation = np.arange(E) >= num_context
     vector_generation = rung != 1 and acc_t == np.float32 and bool(use_cache) and bool(generation.any())
     new_in_cache = vector_generation and not quant and not rotate_cached and not write_after
@@ -814,7 +834,8 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
                      inv_scale=np.float32(kv_orig_quant_scale if quant else 1.0), q_out=q_scratch, k_out=k_scratch,
                      v_out=v_scratch, k_dst=k_src, v_dst=v_src, write_scratch=np.int64(1),
                      write_cache=np.int64(bool(use_cache) and not write_after and not do_cross_attention),
-                     streaming=np.int64(streamingllm), generation_kv_scratch=np.int64(not new_in_cache))
+                     streaming=np.int64(streamingllm),
+                     generation_scratch=np.int64(2 * (not new_in_cache) if vector_generation else 3))
     preprocess = _preprocess_kernel(rounds_as, H, Hkv, Dh, rotary_dim, rope_style, quant, qkv_bias is not None)
     max_new = int(new.max())
     pre_grid = (max(1, ceil_div(max_new * (H + 2 * Hkv) * Dh, threads)), E)
@@ -860,9 +881,10 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     fused_new = np.where(np.arange(E) < num_context, 0, new) if unfused else new
     if vector_generation:
         from .trtllm_generation import attend_generation
-        attend_generation(rung, generation_splits, multi_block_mode, num_sms, q_geom, out_geom,
+        attend_generation(rung, generation_splits, multi_block_mode, num_sms, pre, out_geom,
                           np.where(generation, new, 0), kvlens, k_src, v_src, args, sm_scale, rounds_as, H, Hkv, Dh,
-                          quant, rope_on_load, new_in_cache, num_tokens, threads, stream)
+                          quant, rope_on_load, new_in_cache, num_tokens, threads, stream,
+                          (rotary_dim, rope_style, qkv_bias is not None))
         fused_new = np.where(generation, 0, fused_new)
     lens = to_kind(qkv, fused_new), to_kind(qkv, kvlens)
     if unfused:
