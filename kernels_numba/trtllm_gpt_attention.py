@@ -7,8 +7,9 @@ generation entries together (in-flight batching); the variants below add a launc
    RoPE (GPT-J / GPT-NeoX / long_rope / yarn, partial, linear or dynamic scaling; cos/sin read from the
    `rotary_cos_sin` table at the token's position, or computed from frequencies per entry from the host, or
    `rotary_inv_freq` as given, times the m-scale), Qwen's logn factor on Q, then
-   - Q, K, V of the new tokens -> scratch (T, heads, Dh) in the accumulation dtype (the current tokens attend
-     with their own unquantized K/V, as the reference's `keys[P:] = k_rot`),
+   - Q, K, V of the new tokens -> scratch (T, heads, Dh) in the input dtype, which holds every one exactly (the
+     current tokens attend with their own unquantized K/V, as the reference's `keys[P:] = k_rot`); a generation
+     entry on rungs 3 and 4 writes no Q and, when the cache holds its K/V exactly, no K/V (see 2.),
    - K, V -> their cache slot (contiguous row, or paged block through the block offsets; cyclic with sinks and
      the paged bubble), quantized to INT8 or FP8 e4m3 bits on the fly. The same thread that read a token's
      K/V from `qkv` writes it: one pass.
@@ -16,6 +17,9 @@ generation entries together (in-flight batching); the variants below add a launc
    INT8 dequant / e4m3 decode) and from the scratch for t >= past; `score` applies the causal / window / sinks /
    custom mask (the context entries read it from `attention_packed_mask` when given, bit by bit in its fragment
    order), softcap, then ALiBi or the relative bias; `key_range` bounds the walk to the visible keys.
+   Generation entries run on the kernel ladder's rung 3 instead (rung 4 when multi-block splits them; `rung`
+   picks), `trtllm_generation`'s vector kernel with the same score and key range: it forms Q from qkv itself and
+   reads the new token's K/V from the cache slot the preprocess wrote when that holds them unquantized.
 Unfused context (context_fmha_type 0, and FP8 context FMHA): scores in global memory, softmax rows, P V.
 Cross attention: a third kernel copies the context entries' encoder K/V (`cross_kv`) to the scratch and to
 cache slots 0..L-1 in one pass; keys are then the encoder's (scratch in the context phase, the cache in

@@ -22,6 +22,7 @@ def test_sanitize_every_kernel_family_finds_nothing(capsys):
     # Every operator and every rung has a representative.
     for name in ("ppl key_value_cache", "ppl dynamic key_value_cache", "ppl dynamic multi_head_attention",
                  "onnx attention", "trtllm gpt_attention generation multi-block", "trtllm gpt_attention fp8 streaming",
+                 "trtllm gpt_attention generation rung 4",
                  "trtllm gpt_attention context unfused", "trtllm gpt_attention cross attention", "ft cross_attention",
                  *(f"ppl multi_head_cache_attention rung {rung}" for rung in range(1, 6))):
         assert name in families
@@ -32,6 +33,8 @@ def test_sanitize_every_kernel_family_finds_nothing(capsys):
     assert "generation multi-block: 1 sequence, past 40, contiguous fp16: 3 launches (attention_kernel, " \
            "combine_kernel" in out
     assert out.count("combine_kernel, store_kernel, vector_attention_kernel") == 3        # rung 4, three caches
+    assert "generation rung 4: 1 sequence, past 40, paged INT8, 3 splits: 3 launches (combine_kernel, " \
+           "preprocess_kernel, vector_attention_kernel)" in out
 
 
 def test_lab_counts_every_rung_and_bounds_the_full_decode(capsys):
