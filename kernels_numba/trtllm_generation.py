@@ -16,7 +16,9 @@ semantics come in through the device functions it takes:
   (`value_scale`). StreamingLLM's keys are rotated at their cache index as they are loaded, dequantized exactly
   (the rotation rounds to the input dtype, so the scale cannot be taken out of it);
 - the score and the visible keys: `trtllm_gpt_attention.make_trt_score`, the rung-1 kernel's own (causal, window
-  and sinks, custom mask, softcap, ALiBi, relative bias; logn is applied to Q by the preprocess).
+  and sinks, custom mask, softcap, ALiBi, relative bias; logn is applied to Q by the preprocess), over the keys
+  the window leaves visible only (`hidden_keys`): the sinks, then the window, so a StreamingLLM sequence far past
+  its window walks W keys, not every key it has seen.
 
 The new token: the preprocess has written its K and V to the cache before this kernel runs. With an unquantized
 cache, whose slot then holds exactly the (unquantized) K/V the document attends with, the kernel reads the new token
@@ -73,11 +75,23 @@ def fold_factor(quant: int) -> float:
     return FP8_AS_HALF if quant == FP8_KV_CACHE else 1.0
 
 
+@cuda.jit(device=True, inline="always")
+def hidden_keys(x, b):
+    """Keys a generation entry's window hides between its sinks and its first visible key (x: the KVSource or the
+    ScoreArgs, both with table, window, sinks): with the query at p, keys S .. p - (W - S) are out of the window.
+    The generation kernel walks the visible keys only, numbered 0 .. (sinks, then the window's) with key u past the
+    sinks standing for key u + hidden_keys; a long StreamingLLM sequence walks W keys, not all it has seen."""
+    if x.table[b, IS_CONTEXT] != 0:
+        return np.int64(0)
+    return max(np.int64(0), x.table[b, PAST] - (x.window - x.sinks) + 1 - x.sinks)
+
+
 def make_generation_walker(num_kv_heads: int, head_size: int, new_in_cache: bool):
     """(row_offsets, (begin, at, advance)) of `_attention_vector.make_vector_attention_kernel` for TensorRT-LLM's
-    KVSource: key t's element index and `where` = (cyclic slot << 32) | (b + 1) for a cached key, or its scratch
-    row and 0 for the new token when not new_in_cache. The state is (t, cyclic slot of t, the entry's first row,
-    prompt length, sequence, beam, past)."""
+    KVSource, over the visible keys (`hidden_keys`: walk index u is key u below the sinks, u + hidden past them):
+    the element index of key u and `where` = (cyclic slot << 32) | (b + 1) for a cached key, or its scratch row
+    and 0 for the new token when not new_in_cache. The state is (u, cyclic slot of its key, the entry's first
+    row, prompt length, sequence, beam, past, hidden keys)."""
     HKV, DH = num_kv_heads, head_size
 
     @cuda.jit(device=True, inline="always")
@@ -88,6 +102,15 @@ def make_generation_walker(num_kv_heads: int, head_size: int, new_in_cache: bool
         if s >= window:
             s = sinks + (s - sinks) % (window - sinks)
         return s
+
+    @cuda.jit(device=True, inline="always")
+    def slot_after(src, u0, slot0, n, hidden):
+        """The cyclic slot of walk index u0 + n, given u0's: a step within the sinks or past them, or the one
+        step from the sinks across the hidden keys (a division, once per lane group)."""
+        u = u0 + n
+        if u0 >= src.sinks or u < src.sinks or hidden == 0:
+            return cyclic_step(slot0, n, src.window, src.sinks)
+        return cyclic_slot(u + hidden, src.window, src.sinks)
 
     @cuda.jit(device=True, inline="always")
     def address(src, row, slot, h):
@@ -102,20 +125,24 @@ def make_generation_walker(num_kv_heads: int, head_size: int, new_in_cache: bool
         return row * src.s_row + src.kv * src.s_kv + h * src.s_head + slot * DH
 
     @cuda.jit(device=True, inline="always")
-    def begin(src, b, t0):
+    def begin(src, b, u0):
         table = src.table
         first_row, prompt, sequence, beam = b, np.int64(NO_PROMPT), np.int64(0), np.int64(0)
         if table[b, IS_CONTEXT] == 0:
             first_row, prompt, sequence, beam = table[b, FIRST_ROW], table[b, PROMPT], table[b, SEQUENCE], \
                 table[b, BEAM]
-        return t0, cyclic_slot(t0, src.window, src.sinks), first_row, prompt, sequence, beam, table[b, PAST]
+        hidden = hidden_keys(src, b)
+        t0 = u0 + hidden if u0 >= src.sinks else u0
+        return u0, cyclic_slot(t0, src.window, src.sinks), first_row, prompt, sequence, beam, table[b, PAST], hidden
 
     # spec: trtllm/cyclic-cache, trtllm/sink-tokens, trtllm/generation-beam-tokens
     @cuda.jit(device=True, inline="always")
     def at(src, b, state, j, h):
-        t0, slot0, first_row, prompt, sequence, beam, past = state
-        t = t0 + j
-        slot = cyclic_step(slot0, j, src.window, src.sinks)
+        u0, slot0, first_row, prompt, sequence, beam, past, hidden = state
+        t = u0 + j
+        if t >= src.sinks:
+            t += hidden
+        slot = slot_after(src, u0, slot0, j, hidden)
         where = (slot << 32) | (b + 1)
         if t >= past:                                   # the new token: its own row's slot, or the scratch
             if new_in_cache:
@@ -128,14 +155,35 @@ def make_generation_walker(num_kv_heads: int, head_size: int, new_in_cache: bool
 
     @cuda.jit(device=True, inline="always")
     def advance(src, state, step):
-        t0, slot0, first_row, prompt, sequence, beam, past = state
-        return t0 + step, cyclic_step(slot0, step, src.window, src.sinks), first_row, prompt, sequence, beam, past
+        u0, slot0, first_row, prompt, sequence, beam, past, hidden = state
+        return u0 + step, slot_after(src, u0, slot0, step, hidden), first_row, prompt, sequence, beam, past, hidden
 
     @cuda.jit(device=True, inline="always")
-    def row_offsets(src, b, t, h):
-        return at(src, b, begin(src, b, t), 0, h)
+    def row_offsets(src, b, u, h):
+        return at(src, b, begin(src, b, u), 0, h)
 
     return row_offsets, (begin, at, advance)
+
+
+def make_generation_score():
+    """(score, key_range) of the vector kernel: trtllm_gpt_attention's, over walk indices (`hidden_keys`): the
+    range ends `hidden` before the last visible key, and index u past the sinks scores key u + hidden."""
+    score, key_range = make_trt_score(np.float32)
+
+    @cuda.jit(device=True, inline="always")
+    def walk_score(args, qk, b, h, i, u, seqlen, kvlen):
+        t = u + hidden_keys(args, b) if u >= args.sinks else u
+        return score(args, qk, b, h, i, t, seqlen, kvlen)
+
+    @cuda.jit(device=True, inline="always")
+    def walk_range(args, b, i_first, i_last, seqlen, kvlen):
+        lo, hi = key_range(args, b, i_first, i_last, seqlen, kvlen)
+        hidden = hidden_keys(args, b)
+        if hidden == 0:
+            return lo, hi
+        return np.int64(0), hi - hidden                 # lo was the window's first key, or 0 with sinks
+
+    return walk_score, walk_range
 
 
 def make_generation_chunk_load(quant: int, elements: int, vector: bool, fold: bool, round_dtype, num_kv_heads: int,
@@ -260,7 +308,7 @@ def generation_kernel(dtype, num_heads, num_kv_heads, head_size, quant, cache_it
     row_offsets, walker = make_generation_walker(num_kv_heads, head_size, new_in_cache)
     load_chunk = make_generation_chunk_load(quant, chunk, vector, fold, round_dtype, num_kv_heads, head_size,
                                             rope_style, rotary_dim)
-    score, key_range = make_trt_score(np.float32)
+    score, key_range = make_generation_score()
     kernel = make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, head_dim_k=head_size,
                                           head_dim_v=head_size, chunk=chunk, heads_per_block=heads_per_block,
                                           q_tile=q_tile, group=num_heads // num_kv_heads, warps=threads // 32,
@@ -299,9 +347,7 @@ def attend_generation(rung, num_splits, multi_block_mode, num_sms, pre, out_geom
            *rope_on_load)
     kernel, heads_per_block, folded = generation_kernel(*key)
     live = new > 0
-    visible = np.asarray(kvlens, np.int64)
-    if int(args.sinks) == 0 and int(args.streaming) == 0:    # key_range starts at the window then
-        visible = np.minimum(visible, int(args.window))
+    visible = np.minimum(np.asarray(kvlens, np.int64), int(args.window))     # the walk skips what the window hides
     splits = generation_splits(rung, num_splits, multi_block_mode, (H // heads_per_block) * int(live.sum()),
                                int(np.max(np.where(live, visible, 0))), key_step(head_size, chunk, threads), num_sms)
     if folded:

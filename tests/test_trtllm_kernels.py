@@ -163,6 +163,11 @@ GENERATION = {
                                                         capacity=5, mask_type=6, generations=((2, 4),), beam_width=1),
     "bfloat16-paged-neox-int8": replace(GEN, dtype="bfloat16", quant=64, position=2, rotary_dim=16, qkv_bias=True,
                                         beam_width=1),
+    # head_size 128: lane groups take tiles of 2 keys, 4 keys a step, so a tile and a step cross from the sink into
+    # the window past the keys it hides (walked over, not loaded); no RoPE: the new token read from its cache slot.
+    "streamingllm-fp16-sink-tiles-dh128": replace(GEN, dtype="float16", head_size=128, streamingllm=True, sinks=1,
+                                                  window=6, capacity=6, generations=((3, 12), (2, 20)),
+                                                  beam_width=1, paged=False),
 }
 # Rung 4 where splitting meets something new: beams, a window (split, not [0, kvlen)), keys rotated on load; one
 # sequence.
