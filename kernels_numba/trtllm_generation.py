@@ -149,7 +149,7 @@ def make_generation_walker(num_kv_heads: int, head_size: int, new_in_cache: bool
                 return address(src, b, slot, h), where
             return ((src.table[b, TOKEN_START] + t - past) * HKV + h) * DH, np.int64(0)
         row = first_row
-        if t >= prompt:
+        if t >= prompt and src.indirection.shape[1] > 1:   # one beam: its only index is 0, no load
             row += src.indirection[sequence, beam, slot]
         return address(src, row, slot, h), where
 
@@ -187,11 +187,12 @@ def make_generation_score():
 
 
 def make_generation_chunk_load(quant: int, elements: int, vector: bool, fold: bool, round_dtype, num_kv_heads: int,
-                               head_size: int, rope_style: int = 0, rotary_dim: int = 0):
+                               head_size: int, rope_style: int = 0, rotary_dim: int = 0, new_in_cache: bool = False):
     """Device function load_chunk(src, row, where, d0, regs, at, dims) of the vector kernel: elements d0 ..
     d0 + elements - 1 of a K or V row (those below dims) into regs[at:], as float32.
 
-    where 0: the new token, from the scratch (unquantized; divided by the folded scale when `fold`). Else a
+    where 0: the new token, from the scratch (unquantized; divided by the folded scale when `fold`; never with
+    new_in_cache, which compiles that path out). Else a
     cached row: with `vector` one 16-byte load unpacked in registers, else one load per element. `fold` (INT8 /
     FP8 caches): the codes as float32 (e4m3: value / 256), the caller multiplies by the scale; else each value
     as the rung-1 kernel loads it (`make_trt_access`: code * scale rounded to float32, rotated for StreamingLLM
@@ -217,7 +218,7 @@ def make_generation_chunk_load(quant: int, elements: int, vector: bool, fold: bo
 
     @cuda.jit(device=True, inline="always")
     def load_chunk(src, row, where, d0, regs, at, dims):
-        if where == 0:                                  # the new token, unquantized
+        if not new_in_cache and where == 0:             # the new token, unquantized
             inv = np.float32(1.0) / (src.scale * factor) if fold else np.float32(1.0)
             for e in range(elements):
                 if d0 + e < dims:
@@ -307,7 +308,7 @@ def generation_kernel(dtype, num_heads, num_kv_heads, head_size, quant, cache_it
     heads_per_block, q_tile = block_plan(num_heads, num_kv_heads, head_size, chunk, threads)
     row_offsets, walker = make_generation_walker(num_kv_heads, head_size, new_in_cache)
     load_chunk = make_generation_chunk_load(quant, chunk, vector, fold, round_dtype, num_kv_heads, head_size,
-                                            rope_style, rotary_dim)
+                                            rope_style, rotary_dim, new_in_cache)
     score, key_range = make_generation_score()
     kernel = make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, head_dim_k=head_size,
                                           head_dim_v=head_size, chunk=chunk, heads_per_block=heads_per_block,

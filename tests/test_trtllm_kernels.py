@@ -132,9 +132,8 @@ CHOSEN = {
 }
 
 
-# The default rung runs generation on rung 3; these also on rung 1 (beams, custom mask and T5; keys rotated on load;
-# cross attention's encoder keys).
-RUNG_1 = ("inflight-beams-custom-mask-t5", "streamingllm", "cross-paged-fp8-bias")
+# The default rung runs generation on rung 3; these also on rung 1 (beams, custom mask and T5; keys rotated on load).
+RUNG_1 = ("inflight-beams-custom-mask-t5", "streamingllm")
 
 
 @pytest.mark.spec("trtllm/cross-attention", "trtllm/context-unfused", "trtllm/fp8-context-fmha")
@@ -152,7 +151,8 @@ GEN = replace(BASE, contexts=(), generations=((3, 6), (2, 9)), beam_width=2, hea
 # run, on every feature of the generation phase; in-flight calls add a context request (rung 1) beside them.
 GENERATION = {
     "paged-fp16-beams-alibi-softcap": replace(GEN, dtype="float16", position=4, softcap=3.0),
-    "contiguous-int8-t5-logn": replace(GEN, paged=False, quant=64, position=6, relative="t5", logn=True),
+    "contiguous-int8-t5-logn": replace(GEN, paged=False, quant=64, position=6, relative="t5", logn=True,
+                                       beam_width=1),
     "paged-fp8-cyclic-window-regular-bias": replace(GEN, quant=128, dtype="float16", head_size=32, window=7,
                                                     capacity=7, position=6, relative="regular", beam_width=1),
     "streamingllm-fp8-neox-sinks": replace(GEN, quant=128, dtype="float16", streamingllm=True, sinks=2, window=6,
