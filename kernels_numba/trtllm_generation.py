@@ -77,10 +77,10 @@ def fold_factor(quant: int) -> float:
 
 @cuda.jit(device=True, inline="always")
 def hidden_keys(x, b):
-    """Keys a generation entry's window hides between its sinks and its first visible key (x: the KVSource or the
-    ScoreArgs, both with table, window, sinks): with the query at p, keys S .. p - (W - S) are out of the window.
-    The generation kernel walks the visible keys only, numbered 0 .. (sinks, then the window's) with key u past the
-    sinks standing for key u + hidden_keys; a long StreamingLLM sequence walks W keys, not all it has seen."""
+    """How many keys a generation entry's window hides between its sinks and its first visible key (x: the
+    KVSource or the ScoreArgs, both with table, window, sinks): with the query at p, keys S .. p - (W - S). The
+    generation kernel walks the visible keys only: walk index u is key u below the sinks, key u + hidden past
+    them, so a StreamingLLM sequence far past its window walks W keys, not every key it has seen."""
     if x.table[b, IS_CONTEXT] != 0:
         return np.int64(0)
     return max(np.int64(0), x.table[b, PAST] - (x.window - x.sinks) + 1 - x.sinks)
@@ -160,7 +160,13 @@ def make_generation_walker(num_kv_heads: int, head_size: int, new_in_cache: bool
 
     @cuda.jit(device=True, inline="always")
     def row_offsets(src, b, u, h):
-        return at(src, b, begin(src, b, u), 0, h)
+        """Walk index u's place: the last visible key, which the keys past the end of the walk read instead
+        (weighed 0). When that is the new token in the scratch, the key before it, cached (a vector load, not one
+        load per element for every key of the last step's padding)."""
+        row, where = at(src, b, begin(src, b, u), 0, h)
+        if not new_in_cache and where == 0 and u >= 1:
+            return at(src, b, begin(src, b, u - 1), 0, h)
+        return row, where
 
     return row_offsets, (begin, at, advance)
 
@@ -192,11 +198,10 @@ def make_generation_chunk_load(quant: int, elements: int, vector: bool, fold: bo
     d0 + elements - 1 of a K or V row (those below dims) into regs[at:], as float32.
 
     where 0: the new token, from the scratch (unquantized; divided by the folded scale when `fold`; never with
-    new_in_cache, which compiles that path out). Else a
-    cached row: with `vector` one 16-byte load unpacked in registers, else one load per element. `fold` (INT8 /
-    FP8 caches): the codes as float32 (e4m3: value / 256), the caller multiplies by the scale; else each value
-    as the rung-1 kernel loads it (`make_trt_access`: code * scale rounded to float32, rotated for StreamingLLM
-    keys with rope_style != 0)."""
+    new_in_cache, which compiles that path out). Else a cached row: with `vector` one 16-byte load unpacked in
+    registers, else one load per element. `fold` (INT8 / FP8 caches): the codes as float32 (e4m3: value / 256),
+    the caller multiplies by the scale; else each value as the rung-1 kernel loads it (`make_trt_access`: code *
+    scale rounded to float32, rotated for StreamingLLM keys with rope_style != 0)."""
     _, load = make_trt_access(quant, num_kv_heads, head_size, np.float32, round_dtype, rope_style, rotary_dim)
     fold = fold and quant != 0
     factor = np.float32(fold_factor(quant))
