@@ -882,7 +882,8 @@ def gpt_attention(
         num_kv_heads_origin: int = -1, remove_input_padding: bool = True, paged_kv_cache: bool = False,
         tokens_per_block: int = 64, streamingllm: bool = False, context_fmha_type: int = 1,
         use_fp8_context_fmha: bool = False, multi_block_mode: bool = True, kv_cache_pool=None,
-        backend: str = "auto", threads: int = 128) -> tuple:
+        backend: str = "auto", threads: int = 128, rung: int | None = None,
+        num_splits: int | None = None) -> tuple:
     r"""TensorRT-LLM's `gpt_attention`: in-flight batched attention over a contiguous or paged KV cache.
 
     Arguments keep `tensorrt_llm.functional.gpt_attention`'s names, order and defaults (all keyword-only); the
@@ -1125,6 +1126,16 @@ def gpt_attention(
         "auto" (NumPy: reference, GPU arrays: kernels), "reference" or "numba". Default "auto".
     threads : int
         The kernels' block size, a multiple of 32 up to 1024; the reference ignores it. Default 128.
+    rung : int, optional
+        The kernel of the ladder (docs/kernel-ladder.md) the generation requests run on: 1 shared-memory tiles, 3
+        vector loads, 4 split-K (vector loads, the keys split over several blocks with few blocks for the SMs);
+        None: 3, or 4 when multi_block_mode splits. Rungs 3 and 4 accumulate in float32: a float64 qkv runs on
+        rung 1, and asking for 3 or 4 with one raises. Context requests always run on rung 1. The reference
+        ignores it. Default None.
+    num_splits : int, optional
+        Split-K's count of key ranges for the generation requests, 1 to 64 (rung 4, rung 1's multi-block mode, or
+        None's choice); None: chosen from the SMs the grid leaves idle (with multi_block_mode). Not with rung 3.
+        Default None.
 
     Returns
     -------
@@ -1167,7 +1178,7 @@ def gpt_attention(
     (1, 8)
     """
     # The document's arguments only: validate() and the reference take every one of them, and nothing else.
-    args = {k: v for k, v in locals().items() if k not in ("backend", "threads")}
+    args = {k: v for k, v in locals().items() if k not in ("backend", "threads", "rung", "num_splits")}
     data = dict(qkv=qkv, past_key_value=past_key_value, kv_cache_pool=kv_cache_pool, attention_mask=attention_mask,
                 cross_kv=cross_kv, qkv_bias=qkv_bias, alibi_slopes=alibi_slopes,
                 relative_attention_bias=relative_attention_bias, rotary_cos_sin=rotary_cos_sin,
@@ -1178,10 +1189,29 @@ def gpt_attention(
     check_int("threads", threads, low=32, high=1024)
     if threads % 32:
         raise ValueError(f"threads: expected a multiple of 32 (whole warps), got {threads}")
+    _check_launch(rung, num_splits, qkv)
     if engine != "reference":
         return arrays.kernels().gpt_attention(**{**checked, **{k: arrays.as_kernel_array(x) for k, x in data.items()}},
-                                              threads=int(threads))
+                                              threads=int(threads), rung=rung, num_splits=num_splits)
 
     def call(host):
         return reference.gpt_attention(**{**checked, **host})
     return arrays.run_reference(data, ("past_key_value", "kv_cache_pool"), call)
+
+
+MAX_SPLITS = 64      # split-K's most key ranges, the cap of kernels_numba._split_k.choose_splits too
+
+
+def _check_launch(rung, num_splits, qkv):
+    """The kernel choice (as OpenPPL's): rung None, 1, 3 or 4; num_splits 1 to 64, not with rung 3 (which never
+    splits); rungs 3 and 4 accumulate in float32, so a float64 qkv cannot have them. Checked on either backend, so
+    a call fails the same way wherever it runs."""
+    if rung is not None:
+        check_choice("rung", rung, (1, 3, 4))
+        if rung in (3, 4) and dtype_of(qkv) == np.float64:
+            raise ValueError(f"rung: {rung} accumulates in float32; a float64 qkv runs on rung 1 (rung None or 1)")
+    if num_splits is not None:
+        if rung == 3:
+            raise ValueError(f"num_splits: rung 3 never splits the keys, got num_splits={num_splits!r} with rung 3 "
+                             "(rung 4 or None split them)")
+        check_int("num_splits", num_splits, low=1, high=MAX_SPLITS)

@@ -10,8 +10,9 @@ once, one per group of LANES lanes:
     1. lane l of group k holds chunks l, l + LANES, ... of every query row of the block (registers);
     2. each step the block takes WARPS * 32 / LANES * TILE consecutive keys, a tile of TILE per lane group
        (`keys_per_tile`: 2 on every cache format at head_dim 128); each lane loads its chunks of the tile's keys
-       and values (a group reads one row per load: consecutive lanes, consecutive chunks). The page of the
-       group's first key is walked forward (`_cache.page_walk`), never divided out inside the loop;
+       and values (a group reads one row per load: consecutive lanes, consecutive chunks). The place of the
+       group's first key is walked forward (an injected walker; `_cache.page_walk` over page tables), never
+       divided out inside the loop;
     3. the partial products of every (row, key) of the tile are summed within the lane group by a transposed
        butterfly (`_warp.transpose_sum`), which leaves lane n of the group with the logit of row slot n // TILE,
        key n % TILE: `score` runs once per lane, not once per row and key in every lane;
@@ -23,9 +24,10 @@ once, one per group of LANES lanes:
 Rows whose 16-byte alignment the host cannot promise take the same loop with one element load per value
 (`vector=False`), so the lane-group structure and every result stay the same.
 
-partials (rung 4, split-K): grid z = B * num_splits; block z walks split z % num_splits of its sequence's keys
-(ceil(kvlen / num_splits) keys each; a split past the last key is empty) and writes unnormalised acc, M and L
-per row as `_attention_core.make_attention_kernel(partials=True)` documents; `_split_k.combine_kernel` finishes.
+partials (rung 4, split-K): grid z = B * num_splits; block z walks split z % num_splits of the keys its rows can
+see, [lo, hi) from key_range (ceil((hi - lo) / num_splits) keys each, so a window's keys spread over every split; a
+split past the last key is empty) and writes unnormalised acc, M and L per row as
+`_attention_core.make_attention_kernel(partials=True)` documents; `_split_k.combine_kernel` finishes.
 """
 
 from __future__ import annotations
@@ -93,14 +95,53 @@ def plan_vector_rows(num_heads: int, num_kv_heads: int, max_seqlen: int, head_di
     return plan_warp_rows(num_heads, num_kv_heads, max_seqlen, head_dim, warps, max_rows=max_rows(head_dim, chunk))
 
 
+@cuda.jit(device=True, inline="always")
+def _page_begin(src, b, t0):
+    return t0 // src.page, t0 % src.page
+
+
+@cuda.jit(device=True, inline="always")
+def _page_at(src, b, state, j, h):
+    page_index, offset = page_walk(state[0], state[1], j, src.page)
+    return page_rows(src, b, page_index, offset, h)
+
+
+@cuda.jit(device=True, inline="always")
+def _page_advance(src, state, step):
+    return page_walk(state[0], state[1], step, src.page)
+
+
+@cuda.jit(device=True, inline="always")
+def _unscaled(v_src):
+    return np.float32(1.0)
+
+
+# The key walk of `_cache.CacheSource` sources: the state (page index, offset) of a lane group's first key, stepped by
+# `_cache.page_walk`; a key's (row, scale_row) by `_cache.page_rows`, the formula `_cache.make_cache_access`'s
+# row_offsets uses.
+PAGE_WALKER = (_page_begin, _page_at, _page_advance)
+
+
 def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, head_dim_k: int, head_dim_v: int,
                                  chunk: int, heads_per_block: int, q_tile: int, group: int, warps: int,
-                                 partials: bool = False):
+                                 partials: bool = False, walker=None, value_scale=None, query=None):
     """Build the kernel. Launch grid (ceil(max_seqlen / q_tile), num_heads / heads_per_block, B, times num_splits
     with partials), 32 * warps threads; arguments as `_attention_core.make_attention_kernel`'s kernel.
     load_chunk(src, row, sc_row, d0, regs, at, dims) fills regs[at:at + chunk] with elements d0.. of a row.
-    The loop walks the page tables of `_cache.CacheSource` sources itself (`_cache.page_rows`, the formula
-    row_offsets uses); row_offsets places the last visible key, which keys past the end read instead."""
+
+    Where key t lives is a walk, so the loop divides by no page size: walker = (begin, at, advance) device
+    functions, begin(src, b, t0) -> state of a lane group's first key t0, at(src, b, state, j, h) -> (row, sc_row)
+    of key t0 + j of kv head h (the row and the second value load_chunk takes), advance(src, state, step) ->
+    the state of key t0 + step; row_offsets(src, b, t, h) places one key t as `at` would (the last visible one,
+    which keys past the end read instead, weighed 0). None: `PAGE_WALKER`, over `_cache.CacheSource` page tables.
+    value_scale(v_src) -> a factor every output row is multiplied by after the key loop (a per-tensor cache scale
+    folded out of the loads: load_chunk then returns the stored codes of V, times 1 / factor for a value kept
+    unscaled); None: no factor.
+    query(q_geom, b, i, h, d) -> element d of query i, head h (None: q_geom is a flat query and its geometry, as
+    `_attention_warp.query_element` reads it)."""
+    walk_begin, walk_at, walk_advance = walker or PAGE_WALKER
+    SCALE_V = value_scale is not None
+    value_scale = value_scale or _unscaled
     HPB, DK, DV, WARPS, E = heads_per_block, head_dim_k, head_dim_v, warps, chunk
     ROWS = HPB * q_tile
     K_CHUNKS, V_CHUNKS = ceil_div(DK, E), ceil_div(DV, E)
@@ -119,7 +160,7 @@ def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, h
     MERGED = VR + 1                                    # a row's output slice and sum, merged across lane groups
     SCRATCH = max(LOGITS, MERGED) if SIMULATED else 1    # values the simulator's warp functions exchange
     start_rows = make_row_starter(heads_per_block=HPB, q_tile=q_tile, head_dim_k=DK, chunk=E, lanes=LANES,
-                                  q_per_lane=KR, out_per_lane=VR)
+                                  q_per_lane=KR, out_per_lane=VR, query=query)
     write_rows = make_row_writer(heads_per_block=HPB, q_tile=q_tile, head_dim_v=DV, warps=WARPS,
                                  partials=partials)
 
@@ -188,14 +229,14 @@ def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, h
 
         i_last = min(i0 + q_tile, seqlen) - 1
         lo, hi = key_range(score_args, b, i0, i_last, seqlen, kvlen)
-        if partials:                                  # this split's keys
-            per_split = -(-kvlen // num_splits)
-            lo, hi = max(lo, split * per_split), min(hi, (split + 1) * per_split)
+        if partials:                                  # this split's share of the visible keys (a window's too)
+            per_split = -(-max(hi - lo, 0) // num_splits)
+            lo, hi = lo + split * per_split, min(hi, lo + (split + 1) * per_split)
         steps = -(-max(hi - lo, 0) // STEP)          # the same count in every thread: the warp functions may hold
         t0 = lo + (warp * KEYS + key_of_warp) * TILE  # barriers; t0: this group's first key
-        # Keys past hi read the last visible key instead (weighed 0), and the page of t0 is walked forward a step at
-        # a time (`page_walk`), so the loop divides by the page size nowhere.
-        k_page, k_offset, v_page, v_offset = t0 // k_src.page, t0 % k_src.page, t0 // v_src.page, t0 % v_src.page
+        # Keys past hi read the last visible key instead (weighed 0), and t0's place is walked forward a step at a
+        # time (the walker's state), so the loop divides by the page size nowhere.
+        k_state, v_state = walk_begin(k_src, b, t0), walk_begin(v_src, b, t0)
         last = max(hi - 1, 0)
         k_last, k_last_sc = row_offsets(k_src, b, last, g)
         v_last, v_last_sc = row_offsets(v_src, b, last, g)
@@ -204,10 +245,8 @@ def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, h
             for j in range(TILE):
                 k_rows[j, 0], k_rows[j, 1], v_rows[j, 0], v_rows[j, 1] = k_last, k_last_sc, v_last, v_last_sc
                 if t0 + j < hi:
-                    kp, ko = page_walk(k_page, k_offset, j, k_src.page)
-                    vp, vo = page_walk(v_page, v_offset, j, v_src.page)
-                    k_rows[j, 0], k_rows[j, 1] = page_rows(k_src, b, kp, ko, g)
-                    v_rows[j, 0], v_rows[j, 1] = page_rows(v_src, b, vp, vo, g)
+                    k_rows[j, 0], k_rows[j, 1] = walk_at(k_src, b, k_state, j, g)
+                    v_rows[j, 0], v_rows[j, 1] = walk_at(v_src, b, v_state, j, g)
             # 3. each key's partial logits for every row, then each lane's (slot, key) summed over the lane group
             for n in range(LOGITS):
                 dots[n] = 0.0
@@ -262,8 +301,12 @@ def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, h
                     for x in range(VR):
                         acc[r, x] += weights[r * TILE + j] * v_reg[x]
             t0 += STEP
-            k_page, k_offset = page_walk(k_page, k_offset, STEP, k_src.page)
-            v_page, v_offset = page_walk(v_page, v_offset, STEP, v_src.page)
+            k_state, v_state = walk_advance(k_src, k_state, STEP), walk_advance(v_src, v_state, STEP)
+        if SCALE_V:                                   # the per-tensor scale the loads left out of V
+            factor = value_scale(v_src)
+            for r in range(ROWS):
+                for x in range(VR):
+                    acc[r, x] *= factor
         # every lane takes each row's max and sum from the row's first lane
         from_lanes(row_max, ROWS, TILE, m_lane, gathered, scratch, warp, lane, first_lane)
         from_lanes(row_sum, ROWS, TILE, l_lane, gathered, scratch, warp, lane, first_lane)

@@ -161,25 +161,33 @@ def add_key(row_max, row_sum, acc, r, s, v_reg, count):
         row_max[r] = new_max
 
 
+@cuda.jit(device=True, inline="always")
+def query_element(q_geom, b, i, h, d):
+    """Element d of query i, head h of sequence b in a flat query with geometry (data, starts, s_b, s_i, s_h)."""
+    q, q_starts, q_sb, q_si, q_sh = q_geom
+    return q[b * q_sb + (q_starts[b] + i) * q_si + h * q_sh + d]
+
+
 def make_row_starter(*, heads_per_block: int, q_tile: int, head_dim_k: int, chunk: int, lanes: int, q_per_lane: int,
-                     out_per_lane: int, acc_dtype=np.float32):
+                     out_per_lane: int, acc_dtype=np.float32, query=None):
     """Device function start_rows(q_geom, b, i0, h0, seqlen, group_lane, q_reg, row_max, row_sum, acc): this lane's
     slice of every query row of the block into q_reg (ROWS, q_per_lane) (0 past the row or the sequence) and
     empty online-softmax states. The lane of a group of `lanes` holds chunks group_lane, group_lane + lanes, ...
-    of `chunk` consecutive elements (rung 2: chunks of 1 over the 32 lanes of a warp)."""
+    of `chunk` consecutive elements (rung 2: chunks of 1 over the 32 lanes of a warp). query(q_geom, b, i, h, d)
+    gives element d of query i, head h (None: `query_element`, q_geom a flat query and its geometry)."""
     HPB, DK, ROWS = heads_per_block, head_dim_k, heads_per_block * q_tile
     acc_t = np.float64 if np.dtype(acc_dtype) == np.float64 else np.float32
+    query = query or query_element
 
     @cuda.jit(device=True, inline="always")
     def start_rows(q_geom, b, i0, h0, seqlen, group_lane, q_reg, row_max, row_sum, acc):
-        q, q_starts, q_sb, q_si, q_sh = q_geom
         for r in range(ROWS):
             i = i0 + r // HPB
             for x in range(q_per_lane):
                 d = (group_lane + (x // chunk) * lanes) * chunk + x % chunk
                 q_reg[r, x] = 0.0
                 if d < DK and i < seqlen:
-                    q_reg[r, x] = acc_t(q[b * q_sb + (q_starts[b] + i) * q_si + (h0 + r % HPB) * q_sh + d])
+                    q_reg[r, x] = acc_t(query(q_geom, b, i, h0 + r % HPB, d))
             row_max[r] = -math.inf
             row_sum[r] = 0.0
             for x in range(out_per_lane):

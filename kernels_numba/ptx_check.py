@@ -170,8 +170,10 @@ def _ft_launches(full: bool):
 # and custom mask, both cache layouts, the unfused context path plain and FP8 (context_fmha_type 0 /
 # use_fp8_context_fmha), StreamingLLM (keys rotated on load), cross attention (its copy kernel), multi-block
 # (partials and combine). Each call has a context chunk that wraps the cyclic cache (the write-after launch)
-# next to two beams.
+# next to two beams, except "decode" (the two beams alone, so the vector kernel reads the new token from its cache
+# slot); the beams' generation runs on the vector kernel (rung 3, rung 4 with multi-block) except in float64 (rung 1).
 TRTLLM_REPRESENTATIVES = ((np.float16, 0, 2, True, True, {"unfused"}),
+                          (np.float16, 0, 2, True, False, {"decode"}),
                           (np.float32, 64, 4, False, False, {"multi-block"}),
                           (np.float16, 128, 6, True, False, {"t5-mask", "fp8-fmha"}),
                           (np.float16, 128, 1, True, False, {"streaming"}),
@@ -189,7 +191,6 @@ def _trtllm_launches(full: bool):
 
     rng = np.random.default_rng(0)
     H, Hkv, Dh, window, tpb = 4, 2, 16, 4, 2
-    past, new = np.array([2, 3, 3]), np.array([5, 1, 1])                  # a chunk, then one sequence's two beams
     variants = [(dtype, quant, position, paged, bias, set()) for dtype in (np.float16, np.float32, np.float64)
                 for quant in (0, 64, 128) for position in (0, 1, 2, 4) for paged in (False, True)
                 for bias in (False, True)] if full else []
@@ -197,14 +198,18 @@ def _trtllm_launches(full: bool):
     for dtype, quant, position, paged, bias, extras in variants + list(TRTLLM_REPRESENTATIVES):
         cache_dtype = {0: dtype, 64: np.int8, 128: np.uint8}[quant]
         slots = -(-window // tpb) * tpb
+        decode = "decode" in extras
+        # a chunk, then one sequence's two beams (decode: the beams alone)
+        past, new = (np.array([3, 3]), np.array([1, 1])) if decode else (np.array([2, 3, 3]), np.array([5, 1, 1]))
         call = dict(qkv=rng.standard_normal((int(new.sum()), (H + 2 * Hkv) * Dh)).astype(dtype),
                     past_key_value=None if paged else np.zeros((3, 2, Hkv, slots, Dh), cache_dtype),
                     kv_cache_pool=np.zeros((3 * slots // tpb, 1, 2, Hkv, tpb, Dh), cache_dtype) if paged else None,
                     kv_cache_block_offsets=(np.arange(3 * 2 * (slots // tpb)).reshape(1, 3, 2, -1) if paged else None),
                     attention_mask=None, sequence_length=past + new, host_past_key_value_lengths=past,
                     host_max_attention_window_sizes=np.array([window]), host_sink_token_length=np.array([0]),
-                    context_lengths=np.array([5, 2, 2]), cache_indirection=np.zeros((1, 2, window), np.int32),
-                    host_request_types=np.array([0, 1, 1]), layer_idx=0, num_heads=H, num_kv_heads=Hkv,
+                    context_lengths=np.array([2, 2] if decode else [5, 2, 2]),
+                    cache_indirection=np.zeros((1, 2, window), np.int32),
+                    host_request_types=np.array([1, 1] if decode else [0, 1, 1]), layer_idx=0, num_heads=H, num_kv_heads=Hkv,
                     hidden_size_per_head=Dh, q_scaling=1.0, attn_logit_softcapping_scale=2.0,
                     rotary_embedding_dim=Dh if position in (1, 2) else 0, position_embedding_type=position,
                     kv_orig_quant_scale=10.0, kv_quant_orig_scale=0.1, kv_cache_quant_mode=quant,
@@ -228,7 +233,9 @@ def _trtllm_launches(full: bool):
             gpt_attention(**call, num_splits=3 if "multi-block" in extras else None)
         label = (f"trtllm {'+'.join(sorted(extras)) or 'self'} {np.dtype(dtype).name} quant {quant} pos {position}"
                  f"{' paged' if paged else ''}")
-        out += [(label, kernel, args) for kernel, args in launches]
+        # The generation entries' vector kernel (rungs 3 and 4): rows of 16-byte multiples at Dh 16 in every format.
+        out += [(label + (f" {VECTOR_LOAD}" if kernel.py_func.__name__ == "vector_attention_kernel" else ""), kernel,
+                 args) for kernel, args in launches]
     return out
 
 

@@ -7,8 +7,9 @@ generation entries together (in-flight batching); the variants below add a launc
    RoPE (GPT-J / GPT-NeoX / long_rope / yarn, partial, linear or dynamic scaling; cos/sin read from the
    `rotary_cos_sin` table at the token's position, or computed from frequencies per entry from the host, or
    `rotary_inv_freq` as given, times the m-scale), Qwen's logn factor on Q, then
-   - Q, K, V of the new tokens -> scratch (T, heads, Dh) in the accumulation dtype (the current tokens attend
-     with their own unquantized K/V, as the reference's `keys[P:] = k_rot`),
+   - Q, K, V of the new tokens -> scratch (T, heads, Dh) in the input dtype, which holds every one exactly (the
+     current tokens attend with their own unquantized K/V, as the reference's `keys[P:] = k_rot`); a generation
+     entry on rungs 3 and 4 writes no Q and, when the cache holds its K/V exactly, no K/V (see 2.),
    - K, V -> their cache slot (contiguous row, or paged block through the block offsets; cyclic with sinks and
      the paged bubble), quantized to INT8 or FP8 e4m3 bits on the fly. The same thread that read a token's
      K/V from `qkv` writes it: one pass.
@@ -16,6 +17,9 @@ generation entries together (in-flight batching); the variants below add a launc
    INT8 dequant / e4m3 decode) and from the scratch for t >= past; `score` applies the causal / window / sinks /
    custom mask (the context entries read it from `attention_packed_mask` when given, bit by bit in its fragment
    order), softcap, then ALiBi or the relative bias; `key_range` bounds the walk to the visible keys.
+   Generation entries run on the kernel ladder's rung 3 instead (rung 4 when multi-block splits them; `rung`
+   picks), `trtllm_generation`'s vector kernel with the same score and key range: it forms Q from qkv itself and
+   reads the new token's K/V from the cache slot the preprocess wrote when that holds them unquantized.
 Unfused context (context_fmha_type 0, and FP8 context FMHA): scores in global memory, softmax rows, P V.
 Cross attention: a third kernel copies the context entries' encoder K/V (`cross_kv`) to the scratch and to
 cache slots 0..L-1 in one pass; keys are then the encoder's (scratch in the context phase, the cache in
@@ -433,17 +437,12 @@ def _unfused_kernels(dtype, num_heads, num_kv_heads, head_size, quant, rope_styl
     return scores_kernel, softmax_kernel, pv_kernel
 
 
-@cache
-def _preprocess_kernel(dtype, num_heads, num_kv_heads, head_size, rotary_dim, rope_style, quant, has_bias):
-    """Kernel: bias, dtype rounding, RoPE of one element of a new token's Q/K/V head, then scratch and cache.
-
-    Grid (x: ceil(max new tokens * (H + 2 Hkv) * Dh / threads), y: entries); one thread per element. A rotated
-    element reads its pair partner too (both threads of a pair compute the same two inputs)."""
+def make_new_token(dtype, num_heads, num_kv_heads, head_size, rotary_dim, rope_style, has_bias):
+    """(element, rotated) device functions of a new token's Q/K/V element, read from `src.qkv` (a Preprocess, or
+    anything with its fields qkv, bias and the RoPE ones make_rope's rotate reads): the preprocess kernel's, and
+    the generation kernel's, which forms its query rows from qkv itself (trtllm_generation)."""
     acc_t = _acc_type(dtype)
-    # spec: trtllm/generation-mmha
     round_dtype = rounder(dtype)
-    encode, _ = make_kv_codec(quant, acc_t)
-    cache_address = make_cache_address(head_size)
     pair_of, rotate = make_rope(rope_style, rotary_dim, round_dtype, acc_t)
     H, HKV, DH = num_heads, num_kv_heads, head_size
     HEADS = H + 2 * HKV
@@ -465,6 +464,26 @@ def _preprocess_kernel(dtype, num_heads, num_kv_heads, head_size, rotary_dim, ro
         pair, first, partner = pair_of(d)
         return rotate(x, element(pre, token, hh, partner), first, pre, b, position, pair)
 
+    return element, rotated
+
+
+@cache
+def _preprocess_kernel(dtype, num_heads, num_kv_heads, head_size, rotary_dim, rope_style, quant, has_bias):
+    """Kernel: bias, dtype rounding, RoPE of one element of a new token's Q/K/V head, then scratch and cache.
+
+    Grid (x: ceil(max new tokens * (H + 2 Hkv) * Dh / threads), y: entries); one thread per element. A rotated
+    element reads its pair partner too (both threads of a pair compute the same two inputs). A generation entry
+    writes to the scratch only what `pre.generation_scratch` asks for (bit 1: Q, bit 2: K and V): the generation
+    kernel of rungs 3 and 4 forms Q from qkv itself, and reads K and V from the cache when it holds them exactly."""
+    acc_t = _acc_type(dtype)
+    # spec: trtllm/generation-mmha
+    round_dtype = rounder(dtype)
+    encode, _ = make_kv_codec(quant, acc_t)
+    cache_address = make_cache_address(head_size)
+    element, rotated = make_new_token(dtype, num_heads, num_kv_heads, head_size, rotary_dim, rope_style, has_bias)
+    H, HKV, DH = num_heads, num_kv_heads, head_size
+    HEADS = H + 2 * HKV
+
     @cuda.jit(device=True, inline="always")
     def store(dst, pre, b, position, g, d, x):
         """x -> cache row b at the position's cyclic slot, unless a later new token of this call takes the slot."""
@@ -479,6 +498,10 @@ def _preprocess_kernel(dtype, num_heads, num_kv_heads, head_size, rotary_dim, ro
         b, i, hh, d = token_head_item(new_starts, HEADS, DH)
         if i < 0:
             return
+        wanted = 3 if pre.table[b, IS_CONTEXT] != 0 else pre.generation_scratch     # bit 1: Q, bit 2: K and V
+        if hh < H and wanted & 1 == 0:
+            return                                      # the generation kernel forms this query element itself
+        scratch, kv_scratch = pre.write_scratch != 0 and wanted & 1 != 0, pre.write_scratch != 0 and wanted & 2 != 0
         token = pre.table[b, TOKEN_START] + i
         position = pre.table[b, PAST] + i
         rope_position = position
@@ -488,17 +511,17 @@ def _preprocess_kernel(dtype, num_heads, num_kv_heads, head_size, rotary_dim, ro
         if hh < H:
             if pre.logn_on != 0:                        # Qwen's logn attention: Q scaled at its absolute position
                 y = round_dtype(y * acc_t(pre.logn[position]))
-            if pre.write_scratch != 0:
+            if scratch:
                 pre.q_out[(token * H + hh) * DH + d] = y
         elif hh < H + HKV:
             g = hh - H
-            if pre.write_scratch != 0:
+            if kv_scratch:
                 pre.k_out[(token * HKV + g) * DH + d] = y
             if pre.write_cache != 0:               # StreamingLLM caches K before RoPE
                 store(pre.k_dst, pre, b, position, g, d, element(pre, token, hh, d) if pre.streaming != 0 else y)
         else:
             g = hh - H - HKV
-            if pre.write_scratch != 0:
+            if kv_scratch:
                 pre.v_out[(token * HKV + g) * DH + d] = y
             if pre.write_cache != 0:
                 store(pre.v_dst, pre, b, position, g, d, y)
@@ -541,7 +564,8 @@ def _cross_kernel(dtype, num_kv_heads, head_size, quant):
 
 
 Preprocess = namedtuple("Preprocess", "qkv bias table inv_freq position_divisor cos_sin cos_sin_long inv_scale "
-                                      "q_out k_out v_out k_dst v_dst write_scratch write_cache streaming logn logn_on")
+                                      "q_out k_out v_out k_dst v_dst write_scratch write_cache streaming logn logn_on "
+                                      "generation_scratch")
 
 
 # ---- Host side -----------------------------------------------------------------------------------------------
@@ -731,7 +755,7 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
                   tokens_per_block=64, streamingllm=False, use_fp8_context_fmha=False, kv_cache_pool=None,
                   context_fmha_type=1, multi_block_mode=True, max_context_length=None, host_context_lengths=None,
                   cross_kv_length=None, host_kv_cache_block_offsets=None, num_splits=None, num_sms=None, threads=128,
-                  rounds_as=None):
+                  rung=None, rounds_as=None):
     """(output, present_key_value), the cache written in place: reference.gpt_attention's arguments (validated
     by cacheattn.gpt_attention; index tensors on the host), data arrays CuPy / CAI, or NumPy in the simulator.
 
@@ -740,7 +764,13 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     softmax, P V) as TensorRT-LLM's unfused context attention; both compute the same. multi_block_mode lets
     `choose_splits` split each block's keys over several blocks when the grid is smaller than num_sms (default:
     the GPU's, 132 without one); num_splits forces a count (1: never split). bfloat16: see _bfloat16_via_float32
-    (rounds_as is its internal argument)."""
+    (rounds_as is its internal argument).
+
+    rung: the kernel of the ladder for the generation entries (docs/kernel-ladder.md). 1: the tiled core above; 3:
+    the vector kernel (`trtllm_generation`), never split; 4: the vector kernel split over num_splits blocks
+    (`choose_splits` when None; 1 is rung 3's kernel); None: rung 3, or 4 when multi_block_mode splits. Rungs 3 and
+    4 accumulate in float32: a float64 call runs on rung 1 (validation refuses it when forced). Context entries
+    always run on rung 1; num_splits is then the generation kernel's count."""
     if np.dtype(qkv.dtype).name == "bfloat16":
         return _bfloat16_via_float32(locals())
     stream = caller_stream(qkv, past_key_value, kv_cache_pool)
@@ -778,9 +808,10 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
                      is_context=np.arange(E) < num_context, acc_t=acc_t)
     table = to_kind(qkv, entry_table(num_context, beam_width, past, new, np.asarray(context_lengths, np.int64),
                                      token_starts, rope.table_at))
-    q_scratch = empty_like_kind(qkv, (num_tokens * H * Dh,), acc_t)
-    k_scratch = empty_like_kind(qkv, (num_tokens * Hkv * Dh,), acc_t)
-    v_scratch = empty_like_kind(qkv, (num_tokens * Hkv * Dh,), acc_t)
+    # Every Q, K, V value the preprocess writes is rounded to the input dtype already: the scratch holds them in it.
+    q_scratch = empty_like_kind(qkv, (num_tokens * H * Dh,), dtype)
+    k_scratch = empty_like_kind(qkv, (num_tokens * Hkv * Dh,), dtype)
+    v_scratch = empty_like_kind(qkv, (num_tokens * Hkv * Dh,), dtype)
 
     rotate_cached = bool(streamingllm and rope_style)   # StreamingLLM: cached K rotated at its cache index on load
 
@@ -792,6 +823,13 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
                                rope=rope, rotate_keys=rotate_cached)
     # A chunk that wraps the cyclic cache would overwrite keys its own queries read: write after attention.
     write_after = bool(use_cache) and not do_cross_attention and bool(((new > 1) & (lengths > window)).any())
+    # Rungs 3 and 4 (trtllm_generation) take the generation entries (float32 accumulation); rung 1 the rest. Their
+    # kernel forms Q from qkv itself, and reads the new token's K/V back from the cache slot the preprocess writes
+    # when it holds them as the document attends with them (unquantized, after RoPE, written before attention): no
+    # scratch for those entries then.
+    generation = np.arange(E) >= num_context
+    vector_generation = rung != 1 and acc_t == np.float32 and bool(use_cache) and bool(generation.any())
+    new_in_cache = vector_generation and not quant and not rotate_cached and not write_after
     pre = Preprocess(qkv=flat(qkv), bias=flat(qkv_bias) if qkv_bias is not None else flat(qkv)[:1],
                      table=table, inv_freq=rope.inv_freq, position_divisor=rope.position_divisor,
                      cos_sin=rope.cos_sin, cos_sin_long=rope.cos_sin_long,
@@ -800,7 +838,8 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
                      inv_scale=np.float32(kv_orig_quant_scale if quant else 1.0), q_out=q_scratch, k_out=k_scratch,
                      v_out=v_scratch, k_dst=k_src, v_dst=v_src, write_scratch=np.int64(1),
                      write_cache=np.int64(bool(use_cache) and not write_after and not do_cross_attention),
-                     streaming=np.int64(streamingllm))
+                     streaming=np.int64(streamingllm),
+                     generation_scratch=np.int64(2 * (not new_in_cache) if vector_generation else 3))
     preprocess = _preprocess_kernel(rounds_as, H, Hkv, Dh, rotary_dim, rope_style, quant, qkv_bias is not None)
     max_new = int(new.max())
     pre_grid = (max(1, ceil_div(max_new * (H + 2 * Hkv) * Dh, threads)), E)
@@ -829,6 +868,8 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     heads_per_block, q_tile, key_tile = tiles
     q_blocks = max(1, ceil_div(max_new, q_tile)) * (H // heads_per_block) * E
     # spec: trtllm/multi-block
+    generation_splits = num_splits
+    num_splits = None if vector_generation else num_splits     # a forced count is the generation kernel's
     if num_splits is None:
         num_splits = choose_splits(q_blocks, int(np.max(kvlens)), key_tile, num_sms) if multi_block_mode else 1
     kernel = _attention_kernel(rounds_as, H, Hkv, Dh, quant, tiles, *rope_on_load, num_splits > 1)
@@ -842,6 +883,13 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     fp8_fmha = bool(use_fp8_context_fmha) and num_context > 0
     unfused = (context_fmha_type == 0 or fp8_fmha) and num_context > 0
     fused_new = np.where(np.arange(E) < num_context, 0, new) if unfused else new
+    if vector_generation:
+        from .trtllm_generation import attend_generation    # here: that module builds on this one
+        attend_generation(rung, generation_splits, multi_block_mode, num_sms, pre, out_geom,
+                          np.where(generation, new, 0), kvlens, k_src, v_src, args, sm_scale, rounds_as, H, Hkv, Dh,
+                          quant, rope_on_load, new_in_cache, num_tokens, threads, stream,
+                          (rotary_dim, rope_style, qkv_bias is not None))
+        fused_new = np.where(generation, 0, fused_new)
     lens = to_kind(qkv, fused_new), to_kind(qkv, kvlens)
     if unfused:
         _unfused_context(q_scratch, q_geom[1], new, kvlens, num_context, k_src, v_src, args, sm_scale, output,

@@ -24,6 +24,7 @@ def test_sanitize_every_kernel_family_finds_nothing(capsys, monkeypatch):
     # Every operator and every rung has a representative.
     for name in ("ppl key_value_cache", "ppl dynamic key_value_cache", "ppl dynamic multi_head_attention",
                  "onnx attention", "trtllm gpt_attention generation multi-block", "trtllm gpt_attention fp8 streaming",
+                 "trtllm gpt_attention generation rung 4",
                  "trtllm gpt_attention context unfused", "trtllm gpt_attention cross attention", "ft cross_attention",
                  *(f"ppl multi_head_cache_attention rung {rung}" for rung in range(1, 6))):
         assert name in families
@@ -38,9 +39,11 @@ def test_sanitize_every_kernel_family_finds_nothing(capsys, monkeypatch):
     # The multi-block and split-K representatives really split (their combine kernels ran).
     multi_block = rows["trtllm gpt_attention generation multi-block", "1 sequence, past 40, contiguous fp16"]
     assert multi_block["launches"] == 3 and "combine_kernel" in multi_block["kernels"]
-    split_k = [row for (family, _), row in rows.items() if family.endswith("rung 4")]
+    split_k = [row for (family, _), row in rows.items() if family.startswith("ppl") and family.endswith("rung 4")]
     assert len(split_k) == 3 and all(row["kernels"] == ["combine_kernel", "store_kernel", "vector_attention_kernel"]
                                      for row in split_k)              # three caches
+    generation = rows["trtllm gpt_attention generation rung 4", "1 sequence, past 40, paged INT8, 3 splits"]
+    assert generation["kernels"] == ["combine_kernel", "preprocess_kernel", "vector_attention_kernel"]
     assert max(len(line) for line in out.splitlines()) <= 80          # piped: the tables fit 80 columns
     check_table(table)
 

@@ -86,20 +86,20 @@ def poisoned(kernels):
     return run
 
 
-def kernels(threads: int):
-    """The kernels with `threads` a block, as the kit calls an implementation, NaN in every slot they must not read
-    (32 and 64 threads leave most loops several strides per thread)."""
+def kernels(threads: int, **launch):
+    """The kernels with `threads` a block (and `launch`: rung, num_splits), as the kit calls an implementation, NaN
+    in every slot they must not read (32 and 64 threads leave most loops several strides per thread)."""
     def on_kernels(**args):
-        return cacheattn.gpt_attention(**args, backend="numba", threads=threads)
+        return cacheattn.gpt_attention(**args, backend="numba", threads=threads, **launch)
     return poisoned(on_kernels)
 
 
 DTYPES = ("float16", "bfloat16", "float32")
 
 
-def run(args, backend):
+def run(args, backend, **launch):
     args = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in args.items()}
-    output, _ = cacheattn.gpt_attention(**args, backend=backend)
+    output, _ = cacheattn.gpt_attention(**args, backend=backend, **launch)
     return output, args
 
 
@@ -133,11 +133,96 @@ CHOSEN = {
 }
 
 
+# The default rung runs generation on rung 3; these also on rung 1 (beams, custom mask and T5; keys rotated on load).
+RUNG_1 = ("inflight-beams-custom-mask-t5", "streamingllm")
+
+
 @pytest.mark.spec("trtllm/cross-attention", "trtllm/context-unfused", "trtllm/fp8-context-fmha")
-@pytest.mark.parametrize("name", list(CHOSEN))
-def test_kernels_on_chosen_calls(name):
+@pytest.mark.parametrize("name,rung", [(name, None) for name in CHOSEN] + [(name, 1) for name in RUNG_1])
+def test_kernels_on_chosen_calls(name, rung):
     threads = (32, 64, 128)[list(CHOSEN).index(name) % 3]
-    kit.check_case("gpt_attention", kernels(threads), CHOSEN[name])
+    kit.check_case("gpt_attention", kernels(threads, rung=rung), CHOSEN[name])
+
+
+# ---- the generation phase on the kernel ladder's rungs 3 and 4 (kernels_numba/trtllm_generation.py) ----------------
+
+GEN = replace(BASE, contexts=(), generations=((3, 6), (2, 9)), beam_width=2, head_size=16, capacity=12, window=12,
+              paged=True, tokens_per_block=4)
+# Generation calls whose rows are whole 16-byte chunks (head_size 16 or 32), so the vector loads and their unpacking
+# run, on every feature of the generation phase; in-flight calls add a context request (rung 1) beside them.
+GENERATION = {
+    "paged-fp16-beams-alibi-softcap": replace(GEN, dtype="float16", position=4, softcap=3.0),
+    "contiguous-int8-t5-logn": replace(GEN, paged=False, quant=64, position=6, relative="t5", logn=True,
+                                       beam_width=1),
+    "paged-fp8-cyclic-window-regular-bias": replace(GEN, quant=128, dtype="float16", head_size=32, window=7,
+                                                    capacity=7, position=6, relative="regular", beam_width=1),
+    "streamingllm-fp8-neox-sinks": replace(GEN, quant=128, dtype="float16", streamingllm=True, sinks=2, window=6,
+                                           capacity=6, position=2, rotary_dim=16, beam_width=1),
+    "streamingllm-fp16-gptj-contiguous": replace(GEN, dtype="float16", streamingllm=True, sinks=1, window=5,
+                                                 capacity=5, position=1, rotary_dim=8, paged=False, beam_width=1),
+    "inflight-wrapping-chunk-fp16-custom-mask": replace(GEN, contexts=((3, 6),), dtype="float16", window=5,
+                                                        capacity=5, mask_type=6, generations=((2, 4),), beam_width=1),
+    "bfloat16-paged-neox-int8": replace(GEN, dtype="bfloat16", quant=64, position=2, rotary_dim=16, qkv_bias=True,
+                                        beam_width=1),
+    # head_size 128: lane groups take tiles of 2 keys, 4 keys a step, so a tile and a step cross from the sink into
+    # the window past the keys it hides (walked over, not loaded); no RoPE: the new token read from its cache slot.
+    "streamingllm-fp16-sink-tiles-dh128": replace(GEN, dtype="float16", head_size=128, streamingllm=True, sinks=1,
+                                                  window=6, capacity=6, generations=((3, 12), (2, 20)),
+                                                  beam_width=1, paged=False),
+}
+# Rung 4 where splitting meets something new: beams, a window (split, not [0, kvlen)), keys rotated on load; one
+# sequence.
+SPLIT = ("paged-fp16-beams-alibi-softcap", "paged-fp8-cyclic-window-regular-bias", "streamingllm-fp8-neox-sinks")
+
+
+def launched(args, **launch) -> list:
+    """Names of the kernels a numba call launches (recorded, not run)."""
+    with _launch.recorded_launches() as launches:
+        cacheattn.gpt_attention(**args, backend="numba", **launch)
+    return [kernel.py_func.__name__ for kernel, _ in launches]
+
+
+@pytest.mark.spec("trtllm/generation-mmha", "trtllm/multi-block")
+@pytest.mark.parametrize("name,rung", [(name, 3) for name in GENERATION] + [(name, 4) for name in SPLIT])
+def test_generation_on_rungs_3_and_4(name, rung):
+    """The kit's checks (float64 evaluation, caches bit for bit, unread slots NaN) on the vector kernel; rung 4 with
+    3 forced splits of the 10 keys. One warp a block: the simulator's cost is blocks x threads."""
+    case = GENERATION[name]
+    if rung == 4:
+        case = replace(case, generations=case.generations[1:])
+    launch = dict(rung=4, num_splits=3) if rung == 4 else dict(rung=3)
+    names = launched(build_trt(case), **launch)
+    assert "vector_attention_kernel" in names and ("combine_kernel" in names) == (rung == 4), names
+    kit.check_case("gpt_attention", kernels(32, **launch), case)
+
+
+@pytest.mark.spec("trtllm/multi-block")
+@pytest.mark.parametrize("sequences,past,splits", [(4, 4000, 33), (1, 4000, 64), (1, 40, 3), (66, 4000, 1)])
+def test_generation_splits_only_when_sms_idle(sequences, past, splits):
+    """rung None on recorded launches (nothing runs): the vector kernel, split (rung 4, with the combine) only when
+    its blocks (2 a sequence: a GQA group of 2 heads a block) leave some of the simulator's 132 SMs idle: two blocks
+    an SM (2 x 132 / 8 blocks = 33 splits), at most 64, at most one split per step of keys (16 at head_size 16 in
+    float16, one warp)."""
+    case = replace(GEN, generations=((3, past),) * sequences, beam_width=1, capacity=past + 1, window=past + 1,
+                   tokens_per_block=64, dtype="float16")
+    with _launch.recorded_launches() as launches:
+        cacheattn.gpt_attention(**build_trt(case), backend="numba", threads=32)
+    names = [kernel.py_func.__name__ for kernel, _ in launches]
+    if splits == 1:
+        assert names == ["preprocess_kernel", "vector_attention_kernel"]
+    else:
+        assert names == ["preprocess_kernel", "vector_attention_kernel", "combine_kernel"]
+        assert launches[1][1][1][5] == splits           # out_geom's num_splits
+    with _launch.recorded_launches() as launches:      # rung 1's multi-block mode is still there
+        cacheattn.gpt_attention(**build_trt(case), backend="numba", threads=32, rung=1, num_splits=2)
+    assert [kernel.py_func.__name__ for kernel, _ in launches] == ["preprocess_kernel", "attention_kernel",
+                                                                   "combine_kernel"]
+
+
+def test_float64_generation_runs_on_rung_1():
+    """The vector kernels accumulate in float32; a float64 call takes rung 1 by default (and refuses rung 3 or 4)."""
+    names = launched(build_trt(replace(GEN, dtype="float64")), threads=32)
+    assert names == ["preprocess_kernel", "attention_kernel"]
 
 
 # ---- FP8 e4m3 from the bits ------------------------------------------------------------------------------------
@@ -222,9 +307,9 @@ def test_bfloat16_kernels_match_the_reference(case, changes):
 
 @pytest.mark.spec("trtllm/multi-block")
 def test_multi_block_equals_single_block(monkeypatch):
-    """Several split counts over key tiles of 2, one with splits that see no key (the window hides the first tile,
-    the last split has none): the combined output matches one block per row and the reference, and the cache is
-    written the same."""
+    """Rung 1's multi-block mode: several split counts over key tiles of 2, one with splits that see no key (the
+    window hides the first tile, the last split has none): the combined output matches one block per row and the
+    reference, and the cache is written the same."""
     from kernels_numba import trtllm_gpt_attention as kernels
     case = replace(BASE, contexts=(), generations=((2, 7),), beam_width=1, capacity=8, window=5, quant=64,
                    position=4, softcap=3.0, num_heads=2, num_kv_heads=1)
@@ -241,7 +326,7 @@ def test_multi_block_equals_single_block(monkeypatch):
 
         monkeypatch.setattr(kernels, "choose_splits", lambda *_, count=splits, **__: count)
         monkeypatch.setattr(kernels, "launch", counted)
-        outputs[splits], caches[splits] = run(args, "numba")
+        outputs[splits], caches[splits] = run(args, "numba", rung=1)
         launch_counts[splits] = len(launched)
         assert_bits_equal(f"cache, {splits} splits", caches[splits][cache_name(args)], caches[1][cache_name(args)])
     assert launch_counts[2] == launch_counts[5] == launch_counts[1] + 1          # + the combine kernel

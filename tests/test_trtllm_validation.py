@@ -458,3 +458,26 @@ def test_validation_hands_both_backends_the_layers_window_once(windows, layer_id
     args = call(host_max_attention_window_sizes=np.array(windows, np.int32), layer_idx=layer_idx)
     checked = trtllm.validate(_all_arguments(args))
     assert checked["host_max_attention_window_sizes"].tolist() == [want]
+FLOAT64 = replace(BASE, dtype="float64")
+BAD_LAUNCH = [
+    ("rung 2", BASE, dict(rung=2), ValueError, "rung"),
+    ("rung 5", BASE, dict(rung=5), ValueError, "rung"),
+    ("rung float", BASE, dict(rung=3.0), ValueError, "rung"),
+    ("rung 3 on float64", FLOAT64, dict(rung=3), ValueError, "rung"),
+    ("rung 4 on float64", FLOAT64, dict(rung=4, num_splits=2), ValueError, "rung"),
+    ("num_splits with rung 3", BASE, dict(rung=3, num_splits=2), ValueError, "num_splits"),
+    ("num_splits 0", BASE, dict(num_splits=0), ValueError, "num_splits"),
+    ("num_splits 65", BASE, dict(rung=4, num_splits=65), ValueError, "num_splits"),
+    ("num_splits float", BASE, dict(rung=1, num_splits=2.0), TypeError, "num_splits"),
+]
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+@pytest.mark.parametrize("name,case,launch,error,param", BAD_LAUNCH, ids=[b[0] for b in BAD_LAUNCH])
+def test_bad_kernel_choice(name, case, launch, error, param, backend):
+    """rung and num_splits (the kernels' choice, as OpenPPL's) are checked on either backend, before any kernel."""
+    args = build_trt(case)
+    before = _cache_of(args).copy()
+    with _launch.recorded_launches() as launches, pytest.raises(error, match=rf"^{param}\b"):
+        cacheattn.gpt_attention(**args, backend=backend, **launch)
+    assert launches == [] and before.tobytes() == _cache_of(args).tobytes()

@@ -4,8 +4,8 @@ Every operator runs on the kernels in numba's CUDA simulator on the tour's examp
 shapes (`cacheattn.tour`): OpenPPL's KeyValueCache, dynamic KeyValueCache, MultiHeadAttention and
 MultiHeadCacheAttention at every rung of the kernel ladder on float16, int8 and int4 caches; ONNX Attention;
 TensorRT-LLM gpt_attention (in-flight context + generation on a paged INT8 pool, StreamingLLM on a cyclic FP8 cache,
-multi-block generation, the unfused and FP8 context paths, cross attention); FasterTransformer cross attention (step 1
-and a later step). A table gives each call's launches, kernels and findings (race, uninitialized shared read,
+generation on rungs 1 (multi-block), 3 and 4, the unfused and FP8 context paths, cross attention); FasterTransformer
+cross attention (step 1 and a later step). A table gives each call's launches, kernels and findings (race, uninitialized shared read,
 out-of-bounds index), a second one every finding; the pass ends with the total, `0 findings` when clean.
 """
 
@@ -127,12 +127,15 @@ def _trt_calls(full: bool) -> list[Call]:
                   lambda: _trt(inflight)),
              Call("trtllm gpt_attention fp8 streaming", "2 sinks, window 8, cyclic FP8 cache, GPT-J RoPE",
                   lambda: _trt(streaming))]
-    # Multi-block: one generation sequence on few blocks, longer than a key tile (32): the launcher splits the
-    # keys in two and combines.
+    # Multi-block on rung 1: one generation sequence on few blocks, longer than a key tile (32): the launcher
+    # splits the keys in two and combines. Rung 4: the vector kernel's splits over a paged INT8 pool, and the
+    # combine (the in-flight calls above run their generation on rung 3).
     generation = with_(inflight, contexts=(), generations=((6, 40),), beam_width=1, paged=False, quant=0,
                        capacity=48, window=48)
     calls.append(Call("trtllm gpt_attention generation multi-block", "1 sequence, past 40, contiguous fp16",
-                      lambda: _trt(generation)))
+                      lambda: _trt(generation, rung=1)))
+    calls.append(Call("trtllm gpt_attention generation rung 4", "1 sequence, past 40, paged INT8, 3 splits",
+                      lambda: _trt(with_(generation, paged=True, quant=64), rung=4, num_splits=3)))
     unfused = with_(inflight, generations=(), context_fmha_type=0, quant=0, paged=False)
     calls.append(Call("trtllm gpt_attention context unfused", "context_fmha_type 0, contiguous fp16",
                       lambda: _trt(unfused)))
@@ -146,8 +149,8 @@ def _trt_calls(full: bool) -> list[Call]:
     return calls
 
 
-def _trt(case):
-    return cacheattn.gpt_attention(**build_trt(case), backend="numba", threads=THREADS)
+def _trt(case, **launch):
+    return cacheattn.gpt_attention(**build_trt(case), backend="numba", threads=THREADS, **launch)
 
 
 def _ft_calls(full: bool) -> list[Call]:

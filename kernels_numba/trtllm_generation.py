@@ -1,0 +1,376 @@
+"""TensorRT-LLM's generation phase on the kernel ladder's fast decode rungs: rung 3 (16-byte vector loads, lane groups
+per key, `_attention_vector`) and rung 4 (the same with split-K and `_split_k`'s combine).
+
+The rung-3 loop is the one `_attention_vector.make_vector_attention_kernel` builds for OpenPPL; TensorRT-LLM's
+semantics come in through the device functions it takes:
+
+- where key t lives (`make_generation_walker`): a walk over the cache slots. The cyclic slot of the lane group's
+  first key (sinks stay put, the rest cycle through the window's W - S slots) is stepped forward, wrapping with
+  one subtraction, so the loop divides neither by the window nor by the page size (tokens_per_block is a power
+  of two: shift and mask); paged blocks through the block offsets after the sinks' bubble; beams through
+  cache_indirection (the prompt from the sequence's first row, later tokens from the beam it names);
+- how a chunk is loaded (`make_generation_chunk_load`): 16 bytes of float16 / float32 values, or of INT8 / FP8
+  (e4m3) codes. A per-tensor scale is folded out of the loads: a chunk holds the codes as float32 (e4m3 read as
+  the float16 with the same sign, exponent and mantissa bits, which is its value / 256, one shift and mask a
+  value), the scale goes into the logit scale for K and into one multiply of each output row for V
+  (`value_scale`). StreamingLLM's keys are rotated at their cache index as they are loaded, dequantized exactly
+  (the rotation rounds to the input dtype, so the scale cannot be taken out of it);
+- the score and the visible keys: `trtllm_gpt_attention.make_trt_score`, the rung-1 kernel's own (causal, window
+  and sinks, custom mask, softcap, ALiBi, relative bias; logn is applied to Q by the preprocess), over the keys
+  the window leaves visible only (`hidden_keys`): the sinks, then the window, so a StreamingLLM sequence far past
+  its window walks W keys, not every key it has seen.
+
+The new token: the preprocess has written its K and V to the cache before this kernel runs. With an unquantized
+cache, whose slot then holds exactly the (unquantized) K/V the document attends with, the kernel reads the new token
+from that slot like any other key and the preprocess writes no K/V scratch for generation entries (`new_in_cache`).
+A quantized cache holds its codes, StreamingLLM's holds K before RoPE, and a call whose context chunk wraps the
+cyclic cache writes it after attention: then the new token's K/V come from the scratch the preprocess wrote, in
+the input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import namedtuple
+from functools import cache
+
+import numpy as np
+from numba import cuda
+
+from ._attention_vector import keys_per_step, make_vector_attention_kernel, plan_vector_rows
+from ._cache import _address
+from ._launch import ceil_div, empty_like_kind, launch, to_kind
+from ._numerics import rounder
+from ._split_k import choose_splits, combine_kernel
+from ._vector import VECTOR_BYTES, float_from_bits, half_from_bits, load16
+from .trtllm_gpt_attention import (BEAM, FIRST_ROW, FP8_KV_CACHE, INT8_KV_CACHE, IS_CONTEXT, PAST, PROMPT, SEQUENCE,
+                                   TOKEN_START, cyclic_slot, make_new_token, make_trt_access, make_trt_score)
+
+# What the generation kernel forms its query rows from: the preprocess's inputs (qkv, bias, the RoPE frequencies and
+# tables, logn; the entry table of the call's own tokens) and the cache's window (StreamingLLM rotates Q at min(p, W)).
+QuerySource = namedtuple("QuerySource", "qkv bias table inv_freq position_divisor cos_sin cos_sin_long logn logn_on "
+                                        "streaming window")
+
+# The e4m3 bits shifted into a float16's place give the e4m3 value / 256 (float16's exponent bias is 8 more): the
+# folded FP8 scale carries the 256, exactly.
+FP8_AS_HALF = 256.0
+NO_PROMPT = 1 << 62                    # a context entry's keys never go through the beam indirection
+
+
+def chunk_elements(cache_itemsize: int) -> int:
+    """Elements in one 16-byte chunk of the cache: 8 float16, 4 float32, 16 INT8 or e4m3 codes."""
+    return VECTOR_BYTES // cache_itemsize
+
+
+def vector_loads_ok(cache_array, head_size: int) -> bool:
+    """Whether every cache row can be read in 16-byte loads: rows are head_size elements apart in both layouts
+    (slots, heads, blocks and rows are multiples of a row), so a row of a whole number of 16-byte chunks and data
+    starting on a 16-byte boundary make every chunk aligned (decided on the host, once per launch)."""
+    itemsize = np.dtype(cache_array.dtype).itemsize
+    return itemsize <= 4 and (head_size * itemsize) % VECTOR_BYTES == 0 and _address(cache_array) % VECTOR_BYTES == 0
+
+
+def fold_factor(quant: int) -> float:
+    """What a folded load leaves out of a cached value besides the per-tensor scale: 256 for e4m3 read as float16."""
+    return FP8_AS_HALF if quant == FP8_KV_CACHE else 1.0
+
+
+@cuda.jit(device=True, inline="always")
+def hidden_keys(x, b):
+    """How many keys a generation entry's window hides between its sinks and its first visible key (x: the
+    KVSource or the ScoreArgs, both with table, window, sinks): with the query at p, keys S .. p - (W - S). The
+    generation kernel walks the visible keys only: walk index u is key u below the sinks, key u + hidden past
+    them, so a StreamingLLM sequence far past its window walks W keys, not every key it has seen."""
+    if x.table[b, IS_CONTEXT] != 0:
+        return np.int64(0)
+    return max(np.int64(0), x.table[b, PAST] - (x.window - x.sinks) + 1 - x.sinks)
+
+
+def make_generation_walker(num_kv_heads: int, head_size: int, new_in_cache: bool):
+    """(row_offsets, (begin, at, advance)) of `_attention_vector.make_vector_attention_kernel` for TensorRT-LLM's
+    KVSource, over the visible keys (`hidden_keys`: walk index u is key u below the sinks, u + hidden past them):
+    the element index of key u and `where` = (cyclic slot << 32) | (b + 1) for a cached key, or its scratch row
+    and 0 for the new token when not new_in_cache. The state is (u, cyclic slot of its key, the entry's first
+    row, prompt length, sequence, beam, past, hidden keys)."""
+    HKV, DH = num_kv_heads, head_size
+
+    @cuda.jit(device=True, inline="always")
+    def cyclic_step(slot, n, window, sinks):
+        """The cyclic slot n tokens after `slot`: below the window the slot is the position itself, past it the
+        slots after the sinks repeat every W - S (a division only when a step wraps)."""
+        s = slot + n
+        if s >= window:
+            s = sinks + (s - sinks) % (window - sinks)
+        return s
+
+    @cuda.jit(device=True, inline="always")
+    def slot_after(src, u0, slot0, n, hidden):
+        """The cyclic slot of walk index u0 + n, given u0's: a step within the sinks or past them, or the one
+        step from the sinks across the hidden keys (a division, once per lane group)."""
+        u = u0 + n
+        if u0 >= src.sinks or u < src.sinks or hidden == 0:
+            return cyclic_step(slot0, n, src.window, src.sinks)
+        return cyclic_slot(u + hidden, src.window, src.sinks)
+
+    @cuda.jit(device=True, inline="always")
+    def address(src, row, slot, h):
+        """Element 0 of kv head h at cyclic slot `slot` of cache row `row` (trtllm_gpt_attention's cache_address,
+        the block index by a shift: tokens_per_block is a power of two)."""
+        if slot >= src.sinks:
+            slot += src.bubble                          # paged: the sinks have their blocks to themselves
+        if src.paged != 0:
+            mask = src.tokens_per_block - 1
+            block = src.offsets[row, src.kv, slot >> cuda.popc(mask)] + src.layer_blocks
+            return block * src.s_block + h * src.s_head + (slot & mask) * DH
+        return row * src.s_row + src.kv * src.s_kv + h * src.s_head + slot * DH
+
+    @cuda.jit(device=True, inline="always")
+    def begin(src, b, u0):
+        table = src.table
+        first_row, prompt, sequence, beam = b, np.int64(NO_PROMPT), np.int64(0), np.int64(0)
+        if table[b, IS_CONTEXT] == 0:
+            first_row, prompt, sequence, beam = table[b, FIRST_ROW], table[b, PROMPT], table[b, SEQUENCE], \
+                table[b, BEAM]
+        hidden = hidden_keys(src, b)
+        t0 = u0 + hidden if u0 >= src.sinks else u0
+        return u0, cyclic_slot(t0, src.window, src.sinks), first_row, prompt, sequence, beam, table[b, PAST], hidden
+
+    # spec: trtllm/cyclic-cache, trtllm/sink-tokens, trtllm/generation-beam-tokens
+    @cuda.jit(device=True, inline="always")
+    def at(src, b, state, j, h):
+        u0, slot0, first_row, prompt, sequence, beam, past, hidden = state
+        t = u0 + j
+        if t >= src.sinks:
+            t += hidden
+        slot = slot_after(src, u0, slot0, j, hidden)
+        where = (slot << 32) | (b + 1)
+        if t >= past:                                   # the new token: its own row's slot, or the scratch
+            if new_in_cache:
+                return address(src, b, slot, h), where
+            return ((src.table[b, TOKEN_START] + t - past) * HKV + h) * DH, np.int64(0)
+        row = first_row
+        if t >= prompt and src.indirection.shape[1] > 1:   # one beam: its only index is 0, no load
+            row += src.indirection[sequence, beam, slot]
+        return address(src, row, slot, h), where
+
+    @cuda.jit(device=True, inline="always")
+    def advance(src, state, step):
+        u0, slot0, first_row, prompt, sequence, beam, past, hidden = state
+        return u0 + step, slot_after(src, u0, slot0, step, hidden), first_row, prompt, sequence, beam, past, hidden
+
+    @cuda.jit(device=True, inline="always")
+    def row_offsets(src, b, u, h):
+        """Walk index u's place: the last visible key, which the keys past the end of the walk read instead
+        (weighed 0). When that is the new token in the scratch, the key before it, cached (a vector load, not one
+        load per element for every key of the last step's padding)."""
+        row, where = at(src, b, begin(src, b, u), 0, h)
+        if not new_in_cache and where == 0 and u >= 1:
+            return at(src, b, begin(src, b, u - 1), 0, h)
+        return row, where
+
+    return row_offsets, (begin, at, advance)
+
+
+def make_generation_score():
+    """(score, key_range) of the vector kernel: trtllm_gpt_attention's, over walk indices (`hidden_keys`): the
+    range ends `hidden` before the last visible key, and index u past the sinks scores key u + hidden."""
+    score, key_range = make_trt_score(np.float32)
+
+    @cuda.jit(device=True, inline="always")
+    def walk_score(args, qk, b, h, i, u, seqlen, kvlen):
+        t = u + hidden_keys(args, b) if u >= args.sinks else u
+        return score(args, qk, b, h, i, t, seqlen, kvlen)
+
+    @cuda.jit(device=True, inline="always")
+    def walk_range(args, b, i_first, i_last, seqlen, kvlen):
+        lo, hi = key_range(args, b, i_first, i_last, seqlen, kvlen)
+        hidden = hidden_keys(args, b)
+        if hidden == 0:
+            return lo, hi
+        return np.int64(0), hi - hidden                 # lo was the window's first key, or 0 with sinks
+
+    return walk_score, walk_range
+
+
+def make_generation_chunk_load(quant: int, elements: int, vector: bool, fold: bool, round_dtype, num_kv_heads: int,
+                               head_size: int, rope_style: int = 0, rotary_dim: int = 0, new_in_cache: bool = False):
+    """Device function load_chunk(src, row, where, d0, regs, at, dims) of the vector kernel: elements d0 ..
+    d0 + elements - 1 of a K or V row (those below dims) into regs[at:], as float32.
+
+    where 0: the new token, from the scratch (unquantized; divided by the folded scale when `fold`; never with
+    new_in_cache, which compiles that path out). Else a cached row: with `vector` one 16-byte load unpacked in
+    registers, else one load per element. `fold` (INT8 / FP8 caches): the codes as float32 (e4m3: value / 256),
+    the caller multiplies by the scale; else each value as the rung-1 kernel loads it (`make_trt_access`: code *
+    scale rounded to float32, rotated for StreamingLLM keys with rope_style != 0)."""
+    _, load = make_trt_access(quant, num_kv_heads, head_size, np.float32, round_dtype, rope_style, rotary_dim)
+    fold = fold and quant != 0
+    factor = np.float32(fold_factor(quant))
+    bits = 8 if quant else 128 // elements             # 16-byte chunks: float16 or float32 values, 8-bit codes
+    per_word = 32 // bits
+    words = elements // per_word
+    field_mask = (1 << bits) - 1
+    nan = np.float32(math.nan)
+
+    @cuda.jit(device=True, inline="always")
+    def code_value(code):
+        """A cached code's value without the per-tensor scale (e4m3: / 256); NaN for e4m3's NaN codes."""
+        c = np.int32(code) & 0xFF
+        if quant == INT8_KV_CACHE:
+            return np.float32(np.int32(c ^ 0x80) - 0x80)     # the byte's two's complement
+        if c & 0x7F == 0x7F:
+            return nan
+        return half_from_bits(np.uint32(((c & 0x80) << 8) | ((c & 0x7F) << 7)))
+
+    @cuda.jit(device=True, inline="always")
+    def load_chunk(src, row, where, d0, regs, at, dims):
+        if not new_in_cache and where == 0:             # the new token, unquantized
+            inv = np.float32(1.0) / (src.scale * factor) if fold else np.float32(1.0)
+            for e in range(elements):
+                if d0 + e < dims:
+                    x = np.float32(src.scratch[row + d0 + e])
+                    regs[at + e] = x * inv if fold else x
+            return
+        rotated = rope_style != 0 and src.rotate != 0 and d0 < rotary_dim
+        if not vector or rotated:
+            for e in range(elements):
+                if d0 + e < dims:
+                    regs[at + e] = code_value(src.cache[row + d0 + e]) if fold else load(src, row, where, d0 + e)
+            return
+        loaded = load16(src.cache, row + d0)
+        for j in range(words):
+            for k in range(per_word):                   # little-endian: element e is the e-th field from bit 0
+                field = (loaded[j] >> (bits * k)) & field_mask
+                if quant == 0:
+                    x = half_from_bits(field) if bits == 16 else float_from_bits(field)
+                elif fold:
+                    x = code_value(field)
+                elif quant == INT8_KV_CACHE:            # the reference's decode: code * scale in float32
+                    x = np.float32(code_value(field) * src.scale)
+                else:
+                    x = np.float32(code_value(field) * factor * src.scale)
+                regs[at + j * per_word + k] = x
+
+    return load_chunk
+
+
+def make_query(dtype, num_heads, num_kv_heads, head_size, rotary_dim, rope_style, has_bias):
+    """query(src, b, i, h, d) of the vector kernel: element d of head h of entry b's new token i, as the preprocess
+    would write it to the scratch (qkv + bias in the input dtype, RoPE at its position, or at min(p, W) in
+    StreamingLLM generation, then Qwen's logn factor), from a QuerySource: no Q scratch written or read."""
+    element, rotated = make_new_token(dtype, num_heads, num_kv_heads, head_size, rotary_dim, rope_style, has_bias)
+    round_dtype = rounder(dtype)
+
+    @cuda.jit(device=True, inline="always")
+    def query(src, b, i, h, d):
+        token = src.table[b, TOKEN_START] + i
+        position = src.table[b, PAST] + i
+        rope_position = position
+        if src.streaming != 0 and src.table[b, IS_CONTEXT] == 0:
+            rope_position = min(position, src.window)
+        y = rotated(src, b, token, rope_position, h, d)
+        if src.logn_on != 0:
+            y = round_dtype(y * np.float32(src.logn[position]))
+        return y
+
+    return query
+
+
+def make_value_scale(quant: int):
+    """value_scale(v_src) of the vector kernel for a folded cache: its per-tensor scale (times 256 for e4m3)."""
+    factor = np.float32(fold_factor(quant))
+
+    @cuda.jit(device=True, inline="always")
+    def value_scale(v_src):
+        return v_src.scale * factor
+
+    return value_scale
+
+
+def block_plan(num_heads: int, num_kv_heads: int, head_size: int, chunk: int, threads: int):
+    """(heads_per_block, q_tile) of the generation kernel: one token per entry, a GQA group's rows a block when
+    they fit `_attention_vector.max_rows`."""
+    return plan_vector_rows(num_heads, num_kv_heads, 1, head_size, chunk, threads // 32)
+
+
+def key_step(head_size: int, chunk: int, threads: int) -> int:
+    """Keys a block walks at once: `choose_splits`' key tile for rung 4."""
+    return keys_per_step(head_size, chunk, threads // 32)
+
+
+@cache
+def generation_kernel(dtype, num_heads, num_kv_heads, head_size, quant, cache_itemsize, vector, new_in_cache,
+                      threads, query_rope, rope_style=0, rotary_dim=0, partials=False):
+    """The vector kernel for TensorRT-LLM generation entries (one new token each): `dtype` the one whose roundings
+    the kernels emulate (float16, bfloat16 or float32; the accumulator is float32), the cache's element size,
+    whether its rows take 16-byte loads, whether the new token is read from its cache slot; query_rope: the
+    (rotary_dim, rope_style, has_bias) its query rows are formed with (`make_query`); rope_style/rotary_dim only
+    for StreamingLLM (cached keys rotated on load: no folded scale); partials: rung 4's split kernel.
+    Returns (kernel, heads_per_block, folded), folded whether the launcher multiplies the logit scale by the
+    cache's per-tensor scale (`fold_factor` included)."""
+    round_dtype = rounder(dtype)
+    chunk = chunk_elements(cache_itemsize)
+    fold = quant != 0 and rope_style == 0
+    heads_per_block, q_tile = block_plan(num_heads, num_kv_heads, head_size, chunk, threads)
+    row_offsets, walker = make_generation_walker(num_kv_heads, head_size, new_in_cache)
+    load_chunk = make_generation_chunk_load(quant, chunk, vector, fold, round_dtype, num_kv_heads, head_size,
+                                            rope_style, rotary_dim, new_in_cache)
+    score, key_range = make_generation_score()
+    kernel = make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, head_dim_k=head_size,
+                                          head_dim_v=head_size, chunk=chunk, heads_per_block=heads_per_block,
+                                          q_tile=q_tile, group=num_heads // num_kv_heads, warps=threads // 32,
+                                          partials=partials, walker=walker,
+                                          value_scale=make_value_scale(quant) if fold else None,
+                                          query=make_query(dtype, num_heads, num_kv_heads, head_size, *query_rope))
+    return kernel, heads_per_block, fold
+
+
+def generation_splits(rung, num_splits, multi_block_mode, blocks, max_kv_len, key_tile, num_sms=None) -> int:
+    """Rung 3: 1. Rung 4: num_splits, or `choose_splits` (split only when the blocks leave SMs idle). None: as rung 4
+    when multi_block_mode (a forced num_splits too), else 1."""
+    if rung == 3 or (rung is None and not multi_block_mode and num_splits is None):
+        return 1
+    return num_splits or choose_splits(blocks, max_kv_len, key_tile, num_sms)
+
+
+# spec: trtllm/generation-mmha, trtllm/multi-block
+def attend_generation(rung, num_splits, multi_block_mode, num_sms, pre, out_geom, new, kvlens, k_src, v_src, args,
+                      sm_scale, rounds_as, num_heads, num_kv_heads, head_size, quant, rope_on_load, new_in_cache,
+                      num_tokens, threads, stream, query_rope):
+    """Launch the generation kernel over the entries with new[e] = 1 (the others' blocks return at once): rung 3,
+    or rung 4's partials and `_split_k.combine_kernel`. pre: the preprocess's arguments (its qkv, bias, RoPE and
+    logn inputs, its entry table: the query rows come from them, `make_query`); query_rope: (rotary_dim,
+    rope_style, has_bias); out_geom as trtllm_gpt_attention.gpt_attention builds it (the output's rows); sm_scale
+    the document's 1 / (q_scaling sqrt(Dh)), times the per-tensor scale here when the loads fold it out."""
+    H, E = num_heads, len(new)
+    like = pre.table
+    q_src = QuerySource(qkv=pre.qkv, bias=pre.bias, table=pre.table, inv_freq=pre.inv_freq,
+                        position_divisor=pre.position_divisor, cos_sin=pre.cos_sin, cos_sin_long=pre.cos_sin_long,
+                        logn=pre.logn, logn_on=pre.logn_on, streaming=pre.streaming, window=pre.k_dst.window)
+    cache_itemsize = np.dtype(k_src.cache.dtype).itemsize
+    chunk = chunk_elements(cache_itemsize)
+    vector = vector_loads_ok(k_src.cache, head_size)
+    key = (rounds_as, H, num_kv_heads, head_size, quant, cache_itemsize, vector, new_in_cache, threads, query_rope,
+           *rope_on_load)
+    kernel, heads_per_block, folded = generation_kernel(*key)
+    live = new > 0
+    visible = np.minimum(np.asarray(kvlens, np.int64), int(args.window))     # the walk skips what the window hides
+    splits = generation_splits(rung, num_splits, multi_block_mode, (H // heads_per_block) * int(live.sum()),
+                               int(np.max(np.where(live, visible, 0))), key_step(head_size, chunk, threads), num_sms)
+    if folded:
+        sm_scale = np.float32(float(sm_scale) * float(k_src.scale) * fold_factor(quant))
+    lens = to_kind(like, new), to_kind(like, kvlens)
+    grid = (1, H // heads_per_block, E * splits)
+    if splits == 1:
+        launch(kernel, grid, threads, stream, q_src, out_geom, *lens, k_src, v_src, args, np.float32(sm_scale))
+        return
+    # Rung 4: each split's (m, l, unnormalised o) per row, then one combine pass over the splits.
+    rows = num_tokens * H
+    o_part = empty_like_kind(like, (splits * rows * head_size,), np.float32)
+    m_part, l_part = (empty_like_kind(like, (splits * rows,), np.float32) for _ in range(2))
+    split_geom = (o_part, *out_geom[1:], np.int64(splits), np.int64(rows * head_size), np.int64(rows), np.int64(H),
+                  m_part, l_part)
+    partials, _, _ = generation_kernel(*key, partials=True)
+    launch(partials, grid, threads, stream, q_src, split_geom, *lens, k_src, v_src, args, np.float32(sm_scale))
+    starts = to_kind(like, np.concatenate([[0], np.cumsum(new)]).astype(np.int64))
+    launch(combine_kernel(rounds_as, H, head_size), (max(1, ceil_div(H * head_size, threads)), E), threads, stream,
+           o_part, m_part, l_part, np.int64(splits), out_geom[1], starts, out_geom[0])
