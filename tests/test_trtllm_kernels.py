@@ -196,7 +196,7 @@ def test_generation_on_rungs_3_and_4(name, rung):
 
 
 @pytest.mark.spec("trtllm/multi-block")
-@pytest.mark.parametrize("sequences,past,splits", [(4, 4000, 33), (1, 4000, 64), (1, 40, 3), (66, 4000, 1)])
+@pytest.mark.parametrize("sequences,past,splits", [(4, 4000, 33), (1, 4000, 64), (1, 40, 3), (66, 40, 1)])
 def test_generation_splits_only_when_sms_idle(sequences, past, splits):
     """rung None on recorded launches (nothing runs): the vector kernel, split (rung 4, with the combine) only when
     its blocks (2 a sequence: a GQA group of 2 heads a block) leave some of the simulator's 132 SMs idle: two blocks
