@@ -171,14 +171,16 @@ def _ft_launches(full: bool):
 # use_fp8_context_fmha), StreamingLLM (keys rotated on load), cross attention (its copy kernel), multi-block
 # (partials and combine). Each call has a context chunk that wraps the cyclic cache (the write-after launch)
 # next to two beams, except "decode" (the two beams alone, so the vector kernel reads the new token from its cache
-# slot); the beams' generation runs on the vector kernel (rung 3, rung 4 with multi-block) except in float64 (rung 1).
-TRTLLM_REPRESENTATIVES = ((np.float16, 0, 2, True, True, {"unfused"}),
+# slot). The beams' generation runs on the vector kernel (rung 3, rung 4 with multi-block): float16 read from the cache
+# slot, INT8 split (partials), FP8 folded, FP8 rotated in registers; on rung 1 in float64 and where "rung1" says so
+# (those vector kernels would repeat the others' code paths, each a long compile).
+TRTLLM_REPRESENTATIVES = ((np.float16, 0, 2, True, True, {"unfused", "rung1"}),
                           (np.float16, 0, 2, True, False, {"decode"}),
                           (np.float32, 64, 4, False, False, {"multi-block"}),
                           (np.float16, 128, 6, True, False, {"t5-mask", "fp8-fmha"}),
                           (np.float16, 128, 1, True, False, {"streaming"}),
                           (np.float64, 0, 0, False, True, {"cross"}),
-                          ("bfloat16", 64, 2, False, True, set()))    # round_to_bfloat16 in bias, RoPE, INT8 store
+                          ("bfloat16", 64, 2, False, True, {"rung1"}))   # round_to_bfloat16 in bias, RoPE, INT8 store
 
 
 def _trtllm_launches(full: bool):
@@ -230,7 +232,8 @@ def _trtllm_launches(full: bool):
             call.update(do_cross_attention=True, encoder_input_lengths=np.array([3, 2, 2]),
                         cross_kv=rng.standard_normal((3, 2 * Hkv * Dh)).astype(dtype))
         with _launch.recorded_launches() as launches:
-            gpt_attention(**call, num_splits=3 if "multi-block" in extras else None)
+            gpt_attention(**call, num_splits=3 if "multi-block" in extras else None,
+                          rung=1 if "rung1" in extras else None)
         label = (f"trtllm {'+'.join(sorted(extras)) or 'self'} {np.dtype(dtype).name} quant {quant} pos {position}"
                  f"{' paged' if paged else ''}")
         # The generation entries' vector kernel (rungs 3 and 4): rows of 16-byte multiples at Dh 16 in every format.

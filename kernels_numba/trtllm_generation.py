@@ -43,8 +43,9 @@ from ._launch import ceil_div, empty_like_kind, launch, to_kind
 from ._numerics import rounder
 from ._split_k import choose_splits, combine_kernel
 from ._vector import VECTOR_BYTES, float_from_bits, half_from_bits, load16
-from .trtllm_gpt_attention import (BEAM, FIRST_ROW, FP8_KV_CACHE, INT8_KV_CACHE, IS_CONTEXT, PAST, PROMPT, SEQUENCE,
-                                   TOKEN_START, cyclic_slot, make_new_token, make_trt_access, make_trt_score)
+from .trtllm_gpt_attention import (BEAM, FIRST_ROW, FP8_KV_CACHE, INT8_KV_CACHE, IS_CONTEXT, PAST, PROMPT,
+                                   ROPE_GPTJ, SEQUENCE, TOKEN_START, cyclic_slot, make_new_token, make_rope,
+                                   make_trt_access, make_trt_score)
 
 # What the generation kernel forms its query rows from: the preprocess's inputs (qkv, bias, the RoPE frequencies and
 # tables, logn; the entry table of the call's own tokens) and the cache's window (StreamingLLM rotates Q at min(p, W)).
@@ -201,8 +202,12 @@ def make_generation_chunk_load(quant: int, elements: int, vector: bool, fold: bo
     new_in_cache, which compiles that path out). Else a cached row: with `vector` one 16-byte load unpacked in
     registers, else one load per element. `fold` (INT8 / FP8 caches): the codes as float32 (e4m3: value / 256),
     the caller multiplies by the scale; else each value as the rung-1 kernel loads it (`make_trt_access`: code *
-    scale rounded to float32, rotated for StreamingLLM keys with rope_style != 0)."""
+    scale rounded to float32). StreamingLLM's keys (rope_style != 0, src.rotate) are rotated at their cache index
+    as the rung-1 kernel rotates them: after the vector load, with the pair partner from the same chunk (GPT-J) or
+    from a second vector load rotary_dim / 2 away (GPT-NeoX, when that is a whole number of chunks), else element
+    by element."""
     _, load = make_trt_access(quant, num_kv_heads, head_size, np.float32, round_dtype, rope_style, rotary_dim)
+    pair_of, rotate = make_rope(rope_style, rotary_dim, round_dtype, np.float32, tables=False)
     fold = fold and quant != 0
     factor = np.float32(fold_factor(quant))
     bits = 8 if quant else 128 // elements             # 16-byte chunks: float16 or float32 values, 8-bit codes
@@ -210,6 +215,8 @@ def make_generation_chunk_load(quant: int, elements: int, vector: bool, fold: bo
     words = elements // per_word
     field_mask = (1 << bits) - 1
     nan = np.float32(math.nan)
+    half = rotary_dim // 2
+    rotate_in_registers = vector and rope_style != 0 and (rope_style == ROPE_GPTJ or half % elements == 0)
 
     @cuda.jit(device=True, inline="always")
     def code_value(code):
@@ -222,21 +229,8 @@ def make_generation_chunk_load(quant: int, elements: int, vector: bool, fold: bo
         return half_from_bits(np.uint32(((c & 0x80) << 8) | ((c & 0x7F) << 7)))
 
     @cuda.jit(device=True, inline="always")
-    def load_chunk(src, row, where, d0, regs, at, dims):
-        if not new_in_cache and where == 0:             # the new token, unquantized
-            inv = np.float32(1.0) / (src.scale * factor) if fold else np.float32(1.0)
-            for e in range(elements):
-                if d0 + e < dims:
-                    x = np.float32(src.scratch[row + d0 + e])
-                    regs[at + e] = x * inv if fold else x
-            return
-        rotated = rope_style != 0 and src.rotate != 0 and d0 < rotary_dim
-        if not vector or rotated:
-            for e in range(elements):
-                if d0 + e < dims:
-                    regs[at + e] = code_value(src.cache[row + d0 + e]) if fold else load(src, row, where, d0 + e)
-            return
-        loaded = load16(src.cache, row + d0)
+    def unpack(src, loaded, regs, at):
+        """The chunk's 16 loaded bytes (four words) as values in regs[at:]."""
         for j in range(words):
             for k in range(per_word):                   # little-endian: element e is the e-th field from bit 0
                 field = (loaded[j] >> (bits * k)) & field_mask
@@ -249,6 +243,35 @@ def make_generation_chunk_load(quant: int, elements: int, vector: bool, fold: bo
                 else:
                     x = np.float32(code_value(field) * factor * src.scale)
                 regs[at + j * per_word + k] = x
+
+    @cuda.jit(device=True, inline="always")
+    def load_chunk(src, row, where, d0, regs, at, dims):
+        if not new_in_cache and where == 0:             # the new token, unquantized
+            inv = np.float32(1.0) / (src.scale * factor) if fold else np.float32(1.0)
+            for e in range(elements):
+                if d0 + e < dims:
+                    x = np.float32(src.scratch[row + d0 + e])
+                    regs[at + e] = x * inv if fold else x
+            return
+        rotated = rope_style != 0 and src.rotate != 0 and d0 < rotary_dim
+        if not vector or (rotated and not rotate_in_registers):
+            for e in range(elements):
+                if d0 + e < dims:
+                    regs[at + e] = code_value(src.cache[row + d0 + e]) if fold else load(src, row, where, d0 + e)
+            return
+        unpack(src, load16(src.cache, row + d0), regs, at)
+        if rotate_in_registers and rotated:
+            partner = cuda.local.array(elements, np.float32)
+            if rope_style == ROPE_GPTJ:                 # pairs (2i, 2i + 1): both in this chunk
+                for e in range(elements):
+                    partner[e] = regs[at + (e ^ 1)]
+            else:                                       # halves: the chunk rotary_dim / 2 away
+                unpack(src, load16(src.cache, row + (d0 + half if d0 < half else d0 - half)), partner, 0)
+            b, slot = (where & 0xFFFFFFFF) - 1, where >> 32
+            for e in range(elements):
+                if d0 + e < rotary_dim:
+                    pair, first, _ = pair_of(d0 + e)
+                    regs[at + e] = rotate(regs[at + e], partner[e], first, src, b, slot, pair)
 
     return load_chunk
 
