@@ -16,8 +16,7 @@ from reference.ft_cross_attention import chunk_elements
 
 from . import _arrays as arrays
 from ._types import IndexTensor, Tensor
-from ._validate import (FLOAT_T1, check_choice, check_contiguous, check_dtype, check_int, check_same_dtype,
-                        check_shape)
+from ._validate import FLOAT_T1, check_choice, check_contiguous, check_dtype, check_int, check_same_dtype, check_shape
 from .plan import AttentionShape, KernelPlan
 from .plan import plan as plan_kernels
 
