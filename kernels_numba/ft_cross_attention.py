@@ -24,8 +24,9 @@ with (x, chunk_stride) = (16 bytes / sizeof(T), L*x) for the batch-major key cac
 
 Rungs 3 and 4 read a key chunk by chunk: chunk c of a row (elements c*E .. c*E + E - 1, E = 16 bytes / sizeof(T))
 is 16 contiguous bytes in both layouts (the split key cache's x is E), at the row's offset plus
-`chunk_offset(src, c*E)`. Keys are walked, not placed: a lane group keeps the offset of its first key and steps it
-by s_t per key, so the loop multiplies by no batch or head stride (`CACHE_WALKER`).
+`chunk_offset(src, c*E)`. Keys are walked (`CACHE_WALKER`): a lane group keeps the element offset of its first key
+in its sequence and steps it forward by the block's keys each step; a key of the tile adds its head's and its own
+place.
 """
 
 from __future__ import annotations
