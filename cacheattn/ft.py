@@ -366,6 +366,7 @@ def _check_launch(threads, rung, num_splits):
         check_int("num_splits", num_splits, low=1, high=MAX_SPLITS)
 
 
+@arrays.accepts_torch
 def kernel_plan(encoder_sequence_length: IndexTensor, key_cache: Tensor, value_cache: Tensor,
                 finished: Tensor | None = None, *, head_num: int, size_per_head: int, rung: int | None = None,
                 num_splits: int | None = None, threads: int = 128, sms: int | None = None) -> KernelPlan:
