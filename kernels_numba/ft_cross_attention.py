@@ -277,7 +277,7 @@ def cross_attention(input_query, encoder_output, encoder_sequence_length, step, 
                     finished=None, ia3_tasks=None, context_buf=None, cross_attentions=None, *, weights, head_num,
                     size_per_head, q_scaling=1.0, is_batch_major_cache=True, threads=128, rung=1, num_splits=1):
     """(hidden_features, context). Inputs are validated by `cacheattn`; key_cache, value_cache, context_buf and
-    cross_attentions are written in place. rung: the attention kernel of step 2 in the module docstring, 1, 3 or
+    cross_attentions are written in place. rung: the attention kernel (launch 4 in the module docstring), 1, 3 or
     4 (`cacheattn.ft` plans it; 3 and 4 need `fast_rung_problem` to be None); num_splits: rung 4's key ranges."""
     xp = _array_module(input_query)
     like = input_query
