@@ -44,7 +44,6 @@ def check_step(x, before, case, out):
     assert_bits_equal("context_buf (finished)", x["context_buf"][~running], before["context_buf"][~running])
 
 
-@pytest.mark.spec("ft/read-from-cache", "ft/finished", "ft/step")
 @pytest.mark.parametrize("dtype", CASES)
 @pytest.mark.parametrize("launch", LAUNCHES)
 def test_steps_on_rungs_3_and_4(dtype, launch):
