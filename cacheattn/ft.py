@@ -16,11 +16,15 @@ from reference.ft_cross_attention import chunk_elements
 
 from . import _arrays as arrays
 from ._types import IndexTensor, Tensor
-from ._validate import FLOAT_T1, check_contiguous, check_dtype, check_int, check_same_dtype, check_shape
+from ._validate import FLOAT_T1, check_choice, check_contiguous, check_dtype, check_int, check_same_dtype, check_shape
+from .plan import AttentionShape, KernelPlan
+from .plan import plan as plan_kernels
 
 # FasterTransformer's masked-MHA dispatch: one kernel per head size (built for the next power of two).
 # spec: ft/head-size-dispatch
 HEAD_SIZES = (32, 48, 64, 80, 96, 112, 128, 144, 160, 192, 224, 256)
+RUNGS = (1, 3, 4)      # the kernel ladder's rungs the attention kernel offers (docs/kernel-ladder.md)
+MAX_SPLITS = 64        # rung 4's most key ranges, the cap of the plan's split heuristic too
 
 
 class DenseWeight(NamedTuple):
@@ -198,7 +202,8 @@ def cross_attention(input_query: Tensor, encoder_output: Tensor, encoder_sequenc
                     ia3_tasks: IndexTensor | None = None, context_buf: Tensor | None = None,
                     cross_attentions: Tensor | None = None, *, weights: AttentionWeight, head_num: int,
                     size_per_head: int, q_scaling: float = 1.0, is_batch_major_cache: bool = True,
-                    backend: str = "auto", threads: int = 128) -> CrossAttentionOutputs:
+                    backend: str = "auto", threads: int = 128, rung: int | None = None,
+                    num_splits: int | None = None) -> CrossAttentionOutputs:
     """One decoder step of FasterTransformer's cross attention (DecoderCrossAttentionLayer).
 
     At `step` 1 the encoder output is projected into the caches once: every position gets
@@ -258,7 +263,15 @@ def cross_attention(input_query: Tensor, encoder_output: Tensor, encoder_sequenc
     backend : str, default "auto"
         "auto", "reference" or "numba".
     threads : int, default 128
-        The kernels' block size.
+        The kernels' block size, 1 to 1024 (a multiple of 32 for rungs 3 and 4).
+    rung : int or None, default None
+        The attention kernel of the kernel ladder (docs/kernel-ladder.md): 1 shared-memory tiles, 3 16-byte
+        vector loads walking the cache, 4 rung 3 split over `num_splits` key ranges and combined. None: the
+        plan's choice (`cacheattn.ft.kernel_plan`: rung 3, or 4 when the heads of the running sequences leave SMs
+        idle). Rungs 3 and 4 need caches that start on a 16-byte boundary; a call they cannot serve runs on
+        rung 1. The reference ignores it.
+    num_splits : int or None, default None
+        Rung 4's key ranges, 1 to 64; alone it asks for rung 4. None: chosen from the SMs the grid leaves idle.
 
     Returns
     -------
@@ -271,7 +284,9 @@ def cross_attention(input_query: Tensor, encoder_output: Tensor, encoder_sequenc
     ValueError
         Named by the argument (`weights.key_weight.kernel` for a weight): shapes, `step` < 1, a
         `size_per_head` FasterTransformer has no kernel for, lengths outside `[1, mem_max_seq_len]`, `ia3_tasks`
-        without IA3 weights or out of range, `max_decoder_seq_len` < `step`, a non-contiguous cache.
+        without IA3 weights or out of range, `max_decoder_seq_len` < `step`, a non-contiguous cache; a `rung`
+        other than 1, 3 or 4, `num_splits` outside 1 to 64 or with rung 1 or 3, `threads` outside 1 to 1024
+        or not whole warps for rung 3 or 4.
     TypeError
         Mismatched dtypes, a non-bool `finished`, float index tensors.
 
@@ -308,9 +323,17 @@ def cross_attention(input_query: Tensor, encoder_output: Tensor, encoder_sequenc
     engine = arrays.resolve_backend(backend, data)
     attrs = dict(head_num=head_num, size_per_head=size_per_head, q_scaling=q_scaling,
                  is_batch_major_cache=is_batch_major_cache)
+    _check_launch(threads, rung, num_splits)
     lengths, done, tasks = validate(input_query, encoder_output, encoder_sequence_length, step, key_cache,
                                     value_cache, finished, ia3_tasks, context_buf, cross_attentions, weight_arrays,
                                     **attrs)
+    # A rung asked for by name is checked on either backend, so the call fails the same way wherever it runs.
+    launch = None
+    if engine != "reference" or rung not in (None, 1) or num_splits is not None:
+        caches = {name: arrays.as_kernel_array(data[name]) if engine != "reference" else data[name]
+                  for name in ("key_cache", "value_cache")}
+        launch = _plan(input_query.dtype, lengths, done, caches, head_num, size_per_head, rung, num_splits, threads,
+                       None)
     if engine == "reference":
         def call(h):
             return reference.cross_attention(
@@ -324,7 +347,86 @@ def cross_attention(input_query: Tensor, encoder_output: Tensor, encoder_sequenc
         data["input_query"], data["encoder_output"], arrays.to_kind(like, lengths), step, data["key_cache"],
         data["value_cache"], None if done is None else arrays.to_kind(like, done),
         None if tasks is None else arrays.to_kind(like, tasks), data["context_buf"], data["cross_attentions"],
-        weights=_host_weights(data, use_ia3), threads=threads, **attrs))
+        weights=_host_weights(data, use_ia3), threads=launch.threads, rung=launch.rung, num_splits=launch.num_splits,
+        **attrs))
+
+
+def _check_launch(threads, rung, num_splits):
+    """The kernels' own keywords (as OpenPPL's): rung in RUNGS, num_splits only for rung 4 (or alone, asking for
+    it), threads a block size, whole warps for rungs 3 and 4."""
+    if rung is not None:
+        check_choice("rung", rung, RUNGS)
+    check_int("threads", threads, low=1, high=1024)
+    if rung in (3, 4) and threads % 32:
+        raise ValueError(f"threads: expected a multiple of 32 for rung {rung} (whole warps), got {threads}")
+    if num_splits is not None:
+        if rung not in (None, 4):
+            raise ValueError(f"num_splits: only rung 4 (split-K) splits the keys, got num_splits={num_splits!r} "
+                             f"with rung {rung}")
+        check_int("num_splits", num_splits, low=1, high=MAX_SPLITS)
+
+
+@arrays.accepts_torch
+def kernel_plan(encoder_sequence_length: IndexTensor, key_cache: Tensor, value_cache: Tensor,
+                finished: Tensor | None = None, *, head_num: int, size_per_head: int, rung: int | None = None,
+                num_splits: int | None = None, threads: int = 128, sms: int | None = None) -> KernelPlan:
+    """The kernel plan `cross_attention` runs its attention with, for these arguments (the same names).
+
+    Each step's attention is one query row per running sequence over its `encoder_sequence_length[b]` cached
+    keys, on `head_num` heads with their own keys: `cacheattn.plan.plan` of that shape, over the rungs this
+    operator offers (1, 3, 4). Without `rung` that is rung 3, or rung 4 when the running sequences' heads
+    leave SMs idle; rungs 3 and 4 read 16-byte chunks, so a cache that does not start on a 16-byte boundary
+    (or, without `rung`, a block size of partial warps) runs on rung 1, with the reason in the plan.
+
+    Parameters
+    ----------
+    encoder_sequence_length, key_cache, value_cache, finished, head_num, size_per_head, rung, num_splits, threads
+        As `cross_attention` takes them.
+    sms : int or None, default None
+        The GPU's multiprocessors; None reads the current device (132, an H100 SXM, without one).
+
+    Returns
+    -------
+    KernelPlan
+        `rung`, `num_splits`, `threads` and a one-line `reason`.
+
+    Examples
+    --------
+    >>> import numpy as np, cacheattn
+    >>> B, H, Dh, L = 64, 16, 64, 1024                                  # float16: x = 8
+    >>> k, v = np.zeros((B, H, Dh // 8, L, 8), np.float16), np.zeros((B, H, L, Dh), np.float16)
+    >>> chosen = cacheattn.ft.kernel_plan(np.full(B, L), k, v, head_num=H, size_per_head=Dh, sms=132)
+    >>> chosen.rung, chosen.num_splits
+    (3, 1)
+    >>> few = cacheattn.ft.kernel_plan(np.full(2, L), k[:2], v[:2], head_num=H, size_per_head=Dh, sms=132)
+    >>> few.rung, few.num_splits
+    (4, 9)
+    """
+    _check_launch(threads, rung, num_splits)
+    lengths = arrays.index_array("encoder_sequence_length", encoder_sequence_length)
+    done = None if finished is None else np.asarray(arrays.to_host(finished), bool)
+    caches = {"key_cache": key_cache, "value_cache": value_cache}
+    return _plan(np.dtype(key_cache.dtype), lengths, done, caches, head_num, size_per_head, rung, num_splits,
+                 threads, sms)
+
+
+def _plan(dtype, lengths, done, caches, head_num, size_per_head, rung, num_splits, threads, sms) -> KernelPlan:
+    """`kernel_plan` on validated arguments (host lengths and finished flags, the caches as the kernels get them)."""
+    from kernels_numba.ft_cross_attention import fast_rung_problem
+
+    running = max(1, int(len(lengths) - (0 if done is None else np.count_nonzero(done))))
+    shape = AttentionShape(batch=running, max_query_len=1, max_kv_len=int(np.max(lengths, initial=1)),
+                           num_heads=head_num, num_kv_heads=head_num, head_dim=size_per_head, query_dtype=dtype,
+                           decode_sequences=running)
+    chosen = plan_kernels(shape, rung=rung, num_splits=num_splits, threads=threads, sms=sms)
+    if chosen.rung not in RUNGS:       # the plan's rung 5 (or 2): this operator's CUDA-core rungs serve it
+        forced = plan_kernels(shape, rung=4, threads=threads, sms=sms)
+        chosen = KernelPlan(4 if forced.num_splits > 1 else 3, forced.num_splits, threads,
+                            f"rung {chosen.rung} not offered, its CUDA-core rungs: {forced.num_splits} splits")
+    problem = fast_rung_problem(dtype, size_per_head, caches) if chosen.rung in (3, 4) else None
+    if problem:
+        return KernelPlan(1, 1, threads, f"fallback to shared-memory tiles: {problem}")
+    return chosen
 
 
 def _host_weights(h: dict, use_ia3: bool) -> AttentionWeight:

@@ -124,7 +124,7 @@ PAGE_WALKER = (_page_begin, _page_at, _page_advance)
 
 def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, head_dim_k: int, head_dim_v: int,
                                  chunk: int, heads_per_block: int, q_tile: int, group: int, warps: int,
-                                 partials: bool = False, walker=None, value_scale=None, query=None):
+                                 partials: bool = False, walker=None, value_scale=None, query=None, sum_epsilon=0.0):
     """Build the kernel. Launch grid (ceil(max_seqlen / q_tile), num_heads / heads_per_block, B, times num_splits
     with partials), 32 * warps threads; arguments as `_attention_core.make_attention_kernel`'s kernel.
     load_chunk(src, row, sc_row, d0, regs, at, dims) fills regs[at:at + chunk] with elements d0.. of a row.
@@ -138,7 +138,7 @@ def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, h
     folded out of the loads: load_chunk then returns the stored codes of V, times 1 / factor for a value kept
     unscaled); None: no factor.
     query(q_geom, b, i, h, d) -> element d of query i, head h (None: q_geom is a flat query and its geometry, as
-    `_attention_warp.query_element` reads it)."""
+    `_attention_warp.query_element` reads it). sum_epsilon: rows end as acc / (l + sum_epsilon)."""
     walk_begin, walk_at, walk_advance = walker or PAGE_WALKER
     SCALE_V = value_scale is not None
     value_scale = value_scale or _unscaled
@@ -162,7 +162,7 @@ def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, h
     start_rows = make_row_starter(heads_per_block=HPB, q_tile=q_tile, head_dim_k=DK, chunk=E, lanes=LANES,
                                   q_per_lane=KR, out_per_lane=VR, query=query)
     write_rows = make_row_writer(heads_per_block=HPB, q_tile=q_tile, head_dim_v=DV, warps=WARPS,
-                                 partials=partials)
+                                 partials=partials, sum_epsilon=sum_epsilon)
 
     @cuda.jit(device=True, inline="always")
     def from_lanes(out, count, stride, values, gathered, scratch, warp, lane, first_lane):

@@ -197,15 +197,15 @@ def make_row_starter(*, heads_per_block: int, q_tile: int, head_dim_k: int, chun
 
 
 def make_row_writer(*, heads_per_block: int, q_tile: int, head_dim_v: int, warps: int, acc_dtype=np.float32,
-                    partials: bool = False):
+                    partials: bool = False, sum_epsilon: float = 0.0):
     """Device function write_rows(warp_max, warp_sum, warp_out, out_geom, b, split, i0, h0, seqlen), called by
     every thread after a barrier: merges the warps' states of each row with the multi-block rule and writes
-    acc / L; with partials (out_geom as in `_attention_core.make_attention_kernel`'s docstring) the split's
-    unnormalised acc, M and L for a combine kernel."""
+    acc / (L + sum_epsilon); with partials (out_geom as in `_attention_core.make_attention_kernel`'s docstring)
+    the split's unnormalised acc, M and L for a combine kernel."""
     HPB, DV, THREADS = heads_per_block, head_dim_v, warps * WARP_SIZE
     ROWS = heads_per_block * q_tile
     acc_t = np.float64 if np.dtype(acc_dtype) == np.float64 else np.float32
-    NEG_INF = acc_t(-math.inf)
+    NEG_INF, EPS = acc_t(-math.inf), acc_t(sum_epsilon)
 
     @cuda.jit(device=True, inline="always")
     def write_rows(warp_max, warp_sum, warp_out, out_geom, b, split, i0, h0, seqlen):
@@ -233,6 +233,6 @@ def make_row_writer(*, heads_per_block: int, q_tile: int, head_dim_v: int, warps
                         m_out[row] = top
                         l_out[row] = total
                 else:
-                    out[at] = value / total if total > 0.0 else acc_t(0.0)
+                    out[at] = value / (total + EPS) if total > 0.0 else acc_t(0.0)
 
     return write_rows

@@ -21,13 +21,13 @@ MAX_SPLITS = 64
 
 
 @cache
-def combine_kernel(dtype, num_heads, head_size):
-    """Kernel: the multi-block reduction of the splits' (m, l, o): M = max m_c, L = sum e^(m_c - M) l_c,
+def combine_kernel(dtype, num_heads, head_size, sum_epsilon=0.0):
+    """Kernel: the multi-block reduction of the splits' (m, l, o): M = max m_c, L = sum e^(m_c - M) l_c + sum_epsilon,
     out = sum e^(m_c - M) o_c / L (0 for a row no split saw). One thread per output element; grid
     (x: ceil(max new tokens * H * Dh / threads), y: entries)."""
     acc_t = np.float64 if np.dtype(dtype) == np.float64 else np.float32
     H, DH = num_heads, head_size
-    NEG_INF = acc_t(-math.inf)
+    NEG_INF, EPS = acc_t(-math.inf), acc_t(sum_epsilon)
 
     @cuda.jit
     def combine_kernel(o_part, m_part, l_part, num_splits, token_starts, new_starts, out):
@@ -39,7 +39,7 @@ def combine_kernel(dtype, num_heads, head_size):
         big_m = NEG_INF
         for c in range(num_splits):
             big_m = max(big_m, m_part[c * rows + row])
-        total, value = acc_t(0.0), acc_t(0.0)
+        total, value = EPS, acc_t(0.0)              # EPS: FasterTransformer's 1 / (sum + 1e-6)
         if big_m != NEG_INF:
             for c in range(num_splits):
                 m = m_part[c * rows + row]

@@ -5,8 +5,11 @@ One step is, in launch order:
     2. step 1 only: layout_kernel     the [B*L, H*Dh] projections into the cache layout; positions below the
                                       length of a running sequence get the K/V bias (then IA3) on the way
     3. query_bias_kernel              q + query bias, in T
-    4. the core's attention kernel    keys [0, length) through the cache's addressing; a finished row has
-                                      seqlen 0, so its block exits without writing; acc / (l + 1e-6)
+    4. the attention kernel           keys [0, length) through the cache's addressing; a finished row has
+                                      seqlen 0, so its block exits without writing; acc / (l + 1e-6).
+                                      Rung 1: the shared online-softmax core; rung 3: the vector core
+                                      (`_attention_vector`) walking the cache in 16-byte chunks; rung 4:
+                                      rung 3 over num_splits key ranges, then `_split_k`'s combine
     5. probs_kernel (if asked)        row step - 1 of cross_attentions
     6. hidden_features = context . Wo
 FasterTransformer adds the K/V bias inside its attention kernel at step 1 and writes the biased rows back.
@@ -18,6 +21,12 @@ Both cache layouts are read by one device-function pair: element d of key t, hea
     b*s_b + h*s_h + t*s_t + (d // x) * chunk_stride + d % x
 with (x, chunk_stride) = (16 bytes / sizeof(T), L*x) for the batch-major key cache [B, H, Dh/x, L, x] and
 (Dh, 0) for a plain [.., t, .., Dh] tensor, where d // x is always 0.
+
+Rungs 3 and 4 read a key chunk by chunk: chunk c of a row (elements c*E .. c*E + E - 1, E = 16 bytes / sizeof(T))
+is 16 contiguous bytes in both layouts (the split key cache's x is E), at the row's offset plus
+`chunk_offset(src, c*E)`. Keys are walked (`CACHE_WALKER`): a lane group keeps the element offset of its first key
+in its sequence and steps it forward by the block's keys each step; a key of the tile adds its head's and its own
+place.
 """
 
 from __future__ import annotations
@@ -29,8 +38,11 @@ import numpy as np
 from numba import cuda
 
 from ._attention_core import make_attention_kernel, plan_tiles
+from ._attention_vector import make_vector_attention_kernel, plan_vector_rows
 from ._launch import caller_stream, ceil_div, empty_like_kind, flat, launch, to_kind
 from ._numerics import rounder
+from ._split_k import combine_kernel
+from ._vector import VECTOR_BYTES, float_from_bits, half_from_bits, load16
 
 SUM_EPSILON = 1e-6        # FasterTransformer's inv_sum = 1 / (sum + 1e-6)
 ELEMENTS_PER_THREAD = 16  # layout kernel: enough blocks to fill a GPU for real L, one block for a test's few keys
@@ -85,6 +97,69 @@ def length_range(args, b, i_first, i_last, seqlen, kvlen):
     return 0, kvlen       # kvlens = encoder_sequence_length
 
 
+# Rungs 3 and 4: the walk over the cache (`_attention_vector.make_vector_attention_kernel`'s walker). The state is
+# the element offset of a lane group's first key t0 in batch b, before the head's stride.
+@cuda.jit(device=True, inline="always")
+def _walk_begin(src, b, t0):
+    return src[3] * b + src[5] * t0
+
+
+@cuda.jit(device=True, inline="always")
+def _walk_at(src, b, state, j, h):
+    return state + src[4] * h + src[5] * j, np.int64(0)
+
+
+@cuda.jit(device=True, inline="always")
+def _walk_advance(src, state, step):
+    return state + src[5] * step
+
+
+CACHE_WALKER = (_walk_begin, _walk_at, _walk_advance)
+
+
+def make_chunk_load(elements: int):
+    """load_chunk(src, row, unused, d0, regs, at, dims) of the vector core: the 16 bytes of elements d0 ..
+    d0 + elements - 1 of a row (d0 a multiple of `elements`, the chunk's first element) in one vector load,
+    unpacked in registers as float32 (8 float16 or 4 float32 values)."""
+    bits = 128 // elements
+    per_word = 32 // bits
+    field_mask = (1 << bits) - 1
+
+    @cuda.jit(device=True, inline="always")
+    def load_chunk(src, row, unused, d0, regs, at, dims):
+        loaded = load16(src[0], row + chunk_offset(src, d0))
+        for j in range(4):
+            for k in range(per_word):                   # little-endian: element e is the e-th field from bit 0
+                field = (loaded[j] >> (bits * k)) & field_mask
+                regs[at + j * per_word + k] = half_from_bits(field) if bits == 16 else float_from_bits(field)
+
+    return load_chunk
+
+
+def fast_rung_problem(dtype, size_per_head: int, caches) -> str | None:
+    """Why rungs 3 and 4 cannot read these caches (None: they can): their chunks are 16-byte loads of float16 or
+    float32 values, so a row must be whole chunks and every cache must start on a 16-byte boundary (the strides
+    are then multiples of 16 bytes in both layouts)."""
+    dtype = np.dtype(dtype)
+    if dtype not in (np.float16, np.float32):
+        return f"16-byte chunks of float16 or float32, got {dtype.name}"
+    if (size_per_head * dtype.itemsize) % VECTOR_BYTES:
+        return f"size_per_head {size_per_head} is not whole 16-byte chunks of {dtype.name}"
+    for name, array in caches.items():
+        interface = getattr(array, "__cuda_array_interface__", None) or array.__array_interface__
+        if int(interface["data"][0]) % VECTOR_BYTES:
+            return f"{name} does not start on a 16-byte boundary"
+    return None
+
+
+def vector_plan(head_dim: int, itemsize: int, threads: int):
+    """(heads_per_block, q_tile, chunk) of rungs 3 and 4: one query row, one head a block (each head has its own
+    keys), chunks of 16 bytes."""
+    chunk = VECTOR_BYTES // itemsize
+    heads_per_block, q_tile = plan_vector_rows(1, 1, 1, head_dim, chunk, threads // 32)
+    return heads_per_block, q_tile, chunk
+
+
 # ---------------------------------------------------------------------------------------------- kernels
 
 @cache
@@ -95,6 +170,16 @@ def _attention_kernel(head_dim: int):
     return make_attention_kernel(chunked_row, chunked_load, plain_score, length_range, head_dim_k=head_dim,
                                  head_dim_v=head_dim, heads_per_block=heads_per_block, q_tile=q_tile,
                                  key_tile=key_tile, group=1, sum_epsilon=SUM_EPSILON)
+
+
+@cache
+def _vector_kernel(head_dim: int, itemsize: int, threads: int, partials: bool):
+    """Rung 3's kernel (rung 4's with partials) for one head size and cache element size."""
+    heads_per_block, q_tile, chunk = vector_plan(head_dim, itemsize, threads)
+    return make_vector_attention_kernel(chunked_row, make_chunk_load(chunk), plain_score, length_range,
+                                        head_dim_k=head_dim, head_dim_v=head_dim, chunk=chunk,
+                                        heads_per_block=heads_per_block, q_tile=q_tile, group=1, warps=threads // 32,
+                                        partials=partials, walker=CACHE_WALKER, sum_epsilon=SUM_EPSILON)
 
 
 @cache
@@ -190,9 +275,10 @@ def _gemm(xp, a, b):
 
 def cross_attention(input_query, encoder_output, encoder_sequence_length, step, key_cache, value_cache,
                     finished=None, ia3_tasks=None, context_buf=None, cross_attentions=None, *, weights, head_num,
-                    size_per_head, q_scaling=1.0, is_batch_major_cache=True, threads=128):
+                    size_per_head, q_scaling=1.0, is_batch_major_cache=True, threads=128, rung=1, num_splits=1):
     """(hidden_features, context). Inputs are validated by `cacheattn`; key_cache, value_cache, context_buf and
-    cross_attentions are written in place."""
+    cross_attentions are written in place. rung: the attention kernel (launch 4 in the module docstring), 1, 3 or
+    4 (`cacheattn.ft` plans it; 3 and 4 need `fast_rung_problem` to be None); num_splits: rung 4's key ranges."""
     xp = _array_module(input_query)
     like = input_query
     stream = caller_stream(input_query, key_cache)
@@ -235,8 +321,12 @@ def cross_attention(input_query, encoder_output, encoder_sequence_length, step, 
     zero_starts = to_kind(like, np.zeros(batch, np.int64))
     geometry = (zero_starts, np.int64(hidden), np.int64(0), np.int64(size_per_head))    # [B, H*Dh], one row
     # spec: ft/read-from-cache
-    launch(_attention_kernel(size_per_head), (1, head_num, batch), threads, stream, (flat(q), *geometry),
-           (flat(context), *geometry), seqlens, encoder_sequence_length, k_src, v_src, (np.int64(0),), sm_scale)
+    if rung == 1:
+        launch(_attention_kernel(size_per_head), (1, head_num, batch), threads, stream, (flat(q), *geometry),
+               (flat(context), *geometry), seqlens, encoder_sequence_length, k_src, v_src, (np.int64(0),), sm_scale)
+    else:
+        _attend_fast(rung, num_splits, like, q, context, seqlens, encoder_sequence_length, k_src, v_src, sm_scale,
+                     head_num, size_per_head, threads, stream)
     if cross_attentions is not None:
         launch(_probs_kernel(size_per_head), (max(1, ceil_div(head_num, threads)), batch), threads, stream, flat(q),
                k_src, encoder_sequence_length, finished, np.int64(head_num), np.int64(step - 1), sm_scale,
@@ -245,3 +335,35 @@ def cross_attention(input_query, encoder_output, encoder_sequence_length, step, 
     # 3. output linear over every row (a finished row's context is whatever the buffer held).
     # spec: ft/output-linear, ft/hidden-features
     return _gemm(xp, context, weights.attention_output_weight.kernel), context
+
+
+def _attend_fast(rung, num_splits, like, q, context, seqlens, lengths, k_src, v_src, sm_scale, head_num, head_dim,
+                 threads, stream):
+    """Rung 3: the vector kernel, one block per (head, batch entry). Rung 4: its partials over num_splits key
+    ranges (each split's m, l and unnormalised o per row), then one combine pass that finishes the softmax with
+    FasterTransformer's 1 / (sum + 1e-6). Rows are addressed as tokens b of [B, H*Dh] (starts b, s_b 0), so the
+    partials' (token, head) rows are distinct."""
+    batch, hidden = context.shape
+    itemsize = np.dtype(context.dtype).itemsize
+    heads_per_block = vector_plan(head_dim, itemsize, threads)[0]
+    rows = to_kind(like, np.arange(batch, dtype=np.int64))
+    q_geom = (flat(q), rows, np.int64(0), np.int64(hidden), np.int64(head_dim))
+    out_geom = (flat(context), rows, np.int64(0), np.int64(hidden), np.int64(head_dim))
+    splits = num_splits if rung == 4 else 1
+    grid = (1, head_num // heads_per_block, batch * splits)
+    if splits == 1:
+        launch(_vector_kernel(head_dim, itemsize, threads, False), grid, threads, stream, q_geom, out_geom, seqlens,
+               lengths, k_src, v_src, (np.int64(0),), sm_scale)
+        return
+    o_part = empty_like_kind(like, (splits * batch * hidden,), np.float32)
+    m_part, l_part = (empty_like_kind(like, (splits * batch * head_num,), np.float32) for _ in range(2))
+    split_geom = (o_part, *out_geom[1:], np.int64(splits), np.int64(batch * hidden), np.int64(batch * head_num),
+                  np.int64(head_num), m_part, l_part)
+    launch(_vector_kernel(head_dim, itemsize, threads, True), grid, threads, stream, q_geom, split_geom, seqlens,
+           lengths, k_src, v_src, (np.int64(0),), sm_scale)
+    # A finished row has no token (new_starts), so the combine leaves its context row as it was.
+    xp = _array_module(like)
+    new_starts = xp.concatenate((xp.zeros(1, np.int64), xp.cumsum(seqlens))).astype(np.int64)
+    launch(combine_kernel(context.dtype.str, head_num, head_dim, SUM_EPSILON),
+           (max(1, ceil_div(hidden, threads)), batch), threads, stream, o_part, m_part, l_part, np.int64(splits),
+           rows, new_starts, flat(context))

@@ -132,7 +132,8 @@ AttentionWeight = namedtuple("AttentionWeight", "query_weight key_weight value_w
 
 def _ft_launches(full: bool):
     """(label, kernel, args) for the FasterTransformer cross-attention kernels: both layouts x float16/float32 x
-    step 1 with/without IA3 and a later step x every head size when full, else FT_REPRESENTATIVES."""
+    step 1 with/without IA3 and a later step x every head size when full, else FT_REPRESENTATIVES; the attention
+    on rungs 1, 3 and 4."""
     from . import _launch
     from .ft_cross_attention import cross_attention
 
@@ -154,14 +155,24 @@ def _ft_launches(full: bool):
                                   dense(hidden, d_model), *ia3_weights)
         k_shape = (batch, heads, size // x, length, x) if major else (batch, length, heads, size)
         v_shape = (batch, heads, length, size) if major else k_shape
-        with _launch.recorded_launches() as launches:
-            cross_attention(rng.standard_normal((batch, d_model)).astype(dtype),
-                            rng.standard_normal((batch, length, d_model)).astype(dtype), np.array([3, 5]), step,
-                            np.zeros(k_shape, dtype), np.zeros(v_shape, dtype), np.array([False, True]),
-                            np.array([0, 2]) if ia3 else None, None, np.zeros((batch, heads, 4, length), np.float32),
-                            weights=weights, head_num=heads, size_per_head=size, is_batch_major_cache=major)
         label = f"ft {'batch-major' if major else 'plain'} {np.dtype(dtype).name} step {step}{' ia3' * ia3} Dh {size}"
-        out += [(label, kernel, args) for kernel, args in launches]
+        # Rung 1 with every kernel of the step; rungs 3 and 4 (the vector kernel, its partials and the combine) add
+        # their attention kernels only.
+        for rung, splits in ((1, 1), (3, 1), (4, 2)):
+            with _launch.recorded_launches() as launches:
+                cross_attention(rng.standard_normal((batch, d_model)).astype(dtype),
+                                rng.standard_normal((batch, length, d_model)).astype(dtype), np.array([3, 5]), step,
+                                np.zeros(k_shape, dtype), np.zeros(v_shape, dtype), np.array([False, True]),
+                                np.array([0, 2]) if ia3 else None, None,
+                                np.zeros((batch, heads, 4, length), np.float32), weights=weights, head_num=heads,
+                                size_per_head=size, is_batch_major_cache=major, rung=rung, num_splits=splits)
+            for kernel, args in launches:
+                name = kernel.py_func.__name__
+                if rung == 1:
+                    out.append((label, kernel, args))
+                elif name in ("vector_attention_kernel", "combine_kernel"):    # the vector kernel's 16-byte loads
+                    marker = f" {VECTOR_LOAD}" if name == "vector_attention_kernel" else ""
+                    out.append((f"{label} rung {rung}{marker}", kernel, args))
     return out
 
 

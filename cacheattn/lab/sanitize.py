@@ -5,8 +5,9 @@ shapes (`cacheattn.tour`): OpenPPL's KeyValueCache, dynamic KeyValueCache, Multi
 MultiHeadCacheAttention at every rung of the kernel ladder on float16, int8 and int4 caches; ONNX Attention;
 TensorRT-LLM gpt_attention (in-flight context + generation on a paged INT8 pool, StreamingLLM on a cyclic FP8 cache,
 generation on rungs 1 (multi-block), 3 and 4, the unfused and FP8 context paths, cross attention); FasterTransformer
-cross attention (step 1 and a later step). A table gives each call's launches, kernels and findings (race, uninitialized shared read,
-out-of-bounds index), a second one every finding; the pass ends with the total, `0 findings` when clean.
+cross attention (step 1 and a later step, by the plan and on rungs 1, 3 and 4). A table gives each call's launches,
+kernels and findings (race, uninitialized shared read, out-of-bounds index), a second one every finding; the pass
+ends with the total, `0 findings` when clean.
 """
 
 from __future__ import annotations
@@ -157,11 +158,20 @@ def _ft_calls(full: bool) -> list[Call]:
     from ..tour import FT_CASES, _quick
 
     quick = {label: _quick(case) for label, case in FT_CASES.items()}
-    return [Call("ft cross_attention", label, lambda case=case: _ft(case)) for label, case in quick.items()]
+    calls = [Call("ft cross_attention", label, lambda case=case: _ft(case)) for label, case in quick.items()]
+    # The plan's choice above; each rung of the attention kernel by name on step 1 and on a later step (rung 4
+    # forced to 3 splits).
+    (first, step1), (later, step3) = quick.items()
+    for rung, extra in ((1, {}), (3, {}), (4, {"num_splits": 3})):
+        for label, case in ((first, step1), (later, step3)):
+            calls.append(Call(f"ft cross_attention rung {rung}", label.split(",")[0],
+                              lambda case=case, rung=rung, extra=extra: _ft(case, threads=THREADS, rung=rung,
+                                                                            **extra)))
+    return calls
 
 
-def _ft(case):
-    return cacheattn.cross_attention(**copy_inputs(build_ft(case)), **case.attrs(), backend="numba")
+def _ft(case, **launch):
+    return cacheattn.cross_attention(**copy_inputs(build_ft(case)), **case.attrs(), backend="numba", **launch)
 
 
 def calls(full: bool = False) -> list[Call]:
