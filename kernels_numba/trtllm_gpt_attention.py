@@ -828,7 +828,9 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     # when it holds them as the document attends with them (unquantized, after RoPE, written before attention): no
     # scratch for those entries then.
     generation = np.arange(E) >= num_context
-    vector_generation = rung != 1 and acc_t == np.float32 and bool(use_cache) and bool(generation.any())
+    # Cross attention stays on rung 1: its keys are the encoder's, and the decoder's own token is not cached.
+    vector_generation = (rung != 1 and acc_t == np.float32 and bool(use_cache) and bool(generation.any())
+                         and not do_cross_attention)
     new_in_cache = vector_generation and not quant and not rotate_cached and not write_after
     pre = Preprocess(qkv=flat(qkv), bias=flat(qkv_bias) if qkv_bias is not None else flat(qkv)[:1],
                      table=table, inv_freq=rope.inv_freq, position_divisor=rope.position_divisor,
