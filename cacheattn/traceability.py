@@ -1,7 +1,8 @@
 """From each defining sentence of the source documents to the code and the tests that implement and check it.
 
 The sentences live in docs/traceability/<prefix>.txt, one file per document: a `document:` line naming
-the source document's file (its public original is linked in `DOCUMENTS` below), a `status:` line (`covered` or `pending`), then `id | quote | gloss` lines.
+the source document's file (its public original is linked in `ORIGINALS` below), a `status:` line (`covered` or
+`pending`), then `id | quote | gloss` lines.
 The code cites a sentence with a comment `spec` marker in reference/, kernels_numba/ or cacheattn/
 (a `#` comment whose text is `spec: <prefix>/<id>`, several ids separated by commas), and a test with
 the pytest marker `@pytest.mark.spec("<prefix>/<id>", ...)` (or a module's `pytestmark`).

@@ -43,9 +43,23 @@ from ._launch import ceil_div, empty_like_kind, launch, to_kind
 from ._numerics import rounder
 from ._split_k import choose_splits, combine_kernel
 from ._vector import VECTOR_BYTES, float_from_bits, half_from_bits, load16
-from .trtllm_gpt_attention import (BEAM, FIRST_ROW, FP8_KV_CACHE, INT8_KV_CACHE, IS_CONTEXT, PAST, PROMPT,
-                                   ROPE_GPTJ, SEQUENCE, TOKEN_START, cyclic_slot, make_new_token, make_rope,
-                                   make_trt_access, make_trt_score)
+from .trtllm_gpt_attention import (
+    BEAM,
+    FIRST_ROW,
+    FP8_KV_CACHE,
+    INT8_KV_CACHE,
+    IS_CONTEXT,
+    PAST,
+    PROMPT,
+    ROPE_GPTJ,
+    SEQUENCE,
+    TOKEN_START,
+    cyclic_slot,
+    make_new_token,
+    make_rope,
+    make_trt_access,
+    make_trt_score,
+)
 
 # What the generation kernel forms its query rows from: the preprocess's inputs (qkv, bias, the RoPE frequencies and
 # tables, logn; the entry table of the call's own tokens) and the cache's window (StreamingLLM rotates Q at min(p, W)).

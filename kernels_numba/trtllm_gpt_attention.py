@@ -886,7 +886,7 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     unfused = (context_fmha_type == 0 or fp8_fmha) and num_context > 0
     fused_new = np.where(np.arange(E) < num_context, 0, new) if unfused else new
     if vector_generation:
-        from .trtllm_generation import attend_generation    # here: that module builds on this one
+        from .trtllm_generation import attend_generation  # here: that module builds on this one
         attend_generation(rung, generation_splits, multi_block_mode, num_sms, pre, out_geom,
                           np.where(generation, new, 0), kvlens, k_src, v_src, args, sm_scale, rounds_as, H, Hkv, Dh,
                           quant, rope_on_load, new_in_cache, num_tokens, threads, stream,

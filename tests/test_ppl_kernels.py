@@ -107,7 +107,8 @@ def test_rung_4_splits_only_when_sms_idle(batch, context, splits):
         assert names == ["store_kernel", "vector_attention_kernel"]
     else:
         assert names == ["store_kernel", "vector_attention_kernel", "combine_kernel"]
-        assert launches[1][1][1][5] == splits           # out_geom's num_splits: two blocks an SM (2 x 132 / 8), or 151 keys
+        # out_geom's num_splits: two blocks an SM (2 x 132 / 8), or 151 keys
+        assert launches[1][1][1][5] == splits
 
 
 @pytest.mark.parametrize("op", ["multi_head_cache_attention", "dynamic_multi_head_attention"])

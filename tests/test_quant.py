@@ -16,7 +16,8 @@ EXAMPLE = [0.5, -1, 0.25, 2.54, -2.54, 0.01, 1.27, -0.635]
 @pytest.mark.spec("ppl-kvc/quant-bit", "ppl-mhca/quant-bit", "ppl-kvc/quant-group", "ppl-mhca/quant-group")
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_worked_example_int8(dtype):
-    # docs/semantics.md's worked example: scale 0.02, q = [25,-50,12,127,-127,0,64,-32]; 12.5 -> 12 and 63.5 -> 64 show half-to-even.
+    # docs/semantics.md's worked example: scale 0.02, q = [25,-50,12,127,-127,0,64,-32];
+    # 12.5 -> 12 and 63.5 -> 64 show half-to-even.
     scale, q = quantize(np.array(EXAMPLE, dtype), 8, 8, np.float32)
     assert scale.tolist() == [np.float32(0.02)]
     assert q.tolist() == [25, -50, 12, 127, -127, 0, 64, -32]
