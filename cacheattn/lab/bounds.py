@@ -12,8 +12,8 @@ its figures are the counted ones times `scale`. Each resource then needs at leas
 
 and the kernel cannot run faster than the largest of them. Every shared, L1, issue or tensor bound assumes every
 unit runs at its peak and the work spreads over the SMs as evenly as the grid allows (given the block count, the
-busiest SM runs ceil(blocks / SMs) blocks: 8 blocks keep 124 SMs idle): a lower bound, reached by no real kernel. DRAM bytes as the
-recorder counts them assume an L2 that holds the working set, so every byte comes from DRAM once.
+busiest SM runs ceil(blocks / SMs) blocks: 8 blocks keep 124 SMs idle): a lower bound, reached by no real kernel.
+DRAM bytes as the recorder counts them assume an L2 that holds the working set, so every byte comes from DRAM once.
 
 Figures are labelled `counted` (read off the recording, times the grid scale) or `derived` (computed from counted
 figures and the machine model); none is a measurement of time.
