@@ -24,11 +24,12 @@ decode, whose 512 blocks fill 132 SMs; 33 for B = 1, its 8 blocks x 33 = 264 blo
 multiples of splits x keys per step, so every split walks whole steps.
 
 Every call is the whole operator (OpenPPL's `multi_head_cache_attention`: the cache store, then attention, then rung
-4's combine; TensorRT-LLM's preprocess, attention, combine; ...), recorded by `lab.record()`, at each rung its call
-offers (`case.rungs`), and each case records what the operator's default call (no rung asked for) runs for the full
-launch (`default_call`: OpenPPL `cacheattn.plan`'s choice), whose counts are that rung's column. The bounds
-(`bounds.bounds`) are derived from the full launch's figures: lower bounds on time, never timings. Every launch of
-a run goes to one pool of `jobs` processes, the longest first (`job_cost`).
+4's combine; TensorRT-LLM's preprocess, attention, combine; ONNX's present copies, then attention; FasterTransformer's
+query bias, then attention), recorded by `lab.record()`, at each rung its call offers (`case.rungs`), and each case
+records what the operator's default call (no rung asked for) runs for the full launch (`default_call`: OpenPPL
+`cacheattn.plan`'s choice), whose counts are that rung's column. The bounds (`bounds.bounds`) are derived from the
+full launch's figures: lower bounds on time, never timings. Every launch of a run goes to one pool of `jobs`
+processes, the longest first (`job_cost`).
 """
 
 from __future__ import annotations
