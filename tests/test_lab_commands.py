@@ -54,7 +54,12 @@ def test_lab_counts_every_rung_and_bounds_the_full_decode(capsys):
     (table,) = document["tables"]
     rows = {row["metric"]: row for row in table["rows"]}
     rungs = [f"rung_{rung}" for rung in range(1, 6)]
-    assert [c["key"] for c in table["columns"]] == ["metric", *rungs]
+    # Beside the rungs, the operator's default call: cacheattn.plan's choice, rung 3 for the B = 64 decode.
+    assert [c["key"] for c in table["columns"]] == ["metric", *rungs, "default"]
+    assert table["columns"][-1]["header"] == "default (rung 3)"
+    assert all(row["default"] == row["rung_3"] for row in table["rows"])
+    assert any("default call: rung 3, 1 split(s), 128 threads (512 blocks fill 132 SMs" in note
+               for note in document["notes"])
     # The full launch's lower bounds (derived): rung 1's 32-way column walk makes shared memory its limiter; the
     # later rungs are held by DRAM, whose figure (fitted from 64 and 128 keys to 4097, x 256 blocks) stays within
     # 1% of the bytes the operator must move.
@@ -114,9 +119,15 @@ def test_update_puts_recounted_rungs_in_place_of_a_written_files(tmp_path, capsy
     updated["cases"][label]["rungs"]["2"]["counted"][0]["barriers"] = \
         written["cases"][label]["rungs"]["2"]["counted"][0]["barriers"]
     assert updated == written
-    # A case the file does not hold is refused, the file left as it was.
+    # A case the file does not hold yet is added (an operator counted for the first time) ...
     other = tmp_path / "other.json"
     other.write_text(json.dumps({**written, "cases": {}}))
-    assert main(["lab", "--quick", "--rung", "3", "--update", str(other)]) == 2
+    assert main(["lab", "--quick", "--rung", "3", "--update", str(other)]) == 0
+    assert list(json.loads(other.read_text())["cases"]) == [label]
+    # ... one counted at another block size is refused, the file left as it was.
+    stale = json.loads(path.read_text())
+    stale["cases"][label]["threads"] = 256
+    path.write_text(json.dumps(stale))
+    assert main(["lab", "--quick", "--rung", "3", "--update", str(path)]) == 2
     assert "not in the file to update" in capsys.readouterr().err
-    assert json.loads(other.read_text())["cases"] == {}
+    assert json.loads(path.read_text()) == stale

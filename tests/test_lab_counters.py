@@ -31,9 +31,10 @@ def test_the_linear_fit_predicts_a_decode_it_did_not_count(rung):
 
 def test_the_quadratic_fit_predicts_a_prefill_it_did_not_count():
     # Causal prefill: later query tiles walk more keys, so the counts grow as N^2. Rung 5 at head_dim 16 (a small,
-    # fast launch of the same block plan), prompts of 16, 32, 48 tokens predict 64.
+    # fast launch of the same block plan), the lab's prompt lengths (16, 32, 48 tokens) predict a fourth, 64.
     case = replace(LAB_CASES[-1], head_dim=16)
-    plan = counters.Plan(case, counters.cut_down(case), (16, 32, 48))
+    plan = counters.Plan(case, counters.cut_down(case), counters.PREFILL_POINTS)
+    assert plan.points == (16, 32, 48)
     counted = [counters._count((plan, 5, n, 128, 1)) for n in plan.points]
     fourth = counters._count((plan, 5, 64, 128, 1))
     for name in COUNTS:

@@ -1,28 +1,35 @@
 """python -m cacheattn lab: the counters of every rung of the kernel ladder, per bench case, and the lower bounds they
 give on an H100 SXM.
 
-The bench cases (`cases.LAB_CASES`: the headline paged GQA decode, B = 64 at context 4096, with float16,
-int8 and int4 caches; B = 1 at context 32768; a causal prefill of 4096 tokens; 32 query / 8 kv heads, head_dim 128)
-are far too large for numba's CUDA simulator, which runs every thread in Python. Each is counted on launches of the
-same block shape cut down twice:
+The bench cases (`cases.LAB_CASES`, OpenPPL's: the headline paged GQA decode, B = 64 at context 4096, with
+float16, int8 and int4 caches; B = 1 at context 32768; a causal prefill of 4096 tokens; 32 query / 8 kv heads,
+head_dim 128; then `cases.OPERATOR_CASES`, the other operators' decode at the headline shape: TensorRT-LLM's
+generation step with float16, INT8 and FP8 caches, ONNX with past, FasterTransformer's cross-attention step) are far
+too large for numba's CUDA simulator, which runs every thread in Python. Each is counted on launches of the same
+block shape cut down twice:
 
-- **across the grid**: one kv head with its GQA group of 4 query heads, and 2 requests (decode B = 64) or 1. Blocks
+- **across the grid**: one kv head with its GQA group of 4 query heads (1 in multi-head cross attention), and 2
+  requests (decode B = 64) or 1. Blocks
   of different kv heads or requests do the same work on other bytes, so every figure of the full launch is the
   counted one times (requests x kv heads, full over counted);
 - **along the sequence**: the same launch at a few lengths (`Plan.points`): decode at two context lengths, where
   every figure is a + b x keys (a: the query, the output, the block's setup; b: one key's loads, sectors and
-  wavefronts), and the causal prefill at three prompt lengths, where it is a + b N + c N^2 (blocks of later query
-  tiles walk more keys). The fit through the counted points, taken at the full length, is exact when every count
-  is such a polynomial: the points are multiples of every rung's query tile and key step, and a test counts one
-  more point and checks the fit predicts it.
+  wavefronts), and the causal prefill at three prompt lengths (`PREFILL_POINTS`), where it is a + b N + c N^2
+  (blocks of later query tiles walk more keys). The fit through the counted points, taken at the full length, is
+  exact when every count is such a polynomial: the points are multiples of every rung's query tile and key step,
+  and a test counts one more point and checks the fit predicts it.
 
 Rung 4 runs at the split count its launcher picks for the *full* grid (`_split_k.choose_splits`: 1 for the B = 64
 decode, whose 512 blocks fill 132 SMs; 33 for B = 1, its 8 blocks x 33 = 264 blocks), and its decode points are
 multiples of splits x keys per step, so every split walks whole steps.
 
-Every call is the whole OpenPPL `multi_head_cache_attention` (the cache store, then attention, then rung 4's
-combine), recorded by `lab.record()`. The bounds (`bounds.bounds`) are derived from the full launch's figures: lower
-bounds on time, never timings.
+Every call is the whole operator (OpenPPL's `multi_head_cache_attention`: the cache store, then attention, then rung
+4's combine; TensorRT-LLM's preprocess, attention, combine; ONNX's present copies, then attention; FasterTransformer's
+query bias, then attention), recorded by `lab.record()`, at each rung its call offers (`case.rungs`), and each case
+records what the operator's default call (no rung asked for) runs for the full launch (`default_call`: OpenPPL
+`cacheattn.plan`'s choice), whose counts are that rung's column. The bounds (`bounds.bounds`) are derived from the
+full launch's figures: lower bounds on time, never timings. Every launch of a run goes to one pool of `jobs`
+processes, the longest first (`job_cost`).
 """
 
 from __future__ import annotations
@@ -38,20 +45,20 @@ from pathlib import Path
 
 import numpy as np
 
-import cacheattn
 from kernels_numba._attention_vector import keys_per_step
-from kernels_numba._cache import chunk_elements
 
 from .. import _console
-from ..examples import build_ppl
 from . import bounds, recorder, sass
-from .cases import LAB_CASES, BenchCase
+from .cases import ALL_LAB_CASES, LAB_CASES, BenchCase
 
 RUNGS = (1, 2, 3, 4, 5)
 THREADS = 128
-GROUP = 4                      # query heads per kv head in every bench case (32 / 8)
-KV_ARRAYS = "_src.data"        # the attention kernels name the cache K/V `k_src.data` / `v_src.data`
 HMMA = recorder.HMMA
+# The causal prefill's prompt lengths: the shortest whose counts lie on the parabola through the full launch's
+# (multiples of every rung's query tile and of rungs 1-4's key step; rung 5's step of 64 keys masks the same
+# share of its last step at each; tests/test_lab_counters.py checks a fourth point). They reproduce the counts of
+# 64, 128 and 192 tokens at a sixteenth of the simulator's time.
+PREFILL_POINTS = (16, 32, 48)
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,10 @@ class Plan:
 
     def points_for(self, rung: int) -> tuple:
         return self.split_points if rung == 4 and self.split_points else self.points
+
+    def splits(self, rung: int, threads: int = THREADS) -> int:
+        """The split count `rung` runs the *full* launch at (1 where it does not split)."""
+        return self.case.splits(rung, threads) if rung in (1, 4) and not self.prefill else 1
 
     @property
     def prefill(self) -> bool:
@@ -85,61 +96,56 @@ class Plan:
         """The counted case at one of the points."""
         if self.prefill:
             return replace(self.counted, new_tokens=length, context=0, label=f"{self.counted.label} N{length}")
+        if hasattr(self.counted, "with_keys"):          # a case whose keys are not a cache plus the new token
+            return self.counted.with_keys(length)
         return replace(self.counted, context=length - 1, label=f"{self.counted.label} kv{length}")
 
 
 def cut_down(case: BenchCase, head_dim: int | None = None) -> BenchCase:
-    """`case` with one kv head and its GQA group, two requests at most (the counted launch's grid)."""
-    return replace(case, label=f"{case.label} (counted)", batch=min(case.batch, 2), num_heads=GROUP, num_kv_heads=1,
-                   head_dim=head_dim or case.head_dim)
+    """`case` with one kv head and its GQA group (4 query heads in the GQA cases, 1 in multi-head attention), two
+    requests at most (the counted launch's grid)."""
+    return replace(case, label=f"{case.label} (counted)", batch=min(case.batch, 2),
+                   num_heads=case.num_heads // case.num_kv_heads, num_kv_heads=1, head_dim=head_dim or case.head_dim)
 
 
-def case_chunk(case: BenchCase, rung: int) -> int:
+def case_chunk(case, rung: int) -> int:
     """Elements a lane of `rung` loads at once from the case's cache (`_cache.chunk_elements`)."""
-    return chunk_elements(case.quant_bit, np.int8 if case.quant_bit else np.float16, rung)
+    return case.chunk(rung)
 
 
-def splits_for(case: BenchCase, threads: int = THREADS) -> tuple[int, int]:
-    """Rung 4's split count for the full launch of `case`, as its launcher picks it on a 132-SM GPU, and the keys
-    a block takes per step."""
-    from kernels_numba._split_k import choose_splits
-    from kernels_numba.ppl_dynamic_multi_head_attention import block_plan
-
-    chunk = case_chunk(case, 3)
-    heads_per_block, q_tile = block_plan(3, case.num_heads, case.num_kv_heads, case.new_tokens, case.head_dim,
-                                         threads, chunk)
-    blocks = math.ceil(case.new_tokens / q_tile) * (case.num_heads // heads_per_block) * case.batch
-    step = keys_per_step(case.head_dim, chunk, threads // 32)
-    return choose_splits(blocks, case.kvlen, step, num_sms=132), step
+def splits_for(case, threads: int = THREADS) -> tuple[int, int]:
+    """Rung 4's split count for the full launch of `case`, as its operator picks it on a 132-SM GPU (OpenPPL:
+    `cacheattn.plan`; TensorRT-LLM: multi-block mode), and the keys a block takes per step."""
+    return case.splits(4, threads), keys_per_step(case.head_dim, case.chunk(3), threads // 32)
 
 
 def plans(quick: bool = False) -> list[Plan]:
-    """The five bench cases' counting plans; quick (CI): the float16 decode alone, head_dim 64, short contexts."""
+    """Every bench case's counting plan (OpenPPL's five, then the other operators'); quick (CI): the float16 decode
+    alone, head_dim 64, short contexts."""
     # Decode points: multiples of every rung's keys per block step (rung 5: 4 warps x 16 keys; rung 1: 32).
     if quick:
         decode = replace(LAB_CASES[0], head_dim=64, label=f"{LAB_CASES[0].label} head_dim 64")
         return [Plan(decode, cut_down(decode), (64, 128))]
     out = []
-    for case in LAB_CASES:
+    for case in ALL_LAB_CASES:
         counted = cut_down(case)
         if case.new_tokens > 1:
-            out.append(Plan(case, counted, (64, 128, 192)))
+            out.append(Plan(case, counted, PREFILL_POINTS, rungs=case.rungs))
             continue
+        if 1 in case.rungs and case.splits(1) > 1:
+            raise ValueError(f"{case.label}: rung 1 splits the full launch; its points would need its key tile")
         splits, step = splits_for(case)
         split_points = (splits * step, 2 * splits * step) if splits > 1 else ()
-        out.append(Plan(case, counted, (128, 256), split_points=split_points))
+        out.append(Plan(case, counted, (128, 256), rungs=case.rungs, split_points=split_points))
     return out
 
 
 # ------------------------------------------------------------------------------------------------------- counting
 
-def count_rung(case: BenchCase, rung: int, threads: int = THREADS, num_splits: int = 1) -> recorder.Recording:
-    """One multi_head_cache_attention call of `case` at `rung` (rung 4 at `num_splits`), recorded."""
-    ppl = case.ppl_case()
-    extra = {"num_splits": num_splits} if rung == 4 else {}
+def count_rung(case, rung: int, threads: int = THREADS, num_splits: int = 1) -> recorder.Recording:
+    """One call of `case`'s operator at `rung` (rung 4, and TensorRT-LLM's rung 1, at `num_splits`), recorded."""
     with recorder.record() as rec:
-        cacheattn.multi_head_cache_attention(**build_ppl(ppl), **ppl.attrs(), backend="numba", threads=threads,
-                                             rung=rung, **extra)
+        case.call(rung, threads, num_splits)
     return rec
 
 
@@ -149,7 +155,8 @@ def figures(rec: recorder.Recording, case: BenchCase) -> dict:
     K and V, once)."""
     out = dict(rec.metrics)
     out.update(rec.extra)
-    kv = [f for launch in rec.launches for name, f in launch.arrays.items() if KV_ARRAYS in name]
+    names = (case.kv_arrays,) if isinstance(case.kv_arrays, str) else case.kv_arrays
+    kv = [f for launch in rec.launches for name, f in launch.arrays.items() if any(n in name for n in names)]
     for key in ("ld_requests", "ld_sectors", "ld_bytes_requested"):
         out[f"kv_{key}"] = sum(f[key] for f in kv)
     attention = [launch for launch in rec.launches if "attention" in launch.kernel]
@@ -177,7 +184,7 @@ def _job_label(job) -> str:
 def launches(selected, rungs=None) -> int:
     """How many launches counting the plans `selected` at `rungs` (default: each plan's) records: the progress
     bar's total."""
-    return sum(len(plan.points_for(rung)) for plan in selected for rung in (rungs or plan.rungs))
+    return sum(len(plan_jobs(plan, rungs=rungs)) for plan in selected)
 
 
 def fit(points, values, at: float) -> float:
@@ -241,7 +248,7 @@ def issue_estimate(full: dict, plan: Plan, rung: int, threads: int) -> float | N
     case, machine = plan.case, sass.committed()
     shapes = machine["shapes"]
     variant = machine["variants"].get(f"rung{rung}-{case.cache}-decode")
-    if (plan.prefill or rung not in (2, 3, 4) or variant is None
+    if (not isinstance(case, BenchCase) or plan.prefill or rung not in (2, 3, 4) or variant is None
             or variant["key_loop"]["inner_loops"] > variant["key_loop"].get("walk_loops", 0)
             or (case.head_dim, threads) != (shapes["head_dim"], shapes["threads"])):
         return None
@@ -270,39 +277,80 @@ def bound_figures(b: bounds.Bounds, case: BenchCase) -> dict:
     return out
 
 
-def count_plan(plan: Plan, threads: int = THREADS, jobs: int = 1, rungs=None, on_count=None) -> dict:
-    """Every rung of one plan: the counted points, the full launch's figures, derived ratios and bounds.
-    on_count(label) is called once per counted launch, as it finishes (a progress bar's step)."""
+def plan_jobs(plan: Plan, threads: int = THREADS, rungs=None) -> list[tuple]:
+    """The launches counting `plan` takes: (plan, rung, length, threads, splits) each."""
+    rungs = [r for r in rungs or plan.rungs if r in plan.rungs]
+    return [(plan, rung, length, threads, plan.splits(rung, threads)) for rung in rungs
+            for length in plan.points_for(rung)]
+
+
+def job_cost(job) -> float:
+    """A rough relative cost of counting one launch in the simulator (threads x key-loop trips: decode grows with
+    the keys, the causal prefill with their square; rung 1 stages every key through shared memory): the order
+    the pool takes them, longest first, so neither process idles at the end."""
+    plan, rung, length = job[:3]
+    per_key = {1: 3.0, 2: 1.5, 5: 1.2}.get(rung, 0.7) * plan.counted.batch
+    return per_key * (length * length / 24 if plan.prefill else length / 2 if rung == 4 else length)
+
+
+def count_jobs(work: list, jobs: int = 1, on_count=None) -> list[dict]:
+    """The figures of every launch of `work`, in its order; `jobs` processes side by side, taking the longest
+    launches first. on_count(label): once per counted launch, as it finishes (a progress bar's step)."""
     on_count = on_count or (lambda label: None)
-    rungs = rungs or plan.rungs
-    splits = {rung: splits_for(plan.case, threads)[0] if rung == 4 else 1 for rung in rungs}
-    work = [(plan, rung, length, threads, splits[rung]) for rung in rungs for length in plan.points_for(rung)]
-    if jobs > 1:
-        # Fresh interpreters, not forks: the parent may be drawing a progress bar from a thread, and a fork taken
-        # while that thread holds the stderr lock would leave the child unable to write a warning.
-        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = {pool.submit(_count, job): job for job in work}
-            for future in as_completed(futures):
-                on_count(_job_label(futures[future]))
-            counted = iter([future.result() for future in futures])
-    else:
+    if jobs <= 1:
         counted = []
         for job in work:
             counted.append(_count(job))
             on_count(_job_label(job))
-        counted = iter(counted)
+        return counted
+    order = sorted(range(len(work)), key=lambda i: -job_cost(work[i]))
+    # One pool for every case, fresh interpreters, not forks: the parent may be drawing a progress bar from a
+    # thread, and a fork taken while that thread holds the stderr lock would leave the child unable to write a
+    # warning.
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_count, work[i]): i for i in order}
+        for future in as_completed(futures):
+            on_count(_job_label(work[futures[future]]))
+        done = {i: future.result() for future, i in futures.items()}
+    return [done[i] for i in range(len(work))]
+
+
+def count_plan(plan: Plan, threads: int = THREADS, jobs: int = 1, rungs=None, on_count=None) -> dict:
+    """Every rung of one plan: the counted points, the full launch's figures, derived ratios and bounds.
+    on_count(label) is called once per counted launch, as it finishes (a progress bar's step)."""
+    work = plan_jobs(plan, threads, rungs)
+    return assemble(plan, work, count_jobs(work, jobs, on_count), threads)
+
+
+def assemble(plan: Plan, work: list, counted: list, threads: int = THREADS) -> dict:
+    """One plan's result from its launches (`plan_jobs`) and their figures: per rung the counted points, the full
+    launch's figures, derived ratios and bounds; and what the operator's default call runs (`default`)."""
     n = len(plan.points)
-    result = {"case": asdict(plan.case), "counted": asdict(plan.counted), "points": list(plan.points),
+    result = {"case": asdict(plan.case), "operator": plan.case.operator, "counted": asdict(plan.counted),
+              "points": list(plan.points),
               "fit": f"degree {n - 1} in {'new tokens' if plan.prefill else 'keys'}", "grid_scale": plan.grid_scale,
-              "threads": threads, "rungs": {}}
-    for rung in rungs:
+              "threads": threads, "default": default_call(plan, threads), "rungs": {}}
+    by_rung = {}
+    for job, figures_ in zip(work, counted):
+        by_rung.setdefault(job[1], []).append(figures_)
+    for rung, points in by_rung.items():
         lengths = plan.points_for(rung)
-        points = [next(counted) for _ in lengths]
         full = full_figures(lengths, plan, points)
+        splits = plan.splits(rung, threads)
         result["rungs"][str(rung)] = {
             "points": list(lengths), "counted": points, "full": {k: round(v, 1) for k, v in full.items()},
-            **derivations(full, plan, rung, threads, splits[rung])}
+            **derivations(full, plan, rung, threads, splits)}
     return result
+
+
+def default_call(plan: Plan, threads: int = THREADS) -> dict:
+    """What the operator's default call (no rung asked for) runs for the full launch: its rung, split count, block
+    size and reason (OpenPPL: `cacheattn.plan.plan`'s choice), and the rung column whose counts are that call's
+    (None when the default runs another split count or block size than the column was counted at)."""
+    chosen = plan.case.default_plan(threads)
+    same = chosen["threads"] == threads and chosen["rung"] in plan.rungs \
+        and chosen["num_splits"] == plan.splits(chosen["rung"], threads)
+    return {**chosen, "counted as": str(chosen["rung"]) if same else None}
 
 
 def derivations(full: dict, plan: Plan, rung: int, threads: int, splits: int) -> dict:
@@ -318,11 +366,24 @@ def rederive(result: dict) -> dict:
     """`result` (what `ladder` returned) with every derivation made again from its full-launch figures: after a
     change to the bound model or to the committed SASS that moves no count."""
     by_label = {p.case.label: p for p in plans() + plans(quick=True)}
-    for label, case in result["cases"].items():
+    for label, case in every_case(result):
+        case["operator"] = by_label[label].case.operator
+        case["default"] = default_call(by_label[label], case["threads"])
         for rung, shown in case["rungs"].items():
             shown.update(derivations(shown["full"], by_label[label], int(rung), case["threads"],
                                      shown["derived"]["splits"]))
     return result
+
+
+def section(case) -> str:
+    """Where a written result keeps a case: OpenPPL's bench cases under "cases" (the ladder page's rungs and its
+    plot), the other operators' under "operators"."""
+    return "cases" if isinstance(case, BenchCase) else "operators"
+
+
+def every_case(result: dict):
+    """(label, case) of every case a written result holds, OpenPPL's first."""
+    return [item for key in ("cases", "operators") for item in result.get(key, {}).items()]
 
 
 def selected_plans(quick: bool = False, cases=None) -> list[Plan]:
@@ -335,20 +396,32 @@ def ladder(quick: bool = False, threads: int = THREADS, jobs: int = 1, cases=Non
     """Every bench case x rung (or the `cases` labels and `rungs` named): a JSON-ready dict (what `--format json`
     and the ladder page read). on_count(label): once per counted launch (`count_plan`)."""
     selected = selected_plans(quick, cases)
-    return {"machine": asdict(bounds.H100_SXM),
-            "note": "counted in numba's CUDA simulator on cut-down launches and scaled to the full grid (see "
-                    "cacheattn/lab/counters.py); DRAM bytes count every distinct sector of a launch once (an L2 "
-                    "that holds the working set); the bounds are derived lower bounds on time, never timings",
-            "cases": {p.case.label: count_plan(p, threads, jobs, rungs, on_count) for p in selected}}
+    work = {p.case.label: plan_jobs(p, threads, rungs) for p in selected}
+    every = [job for jobs_ in work.values() for job in jobs_]
+    counted = iter(count_jobs(every, jobs, on_count))        # one pool for every case's launches
+    result = {"machine": asdict(bounds.H100_SXM),
+              "note": "counted in numba's CUDA simulator on cut-down launches and scaled to the full grid (see "
+                      "cacheattn/lab/counters.py); DRAM bytes count every distinct sector of a launch once (an L2 "
+                      "that holds the working set); the bounds are derived lower bounds on time, never timings",
+              "cases": {}}
+    for p in selected:
+        shown = assemble(p, work[p.case.label], [next(counted) for _ in work[p.case.label]], threads)
+        result.setdefault(section(p.case), {})[p.case.label] = shown
+    return result
 
 
 def splice(result: dict, into: dict) -> dict:
     """`into` (a written ladder) with the cases x rungs of `result` put in their places, every derivation then made
     again: recounting the rungs a kernel change touched keeps the rest of a full run."""
-    for label, case in result["cases"].items():
-        if label not in into["cases"] or case["threads"] != into["cases"][label]["threads"]:
-            raise ValueError(f"{label} at {case['threads']} threads is not in the file to update")
-        into["cases"][label]["rungs"].update(case["rungs"])
+    for key in ("cases", "operators"):
+        for label, case in result.get(key, {}).items():
+            held = into.setdefault(key, {})
+            if label not in held:
+                held[label] = case                       # a case the file did not count yet
+            elif case["threads"] != held[label]["threads"]:
+                raise ValueError(f"{label} at {case['threads']} threads is not in the file to update")
+            else:
+                held[label]["rungs"].update(case["rungs"])
     return rederive(into)
 
 
@@ -370,7 +443,11 @@ FULL_ROWS = (recorder.SECTORS_LD, recorder.WAVEFRONTS_LD, recorder.WAVEFRONTS_ST
 
 def print_case(label: str, result: dict) -> None:
     """Figure per row, rung per column (in the command's --format: text, markdown, or a JSON document)."""
-    rungs = result["rungs"]
+    rungs = {f"rung {rung}": shown for rung, shown in result["rungs"].items()}
+    default = result.get("default") or {}
+    # The operator's default call beside the rungs, as the column of the rung it runs (when there are others).
+    if default.get("counted as") in result["rungs"] and len(rungs) > 1:
+        rungs[f"default (rung {default['counted as']})"] = result["rungs"][default["counted as"]]
     first = next(iter(rungs.values()))
     rows = [[f"{name} (full, counted)"] + [r["full"][name] for r in rungs.values()] for name in FULL_ROWS]
     rows += [[name] + [r["derived"][name] for r in rungs.values()] for name in first["derived"]]
@@ -378,21 +455,25 @@ def print_case(label: str, result: dict) -> None:
     bound_names = dict.fromkeys(name for r in rungs.values() for name in r["bounds"])    # rungs differ: FMA, issue
     rows += [[name] + [r["bounds"].get(name) for r in rungs.values()] for name in bound_names]
     columns = [_console.Column("figure", key="metric")] + [
-        _console.Column(f"rung {rung}", key=f"rung_{rung}", show=_cell, right=True) for rung in rungs]
+        _console.Column(name, key=name.split(" (")[0].replace(" ", "_"), show=_cell, right=True) for name in rungs]
     counted = result["counted"]
-    along = "new tokens" if result["case"]["new_tokens"] > 1 else "keys"
+    along = result["fit"].split(" in ")[-1]         # keys, or new tokens
     _console.table(f"{label}: counted with {counted['num_heads']} q / {counted['num_kv_heads']} kv head, batch "
                    f"{counted['batch']}, at {', '.join(map(str, result['points']))} {along} ({result['fit']}), "
                    f"x {result['grid_scale']:g} across the grid; head_dim {counted['head_dim']}, "
                    f"{result['threads']} threads",
                    columns, rows)
+    if default:
+        _console.say(f"{result.get('operator', BenchCase.operator)}'s default call: rung {default['rung']}, "
+                     f"{default['num_splits']} split(s), {default['threads']} threads ({default['reason']})")
 
 
 def print_ladder(result: dict) -> None:
-    for label, case in result["cases"].items():
+    for label, case in every_case(result):
         print_case(label, case)
-    _console.say("Counted in numba's CUDA simulator on cut-down launches, never timed: one kv head with its 4 query "
-                 "heads, at the lengths named, fitted along the sequence and scaled across the grid "
+    _console.say("Counted in numba's CUDA simulator on cut-down launches, never timed: one kv head with its query "
+                 "heads (4 in GQA, 1 in multi-head attention), at the lengths named, fitted along the sequence and "
+                 "scaled across the grid "
                  "(cacheattn/lab/counters.py says how). DRAM bytes: every distinct 32-byte sector of a launch once "
                  "(an L2 that holds the working set). Rows marked derived are lower bounds on the full launch's "
                  f"time on an {bounds.H100_SXM.name} (its peak rates, the busiest SM's share of the blocks), never "
@@ -401,13 +482,14 @@ def print_ladder(result: dict) -> None:
 
 
 # The command line's names of the bench cases.
-CASE_NAMES = dict(zip(("decode", "decode-int8", "decode-int4", "decode-32k", "prefill-4k"),
-                      (case.label for case in LAB_CASES)))
+CASE_NAMES = dict(zip(("decode", "decode-int8", "decode-int4", "decode-32k", "prefill-4k", "trtllm-decode",
+                       "trtllm-decode-int8", "trtllm-decode-fp8", "onnx-decode", "ft-cross"),
+                      (case.label for case in ALL_LAB_CASES)))
 
 
 def main(quick: bool = False, cases=None, rungs=None, jobs: int | None = None, write: Path | None = None,
          rederive_file: Path | None = None, update: Path | None = None) -> int:
-    """quick: the float16 decode at head_dim 64 (CI); otherwise the named bench cases (`CASE_NAMES`; all five when
+    """quick: the float16 decode at head_dim 64 (CI); otherwise the named bench cases (`CASE_NAMES`; all of them when
     none is named) at head_dim 128, at the `rungs` named (all when none is). write: a file for the JSON as well.
     rederive_file: no counting; that file's derivations made again (and written back unless `write` names another
     file). update: a written file that takes what was counted in place of its own figures (`splice`)."""
@@ -417,7 +499,7 @@ def main(quick: bool = False, cases=None, rungs=None, jobs: int | None = None, w
         write = write or rederive_file
     else:
         labels = [CASE_NAMES[c] for c in cases] if cases else None
-        # A bar on stderr when it is a terminal (the full run takes about half an hour): one step per launch.
+        # A bar on stderr when it is a terminal (the full run takes minutes): one step per launch.
         with _console.progress(launches(selected_plans(quick, labels), rungs), "counting launches") as step:
             result = ladder(quick, jobs=jobs, cases=labels, rungs=rungs, on_count=step)
     if update is not None:
@@ -449,7 +531,15 @@ def committed(path: Path = COMMITTED) -> dict:
 
 def _short(label: str) -> str:
     return label.replace("decode B64 ctx4096 paged ", "B64 ").replace("decode B1 ctx32768 paged fp16", "B1 32k") \
-        .replace("prefill B1 4096 tokens fp16", "prefill 4k")
+        .replace("prefill B1 4096 tokens fp16", "prefill 4k").replace("trtllm generation B64 ctx4096 paged ", "TRT ") \
+        .replace("onnx decode B64 past4096 fp16", "ONNX B64").replace("ft cross-attention B64 enc1024 fp16", "FT cross")
+
+
+def case_of(label: str, fields: dict):
+    """The bench case a written result names (an OpenPPL case the file holds but the code no longer lists: from
+    its fields)."""
+    known = {case.label: case for case in ALL_LAB_CASES}
+    return known.get(label) or BenchCase(**fields)
 
 
 def rung_summary(result: dict, rung: int) -> str:
@@ -461,7 +551,7 @@ def rung_summary(result: dict, rung: int) -> str:
         if r is None:
             continue
         b, d, full = r["bounds"], r["derived"], r["full"]
-        keys = full["kv_must_see"] / (2 * BenchCase(**case["case"]).row_bytes)
+        keys = full["kv_must_see"] / (2 * case_of(label, case["case"]).row_bytes)
         conflicts = (full[recorder.CONFLICTS_LD] + full[recorder.CONFLICTS_ST]) / keys
         line = (f"{_short(label):<10} ≥ {b['lower bound µs (derived)']:>7,.1f} µs ({b['limited by']}, "
                 f"{b['HBM share at the bound']:.0%} of HBM); DRAM/floor {b['DRAM / floor (derived)']:.3f}; K/V sectors "
@@ -476,4 +566,27 @@ def rung_summary(result: dict, rung: int) -> str:
         if "TFLOP/s at the bound (derived)" in b:
             line += f"; {b['TFLOP/s at the bound (derived)']:.0f} TFLOP/s"
         lines.append(line)
+    return "\n".join(lines)
+
+
+def operators_summary(result: dict) -> str:
+    """Every case of the other operators, a line per rung counted: its lower bound and limiter, DRAM / floor, how
+    much of its K/V sectors it uses and how often a block reads its K/V, bank conflicts per key; the rung the
+    operator's default call runs marked `default`."""
+    lines = []
+    for label, case in result.get("operators", {}).items():
+        default = case["default"]
+        lines.append(f"{label} ({case['operator']}); default call: rung {default['rung']}, "
+                     f"{default['num_splits']} split(s): {default['reason']}")
+        row_bytes = case_of(label, case["case"]).row_bytes
+        for rung, r in case["rungs"].items():
+            b, d, full = r["bounds"], r["derived"], r["full"]
+            keys = full["kv_must_see"] / (2 * row_bytes)
+            conflicts = (full[recorder.CONFLICTS_LD] + full[recorder.CONFLICTS_ST]) / keys
+            mark = "  default" if default["counted as"] == rung else ""
+            lines.append(f"  rung {rung}: ≥ {b['lower bound µs (derived)']:>7,.1f} µs ({b['limited by']}, "
+                         f"{b['HBM share at the bound']:.0%} of HBM); DRAM/floor {b['DRAM / floor (derived)']:.3f}; "
+                         f"K/V sectors {d['K/V ld sector efficiency']:.0%} used, read "
+                         f"{d['K/V reads per block (loaded / must see)']:.2f}x a block; {conflicts:.2f} conflicts/key"
+                         f"{mark}")
     return "\n".join(lines)
