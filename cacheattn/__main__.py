@@ -89,15 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
     from .hf.cli import add_parser as add_hf  # torch-free: the command says so if the hf extra is missing
     add_hf(sub, parents=[form])
     lab_help = ("counters and lower bounds of every kernel-ladder rung per bench case, counted in the simulator "
-                "(about half an hour on 2 cores; --quick: under a minute; a progress bar on a terminal) (--sanitize: "
-                "race / initcheck / memcheck over every kernel family, about a minute)")
+                "(about 5 minutes on 2 idle cores, 10 under load; --quick: under a minute; a progress bar on a "
+                "terminal) (--sanitize: race / initcheck / memcheck over every kernel family, about two minutes)")
     lab = sub.add_parser("lab", parents=[form], help=lab_help, description=lab_help)
     lab.add_argument("--sanitize", action="store_true", help="one representative call of every kernel family under "
                      "the recorder, a table row each; ends with the number of findings")
     lab.add_argument("--full", action="store_true", help="with --sanitize: more cases per family (slow)")
-    lab.add_argument("--case", action="append", choices=("decode", "decode-int8", "decode-int4", "decode-32k",
-                                                          "prefill-4k"),
-                     help="a bench case to count (repeatable; default: all five)")
+    lab.add_argument("--case", action="append", choices=LAB_CASES,
+                     help="a bench case to count (repeatable; default: all of them)")
     lab.add_argument("--write", type=Path, help="also write the whole result as JSON to this file (the ladder page "
                      "reads docs/kernel-ladder-counts.json)")
     lab.add_argument("--rung", action="append", type=int, choices=range(1, 6),
@@ -112,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("--quick", action="store_true", help="the float16 decode alone at head_dim 64, counted at 64 "
                      "and 128 keys (the test suite runs it)")
     return parser
+
+
+# The lab's bench cases by their command-line names (cacheattn.lab.counters.CASE_NAMES, which needs the kernels to
+# import; a test keeps the two the same).
+LAB_CASES = ("decode", "decode-int8", "decode-int4", "decode-32k", "prefill-4k", "trtllm-decode", "trtllm-decode-int8",
+             "trtllm-decode-fp8", "onnx-decode", "ft-cross")
 
 
 def main(argv=None) -> int:

@@ -131,3 +131,9 @@ def test_update_puts_recounted_rungs_in_place_of_a_written_files(tmp_path, capsy
     assert main(["lab", "--quick", "--rung", "3", "--update", str(path)]) == 2
     assert "not in the file to update" in capsys.readouterr().err
     assert json.loads(path.read_text()) == stale
+
+
+def test_lab_case_choices_are_the_counted_cases():
+    from cacheattn.__main__ import LAB_CASES
+    from cacheattn.lab.counters import CASE_NAMES
+    assert LAB_CASES == tuple(CASE_NAMES)
