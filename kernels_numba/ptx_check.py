@@ -124,7 +124,8 @@ def _onnx_launches(full: bool):
         q_len, splits = (3 if what == "prefill" else 1), (2 if rung == 4 else None)
         with _launch.recorded_launches() as launches:
             if "4-D" in what:
-                q, k = rng.standard_normal((2, 4, 1, 12)).astype(dtype), rng.standard_normal((2, 2, 1, 12)).astype(dtype)
+                q = rng.standard_normal((2, 4, 1, 12)).astype(dtype)
+                k = rng.standard_normal((2, 2, 1, 12)).astype(dtype)
                 onnx_attention(q, k, k, np.zeros((2, 1, 1, 6), dtype), past, past, rung=rung, num_splits=splits)
             else:
                 q = rng.standard_normal((2, q_len, 4 * 8)).astype(dtype)

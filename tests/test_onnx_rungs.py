@@ -3,14 +3,14 @@ the plan's default, against a float64 evaluation; which kernels launch; the rung
 
 from dataclasses import replace
 
-import numpy as np
 import pytest
-from helpers import assert_bits_equal, assert_close
 
 import cacheattn
 from cacheattn.examples import OnnxCase, build_onnx, float64_onnx
 from cacheattn.onnx import kernel_plan
 from kernels_numba import _launch
+
+from helpers import assert_bits_equal, assert_close
 
 BASE = OnnxCase(batch=2, q_heads=4, kv_heads=2, q_len=1, kv_len=1, past_len=1, head_size=16, v_head_size=16,
                 three_d=False, dtype="float16", mask="none", mask_shape=(), is_causal=0, nonpad=None, softcap=0.0,
