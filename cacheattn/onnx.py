@@ -7,6 +7,7 @@ backend="numba") to the kernels.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
@@ -16,9 +17,13 @@ import reference
 from . import _arrays as arrays
 from ._types import IndexTensor, Tensor
 from ._validate import check_choice, check_flag, check_int, check_shape
+from .plan import AttentionShape, KernelPlan
+from .plan import plan as plan_kernels
 
 T1 = ("float16", "float32", "float64", "bfloat16")
 OPSETS = (23, 24, 25)
+RUNGS = (1, 3, 4)          # the kernel ladder's rungs ONNX Attention runs on (docs/kernel-ladder.md)
+MAX_SPLITS = 64            # rung 4's most key splits, the cap of kernels_numba._split_k.choose_splits too
 
 
 class AttentionOutputs(NamedTuple):
@@ -164,7 +169,8 @@ def onnx_attention(Q: Tensor, K: Tensor, V: Tensor, attn_mask: Tensor | None = N
                    qk_matmul_output_mode: int = 0, scale: float | None = None, softcap: float = 0.0,
                    softmax_precision: int | None = None, left_window_size: int = -1, right_window_size: int = -1,
                    opset: int = 24, return_qk_matmul_output: bool = False, backend: str = "auto",
-                   threads: int = 128) -> AttentionOutputs:
+                   threads: int | None = None, rung: int | None = None,
+                   num_splits: int | None = None) -> AttentionOutputs:
     """ONNX `Attention` (opsets 23 and 24; opset 25's sliding windows): scaled dot-product attention with an
     optional KV cache.
 
@@ -229,8 +235,18 @@ def onnx_attention(Q: Tensor, K: Tensor, V: Tensor, attn_mask: Tensor | None = N
         Compute the fourth output.
     backend : str, default "auto"
         "auto", "reference" or "numba".
-    threads : int, default 128
-        The kernels' block size.
+    threads : int or None, default None
+        The kernels' block size, 32 to 1024 (a multiple of 32 on rungs 3 and 4); None: the plan's (128).
+    rung : int or None, default None
+        The kernel of the ladder (docs/kernel-ladder.md) that computes `Y`: 1 shared-memory tiles, 3 lane groups
+        with 16-byte vector loads, 4 rung 3 with split-K. None: the plan's choice
+        (`cacheattn.onnx.kernel_plan` shows it and why): decode (one query a batch) on rung 3, or 4 when the grid
+        leaves SMs idle; prefill, float64 (rungs 3 and 4 accumulate in float32) and head sizes their registers and
+        shared memory cannot hold on rung 1. Rungs 3 and 4 read `past_key` / `past_value` and `K` / `V` where they
+        are. The reference ignores it.
+    num_splits : int or None, default None
+        Rung 4's count of key ranges, 1 to 64 (None: chosen from the SMs the grid leaves idle); only with rung 4
+        or None (then it asks for rung 4).
 
     Returns
     -------
@@ -278,6 +294,10 @@ def onnx_attention(Q: Tensor, K: Tensor, V: Tensor, attn_mask: Tensor | None = N
                  right_window_size=right_window_size)
     nonpad = validate(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, opset=opset, **attrs)
     check_choice("return_qk_matmul_output", int(bool(return_qk_matmul_output)), (0, 1))
+    _check_launch(threads, rung, num_splits, Q)
+    if engine != "reference":
+        launch = kernel_plan(Q, K, V, past_key, q_num_heads=q_num_heads, kv_num_heads=kv_num_heads,
+                             is_causal=attrs["is_causal"], rung=rung, num_splits=num_splits, threads=threads)
     if engine == "reference":
         return AttentionOutputs(*arrays.run_reference(data, (), lambda h: reference.onnx_attention(
             h["Q"], h["K"], h["V"], h["attn_mask"], h["past_key"], h["past_value"], nonpad,
@@ -286,4 +306,82 @@ def onnx_attention(Q: Tensor, K: Tensor, V: Tensor, attn_mask: Tensor | None = N
     return AttentionOutputs(*arrays.kernels().onnx_attention(
         data["Q"], data["K"], data["V"], data["attn_mask"], data["past_key"], data["past_value"],
         None if nonpad is None else arrays.kernel_index(data["Q"], nonpad_kv_seqlen, nonpad),
-        return_qk_matmul_output=return_qk_matmul_output, threads=threads, **attrs))
+        return_qk_matmul_output=return_qk_matmul_output, threads=launch.threads, rung=launch.rung,
+        num_splits=launch.num_splits if launch.rung == 4 else None, **attrs))
+
+
+def _check_launch(threads, rung, num_splits, Q):
+    """The kernel choice (as OpenPPL's): rung None, 1, 3 or 4; threads 32 to 1024, whole warps on rungs 3 and 4;
+    num_splits 1 to 64, with rung 4 or None only. Checked on either backend, so a call fails the same way
+    wherever it runs."""
+    if rung is not None:
+        check_choice("rung", rung, RUNGS)
+        if rung in (3, 4) and _dtype_name(Q) == "float64":
+            raise ValueError(f"rung: {rung} accumulates in float32; a float64 Q runs on rung 1 (rung None or 1)")
+    if threads is not None:
+        check_int("threads", threads, low=32, high=1024)
+        if rung in (3, 4) and threads % 32:
+            raise ValueError(f"threads: expected a multiple of 32 for rung {rung} (whole warps), got {threads}")
+    if num_splits is not None:
+        if rung not in (None, 4):
+            raise ValueError(f"num_splits: only rung 4 (split-K) splits the keys, got num_splits={num_splits!r} "
+                             f"with rung {rung}")
+        check_int("num_splits", num_splits, low=1, high=MAX_SPLITS)
+
+
+def kernel_plan(Q, K, V, past_key=None, *, q_num_heads=None, kv_num_heads=None, is_causal=0, rung=None,
+                num_splits=None, threads=None, sms=None) -> KernelPlan:
+    """The `KernelPlan` (rung, splits, block size, reason) the kernels run `onnx_attention` with for these
+    inputs (validated ones: `onnx_attention` checks them first). Decode (one query a batch): `cacheattn.plan.plan`
+    of the call's shape among rungs 3 and 4 (rung 5, tensor cores, is not offered: where it would win, rung 3 or 4
+    runs and the reason says so); rung 1 where they cannot: float64, a block size of partial warps, or head sizes
+    whose rows do not fit their registers and shared memory. Prefill runs on rung 1 unless `rung` asks for 3 or 4;
+    a 4-D prefill is not split (rung 4's combine writes (token, head) rows) and runs on rung 3.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cacheattn.onnx import kernel_plan
+    >>> Q = np.zeros((1, 32, 1, 128), np.float16)                      # decode: one query a batch
+    >>> K = V = np.zeros((1, 8, 1, 128), np.float16)
+    >>> past = np.zeros((1, 8, 32768, 128), np.float16)
+    >>> p = kernel_plan(Q, K, V, past, sms=132)
+    >>> p.rung, p.num_splits
+    (4, 33)
+    >>> kernel_plan(Q.astype(np.float64), K, V, past, sms=132).reason
+    'fallback to shared-memory tiles: rungs 3 and 4 accumulate in float32, Q is float64'
+    """
+    four_d = Q.ndim == 4
+    q_heads = int(Q.shape[1]) if four_d else int(q_num_heads)
+    kv_heads = int(K.shape[1]) if four_d else int(kv_num_heads)
+    q_len = int(Q.shape[2] if four_d else Q.shape[1])
+    head_size = int(Q.shape[-1]) if four_d else int(Q.shape[-1]) // q_heads
+    v_size = int(V.shape[-1]) if four_d else int(V.shape[-1]) // kv_heads
+    total = int(K.shape[2] if four_d else K.shape[1]) + (0 if past_key is None else int(past_key.shape[2]))
+    if _dtype_name(Q) == "float64" and rung in (None, 1):
+        return KernelPlan(1, 1, threads or 128, "fallback to shared-memory tiles: rungs 3 and 4 accumulate in "
+                                                "float32, Q is float64" if rung is None else "rung=1 asked for")
+    # bfloat16 runs as float32 (numba has no bfloat16 arithmetic): its rows are float32 rows on the kernels.
+    dtype = np.float32 if _dtype_name(Q) == "bfloat16" else np.dtype(Q.dtype)
+    batch = int(Q.shape[0])
+    shape = AttentionShape(batch=batch, max_query_len=q_len, max_kv_len=total, num_heads=q_heads,
+                           num_kv_heads=kv_heads, head_dim=max(head_size, v_size), query_dtype=dtype,
+                           decode_sequences=batch if q_len == 1 else 0, causal=bool(is_causal))
+    if rung == 1:
+        return plan_kernels(shape, rung=1, threads=threads, sms=sms)
+    if rung is None and num_splits is None and q_len > 1:
+        return KernelPlan(1, 1, threads or 128, "prefill runs on shared-memory tiles unless rung=3 or 4 asks for "
+                                                "the vector kernel (tensor cores are not offered for ONNX)")
+    chosen = plan_kernels(shape, rung=rung, num_splits=num_splits, threads=threads, sms=sms)
+    if chosen.rung == 5:         # not offered here: the plan's CUDA-core choice for the same call
+        from kernels_numba._split_k import sm_count
+
+        from .plan import _cuda_core_rung
+        cores, why = _cuda_core_rung(shape, threads, sm_count() if sms is None else sms)
+        if cores is None:
+            return KernelPlan(1, 1, threads or 128, f"fallback to shared-memory tiles: {why}")
+        chosen = replace(cores[0], reason=f"{cores[0].reason}; rung 5 is not offered for ONNX ({chosen.reason})")
+    if chosen.rung == 4 and four_d and q_len > 1:
+        chosen = KernelPlan(3, 1, chosen.threads, f"{chosen.reason}; a 4-D prefill runs unsplit on rung 3 (rung 4's "
+                                                  "combine writes (token, head) rows)")
+    return chosen

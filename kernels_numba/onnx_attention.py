@@ -9,8 +9,14 @@ What ONNX adds to the core is one score function and its key range:
   - softcap is applied to q.k*scale before the bias (so a -inf mask stays -inf), and a hidden key's
     score is -inf without ever using q.k (NaN or inf in a masked key cannot leak into the row).
 3-D inputs are addressed through strides, never transposed. With past_key the present tensors are
-written first (one copy kernel) and attention reads them; without past, attention reads K and V where
-they are. qk_matmul_output needs the whole score matrix, so it has its own kernel, run only when asked.
+written by one copy kernel; rung 1 then reads them, rungs 3 and 4 read past_key / past_value and K / V where
+they are (a key walker: keys 0 .. past - 1 from the past, then the call's own), so they do not wait on the copy.
+Without past, attention reads K and V where they are. qk_matmul_output needs the whole score matrix, so it has
+its own kernel, run only when asked.
+
+Rungs 3 and 4 (`_attention_vector`): lane groups per key with 16-byte vector loads where every row of both
+sources is aligned (else one load per element), the same score and key range as rung 1; rung 4 splits each
+block's keys and `_split_k.combine_kernel` finishes. They accumulate in float32, so float64 runs on rung 1.
 bfloat16: numba has no bfloat16 arithmetic (nor does the simulator), so bfloat16 NumPy inputs are
 widened to float32 on the host, computed in float32, and the outputs rounded back to bfloat16.
 """
@@ -25,9 +31,12 @@ import numpy as np
 from numba import cuda
 
 from ._attention_core import make_attention_kernel, plan_tiles
-from ._cache import cache_source, make_cache_access, token_head_item
+from ._attention_vector import keys_per_step, make_vector_attention_kernel, plan_vector_rows
+from ._cache import _address, cache_source, make_cache_access, token_head_item
 from ._launch import OFFSET_PAGE, caller_stream, ceil_div, element_strides, empty_like_kind, flat, launch, to_kind
 from ._numerics import keep_float32
+from ._split_k import choose_splits, combine_kernel
+from ._vector import VECTOR_BYTES, float_from_bits, half_from_bits, load16
 
 # What ONNX's score needs besides q.k: the mask read in place (element (b, h, i, j) at b*m_sb + h*m_sh + i*m_si + j,
 # strides 0 on broadcast axes, mask_cols columns, mask_kind 0 none / 1 bool / 2 float), causal and window bounds,
@@ -117,6 +126,113 @@ def _attention_kernel(dtype, head_dim, v_head_dim, q_heads, kv_heads, q_len):
                                    heads_per_block=heads_per_block, q_tile=q_tile, key_tile=key_tile,
                                    group=q_heads // kv_heads, acc_dtype=acc_t)
     return kernel, heads_per_block, q_tile
+
+
+# Where the keys of one of K / V live for rungs 3 and 4: keys 0 .. past_len - 1 in `past` (B, kv_heads, past, size),
+# key t of head h of batch b at b*p_sb + h*p_sh + t*p_st; keys past_len .. in the call's own `new` tensor, 4-D
+# (B, kv_heads, S, size) or 3-D (B, S, kv_heads * size), at b*n_sb + (t - past_len)*n_st + h*n_sh. Both flat;
+# without a past, `past` is `new` and past_len 0.
+OnnxKV = namedtuple("OnnxKV", "past new past_len p_sb p_sh p_st n_sb n_st n_sh")
+
+
+@cuda.jit(device=True, inline="always")
+def _kv_begin(src, b, t0):
+    return t0
+
+
+# spec: onnx/cache-inside
+@cuda.jit(device=True, inline="always")
+def _kv_at(src, b, t0, j, h):
+    """(element index, 0 for past / 1 for new) of key t0 + j of kv head h: the past's keys come first."""
+    t = t0 + j
+    if t < src.past_len:
+        return b * src.p_sb + h * src.p_sh + t * src.p_st, np.int64(0)
+    return b * src.n_sb + (t - src.past_len) * src.n_st + h * src.n_sh, np.int64(1)
+
+
+@cuda.jit(device=True, inline="always")
+def _kv_advance(src, t0, step):
+    return t0 + step
+
+
+@cuda.jit(device=True, inline="always")
+def _kv_row(src, b, t, h):
+    return _kv_at(src, b, t, 0, h)
+
+
+# The vector kernel's key walker over OnnxKV: the state is the key index itself (no pages to step through).
+KV_WALKER = (_kv_begin, _kv_at, _kv_advance)
+
+
+def make_onnx_chunk_load(elements: int, vector: bool):
+    """load_chunk(src, row, which, d0, regs, at, dims) of the vector kernel over an OnnxKV: elements d0 ..
+    d0 + elements - 1 (those below dims) of a row of `past` (which 0) or `new` (1) into regs[at:], as float32 (what
+    rung 1 loads: no rounding). vector: one 16-byte load (8 float16 or 4 float32 values) unpacked in registers."""
+    bits = 128 // elements
+    per_word = 32 // bits
+    field_mask = (1 << bits) - 1
+
+    @cuda.jit(device=True, inline="always")
+    def load_chunk(src, row, which, d0, regs, at, dims):
+        data = src.new if which != 0 else src.past
+        if not vector:
+            for e in range(elements):
+                if d0 + e < dims:
+                    regs[at + e] = np.float32(data[row + d0 + e])
+            return
+        loaded = load16(data, row + d0)
+        for j in range(VECTOR_BYTES // 4):
+            for k in range(per_word):               # little-endian: element e is the e-th field from bit 0
+                field = (loaded[j] >> (bits * k)) & field_mask
+                regs[at + j * per_word + k] = half_from_bits(field) if bits == 16 else float_from_bits(field)
+
+    return load_chunk
+
+
+def vector_rows(q_heads, kv_heads, q_len, head_dim, v_dim, itemsize, threads):
+    """(heads_per_block, q_tile, keys a block takes per step) of the rung-3 kernel for this call."""
+    chunk, width = VECTOR_BYTES // itemsize, max(head_dim, v_dim)
+    heads_per_block, q_tile = plan_vector_rows(q_heads, kv_heads, q_len, width, chunk, threads // 32)
+    return heads_per_block, q_tile, keys_per_step(width, chunk, threads // 32)
+
+
+@cache
+def _vector_kernel(dtype, head_dim, v_dim, q_heads, kv_heads, q_len, threads, vector, partials=False):
+    """Rung 3's kernel (rung 4's split kernel with partials) for float16 / float32 inputs."""
+    itemsize = np.dtype(dtype).itemsize
+    score, key_range, _, _ = make_onnx_score(np.float32)
+    heads_per_block, q_tile, _ = vector_rows(q_heads, kv_heads, q_len, head_dim, v_dim, itemsize, threads)
+    kernel = make_vector_attention_kernel(_kv_row, make_onnx_chunk_load(VECTOR_BYTES // itemsize, vector), score,
+                                          key_range, head_dim_k=head_dim, head_dim_v=v_dim,
+                                          chunk=VECTOR_BYTES // itemsize, heads_per_block=heads_per_block,
+                                          q_tile=q_tile, group=q_heads // kv_heads, warps=threads // 32,
+                                          partials=partials, walker=KV_WALKER)
+    return kernel, heads_per_block, q_tile
+
+
+def _kv_source(new, past, heads):
+    """OnnxKV over past (or None) and the call's own K or V, 3-D or 4-D, read where they are."""
+    i64 = np.int64
+    if new.ndim == 3:
+        batch, seq, hidden = new.shape
+        n_sb, n_st, n_sh = seq * hidden, hidden, hidden // heads
+    else:
+        batch, _, seq, size = new.shape
+        n_sb, n_st, n_sh = heads * seq * size, size, seq * size
+    if past is None:
+        return OnnxKV(flat(new), flat(new), i64(0), i64(0), i64(0), i64(0), i64(n_sb), i64(n_st), i64(n_sh))
+    _, _, past_len, size = past.shape
+    return OnnxKV(flat(past), flat(new), i64(past_len), i64(heads * past_len * size), i64(past_len * size), i64(size),
+                  i64(n_sb), i64(n_st), i64(n_sh))
+
+
+def _vector_ok(src: OnnxKV, size: int) -> bool:
+    """Whether every row of both tensors of `src` can be read in 16-byte loads: aligned data, rows of whole
+    16-byte chunks, every stride a multiple of 16 bytes (decided on the host, once per launch)."""
+    itemsize = src.new.dtype.itemsize
+    strides = (src.p_sb, src.p_sh, src.p_st, src.n_sb, src.n_st, src.n_sh)
+    return (size * itemsize) % VECTOR_BYTES == 0 and all(_address(x) % VECTOR_BYTES == 0 for x in (src.past, src.new)) \
+        and all((int(x) * itemsize) % VECTOR_BYTES == 0 for x in strides)
 
 
 @cache
@@ -233,15 +349,18 @@ def _mask_args(attn_mask, like):
 def onnx_attention(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv_seqlen=None, *,
                    is_causal=0, kv_num_heads=None, q_num_heads=None, qk_matmul_output_mode=0, scale=None,
                    softcap=0.0, softmax_precision=None, left_window_size=-1, right_window_size=-1,
-                   return_qk_matmul_output=False, threads=128):
+                   return_qk_matmul_output=False, threads=128, rung=1, num_splits=None):
     """(Y, present_key, present_value, qk_matmul_output or None). Inputs are validated by `cacheattn`.
 
-    softmax_precision is accepted and the softmax runs in float32 (float64 for float64 inputs).
+    softmax_precision is accepted and the softmax runs in float32 (float64 for float64 inputs). rung: 1 shared-memory
+    tiles, 3 lane groups with vector loads, 4 rung 3 with split-K (num_splits; None: `choose_splits`); a float64
+    call runs on rung 1 whatever is asked (rungs 3 and 4 accumulate in float32), and so does rung 4 with a 4-D
+    query longer than 1 (the combine writes (token, head) rows), split once: rung 3.
     """
     attrs = dict(is_causal=is_causal, kv_num_heads=kv_num_heads, q_num_heads=q_num_heads,
                  qk_matmul_output_mode=qk_matmul_output_mode, scale=scale, softcap=softcap,
                  left_window_size=left_window_size, right_window_size=right_window_size,
-                 return_qk_matmul_output=return_qk_matmul_output, threads=threads)
+                 return_qk_matmul_output=return_qk_matmul_output, threads=threads, rung=rung, num_splits=num_splits)
     if np.dtype(Q.dtype).name == "bfloat16":
         return _bfloat16_via_float32(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, **attrs)
     return _attention(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, **attrs)
@@ -249,7 +368,7 @@ def onnx_attention(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonp
 
 def _attention(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, *, is_causal, kv_num_heads, q_num_heads,
                qk_matmul_output_mode, scale, softcap, left_window_size, right_window_size, return_qk_matmul_output,
-               threads):
+               threads, rung, num_splits):
     stream = caller_stream(Q, K)
     four_d = Q.ndim == 4
     batch = Q.shape[0]
@@ -263,6 +382,8 @@ def _attention(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, *, is
     present_value, v_src = _present(V, past_value, kv_heads, batch, Q, threads, stream)
     total = present_key.shape[2]
     past_len = 0 if past_key is None else past_key.shape[2]
+    if np.dtype(Q.dtype) == np.float64:
+        rung = 1
 
     root = np.dtype(Q.dtype).type(math.sqrt(1 / math.sqrt(head_dim) if scale is None else scale))
     sm_scale = _acc_type(Q.dtype)(float(root) ** 2)     # sqrt(scale), held in Q's dtype, on each side
@@ -275,13 +396,17 @@ def _attention(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, *, is
 
     y_shape = (batch, q_heads, q_len, v_dim) if four_d else (batch, q_len, q_heads * v_dim)
     Y = empty_like_kind(Q, y_shape, Q.dtype)
-    kernel, heads_per_block, q_tile = _attention_kernel(np.dtype(Q.dtype).str, head_dim, v_dim, q_heads, kv_heads,
-                                                        min(q_len, 16))   # one kernel for every length past 16
     zero_starts = to_kind(Q, np.zeros(batch, np.int64))
     lens = to_kind(Q, np.full(batch, q_len, np.int64)), to_kind(Q, np.full(batch, total, np.int64))
-    grid = (max(1, ceil_div(q_len, q_tile)), q_heads // heads_per_block, batch)
-    launch(kernel, grid, threads, stream, (flat(Q), zero_starts, *_q_geometry(Q, q_heads)),
-           (flat(Y), zero_starts, *_q_geometry(Y, q_heads)), *lens, k_src, v_src, args, sm_scale)
+    q_geom, y_geom = (flat(Q), zero_starts, *_q_geometry(Q, q_heads)), (flat(Y), zero_starts, *_q_geometry(Y, q_heads))
+    if rung in (3, 4):
+        _attend_vector(rung, num_splits, Q, K, V, past_key, past_value, Y, q_geom, y_geom, lens, args, sm_scale,
+                       q_heads, kv_heads, head_dim, v_dim, total, threads, stream)
+    else:
+        kernel, heads_per_block, q_tile = _attention_kernel(np.dtype(Q.dtype).str, head_dim, v_dim, q_heads,
+                                                            kv_heads, min(q_len, 16))   # one kernel past 16
+        grid = (max(1, ceil_div(q_len, q_tile)), q_heads // heads_per_block, batch)
+        launch(kernel, grid, threads, stream, q_geom, y_geom, *lens, k_src, v_src, args, sm_scale)
 
     qk = None
     if return_qk_matmul_output:
@@ -294,6 +419,39 @@ def _attention(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, *, is
             grid = (max(1, ceil_div(q_len * q_heads, threads)), batch)
             launch(softmax_rows_kernel, grid, threads, stream, starts, np.int64(total), qk)
     return Y, present_key, present_value, qk
+
+
+# spec: onnx/cache-inside
+def _attend_vector(rung, num_splits, Q, K, V, past_key, past_value, Y, q_geom, y_geom, lens, args, sm_scale, q_heads,
+                   kv_heads, head_dim, v_dim, total, threads, stream):
+    """Y on rung 3, or rung 4's split partials and the combine: K/V read from past and K / V where they are."""
+    batch, q_len = Q.shape[0], (Q.shape[2] if Q.ndim == 4 else Q.shape[1])
+    k_kv, v_kv = _kv_source(K, past_key, kv_heads), _kv_source(V, past_value, kv_heads)
+    vector = _vector_ok(k_kv, head_dim) and _vector_ok(v_kv, v_dim)
+    itemsize = np.dtype(Q.dtype).itemsize
+    key = (np.dtype(Q.dtype).str, head_dim, v_dim, q_heads, kv_heads, min(q_len, 16), threads, vector)
+    heads_per_block, q_tile, step = vector_rows(q_heads, kv_heads, min(q_len, 16), head_dim, v_dim, itemsize, threads)
+    grid = (max(1, ceil_div(q_len, q_tile)), q_heads // heads_per_block, batch)
+    splits = 1
+    # The combine writes (token, head) rows: Y's layout when 3-D or one query a batch.
+    if rung == 4 and (Q.ndim == 3 or q_len == 1):
+        splits = num_splits or choose_splits(grid[0] * grid[1] * grid[2], total, step)
+    inputs = (lens[0], lens[1], k_kv, v_kv, args, np.float32(sm_scale))
+    if splits == 1:
+        kernel, _, _ = _vector_kernel(*key)
+        launch(kernel, grid, threads, stream, q_geom, y_geom, *inputs)
+        return
+    rows = batch * q_len * q_heads
+    o_part = empty_like_kind(Q, (splits * rows * v_dim,), np.float32)
+    m_part, l_part = (empty_like_kind(Q, (splits * rows,), np.float32) for _ in range(2))
+    token_starts = to_kind(Q, np.arange(batch + 1, dtype=np.int64) * q_len)
+    i64 = np.int64
+    split_geom = (o_part, token_starts, i64(0), i64(q_heads * v_dim), i64(v_dim), i64(splits), i64(rows * v_dim),
+                  i64(rows), i64(q_heads), m_part, l_part)
+    kernel, _, _ = _vector_kernel(*key, partials=True)
+    launch(kernel, grid[:2] + (batch * splits,), threads, stream, q_geom, split_geom, *inputs)
+    launch(combine_kernel(np.dtype(Q.dtype).str, q_heads, v_dim), (max(1, ceil_div(q_len * q_heads * v_dim, threads)),
+           batch), threads, stream, o_part, m_part, l_part, i64(splits), token_starts, token_starts, flat(Y))
 
 
 def _bfloat16_via_float32(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, **attrs):

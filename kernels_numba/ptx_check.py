@@ -112,6 +112,31 @@ def _onnx_launches(full: bool):
                            left_window_size=2, right_window_size=0)
         label = f"onnx {np.dtype(dtype).name} qk mode {mode}"
         out += [(label, kernel, args) for kernel, args in launches]
+    # Rungs 3 and 4 (float16 / float32; float64 stays on rung 1): decode with past 3-D in 16-byte loads, 4-D at head
+    # size 12 in element loads, a 3-D prefill with a window; rung 4's split decode and its combine. Every variant
+    # in both dtypes when full, else one dtype each.
+    calls = [("decode 3-D", 3, np.float16), ("decode 4-D head 12", 3, np.float32), ("prefill", 3, np.float32),
+             ("decode 3-D", 4, np.float16)]
+    if full:
+        calls = [(what, rung, dtype) for what, rung, _ in calls for dtype in (np.float16, np.float32)]
+    for what, rung, dtype in calls:
+        past = rng.standard_normal((2, 2, 5, 12 if "4-D" in what else 8)).astype(dtype)
+        q_len, splits = (3 if what == "prefill" else 1), (2 if rung == 4 else None)
+        with _launch.recorded_launches() as launches:
+            if "4-D" in what:
+                q = rng.standard_normal((2, 4, 1, 12)).astype(dtype)
+                k = rng.standard_normal((2, 2, 1, 12)).astype(dtype)
+                onnx_attention(q, k, k, np.zeros((2, 1, 1, 6), dtype), past, past, rung=rung, num_splits=splits)
+            else:
+                q = rng.standard_normal((2, q_len, 4 * 8)).astype(dtype)
+                k = rng.standard_normal((2, q_len, 2 * 8)).astype(dtype)
+                onnx_attention(q, k, k, np.ones((1, 5 + q_len), bool), past, past, None, is_causal=1, q_num_heads=4,
+                               kv_num_heads=2, softcap=1.0, left_window_size=2 if q_len > 1 else -1, rung=rung,
+                               num_splits=splits)
+        marker = f" {VECTOR_LOAD}" if "4-D" not in what else ""
+        out += [(f"onnx rung {rung} {what} {np.dtype(dtype).name}" + (marker if kernel.py_func.__name__ ==
+                 "vector_attention_kernel" else ""), kernel, args) for kernel, args in launches
+                if kernel.py_func.__name__ in ("vector_attention_kernel", "combine_kernel")]
     return out
 
 

@@ -2,7 +2,8 @@
 
 Every operator runs on the kernels in numba's CUDA simulator on the tour's example cases, cut to the tour's quick
 shapes (`cacheattn.tour`): OpenPPL's KeyValueCache, dynamic KeyValueCache, MultiHeadAttention and
-MultiHeadCacheAttention at every rung of the kernel ladder on float16, int8 and int4 caches; ONNX Attention;
+MultiHeadCacheAttention at every rung of the kernel ladder on float16, int8 and int4 caches; ONNX Attention (rung 1,
+rungs 3 and 4 on decode with past, rung 3 on a prefill);
 TensorRT-LLM gpt_attention (in-flight context + generation on a paged INT8 pool, StreamingLLM on a cyclic FP8 cache,
 generation on rungs 1 (multi-block), 3 and 4, the unfused and FP8 context paths, cross attention); FasterTransformer
 cross attention (step 1 and a later step, by the plan and on rungs 1, 3 and 4). A table gives each call's launches,
@@ -112,12 +113,22 @@ def _onnx_calls(full: bool) -> list[Call]:
     from ..tour import ONNX_CASES, _quick
 
     quick = {label: _quick(case) for label, case in ONNX_CASES.items()}
-    return [Call("onnx attention", label, lambda case=case: _onnx(case)) for label, case in quick.items()]
+    calls = [Call("onnx attention", label, lambda case=case: _onnx(case, rung=1)) for label, case in quick.items()]
+    # Rungs 3 and 4: decode with past through the vector kernel's key walker (past, then the call's own K/V), and a
+    # prefill on rung 3.
+    decode, _, prefill = quick.values()
+    calls.append(Call("onnx attention rung 3", "decode with past, GQA 8/2, causal, fp16 4-D",
+                      lambda: _onnx(decode, rung=3)))
+    calls.append(Call("onnx attention rung 4", "decode with past, GQA 8/2, causal, fp16 4-D, 3 splits",
+                      lambda: _onnx(decode, rung=4, num_splits=3)))
+    calls.append(Call("onnx attention rung 3", "prefill, window 4, padded float mask, fp32",
+                      lambda: _onnx(prefill, rung=3)))
+    return calls
 
 
-def _onnx(case):
+def _onnx(case, **launch):
     return cacheattn.onnx_attention(**build_onnx(case), **case.attrs(), return_qk_matmul_output=True,
-                                    backend="numba", threads=THREADS)
+                                    backend="numba", threads=THREADS, **launch)
 
 
 def _trt_calls(full: bool) -> list[Call]:

@@ -1,0 +1,113 @@
+"""ONNX Attention on the kernel ladder's fast rungs: decode with past (and prefill) on rung 3, rung 4 (split-K) and
+the plan's default, against a float64 evaluation; which kernels launch; the rung= / num_splits= / threads= checks."""
+
+from dataclasses import replace
+
+import pytest
+
+import cacheattn
+from cacheattn.examples import OnnxCase, build_onnx, float64_onnx
+from cacheattn.onnx import kernel_plan
+from kernels_numba import _launch
+
+from helpers import assert_bits_equal, assert_close
+
+BASE = OnnxCase(batch=2, q_heads=4, kv_heads=2, q_len=1, kv_len=1, past_len=1, head_size=16, v_head_size=16,
+                three_d=False, dtype="float16", mask="none", mask_shape=(), is_causal=0, nonpad=None, softcap=0.0,
+                scale=None, left_window_size=-1, right_window_size=-1, qk_matmul_output_mode=0, seed=3)
+
+# One query a batch. Lengths: a past of 1; keys not a multiple of a block's step (16 keys at head_size 16 in float16
+# with one warp, 8 in float32: the default splits calls with more); K longer than the query, partly hidden by causal.
+DECODE = {
+    "bool mask, GQA 4/2, fp16, past 1": replace(BASE, mask="bool", mask_shape=(2, 1, 1, 2)),
+    "float mask (short), causal, softcap 2, fp32 3-D, past 11": replace(
+        BASE, dtype="float32", three_d=True, mask="float", mask_shape=(4, 1, 10), is_causal=1, softcap=2.0,
+        past_len=11, seed=4),
+    "nonpad (5, 11), GQA 4/1, fp16, no past, v_head_size 8": replace(
+        BASE, kv_heads=1, past_len=0, kv_len=11, nonpad=(5, 11), v_head_size=8, scale=0.3, seed=5),
+    "causal, MHA 2/2, fp32, past 6 + 3 new keys": replace(
+        BASE, q_heads=2, kv_heads=2, dtype="float32", is_causal=1, past_len=6, kv_len=3, seed=6),
+}
+RUNGS = {"rung 3": dict(rung=3), "rung 4, 3 splits": dict(rung=4, num_splits=3), "default": {}}
+
+
+def _run(case, **launch):
+    inputs = build_onnx(case)
+    return inputs, cacheattn.onnx_attention(**inputs, **case.attrs(), backend="numba", threads=32, **launch)
+
+
+def _launched(case, **launch):
+    with _launch.recorded_launches() as launches:
+        _run(case, **launch)
+    return [kernel.py_func.__name__ for kernel, _ in launches]
+
+
+@pytest.mark.spec("onnx/cache-inside", "onnx/present-shape", "onnx/mask-kinds", "onnx/mask-short", "onnx/nonpad",
+                  "onnx/softcap", "onnx/gqa", "onnx/is-causal-top-left")
+@pytest.mark.parametrize("launch", list(RUNGS))
+@pytest.mark.parametrize("name", list(DECODE))
+def test_decode_on_rungs_3_and_4(name, launch):
+    """Y close to a float64 evaluation, the present tensors bit for bit (past then K / V); outputs start as NaN
+    (conftest), so an unwritten element fails. One warp a block: the simulator's cost is blocks x threads."""
+    case = DECODE[name]
+    inputs, got = _run(case, **RUNGS[launch])
+    want = float64_onnx(inputs, case)
+    assert_close("Y", got.Y, want[0], case.dtype)
+    dtype = got.Y.dtype
+    for label, got_present, want_present in (("present_key", got.present_key, want[1]),
+                                             ("present_value", got.present_value, want[2])):
+        assert_bits_equal(label, got_present, want_present.astype(dtype))
+
+
+@pytest.mark.parametrize("name", list(DECODE))
+def test_decode_launches(name):
+    """Which kernels run (recorded, nothing runs): the vector kernel on rung 3, its split partials and the combine on
+    rung 4; the default splits the calls with more keys than one step of a block (few blocks: SMs idle)."""
+    case = DECODE[name]
+    copies = ["copy_kernel"] * 2 if case.past_len or case.three_d else []
+    assert _launched(case, rung=3) == copies + ["vector_attention_kernel"]
+    assert _launched(case, rung=4, num_splits=3) == copies + ["vector_attention_kernel", "combine_kernel"]
+    split = case.past_len + case.kv_len > (16 if case.dtype == "float16" else 8)
+    assert _launched(case) == copies + ["vector_attention_kernel"] + ["combine_kernel"] * split
+    assert _launched(case, rung=1) == copies + ["attention_kernel"]
+
+
+def test_prefill_on_rung_3():
+    """A GQA prefill (3 queries, 3-D, causal, past 5, bool mask) on rung 3 asked for; rung 1 by default. A 4-D
+    prefill asked to split runs unsplit on rung 3."""
+    case = replace(BASE, q_len=3, kv_len=3, past_len=5, three_d=True, is_causal=1, mask="bool", mask_shape=(3, 8))
+    inputs, got = _run(case, rung=3)
+    assert_close("Y", got.Y, float64_onnx(inputs, case)[0], case.dtype)
+    assert _launched(case) == ["copy_kernel"] * 2 + ["attention_kernel"]
+    plan = kernel_plan(inputs["Q"], inputs["K"], inputs["V"], inputs["past_key"], q_num_heads=4, kv_num_heads=2)
+    assert plan.rung == 1 and "prefill" in plan.reason, plan
+    assert _launched(replace(case, three_d=False), rung=4) == ["copy_kernel"] * 2 + ["vector_attention_kernel"]
+
+
+def test_float64_and_partial_warps_run_on_rung_1():
+    """The vector kernels accumulate in float32 and need whole warps: such calls take rung 1 by default."""
+    case = replace(DECODE["causal, MHA 2/2, fp32, past 6 + 3 new keys"], dtype="float64")
+    assert _launched(case)[-1] == "attention_kernel"
+    inputs = build_onnx(case)
+    plan = kernel_plan(inputs["Q"], inputs["K"], inputs["V"], inputs["past_key"])
+    assert plan.rung == 1 and "float64" in plan.reason
+    with _launch.recorded_launches() as launches:
+        cacheattn.onnx_attention(**build_onnx(BASE), **BASE.attrs(), backend="numba", threads=48)
+    assert launches[-1][0].py_func.__name__ == "attention_kernel"
+
+
+@pytest.mark.parametrize("launch,match", [
+    (dict(rung=2), "rung"), (dict(rung=5), "rung"), (dict(rung=3, num_splits=2), "num_splits"),
+    (dict(num_splits=0), "num_splits"), (dict(rung=4, threads=48), "threads"), (dict(threads=16), "threads")])
+def test_bad_launch_raises(launch, match):
+    """Checked on either backend, before anything runs."""
+    inputs = build_onnx(BASE)
+    for backend in ("reference", "numba"):
+        with pytest.raises(ValueError, match=match):
+            cacheattn.onnx_attention(**inputs, **BASE.attrs(), backend=backend, **launch)
+
+
+def test_float64_refuses_rungs_3_and_4():
+    case = replace(BASE, dtype="float64")
+    with pytest.raises(ValueError, match="rung"):
+        cacheattn.onnx_attention(**build_onnx(case), **case.attrs(), rung=3)
