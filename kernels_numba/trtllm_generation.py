@@ -369,7 +369,6 @@ def generation_splits(rung, num_splits, multi_block_mode, blocks, max_kv_len, ke
     return num_splits or choose_splits(blocks, max_kv_len, key_tile, num_sms)
 
 
-# spec: trtllm/generation-mmha, trtllm/multi-block
 def attend_generation(rung, num_splits, multi_block_mode, num_sms, pre, out_geom, new, kvlens, k_src, v_src, args,
                       sm_scale, rounds_as, num_heads, num_kv_heads, head_size, quant, rope_on_load, new_in_cache,
                       num_tokens, threads, stream, query_rope):
@@ -378,6 +377,7 @@ def attend_generation(rung, num_splits, multi_block_mode, num_sms, pre, out_geom
     logn inputs, its entry table: the query rows come from them, `make_query`); query_rope: (rotary_dim,
     rope_style, has_bias); out_geom as trtllm_gpt_attention.gpt_attention builds it (the output's rows); sm_scale
     the document's 1 / (q_scaling sqrt(Dh)), times the per-tensor scale here when the loads fold it out."""
+    # spec: trtllm/generation-mmha, trtllm/multi-block
     H, E = num_heads, len(new)
     like = pre.table
     q_src = QuerySource(qkv=pre.qkv, bias=pre.bias, table=pre.table, inv_freq=pre.inv_freq,
