@@ -549,12 +549,13 @@ def _cross_kernel(dtype, num_kv_heads, head_size, quant):
             dst.cache[cache_address(dst, b, t, g) + d] = encode(x, inv_scale)
 
     @cuda.jit
-    def cross_kernel(cross_kv, enc_starts, k_out, v_out, k_dst, v_dst, inv_scale, write_cache):
+    def cross_kernel(cross_kv, enc_starts, src_starts, k_out, v_out, k_dst, v_dst, inv_scale, write_cache):
         b, t, item, d = token_head_item(enc_starts, 2 * HKV, DH)
         if t < 0:
             return
-        token = enc_starts[b] + t                       # cross_kv (encoder tokens, [K heads | V heads], Dh)
-        x = round_dtype(acc_t(cross_kv[(token * 2 * HKV + item) * DH + d]))
+        token = enc_starts[b] + t                       # the scratch row (context entries' encoder tokens, packed)
+        source = src_starts[b] + t                      # cross_kv (encoder tokens, [K heads | V heads], Dh)
+        x = round_dtype(acc_t(cross_kv[(source * 2 * HKV + item) * DH + d]))
         if item < HKV:
             copy(k_out, k_dst, b, token, t, item, d, x, inv_scale, write_cache)
         else:
@@ -709,7 +710,7 @@ def _mask_and_bias(attention_mask, attention_packed_mask, relative_attention_bia
 
 
 def _cross_keys(qkv, cross_kv, encoder_input_lengths, num_context, table, k_src, v_src, rounds_as, Hkv, Dh, quant,
-                kv_orig_quant_scale, use_cache, threads, stream):
+                kv_orig_quant_scale, use_cache, threads, stream, remove_input_padding):
     """Cross attention's keys: launch the cross kernel, and return (key table, kv lengths, K source, V source).
 
     In the key table a context entry has past 0 (every key from the scratch, at its encoder token rows), a
@@ -719,6 +720,8 @@ def _cross_keys(qkv, cross_kv, encoder_input_lengths, num_context, table, k_src,
     E = lengths.shape[0]
     context_lengths = np.where(np.arange(E) < num_context, lengths, 0)
     enc_starts = np.concatenate([[0], np.cumsum(context_lengths)]).astype(np.int64)
+    # Entry b's encoder tokens in cross_kv: packed like the scratch, or padded at row b of (E, L_max, 2 Hkv Dh).
+    src_starts = enc_starts[:-1] if remove_input_padding else np.arange(E, dtype=np.int64) * cross_kv.shape[1]
     rows = max(1, int(enc_starts[-1]))
     k_scratch = empty_like_kind(qkv, (rows * Hkv * Dh,), k_src.scratch.dtype)
     v_scratch = empty_like_kind(qkv, (rows * Hkv * Dh,), k_src.scratch.dtype)
@@ -728,7 +731,7 @@ def _cross_keys(qkv, cross_kv, encoder_input_lengths, num_context, table, k_src,
     if enc_starts[-1] > 0:
         grid = (max(1, ceil_div(int(context_lengths.max()) * 2 * Hkv * Dh, threads)), E)
         launch(_cross_kernel(rounds_as, Hkv, Dh, quant), grid, threads, stream, flat(cross_kv),
-               to_kind(qkv, enc_starts), k_scratch, v_scratch, k_src, v_src,
+               to_kind(qkv, enc_starts), to_kind(qkv, src_starts), k_scratch, v_scratch, k_src, v_src,
                np.float32(kv_orig_quant_scale if quant else 1.0), np.int64(use_cache))
     keys = np.zeros((E, TABLE_COLUMNS), np.int64)
     keys[:, TOKEN_START] = enc_starts[:-1]
@@ -828,9 +831,7 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     # when it holds them as the document attends with them (unquantized, after RoPE, written before attention): no
     # scratch for those entries then.
     generation = np.arange(E) >= num_context
-    # Cross attention stays on rung 1: its keys are the encoder's, and the decoder's own token is not cached.
-    vector_generation = (rung != 1 and acc_t == np.float32 and bool(use_cache) and bool(generation.any())
-                         and not do_cross_attention)
+    vector_generation = rung != 1 and acc_t == np.float32 and bool(use_cache) and bool(generation.any())
     new_in_cache = vector_generation and not quant and not rotate_cached and not write_after
     pre = Preprocess(qkv=flat(qkv), bias=flat(qkv_bias) if qkv_bias is not None else flat(qkv)[:1],
                      table=table, inv_freq=rope.inv_freq, position_divisor=rope.position_divisor,
@@ -856,7 +857,7 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     if do_cross_attention:
         table, kvlens, k_src, v_src = _cross_keys(qkv, cross_kv, encoder_input_lengths, num_context, table,
                                                   k_src, v_src, rounds_as, Hkv, Dh, quant, kv_orig_quant_scale,
-                                                  bool(use_cache), threads, stream)
+                                                  bool(use_cache), threads, stream, remove_input_padding)
     args = ScoreArgs(table=table, alibi=alibi_slopes if alibi_on else to_kind(qkv, np.zeros(1, np.float32)),
                      alibi_on=np.int64(alibi_on), softcap=acc_t(attn_logit_softcapping_scale),
                      causal=np.int64(mask_type in (CAUSAL, SLIDING_WINDOW_CAUSAL) and not do_cross_attention),

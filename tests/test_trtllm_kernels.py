@@ -123,10 +123,10 @@ CHOSEN = {
     "cross-paged-fp8-bias": replace(BASE, mask_type=0, capacity=6, window=6, paged=True, tokens_per_block=4,
                                     quant=128, dtype="float16", qkv_bias=True, contexts=((0, 1),),
                                     encoder_lengths=(4, 6, 6)),              # generation reads 6 encoder tokens
-    # An unquantized cross-attention cache: generation must read the encoder's keys, never its own token's slot.
-    "cross-contiguous-fp16-padded": replace(BASE, capacity=2, window=2, dtype="float16", num_heads=1,
-                                            num_kv_heads=1, contexts=(), generations=((1, 2), (1, 2)), beam_width=1,
-                                            encoder_lengths=(2, 2), packed=False),
+    # Padded cross_kv (E, L_max, 2 Hkv Dh) with encoder lengths that differ: entry 1's tokens start at row L_max.
+    "cross-context-padded-fp16": replace(BASE, capacity=3, window=3, dtype="float16", num_heads=1, num_kv_heads=1,
+                                         contexts=((0, 1), (0, 1)), generations=(), beam_width=1,
+                                         encoder_lengths=(1, 3), packed=False),
     "unfused-inflight-custom-mask-t5": replace(BASE, mask_type=6, position=6, relative="t5", softcap=3.0,
                                                contexts=((0, 3), (2, 2)), beam_width=1, context_fmha_type=0),
     "unfused-paged-int8-wrapping-chunk-alibi": replace(BASE, generations=(), beam_width=1, contexts=((3, 6),),
