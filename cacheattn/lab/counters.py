@@ -569,6 +569,11 @@ def rung_summary(result: dict, rung: int) -> str:
     return "\n".join(lines)
 
 
+def _share(x) -> str:
+    """A fraction as a percentage, or "n/a" where the recorder attributed no load to the K/V arrays."""
+    return "n/a" if x is None else f"{x:.0%}"
+
+
 def operators_summary(result: dict) -> str:
     """Every case of the other operators, a line per rung counted: its lower bound and limiter, DRAM / floor, how
     much of its K/V sectors it uses and how often a block reads its K/V, bank conflicts per key; the rung the
@@ -586,7 +591,7 @@ def operators_summary(result: dict) -> str:
             mark = "  default" if default["counted as"] == rung else ""
             lines.append(f"  rung {rung}: ≥ {b['lower bound µs (derived)']:>7,.1f} µs ({b['limited by']}, "
                          f"{b['HBM share at the bound']:.0%} of HBM); DRAM/floor {b['DRAM / floor (derived)']:.3f}; "
-                         f"K/V sectors {d['K/V ld sector efficiency']:.0%} used, read "
+                         f"K/V sectors {_share(d['K/V ld sector efficiency'])} used, read "
                          f"{d['K/V reads per block (loaded / must see)']:.2f}x a block; {conflicts:.2f} conflicts/key"
                          f"{mark}")
     return "\n".join(lines)
