@@ -36,6 +36,33 @@ def check_int(name: str, value, *, low: int, high: int | None = None) -> int:
     return int(value)
 
 
+MAX_SPLITS = 64     # split-K's most key ranges, the cap of kernels_numba._split_k.choose_splits too
+
+
+def check_launch(rung, threads, num_splits, *, rungs: tuple, split_rungs: tuple = (4,), min_threads: int = 32,
+                 float64: str | None = None):
+    """The kernels' own keywords, checked alike on every operator and on either backend (a call fails the same way
+    wherever it runs): `rung` None (the plan's choice) or one of `rungs`; `threads` None or a block size of
+    min_threads to 1024, whole warps on any rung past 1; `num_splits` None or 1 to MAX_SPLITS, with a rung of
+    `split_rungs` (split-K; TensorRT-LLM's rung 1 splits too, as its multi-block mode) or alone, which asks for
+    it. `float64` names the call's input when it is float64: rungs 3 to 5 accumulate in float32 and cannot
+    take it."""
+    if rung is not None:
+        check_choice("rung", rung, rungs)
+        if float64 is not None and rung >= 3:
+            raise ValueError(f"rung: {rung} accumulates in float32; a float64 {float64} runs on rung 1 "
+                             "(rung None or 1)")
+    if threads is not None:
+        check_int("threads", threads, low=min_threads, high=1024)
+        if (rung or 1) >= 2 and threads % 32:
+            raise ValueError(f"threads: expected a multiple of 32 for rung {rung} (whole warps), got {threads}")
+    if num_splits is not None:
+        if rung is not None and rung not in split_rungs:
+            raise ValueError(f"num_splits: only rung {' or '.join(map(str, split_rungs))} splits the keys, got "
+                             f"num_splits={num_splits!r} with rung {rung}")
+        check_int("num_splits", num_splits, low=1, high=MAX_SPLITS)
+
+
 def check_dtype(name: str, x, allowed) -> None:
     if dtype_of(x).name not in allowed:
         raise TypeError(f"{name}: expected dtype in {tuple(allowed)}, got {dtype_of(x).name}")

@@ -16,7 +16,15 @@ from reference.ft_cross_attention import chunk_elements
 
 from . import _arrays as arrays
 from ._types import IndexTensor, Tensor
-from ._validate import FLOAT_T1, check_choice, check_contiguous, check_dtype, check_int, check_same_dtype, check_shape
+from ._validate import (
+    FLOAT_T1,
+    check_contiguous,
+    check_dtype,
+    check_int,
+    check_launch,
+    check_same_dtype,
+    check_shape,
+)
 from .plan import AttentionShape, KernelPlan
 from .plan import plan as plan_kernels
 
@@ -24,7 +32,6 @@ from .plan import plan as plan_kernels
 # spec: ft/head-size-dispatch
 HEAD_SIZES = (32, 48, 64, 80, 96, 112, 128, 144, 160, 192, 224, 256)
 RUNGS = (1, 3, 4)      # the kernel ladder's rungs the attention kernel offers (docs/kernel-ladder.md)
-MAX_SPLITS = 64        # rung 4's most key ranges, the cap of the plan's split heuristic too
 
 
 class DenseWeight(NamedTuple):
@@ -323,7 +330,7 @@ def cross_attention(input_query: Tensor, encoder_output: Tensor, encoder_sequenc
     engine = arrays.resolve_backend(backend, data)
     attrs = dict(head_num=head_num, size_per_head=size_per_head, q_scaling=q_scaling,
                  is_batch_major_cache=is_batch_major_cache)
-    _check_launch(threads, rung, num_splits)
+    check_launch(rung, threads, num_splits, rungs=RUNGS, min_threads=1)
     lengths, done, tasks = validate(input_query, encoder_output, encoder_sequence_length, step, key_cache,
                                     value_cache, finished, ia3_tasks, context_buf, cross_attentions, weight_arrays,
                                     **attrs)
@@ -349,21 +356,6 @@ def cross_attention(input_query: Tensor, encoder_output: Tensor, encoder_sequenc
         None if tasks is None else arrays.to_kind(like, tasks), data["context_buf"], data["cross_attentions"],
         weights=_host_weights(data, use_ia3), threads=launch.threads, rung=launch.rung, num_splits=launch.num_splits,
         **attrs))
-
-
-def _check_launch(threads, rung, num_splits):
-    """The kernels' own keywords (as OpenPPL's): rung in RUNGS, num_splits only for rung 4 (or alone, asking for
-    it), threads a block size, whole warps for rungs 3 and 4."""
-    if rung is not None:
-        check_choice("rung", rung, RUNGS)
-    check_int("threads", threads, low=1, high=1024)
-    if rung in (3, 4) and threads % 32:
-        raise ValueError(f"threads: expected a multiple of 32 for rung {rung} (whole warps), got {threads}")
-    if num_splits is not None:
-        if rung not in (None, 4):
-            raise ValueError(f"num_splits: only rung 4 (split-K) splits the keys, got num_splits={num_splits!r} "
-                             f"with rung {rung}")
-        check_int("num_splits", num_splits, low=1, high=MAX_SPLITS)
 
 
 @arrays.accepts_torch
@@ -402,7 +394,7 @@ def kernel_plan(encoder_sequence_length: IndexTensor, key_cache: Tensor, value_c
     >>> few.rung, few.num_splits
     (4, 9)
     """
-    _check_launch(threads, rung, num_splits)
+    check_launch(rung, threads, num_splits, rungs=RUNGS, min_threads=1)
     lengths = arrays.index_array("encoder_sequence_length", encoder_sequence_length)
     done = None if finished is None else np.asarray(arrays.to_host(finished), bool)
     caches = {"key_cache": key_cache, "value_cache": value_cache}

@@ -16,14 +16,13 @@ import reference
 
 from . import _arrays as arrays
 from ._types import IndexTensor, Tensor
-from ._validate import check_choice, check_flag, check_int, check_shape
+from ._validate import check_choice, check_flag, check_int, check_launch, check_shape
 from .plan import AttentionShape, KernelPlan
 from .plan import plan as plan_kernels
 
 T1 = ("float16", "float32", "float64", "bfloat16")
 OPSETS = (23, 24, 25)
 RUNGS = (1, 3, 4)          # the kernel ladder's rungs ONNX Attention runs on (docs/kernel-ladder.md)
-MAX_SPLITS = 64            # rung 4's most key splits, the cap of kernels_numba._split_k.choose_splits too
 
 
 class AttentionOutputs(NamedTuple):
@@ -294,7 +293,7 @@ def onnx_attention(Q: Tensor, K: Tensor, V: Tensor, attn_mask: Tensor | None = N
                  right_window_size=right_window_size)
     nonpad = validate(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, opset=opset, **attrs)
     check_choice("return_qk_matmul_output", int(bool(return_qk_matmul_output)), (0, 1))
-    _check_launch(threads, rung, num_splits, Q)
+    check_launch(rung, threads, num_splits, rungs=RUNGS, float64="Q" if _dtype_name(Q) == "float64" else None)
     if engine != "reference":
         launch = kernel_plan(Q, K, V, past_key, q_num_heads=q_num_heads, kv_num_heads=kv_num_heads,
                              is_causal=attrs["is_causal"], rung=rung, num_splits=num_splits, threads=threads)
@@ -308,25 +307,6 @@ def onnx_attention(Q: Tensor, K: Tensor, V: Tensor, attn_mask: Tensor | None = N
         None if nonpad is None else arrays.kernel_index(data["Q"], nonpad_kv_seqlen, nonpad),
         return_qk_matmul_output=return_qk_matmul_output, threads=launch.threads, rung=launch.rung,
         num_splits=launch.num_splits if launch.rung == 4 else None, **attrs))
-
-
-def _check_launch(threads, rung, num_splits, Q):
-    """The kernel choice (as OpenPPL's): rung None, 1, 3 or 4; threads 32 to 1024, whole warps on rungs 3 and 4;
-    num_splits 1 to 64, with rung 4 or None only. Checked on either backend, so a call fails the same way
-    wherever it runs."""
-    if rung is not None:
-        check_choice("rung", rung, RUNGS)
-        if rung in (3, 4) and _dtype_name(Q) == "float64":
-            raise ValueError(f"rung: {rung} accumulates in float32; a float64 Q runs on rung 1 (rung None or 1)")
-    if threads is not None:
-        check_int("threads", threads, low=32, high=1024)
-        if rung in (3, 4) and threads % 32:
-            raise ValueError(f"threads: expected a multiple of 32 for rung {rung} (whole warps), got {threads}")
-    if num_splits is not None:
-        if rung not in (None, 4):
-            raise ValueError(f"num_splits: only rung 4 (split-K) splits the keys, got num_splits={num_splits!r} "
-                             f"with rung {rung}")
-        check_int("num_splits", num_splits, low=1, high=MAX_SPLITS)
 
 
 def kernel_plan(Q, K, V, past_key=None, *, q_num_heads=None, kv_num_heads=None, is_causal=0, rung=None,

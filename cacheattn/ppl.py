@@ -25,6 +25,7 @@ from ._validate import (
     check_contiguous,
     check_dtype,
     check_int,
+    check_launch,
     check_same_dtype,
     check_shape,
     check_starts,
@@ -639,7 +640,7 @@ def dynamic_multi_head_attention(query: Tensor, key: Tensor, value: Tensor, seqs
     """
     data = dict(query=query, key=key, value=value, attn_mask=attn_mask)
     engine = arrays.resolve_backend(backend, data)
-    _check_launch(threads, rung, num_splits)
+    check_launch(rung, threads, num_splits, rungs=(1, 2, 3, 4, 5))
     kv_heads = _check_attention_attrs(num_heads, head_dim, num_kv_heads, is_causal, is_alibi)
     _check_query(query, num_heads, head_dim)
     _check_rung(rung, query)
@@ -674,21 +675,6 @@ def dynamic_multi_head_attention(query: Tensor, key: Tensor, value: Tensor, seqs
         alibi_slopes=alibi_slopes(num_heads) if is_alibi else None, **_launch_args(launch), **attrs)
 
 
-MAX_SPLITS = 64      # rung 4's most key splits, the cap of kernels_numba._split_k.choose_splits too
-
-
-def _check_launch(threads, rung, num_splits):
-    if rung is not None:
-        check_choice("rung", rung, (1, 2, 3, 4, 5))
-    if threads is not None:
-        check_int("threads", threads, low=32, high=1024)
-        if (rung or 1) >= 2 and threads % 32:
-            raise ValueError(f"threads: expected a multiple of 32 for rung {rung} (whole warps), got {threads}")
-    if num_splits is not None:
-        if rung not in (None, 4):
-            raise ValueError(f"num_splits: only rung 4 (split-K) splits the keys, got num_splits={num_splits!r} "
-                             f"with rung {rung}")
-        check_int("num_splits", num_splits, low=1, high=MAX_SPLITS)
 
 
 def _check_rung(rung, query):
@@ -868,7 +854,7 @@ def multi_head_cache_attention(query: Tensor, current_key: Tensor, current_value
     data = dict(query=query, current_key=current_key, current_value=current_value, cache=cache, scale=scale,
                 attn_mask=attn_mask)
     engine = arrays.resolve_backend(backend, data)
-    _check_launch(threads, rung, num_splits)
+    check_launch(rung, threads, num_splits, rungs=(1, 2, 3, 4, 5))
     kv_heads = _check_attention_attrs(num_heads, head_dim, num_kv_heads, is_causal, is_alibi)
     _check_query(query, num_heads, head_dim)
     _check_rung(rung, query)

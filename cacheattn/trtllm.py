@@ -20,7 +20,7 @@ from reference import packed_mask
 from reference import trtllm_gpt_attention as ref
 
 from . import _arrays as arrays
-from ._validate import check_choice, check_int, check_shape, dtype_of
+from ._validate import check_choice, check_int, check_launch, check_shape, dtype_of
 
 FLOATS = ("float16", "bfloat16", "float32", "float64")
 
@@ -1189,7 +1189,8 @@ def gpt_attention(
     check_int("threads", threads, low=32, high=1024)
     if threads % 32:
         raise ValueError(f"threads: expected a multiple of 32 (whole warps), got {threads}")
-    _check_launch(rung, num_splits, qkv)
+    check_launch(rung, None, num_splits, rungs=(1, 3, 4), split_rungs=(1, 4),
+                 float64="qkv" if dtype_of(qkv) == np.float64 else None)
     if engine != "reference":
         return arrays.kernels().gpt_attention(**{**checked, **{k: arrays.as_kernel_array(x) for k, x in data.items()}},
                                               threads=int(threads), rung=rung, num_splits=num_splits)
@@ -1198,20 +1199,3 @@ def gpt_attention(
         return reference.gpt_attention(**{**checked, **host})
     return arrays.run_reference(data, ("past_key_value", "kv_cache_pool"), call)
 
-
-MAX_SPLITS = 64      # split-K's most key ranges, the cap of kernels_numba._split_k.choose_splits too
-
-
-def _check_launch(rung, num_splits, qkv):
-    """The kernel choice (as OpenPPL's): rung None, 1, 3 or 4; num_splits 1 to 64, not with rung 3 (which never
-    splits); rungs 3 and 4 accumulate in float32, so a float64 qkv cannot have them. Checked on either backend, so
-    a call fails the same way wherever it runs."""
-    if rung is not None:
-        check_choice("rung", rung, (1, 3, 4))
-        if rung in (3, 4) and dtype_of(qkv) == np.float64:
-            raise ValueError(f"rung: {rung} accumulates in float32; a float64 qkv runs on rung 1 (rung None or 1)")
-    if num_splits is not None:
-        if rung == 3:
-            raise ValueError(f"num_splits: rung 3 never splits the keys, got num_splits={num_splits!r} with rung 3 "
-                             "(rung 4 or None split them)")
-        check_int("num_splits", num_splits, low=1, high=MAX_SPLITS)
