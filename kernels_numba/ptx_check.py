@@ -209,12 +209,12 @@ def _ft_launches(full: bool):
 # (partials and combine). Each call has a context chunk that wraps the cyclic cache (the write-after launch)
 # next to two beams, except "decode" (the two beams alone, so the vector kernel reads the new token from its cache
 # slot). The beams' generation runs on the vector kernel (rung 3, rung 4 with multi-block): float16 read from the cache
-# slot, INT8 split (partials), FP8 folded, FP8 rotated in registers; on rung 1 in float64 and where "rung1" says so
-# (those vector kernels would repeat the others' code paths, each a long compile).
+# slot, INT8 split (partials), FP8 rotated in registers; on rung 1 in float64 and where "rung1" says so (those vector
+# kernels would repeat the others' code paths, each a long compile; --full compiles FP8 folded without rotation too).
 TRTLLM_REPRESENTATIVES = ((np.float16, 0, 2, True, True, {"unfused", "rung1"}),
                           (np.float16, 0, 2, True, False, {"decode"}),
                           (np.float32, 64, 4, False, False, {"multi-block"}),
-                          (np.float16, 128, 6, True, False, {"t5-mask", "fp8-fmha"}),
+                          (np.float16, 128, 6, True, False, {"t5-mask", "fp8-fmha", "rung1"}),
                           (np.float16, 128, 1, True, False, {"streaming"}),
                           (np.float64, 0, 0, False, True, {"cross"}),
                           ("bfloat16", 64, 2, False, True, {"rung1"}))   # round_to_bfloat16 in bias, RoPE, INT8 store
