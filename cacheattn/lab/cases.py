@@ -265,8 +265,26 @@ def _takes_rung(operator) -> bool:
     return "rung" in inspect.signature(operator).parameters
 
 
+class PlannedCase:
+    """A case whose operator offers the rungs in `self.rungs` and whose default is `cacheattn.plan`'s choice for
+    `self.shape()`: the split counts and the default the lab counts come from the plan itself."""
+
+    def splits(self, rung: int, threads: int = 128) -> int:
+        if rung != 4 or 4 not in self.rungs:
+            return 1
+        from ..plan import plan
+        return plan(self.shape(), rung=4, threads=threads, sms=SMS).num_splits
+
+    def default_plan(self, threads: int = 128) -> dict:
+        if 3 not in self.rungs:
+            return dict(rung=1, num_splits=1, threads=threads, reason="the call offers rung 1's tiles only")
+        from ..plan import plan
+        chosen = plan(self.shape(), sms=SMS)
+        return dict(rung=chosen.rung, num_splits=chosen.num_splits, threads=chosen.threads, reason=chosen.reason)
+
+
 @dataclass(frozen=True)
-class OnnxBenchCase:
+class OnnxBenchCase(PlannedCase):
     """One ONNX `Attention` decode step with past (4-D float16 tensors): `batch` sequences of one query token over
     `context` past tokens. The operator returns present_key / present_value, past and the new token concatenated:
     it must read the past once and write all of present once.
@@ -333,19 +351,6 @@ class OnnxBenchCase:
                               num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, query_dtype="float16",
                               decode_sequences=self.batch)
 
-    def splits(self, rung: int, threads: int = 128) -> int:
-        if rung != 4 or 4 not in self.rungs:
-            return 1
-        from ..plan import plan
-        return plan(self.shape(), rung=4, threads=threads, sms=SMS).num_splits
-
-    def default_plan(self, threads: int = 128) -> dict:
-        if 3 not in self.rungs:
-            return dict(rung=1, num_splits=1, threads=threads, reason="the call offers rung 1's tiles only")
-        from ..plan import plan
-        chosen = plan(self.shape(), sms=SMS)
-        return dict(rung=chosen.rung, num_splits=chosen.num_splits, threads=chosen.threads, reason=chosen.reason)
-
     def onnx_case(self) -> OnnxCase:
         return OnnxCase(batch=self.batch, q_heads=self.num_heads, kv_heads=self.num_kv_heads, q_len=1, kv_len=1,
                         past_len=self.context, head_size=self.head_dim, v_head_size=self.head_dim, three_d=False,
@@ -364,7 +369,7 @@ class OnnxBenchCase:
 
 
 @dataclass(frozen=True)
-class FTBenchCase:
+class FTBenchCase(PlannedCase):
     """One FasterTransformer cross-attention decoder step past the first (`cacheattn.cross_attention`, step 2):
     `batch` rows of one query token over `encoder_length` encoder positions, whose K and V the first step projected
     into the batch-major float16 caches; multi-head (as many kv heads as heads). The step's projections (Q before,
@@ -442,19 +447,6 @@ class FTBenchCase:
         return AttentionShape(batch=self.batch, max_query_len=1, max_kv_len=self.encoder_length,
                               num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                               query_dtype="float16", decode_sequences=self.batch)
-
-    def splits(self, rung: int, threads: int = 128) -> int:
-        if rung != 4 or 4 not in self.rungs:
-            return 1
-        from ..plan import plan
-        return plan(self.shape(), rung=4, threads=threads, sms=SMS).num_splits
-
-    def default_plan(self, threads: int = 128) -> dict:
-        if 3 not in self.rungs:
-            return dict(rung=1, num_splits=1, threads=threads, reason="the call offers rung 1's tiles only")
-        from ..plan import plan
-        chosen = plan(self.shape(), sms=SMS)
-        return dict(rung=chosen.rung, num_splits=chosen.num_splits, threads=chosen.threads, reason=chosen.reason)
 
     def ft_case(self) -> FTCase:
         hidden = self.num_heads * self.head_dim
