@@ -211,13 +211,16 @@ def _ft_launches(full: bool):
 # slot). The beams' generation runs on the vector kernel (rung 3, rung 4 with multi-block): float16 read from the cache
 # slot, INT8 split (partials), FP8 rotated in registers; on rung 1 in float64 and where "rung1" says so (those vector
 # kernels would repeat the others' code paths, each a long compile; --full compiles FP8 folded without rotation too).
+# Generation on the vector kernel: "multi-block" (INT8, contiguous) and "streaming" (FP8, paged) compile it with
+# TensorRT-LLM's walker; its float16-cache path is the one the ONNX, FasterTransformer and rung3 families compile.
+# A plain float16 decode (TRTLLM_FULL_ONLY) would compile a third copy at ~10 s: --full adds it.
 TRTLLM_REPRESENTATIVES = ((np.float16, 0, 2, True, True, {"unfused", "rung1"}),
-                          (np.float16, 0, 2, True, False, {"decode"}),
                           (np.float32, 64, 4, False, False, {"multi-block"}),
                           (np.float16, 128, 6, True, False, {"t5-mask", "fp8-fmha", "rung1"}),
                           (np.float16, 128, 1, True, False, {"streaming"}),
                           (np.float64, 0, 0, False, True, {"cross"}),
                           ("bfloat16", 64, 2, False, True, {"rung1"}))   # round_to_bfloat16 in bias, RoPE, INT8 store
+TRTLLM_FULL_ONLY = ((np.float16, 0, 2, True, False, {"decode"}),)
 
 
 def _trtllm_launches(full: bool):
@@ -234,7 +237,8 @@ def _trtllm_launches(full: bool):
                 for quant in (0, 64, 128) for position in (0, 1, 2, 4) for paged in (False, True)
                 for bias in (False, True)] if full else []
     out = []
-    for dtype, quant, position, paged, bias, extras in variants + list(TRTLLM_REPRESENTATIVES):
+    representatives = TRTLLM_REPRESENTATIVES + (TRTLLM_FULL_ONLY if full else ())
+    for dtype, quant, position, paged, bias, extras in variants + list(representatives):
         cache_dtype = {0: dtype, 64: np.int8, 128: np.uint8}[quant]
         slots = -(-window // tpb) * tpb
         decode = "decode" in extras

@@ -57,8 +57,15 @@ def device():
     return Device(GPU)
 
 
+# Files whose tests take 10-70 s each (PTX compiles in fresh processes, whole lab and tour runs). They are started
+# first, so that with `-n 2 --dist worksteal` the short tests fill in around them instead of one worker finishing
+# a long test alone at the end.
+LONG_FIRST = ("test_ptx.py", "test_lab_commands.py", "test_tour.py", "test_docs.py", "test_bench.py")
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a real GPU with CuPy: run with CACHEATTN_TEST_GPU=1")
     for item in items:
         if "gpu" in item.keywords and not GPU:
             item.add_marker(skip_gpu)
+    items.sort(key=lambda item: item.path.name not in LONG_FIRST)
