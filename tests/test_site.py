@@ -19,14 +19,14 @@ def test_site_builds_strictly(tmp_path):
                            capture_output=True, text=True, env=env, timeout=120)
     assert build.returncode == 0, build.stdout + build.stderr
     for page in ("index.html", "paged-kv-cache/index.html", "kernel-ladder/index.html", "conformance/index.html",
-                 "traceability/index.html", "api/index.html", "ppl/index.html", "onnx/index.html"):
+                 "traceability/index.html", "api/index.html", "api-operators/index.html", "ppl/index.html", "onnx/index.html"):
         assert (site / page).is_file(), page
     # The hook drew the figures the pages embed, and the API page carries the docstrings.
     paged = (site / "paged-kv-cache" / "index.html").read_text()
     assert 'src="../figures/page-table.svg"' in paged
     assert (site / "figures" / "page-table.svg").read_text().startswith("<svg")
     assert 'src="../figures/multi-block-splits.svg"' in (site / "trtllm" / "index.html").read_text()
-    api = (site / "api" / "index.html").read_text()
+    api = (site / "api-operators" / "index.html").read_text()
     assert "multi_head_cache_attention" in api
     # NumPy docstrings render as parameter tables with shapes, for every operator.
     for name in ("key_value_cache", "dynamic_key_value_cache", "dynamic_multi_head_attention",
