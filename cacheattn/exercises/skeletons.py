@@ -1,0 +1,108 @@
+"""The exercises' skeletons: each kernel has its signature, its launch and everything but the one idea the exercise
+is about. Copy one, fill in the marked lines, and check it with `cacheattn.exercises.check(n, kernel)`.
+
+Each runs as it stands, and fails its check: the outputs start as NaN, and the marked lines are what writes them.
+"""
+# The skeletons leave the lines that use their loop variables and locals to the reader:
+# ruff: noqa: B007, F841
+
+import math
+
+from numba import cuda, float32
+
+GROUP = 2               # exercise 6: query heads per key/value head
+
+
+@cuda.jit
+def copy_head(k_cache, head, out):
+    """Exercise 1, coalesced loads. out[t, d] = k_cache[t, head, d]. Launch: 1 block of 32 threads."""
+    lane = cuda.threadIdx.x
+    tokens, head_dim = out.shape
+    for i in range(lane, tokens * head_dim, 32):
+        # Fill in: which (t, d) is element i? Neighbouring lanes should read neighbouring bytes of k_cache.
+        pass
+
+
+@cuda.jit
+def tile_scores(q, k, scores):
+    """Exercise 2, a padded shared tile. scores[j] = sum_d q[d] k[j, d] for keys j < 32, through a shared tile
+    loaded a key (row) at a time. Launch: 1 block of 32 threads; head_dim 32."""
+    lane = cuda.threadIdx.x
+    keys = k.shape[0]
+    # Fill in: declare the shared tile, so that lane j reading row j, column d finds its own bank.
+    for j in range(keys):
+        pass            # Fill in: lanes along the row: tile[j, lane] = k[j, lane]
+    cuda.syncthreads()
+    if lane < keys:
+        s = float32(0)
+        for d in range(32):
+            pass        # Fill in: s += q[d] * (row `lane`, column d of the tile)
+        scores[lane] = s
+
+
+@cuda.jit
+def online_softmax(scores, values, out):
+    """Exercise 3, online softmax. Row r (lane r) has scores[:, r] and values[:, r]; out[r] is the softmax-weighted
+    sum of its values, in one pass over the keys. Launch: 1 block of 32 threads."""
+    r = cuda.threadIdx.x
+    keys, rows = scores.shape
+    if r < rows:
+        m = float32(-math.inf)          # the largest score so far
+        total = float32(0)              # sum of exp(score - m) so far
+        acc = float32(0)                # sum of exp(score - m) * value so far
+        for t in range(keys):
+            s = scores[t, r]
+            # Fill in: a new largest score changes m: rescale total and acc, then add key t.
+        out[r] = acc / total
+
+
+@cuda.jit
+def gather_pages(k_cache, cachestarts, kvlens, page_size, out):
+    """Exercise 4, the page lookup. out[b, t] = the key of token t of sequence b for t < kvlens[b], zeros after.
+    Launch: one block of 32 threads per sequence; head_dim 32."""
+    b = cuda.blockIdx.x
+    lane = cuda.threadIdx.x
+    for t in range(out.shape[1]):
+        # Fill in: the cache slot of token t, through the page table (entries are token offsets; -1: no page).
+        out[b, t, lane] = 0
+
+
+@cuda.jit
+def dequantize_int8(k, scale, out):
+    """Exercise 5, int8 dequantization. out[t, d] = k[t, d] * scale[t, d // 8]: one float16 scale per group of 8.
+    Launch: 1 block of 32 threads."""
+    lane = cuda.threadIdx.x
+    tokens, head_dim = k.shape
+    for i in range(lane, tokens * head_dim, 32):
+        t, d = i // head_dim, i % head_dim
+        # Fill in: out[t, d] from the int8 code and its group's scale, in float32.
+
+
+@cuda.jit
+def gqa_values(probs, v, out):
+    """Exercise 6, GQA sharing. out[h] = sum_t probs[h, t] * v[t, g] where g = h // GROUP, each value row read
+    once for the GROUP query heads that share it. Launch: one block of 32 threads per key/value head; head_dim 32."""
+    g = cuda.blockIdx.x
+    lane = cuda.threadIdx.x
+    acc = cuda.local.array(GROUP, float32)
+    for j in range(GROUP):
+        acc[j] = 0
+    for t in range(v.shape[0]):
+        x = v[t, g, lane]
+        # Fill in: add x to every query head of group g.
+    for j in range(GROUP):
+        pass            # Fill in: write each head's row of out.
+
+
+@cuda.jit
+def combine_splits(partial_out, partial_max, partial_sum, out):
+    """Exercise 7, a split-K combine. Split s of the keys left partial_out[s, h] (its values weighted by its own
+    softmax), partial_max[s, h] (its largest score) and partial_sum[s, h] (its sum of exp(score - max)); out[h] is
+    attention over all the keys. Launch: one block of 32 threads per head; head_dim 32."""
+    h = cuda.blockIdx.x
+    lane = cuda.threadIdx.x
+    acc = float32(0)
+    total = float32(0)
+    for s in range(partial_out.shape[0]):
+        pass            # Fill in: weigh split s by how much its sum counts against the largest score of all splits.
+    out[h, lane] = acc / total

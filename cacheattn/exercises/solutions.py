@@ -1,0 +1,108 @@
+"""The exercises' solutions: each passes its check (right, fast and safe). Try the exercise before reading one."""
+
+import math
+
+from numba import cuda, float32
+
+from .skeletons import GROUP
+
+
+@cuda.jit
+def copy_head(k_cache, head, out):
+    lane = cuda.threadIdx.x
+    tokens, head_dim = out.shape
+    for i in range(lane, tokens * head_dim, 32):
+        t, d = i // head_dim, i % head_dim              # d follows the lane: 32 neighbouring floats a request
+        out[t, d] = k_cache[t, head, d]
+
+
+@cuda.jit
+def tile_scores(q, k, scores):
+    lane = cuda.threadIdx.x
+    keys = k.shape[0]
+    tile = cuda.shared.array((32, 33), float32)         # rows of 33 words: row j, column d is in bank (j + d) % 32
+    for j in range(keys):
+        tile[j, lane] = k[j, lane]
+    cuda.syncthreads()
+    if lane < keys:
+        s = float32(0)
+        for d in range(32):
+            s += q[d] * tile[lane, d]
+        scores[lane] = s
+
+
+@cuda.jit
+def online_softmax(scores, values, out):
+    r = cuda.threadIdx.x
+    keys, rows = scores.shape
+    if r < rows:
+        m = float32(-math.inf)
+        total = float32(0)
+        acc = float32(0)
+        for t in range(keys):
+            s = scores[t, r]
+            if s > m:                                   # everything so far was weighted against the old maximum
+                rescale = math.exp(m - s)
+                total *= rescale
+                acc *= rescale
+                m = s
+            p = math.exp(s - m)
+            total += p
+            acc += p * values[t, r]
+        out[r] = acc / total
+
+
+@cuda.jit
+def gather_pages(k_cache, cachestarts, kvlens, page_size, out):
+    b = cuda.blockIdx.x
+    lane = cuda.threadIdx.x
+    for t in range(out.shape[1]):
+        if t < kvlens[b]:                               # pages past the sequence's end are -1: never look them up
+            slot = cachestarts[b, t // page_size] + t % page_size
+            out[b, t, lane] = k_cache[slot, lane]
+        else:
+            out[b, t, lane] = 0
+
+
+@cuda.jit
+def dequantize_int8(k, scale, out):
+    lane = cuda.threadIdx.x
+    tokens, head_dim = k.shape
+    for i in range(lane, tokens * head_dim, 32):
+        t, d = i // head_dim, i % head_dim
+        out[t, d] = float32(k[t, d]) * float32(scale[t, d // 8])
+
+
+@cuda.jit
+def gqa_values(probs, v, out):
+    g = cuda.blockIdx.x
+    lane = cuda.threadIdx.x
+    acc = cuda.local.array(GROUP, float32)
+    for j in range(GROUP):
+        acc[j] = 0
+    for t in range(v.shape[0]):
+        x = v[t, g, lane]                               # one load serves the group's GROUP query heads
+        for j in range(GROUP):
+            acc[j] += probs[g * GROUP + j, t] * x
+    for j in range(GROUP):
+        out[g * GROUP + j, lane] = acc[j]
+
+
+@cuda.jit
+def combine_splits(partial_out, partial_max, partial_sum, out):
+    h = cuda.blockIdx.x
+    lane = cuda.threadIdx.x
+    m = float32(-math.inf)
+    acc = float32(0)
+    total = float32(0)
+    for s in range(partial_out.shape[0]):               # one pass, with a running maximum (exercise 3)
+        m_s = partial_max[s, h]
+        if m_s > m:
+            rescale = math.exp(m - m_s)
+            acc *= rescale
+            total *= rescale
+            m = m_s
+        weight = partial_sum[s, h] * math.exp(m_s - m)  # split s's sum, counted against the common maximum
+        acc += weight * partial_out[s, h, lane]
+        total += weight
+    out[h, lane] = acc / total
