@@ -8,10 +8,11 @@ What ONNX adds to the core is one score function and its key range:
     offset_b = past length, or nonpad_kv_seqlen[b] - q_seq, or 0;
   - softcap is applied to q.k*scale before the bias (so a -inf mask stays -inf), and a hidden key's
     score is -inf without ever using q.k (NaN or inf in a masked key cannot leak into the row).
-3-D inputs are addressed through strides, never transposed. With past_key the present tensors are
-written by one copy kernel; rung 1 then reads them, rungs 3 and 4 read past_key / past_value and K / V where
-they are (a key walker: keys 0 .. past - 1 from the past, then the call's own), so they do not wait on the copy.
-Without past, attention reads K and V where they are. qk_matmul_output needs the whole score matrix, so it has
+3-D inputs are addressed through strides, never transposed. With past_key the present tensors must be written:
+rungs 3 and 4 read past_key / past_value and K / V where they are (a key walker: keys 0 .. past - 1 from the
+past, then the call's own) and, where one block reads each key once (a decode's GQA group per block, every key
+visible), write each row into present as they load it, so present costs no second read of the past. Otherwise
+one copy kernel writes present, and rung 1 reads it. Without past, attention reads K and V where they are. qk_matmul_output needs the whole score matrix, so it has
 its own kernel, run only when asked.
 
 Rungs 3 and 4 (`_attention_vector`): lane groups per key with 16-byte vector loads where every row of both
@@ -131,8 +132,10 @@ def _attention_kernel(dtype, head_dim, v_head_dim, q_heads, kv_heads, q_len):
 # Where the keys of one of K / V live for rungs 3 and 4: keys 0 .. past_len - 1 in `past` (B, kv_heads, past, size),
 # key t of head h of batch b at b*p_sb + h*p_sh + t*p_st; keys past_len .. in the call's own `new` tensor, 4-D
 # (B, kv_heads, S, size) or 3-D (B, S, kv_heads * size), at b*n_sb + (t - past_len)*n_st + h*n_sh. Both flat;
-# without a past, `past` is `new` and past_len 0.
-OnnxKV = namedtuple("OnnxKV", "past new past_len p_sb p_sh p_st n_sb n_st n_sh")
+# without a past, `past` is `new` and past_len 0. write_present 1: each loaded row is also stored at
+# b*r_sb + h*r_sh + t*r_st of `present` (flat; `present_words` the same memory as uint32, for whole-chunk stores).
+OnnxKV = namedtuple("OnnxKV", "past new past_len p_sb p_sh p_st n_sb n_st n_sh "
+                              "write_present present present_words r_sb r_sh r_st")
 
 
 @cuda.jit(device=True, inline="always")
@@ -143,11 +146,16 @@ def _kv_begin(src, b, t0):
 # spec: onnx/cache-inside
 @cuda.jit(device=True, inline="always")
 def _kv_at(src, b, t0, j, h):
-    """(element index, 0 for past / 1 for new) of key t0 + j of kv head h: the past's keys come first."""
+    """(element index, code) of key t0 + j of kv head h: the past's keys come first. The code's bit 0 says which
+    tensor holds the row (0 past, 1 new); the rest is 1 + the row's element index in present when the load
+    should store it there, else 0."""
     t = t0 + j
+    code = np.int64(0)
+    if src.write_present != 0:
+        code = 2 * (b * src.r_sb + h * src.r_sh + t * src.r_st + 1)
     if t < src.past_len:
-        return b * src.p_sb + h * src.p_sh + t * src.p_st, np.int64(0)
-    return b * src.n_sb + (t - src.past_len) * src.n_st + h * src.n_sh, np.int64(1)
+        return b * src.p_sb + h * src.p_sh + t * src.p_st, code
+    return b * src.n_sb + (t - src.past_len) * src.n_st + h * src.n_sh, code + 1
 
 
 @cuda.jit(device=True, inline="always")
@@ -157,7 +165,9 @@ def _kv_advance(src, t0, step):
 
 @cuda.jit(device=True, inline="always")
 def _kv_row(src, b, t, h):
-    return _kv_at(src, b, t, 0, h)
+    """Key t, never stored: the vector kernel reads it in place of keys past the visible range."""
+    row, code = _kv_at(src, b, t, 0, h)
+    return row, code & 1
 
 
 # The vector kernel's key walker over OnnxKV: the state is the key index itself (no pages to step through).
@@ -165,22 +175,31 @@ KV_WALKER = (_kv_begin, _kv_at, _kv_advance)
 
 
 def make_onnx_chunk_load(elements: int, vector: bool):
-    """load_chunk(src, row, which, d0, regs, at, dims) of the vector kernel over an OnnxKV: elements d0 ..
-    d0 + elements - 1 (those below dims) of a row of `past` (which 0) or `new` (1) into regs[at:], as float32 (what
-    rung 1 loads: no rounding). vector: one 16-byte load (8 float16 or 4 float32 values) unpacked in registers."""
+    """load_chunk(src, row, code, d0, regs, at, dims) of the vector kernel over an OnnxKV: elements d0 ..
+    d0 + elements - 1 (those below dims) of a row of `past` (code bit 0 clear) or `new` (set) into regs[at:], as
+    float32 (what rung 1 loads: no rounding), and stored unchanged into present where the code says (`_kv_at`).
+    vector: one 16-byte load (8 float16 or 4 float32 values) unpacked in registers, stored as 4 words."""
     bits = 128 // elements
     per_word = 32 // bits
     field_mask = (1 << bits) - 1
 
     @cuda.jit(device=True, inline="always")
-    def load_chunk(src, row, which, d0, regs, at, dims):
-        data = src.new if which != 0 else src.past
+    def load_chunk(src, row, code, d0, regs, at, dims):
+        data = src.new if code & 1 else src.past
+        target = (code >> 1) - 1                     # the row's element index in present; -1: not stored
         if not vector:
             for e in range(elements):
                 if d0 + e < dims:
-                    regs[at + e] = np.float32(data[row + d0 + e])
+                    value = data[row + d0 + e]
+                    regs[at + e] = np.float32(value)
+                    if target >= 0:
+                        src.present[target + d0 + e] = value
             return
         loaded = load16(data, row + d0)
+        if target >= 0:
+            word = (target + d0) // per_word
+            for j in range(VECTOR_BYTES // 4):
+                src.present_words[word + j] = loaded[j]
         for j in range(VECTOR_BYTES // 4):
             for k in range(per_word):               # little-endian: element e is the e-th field from bit 0
                 field = (loaded[j] >> (bits * k)) & field_mask
@@ -210,9 +229,16 @@ def _vector_kernel(dtype, head_dim, v_dim, q_heads, kv_heads, q_len, threads, ve
     return kernel, heads_per_block, q_tile
 
 
-def _kv_source(new, past, heads):
-    """OnnxKV over past (or None) and the call's own K or V, 3-D or 4-D, read where they are."""
+def _kv_source(new, past, heads, present=None):
+    """OnnxKV over past (or None) and the call's own K or V, 3-D or 4-D, read where they are; with `present`
+    (B, heads, past + S, size), every row loaded is stored there too."""
     i64 = np.int64
+    if present is None:
+        stored = (i64(0), flat(new), flat(new).view(np.uint8)[:4].view(np.uint32), i64(0), i64(0), i64(0))
+    else:
+        _, _, total, size = present.shape
+        stored = (i64(1), flat(present), flat(present).view(np.uint32), i64(heads * total * size), i64(total * size),
+                  i64(size))
     if new.ndim == 3:
         batch, seq, hidden = new.shape
         n_sb, n_st, n_sh = seq * hidden, hidden, hidden // heads
@@ -220,10 +246,10 @@ def _kv_source(new, past, heads):
         batch, _, seq, size = new.shape
         n_sb, n_st, n_sh = heads * seq * size, size, seq * size
     if past is None:
-        return OnnxKV(flat(new), flat(new), i64(0), i64(0), i64(0), i64(0), i64(n_sb), i64(n_st), i64(n_sh))
+        return OnnxKV(flat(new), flat(new), i64(0), i64(0), i64(0), i64(0), i64(n_sb), i64(n_st), i64(n_sh), *stored)
     _, _, past_len, size = past.shape
     return OnnxKV(flat(past), flat(new), i64(past_len), i64(heads * past_len * size), i64(past_len * size), i64(size),
-                  i64(n_sb), i64(n_st), i64(n_sh))
+                  i64(n_sb), i64(n_st), i64(n_sh), *stored)
 
 
 def _vector_ok(src: OnnxKV, size: int) -> bool:
@@ -378,12 +404,23 @@ def _attention(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, *, is
     head_dim = Q.shape[-1] if four_d else Q.shape[-1] // q_heads
     v_dim = V.shape[-1] if four_d else V.shape[-1] // kv_heads
 
-    present_key, k_src = _present(K, past_key, kv_heads, batch, Q, threads, stream)
-    present_value, v_src = _present(V, past_value, kv_heads, batch, Q, threads, stream)
-    total = present_key.shape[2]
-    past_len = 0 if past_key is None else past_key.shape[2]
     if np.dtype(Q.dtype) == np.float64:
         rung = 1
+    past_len = 0 if past_key is None else past_key.shape[2]
+    total = past_len + (K.shape[2] if four_d else K.shape[1])
+    every_key_read = nonpad_kv_seqlen is None and left_window_size < 0 and right_window_size < 0 and \
+        (not is_causal or past_len + q_len >= total)      # causal: the last query row sees the last key
+    if rung in (3, 4) and (past_key is not None or not four_d) and every_key_read and \
+            _one_block_per_group(Q, q_heads, kv_heads, q_len, head_dim, v_dim, threads):
+        # every key is loaded by the one block of its GQA group: the attention kernel writes present
+        present_key = empty_like_kind(Q, (batch, kv_heads, total, head_dim), K.dtype)
+        present_value = empty_like_kind(Q, (batch, kv_heads, total, v_dim), V.dtype)
+        k_src, v_src = (_source(x, kv_heads, batch, Q) for x in (present_key, present_value))
+        written = (present_key, present_value)
+    else:
+        present_key, k_src = _present(K, past_key, kv_heads, batch, Q, threads, stream)
+        present_value, v_src = _present(V, past_value, kv_heads, batch, Q, threads, stream)
+        written = (None, None)
 
     root = np.dtype(Q.dtype).type(math.sqrt(1 / math.sqrt(head_dim) if scale is None else scale))
     sm_scale = _acc_type(Q.dtype)(float(root) ** 2)     # sqrt(scale), held in Q's dtype, on each side
@@ -400,8 +437,8 @@ def _attention(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, *, is
     lens = to_kind(Q, np.full(batch, q_len, np.int64)), to_kind(Q, np.full(batch, total, np.int64))
     q_geom, y_geom = (flat(Q), zero_starts, *_q_geometry(Q, q_heads)), (flat(Y), zero_starts, *_q_geometry(Y, q_heads))
     if rung in (3, 4):
-        _attend_vector(rung, num_splits, Q, K, V, past_key, past_value, Y, q_geom, y_geom, lens, args, sm_scale,
-                       q_heads, kv_heads, head_dim, v_dim, total, threads, stream)
+        _attend_vector(rung, num_splits, Q, K, V, past_key, past_value, written, Y, q_geom, y_geom, lens, args,
+                       sm_scale, q_heads, kv_heads, head_dim, v_dim, total, threads, stream)
     else:
         kernel, heads_per_block, q_tile = _attention_kernel(np.dtype(Q.dtype).str, head_dim, v_dim, q_heads,
                                                             kv_heads, min(q_len, 16))   # one kernel past 16
@@ -421,12 +458,21 @@ def _attention(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, *, is
     return Y, present_key, present_value, qk
 
 
+def _one_block_per_group(Q, q_heads, kv_heads, q_len, head_dim, v_dim, threads) -> bool:
+    """Whether rung 3's grid gives each GQA group of a sequence one block (per split): then each key is loaded
+    by one lane of one block, and that load may store it into present."""
+    heads_per_block, q_tile, _ = vector_rows(q_heads, kv_heads, min(q_len, 16), head_dim, v_dim,
+                                             np.dtype(Q.dtype).itemsize, threads)
+    return heads_per_block == q_heads // kv_heads and q_len <= q_tile
+
+
 # spec: onnx/cache-inside
-def _attend_vector(rung, num_splits, Q, K, V, past_key, past_value, Y, q_geom, y_geom, lens, args, sm_scale, q_heads,
-                   kv_heads, head_dim, v_dim, total, threads, stream):
-    """Y on rung 3, or rung 4's split partials and the combine: K/V read from past and K / V where they are."""
+def _attend_vector(rung, num_splits, Q, K, V, past_key, past_value, present, Y, q_geom, y_geom, lens, args, sm_scale,
+                   q_heads, kv_heads, head_dim, v_dim, total, threads, stream):
+    """Y on rung 3, or rung 4's split partials and the combine: K/V read from past and K / V where they are;
+    present = (present_key, present_value) to store every row into as it is loaded, or (None, None)."""
     batch, q_len = Q.shape[0], (Q.shape[2] if Q.ndim == 4 else Q.shape[1])
-    k_kv, v_kv = _kv_source(K, past_key, kv_heads), _kv_source(V, past_value, kv_heads)
+    k_kv, v_kv = _kv_source(K, past_key, kv_heads, present[0]), _kv_source(V, past_value, kv_heads, present[1])
     vector = _vector_ok(k_kv, head_dim) and _vector_ok(v_kv, v_dim)
     itemsize = np.dtype(Q.dtype).itemsize
     key = (np.dtype(Q.dtype).str, head_dim, v_dim, q_heads, kv_heads, min(q_len, 16), threads, vector)

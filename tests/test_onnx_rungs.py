@@ -64,12 +64,16 @@ def test_decode_launches(name):
     """Which kernels run (recorded, nothing runs): the vector kernel on rung 3, its split partials and the combine on
     rung 4; the default splits the calls with more keys than one step of a block (few blocks: SMs idle)."""
     case = DECODE[name]
-    copies = ["copy_kernel"] * 2 if case.past_len or case.three_d else []
+    # present (past then K / V, 4-D): rung 1 reads it, so two copy kernels write it first. The vector kernel stores
+    # each row into present as it loads it, where every key is loaded once: not for the causal call whose query
+    # sees 7 of its 9 keys.
+    present = ["copy_kernel"] * 2 if case.past_len or case.three_d else []
+    copies = present if name == "causal, MHA 2/2, fp32, past 6 + 3 new keys" else []
     assert _launched(case, rung=3) == copies + ["vector_attention_kernel"]
     assert _launched(case, rung=4, num_splits=3) == copies + ["vector_attention_kernel", "combine_kernel"]
     split = case.past_len + case.kv_len > (16 if case.dtype == "float16" else 8)
     assert _launched(case) == copies + ["vector_attention_kernel"] + ["combine_kernel"] * split
-    assert _launched(case, rung=1) == copies + ["attention_kernel"]
+    assert _launched(case, rung=1) == present + ["attention_kernel"]
 
 
 def test_prefill_on_rung_3():
@@ -77,11 +81,14 @@ def test_prefill_on_rung_3():
     prefill asked to split runs unsplit on rung 3."""
     case = replace(BASE, q_len=3, kv_len=3, past_len=5, three_d=True, is_causal=1, mask="bool", mask_shape=(3, 8))
     inputs, got = _run(case, rung=3)
-    assert_close("Y", got.Y, float64_onnx(inputs, case)[0], case.dtype)
+    want = float64_onnx(inputs, case)
+    assert_close("Y", got.Y, want[0], case.dtype)
+    assert_bits_equal("present_key", got.present_key, want[1].astype(got.Y.dtype))
     assert _launched(case) == ["copy_kernel"] * 2 + ["attention_kernel"]
     plan = kernel_plan(inputs["Q"], inputs["K"], inputs["V"], inputs["past_key"], q_num_heads=4, kv_num_heads=2)
     assert plan.rung == 1 and "prefill" in plan.reason, plan
-    assert _launched(replace(case, three_d=False), rung=4) == ["copy_kernel"] * 2 + ["vector_attention_kernel"]
+    # unsplit, and its one block per GQA group stores present itself (every key is visible to the last query)
+    assert _launched(replace(case, three_d=False), rung=4) == ["vector_attention_kernel"]
 
 
 def test_float64_and_partial_warps_run_on_rung_1():
