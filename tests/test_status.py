@@ -159,12 +159,12 @@ def test_readme_says_whether_gpu_timings_are_committed():
 
 
 def test_measurements_block_shows_a_committed_gpu_run(tmp_path):
-    """The block that prints the ladder page's Measurements table, run on a bench.json shaped as
-    `python -m cacheattn bench` writes it (a few rungs timed, one peer it could not time)."""
+    """The block that prints the ladder's Measurements table (docs/ladder-measurements.md), run on a bench.json
+    shaped as `python -m cacheattn bench` writes it (a few rungs timed, one peer it could not time)."""
     from cacheattn.lab.bench_gpu import LADDER_PEERS
     from cacheattn.lab.cases import GPU_CASES
 
-    page = ROOT / "docs" / "kernel-ladder.md"
+    page = ROOT / "docs" / "ladder-measurements.md"
     (block,) = [b for b in _docs.parse(page.read_text()) if "| kernel rung |" in b.code]
     first, second = GPU_CASES[:2]
     names = {rung: name for name, rung in LADDER_PEERS.items()}
@@ -175,7 +175,7 @@ def test_measurements_block_shows_a_committed_gpu_run(tmp_path):
     bench.write_text(json.dumps(run))                              # NaN as json.dumps writes it
     printed = []
     namespace = {"BENCH_RUN": bench, "print": lambda *a, **k: printed.append(" ".join(map(str, a)))}
-    exec(compile(block.code, "kernel-ladder.md", "exec"), namespace)
+    exec(compile(block.code, "ladder-measurements.md", "exec"), namespace)
     rows = {line.split(" | ")[0].lstrip("| "): line.strip("| ").split(" | ")[1:] for line in printed
             if line.startswith("| ") and "kernel rung" not in line}
     assert rows["1: tiled online softmax"][:3] == ["1.500 ms", "2.000 ms", "not timed"]
@@ -188,3 +188,40 @@ def test_measurements_block_shows_a_committed_gpu_run(tmp_path):
 def test_ladder_page_status_is_generated_not_written(word):
     """The ladder page's status lines come from its data blocks; none of the old hand-written ones remain."""
     assert word not in (ROOT / "docs" / "kernel-ladder.md").read_text()
+
+
+def test_readme_operator_figures_are_the_committed_runs():
+    """The README's sentence on the other operators' default calls: each figure read from the committed lab run."""
+    from cacheattn.lab import counters
+
+    readme = flat(README.read_text())
+    operators = counters.committed()["operators"]
+
+    def bound(label, rung):
+        return operators[label]["rungs"][str(rung)]["bounds"]
+
+    trt, trt_int8, trt_fp8, onnx, ft = (operators[label] for label in operators)
+    for op in (trt, trt_int8, trt_fp8, onnx, ft):
+        assert op["default"]["rung"] == 3, op["default"]
+        assert op["rungs"]["3"]["bounds"]["limited by"] == "DRAM"
+    low = {bound(op["case"]["label"], 3)["lower bound µs (derived)"] for op in (trt_int8, trt_fp8)}
+    assert len(low) == 1
+    rung1 = [bound(op["case"]["label"], 1) for op in (trt, onnx, ft)]
+    assert all(r["limited by"] == "shared" for r in rung1)
+    onnx_floor = bound(onnx["case"]["label"], 3)["DRAM / floor (derived)"]
+    onnx_rung1_floor = bound(onnx["case"]["label"], 1)["DRAM / floor (derived)"]
+    trt_fp16 = bound(trt["case"]["label"], 3)["lower bound µs (derived)"]
+    expected = [
+        f"TensorRT-LLM's generation at the same decode at {trt_fp16:.1f} µs (float16) and {low.pop():.1f} µs "
+        "(INT8 and FP8)",
+        f"ONNX with past at {bound(onnx['case']['label'], 3)['lower bound µs (derived)']:.1f} µs",
+        f"DRAM bytes {onnx_floor:.3f} × the floor, where rung 1's copy then read is {onnx_rung1_floor:.1f} ×",
+        f"FasterTransformer's cross-attention step (B = {ft['case']['batch']}, encoder length "
+        f"{ft['case']['encoder_length']}, {ft['case']['num_heads']} heads, head_dim {ft['case']['head_dim']}) at "
+        f"{bound(ft['case']['label'], 3)['lower bound µs (derived)']:.1f} µs",
+        "on rung 1 they are bound at " + ", ".join(f"{r['lower bound µs (derived)']:,.1f}" for r in rung1[:2])
+        + f" and {rung1[2]['lower bound µs (derived)']:,.1f} µs by shared memory",
+    ]
+    missing = [sentence for sentence in expected if sentence not in readme]
+    assert missing == [], "the README's operator figures differ from docs/kernel-ladder-counts.json:\n" + \
+        "\n".join(missing)
