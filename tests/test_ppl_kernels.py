@@ -57,7 +57,7 @@ def test_kernels_conform(device, op, threads):
 
 @pytest.mark.parametrize("op", ["multi_head_cache_attention", "dynamic_multi_head_attention"])
 def test_rung_2_kernel_conforms(device, op):
-    """The kernel ladder's second rung (a warp per key; docs/kernel-ladder.md) on the same checks. Its simulator
+    """The kernel ladder's second rung (a warp per key; docs/rung-2.md) on the same checks. Its simulator
     path syncs the block at every warp reduction, so it gets a third of the budget and one block size."""
     report = kit.check(op, kernels(device, getattr(cacheattn, op), 64, rung=2), max_examples=max(1, KERNEL // 3))
     assert report.examples >= 1
@@ -113,7 +113,7 @@ def test_rung_4_splits_only_when_sms_idle(batch, context, splits):
 
 @pytest.mark.parametrize("op", ["multi_head_cache_attention", "dynamic_multi_head_attention"])
 def test_rung_5_kernel_conforms(device, op):
-    """The fifth rung (tensor cores through mma.sync; docs/kernel-ladder.md) on the same checks, float16 only: it
+    """The fifth rung (tensor cores through mma.sync; docs/rung-5.md) on the same checks, float16 only: it
     rounds Q, K, V (exact: the document's dequantized K/V are float16 here) and P to float16 and accumulates in
     float32, which the float16 tolerance holds. The simulator emulates each mma between two block barriers, so it
     gets a third of the budget; 64 threads make two warps, so the key split and the warps' merge run too."""
