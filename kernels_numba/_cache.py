@@ -45,6 +45,11 @@ MIN_SCALE = 1e-5
 # Element (b, token slot, head) of the data starts at base + b*s_b + slot*s_t + h*s_h; its scales likewise.
 CacheSource = namedtuple("CacheSource", "data scales starts page base s_b s_t s_h sc_base sc_s_b sc_s_t sc_s_h")
 
+# What a chunk loader offers a kernel that issues a step's loads first: fetch(src, row, sc_row, d0, words_out,
+# scales_out) loads a chunk's `words` data words and `scale_words` scale words into uint32 arrays, unpack(words,
+# scales, regs, at) makes them the values load_chunk gives.
+ChunkPrefetch = namedtuple("ChunkPrefetch", "fetch unpack words scale_words")
+
 
 def cache_source(data, scales, starts, page, axes: str, layer_idx: int = 0, kv: int = 0, scale_axes: str | None = None):
     """Build the CacheSource for one layer and one of key (kv=0) / value (kv=1) of a tensor with named axes."""
@@ -223,6 +228,30 @@ def make_chunk_load(quant_bit: int, quant_group: int, round_scale, round_value, 
     load_scale_words = _scale_loader(scales_read)
 
     @cuda.jit(device=True, inline="always")
+    def fetch_chunk(src, row, sc_row, d0, words_out, scales_out):
+        """The magic path's loads alone: the chunk's words into words_out[:words], its scale words into
+        scales_out[:scale_words] (unpack_chunk turns them into values)."""
+        loaded = load_words(src.data, row + (d0 // 2 if quant_bit == 4 else d0))
+        held = load_scale_words(src.scales, sc_row + d0 // quant_group)
+        for j in range(words):
+            words_out[j] = loaded[j]
+        for j in range(len(held)):
+            scales_out[j] = held[j]
+
+    @cuda.jit(device=True, inline="always")
+    def unpack_chunk(loaded, held, regs, at):
+        """The values of a fetched chunk into regs[at:at + elements]."""
+        for j in range(words):
+            halves = to_halves(loaded[j])
+            for k in range(len(pairs)):
+                n = j * len(pairs) + k
+                scale = scale_half2(held[pair_words[n, 0]], held[pair_words[n, 1]], pair_selectors[n])
+                low, high = half2_floats(mul_half2(halves[k], scale))
+                e0, e1 = j * per_word + pairs[k][0], j * per_word + pairs[k][1]
+                regs[at + e0] = round_value(low) if rounded else low
+                regs[at + e1] = round_value(high) if rounded else high
+
+    @cuda.jit(device=True, inline="always")
     def load_chunk(src, row, sc_row, d0, regs, at, dims):
         if not vector:
             for e in range(elements):
@@ -232,16 +261,7 @@ def make_chunk_load(quant_bit: int, quant_group: int, round_scale, round_value, 
         data, scales = src.data, src.scales
         loaded = load_words(data, row + (d0 // 2 if quant_bit == 4 else d0))
         if magic:
-            held = load_scale_words(scales, sc_row + d0 // quant_group)
-            for j in range(words):
-                halves = to_halves(loaded[j])
-                for k in range(len(pairs)):
-                    n = j * len(pairs) + k
-                    scale = scale_half2(held[pair_words[n, 0]], held[pair_words[n, 1]], pair_selectors[n])
-                    low, high = half2_floats(mul_half2(halves[k], scale))
-                    e0, e1 = j * per_word + pairs[k][0], j * per_word + pairs[k][1]
-                    regs[at + e0] = round_value(low) if rounded else low
-                    regs[at + e1] = round_value(high) if rounded else high
+            unpack_chunk(loaded, load_scale_words(scales, sc_row + d0 // quant_group), regs, at)
             return
         scale = offset = np.float32(0.0)
         for j in range(words):
@@ -263,6 +283,9 @@ def make_chunk_load(quant_bit: int, quant_group: int, round_scale, round_value, 
                 q = np.int32(field ^ sign) - sign                # two's complement of a bits-wide field
                 regs[at + e] = dequantize(q, scale)
 
+    if magic:
+        # A kernel may issue every load of a step before it unpacks any (`ChunkPrefetch`).
+        load_chunk.prefetch = ChunkPrefetch(fetch_chunk, unpack_chunk, words, max(1, scales_read // 2))
     return load_chunk
 
 
