@@ -178,3 +178,18 @@ def test_rung_3_scales_pairs_across_groups(quant_bit, quant_group):
                    is_alibi=False, mask="none", mask_pad=0, seed=quant_group)
     impl = functools.partial(cacheattn.multi_head_cache_attention, backend="numba", threads=64, rung=3)
     kit.check_case("multi_head_cache_attention", impl, case)
+
+
+def test_scales_off_a_16_byte_boundary_take_the_element_loads():
+    """A chunk's scales come in one load of up to 16 bytes, so a cache whose scales do not start 16-byte aligned
+    is read with element loads (decided on the host), not with misaligned vector loads."""
+    from kernels_numba._cache import cache_source, vector_loads_ok
+
+    data = np.zeros((8, 2, 64), np.int8)
+    raw = np.zeros(2 * 8 * 2 * 8 + 32, np.uint8)
+    first = -raw.ctypes.data % 16                               # the first 16-byte boundary in the buffer
+    aligned = raw[first:first + 256].view(np.float16).reshape(8, 2, 8)
+    shifted = raw[first + 2:first + 258].view(np.float16).reshape(8, 2, 8)
+    starts = np.zeros((1, 1), np.int64)
+    assert vector_loads_ok(cache_source(data, aligned, starts, 8, "T H D"), 8, 64)
+    assert not vector_loads_ok(cache_source(data, shifted, starts, 8, "T H D"), 8, 64)
