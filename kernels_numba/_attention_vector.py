@@ -10,9 +10,10 @@ once, one per group of LANES lanes:
     1. lane l of group k holds chunks l, l + LANES, ... of every query row of the block (registers);
     2. each step the block takes WARPS * 32 / LANES * TILE consecutive keys, a tile of TILE per lane group
        (`keys_per_tile`: 2 on every cache format at head_dim 128); each lane loads its chunks of the tile's keys
-       and values (a group reads one row per load: consecutive lanes, consecutive chunks). The place of the
-       group's first key is walked forward (an injected walker; `_cache.page_walk` over page tables), never
-       divided out inside the loop;
+       and values (a group reads one row per load: consecutive lanes, consecutive chunks), all of them before it
+       unpacks the first when the loader can split the two (`_cache.ChunkPrefetch`: int8 and int4), so a warp
+       has the whole step's loads in flight. The place of the group's first key is walked forward (an injected
+       walker; `_cache.page_walk` over page tables), never divided out inside the loop;
     3. the partial products of every (row, key) of the tile are summed within the lane group by a transposed
        butterfly (`_warp.transpose_sum`), which leaves lane n of the group with the logit of row slot n // TILE,
        key n % TILE: `score` runs once per lane, not once per row and key in every lane;
