@@ -10,9 +10,10 @@ once, one per group of LANES lanes:
     1. lane l of group k holds chunks l, l + LANES, ... of every query row of the block (registers);
     2. each step the block takes WARPS * 32 / LANES * TILE consecutive keys, a tile of TILE per lane group
        (`keys_per_tile`: 2 on every cache format at head_dim 128); each lane loads its chunks of the tile's keys
-       and values (a group reads one row per load: consecutive lanes, consecutive chunks). The place of the
-       group's first key is walked forward (an injected walker; `_cache.page_walk` over page tables), never
-       divided out inside the loop;
+       and values (a group reads one row per load: consecutive lanes, consecutive chunks), all of them before it
+       unpacks the first when the loader can split the two (`_cache.ChunkPrefetch`: int8 and int4), so a warp
+       has the whole step's loads in flight. The place of the group's first key is walked forward (an injected
+       walker; `_cache.page_walk` over page tables), never divided out inside the loop;
     3. the partial products of every (row, key) of the tile are summed within the lane group by a transposed
        butterfly (`_warp.transpose_sum`), which leaves lane n of the group with the logit of row slot n // TILE,
        key n % TILE: `score` runs once per lane, not once per row and key in every lane;
@@ -140,6 +141,13 @@ def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, h
     query(q_geom, b, i, h, d) -> element d of query i, head h (None: q_geom is a flat query and its geometry, as
     `_attention_warp.query_element` reads it). sum_epsilon: rows end as acc / (l + sum_epsilon)."""
     walk_begin, walk_at, walk_advance = walker or PAGE_WALKER
+    # A loader that can split its loads from its unpacking (`_cache.ChunkPrefetch`) gets every load of a step (the
+    # tile's K and V chunks and their scales) issued before the first is used: a warp then has all of them in
+    # flight at once, not one key's, which the latency of HBM needs (`cacheattn.lab.bounds.latency_bound`).
+    prefetch = getattr(load_chunk, "prefetch", None)
+    PREFETCH = prefetch is not None
+    fetch_chunk, unpack_chunk = (prefetch.fetch, prefetch.unpack) if PREFETCH else (None, None)
+    WORDS, SCALE_WORDS = (prefetch.words, prefetch.scale_words) if PREFETCH else (1, 1)
     SCALE_V = value_scale is not None
     value_scale = value_scale or _unscaled
     HPB, DK, DV, WARPS, E = heads_per_block, head_dim_k, head_dim_v, warps, chunk
@@ -155,6 +163,7 @@ def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, h
     STEP = WARPS * KEYS * TILE                         # keys a block walks at once
     K_LOADS, V_LOADS = ceil_div(K_CHUNKS, LANES), ceil_div(V_CHUNKS, LANES)    # chunks per lane
     KR, VR = K_LOADS * E, V_LOADS * E                  # registers per lane for one row of q / of the output
+    K_FETCHED, V_FETCHED = (TILE * K_LOADS, TILE * V_LOADS) if PREFETCH else (1, 1)    # chunks a step fetches
     acc_t = np.float32
     NEG_INF = acc_t(-math.inf)
     MERGED = VR + 1                                    # a row's output slice and sum, merged across lane groups
@@ -218,6 +227,11 @@ def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, h
         weights = cuda.local.array(WEIGHTS, acc_t)     # p of every (row, key) of the tile, from the lanes
         alphas = cuda.local.array(ROWS, acc_t)
         k_rows = cuda.local.array((TILE, 2), np.int64)
+        # the step's fetched chunks (PREFETCH): words and scale words of key j's m-th chunk at j * LOADS + m
+        k_words = cuda.local.array((K_FETCHED, WORDS), np.uint32)
+        k_held = cuda.local.array((K_FETCHED, SCALE_WORDS), np.uint32)
+        v_words = cuda.local.array((V_FETCHED, WORDS), np.uint32)
+        v_held = cuda.local.array((V_FETCHED, SCALE_WORDS), np.uint32)
         v_rows = cuda.local.array((TILE, 2), np.int64)
         merged = cuda.local.array(MERGED, acc_t)
         for x in range(KR):
@@ -247,6 +261,18 @@ def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, h
                 if t0 + j < hi:
                     k_rows[j, 0], k_rows[j, 1] = walk_at(k_src, b, k_state, j, g)
                     v_rows[j, 0], v_rows[j, 1] = walk_at(v_src, b, v_state, j, g)
+            if PREFETCH:                              # every load of the step, before any is used
+                for j in range(TILE):
+                    for m in range(K_LOADS):
+                        c = group_lane + m * LANES
+                        if c < K_CHUNKS:
+                            fetch_chunk(k_src, k_rows[j, 0], k_rows[j, 1], c * E, k_words[j * K_LOADS + m],
+                                        k_held[j * K_LOADS + m])
+                    for m in range(V_LOADS):
+                        c = group_lane + m * LANES
+                        if c < V_CHUNKS:
+                            fetch_chunk(v_src, v_rows[j, 0], v_rows[j, 1], c * E, v_words[j * V_LOADS + m],
+                                        v_held[j * V_LOADS + m])
             # 3. each key's partial logits for every row, then each lane's (slot, key) summed over the lane group
             for n in range(LOGITS):
                 dots[n] = 0.0
@@ -254,7 +280,10 @@ def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, h
                 for m in range(K_LOADS):
                     c = group_lane + m * LANES
                     if c < K_CHUNKS:
-                        load_chunk(k_src, k_rows[j, 0], k_rows[j, 1], c * E, k_reg, m * E, DK)
+                        if PREFETCH:
+                            unpack_chunk(k_words[j * K_LOADS + m], k_held[j * K_LOADS + m], k_reg, m * E)
+                        else:
+                            load_chunk(k_src, k_rows[j, 0], k_rows[j, 1], c * E, k_reg, m * E, DK)
                 for r in range(ROWS):
                     for x in range(KR):
                         dots[r * TILE + j] += q_reg[r, x] * k_reg[x]
@@ -296,7 +325,10 @@ def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, h
                 for m in range(V_LOADS):
                     c = group_lane + m * LANES
                     if c < V_CHUNKS:
-                        load_chunk(v_src, v_rows[j, 0], v_rows[j, 1], c * E, v_reg, m * E, DV)
+                        if PREFETCH:
+                            unpack_chunk(v_words[j * V_LOADS + m], v_held[j * V_LOADS + m], v_reg, m * E)
+                        else:
+                            load_chunk(v_src, v_rows[j, 0], v_rows[j, 1], c * E, v_reg, m * E, DV)
                 for r in range(ROWS):
                     for x in range(VR):
                         acc[r, x] += weights[r * TILE + j] * v_reg[x]

@@ -23,6 +23,18 @@ from collections import namedtuple
 import numpy as np
 from numba import cuda
 
+from ._dequant import (
+    INT4_PAIR_ELEMENTS,
+    INT8_PAIR_ELEMENTS,
+    half2_floats,
+    int4x8_to_half2,
+    int8x4_to_half2,
+    load_bits2,
+    load_bits4,
+    mul_half2,
+    pair_selector,
+    scale_half2,
+)
 from ._launch import OFFSET_PAGE, axis_strides, flat
 from ._numerics import keep_float32, round_to_float16, rounder
 from ._vector import VECTOR_BYTES, float_from_bits, half_from_bits, load8, load16
@@ -32,6 +44,11 @@ MIN_SCALE = 1e-5
 
 # Element (b, token slot, head) of the data starts at base + b*s_b + slot*s_t + h*s_h; its scales likewise.
 CacheSource = namedtuple("CacheSource", "data scales starts page base s_b s_t s_h sc_base sc_s_b sc_s_t sc_s_h")
+
+# What a chunk loader offers a kernel that issues a step's loads first: fetch(src, row, sc_row, d0, words_out,
+# scales_out) loads a chunk's `words` data words and `scale_words` scale words into uint32 arrays, unpack(words,
+# scales, regs, at) makes them the values load_chunk gives.
+ChunkPrefetch = namedtuple("ChunkPrefetch", "fetch unpack words scale_words")
 
 
 def cache_source(data, scales, starts, page, axes: str, layer_idx: int = 0, kv: int = 0, scale_axes: str | None = None):
@@ -154,9 +171,13 @@ def vector_loads_ok(src: CacheSource, quant_bit: int, head_dim: int) -> bool:
     """Whether every row of `src` can be read in 16-byte vector loads (decided on the host, once per launch):
     a float16/float32/int8 cache whose data starts 16-byte aligned, with every row offset (base and strides,
     in bytes) a multiple of 16 and a row a whole number of 16-byte chunks (also for rung 3's 8-byte int4 chunks,
-    which need less)."""
+    which need less). A quantized cache's scales must start 16-byte aligned too: a chunk's group scales are read
+    in one load of up to 16 bytes (`scale_loads`), whose offsets are multiples of its size because the scales are
+    contiguous with the group axis last (a row's scale count is a multiple of a chunk's)."""
     itemsize = src.data.dtype.itemsize
     if src.data.dtype.kind not in "fi" or itemsize > 4:
+        return False
+    if quant_bit and _address(src.scales) % VECTOR_BYTES:
         return False
     row_bytes = head_dim // 2 if quant_bit == 4 else head_dim * itemsize
     offsets = (int(x) * itemsize for x in (src.base, src.s_b, src.s_t, src.s_h))
@@ -164,11 +185,26 @@ def vector_loads_ok(src: CacheSource, quant_bit: int, head_dim: int) -> bool:
         all(x % VECTOR_BYTES == 0 for x in offsets)
 
 
+def scale_loads(quant_group: int, elements: int) -> int:
+    """float16 scales a chunk of `elements` values reads in its one scale load: its whole groups (a 4-, 8- or
+    16-byte load for 2, 4 or 8 scales), 1 when a group spans the chunk (a 2-byte load), 0 when neither holds
+    (a group straddles chunks, or more than 8 of them in one: a 2-byte load per group, as `load` reads them)."""
+    if quant_group % elements == 0:
+        return 1
+    if elements % quant_group == 0 and elements // quant_group <= 8:
+        return elements // quant_group
+    return 0
+
+
 def make_chunk_load(quant_bit: int, quant_group: int, round_scale, round_value, elements: int, vector: bool):
     """Device function load_chunk(src, row, sc_row, d0, regs, at, dims): elements d0 .. d0 + elements - 1 of a
     row (those below dims), dequantized as `load` returns them, into regs[at:]. vector: one vector load
     (`_vector.load16`, or `load8` for an 8-byte chunk, `chunk_elements`) unpacked in registers; else one `load`
-    per element (rung 2's reads)."""
+    per element (rung 2's reads).
+
+    int8 and int4 with float16 scales unpack by magic numbers (`_dequant`): codes to float16 pairs, one
+    mul.rn.f16x2 by their pair of group scales (the document's float16 product, bit for bit), then float32 for
+    the dot products; the chunk's group scales come in one load (`scale_loads`)."""
     _, load = make_cache_access(quant_bit, quant_group, round_scale, round_value)
     dequantize, round_product = make_dequantize(round_scale, round_value)
     bits = quant_bit or 128 // elements               # float caches: 16-byte chunks of float16 or float32
@@ -181,6 +217,39 @@ def make_chunk_load(quant_bit: int, quant_group: int, round_scale, round_value, 
     # A float16 element widened to float32 is already what float16 or float32 holds: rounding it again is a
     # no-op that would cost two instructions an element (bfloat16 output still rounds).
     exact = quant_bit == 0 and bits == 16 and (round_value is round_to_float16 or round_value is keep_float32)
+    # The magic-number path: float16 scales (the product rounds to float16, as mul.rn.f16x2 does) and a chunk
+    # whose groups line up with it. A float16 value is what a float16 or float32 output holds: round only bfloat16.
+    scales_read = scale_loads(quant_group, elements)
+    magic = vector and quant_bit in (8, 4) and round_scale is round_to_float16 and scales_read > 0
+    rounded = not (round_value is round_to_float16 or round_value is keep_float32)
+    pairs = INT8_PAIR_ELEMENTS if quant_bit == 8 else INT4_PAIR_ELEMENTS
+    to_halves = int8x4_to_half2 if quant_bit == 8 else int4x8_to_half2
+    pair_words, pair_selectors = _pair_scales(pairs, per_word, words, quant_group, scales_read)
+    load_scale_words = _scale_loader(scales_read)
+
+    @cuda.jit(device=True, inline="always")
+    def fetch_chunk(src, row, sc_row, d0, words_out, scales_out):
+        """The magic path's loads alone: the chunk's words into words_out[:words], its scale words into
+        scales_out[:scale_words] (unpack_chunk turns them into values)."""
+        loaded = load_words(src.data, row + (d0 // 2 if quant_bit == 4 else d0))
+        held = load_scale_words(src.scales, sc_row + d0 // quant_group)
+        for j in range(words):
+            words_out[j] = loaded[j]
+        for j in range(len(held)):
+            scales_out[j] = held[j]
+
+    @cuda.jit(device=True, inline="always")
+    def unpack_chunk(loaded, held, regs, at):
+        """The values of a fetched chunk into regs[at:at + elements]."""
+        for j in range(words):
+            halves = to_halves(loaded[j])
+            for k in range(len(pairs)):
+                n = j * len(pairs) + k
+                scale = scale_half2(held[pair_words[n, 0]], held[pair_words[n, 1]], pair_selectors[n])
+                low, high = half2_floats(mul_half2(halves[k], scale))
+                e0, e1 = j * per_word + pairs[k][0], j * per_word + pairs[k][1]
+                regs[at + e0] = round_value(low) if rounded else low
+                regs[at + e1] = round_value(high) if rounded else high
 
     @cuda.jit(device=True, inline="always")
     def load_chunk(src, row, sc_row, d0, regs, at, dims):
@@ -191,6 +260,9 @@ def make_chunk_load(quant_bit: int, quant_group: int, round_scale, round_value, 
             return
         data, scales = src.data, src.scales
         loaded = load_words(data, row + (d0 // 2 if quant_bit == 4 else d0))
+        if magic:
+            unpack_chunk(loaded, load_scale_words(scales, sc_row + d0 // quant_group), regs, at)
+            return
         scale = offset = np.float32(0.0)
         for j in range(words):
             word = loaded[j] ^ np.uint32(0x88888888) if biased else loaded[j]
@@ -211,7 +283,40 @@ def make_chunk_load(quant_bit: int, quant_group: int, round_scale, round_value, 
                 q = np.int32(field ^ sign) - sign                # two's complement of a bits-wide field
                 regs[at + e] = dequantize(q, scale)
 
+    if magic:
+        # A kernel may issue every load of a step before it unpacks any (`ChunkPrefetch`).
+        load_chunk.prefetch = ChunkPrefetch(fetch_chunk, unpack_chunk, words, max(1, scales_read // 2))
     return load_chunk
+
+
+def _pair_scales(pairs, per_word, words: int, quant_group: int, scales_read: int):
+    """For every value pair of a chunk (word j's pairs in order), which of the loaded scale words hold its two
+    scales ((pairs, 2) int64) and the prmt selector that picks them ((pairs,) int64): compile-time tables."""
+    count = max(words * len(pairs), 1)
+    word_of, selector = np.zeros((count, 2), np.int64), np.zeros(count, np.int64)
+    for j in range(words):
+        for k, (a, b) in enumerate(pairs):
+            n = j * len(pairs) + k
+            ga, gb = ((j * per_word + a) // quant_group, (j * per_word + b) // quant_group) if scales_read > 1 \
+                else (0, 0)
+            word_of[n] = ga // 2, gb // 2
+            selector[n] = pair_selector(ga % 2, gb % 2)
+    return word_of, selector
+
+
+def _scale_loader(scales_read: int):
+    """Device function (scales, index) -> the uint32 words holding scales index .. index + scales_read - 1 (float16
+    bits, two a word, low half first), in one load: 2 bytes (upper half 0), 4, 8 or 16."""
+    if scales_read == 8:
+        return load16
+    if scales_read == 4:
+        return load8
+
+    @cuda.jit(device=True, inline="always")
+    def load_scale_words(scales, index):
+        return (load_bits4(scales, index),) if scales_read == 2 else (load_bits2(scales, index),)
+
+    return load_scale_words
 
 
 def make_store_kernel(quant_bit: int, quant_group: int, head_dim: int, input_dtype, round_scale, round_value):

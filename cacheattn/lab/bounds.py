@@ -70,6 +70,11 @@ H100_SXM = Machine(
     fma_per_clock=128,
 )
 
+# A load that misses L2 waits this many SM clocks for HBM before its data arrive: 690 clocks, the "Main Memory"
+# latency a pointer-chasing microbenchmark measured on a GH200 (the Hopper GPU with HBM3; markdewing/AI_kernels on
+# GitHub, latency/README.md, which also lists 281 clocks for L2). Unloaded latency: under load, queues add to it.
+HBM_LATENCY_CLOCKS = 690
+
 # ----------------------------------------------------------------------------------------------------------- bounds
 
 DRAM_READ, DRAM_WRITE = "dram__bytes_read.sum", "dram__bytes_write.sum"
@@ -239,3 +244,31 @@ def bounds(metrics: dict, scale: float = 1.0, *, case: BenchCase | None = None, 
         raise ValueError("metrics: none of the DRAM, shared-memory or global-sector metrics is present, and no "
                          f"warp_instructions, mma or fma_flops was given; got {sorted(metrics)}")
     return out
+
+
+def latency_bound(dram_bytes: float, in_flight_per_warp: float, warps_per_sm: int, *, blocks: int | None = None,
+                  latency_clocks: float = HBM_LATENCY_CLOCKS, machine: Machine = H100_SXM) -> dict:
+    """Little's law for the loads: HBM delivers its bandwidth only while every SM keeps bandwidth x latency / SMs
+    bytes of loads in flight. A warp has at most `in_flight_per_warp` bytes issued and not yet waited on (from the
+    SASS key loop, `cacheattn.lab.sass.loads_in_flight`), and an SM holds `warps_per_sm` of them (the occupancy), so
+    the SMs that hold blocks move at most in-flight bytes / latency each, and the DRAM bytes take at least
+
+        DRAM bytes / (in flight per SM x busy SMs / latency)
+
+    A lower bound like the throughput bounds (every warp at its peak in flight all the time, the latency unloaded);
+    the kernel cannot beat the larger of it and the DRAM bound. `blocks`: the grid's blocks, when fewer SMs than all
+    hold one. Returns Figures (derived): needed and held bytes per SM, their ratio, and the bound in µs."""
+    if in_flight_per_warp <= 0 or warps_per_sm <= 0:
+        raise ValueError(f"in_flight_per_warp, warps_per_sm: expected positive figures, got {in_flight_per_warp!r}, "
+                         f"{warps_per_sm!r}")
+    latency_s = latency_clocks / machine.clock_hz
+    needed = machine.hbm_bytes_per_s * latency_s / machine.sms
+    held = in_flight_per_warp * warps_per_sm
+    busy = machine.sms if blocks is None else min(machine.sms, blocks)
+    rate = min(machine.hbm_bytes_per_s, held * busy / latency_s)
+    return {"needed B/SM": Figure(needed, "B", "derived", f"{machine.hbm_bytes_per_s / 1e12:g} TB/s x "
+                                                          f"{latency_clocks:g} clocks / {machine.sms} SMs"),
+            "in flight B/SM": Figure(held, "B", "derived", f"{in_flight_per_warp:g} B a warp x {warps_per_sm} warps"),
+            "in flight / needed": Figure(held / needed, "x", "derived", "1.00 hides the latency"),
+            "latency": Figure(dram_bytes / rate * 1e6, "µs", "derived", "DRAM bytes / min(HBM bandwidth, "
+                                                                       "in flight x SMs / latency)")}

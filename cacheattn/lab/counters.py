@@ -266,6 +266,27 @@ def issue_estimate(full: dict, plan: Plan, rung: int, threads: int) -> float | N
     return issue.resources["issue"].value
 
 
+def latency_figures(full: dict, plan: Plan, rung: int, threads: int) -> dict | None:
+    """Little's law for the key loop's loads (`bounds.latency_bound`): the most bytes a warp of the committed SASS
+    has in flight at once (`sass.loads_in_flight`, decode at head_dim 128, 128 threads) x the warps an SM holds
+    (`sass.occupancy`), against what HBM needs per SM, and the time that leaves the DRAM bytes. An estimate, like
+    the issue row, never taken as the limit: the bytes in flight come from one pass over the static loop body, the
+    latency is an unloaded microbenchmark's. None where the committed SASS has no such variant or another shape (as
+    `issue_estimate`)."""
+    case, machine = plan.case, sass.committed()
+    shapes = machine["shapes"]
+    variant = machine["variants"].get(f"rung{rung}-{case.cache}-decode")
+    if (not isinstance(case, BenchCase) or plan.prefill or rung not in (2, 3, 4) or variant is None
+            or "in_flight" not in variant["key_loop"]
+            or (case.head_dim, threads) != (shapes["head_dim"], shapes["threads"])):
+        return None
+    figures = bounds.latency_bound(full[recorder.DRAM_READ] + full[recorder.DRAM_WRITE],
+                                   variant["key_loop"]["in_flight"]["peak"], variant["occupancy"]["warps_per_sm"],
+                                   blocks=round(full["attention blocks"]))
+    return {"loads in flight / needed (SASS estimate)": round(figures["in flight / needed"].value, 3),
+            "latency µs (Little's law estimate)": round(figures["latency"].value, 1)}
+
+
 def bound_figures(b: bounds.Bounds, case: BenchCase) -> dict:
     out = {"DRAM / floor (derived)": round(b.figures["DRAM / floor"].value, 3),
            "lower bound µs (derived)": round(b.bound_us, 1),
@@ -359,6 +380,7 @@ def derivations(full: dict, plan: Plan, rung: int, threads: int, splits: int) ->
     issue = issue_estimate(full, plan, rung, threads)
     if issue is not None:
         out["bounds"]["issue µs (SASS estimate)"] = round(issue, 1)
+    out["bounds"].update(latency_figures(full, plan, rung, threads) or {})
     return out
 
 
@@ -478,7 +500,9 @@ def print_ladder(result: dict) -> None:
                  "(an L2 that holds the working set). Rows marked derived are lower bounds on the full launch's "
                  f"time on an {bounds.H100_SXM.name} (its peak rates, the busiest SM's share of the blocks), never "
                  "timings. The issue row is an estimate, not a bound: the key loop's static SASS body once per trip "
-                 "of every warp.")
+                 "of every warp. The latency row, an estimate too, is Little's law: the loads a warp of the SASS key "
+                 "loop has in flight at most, times the warps an SM holds, against HBM's bandwidth x its latency per "
+                 "SM.")
 
 
 # The command line's names of the bench cases.

@@ -218,6 +218,62 @@ def page_walks(instructions, spans) -> list[tuple[int, int]]:
             if not any(opcode(text).startswith(("LD", "ST")) for _, text, _ in instructions[a:b + 1])]
 
 
+_REGISTER = re.compile(r"\bR(\d+)(\.64)?")
+_NO_DESTINATION = ("ST", "RED", "ATOM", "BRA", "BAR", "EXIT", "BSYNC", "BSSY", "WARPSYNC", "CALL", "RET", "NOP")
+
+
+def load_bytes(op: str) -> int:
+    """Bytes one lane of a global load reads: .128 16, .64 8, .U16/.S16 2, .U8/.S8 1, else 4 (0: not a load)."""
+    if not op.startswith("LDG"):
+        return 0
+    width = mix_class(op)
+    return {"LDG.128": 16, "LDG.64": 8, "LDG.32": 4, "LDG.16": 2, "LDG.8": 1}[width]
+
+
+def _registers(operand_text: str) -> set:
+    """General registers an operand list names: R5 -> {5}; a 64-bit pair R4.64 -> {4, 5}; RZ names none."""
+    out = set()
+    for number, pair in _REGISTER.findall(operand_text):
+        out.update((int(number), int(number) + 1) if pair else (int(number),))
+    return out
+
+
+def loads_in_flight(instructions) -> dict:
+    """How many bytes of global loads one warp has issued and not yet used, walking the key loop once in program
+    order: a load's destination registers (4 for .128, 2 for .64) are in flight from its issue until the first
+    instruction that reads or overwrites one of them, where the warp waits for it (the scoreboard). Returns
+    first_use (bytes a warp has in flight when it first waits on a load of the trip) and peak (the most at once),
+    both for the 32 lanes of a warp, and the loads counted."""
+    outstanding = {}                                # load index -> (registers, bytes for the warp)
+    first_use, peak, loads = None, 0, 0
+    for index, (_, text, _) in enumerate(instructions):
+        words = text.split()
+        if words and words[0].startswith("@"):
+            words = words[1:]
+        if not words:
+            continue
+        op, operands = words[0], " ".join(words[1:])
+        head = operands.split(",")[0] if "," in operands else operands
+        writes = set() if op.startswith(_NO_DESTINATION) else _registers(head)
+        reads = _registers(operands[len(head):] if writes else operands)
+        touched = reads | writes
+        waited = [k for k, (regs, _) in outstanding.items() if regs & touched]
+        if waited:
+            held = sum(size for _, size in outstanding.values())
+            peak = max(peak, held)
+            first_use = held if first_use is None else first_use
+            for k in waited:
+                del outstanding[k]
+        size = load_bytes(op)
+        if size:
+            loads += 1
+            first = min(writes) if writes else 0
+            count = max(1, size // 4)
+            outstanding[index] = (set(range(first, first + count)), 32 * size)
+            peak = max(peak, sum(size for _, size in outstanding.values()))
+    return dict(first_use=first_use or 0, peak=peak, loads=loads)
+
+
 def excerpt(instructions, span, classes=("LDG", "LDS", "STS", "SHFL", "BAR", "HMMA", "MUFU.EX2"), per_class=3) -> list:
     """The key loop's memory, shuffle, barrier, tensor-core and exp instructions in program order, the first
     `per_class` of each class (global loads by width), each '/*addr*/ instruction', then the backward branch that
@@ -331,7 +387,7 @@ def analyse(variant: Variant, ptxas_text: str, sass_text: str, threads: int) -> 
                 occupancy=occupancy(resources["registers"], resources["shared"], 0, threads),
                 instructions=len(instructions), loops=len(loops(instructions)),
                 key_loop=dict(first=body[0][0], last=body[-1][0], inner_loops=len(inner), walk_loops=len(walks),
-                              mix=instruction_mix(body),
+                              mix=instruction_mix(body), in_flight=loads_in_flight(body),
                               excerpt=excerpt(instructions, span)))
 
 

@@ -1,0 +1,195 @@
+"""The magic-number dequantization of rung 3 (`kernels_numba._dequant`): its simulator twins against the
+document's rule (`reference.quant.dequantize`, q times a float16 scale rounded to float16) on every int8 and int4
+code, bit for bit, and against a second formulation of the PTX instructions they stand for (prmt, lop3 and
+f16x2 arithmetic written from the ISA's definitions, in float64).
+
+On a GPU the same names are inline PTX; `python -m kernels_numba.ptx_check --family rung3` compiles and assembles
+them for sm_80 and sm_90, and the rung-3 kernel tests run them.
+"""
+
+import functools
+
+import numpy as np
+import pytest
+
+import cacheattn
+import cacheattn.testing as kit
+from kernels_numba import _dequant as dq
+from kernels_numba._cache import scale_loads
+from reference.quant import dequantize, pack_int4
+
+from strategies import PPLCase
+
+pytestmark = pytest.mark.skipif(not dq.SIMULATED, reason="the twins exist in the simulator only")
+
+RNG = np.random.default_rng(20240607)
+
+
+def _scales():
+    """float16 scales over the whole range: normal ones of every binade, ones whose products are subnormal, ones
+    whose products overflow to inf, and the smallest the document stores (1e-5, itself subnormal in float16)."""
+    normal = np.float16(2.0) ** RNG.integers(-14, 8, 48).astype(np.float16) * RNG.uniform(1, 2, 48).astype(np.float16)
+    subnormal = RNG.uniform(6e-8, 6e-6, 24).astype(np.float16)
+    large = RNG.uniform(500, 65504, 16).astype(np.float16)
+    return np.concatenate([normal, subnormal, large, np.float16([1e-5, 1.0])]).astype(np.float16)
+
+
+def _bits(x):
+    return np.asarray(x, np.float16).view(np.uint16)
+
+
+# ----------------------------------------------------------------------------- the ISA, written independently
+
+def _isa_prmt(a, b, selector):
+    """prmt.b32 (PTX ISA, default mode): the eight bytes {b, a}, b3..b0 a3..a0 numbered 7..0; result byte i is
+    the byte that nibble i of the selector numbers (bit 3 of the nibble, sign replication, unused here)."""
+    table = np.frombuffer(np.array([a, b], np.uint32).tobytes(), np.uint8)
+    picks = [table[(selector >> (4 * i)) & 7] for i in range(4)]
+    return int(np.frombuffer(bytes(picks), np.uint32)[0])
+
+
+def _isa_lop3(a, b, c, lut):
+    """lop3.b32: bit k of the result is bit (a_k * 4 + b_k * 2 + c_k) of the lookup table."""
+    out = 0
+    for k in range(32):
+        index = ((a >> k) & 1) * 4 + ((b >> k) & 1) * 2 + ((c >> k) & 1)
+        out |= ((lut >> index) & 1) << k
+    return out
+
+
+def _isa_f16x2(word):
+    return np.array([word], np.uint32).view(np.float16).astype(np.float64)
+
+
+def _isa_pack(values):
+    """Round two float64 values to float16 once (nearest even; past the largest float16, inf), as a .rn f16x2
+    result."""
+    with np.errstate(over="ignore"):
+        return int(np.asarray(values, np.float64).astype(np.float16).view(np.uint32)[0])
+
+
+def _isa_int8(word):
+    u = word ^ 0x80808080
+    magic = _isa_f16x2(0x64806480)
+    return [_isa_pack(_isa_f16x2(_isa_prmt(u, 0x64646464, sel)) - magic) for sel in (0x4140, 0x4342)]
+
+
+def _isa_int4(word):
+    out = []
+    for w in (word, word >> 8):
+        low = _isa_f16x2(_isa_lop3(w, 0x000F000F, 0x64086408, 0x6A))
+        high = _isa_f16x2(_isa_lop3(w, 0x00F000F0, 0x64806480, 0x6A))
+        out += [_isa_pack(low - _isa_f16x2(0x64086408)),
+                _isa_pack(high * _isa_f16x2(0x2C002C00) + _isa_f16x2(0xD480D480))]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------ tests
+
+def _int8_words():
+    """Every int8 code in every byte position: 256 words of 4 codes, code c at byte k of word (c + 67 k) % 256."""
+    codes = (np.arange(256)[:, None] + 67 * np.arange(4)[None, :]) % 256 - 128
+    return codes.astype(np.int8), codes.astype(np.int8).view(np.uint32)[:, 0]
+
+
+def test_int8_codes_become_their_float16_pairs():
+    codes, words = _int8_words()
+    for code, word in zip(codes, words):
+        pairs = dq.int8x4_to_half2(word)
+        assert [int(p) for p in pairs] == _isa_int8(int(word))
+        got = np.array([int(p) for p in pairs], np.uint32).view(np.float16)
+        want = np.array([code[a] for pair in dq.INT8_PAIR_ELEMENTS for a in pair], np.float16)
+        assert np.array_equal(_bits(got), _bits(want))
+
+
+def _int4_words():
+    """Every int4 code in every nibble position: 16 x 4 words of 8 codes, code c at nibble k of word
+    (c + 5 k + shift) % 16, two's complement."""
+    out = []
+    for shift in range(4):
+        codes = (np.arange(16)[:, None] + 5 * np.arange(8)[None, :] + shift) % 16
+        out.append(np.where(codes >= 8, codes - 16, codes).astype(np.int8))
+    codes = np.concatenate(out)
+    return codes, pack_int4(codes).view(np.uint32)[:, 0]
+
+
+def test_int4_codes_become_their_float16_pairs_in_interleaved_order():
+    codes, words = _int4_words()
+    for code, word in zip(codes, words):
+        pairs = dq.int4x8_to_half2(word)
+        assert [int(p) for p in pairs] == _isa_int4(int(word))
+        got = np.array([int(p) for p in pairs], np.uint32).view(np.float16)
+        want = np.array([code[a] for pair in dq.INT4_PAIR_ELEMENTS for a in pair], np.float16)
+        assert np.array_equal(_bits(got), _bits(want))
+
+
+@pytest.mark.parametrize("quant_bit", [8, 4])
+def test_scaled_pairs_are_the_documents_float16_products_bit_for_bit(quant_bit):
+    """Every code times every scale of the spread, through the kernel's chain (pairs, a scale pair picked by
+    prmt, mul.rn.f16x2, widened to float32), against reference.quant.dequantize with float16 scales."""
+    qmax = 127 if quant_bit == 8 else 7
+    codes = np.arange(-qmax - 1, qmax + 1, dtype=np.int8)
+    scales = _scales()
+    with np.errstate(over="ignore"):                                       # the large scales' products: inf
+        want = dequantize(np.repeat(codes[None, :], len(scales), 0), np.repeat(scales[:, None], len(codes), 1),
+                          8, 1, np.float16)                               # group 1: every code its own scale
+    for i in range(0, len(scales) - 1, 2):
+        scale_word = int(scales[i:i + 2].view(np.uint32)[0])
+        for lo in range(0, len(codes), 2):
+            # a pair of codes: the low with scale i, the high with scale i + 1 (selector: low half, high half)
+            pair = int(np.array([codes[lo], codes[lo + 1]], np.float16).view(np.uint32)[0])
+            scale = dq.scale_half2(scale_word, scale_word, dq.pair_selector(0, 1))
+            assert int(scale) == _isa_prmt(scale_word, scale_word, dq.pair_selector(0, 1))
+            product = dq.mul_half2(pair, scale)
+            assert int(product) == _isa_pack(_isa_f16x2(pair) * _isa_f16x2(int(scale)))
+            low, high = dq.half2_floats(product)
+            got = np.array([low, high], np.float32).astype(np.float16)
+            expected = np.array([want[i, lo], want[i + 1, lo + 1]], np.float16)
+            assert np.array_equal(_bits(got), _bits(expected)), (codes[lo:lo + 2], scales[i:i + 2])
+
+
+def test_scale_pairs_pick_either_half_of_either_word():
+    a, b = (int(x) for x in RNG.integers(0, 2**32, 2, dtype=np.uint64))
+    for half_a in (0, 1):
+        for half_b in (0, 1):
+            got = int(dq.scale_half2(a, b, dq.pair_selector(half_a, half_b)))
+            assert got == (a >> (16 * half_a)) & 0xFFFF | ((b >> (16 * half_b)) & 0xFFFF) << 16
+
+
+def test_scale_loads_read_whole_groups_of_a_chunk():
+    assert [scale_loads(g, 16) for g in (1, 2, 4, 8, 16, 32, 3, 24)] == [0, 8, 4, 2, 1, 1, 0, 0]
+
+
+def test_bit_loads_read_the_bytes_at_an_element():
+    scales = RNG.standard_normal(8).astype(np.float16)
+    bits = scales.view(np.uint16).astype(np.uint32)
+    assert int(dq.load_bits2(scales, 3)) == bits[3]
+    assert int(dq.load_bits4(scales, 4)) == bits[4] | bits[5] << 16
+
+
+@pytest.mark.parametrize("quant_bit,quant_group", [(4, 2), (8, 32)])
+def test_rung_3_scales_pairs_across_groups(quant_bit, quant_group):
+    """Rung 3 on groups other than the headline's 8: int4 in groups of 2 (a pair (k, k + 4) takes its two scales
+    from different words of the chunk's 16-byte scale load), int8 in groups of 32 (one 2-byte scale a chunk),
+    against the reference."""
+    case = PPLCase(seqlens=(1, 2), past=(5, 9), decoding_batches=0, num_heads=4, num_kv_heads=2, head_dim=64,
+                   dtype="float16", quant_bit=quant_bit, quant_group=quant_group, scale_dtype="float16",
+                   cache_layout=0, cache_mode=1, page_size=4, num_layer=1, layer_idx=0, is_causal=True,
+                   is_alibi=False, mask="none", mask_pad=0, seed=quant_group)
+    impl = functools.partial(cacheattn.multi_head_cache_attention, backend="numba", threads=64, rung=3)
+    kit.check_case("multi_head_cache_attention", impl, case)
+
+
+def test_scales_off_a_16_byte_boundary_take_the_element_loads():
+    """A chunk's scales come in one load of up to 16 bytes, so a cache whose scales do not start 16-byte aligned
+    is read with element loads (decided on the host), not with misaligned vector loads."""
+    from kernels_numba._cache import cache_source, vector_loads_ok
+
+    data = np.zeros((8, 2, 64), np.int8)
+    raw = np.zeros(2 * 8 * 2 * 8 + 32, np.uint8)
+    first = -raw.ctypes.data % 16                               # the first 16-byte boundary in the buffer
+    aligned = raw[first:first + 256].view(np.float16).reshape(8, 2, 8)
+    shifted = raw[first + 2:first + 258].view(np.float16).reshape(8, 2, 8)
+    starts = np.zeros((1, 1), np.int64)
+    assert vector_loads_ok(cache_source(data, aligned, starts, 8, "T H D"), 8, 64)
+    assert not vector_loads_ok(cache_source(data, shifted, starts, 8, "T H D"), 8, 64)
