@@ -348,8 +348,15 @@ REQUIRED_PTX = {"mma_attention_kernel": "mma.sync.aligned.m16n8k16.row.col.f32.f
 PTX_MARKERS = {VECTOR_LOAD: "ld.global.nc.v4.u32", VECTOR_LOAD_INT4: "ld.global.nc.v2.u32"}
 
 
+# A quantized cache's vector loads turn codes into float16 pairs by magic numbers and scale them with one f16x2
+# multiply (`_dequant`): a build that fell back to per-value conversions would still be right, and slower.
+QUANT_VECTOR_PTX = "mul.rn.f16x2"
+
+
 def _required_ptx(label: str, kernel) -> list:
     texts = [text for marker, text in PTX_MARKERS.items() if marker in label]
+    if texts and ("quant_bit=8 " in label or "quant_bit=4 " in label):
+        texts.append(QUANT_VECTOR_PTX)
     if kernel.py_func.__name__ in REQUIRED_PTX:
         texts.append(REQUIRED_PTX[kernel.py_func.__name__])
     return texts
