@@ -18,12 +18,14 @@ __all__ = ["AttentionOutputs", "KeyValue", "dynamic_key_value_cache", "dynamic_m
 
 from .trtllm import (  # noqa: E402
                      AttentionMaskType,
+                     GptAttentionPlan,
                      PositionEmbeddingType,
                      QuantMode,
                      RequestType,
                      RotaryScalingType,
                      gpt_attention,
+                     plan_gpt_attention,
 )
 
 __all__ += ["AttentionMaskType", "PositionEmbeddingType", "QuantMode", "RequestType", "RotaryScalingType",
-            "gpt_attention"]
+            "gpt_attention", "GptAttentionPlan", "plan_gpt_attention"]

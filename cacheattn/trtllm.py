@@ -239,36 +239,46 @@ def _positive_scale(name, x):
     return value
 
 
+# The inputs TensorRT-LLM hands each layer's plugin (kernels_numba's LAYER_INPUTS): the rest of a call is the batch
+# step's index tensors and the model's attributes, the same for every layer of one step.
+LAYER_INPUTS = ("qkv", "past_key_value", "kv_cache_pool", "layer_idx", "qkv_bias", "kv_orig_quant_scale",
+                "kv_quant_orig_scale", "cross_kv", "relative_attention_bias")
+# The step's arrays the kernels read as they are (data, not index tensors): on the layers' side (NumPy or GPU).
+STEP_DATA = ("attention_mask", "attention_packed_mask", "alibi_slopes", "rotary_cos_sin", "long_rope_rotary_cos_sin",
+             "logn_scaling")
+LAYER_DATA = ("qkv", "past_key_value", "kv_cache_pool", "cross_kv", "qkv_bias", "relative_attention_bias")
+
+
 def validate(a: dict) -> dict:
-    """Check every argument of gpt_attention (a: the call's keyword arguments), in the order the reference uses
-    them. Returns the normalised arguments the reference takes: host int arrays for index tensors, ints for enums,
-    floats for scales."""
+    """Check every argument of gpt_attention (a: the call's keyword arguments): the step's (validate_step) then the
+    layer's (validate_layer). Returns the normalised arguments the reference takes: host int arrays for index
+    tensors, ints for enums, floats for scales, the layer's window alone."""
+    step = validate_step({k: v for k, v in a.items() if k not in LAYER_INPUTS})
+    return validate_layer(step, {k: a[k] for k in LAYER_INPUTS})
+
+
+def validate_step(a: dict) -> dict:
+    """Check everything of a call but its per-layer inputs (LAYER_INPUTS), every index tensor read from the device
+    once. A step serves every layer, so the slots, blocks and races are checked under each distinct window of
+    host_max_attention_window_sizes. Returns {"checked": the normalised step arguments, "facts": what
+    validate_layer checks a layer's inputs against}."""
     out = dict(a)
     _check_cache_settings(a)
-    _check_unbuilt_and_pool(a)
+    mapping_layers = _check_unbuilt_and_pool(a)
     for name in (*NO_EFFECT, *NOT_BUILT, "host_kv_cache_pool_pointers"):
         out.pop(name)
-    qkv = a["qkv"]
-    _float_tensor("qkv", qkv)
     H = check_int("num_heads", a["num_heads"], low=1)
     Hkv = check_int("num_kv_heads", a["num_kv_heads"], low=1)
     Dh = check_int("hidden_size_per_head", a["hidden_size_per_head"], low=1)
     # spec: trtllm/mha-mqa-gqa
     if H % Hkv:
         raise ValueError(f"num_kv_heads: expected a divisor of num_heads ({H}), got {Hkv}")
-    hidden = (H + 2 * Hkv) * Dh
     packed = bool(a["remove_input_padding"])
-    if packed:
-        # spec: trtllm/packed-qkv-shape, trtllm/qkv-packing
-        check_shape("qkv", qkv, (None, hidden), "(num_tokens, (num_heads + 2 num_kv_heads) hidden_size_per_head)")
-    else:
-        # spec: trtllm/padded-qkv-shape
-        check_shape("qkv", qkv, (None, None, hidden),
-                    "(batch_beam, max_seqlen, (num_heads + 2 num_kv_heads) hidden_size_per_head)")
-    per_entry = _check_requests(a, qkv, packed, hidden)
+    per_entry = _check_requests(a)
     E = per_entry["host_request_types"].shape[0]
     is_context = per_entry["host_request_types"] == 0
     past, lengths = per_entry["host_past_key_value_lengths"], per_entry["sequence_length"]
+    new = np.where(is_context, per_entry["context_lengths"], 1)
 
     # Enums and scalar attributes.
     mask_type = _enum("mask_type", a["mask_type"], AttentionMaskType, MASK_TYPES)
@@ -276,58 +286,55 @@ def validate(a: dict) -> dict:
     scale_type = _enum("rotary_embedding_scale_type", a["rotary_embedding_scale_type"], RotaryScalingType,
                        SCALING_TYPES)
     out.update(mask_type=mask_type, position_embedding_type=pos_type, rotary_embedding_scale_type=scale_type)
-    tpb, quant = _check_scalars_and_quantization(a, out, qkv, hidden)
+    tpb, quant = _check_scalars_and_quantization(a, out)
     _check_rope(a, out, pos_type, scale_type, Dh)
     _check_rope_tables(a, out, pos_type, scale_type, per_entry, is_context)
     _check_logn(a, lengths)
-    _check_position_biases(a, pos_type, H, qkv, lengths)
-    _check_mask(a, mask_type, qkv, packed, E, lengths)
+    _check_alibi(a, pos_type, H)
+    check_int("max_distance", a["max_distance"], low=0)
+    _check_mask(a, mask_type, packed, E, new, lengths)
     _check_packed_mask(a, mask_type, lengths - past, lengths)
-    _check_floats(a)
+    _check_floats(a, [t for t in FLOAT_TABLES if t[0] not in LAYER_INPUTS])
+    facts = dict(H=H, Hkv=Hkv, Dh=Dh, hidden=(H + 2 * Hkv) * Dh, packed=packed, E=E, new=new, lengths=lengths,
+                 quant=quant, pos_type=pos_type, mapping_layers=mapping_layers, is_context=is_context, windows={})
 
-    # Window, sinks, cache capacity.
-    layer_idx = check_int("layer_idx", a["layer_idx"], low=0)
+    # Windows, sinks, cache capacity: every layer's.
     # spec: trtllm/window-per-layer, trtllm/window-repeat
     windows = arrays.index_array("host_max_attention_window_sizes", a["host_max_attention_window_sizes"])
     if windows.ndim != 1 or windows.shape[0] < 1:
         raise ValueError(f"host_max_attention_window_sizes: expected a 1-D tensor of windows (repeated over the "
                          f"layers when shorter), got shape {windows.shape}")
     # A window of no token is the caller's mistake, named here before the sinks are compared with it.
-    entry = layer_idx % windows.shape[0]
     if (windows < 1).any():
-        i = entry if windows[entry] < 1 else int(np.flatnonzero(windows < 1)[0])
-        whose = f"layer {layer_idx}'s window" if i == entry else "another layer's window"
+        i = int(np.flatnonzero(windows < 1)[0])
         raise ValueError(f"host_max_attention_window_sizes: expected windows >= 1 token, got {int(windows[i])} at "
-                         f"entry {i} ({whose})")
-    window = int(windows[entry])
+                         f"entry {i} (layer {i}'s window)")
+    facts["window_list"] = windows
     sinks_host = arrays.index_array("host_sink_token_length", a["host_sink_token_length"])
     check_shape("host_sink_token_length", sinks_host, (1,), "(1,)")
     sinks = int(sinks_host[0])
-    # This layer's window, resolved once: the reference and the kernels both read this single entry.
-    out.update(host_max_attention_window_sizes=np.array([window], np.int64), host_sink_token_length=sinks_host)
+    out.update(host_sink_token_length=sinks_host)
     if sinks < 0:
         raise ValueError(f"host_sink_token_length: expected a number of sink tokens >= 0, got {sinks}")
     if sinks and not a["streamingllm"]:
         raise ValueError(f"host_sink_token_length: sink tokens need streamingllm=True, got {sinks}")
-    if sinks >= window:
-        raise ValueError(f"host_sink_token_length: expected fewer sink tokens than the attention window of layer "
-                         f"{layer_idx} (host_max_attention_window_sizes: {window}), got {sinks}")
     if a["streamingllm"] and (is_context & (past > 0)).any():
         raise ValueError("host_past_key_value_lengths: chunked context is not defined with streamingllm "
                          f"(dense context phase), got {past.tolist()}")
 
     use_cache = bool(a["use_cache"])
     cross = bool(a["do_cross_attention"])
+    facts["use_cache"] = use_cache
     if not use_cache:
         if not is_context.all() or past.any():
             raise ValueError("use_cache: without a cache every request is a whole context (no past, no "
                              "generation)")
-        for name in ("past_key_value", "kv_cache_pool", "kv_cache_block_offsets", "host_kv_cache_block_offsets"):
-            if a[name] is not None:
-                raise ValueError(f"{name}: given with use_cache=False, which reads and writes no cache; pass "
-                                 f"{name}=None, or use_cache=True to write the new tokens")
-        out.update(_host_lengths_and_cache(a, per_entry, E, None, None, False))
-        return _cross(a, out, qkv, is_context, E, Hkv, Dh, pos_type, lengths, None)
+        # Refused with the layer's cache, which a layer names first (validate_layer).
+        facts["unread"] = [name for name in ("kv_cache_block_offsets", "host_kv_cache_block_offsets")
+                           if a[name] is not None]
+        out.update(per_entry)
+        facts.update(sinks=sinks, capacity=None)
+        return dict(checked=out, facts=_cross_step(a, out, facts, is_context, E, pos_type, None))
 
     ci = arrays.index_array("cache_indirection", a["cache_indirection"])
     if ci.ndim != 3:
@@ -341,39 +348,128 @@ def validate(a: dict) -> dict:
     if ((ci < 0) | (ci >= beam)).any():
         raise ValueError(f"cache_indirection: expected values in [0, beam_width = {beam}), got "
                          f"[{int(ci.min())}, {int(ci.max())}]")
-    cyclic = window <= capacity
-    longest = int(lengths.max())
-    if not cyclic and longest > capacity:
+    enc = None if not cross else _encoder_lengths(a, E)
+    paged = bool(a["paged_kv_cache"])
+    offsets = _block_offsets(a, E) if paged else None
+    facts.update(sinks=sinks, capacity=capacity, beam=beam, encoder=enc, paged=paged, offsets=offsets, tpb=tpb,
+                 per_entry=per_entry)
+    out.update(per_entry)
+    if paged:
+        out["kv_cache_block_offsets"] = offsets
+    out["cache_indirection"] = ci
+    return dict(checked=out, facts=_cross_step(a, out, facts, is_context, E, pos_type, enc))
+
+
+def _window_facts(f: dict, window: int, layer_idx: int) -> dict:
+    """What the step needs of a cache under one layer window: checked at the first layer with that window (from
+    the step's host copies: no device read), kept in the step's facts for the layers after it. A step's windows
+    beyond its model's layers are never checked, as a single call checks only its layer's."""
+    if window in f["windows"]:
+        return f["windows"][window]
+    sinks, lengths = f["sinks"], f["lengths"]
+    if sinks >= window:
+        raise ValueError(f"host_sink_token_length: expected fewer sink tokens than the attention window of layer "
+                         f"{layer_idx} (host_max_attention_window_sizes: {window}), got {sinks}")
+    if f["capacity"] is None:                           # use_cache=False: no cache to check
+        f["windows"][window] = {}
+        return f["windows"][window]
+    longest, capacity, beam, enc, tpb, E = int(lengths.max()), f["capacity"], f["beam"], f["encoder"], f["tpb"], f["E"]
+    if window > capacity and longest > capacity:
         raise ValueError(f"sequence_length: {longest} exceeds the cache capacity {capacity} (cache_indirection."
                          f"shape[2]) and the window ({window}) does not make the cache cyclic")
     if beam > 1 and longest > window:
         raise ValueError(f"host_max_attention_window_sizes: the cyclic cache does not work with beam search "
                          f"(beam_width {beam}), but a sequence of {longest} tokens passes the window {window}")
-    enc = None if not cross else _encoder_lengths(a, E)
     # Slots this call reads or writes: the cyclic formula (plus the paged bubble after the sinks) over the
     # positions up to the window; later positions reuse those slots. Cross attention: the encoder tokens.
-    bubble = ref.paged_bubble(sinks, tpb) if a["paged_kv_cache"] else 0
-    if cross:
-        slots_needed = int(enc.max())
+    bubble = ref.paged_bubble(sinks, tpb) if f["paged"] else 0
+    if enc is not None:
+        slots = int(enc.max())
     else:
-        slots_needed = int(ref.cyclic_slot(np.arange(min(longest, window)), window, sinks, bubble).max()) + 1
-    out.update(_host_lengths_and_cache(a, per_entry, E, slots_needed, (Hkv, Dh, quant), bool(a["paged_kv_cache"])))
-    if a["paged_kv_cache"]:
-        _check_pages_not_raced(out["kv_cache_block_offsets"], per_entry, is_context, layer=int(a["layer_idx"]),
-                               tpb=int(a["tokens_per_block"]), window=window, sinks=sinks, bubble=bubble,
-                               encoder=enc, slots=slots_needed)
-    out["cache_indirection"] = ci
-    return _cross(a, out, qkv, is_context, E, Hkv, Dh, pos_type, lengths, enc)
+        slots = int(ref.cyclic_slot(np.arange(min(longest, window)), window, sinks, bubble).max()) + 1
+    facts = dict(slots=slots)
+    if f["paged"]:
+        offsets = f["offsets"]
+        blocks = -(-slots // tpb)
+        if offsets.shape[3] < blocks:
+            raise ValueError(f"kv_cache_block_offsets: expected >= {E} rows and >= {blocks} blocks per sequence, "
+                             f"got {offsets.shape}")
+        used = offsets[0, :E, :, :blocks]
+        # A layer uses these blocks plus 2 layer_idx: their range is checked per layer, against its pool.
+        facts.update(lowest=int(used.min()), highest=int(used.max()))
+        _check_pages_not_raced(offsets, f["per_entry"], f["is_context"], layer=layer_idx, tpb=tpb, window=window,
+                               sinks=sinks, bubble=bubble, encoder=enc, slots=slots)
+    f["windows"][window] = facts
+    return facts
 
 
-def _check_requests(a, qkv, packed, hidden):
-    """Per-entry tensors and the request order. Returns the host int64 copies {name: (E,)} of sequence_length,
-    host_past_key_value_lengths, context_lengths and host_request_types: each is read from the device once."""
+def validate_layer(step: dict, a: dict) -> dict:
+    """Check one layer's inputs (a: LAYER_INPUTS) against a validated step (validate_step); nothing here reads the
+    device unless the KV scales or relative_attention_bias are device tensors. Returns the normalised arguments
+    of the call (the step's and the layer's) for the reference and the kernels."""
+    f, s = step["facts"], step["checked"]
+    out = dict(s)
+    layer_idx = check_int("layer_idx", a["layer_idx"], low=0)
+    if f["mapping_layers"] is not None and f["mapping_layers"] <= layer_idx:
+        raise ValueError(f"host_kv_cache_pool_mapping: one pool is supported (kv_cache_pool), every layer l "
+                         f"mapped to (pool 0, layer l) for layers 0..>= layer_idx ({layer_idx}), got "
+                         f"{f['mapping_layers']} layers")
+    paged = bool(s["paged_kv_cache"])
+    if not paged and a["kv_cache_pool"] is not None:
+        raise ValueError("kv_cache_pool: read only with paged_kv_cache=True, but paged_kv_cache is False (the "
+                         "cache is then past_key_value); set paged_kv_cache=True, or pass kv_cache_pool=None")
+    if paged and a["past_key_value"] is not None:
+        raise ValueError("past_key_value: not read with paged_kv_cache=True (the cache is kv_cache_pool); pass "
+                         "past_key_value=None, or paged_kv_cache=False to run on it")
+    qkv = a["qkv"]
+    _float_tensor("qkv", qkv)
+    E, new, hidden = f["E"], f["new"], f["hidden"]
+    if f["packed"]:
+        # spec: trtllm/packed-qkv-shape, trtllm/qkv-packing
+        check_shape("qkv", qkv, (None, hidden), "(num_tokens, (num_heads + 2 num_kv_heads) hidden_size_per_head)")
+        if qkv.shape[0] != new.sum():
+            raise ValueError(f"qkv: expected {int(new.sum())} packed tokens (context_lengths of the context "
+                             f"requests + one per generation beam), got {qkv.shape[0]}")
+    else:
+        # spec: trtllm/padded-qkv-shape
+        check_shape("qkv", qkv, (None, None, hidden),
+                    "(batch_beam, max_seqlen, (num_heads + 2 num_kv_heads) hidden_size_per_head)")
+        if qkv.shape[0] != E or qkv.shape[1] < new.max():
+            raise ValueError(f"qkv: expected padded shape ({E}, >= {int(new.max())}, {hidden}), got "
+                             f"{tuple(qkv.shape)}")
+        mask = s["attention_mask"]
+        if mask is not None and mask.shape[1] != qkv.shape[1]:
+            raise ValueError(f"attention_mask: expected shape ({E}, {qkv.shape[1]}, max_kv_len), one row per "
+                             f"query token of qkv, got {tuple(mask.shape)}")
+    _check_layer_scales(a, out, qkv, f["quant"], hidden)
+    _check_relative_bias(a, f["pos_type"], f["H"], qkv, f["lengths"], s["max_distance"])
+    windows = f["window_list"]
+    window = int(windows[layer_idx % windows.shape[0]])
+    window_facts = _window_facts(f, window, layer_idx)
+    # This layer's window, resolved once: the reference and the kernels both read this single entry.
+    out.update(qkv=qkv, layer_idx=layer_idx, host_max_attention_window_sizes=np.array([window], np.int64),
+               past_key_value=a["past_key_value"], kv_cache_pool=a["kv_cache_pool"], qkv_bias=a["qkv_bias"],
+               cross_kv=a["cross_kv"], relative_attention_bias=a["relative_attention_bias"])
+    if not f["use_cache"]:
+        for name in ("past_key_value", "kv_cache_pool", *f["unread"]):
+            if name in f["unread"] or a[name] is not None:
+                raise ValueError(f"{name}: given with use_cache=False, which reads and writes no cache; pass "
+                                 f"{name}=None, or use_cache=True to write the new tokens")
+    else:
+        _check_cache(s, f, a, layer_idx, window_facts)
+    _cross_layer(s, f, a, qkv)
+    return out
+
+
+def _check_requests(a):
+    """Per-entry tensors and the request order (qkv's tokens are checked against them per layer). Returns the host
+    int64 copies {name: (E,)} of sequence_length, host_past_key_value_lengths, context_lengths and
+    host_request_types: each is read from the device once."""
     types = _per_entry("host_request_types", a["host_request_types"], None)
     E = types.shape[0]
     if E < 1:
         raise ValueError("host_request_types: expected at least one request, got none")
-    if not np.isin(types, (0, 1)).all():
+    if not ((types == 0) | (types == 1)).all():            # (np.isin: some 25 µs more per call)
         raise ValueError(f"host_request_types: expected RequestType values 0 (context) or 1 (generation), "
                          f"got {types.tolist()}")
     # spec: trtllm/inflight-order
@@ -402,20 +498,15 @@ def _check_requests(a, qkv, packed, hidden):
     if (~is_context & (ctx_len > past)).any():
         raise ValueError(f"context_lengths: a generation request's prompt must be in the cache already "
                          f"(<= host_past_key_value_lengths {past.tolist()}), got {ctx_len.tolist()}")
-    if packed and qkv.shape[0] != new.sum():
-        raise ValueError(f"qkv: expected {int(new.sum())} packed tokens (context_lengths of the context requests "
-                         f"+ one per generation beam), got {qkv.shape[0]}")
-    if not packed and (qkv.shape[0] != E or qkv.shape[1] < new.max()):
-        raise ValueError(f"qkv: expected padded shape ({E}, >= {int(new.max())}, {hidden}), got {tuple(qkv.shape)}")
     if a.get("max_context_length") is not None:
         check_int("max_context_length", a["max_context_length"], low=int(new[is_context].max(initial=1)))
     return {"sequence_length": lengths, "host_past_key_value_lengths": past, "context_lengths": ctx_len,
             "host_request_types": types}
 
 
-def _check_scalars_and_quantization(a, out, qkv, hidden):
-    """Scalar attributes, the plugin settings, the KV cache quantization and its scales, qkv_bias.
-    Returns (tokens_per_block, quant mode)."""
+def _check_scalars_and_quantization(a, out):
+    """Scalar attributes, the plugin settings, the KV cache quantization (its scales and qkv_bias are the layer's:
+    _check_layer_scales). Returns (tokens_per_block, quant mode)."""
     # spec: trtllm/context-unfused, trtllm/context-fmha-fp32-acc
     check_choice("context_fmha_type", a["context_fmha_type"], (0, 1, 2))
     tpb = check_int("tokens_per_block", a["tokens_per_block"], low=1)
@@ -427,6 +518,14 @@ def _check_scalars_and_quantization(a, out, qkv, hidden):
         raise ValueError(f"kv_cache_quant_mode: expected QuantMode(0), INT8_KV_CACHE (64) or FP8_KV_CACHE (128), "
                          f"got {quant!r}")
     quant = out["kv_cache_quant_mode"] = int(quant)
+    if a["use_fp8_context_fmha"] and not quant & 128:
+        raise ValueError("use_fp8_context_fmha: needs an FP8 KV cache (kv_cache_quant_mode = FP8_KV_CACHE), "
+                         f"got kv_cache_quant_mode {quant}")
+    return tpb, quant
+
+
+def _check_layer_scales(a, out, qkv, quant, hidden):
+    """A layer's KV cache scales (floats in `out`) and its qkv_bias."""
     if quant:
         out["kv_orig_quant_scale"] = _positive_scale("kv_orig_quant_scale", a["kv_orig_quant_scale"])
         out["kv_quant_orig_scale"] = _positive_scale("kv_quant_orig_scale", a["kv_quant_orig_scale"])
@@ -436,13 +535,10 @@ def _check_scalars_and_quantization(a, out, qkv, hidden):
                 raise ValueError(f"{name}: the scale of an INT8/FP8 KV cache, but kv_cache_quant_mode is QuantMode(0) "
                                  f"(the cache holds qkv's dtype and the scale would not be read); pass {name}=None, "
                                  f"or kv_cache_quant_mode INT8_KV_CACHE / FP8_KV_CACHE")
-    if a["use_fp8_context_fmha"] and not quant & 128:
-        raise ValueError("use_fp8_context_fmha: needs an FP8 KV cache (kv_cache_quant_mode = FP8_KV_CACHE), "
-                         f"got kv_cache_quant_mode {quant}")
+            out[name] = None
     if a["qkv_bias"] is not None:
         _float_tensor("qkv_bias", a["qkv_bias"], qkv)
         check_shape("qkv_bias", a["qkv_bias"], (hidden,), "((num_heads + 2 num_kv_heads) hidden_size_per_head,)")
-    return tpb, quant
 
 
 def _check_rope(a, out, pos_type, scale_type, Dh):
@@ -475,20 +571,19 @@ PAGED_ONLY = ("kv_cache_pool", "kv_cache_block_offsets", "host_kv_cache_block_of
 
 def _check_cache_settings(a):
     """The cache arguments a call reads depend on paged_kv_cache; one it would not read is refused naming both
-    (a pool given with paged_kv_cache left False would run on past_key_value and leave the pool as it was)."""
+    (a pool given with paged_kv_cache left False would run on past_key_value and leave the pool as it was). The
+    step's block tables here; the layer's cache (kv_cache_pool, past_key_value) in validate_layer."""
     if not a["paged_kv_cache"]:
         for name in PAGED_ONLY:
-            if a[name] is not None:
+            if a.get(name) is not None:
                 raise ValueError(f"{name}: read only with paged_kv_cache=True, but paged_kv_cache is False (the "
                                  f"cache is then past_key_value); set paged_kv_cache=True, or pass {name}=None")
-    elif a["past_key_value"] is not None:
-        raise ValueError("past_key_value: not read with paged_kv_cache=True (the cache is kv_cache_pool); pass "
-                         "past_key_value=None, or paged_kv_cache=False to run on it")
 
 
 def _check_unbuilt_and_pool(a):
     """The keywords of TensorRT-LLM's signature that ask for what is not built are refused by name; the pool is
-    the array kv_cache_pool, one pool whose layer l is layer l (host_kv_cache_pool_mapping may say so)."""
+    the array kv_cache_pool, one pool whose layer l is layer l (host_kv_cache_pool_mapping may say so). Returns
+    the mapping's number of layers (None without one): a layer past it is refused per layer."""
     for name, (default, feature) in NOT_BUILT.items():
         value = a[name]
         unchanged = value is None if default is None else (
@@ -509,10 +604,11 @@ def _check_unbuilt_and_pool(a):
         layers = host.shape[0] if host.ndim == 2 else 0
         check_shape("host_kv_cache_pool_mapping", host, (None, 2), "(num_layers, 2): (pool, layer in the pool)")
         one_pool = np.stack([np.zeros(layers, np.int64), np.arange(layers)], axis=1)
-        if layers <= a["layer_idx"] or (host != one_pool).any():
+        if (host != one_pool).any():
             raise ValueError(f"host_kv_cache_pool_mapping: one pool is supported (kv_cache_pool), every layer l "
-                             f"mapped to (pool 0, layer l) for layers 0..>= layer_idx ({a['layer_idx']}), "
-                             f"got {host.tolist()}")
+                             f"mapped to (pool 0, layer l), got {host.tolist()}")
+        return layers
+    return None
 
 
 def _float32_tensor(name, x, ndim_meaning):
@@ -588,7 +684,7 @@ def _check_logn(a, lengths):
                          f"the longest sequence_length, got {tuple(logn.shape)}")
 
 
-def _check_floats(a):
+def _check_floats(a, tables=FLOAT_TABLES):
     """Every float attribute finite and in its range, every float table given finite (logn_scaling's factors
     also > 0): a NaN or an infinity there would reach each output it touches without an error. The tables' dtypes
     and shapes are checked before this."""
@@ -598,7 +694,7 @@ def _check_floats(a):
             raise TypeError(f"{name}: expected a float, got {type(value).__name__} {value!r}")
         if not (np.isfinite(value) and (value >= low if inclusive else value > low)):
             raise ValueError(f"{name}: expected a finite float {'>=' if inclusive else '>'} {low:g}, got {value!r}")
-    for name, rule in FLOAT_TABLES:
+    for name, rule in tables:
         if a[name] is not None:
             bad = _first_bad_entry(a[name], rule)
             if bad is not None:
@@ -686,11 +782,12 @@ def _check_pages_not_raced(offsets, per_entry, is_context, *, layer, tpb, window
         table = offsets[0, :E, kv, :used] + 2 * layer                           # (E, used blocks), validated ids
         w_block, w_row = table[w_entry, w_slot // tpb], w_slot % tpb
         # Each written block's lowest and highest writer; entry f looks closer only at blocks another one writes.
-        low, high = np.full(int(table.max()) + 1, E), np.full(int(table.max()) + 1, -1)
-        np.minimum.at(low, w_block, w_entry)
-        np.maximum.at(high, w_block, w_entry)
+        base = int(table.min())                                                 # the step's offsets, any layer
+        low, high = np.full(int(table.max()) - base + 1, E), np.full(int(table.max()) - base + 1, -1)
+        np.minimum.at(low, w_block - base, w_entry)
+        np.maximum.at(high, w_block - base, w_entry)
         rows = np.arange(E)[:, None]
-        foreign = (high[table] >= 0) & ((low[table] != rows) | (high[table] != rows))   # (E, used blocks)
+        foreign = (high[table - base] >= 0) & ((low[table - base] != rows) | (high[table - base] != rows))
         for f in np.flatnonzero(foreign.any(axis=1)):
             for write in (True, False):
                 _, pos = positions(write, [f])
@@ -707,8 +804,8 @@ def _check_pages_not_raced(offsets, per_entry, is_context, *, layer, tpb, window
                             "prefix nobody writes into this call) is legal")
 
 
-def _check_position_biases(a, pos_type, H, qkv, lengths):
-    """ALiBi slopes and the relative attention bias, each given exactly with its position type."""
+def _check_alibi(a, pos_type, H):
+    """ALiBi slopes, given exactly with their position types."""
     slopes = a["alibi_slopes"]
     if (slopes is not None) != (pos_type in ALIBI_TYPES):
         raise ValueError(f"alibi_slopes: given exactly when position_embedding_type is alibi or alibi_with_scale; "
@@ -717,36 +814,49 @@ def _check_position_biases(a, pos_type, H, qkv, lengths):
     if slopes is not None:
         _float_tensor("alibi_slopes", slopes)
         check_shape("alibi_slopes", slopes, (H,), "(num_heads,)")
+
+
+def _check_relative_bias(a, pos_type, H, qkv, lengths, max_distance):
+    """A layer's relative attention bias, given exactly with position type relative: a regular (H, L, L) table or
+    T5's buckets, entries finite or -inf."""
     rab = a["relative_attention_bias"]
     if (rab is not None) != (pos_type == PositionEmbeddingType.relative):
         raise ValueError("relative_attention_bias: given exactly when position_embedding_type is relative")
-    max_distance = check_int("max_distance", a["max_distance"], low=0)
-    if rab is not None:
-        _float_tensor("relative_attention_bias", rab, qkv)
-        if max_distance > 0:
-            check_shape("relative_attention_bias", rab, (H, None), "(num_heads, num_buckets) with max_distance > 0")
-            buckets = rab.shape[1]
-            if buckets < 2 or max_distance <= buckets // 2:
-                raise ValueError(f"relative_attention_bias: expected num_buckets >= 2 and max_distance "
-                                 f"> num_buckets / 2 ({max_distance}), got num_buckets {buckets}")
-        else:
-            longest = int(lengths.max())
-            check_shape("relative_attention_bias", rab, (H, None, None), "(num_heads, L, L)")
-            if rab.shape[1] < longest or rab.shape[2] < longest:
-                raise ValueError(f"relative_attention_bias: expected (num_heads, L, L) with L >= {longest} "
-                                 f"(the longest sequence_length), got {tuple(rab.shape)}")
+    if rab is None:
+        return
+    _float_tensor("relative_attention_bias", rab, qkv)
+    if max_distance > 0:
+        check_shape("relative_attention_bias", rab, (H, None), "(num_heads, num_buckets) with max_distance > 0")
+        buckets = rab.shape[1]
+        if buckets < 2 or max_distance <= buckets // 2:
+            raise ValueError(f"relative_attention_bias: expected num_buckets >= 2 and max_distance "
+                             f"> num_buckets / 2 ({max_distance}), got num_buckets {buckets}")
+    else:
+        longest = int(lengths.max())
+        check_shape("relative_attention_bias", rab, (H, None, None), "(num_heads, L, L)")
+        if rab.shape[1] < longest or rab.shape[2] < longest:
+            raise ValueError(f"relative_attention_bias: expected (num_heads, L, L) with L >= {longest} "
+                             f"(the longest sequence_length), got {tuple(rab.shape)}")
+    bad = _first_bad_entry(rab, "bias")
+    if bad is not None:
+        raise ValueError(f"relative_attention_bias: expected {_ENTRY_RULE['bias']}, got {bad[1]!r} at flat index "
+                         f"{bad[0]}")
 
 
-def _check_mask(a, mask_type, qkv, packed, E, lengths):
-    """attention_mask: bool, one row per query token, given exactly with custom_mask."""
+def _check_mask(a, mask_type, packed, E, new, lengths):
+    """attention_mask: bool, one row per query token, given exactly with custom_mask (a padded qkv's max_seqlen
+    is checked against its rows per layer)."""
     mask = a["attention_mask"]
     if (mask is not None) != (mask_type == AttentionMaskType.custom_mask):
         raise ValueError("attention_mask: given exactly when mask_type is custom_mask")
     if mask is not None:
         if dtype_of(mask) != np.bool_:
             raise TypeError(f"attention_mask: expected a bool tensor (True = attend), got {dtype_of(mask).name}")
-        rows = (qkv.shape[0],) if packed else (E, qkv.shape[1])
+        rows = (int(new.sum()),) if packed else (E, None)
         check_shape("attention_mask", mask, rows + (None,), "(num_tokens or (batch_beam, max_seqlen), max_kv_len)")
+        if not packed and mask.shape[1] < new.max():
+            raise ValueError(f"attention_mask: expected ({E}, >= {int(new.max())}, max_kv_len), one row per query "
+                             f"token, got {tuple(mask.shape)}")
         if mask.shape[-1] < lengths.max():
             raise ValueError(f"attention_mask: expected a last dim >= the longest sequence_length "
                              f"({int(lengths.max())}), got {mask.shape[-1]}")
@@ -758,15 +868,26 @@ def _cache_dtype_ok(name, x, qkv, quant):
         raise TypeError(f"{name}: expected dtype {want.name} for kv_cache_quant_mode {quant}, got {dtype_of(x).name}")
 
 
-def _host_lengths_and_cache(a, per_entry, E, slots, cache_dims, paged):
-    """The per-entry host copies (per_entry, from _check_requests) and the block table's; the cache tensors are
-    checked against the slots the call reads or writes."""
-    host = dict(per_entry)
-    if cache_dims is None:
-        return host
-    Hkv, Dh, quant = cache_dims
-    qkv = a["qkv"]
-    if not paged:
+def _block_offsets(a, E):
+    """The paged block table's host copy, its shape and its host twin; the blocks per window are checked by
+    validate_step, their range against the pool per layer."""
+    offsets = arrays.index_array("kv_cache_block_offsets", a["kv_cache_block_offsets"])
+    check_shape("kv_cache_block_offsets", offsets, (1, None, 2, None), "(num_pools = 1, batch_beam, 2, max_blocks)")
+    if offsets.shape[1] < E:
+        raise ValueError(f"kv_cache_block_offsets: expected >= {E} rows, got {offsets.shape}")
+    if a.get("host_kv_cache_block_offsets") is not None:
+        host_offsets = arrays.index_array("host_kv_cache_block_offsets", a["host_kv_cache_block_offsets"])
+        if host_offsets.shape != offsets.shape or (host_offsets != offsets).any():
+            raise ValueError("host_kv_cache_block_offsets: expected the values of kv_cache_block_offsets")
+    return offsets
+
+
+def _check_cache(s, f, a, layer_idx, window):
+    """A layer's cache against the step: its dtype and shape, the slots its window uses (window: validate_step's
+    facts of it), and with a pool the blocks the step's table names for this layer."""
+    qkv, Hkv, Dh, quant, E = a["qkv"], f["Hkv"], f["Dh"], f["quant"], f["E"]
+    slots = window["slots"]
+    if not s["paged_kv_cache"]:
         pkv = a["past_key_value"]
         if pkv is None:
             raise ValueError("past_key_value: required for the contiguous cache (paged_kv_cache=False), got None")
@@ -777,35 +898,22 @@ def _host_lengths_and_cache(a, per_entry, E, slots, cache_dims, paged):
         if pkv.shape[0] < E or pkv.shape[3] < slots:
             raise ValueError(f"past_key_value: expected >= {E} rows (one per entry) and max_seqlen >= {slots} "
                              f"(the slots this call uses), got {tuple(pkv.shape)}")
-        return host
+        return
     pool = a["kv_cache_pool"]
     if pool is None:
         raise ValueError("kv_cache_pool: required with paged_kv_cache=True, got None")
     _cache_dtype_ok("kv_cache_pool", pool, qkv, quant)
-    tpb = int(a["tokens_per_block"])
+    tpb = int(s["tokens_per_block"])
     # spec: trtllm/paged-blocks, trtllm/cache-per-layer
     check_shape("kv_cache_pool", pool, (None, None, 2, Hkv, tpb, Dh),
                 "(num_blocks, num_layers, 2, num_kv_heads, tokens_per_block, hidden_size_per_head)")
-    if a["layer_idx"] >= pool.shape[1]:
-        raise ValueError(f"layer_idx: expected < num_layers = {pool.shape[1]} (kv_cache_pool), got {a['layer_idx']}")
-    offsets = arrays.index_array("kv_cache_block_offsets", a["kv_cache_block_offsets"])
-    blocks_needed = -(-slots // tpb)
-    check_shape("kv_cache_block_offsets", offsets, (1, None, 2, None), "(num_pools = 1, batch_beam, 2, max_blocks)")
-    if offsets.shape[1] < E or offsets.shape[3] < blocks_needed:
-        raise ValueError(f"kv_cache_block_offsets: expected >= {E} rows and >= {blocks_needed} blocks per sequence, "
-                         f"got {offsets.shape}")
-    if a.get("host_kv_cache_block_offsets") is not None:
-        host_offsets = arrays.index_array("host_kv_cache_block_offsets", a["host_kv_cache_block_offsets"])
-        if host_offsets.shape != offsets.shape or (host_offsets != offsets).any():
-            raise ValueError("host_kv_cache_block_offsets: expected the values of kv_cache_block_offsets")
-    used = offsets[0, :E, :, :blocks_needed] + 2 * int(a["layer_idx"])
+    if layer_idx >= pool.shape[1]:
+        raise ValueError(f"layer_idx: expected < num_layers = {pool.shape[1]} (kv_cache_pool), got {layer_idx}")
     total = pool.shape[0] * pool.shape[1] * 2
-    if (used < 0).any() or (used >= total).any():
-        bad = used[(used < 0) | (used >= total)][0]
-        raise ValueError(f"kv_cache_block_offsets: block {int(bad)} (offset + 2 * layer_idx) is outside the pool's "
-                         f"{total} blocks")
-    host["kv_cache_block_offsets"] = offsets
-    return host
+    for bound in (window["lowest"], window["highest"]):
+        if not 0 <= bound + 2 * layer_idx < total:
+            raise ValueError(f"kv_cache_block_offsets: block {bound + 2 * layer_idx} (offset + 2 * layer_idx) is "
+                             f"outside the pool's {total} blocks")
 
 
 def _encoder_lengths(a, E):
@@ -817,11 +925,10 @@ def _encoder_lengths(a, E):
     return enc
 
 
-def _cross(a, out, qkv, is_context, E, Hkv, Dh, pos_type, lengths, enc):
+def _cross_step(a, out, facts, is_context, E, pos_type, enc):
+    """Cross attention's step: the encoder lengths (cross_kv, a layer's, in _cross_layer). Returns facts."""
     if not a["do_cross_attention"]:
-        if a["cross_kv"] is not None:
-            raise ValueError("cross_kv: only with do_cross_attention=True")
-        return out
+        return facts
     enc = _encoder_lengths(a, E) if enc is None else enc
     if pos_type != PositionEmbeddingType.learned_absolute:
         raise ValueError(f"position_embedding_type: cross attention takes no position embedding here, got "
@@ -829,13 +936,24 @@ def _cross(a, out, qkv, is_context, E, Hkv, Dh, pos_type, lengths, enc):
     if a["cross_kv_length"] is not None and int(a["cross_kv_length"]) < enc.max():
         raise ValueError(f"cross_kv_length: expected >= max(encoder_input_lengths) = {int(enc.max())}, "
                          f"got {a['cross_kv_length']}")
+    out["encoder_input_lengths"] = enc
+    return facts
+
+
+def _cross_layer(s, f, a, qkv):
+    """A layer's cross_kv: the context requests' encoder K/V, qkv's dtype."""
+    if not s["do_cross_attention"]:
+        if a["cross_kv"] is not None:
+            raise ValueError("cross_kv: only with do_cross_attention=True")
+        return
+    enc, is_context, Hkv, Dh, E = s["encoder_input_lengths"], f["is_context"], f["Hkv"], f["Dh"], f["E"]
     encoder_tokens = int(enc[is_context].sum())
     if is_context.any():
         if a["cross_kv"] is None:
             raise ValueError("cross_kv: required when a context request does cross attention, got None")
         cross_kv = a["cross_kv"]
         _float_tensor("cross_kv", cross_kv, qkv)
-        if a["remove_input_padding"]:
+        if s["remove_input_padding"]:
             if cross_kv.ndim == 3 and cross_kv.shape[0] == 1:
                 cross_kv = cross_kv.reshape(cross_kv.shape[1:])               # TensorRT-LLM's [1, num_tokens, .]
             check_shape("cross_kv", cross_kv, (encoder_tokens, 2 * Hkv * Dh),
@@ -846,8 +964,6 @@ def _cross(a, out, qkv, is_context, E, Hkv, Dh, pos_type, lengths, enc):
             if cross_kv.shape[1] < enc.max():
                 raise ValueError(f"cross_kv: expected a padded length >= max(encoder_input_lengths) = "
                                  f"{int(enc.max())}, got {cross_kv.shape[1]}")
-    out["encoder_input_lengths"] = enc
-    return out
 
 
 @arrays.accepts_torch
@@ -1177,25 +1293,127 @@ def gpt_attention(
     >>> out.shape
     (1, 8)
     """
-    # The document's arguments only: validate() and the reference take every one of them, and nothing else.
-    args = {k: v for k, v in locals().items() if k not in ("backend", "threads", "rung", "num_splits")}
-    data = dict(qkv=qkv, past_key_value=past_key_value, kv_cache_pool=kv_cache_pool, attention_mask=attention_mask,
-                cross_kv=cross_kv, qkv_bias=qkv_bias, alibi_slopes=alibi_slopes,
-                relative_attention_bias=relative_attention_bias, rotary_cos_sin=rotary_cos_sin,
-                long_rope_rotary_cos_sin=long_rope_rotary_cos_sin, logn_scaling=logn_scaling,
-                attention_packed_mask=attention_packed_mask)
-    engine = arrays.resolve_backend(backend, data)
-    checked = validate(args)
-    check_int("threads", threads, low=32, high=1024)
-    if threads % 32:
-        raise ValueError(f"threads: expected a multiple of 32 (whole warps), got {threads}")
-    check_launch(rung, None, num_splits, rungs=(1, 3, 4), split_rungs=(1, 4),
-                 float64="qkv" if dtype_of(qkv) == np.float64 else None)
-    if engine != "reference":
-        return arrays.kernels().gpt_attention(**{**checked, **{k: arrays.as_kernel_array(x) for k, x in data.items()}},
-                                              threads=int(threads), rung=rung, num_splits=num_splits)
+    # Exactly a plan of this step, run for this layer: both paths share every line.
+    step = {k: v for k, v in locals().items() if k not in LAYER_INPUTS and k != "backend"}
+    return GptAttentionPlan(step).run(qkv=qkv, past_key_value=past_key_value, kv_cache_pool=kv_cache_pool,
+                                      layer_idx=layer_idx, qkv_bias=qkv_bias, kv_orig_quant_scale=kv_orig_quant_scale,
+                                      kv_quant_orig_scale=kv_quant_orig_scale, cross_kv=cross_kv,
+                                      relative_attention_bias=relative_attention_bias, backend=backend)
 
-    def call(host):
-        return reference.gpt_attention(**{**checked, **host})
-    return arrays.run_reference(data, ("past_key_value", "kv_cache_pool"), call)
+
+class GptAttentionPlan:
+    """One batch step of `gpt_attention`, checked once, run once per layer (`plan_gpt_attention` builds it).
+
+    The step is what TensorRT-LLM's plugin holds as attributes and the step's index tensors (sequence_length,
+    host_past_key_value_lengths, context_lengths, host_request_types, cache_indirection, kv_cache_block_offsets,
+    windows, sinks, heads, head size, tokens_per_block, quant mode, position embedding, masks, ...); a layer brings
+    its own qkv, cache, layer_idx, KV scales, qkv_bias, cross_kv and relative_attention_bias. Building the plan
+    validates the step and reads its device index tensors back once; `run` checks only the layer's inputs, and on
+    the kernels reuses the step's uploaded tables, scratch and launch geometry (prepared at the first layer of each
+    qkv shape, dtype, array kind and window), reading nothing back from the device. The layers of one plan run one
+    after another on the caller's stream: they share its scratch."""
+
+    def __init__(self, step: dict):
+        launch = {name: step.pop(name) for name in ("threads", "rung", "num_splits")}
+        self._data = {name: step[name] for name in STEP_DATA}
+        self._step = validate_step(step)
+        threads = check_int("threads", launch["threads"], low=32, high=1024)
+        if threads % 32:
+            raise ValueError(f"threads: expected a multiple of 32 (whole warps), got {threads}")
+        check_launch(launch["rung"], None, launch["num_splits"], rungs=(1, 3, 4), split_rungs=(1, 4))
+        self._launch = dict(launch, threads=threads)
+        self._prepared = {}                 # (array kind, dtype, qkv shape, window) -> the kernels' StepLaunch
+
+    @arrays.accepts_torch
+    def run(self, *, qkv, layer_idx: int, past_key_value=None, kv_cache_pool=None, qkv_bias=None,
+            kv_orig_quant_scale=None, kv_quant_orig_scale=None, cross_kv=None, relative_attention_bias=None,
+            backend: str = "auto") -> tuple:
+        """One layer of the planned step: `gpt_attention(**step, **layer)`, the same output bit for bit.
+
+        Parameters are gpt_attention's per-layer ones (see its docstring): qkv, layer_idx, the layer's cache
+        (past_key_value, or kv_cache_pool with paged_kv_cache), kv_orig_quant_scale / kv_quant_orig_scale (INT8 /
+        FP8 cache), qkv_bias, cross_kv (do_cross_attention) and relative_attention_bias (position type relative),
+        and backend. Returns (output, present_key_value) as gpt_attention. Raises ValueError / TypeError naming the
+        layer's argument at fault (a qkv whose tokens do not match the step's, a cache too small for this layer's
+        window, a layer outside the pool), before any kernel runs."""
+        layer = dict(qkv=qkv, past_key_value=past_key_value, kv_cache_pool=kv_cache_pool, layer_idx=layer_idx,
+                     qkv_bias=qkv_bias, kv_orig_quant_scale=kv_orig_quant_scale,
+                     kv_quant_orig_scale=kv_quant_orig_scale, cross_kv=cross_kv,
+                     relative_attention_bias=relative_attention_bias)
+        data = {**self._data, **{name: layer[name] for name in LAYER_DATA}}
+        engine = arrays.resolve_backend(backend, data)
+        checked = validate_layer(self._step, layer)
+        if dtype_of(qkv) == np.float64:
+            check_launch(self._launch["rung"], None, self._launch["num_splits"], rungs=(1, 3, 4), split_rungs=(1, 4),
+                         float64="qkv")
+        if engine != "reference":
+            return self._run_kernels({**checked, **{k: arrays.as_kernel_array(x) for k, x in data.items()}})
+
+        def call(host):
+            return reference.gpt_attention(**{**checked, **host})
+        return arrays.run_reference(data, ("past_key_value", "kv_cache_pool"), call)
+
+    def _run_kernels(self, call: dict) -> tuple:
+        kernels = arrays.kernels()
+        qkv = call["qkv"]
+        if dtype_of(qkv).name == "bfloat16":            # the simulator's float32 route: the one-call launcher's own
+            return kernels.gpt_attention(**call, **self._launch)
+        window = int(call["host_max_attention_window_sizes"][0])
+        key = (type(qkv), dtype_of(qkv), tuple(qkv.shape), window)
+        launches = kernels.trtllm_gpt_attention
+        step = self._prepared.get(key)
+        if step is None:
+            step = self._prepared[key] = launches.prepare_step(
+                like=qkv, window=window, num_sms=None, rounds_as=None, **self._launch,
+                **{k: v for k, v in call.items() if k not in LAYER_INPUTS})
+        return launches.run_layer(step, **{name: call[name] for name in LAYER_INPUTS})
+
+
+@arrays.accepts_torch
+def plan_gpt_attention(**step) -> GptAttentionPlan:
+    """Plan one batch step of `gpt_attention` (as FlashInfer's `plan`): validate the step once, then
+    `plan.run(qkv=..., layer_idx=..., kv_cache_pool=...)` per layer.
+
+    Takes gpt_attention's keyword arguments, with its names and defaults, except the per-layer ones (qkv,
+    past_key_value, kv_cache_pool, layer_idx, qkv_bias, kv_orig_quant_scale, kv_quant_orig_scale, cross_kv,
+    relative_attention_bias) and backend, which `GptAttentionPlan.run` takes: the step's index tensors
+    (sequence_length, host_past_key_value_lengths, context_lengths, host_request_types, cache_indirection,
+    kv_cache_block_offsets, ...), the model's attributes and plugin settings, threads, rung and num_splits.
+
+    Every error gpt_attention raises about these is raised here, naming the same argument, except what depends on
+    a layer's window or pool (the slots a cache must hold, the blocks and shared pages of the block table): `run`
+    checks that at the first layer with each window, from the host copies kept here (no device read).
+    `gpt_attention(**step, **layer)` is `plan_gpt_attention(**step).run(**layer)`.
+
+    Examples
+    --------
+    >>> import numpy as np, cacheattn
+    >>> H, Dh, layers = 2, 4, 2
+    >>> caches = [np.zeros((1, 2, H, 8, Dh), np.float32) for _ in range(layers)]
+    >>> plan = cacheattn.plan_gpt_attention(sequence_length=np.array([3]), host_past_key_value_lengths=np.array([0]),
+    ...     context_lengths=np.array([3]), host_request_types=np.array([0]),
+    ...     host_max_attention_window_sizes=np.array([8], np.int32), host_sink_token_length=np.array([0], np.int32),
+    ...     cache_indirection=np.zeros((1, 1, 8), np.int32), num_heads=H, num_kv_heads=H, hidden_size_per_head=Dh,
+    ...     q_scaling=1.0)
+    >>> rng = np.random.default_rng(0)
+    >>> outs = [plan.run(qkv=rng.standard_normal((3, 3 * H * Dh)).astype(np.float32), layer_idx=l,
+    ...                  past_key_value=caches[l])[0] for l in range(layers)]
+    >>> [o.shape for o in outs]
+    [(3, 8), (3, 8)]
+    """
+    bound = _PLAN_PARAMETERS.bind(**step)
+    bound.apply_defaults()
+    return GptAttentionPlan(dict(bound.arguments))
+
+
+def _plan_signature():
+    """gpt_attention's signature without its per-layer arguments and backend: plan_gpt_attention's."""
+    import inspect
+    kept = [p for name, p in inspect.signature(gpt_attention).parameters.items()
+            if name not in LAYER_INPUTS and name != "backend"]
+    return inspect.Signature(kept, return_annotation="GptAttentionPlan")
+
+
+_PLAN_PARAMETERS = _plan_signature()
+plan_gpt_attention.__signature__ = _PLAN_PARAMETERS
 

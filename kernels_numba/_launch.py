@@ -99,6 +99,10 @@ def empty_like_kind(like, shape, dtype):
     """An uninitialised array of `like`'s kind: NumPy for NumPy (simulator), else CuPy or a numba device array."""
     if _guards is not None:
         out = _guarded_output(like, shape, dtype)
+    elif _recorder is not None and _poison is None and is_host(like):
+        # zeros (below) without touching the pages: a recorded decode's outputs can be tens of MB, and filling
+        # them would be most of what a host-time measurement of the call sees
+        return np.zeros(shape, dtype)
     elif is_host(like):
         out = np.empty(shape, dtype)
     else:

@@ -12,8 +12,8 @@ What ONNX adds to the core is one score function and its key range:
 rungs 3 and 4 read past_key / past_value and K / V where they are (a key walker: keys 0 .. past - 1 from the
 past, then the call's own) and, where one block reads each key once (a decode's GQA group per block, every key
 visible), write each row into present as they load it, so present costs no second read of the past. Otherwise
-one copy kernel writes present, and rung 1 reads it. Without past, attention reads K and V where they are. qk_matmul_output needs the whole score matrix, so it has
-its own kernel, run only when asked.
+one copy kernel writes present, and rung 1 reads it. Without past, attention reads K and V where they are.
+qk_matmul_output needs the whole score matrix, so it has its own kernel, run only when asked.
 
 Rungs 3 and 4 (`_attention_vector`): lane groups per key with 16-byte vector loads where every row of both
 sources is aligned (else one load per element), the same score and key range as rung 1; rung 4 splits each

@@ -576,15 +576,14 @@ def rope_inv_freq(rotary_inv_freq, rotary_dim, base, scale_type, scale, max_posi
     dynamic NTK scaling raising the base past max_positions for an entry of that length (after this step)."""
     if rotary_inv_freq is not None:
         freq = np.asarray(rotary_inv_freq).astype(acc_t)
-        return np.ascontiguousarray(np.broadcast_to(freq, (len(lengths), freq.shape[0])))
+        return np.repeat(freq[None, :], len(lengths), axis=0)     # a writable row per entry (rope_plan edits rows)
     exponents = np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim
-    rows = []
-    for length in lengths:
-        entry_base = float(base)
-        if scale_type == SCALING_DYNAMIC and length > max_positions:
-            entry_base *= ((scale * length / max_positions) - (scale - 1)) ** (rotary_dim / (rotary_dim - 2))
-        rows.append((1.0 / np.float64(entry_base) ** exponents).astype(acc_t))
-    return np.stack(rows)
+    entry_base = np.full(len(lengths), float(base))
+    longer = np.asarray(lengths) > max_positions
+    if scale_type == SCALING_DYNAMIC and longer.any():
+        long_lengths = np.asarray(lengths, np.float64)[longer]
+        entry_base[longer] *= ((scale * long_lengths / max_positions) - (scale - 1)) ** (rotary_dim / (rotary_dim - 2))
+    return (1.0 / entry_base[:, None] ** exponents[None, :]).astype(acc_t)
 
 
 RopePlan = namedtuple("RopePlan", "inv_freq position_divisor cos_sin cos_sin_long table_at")
@@ -638,12 +637,28 @@ def entry_table(num_context, beam_width, past, new, context_lengths, token_start
     return table
 
 
-def _kv_sources(*, cache_array, paged, block_offsets, indirection, table, k_scratch, v_scratch, layer_idx,
-                tokens_per_block, window, sinks, scale, num_kv_heads, head_size, like, rope, rotate_keys):
-    """KVSource for K and for V over the contiguous cache (rows, 2, Hkv, slots, Dh) or the paged pool
-    (blocks, layers, 2, Hkv, tokens_per_block, Dh); e4m3 caches are read and written as their bytes."""
+def _kv_templates(*, block_offsets, indirection, table, k_scratch, v_scratch, tokens_per_block, window, sinks, like,
+                  rope, rotate_keys):
+    """KVSource for K and for V with the step's fields (tables uploaded once); _kv_sources fills in a layer's cache."""
+    i64 = np.int64
+    offsets = block_offsets[0] if block_offsets is not None else np.zeros((1, 2, 1), np.int32)
+    if indirection is None:
+        indirection = np.zeros((1, 1, 1), np.int32)
+    common = dict(cache=None, table=table, offsets=to_kind(like, offsets), indirection=to_kind(like, indirection),
+                  paged=i64(0), tokens_per_block=i64(tokens_per_block), layer_blocks=i64(0), s_row=i64(0),
+                  s_kv=i64(0), s_head=i64(0), s_block=i64(0), window=i64(window), sinks=i64(sinks), bubble=i64(0),
+                  scale=np.float32(1.0), inv_freq=rope.inv_freq, position_divisor=rope.position_divisor)
+    return (KVSource(scratch=k_scratch, kv=i64(0), rotate=i64(rotate_keys), **common),
+            KVSource(scratch=v_scratch, kv=i64(1), rotate=i64(0), **common))
+
+
+def _kv_sources(templates, *, cache_array, paged, layer_idx, tokens_per_block, sinks, scale, num_kv_heads,
+                head_size):
+    """KVSource for K and for V (templates: _kv_templates) over one layer's contiguous cache (rows, 2, Hkv, slots,
+    Dh) or the paged pool (blocks, layers, 2, Hkv, tokens_per_block, Dh); e4m3 caches are read and written as
+    their bytes."""
     if cache_array is None:                             # use_cache=False: every key is a new token
-        cache_array, paged = k_scratch, False
+        cache_array, paged = templates[0].scratch, False
     elif np.dtype(cache_array.dtype).itemsize == 1 and np.dtype(cache_array.dtype).kind not in "iu":
         cache_array = cache_array.view(np.uint8)        # float8_e4m3fn: numba has no fp8 type
     i64 = np.int64
@@ -656,16 +671,9 @@ def _kv_sources(*, cache_array, paged, block_offsets, indirection, table, k_scra
         s_head, s_block = slots * head_size, 0
         s_kv = num_kv_heads * s_head
         s_row, bubble = 2 * s_kv, 0
-    offsets = block_offsets[0] if block_offsets is not None else np.zeros((1, 2, 1), np.int32)
-    if indirection is None:
-        indirection = np.zeros((1, 1, 1), np.int32)
-    common = dict(cache=flat(cache_array), table=table, offsets=to_kind(like, offsets),
-                  indirection=to_kind(like, indirection), paged=i64(paged), tokens_per_block=i64(tokens_per_block),
-                  layer_blocks=i64(2 * layer_idx), s_row=i64(s_row), s_kv=i64(s_kv), s_head=i64(s_head),
-                  s_block=i64(s_block), window=i64(window), sinks=i64(sinks), bubble=i64(bubble),
-                  scale=np.float32(scale), inv_freq=rope.inv_freq, position_divisor=rope.position_divisor)
-    return (KVSource(scratch=k_scratch, kv=i64(0), rotate=i64(rotate_keys), **common),
-            KVSource(scratch=v_scratch, kv=i64(1), rotate=i64(0), **common))
+    layer = dict(cache=flat(cache_array), paged=i64(paged), layer_blocks=i64(2 * layer_idx), s_row=i64(s_row),
+                 s_kv=i64(s_kv), s_head=i64(s_head), s_block=i64(s_block), bubble=i64(bubble), scale=np.float32(scale))
+    return templates[0]._replace(**layer), templates[1]._replace(**layer)
 
 
 def _unfused_context(q_scratch, token_starts, new, kvlens, num_context, k_src, v_src, args, sm_scale, output,
@@ -703,10 +711,17 @@ def _mask_and_bias(attention_mask, attention_packed_mask, relative_attention_bia
         fields.update(packed=flat(attention_packed_mask), packed_words=np.int64(attention_packed_mask.shape[-1]))
     if attention_mask is not None:
         fields.update(mask=flat(attention_mask), mask_cols=np.int64(attention_mask.shape[-1]))
-    if position_embedding_type == RELATIVE and relative_attention_bias is not None:
-        fields.update(bias=flat(relative_attention_bias), relative=np.int64(2 if max_distance > 0 else 1),
-                      bias_len=np.int64(relative_attention_bias.shape[1]))
+    if relative_attention_bias is not None:
+        fields.update(_relative_bias(relative_attention_bias, position_embedding_type, max_distance))
     return fields
+
+
+def _relative_bias(relative_attention_bias, position_embedding_type, max_distance):
+    """ScoreArgs fields of the relative attention bias (a layer's own table): none unless position type relative."""
+    if position_embedding_type != RELATIVE:
+        return {}
+    return dict(bias=flat(relative_attention_bias), relative=np.int64(2 if max_distance > 0 else 1),
+                bias_len=np.int64(relative_attention_bias.shape[1]))
 
 
 def _cross_keys(qkv, cross_kv, encoder_input_lengths, num_context, table, k_src, v_src, rounds_as, Hkv, Dh, quant,
@@ -743,6 +758,12 @@ def _cross_keys(qkv, cross_kv, encoder_input_lengths, num_context, table, k_src,
     return table, lengths, k_src._replace(table=table), v_src._replace(table=table)
 
 
+# The inputs TensorRT-LLM hands each layer's plugin; everything else of a call is the batch step's (the index
+# tensors) or the model's (attributes), the same for every layer of one step.
+LAYER_INPUTS = ("qkv", "past_key_value", "kv_cache_pool", "layer_idx", "qkv_bias", "kv_orig_quant_scale",
+                "kv_quant_orig_scale", "cross_kv", "relative_attention_bias")
+
+
 def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_past_key_value_lengths,
                   host_max_attention_window_sizes, host_sink_token_length, context_lengths, cache_indirection,
                   host_request_types, layer_idx, num_heads, num_kv_heads, hidden_size_per_head, q_scaling,
@@ -773,12 +794,42 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     the vector kernel (`trtllm_generation`), never split; 4: the vector kernel split over num_splits blocks
     (`choose_splits` when None; 1 is rung 3's kernel); None: rung 3, or 4 when multi_block_mode splits. Rungs 3 and
     4 accumulate in float32: a float64 call runs on rung 1 (validation refuses it when forced). Context entries
-    always run on rung 1; num_splits is then the generation kernel's count."""
+    always run on rung 1; num_splits is then the generation kernel's count.
+
+    It is exactly `run_layer(prepare_step(...), ...)`: a plan (cacheattn.GptAttentionPlan) keeps the step and
+    calls run_layer once per layer."""
     if np.dtype(qkv.dtype).name == "bfloat16":
         return _bfloat16_via_float32(locals())
-    stream = caller_stream(qkv, past_key_value, kv_cache_pool)
+    call = locals()
+    layer = {name: call[name] for name in LAYER_INPUTS}
+    step = {name: value for name, value in call.items() if name not in LAYER_INPUTS}
+    window = int(host_max_attention_window_sizes[layer_idx % len(host_max_attention_window_sizes)])  # list repeats
+    return run_layer(prepare_step(like=qkv, window=window, **step), **layer)
+
+
+class StepLaunch:
+    """What a batch step's launches share over its layers: the entry table and the RoPE plan uploaded once, the
+    scratch buffers, the kernels and the grids (prepare_step builds it; run_layer reads its attributes)."""
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+
+def prepare_step(*, like, window, sequence_length, host_past_key_value_lengths, context_lengths, cache_indirection,
+                 host_request_types, num_heads, num_kv_heads, hidden_size_per_head, q_scaling, attention_mask,
+                 attn_logit_softcapping_scale, rotary_embedding_dim, rotary_embedding_base,
+                 rotary_embedding_scale_type, rotary_embedding_short_m_scale, rotary_embedding_long_m_scale,
+                 rotary_embedding_scale, rotary_embedding_max_positions, rotary_embedding_original_max_positions,
+                 position_embedding_type, rotary_inv_freq, rotary_cos_sin, long_rope_rotary_inv_freq,
+                 long_rope_rotary_cos_sin, logn_scaling, attention_packed_mask, kv_cache_quant_mode, mask_type,
+                 alibi_slopes, kv_cache_block_offsets, do_cross_attention, encoder_input_lengths, max_distance,
+                 use_cache, remove_input_padding, paged_kv_cache, tokens_per_block, streamingllm,
+                 use_fp8_context_fmha, context_fmha_type, multi_block_mode, host_sink_token_length, num_splits,
+                 num_sms, threads, rung, rounds_as, **unused) -> StepLaunch:
+    """The launches' step-wide part for layers whose qkv is shaped, typed and placed like `like` and whose window is
+    `window`: everything but the per-layer inputs (LAYER_INPUTS), computed and uploaded once."""
     H, Hkv, Dh = num_heads, num_kv_heads, hidden_size_per_head
-    dtype = np.dtype(qkv.dtype)
+    dtype = np.dtype(like.dtype)
     rounds_as = rounds_as or dtype.name                 # the kernels' keys: the dtype whose roundings they emulate
     acc_t = _acc_type(dtype)
     past = np.asarray(host_past_key_value_lengths, np.int64)
@@ -787,19 +838,18 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     E = len(past)
     num_context = int((np.asarray(host_request_types) == CONTEXT).sum())
     beam_width = int(cache_indirection.shape[1]) if cache_indirection is not None else 1
-    window = int(host_max_attention_window_sizes[layer_idx % len(host_max_attention_window_sizes)])  # list repeats
     sinks = int(host_sink_token_length[0])
     quant = kv_cache_quant_mode & (INT8_KV_CACHE | FP8_KV_CACHE)
 
     # Token rows: packed entries follow each other; padded entry e owns rows e * max_seqlen + i.
     new_starts = np.concatenate([[0], np.cumsum(new)]).astype(np.int64)
-    token_starts = new_starts[:-1] if remove_input_padding else np.arange(E, dtype=np.int64) * qkv.shape[1]
-    num_tokens = qkv.shape[0] if remove_input_padding else E * qkv.shape[1]
+    token_starts = new_starts[:-1] if remove_input_padding else np.arange(E, dtype=np.int64) * like.shape[1]
+    num_tokens = like.shape[0] if remove_input_padding else E * like.shape[1]
     # long_rope and yarn rotate GPT-NeoX's halves.
     rope_style = {ROPE_GPTJ: ROPE_GPTJ, ROPE_GPT_NEOX: ROPE_GPT_NEOX, LONG_ROPE: ROPE_GPT_NEOX,
                   YARN: ROPE_GPT_NEOX}.get(position_embedding_type, 0)
     rotary_dim = rotary_embedding_dim if rope_style else 0
-    rope = rope_plan(qkv, position_embedding_type=position_embedding_type, rotary_dim=rotary_dim,
+    rope = rope_plan(like, position_embedding_type=position_embedding_type, rotary_dim=rotary_dim,
                      rotary_inv_freq=rotary_inv_freq, long_rope_rotary_inv_freq=long_rope_rotary_inv_freq,
                      rotary_cos_sin=rotary_cos_sin if rope_style else None,
                      long_rope_rotary_cos_sin=long_rope_rotary_cos_sin, base=rotary_embedding_base,
@@ -809,21 +859,14 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
                      short_m_scale=rotary_embedding_short_m_scale, long_m_scale=rotary_embedding_long_m_scale,
                      streamingllm=streamingllm, lengths=lengths,
                      is_context=np.arange(E) < num_context, acc_t=acc_t)
-    table = to_kind(qkv, entry_table(num_context, beam_width, past, new, np.asarray(context_lengths, np.int64),
-                                     token_starts, rope.table_at))
+    table = to_kind(like, entry_table(num_context, beam_width, past, new, np.asarray(context_lengths, np.int64),
+                                      token_starts, rope.table_at))
     # Every Q, K, V value the preprocess writes is rounded to the input dtype already: the scratch holds them in it.
-    q_scratch = empty_like_kind(qkv, (num_tokens * H * Dh,), dtype)
-    k_scratch = empty_like_kind(qkv, (num_tokens * Hkv * Dh,), dtype)
-    v_scratch = empty_like_kind(qkv, (num_tokens * Hkv * Dh,), dtype)
-
+    # The layers of a step run one after another on the stream, so they share the scratch.
+    q_scratch = empty_like_kind(like, (num_tokens * H * Dh,), dtype)
+    k_scratch = empty_like_kind(like, (num_tokens * Hkv * Dh,), dtype)
+    v_scratch = empty_like_kind(like, (num_tokens * Hkv * Dh,), dtype)
     rotate_cached = bool(streamingllm and rope_style)   # StreamingLLM: cached K rotated at its cache index on load
-
-    cache_array = (kv_cache_pool if paged_kv_cache else past_key_value) if use_cache else None
-    k_src, v_src = _kv_sources(cache_array=cache_array, paged=paged_kv_cache, block_offsets=kv_cache_block_offsets,
-                               indirection=cache_indirection, table=table, k_scratch=k_scratch, v_scratch=v_scratch,
-                               layer_idx=layer_idx, tokens_per_block=tokens_per_block, window=window, sinks=sinks,
-                               scale=kv_quant_orig_scale if quant else 1.0, num_kv_heads=Hkv, head_size=Dh, like=qkv,
-                               rope=rope, rotate_keys=rotate_cached)
     # A chunk that wraps the cyclic cache would overwrite keys its own queries read: write after attention.
     write_after = bool(use_cache) and not do_cross_attention and bool(((new > 1) & (lengths > window)).any())
     # Rungs 3 and 4 (trtllm_generation) take the generation entries (float32 accumulation); rung 1 the rest. Their
@@ -833,38 +876,25 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     generation = np.arange(E) >= num_context
     vector_generation = rung != 1 and acc_t == np.float32 and bool(use_cache) and bool(generation.any())
     new_in_cache = vector_generation and not quant and not rotate_cached and not write_after
-    pre = Preprocess(qkv=flat(qkv), bias=flat(qkv_bias) if qkv_bias is not None else flat(qkv)[:1],
-                     table=table, inv_freq=rope.inv_freq, position_divisor=rope.position_divisor,
+    placeholder = to_kind(like, np.zeros(1, np.float32))
+    pre = Preprocess(qkv=None, bias=None, table=table, inv_freq=rope.inv_freq, position_divisor=rope.position_divisor,
                      cos_sin=rope.cos_sin, cos_sin_long=rope.cos_sin_long,
-                     logn=flat(logn_scaling) if logn_scaling is not None else to_kind(qkv, np.ones(1, np.float32)),
-                     logn_on=np.int64(logn_scaling is not None),
-                     inv_scale=np.float32(kv_orig_quant_scale if quant else 1.0), q_out=q_scratch, k_out=k_scratch,
-                     v_out=v_scratch, k_dst=k_src, v_dst=v_src, write_scratch=np.int64(1),
+                     logn=flat(logn_scaling) if logn_scaling is not None else to_kind(like, np.ones(1, np.float32)),
+                     logn_on=np.int64(logn_scaling is not None), inv_scale=np.float32(1.0), q_out=q_scratch,
+                     k_out=k_scratch, v_out=v_scratch, k_dst=None, v_dst=None, write_scratch=np.int64(1),
                      write_cache=np.int64(bool(use_cache) and not write_after and not do_cross_attention),
                      streaming=np.int64(streamingllm),
                      generation_scratch=np.int64(2 * (not new_in_cache) if vector_generation else 3))
-    preprocess = _preprocess_kernel(rounds_as, H, Hkv, Dh, rotary_dim, rope_style, quant, qkv_bias is not None)
     max_new = int(new.max())
     pre_grid = (max(1, ceil_div(max_new * (H + 2 * Hkv) * Dh, threads)), E)
-    starts_arg = to_kind(qkv, new_starts)
-    launch(preprocess, pre_grid, threads, stream, pre, starts_arg)
-
-    output = empty_like_kind(qkv, qkv.shape[:-1] + (H * Dh,), dtype)
-    if not remove_input_padding:
-        output[...] = 0                                 # padding rows are zero, as the reference's
     alibi_on = position_embedding_type in (ALIBI, ALIBI_WITH_SCALE)
-    kvlens = lengths
-    if do_cross_attention:
-        table, kvlens, k_src, v_src = _cross_keys(qkv, cross_kv, encoder_input_lengths, num_context, table,
-                                                  k_src, v_src, rounds_as, Hkv, Dh, quant, kv_orig_quant_scale,
-                                                  bool(use_cache), threads, stream, remove_input_padding)
-    args = ScoreArgs(table=table, alibi=alibi_slopes if alibi_on else to_kind(qkv, np.zeros(1, np.float32)),
-                     alibi_on=np.int64(alibi_on), softcap=acc_t(attn_logit_softcapping_scale),
+    args = ScoreArgs(table=table, alibi=alibi_slopes if alibi_on else placeholder, alibi_on=np.int64(alibi_on),
+                     softcap=acc_t(attn_logit_softcapping_scale),
                      causal=np.int64(mask_type in (CAUSAL, SLIDING_WINDOW_CAUSAL) and not do_cross_attention),
-                     window=k_src.window,
-                     sinks=np.int64(sinks), streaming=np.int64(streamingllm),
-                     **_mask_and_bias(attention_mask, attention_packed_mask, relative_attention_bias,
-                                      position_embedding_type, max_distance, mask_type, qkv))
+                     window=np.int64(window), sinks=np.int64(sinks), streaming=np.int64(streamingllm),
+                     **_mask_and_bias(attention_mask, attention_packed_mask, None, position_embedding_type,
+                                      max_distance, mask_type, like))
+    kvlens = np.asarray(encoder_input_lengths, np.int64) if do_cross_attention else lengths
     rope_on_load = (rope_style, rotary_dim) if rotate_cached else (0, 0)
     # One kernel for every length past 16 query tokens.
     tiles = plan_tiles(H, Hkv, min(max_new, 16), Dh, Dh, np.dtype(acc_t).itemsize)
@@ -875,47 +905,97 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     num_splits = None if vector_generation else num_splits     # a forced count is the generation kernel's
     if num_splits is None:
         num_splits = choose_splits(q_blocks, int(np.max(kvlens)), key_tile, num_sms) if multi_block_mode else 1
-    kernel = _attention_kernel(rounds_as, H, Hkv, Dh, quant, tiles, *rope_on_load, num_splits > 1)
-    q_geom = (q_scratch, to_kind(qkv, token_starts), np.int64(0), np.int64(H * Dh), np.int64(Dh))
-    out_geom = (flat(output), q_geom[1], np.int64(0), np.int64(H * Dh), np.int64(Dh))
-    grid = (max(1, ceil_div(max_new, q_tile)), H // heads_per_block, E * num_splits)
-    # spec: trtllm/norm-factor
-    sm_scale = acc_t(1.0 / (q_scaling * math.sqrt(Dh)))
+    token_starts_arg = to_kind(like, token_starts)
     # context_fmha_type 0 (disabled): the context entries take the unfused path, the fused kernel the rest.
     # spec: trtllm/context-unfused, trtllm/fp8-context-fmha
     fp8_fmha = bool(use_fp8_context_fmha) and num_context > 0
     unfused = (context_fmha_type == 0 or fp8_fmha) and num_context > 0
     fused_new = np.where(np.arange(E) < num_context, 0, new) if unfused else new
     if vector_generation:
-        from .trtllm_generation import attend_generation  # here: that module builds on this one
-        attend_generation(rung, generation_splits, multi_block_mode, num_sms, pre, out_geom,
-                          np.where(generation, new, 0), kvlens, k_src, v_src, args, sm_scale, rounds_as, H, Hkv, Dh,
-                          quant, rope_on_load, new_in_cache, num_tokens, threads, stream,
-                          (rotary_dim, rope_style, qkv_bias is not None))
         fused_new = np.where(generation, 0, fused_new)
-    lens = to_kind(qkv, fused_new), to_kind(qkv, kvlens)
-    if unfused:
-        _unfused_context(q_scratch, q_geom[1], new, kvlens, num_context, k_src, v_src, args, sm_scale, output,
-                         (rounds_as, H, Hkv, Dh, quant, *rope_on_load), acc_t, threads, stream,
-                         (kv_orig_quant_scale, kv_quant_orig_scale) if fp8_fmha else None)
-    if fused_new.any() and num_splits == 1:
-        launch(kernel, grid, threads, stream, q_geom, out_geom, *lens, k_src, v_src, args, sm_scale)
-    elif fused_new.any():
-        # Multi-block: each split's (m, l, unnormalised o) per row, then one combine pass over the splits.
-        rows = num_tokens * H
-        o_part = empty_like_kind(qkv, (num_splits * rows * Dh,), acc_t)
-        m_part, l_part = (empty_like_kind(qkv, (num_splits * rows,), acc_t) for _ in range(2))
-        split_geom = (o_part, q_geom[1], np.int64(0), np.int64(H * Dh), np.int64(Dh), np.int64(num_splits),
-                      np.int64(rows * Dh), np.int64(rows), np.int64(H), m_part, l_part)
-        launch(kernel, grid, threads, stream, q_geom, split_geom, *lens, k_src, v_src, args, sm_scale)
-        fused_starts = to_kind(qkv, np.concatenate([[0], np.cumsum(fused_new)]).astype(np.int64))
-        launch(_combine_kernel(rounds_as, H, Dh), pre_grid, threads, stream, o_part, m_part, l_part,
-               np.int64(num_splits), q_geom[1], fused_starts, flat(output))
+    # spec: trtllm/norm-factor
+    sm_scale = acc_t(1.0 / (q_scaling * math.sqrt(Dh)))
+    return StepLaunch(
+        rounds_as=rounds_as, acc_t=acc_t, H=H, Hkv=Hkv, Dh=Dh, E=E, new=new, num_context=num_context, window=window,
+        sinks=sinks, quant=quant, rope_style=rope_style, rotary_dim=rotary_dim, rope=rope, table=table,
+        num_tokens=num_tokens, rotate_cached=rotate_cached, write_after=write_after,
+        generation_new=np.where(generation, new, 0),
+        vector_generation=vector_generation, new_in_cache=new_in_cache, pre=pre, pre_grid=pre_grid,
+        starts_arg=to_kind(like, new_starts), args=args, kvlens=kvlens, rope_on_load=rope_on_load, tiles=tiles,
+        generation_splits=generation_splits, num_splits=num_splits, num_sms=num_sms, multi_block_mode=multi_block_mode,
+        q_geom=(q_scratch, token_starts_arg, np.int64(0), np.int64(H * Dh), np.int64(Dh)),
+        grid=(max(1, ceil_div(max_new, q_tile)), H // heads_per_block, E * num_splits),
+        sm_scale=sm_scale, fp8_fmha=fp8_fmha, unfused=unfused, fused=bool(fused_new.any()),
+        lens=(to_kind(like, fused_new), to_kind(like, kvlens)),
+        fused_starts=to_kind(like, np.concatenate([[0], np.cumsum(fused_new)]).astype(np.int64)),
+        kv_templates=_kv_templates(block_offsets=kv_cache_block_offsets, indirection=cache_indirection, table=table,
+                                   k_scratch=k_scratch, v_scratch=v_scratch, tokens_per_block=tokens_per_block,
+                                   window=window, sinks=sinks, like=like, rope=rope, rotate_keys=rotate_cached),
+        paged_kv_cache=paged_kv_cache, use_cache=use_cache, tokens_per_block=tokens_per_block,
+        remove_input_padding=remove_input_padding, do_cross_attention=do_cross_attention,
+        encoder_input_lengths=encoder_input_lengths, position_embedding_type=position_embedding_type,
+        max_distance=max_distance, threads=threads, rung=rung, k_scratch=k_scratch, v_scratch=v_scratch,
+        q_scratch=q_scratch)
 
-    if write_after:
-        launch(preprocess, pre_grid, threads, stream, pre._replace(write_scratch=np.int64(0), write_cache=np.int64(1)),
-               starts_arg)
-    present = past_key_value if (use_cache and not paged_kv_cache) else None
+
+def run_layer(s: StepLaunch, *, qkv, past_key_value, kv_cache_pool, layer_idx, qkv_bias, kv_orig_quant_scale,
+              kv_quant_orig_scale, cross_kv, relative_attention_bias):
+    """One layer's launches on the step `s` (prepare_step for this qkv's shape, dtype and kind and this layer's
+    window): (output, present_key_value), the cache written in place. Per layer only the layer's own arrays enter
+    the kernels' arguments; nothing is read back from the device and nothing but the output is allocated (cross
+    attention's encoder scratch apart)."""
+    stream = caller_stream(qkv, past_key_value, kv_cache_pool)
+    H, Hkv, Dh, threads, quant = s.H, s.Hkv, s.Dh, s.threads, s.quant
+    cache_array = (kv_cache_pool if s.paged_kv_cache else past_key_value) if s.use_cache else None
+    k_src, v_src = _kv_sources(s.kv_templates, cache_array=cache_array, paged=s.paged_kv_cache, layer_idx=layer_idx,
+                               tokens_per_block=s.tokens_per_block, sinks=s.sinks,
+                               scale=kv_quant_orig_scale if quant else 1.0, num_kv_heads=Hkv, head_size=Dh)
+    pre = s.pre._replace(qkv=flat(qkv), bias=flat(qkv_bias) if qkv_bias is not None else flat(qkv)[:1],
+                         inv_scale=np.float32(kv_orig_quant_scale if quant else 1.0), k_dst=k_src, v_dst=v_src)
+    preprocess = _preprocess_kernel(s.rounds_as, H, Hkv, Dh, s.rotary_dim, s.rope_style, quant, qkv_bias is not None)
+    launch(preprocess, s.pre_grid, threads, stream, pre, s.starts_arg)
+
+    output = empty_like_kind(qkv, qkv.shape[:-1] + (H * Dh,), np.dtype(qkv.dtype))
+    if not s.remove_input_padding:
+        output[...] = 0                                 # padding rows are zero, as the reference's
+    table, args = s.table, s.args
+    if relative_attention_bias is not None:
+        args = args._replace(**_relative_bias(relative_attention_bias, s.position_embedding_type, s.max_distance))
+    if s.do_cross_attention:
+        table, _, k_src, v_src = _cross_keys(qkv, cross_kv, s.encoder_input_lengths, s.num_context, table, k_src,
+                                             v_src, s.rounds_as, Hkv, Dh, quant, kv_orig_quant_scale,
+                                             bool(s.use_cache), threads, stream, s.remove_input_padding)
+        args = args._replace(table=table, window=k_src.window)      # the encoder's keys: every one in view
+    out_geom = (flat(output), s.q_geom[1], np.int64(0), np.int64(H * Dh), np.int64(Dh))
+    if s.vector_generation:
+        from .trtllm_generation import attend_generation  # here: that module builds on this one
+        attend_generation(s.rung, s.generation_splits, s.multi_block_mode, s.num_sms, pre, out_geom,
+                          s.generation_new, s.kvlens, k_src, v_src, args, s.sm_scale, s.rounds_as, H,
+                          Hkv, Dh, quant, s.rope_on_load, s.new_in_cache, s.num_tokens, threads, stream,
+                          (s.rotary_dim, s.rope_style, qkv_bias is not None))
+    if s.unfused:
+        _unfused_context(s.q_scratch, s.q_geom[1], s.new, s.kvlens, s.num_context, k_src, v_src, args, s.sm_scale,
+                         output, (s.rounds_as, H, Hkv, Dh, quant, *s.rope_on_load), s.acc_t, threads, stream,
+                         (kv_orig_quant_scale, kv_quant_orig_scale) if s.fp8_fmha else None)
+    if s.fused:
+        kernel = _attention_kernel(s.rounds_as, H, Hkv, Dh, quant, s.tiles, *s.rope_on_load, s.num_splits > 1)
+        if s.num_splits == 1:
+            launch(kernel, s.grid, threads, stream, s.q_geom, out_geom, *s.lens, k_src, v_src, args, s.sm_scale)
+        else:
+            # Multi-block: each split's (m, l, unnormalised o) per row, then one combine pass over the splits.
+            rows = s.num_tokens * H
+            o_part = empty_like_kind(qkv, (s.num_splits * rows * Dh,), s.acc_t)
+            m_part, l_part = (empty_like_kind(qkv, (s.num_splits * rows,), s.acc_t) for _ in range(2))
+            split_geom = (o_part, s.q_geom[1], np.int64(0), np.int64(H * Dh), np.int64(Dh), np.int64(s.num_splits),
+                          np.int64(rows * Dh), np.int64(rows), np.int64(H), m_part, l_part)
+            launch(kernel, s.grid, threads, stream, s.q_geom, split_geom, *s.lens, k_src, v_src, args, s.sm_scale)
+            launch(_combine_kernel(s.rounds_as, H, Dh), s.pre_grid, threads, stream, o_part, m_part, l_part,
+                   np.int64(s.num_splits), s.q_geom[1], s.fused_starts, flat(output))
+
+    if s.write_after:
+        after = pre._replace(write_scratch=np.int64(0), write_cache=np.int64(1))
+        launch(preprocess, s.pre_grid, threads, stream, after, s.starts_arg)
+    present = past_key_value if (s.use_cache and not s.paged_kv_cache) else None
     return output, present
 
 

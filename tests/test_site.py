@@ -19,7 +19,8 @@ def test_site_builds_strictly(tmp_path):
                            capture_output=True, text=True, env=env, timeout=120)
     assert build.returncode == 0, build.stdout + build.stderr
     for page in ("index.html", "paged-kv-cache/index.html", "kernel-ladder/index.html", "conformance/index.html",
-                 "traceability/index.html", "api/index.html", "api-operators/index.html", "ppl/index.html", "onnx/index.html"):
+                 "traceability/index.html", "api/index.html", "api-operators/index.html", "ppl/index.html",
+                 "onnx/index.html", "first-kernel/index.html", "exercises/index.html", "rung-3/index.html"):
         assert (site / page).is_file(), page
     # The hook drew the figures the pages embed, and the API page carries the docstrings.
     paged = (site / "paged-kv-cache" / "index.html").read_text()

@@ -428,3 +428,18 @@ def test_a_shorter_window_list_repeats_on_the_kernels(windows, layer_idx, paged,
     direct, direct_after = run(args, "numba")
     assert_bits_equal("launcher on the short list", direct, output)
     assert_bits_equal("cache, launcher on the short list", direct_after[cache_name(args)], after[cache_name(args)])
+
+
+def test_long_rope_with_one_entry_runs_on_the_kernels():
+    """A batch of one generation entry past long_rope's original positions with its frequencies given: the kernels'
+    per-entry frequency rows must be writable (a found failure: they were a read-only broadcast view)."""
+    case = TrtCase(contexts=(), generations=((1, 4),), beam_width=1, num_heads=1, num_kv_heads=1, head_size=8,
+                   dtype="float16", capacity=5, window=5, sinks=0, streamingllm=False, paged=False,
+                   tokens_per_block=1, packed=True, quant=0, fp8_context_fmha=False, position=3, rotary_dim=2,
+                   rotary_scale_type=0, rotary_scale=1.0, mask_type=1, softcap=0.0, q_scaling=1.0, relative="regular",
+                   qkv_bias=False, num_layers=1, layer_idx=0, seed=0, encoder_lengths=(), context_fmha_type=1)
+    args = build_trt(case)
+    assert args["long_rope_rotary_inv_freq"] is not None and args["rotary_inv_freq"] is not None
+    got, _ = run(args, "numba", threads=32)
+    want, _ = float64_trt(args)
+    assert_close("output", got, want, case.dtype, scale=2)

@@ -14,6 +14,11 @@ shapes this measures, with every launch recorded instead of run (`_launch.record
     arrays here (as CuPy on a GPU; on the CPU as a NumPy array that presents itself as a device array, so
     the reads are counted the same way).
 
+gpt_attention is measured a second way too, as a server runs it: `cacheattn.plan_gpt_attention` once per batch
+step (validation of the step's index tensors, their one read back), then `plan.run` once per layer (the layer's
+own inputs, the launches); the third table sets run's host time beside the one-call's (timed in turn, ten calls
+of each at a time, so they see the same machine load).
+
 `HOST_READS` lists every place the package reads device data back, found by reading the code; the table's
 counts are the ones these calls make. Without a GPU the figures are CPU figures of the same host code
 (NumPy arrays, simulator mode): they show where the host time goes, not what a GPU machine's host takes.
@@ -59,16 +64,17 @@ HOST_READS = (
              "(the static KeyValueCache read back its own upload)"),
     HostRead("cacheattn/onnx.py `validate`", "nonpad_kv_seqlen", "values in [0, kv_sequence_length]",
              "kept; none for a NumPy tensor (decode with past_key has none)"),
-    HostRead("cacheattn/trtllm.py `validate`", "sequence_length, context_lengths, cache_indirection, "
+    HostRead("cacheattn/trtllm.py `validate_step`", "sequence_length, context_lengths, cache_indirection, "
              "kv_cache_block_offsets (device tensors in TensorRT-LLM)",
              "every slot and block the kernels follow inside the cache; the launcher plans its grid and "
-             "entry table from them on the host", "kept; none for NumPy tensors"),
-    HostRead("cacheattn/trtllm.py `validate`", "host_past_key_value_lengths, host_request_types, "
+             "entry table from them on the host", "kept, once per step with plan_gpt_attention (none per layer "
+             "in plan.run); none for NumPy tensors"),
+    HostRead("cacheattn/trtllm.py `validate_step`", "host_past_key_value_lengths, host_request_types, "
              "host_max_attention_window_sizes, host_sink_token_length, host_context_lengths, "
              "host_kv_cache_block_offsets", "as above", "host tensors in TensorRT-LLM: no read when NumPy"),
     HostRead("cacheattn/trtllm.py `_positive_scale`, rotary check", "kv_orig_quant_scale, kv_quant_orig_scale, "
              "rotary_inv_freq", "scales finite and > 0 (the kernels take them as scalars)",
-             "kept; none when the scales are floats or NumPy"),
+             "kept (the KV scales per layer in plan.run too); none when the scales are floats or NumPy"),
     HostRead("cacheattn/ft.py `cross_attention`", "encoder_sequence_length, finished, ia3_tasks",
              "lengths within mem_len, task ids within num_tasks", "kept; none for NumPy tensors"),
 )
@@ -131,10 +137,14 @@ def _kernel_name(kernel) -> str:
 
 
 class _NoKernels:
-    """Stands in for kernels_numba when only validation is timed: every launcher returns four Nones at once."""
+    """Stands in for kernels_numba when only validation is timed: every launcher (a module's too) returns four
+    Nones at once."""
 
     def __getattr__(self, name):
-        return lambda *args, **kwargs: (None,) * 4
+        return _NoKernels()
+
+    def __call__(self, *args, **kwargs):
+        return (None,) * 4
 
 
 def _on_device(case: HostCase, gpu: bool) -> dict:
@@ -149,6 +159,87 @@ def _on_device(case: HostCase, gpu: bool) -> dict:
     return {**case.arguments, **moved}
 
 
+def _median_us(fn, repeat: int, launches: list | None = None) -> float:
+    """Median time of fn() in microseconds. `launches`, the recorder's list, is emptied after each call, outside
+    the timing: launches held over would keep every call's buffers alive, and fresh memory for each call (page
+    faults) would then be timed as host work."""
+    fn()                                                # warm-up: kernel factories, dispatch caches
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+        if launches is not None:
+            launches.clear()
+    return float(np.median(times)) * 1e6
+
+
+def _counting_reads():
+    """(context manager, counter): device arrays that _arrays.to_host copies back while it is active."""
+    reads = [0]
+    to_host = _arrays.to_host
+
+    def counting_to_host(x):
+        reads[0] += _arrays.is_device_array(x)
+        return to_host(x)
+    return mock.patch.object(_arrays, "to_host", counting_to_host), reads
+
+
+BLOCK = 10          # measure_per_layer: calls of one path timed back to back before the next path's
+
+
+def measure_per_layer(case: HostCase, *, gpu: bool, repeat: int) -> dict:
+    """gpt_attention's one call beside a plan built once and run per layer (module docstring): times in
+    microseconds, medians with their 25th and 75th percentiles; the paths are timed in turn, BLOCK calls at a
+    time."""
+    from kernels_numba import _launch
+
+    from ..trtllm import LAYER_INPUTS
+
+    arguments = _on_device(case, gpu)
+    step = {k: v for k, v in arguments.items() if k not in LAYER_INPUTS}
+    layer = {k: v for k, v in arguments.items() if k in LAYER_INPUTS}
+
+    def one_call():
+        return cacheattn.gpt_attention(**arguments, backend="numba")
+
+    def run():
+        return plan.run(**layer, backend="numba")
+
+    with _launch.recorded_launches() as launches:
+        counting, one_call_reads = _counting_reads()
+        with counting:
+            one_call()
+        counting, plan_reads = _counting_reads()
+        with counting:
+            plan = cacheattn.plan_gpt_attention(**step)
+        run()                                           # the first layer prepares the step's launches
+        launches.clear()
+        counting, run_reads = _counting_reads()
+        with counting:
+            run()
+        per_layer = list(launches)
+        # Blocks of calls in turn: each path runs back to back as a server runs it (its caches warm), and a
+        # change in the machine's load falls on all three.
+        times = {"one call": [], "plan": [], "run": []}
+        for _ in range(-(-repeat // BLOCK)):
+            for name, fn in (("one call", one_call), ("plan", lambda: cacheattn.plan_gpt_attention(**step)),
+                             ("run", run)):
+                for _ in range(BLOCK):
+                    start = time.perf_counter()
+                    fn()
+                    times[name].append((time.perf_counter() - start) * 1e6)
+                    launches.clear()                    # as _median_us: buffers do not outlive their call
+    with mock.patch.object(_arrays, "kernels", _NoKernels):
+        run_validation = _median_us(run, repeat)
+    spread = {name: [float(np.percentile(t, q)) for q in (50, 25, 75)] for name, t in times.items()}
+    return dict(label=case.label, one_call_us=spread["one call"], plan_us=spread["plan"], run_us=spread["run"],
+                run_validation_us=run_validation, run_ratio=spread["run"][0] / spread["one call"][0],
+                one_call_reads=one_call_reads[0], plan_reads=plan_reads[0], run_reads=run_reads[0],
+                run_launches=len(per_layer),
+                run_parameters=sum(kernel_parameters(a) for _, args in per_layer for a in args))
+
+
 def measure(case: HostCase, *, gpu: bool, repeat: int) -> dict:
     """Host figures of one case (module docstring): times in microseconds."""
     from kernels_numba import _launch
@@ -159,37 +250,22 @@ def measure(case: HostCase, *, gpu: bool, repeat: int) -> dict:
     def call():
         return operator(**arguments, backend="numba")
 
-    reads = [0]
-    to_host = _arrays.to_host
-
-    def counting_to_host(x):
-        reads[0] += _arrays.is_device_array(x)
-        return to_host(x)
-
-    def median_us(fn) -> float:
-        fn()                                            # warm-up: kernel factories, dispatch caches
-        times = []
-        for _ in range(repeat):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return float(np.median(times)) * 1e6
-
+    counting, reads = _counting_reads()
     with _launch.recorded_launches() as launches:
-        with mock.patch.object(_arrays, "to_host", counting_to_host):
+        with counting:
             call()
         one_call = list(launches)
-        total = median_us(call)
+        total = _median_us(call, repeat, launches)
     with mock.patch.object(_arrays, "kernels", _NoKernels):
-        validation = median_us(call)
+        validation = _median_us(call, repeat)
     return dict(label=case.label, host_us=total, validation_us=validation, launches=len(one_call),
                 kernels=[(_kernel_name(kernel), sum(kernel_parameters(a) for a in args)) for kernel, args in one_call],
                 parameters=sum(kernel_parameters(a) for _, args in one_call for a in args), device_reads=reads[0])
 
 
-def tables(rows: list, where: str) -> list:
-    """The figures and the list of host reads as two `_console` tables (what the terminal, markdown and JSON
-    forms and host.md show)."""
+def tables(rows: list, where: str, per_layer: dict | None = None) -> list:
+    """The figures, the list of host reads and (given per_layer, measure_per_layer's) gpt_attention's one call
+    beside plan and run, as `_console` tables (what the terminal, markdown and JSON forms and host.md show)."""
     from .. import _console
 
     figures = _console.make_table(
@@ -210,13 +286,29 @@ def tables(rows: list, where: str) -> list:
     reads = _console.make_table("Where device data comes back to the host (a sync on a GPU):",
                                 ("where", "reads", "why", "status"),
                                 [(h.where, h.reads, h.why, h.status) for h in HOST_READS])
-    return [figures, reads]
+    if per_layer is None:
+        return [figures, reads]
+    p = per_layer
+    paths = _console.make_table(
+        f"{p['label']}: one call, or plan once per step and run once per layer ({where}).",
+        (_console.Column("path"),
+         _console.Column("host µs", "us", lambda us: f"{us[0]:.0f}", right=True,
+                         means="median host time (JSON: median, 25th and 75th percentile)"),
+         _console.Column("spread", "spread", right=True, means="25th to 75th percentile, µs"),
+         _console.Column("reads", right=True, means="device tensors read back to the host"),
+         _console.Column("× one call", "ratio", lambda r: f"{r:.2f}", right=True,
+                         means="host time over the one call's")),
+        [(name, us, f"{us[1]:.0f}–{us[2]:.0f}", reads, us[0] / p["one_call_us"][0])
+         for name, us, reads in (("one call", p["one_call_us"], p["one_call_reads"]),
+                                 ("plan (per step)", p["plan_us"], p["plan_reads"]),
+                                 ("run (per layer)", p["run_us"], p["run_reads"]))])
+    return [figures, reads, paths]
 
 
-def markdown(rows: list, where: str) -> str:
-    """host.md: both tables in markdown."""
+def markdown(rows: list, where: str, per_layer: dict | None = None) -> str:
+    """host.md: the tables in markdown."""
     from .. import _console
-    return "\n".join(_console.render_markdown(t) for t in tables(rows, where))
+    return "\n".join(_console.render_markdown(t) for t in tables(rows, where, per_layer))
 
 
 def host_overhead(*, gpu: bool = False, repeat: int = 30, batch: int = 64, context: int = 256,
@@ -225,15 +317,17 @@ def host_overhead(*, gpu: bool = False, repeat: int = 30, batch: int = 64, conte
     only when one is given; return the rows."""
     from .. import _console
 
-    rows = [measure(case, gpu=gpu, repeat=repeat) for case in host_cases(batch, context)]
+    cases = host_cases(batch, context)
+    rows = [measure(case, gpu=gpu, repeat=repeat) for case in cases]
+    per_layer = measure_per_layer(next(c for c in cases if c.operator == "gpt_attention"), gpu=gpu, repeat=repeat)
     where = "GPU machine's host, CuPy arrays" if gpu else "CPU figures: NumPy arrays, no GPU"
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "host.json").write_text(json.dumps({"where": where, "rows": rows,
+        (out / "host.json").write_text(json.dumps({"where": where, "rows": rows, "per_layer": per_layer,
                                                    "host_reads": [asdict(h) for h in HOST_READS]}, indent=2) + "\n")
-        (out / "host.md").write_text(markdown(rows, where))
+        (out / "host.md").write_text(markdown(rows, where, per_layer))
     if show:
-        for table in tables(rows, where):
+        for table in tables(rows, where, per_layer):
             _console.print_table(table)
     return rows
