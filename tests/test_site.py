@@ -26,7 +26,7 @@ def test_site_builds_strictly(tmp_path):
     paged = (site / "paged-kv-cache" / "index.html").read_text()
     assert 'src="../figures/page-table.svg"' in paged
     assert (site / "figures" / "page-table.svg").read_text().startswith("<svg")
-    assert 'src="../figures/multi-block-splits.svg"' in (site / "trtllm" / "index.html").read_text()
+    assert 'src="../figures/multi-block-splits.svg"' in (site / "trtllm-audit" / "index.html").read_text()
     api = (site / "api-operators" / "index.html").read_text()
     assert "multi_head_cache_attention" in api
     # NumPy docstrings render as parameter tables with shapes, for every operator.
