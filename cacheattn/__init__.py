@@ -6,14 +6,17 @@ from .ft import AttentionWeight, CrossAttentionOutputs, DenseWeight, cross_atten
 from .onnx import AttentionOutputs, onnx_attention
 from .ppl import (
                   KeyValue,
+                  MultiHeadCacheAttentionPlan,
                   dynamic_key_value_cache,
                   dynamic_multi_head_attention,
                   key_value_cache,
                   multi_head_cache_attention,
+                  plan_multi_head_cache_attention,
 )
 
 __all__ = ["AttentionOutputs", "KeyValue", "dynamic_key_value_cache", "dynamic_multi_head_attention",
-           "key_value_cache", "multi_head_cache_attention", "onnx_attention",
+           "key_value_cache", "multi_head_cache_attention", "MultiHeadCacheAttentionPlan",
+           "plan_multi_head_cache_attention", "onnx_attention",
            "AttentionWeight", "CrossAttentionOutputs", "DenseWeight", "cross_attention"]
 
 from .trtllm import (  # noqa: E402

@@ -18,6 +18,7 @@ from reference.cache_layout import DYNAMIC_LAYOUTS, STATIC_LAYOUTS
 from reference.quant import stored_head_dim
 
 from . import _arrays as arrays
+from ._plans import bind_step, plan_signature
 from ._types import IndexTensor, Tensor
 from ._validate import (
     FLOAT_T1,
@@ -99,9 +100,11 @@ def _check_cache_tensors(cache, scale, axes, *, num_layer, num_heads, head_dim, 
     return extents
 
 
-def _check_dynamic_indices(seqstarts, kvstarts, cachestarts, start_pos, max_seqlen, max_kvlen, total_tokens,
-                           max_t, *, cache_mode, page_size):
-    """The per-batch index inputs; returns (seqlens, kvlens). Every slot the call touches lies in [0, MaxT)."""
+def _check_dynamic_indices(seqstarts, kvstarts, cachestarts, start_pos, max_seqlen, max_kvlen, total_tokens, *,
+                           cache_mode, page_size):
+    """The per-batch index inputs, all that needs no cache: returns (seqlens, kvlens, slots_end), slots_end the
+    end of the furthest slot the call touches (a cache's MaxT must reach it, `_check_inside_cache`). total_tokens:
+    the packed token count, None where no layer is known yet (a plan)."""
     seqlens = check_starts("seqstarts", seqstarts, total_tokens, "the token count of current_key")
     batch = seqlens.shape[0]
     kvlens = check_starts("kvstarts", kvstarts, None, "")
@@ -118,11 +121,11 @@ def _check_dynamic_indices(seqstarts, kvstarts, cachestarts, start_pos, max_seql
     # spec: ppl-mhca/max-lens
     _check_max("max_seqlen", max_seqlen, seqlens)
     _check_max("max_kvlen", max_kvlen, kvlens)
-    _check_cachestarts(cachestarts, kvlens, max_t, cache_mode=cache_mode, page_size=page_size)
+    slots_end = _check_cachestarts(cachestarts, kvlens, cache_mode=cache_mode, page_size=page_size)
     written = _written_slots(cachestarts, start_pos, seqlens, cache_mode=cache_mode, page_size=page_size)
     _check_written_slots(*written)
     _check_reads_not_overwritten(cachestarts, start_pos, *written, cache_mode=cache_mode, page_size=page_size)
-    return seqlens, kvlens
+    return seqlens, kvlens, slots_end
 
 
 def _check_max(name, value, lengths):
@@ -131,30 +134,52 @@ def _check_max(name, value, lengths):
         raise ValueError(f"{name}: expected at least the longest length {lengths.max()}, got {value}")
 
 
-def _check_cachestarts(cachestarts, kvlens, max_t, *, cache_mode, page_size):
-    """Every slot of positions [0, kvlen) must lie inside MaxT; a used page must fit whole."""
+def _used_pages(cachestarts, kvlens, page_size):
+    """(B, MaxP) bool: the pages that hold positions [0, kvlen) of their sequence."""
+    return np.arange(cachestarts.shape[1]) < -(-kvlens[:, None] // page_size)
+
+
+def _check_cachestarts(cachestarts, kvlens, *, cache_mode, page_size):
+    """The table's shape and no slot below 0 for positions [0, kvlen); returns the end of the furthest slot (a used
+    page counts whole), which the cache's MaxT must reach (`_check_inside_cache`, once the cache is known)."""
     batch = kvlens.shape[0]
     if cache_mode == 0:
         check_shape("cachestarts", cachestarts, (batch,), "for cache_mode 0")
-        ends = cachestarts + kvlens
-        bad = np.nonzero((cachestarts < 0) | (ends > max_t))[0]
+        bad = np.nonzero(cachestarts < 0)[0]
         if bad.size:
             b = int(bad[0])
-            raise ValueError(f"cachestarts: expected [cachestarts[b], cachestarts[b] + kvlen) inside MaxT = {max_t}; "
-                             f"batch {b} covers [{cachestarts[b]}, {ends[b]})")
-        return
+            raise ValueError(f"cachestarts: expected [cachestarts[b], cachestarts[b] + kvlen) inside the cache "
+                             f"(slots >= 0); batch {b} covers [{cachestarts[b]}, {cachestarts[b] + kvlens[b]})")
+        return int((cachestarts + kvlens).max())
     pages_needed = -(-kvlens // page_size)
     check_shape("cachestarts", cachestarts, (batch, None), "(B, MaxP) for cache_mode 1")
     if cachestarts.shape[1] < pages_needed.max():
         raise ValueError(f"cachestarts: expected MaxP >= {pages_needed.max()} pages of page_size {page_size} for "
                          f"max kvlen {kvlens.max()}, got MaxP = {cachestarts.shape[1]}")
     # One pass over the whole table (a decode batch of 64 is 64 Python iterations otherwise).
-    used = np.arange(cachestarts.shape[1]) < pages_needed[:, None]
-    bad = np.argwhere(used & ((cachestarts < 0) | (cachestarts + page_size > max_t)))
+    used = _used_pages(cachestarts, kvlens, page_size)
+    bad = np.argwhere(used & (cachestarts < 0))
     if bad.size:
         b, p = (int(i) for i in bad[0])
-        raise ValueError(f"cachestarts: expected every used page [start, start + page_size) inside MaxT = "
-                         f"{max_t}; cachestarts[{b}, {p}] = {cachestarts[b, p]} with page_size {page_size}")
+        raise ValueError(f"cachestarts: expected every used page [start, start + page_size) inside the cache "
+                         f"(slots >= 0); cachestarts[{b}, {p}] = {cachestarts[b, p]} with page_size {page_size}")
+    return int(np.max(cachestarts + page_size, where=used, initial=0))
+
+
+def _check_inside_cache(cachestarts, kvlens, slots_end, max_t, *, cache_mode, page_size):
+    """Every slot of positions [0, kvlen) inside MaxT, a used page whole: one comparison with the step's
+    slots_end, the culprit looked up only when it fails."""
+    if slots_end <= max_t:
+        return
+    if cache_mode == 0:
+        ends = cachestarts + kvlens
+        b = int(np.flatnonzero(ends > max_t)[0])
+        raise ValueError(f"cachestarts: expected [cachestarts[b], cachestarts[b] + kvlen) inside MaxT = {max_t}; "
+                         f"batch {b} covers [{cachestarts[b]}, {ends[b]})")
+    used = _used_pages(cachestarts, kvlens, page_size)
+    b, p = (int(i) for i in np.argwhere(used & (cachestarts + page_size > max_t))[0])
+    raise ValueError(f"cachestarts: expected every used page [start, start + page_size) inside MaxT = "
+                     f"{max_t}; cachestarts[{b}, {p}] = {cachestarts[b, p]} with page_size {page_size}")
 
 
 def _written_slots(cachestarts, start_pos, seqlens, *, cache_mode, page_size):
@@ -382,25 +407,38 @@ def key_value_cache(current_key: Tensor, current_value: Tensor, start_pos: int |
         cache_axes=STATIC_LAYOUTS[cache_layout], threads=threads, **attrs))
 
 
-def _dynamic_cache_checks(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
-                          max_kvlen, cache, scale, *, num_kv_heads, head_dim, num_layer, layer_idx, quant_bit,
-                          quant_group, cache_mode, cache_layout, page_size):
-    """Checks shared by dynamic_batching.KeyValueCache and MultiHeadCacheAttention; returns host index arrays."""
-    _check_current(current_key, current_value, (None, num_kv_heads, head_dim),
-                   "(seqstarts[B], num_kv_heads, head_dim)")
-    _check_layer(num_layer, layer_idx)
+def _check_cache_attrs(num_layer, quant_bit, quant_group, head_dim, cache_mode, cache_layout, page_size):
+    """The cache's attributes, which hold for every layer of a step."""
+    check_int("num_layer", num_layer, low=1)
     _check_quant(quant_bit, quant_group, head_dim)
     check_choice("cache_mode", cache_mode, (0, 1))
     check_choice("cache_layout", cache_layout, DYNAMIC_LAYOUTS)
     check_int("page_size", page_size, low=1)
+
+
+def _index_arrays(seqstarts, kvstarts, cachestarts, start_pos):
+    """Host int64 copies of the index tensors (a device read each for device arrays)."""
+    return {name: arrays.index_array(name, x) for name, x in
+            (("seqstarts", seqstarts), ("kvstarts", kvstarts), ("cachestarts", cachestarts), ("start_pos", start_pos))}
+
+
+def _dynamic_cache_checks(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
+                          max_kvlen, cache, scale, *, num_kv_heads, head_dim, num_layer, layer_idx, quant_bit,
+                          quant_group, cache_mode, cache_layout, page_size):
+    """dynamic_batching.KeyValueCache's checks; returns host index arrays."""
+    _check_current(current_key, current_value, (None, num_kv_heads, head_dim),
+                   "(seqstarts[B], num_kv_heads, head_dim)")
+    _check_cache_attrs(num_layer, quant_bit, quant_group, head_dim, cache_mode, cache_layout, page_size)
+    _check_layer(num_layer, layer_idx)
     extents = _check_cache_tensors(cache, scale, DYNAMIC_LAYOUTS[cache_layout], num_layer=num_layer,
                                    num_heads=num_kv_heads, head_dim=head_dim, quant_bit=quant_bit,
                                    quant_group=quant_group)
-    idx = {name: arrays.index_array(name, x) for name, x in
-           (("seqstarts", seqstarts), ("kvstarts", kvstarts), ("cachestarts", cachestarts), ("start_pos", start_pos))}
-    _check_dynamic_indices(idx["seqstarts"], idx["kvstarts"], idx["cachestarts"], idx["start_pos"], max_seqlen,
-                           max_kvlen, int(current_key.shape[0]), extents["T"], cache_mode=cache_mode,
-                           page_size=page_size)
+    idx = _index_arrays(seqstarts, kvstarts, cachestarts, start_pos)
+    _, kvlens, slots_end = _check_dynamic_indices(
+        idx["seqstarts"], idx["kvstarts"], idx["cachestarts"], idx["start_pos"], max_seqlen, max_kvlen,
+        int(current_key.shape[0]), cache_mode=cache_mode, page_size=page_size)
+    _check_inside_cache(idx["cachestarts"], kvlens, slots_end, extents["T"], cache_mode=cache_mode,
+                        page_size=page_size)
     return idx
 
 
@@ -661,7 +699,7 @@ def dynamic_multi_head_attention(query: Tensor, key: Tensor, value: Tensor, seqs
     _check_max("max_kvlen", max_kvlen, kvlens)
     _check_mask(attn_mask, query, num_heads, int(seqs[-1]), int(kvs[-1]))
     _check_kernel_tensors(engine, query=query, key=key, value=value, attn_mask=attn_mask)
-    launch = _kernel_plan(engine, rung, threads, num_splits, query, seqlens, max_seqlen, max_kvlen, num_heads,
+    launch = _kernel_plan(engine, rung, threads, num_splits, query.dtype, seqlens, max_seqlen, max_kvlen, num_heads,
                           kv_heads, head_dim, key.dtype, is_causal, is_alibi)
     attrs = dict(num_heads=num_heads, head_dim=head_dim, is_causal=bool(is_causal), num_kv_heads=num_kv_heads)
     if engine == "reference":
@@ -682,7 +720,7 @@ def _check_rung(rung, query):
         raise ValueError(f"rung: 5 (tensor cores, mma.sync on float16) needs a float16 query, got {query.dtype}")
 
 
-def _kernel_plan(engine, rung, threads, num_splits, query, seqlens, max_seqlen, max_kvlen, num_heads, kv_heads,
+def _kernel_plan(engine, rung, threads, num_splits, query_dtype, seqlens, max_seqlen, max_kvlen, num_heads, kv_heads,
                  head_dim, cache_dtype, is_causal, is_alibi, quant_bit=0, quant_group=0, page_size=0):
     """The kernels' rung, split count and block size (`cacheattn.plan`, from the call's shapes; seqlens: the host
     query lengths), planned before the cache store or any kernel runs: every kernel keeps its rows' K/V tiles or
@@ -693,7 +731,7 @@ def _kernel_plan(engine, rung, threads, num_splits, query, seqlens, max_seqlen, 
     if engine == "reference" and rung in (None, 1) and num_splits is None:
         return None
     shape = AttentionShape(batch=int(seqlens.shape[0]), max_query_len=max_seqlen, max_kv_len=max_kvlen,
-                           num_heads=num_heads, num_kv_heads=kv_heads, head_dim=head_dim, query_dtype=query.dtype,
+                           num_heads=num_heads, num_kv_heads=kv_heads, head_dim=head_dim, query_dtype=query_dtype,
                            cache_dtype=cache_dtype, quant_bit=quant_bit, quant_group=quant_group if quant_bit else 0,
                            page_size=page_size, decode_sequences=int(np.count_nonzero(seqlens == 1)),
                            causal=bool(is_causal or is_alibi))
@@ -832,7 +870,9 @@ def multi_head_cache_attention(query: Tensor, current_key: Tensor, current_value
     -----
     Source: OpenPPL ppl.pmx,
     [dynamic_batching.MultiHeadCacheAttention](https://github.com/OpenPPL/ppl.pmx/blob/master/docs/operators/dynamic_batching/MultiHeadCacheAttention.md).
-    The walk-through with pictures of the page table and the layouts is docs/ppl.md.
+    The walk-through with pictures of the page table and the layouts is docs/ppl.md. A server that runs every layer
+    of a batch step with the same index tensors validates them once with `plan_multi_head_cache_attention` and
+    runs each layer with its `run`; this call is exactly that plan and one run.
 
     Examples
     --------
@@ -851,41 +891,172 @@ def multi_head_cache_attention(query: Tensor, current_key: Tensor, current_value
     >>> out.shape, out.dtype
     ((3, 4, 8), dtype('float32'))
     """
-    data = dict(query=query, current_key=current_key, current_value=current_value, cache=cache, scale=scale,
-                attn_mask=attn_mask)
-    engine = arrays.resolve_backend(backend, data)
-    check_launch(rung, threads, num_splits, rungs=(1, 2, 3, 4, 5))
-    kv_heads = _check_attention_attrs(num_heads, head_dim, num_kv_heads, is_causal, is_alibi)
-    _check_query(query, num_heads, head_dim)
-    _check_rung(rung, query)
-    check_same_dtype("current_key", current_key, "query", query)
-    cache_attrs = dict(num_layer=num_layer, layer_idx=layer_idx, quant_bit=quant_bit, quant_group=quant_group,
-                       cache_mode=cache_mode, cache_layout=cache_layout, page_size=page_size)
-    idx = _dynamic_cache_checks(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
-                                max_kvlen, cache, scale, num_kv_heads=kv_heads, head_dim=head_dim, **cache_attrs)
-    # seqstarts was checked against current_key's rows; the kernels read query row seqstarts[b] + i as well.
-    if query.shape[0] != idx["seqstarts"][-1]:
-        raise ValueError(f"query: expected seqstarts[B] = {int(idx['seqstarts'][-1])} rows like current_key, got "
-                         f"{int(query.shape[0])}")
-    _check_decoding(decoding_batches, np.diff(idx["seqstarts"]))
-    _check_mask(attn_mask, query, num_heads, int(idx["seqstarts"][-1]), int(idx["kvstarts"][-1]))
-    _check_kernel_tensors(engine, query=query, cache=cache, scale=scale, attn_mask=attn_mask)
-    launch = _kernel_plan(engine, rung, threads, num_splits, query, np.diff(idx["seqstarts"]), max_seqlen,
-                          max_kvlen, num_heads, kv_heads, head_dim, cache.dtype, is_causal, is_alibi, quant_bit,
-                          quant_group, page_size if cache_mode == 1 else 0)
-    order = ("seqstarts", "kvstarts", "cachestarts", "start_pos")
-    attrs = dict(num_heads=num_heads, head_dim=head_dim, is_causal=bool(is_causal), num_kv_heads=num_kv_heads)
-    if engine == "reference":
+    # Exactly a plan of this step, run for this layer: both paths share every line. The one call knows the step's
+    # token count from current_key, so seqstarts is checked against it first, as it always was.
+    step = {k: v for k, v in locals().items() if k not in LAYER_INPUTS and k != "backend"}
+    return MultiHeadCacheAttentionPlan(step, tokens=_rows(current_key)).run(
+        query, current_key, current_value, cache, scale, attn_mask, layer_idx=layer_idx, backend=backend)
+
+
+LAYER_INPUTS = ("query", "current_key", "current_value", "cache", "scale", "attn_mask", "layer_idx")
+"""multi_head_cache_attention's per-layer inputs: what `MultiHeadCacheAttentionPlan.run` takes (with backend)."""
+
+_INDEX_INPUTS = ("seqstarts", "kvstarts", "cachestarts", "start_pos")
+
+
+def _rows(x):
+    """The leading extent of an array (None for anything else: its own check names it)."""
+    shape = getattr(x, "shape", ())
+    return int(shape[0]) if len(shape) else None
+
+
+class MultiHeadCacheAttentionPlan:
+    """One batch step of `multi_head_cache_attention`, checked once, run once per layer
+    (`plan_multi_head_cache_attention` builds it).
+
+    The step is the index tensors (seqstarts, kvstarts, cachestarts, start_pos), decoding_batches, max_seqlen,
+    max_kvlen and the attributes (heads, head_dim, masks, quantization, cache mode, layout, page size, threads,
+    rung, num_splits); a layer brings its own query, current_key, current_value, cache, scale, attn_mask and
+    layer_idx. Building the plan validates the step and reads its device index tensors back once; `run` checks
+    only the layer's inputs against the plan and MaxT of the layer's cache, and on the kernels reuses the step's
+    index tensors, page table and launch geometry (prepared at the first layer of each array kind and dtype),
+    reading nothing back from the device. The plan keeps the index tensors it was given (the kernels read a
+    device int64 one in place): they must not change while the plan is in use."""
+
+    def __init__(self, step: dict, tokens: int | None = None):
+        launch = {name: step.pop(name) for name in ("threads", "rung", "num_splits")}
+        check_launch(launch["rung"], launch["threads"], launch["num_splits"], rungs=(1, 2, 3, 4, 5))
+        kv_heads = _check_attention_attrs(step["num_heads"], step["head_dim"], step["num_kv_heads"],
+                                          step["is_causal"], step["is_alibi"])
+        _check_cache_attrs(step["num_layer"], step["quant_bit"], step["quant_group"], step["head_dim"],
+                           step["cache_mode"], step["cache_layout"], step["page_size"])
+        self._given = {name: step.pop(name) for name in _INDEX_INPUTS}
+        idx = _index_arrays(**self._given)
+        seqlens, kvlens, slots_end = _check_dynamic_indices(
+            *(idx[n] for n in _INDEX_INPUTS), step["max_seqlen"], step["max_kvlen"], tokens,
+            cache_mode=step["cache_mode"], page_size=step["page_size"])
+        _check_decoding(step["decoding_batches"], seqlens)
+        self._step, self._idx, self._launch = step, idx, launch
+        self._kv_heads, self._seqlens, self._kvlens, self._slots_end = kv_heads, seqlens, kvlens, slots_end
+        self._tokens, self._total_kv = int(idx["seqstarts"][-1]), int(idx["kvstarts"][-1])
+        self._kernel_plans = {}             # (backend, query dtype, cache dtype) -> KernelPlan
+        self._prepared = {}                 # the cache's array kind -> the kernels' CacheAttentionStep
+
+    @arrays.accepts_torch
+    def run(self, query: Tensor, current_key: Tensor, current_value: Tensor, cache: Tensor,
+            scale: Tensor | None = None, attn_mask: Tensor | None = None, *, layer_idx: int = 0,
+            backend: str = "auto") -> Tensor:
+        """One layer of the planned step: `multi_head_cache_attention(**step, **layer)`, the same output and cache
+        bit for bit.
+
+        Parameters are multi_head_cache_attention's per-layer ones (see its docstring): query, current_key,
+        current_value, cache, scale, attn_mask, layer_idx, and backend. Returns attn_output; cache and scale are
+        updated in place. Raises ValueError / TypeError naming the layer's argument at fault (rows that are not
+        the step's seqstarts[B], heads or dtypes that do not fit, a cache without the step's slots), before the
+        store or any kernel runs."""
+        s = self._step
+        data = dict(query=query, current_key=current_key, current_value=current_value, cache=cache, scale=scale,
+                    attn_mask=attn_mask)
+        engine = arrays.resolve_backend(backend, data)
+        _check_query(query, s["num_heads"], s["head_dim"])
+        _check_rung(self._launch["rung"], query)
+        check_same_dtype("current_key", current_key, "query", query)
+        _check_current(current_key, current_value, (None, self._kv_heads, s["head_dim"]),
+                       "(seqstarts[B], num_kv_heads, head_dim)")
+        _check_layer(s["num_layer"], layer_idx)
+        extents = _check_cache_tensors(cache, scale, DYNAMIC_LAYOUTS[s["cache_layout"]], num_layer=s["num_layer"],
+                                       num_heads=self._kv_heads, head_dim=s["head_dim"], quant_bit=s["quant_bit"],
+                                       quant_group=s["quant_group"])
+        # The kernels read row seqstarts[b] + i of both.
+        if current_key.shape[0] != self._tokens:
+            raise ValueError(f"current_key: expected seqstarts[B] = {self._tokens} rows (the planned step's), got "
+                             f"{int(current_key.shape[0])}")
+        if query.shape[0] != self._tokens:
+            raise ValueError(f"query: expected seqstarts[B] = {self._tokens} rows like current_key, got "
+                             f"{int(query.shape[0])}")
+        _check_inside_cache(self._idx["cachestarts"], self._kvlens, self._slots_end, extents["T"],
+                            cache_mode=s["cache_mode"], page_size=s["page_size"])
+        _check_mask(attn_mask, query, s["num_heads"], self._tokens, self._total_kv)
+        _check_kernel_tensors(engine, query=query, cache=cache, scale=scale, attn_mask=attn_mask)
+        launch = self._kernel_plan(engine, query.dtype, cache.dtype)
+        if engine == "reference":
+            return self._run_reference(data, layer_idx)
+        return self._run_kernels({name: arrays.as_kernel_array(x) for name, x in data.items()}, layer_idx, launch)
+
+    def _kernel_plan(self, engine, query_dtype, cache_dtype):
+        """The kernels' rung, split count and block size for this step at these dtypes, planned once."""
+        key = (engine, np.dtype(query_dtype), np.dtype(cache_dtype))
+        if key not in self._kernel_plans:
+            s = self._step
+            self._kernel_plans[key] = _kernel_plan(
+                engine, self._launch["rung"], self._launch["threads"], self._launch["num_splits"],
+                query_dtype, self._seqlens, s["max_seqlen"], s["max_kvlen"], s["num_heads"],
+                self._kv_heads, s["head_dim"], cache_dtype, s["is_causal"], s["is_alibi"], s["quant_bit"],
+                s["quant_group"], s["page_size"] if s["cache_mode"] == 1 else 0)
+        return self._kernel_plans[key]
+
+    def _run_reference(self, data, layer_idx):
+        s, idx = self._step, self._idx
+        attrs = dict(num_heads=s["num_heads"], head_dim=s["head_dim"], is_causal=bool(s["is_causal"]),
+                     num_kv_heads=s["num_kv_heads"], is_alibi=bool(s["is_alibi"]), num_layer=s["num_layer"],
+                     layer_idx=layer_idx, quant_bit=s["quant_bit"], quant_group=s["quant_group"],
+                     cache_mode=s["cache_mode"], cache_layout=s["cache_layout"], page_size=s["page_size"])
         return arrays.run_reference(data, ("cache", "scale"), lambda h: reference.multi_head_cache_attention(
-            h["query"], h["current_key"], h["current_value"], *(idx[n] for n in order), decoding_batches,
-            max_seqlen, max_kvlen, h["cache"], h["scale"], h["attn_mask"], is_alibi=bool(is_alibi), **attrs,
-            **cache_attrs))
-    data = {name: arrays.as_kernel_array(x) for name, x in data.items()}
-    del cache_attrs["num_layer"], cache_attrs["cache_layout"]
-    given = (seqstarts, kvstarts, cachestarts, start_pos)         # in `order`
-    return arrays.kernels().multi_head_cache_attention(
-        data["query"], data["current_key"], data["current_value"],
-        *(arrays.kernel_index(data["cache"], x, idx[n]) for n, x in zip(order, given)), decoding_batches, max_seqlen,
-        max_kvlen, data["cache"], data["scale"], data["attn_mask"],
-        alibi_slopes=alibi_slopes(num_heads) if is_alibi else None, cache_axes=DYNAMIC_LAYOUTS[cache_layout],
-        **_launch_args(launch), **attrs, **cache_attrs)
+            h["query"], h["current_key"], h["current_value"], *(idx[n] for n in _INDEX_INPUTS),
+            s["decoding_batches"], s["max_seqlen"], s["max_kvlen"], h["cache"], h["scale"], h["attn_mask"], **attrs))
+
+    def _run_kernels(self, data, layer_idx, launch):
+        launches = arrays.kernels().ppl_multi_head_cache_attention
+        cache = data["cache"]
+        kind = (type(cache), str(getattr(cache, "device", "")))
+        step = self._prepared.get(kind)
+        if step is None:
+            s = self._step
+            index = (arrays.kernel_index(cache, self._given[n], self._idx[n]) for n in _INDEX_INPUTS)
+            step = self._prepared[kind] = launches.prepare_step(
+                *index, s["decoding_batches"], s["max_seqlen"], s["max_kvlen"], num_heads=s["num_heads"],
+                is_causal=bool(s["is_causal"]), alibi_slopes=alibi_slopes(s["num_heads"]) if s["is_alibi"] else None,
+                num_kv_heads=s["num_kv_heads"], quant_bit=s["quant_bit"], quant_group=s["quant_group"],
+                cache_mode=s["cache_mode"], cache_axes=DYNAMIC_LAYOUTS[s["cache_layout"]], page_size=s["page_size"])
+        return launches.run_layer(step, data["query"], data["current_key"], data["current_value"], cache,
+                                  data["scale"], data["attn_mask"], layer_idx=layer_idx, **_launch_args(launch))
+
+
+@arrays.accepts_torch
+def plan_multi_head_cache_attention(*args, **kwargs) -> MultiHeadCacheAttentionPlan:
+    """Plan one batch step of `multi_head_cache_attention` (as FlashInfer's `plan`): validate the step once, then
+    `plan.run(query, current_key, current_value, cache, scale, attn_mask, layer_idx=...)` per layer.
+
+    Takes multi_head_cache_attention's arguments, with its names, order and defaults, except the per-layer ones
+    (query, current_key, current_value, cache, scale, attn_mask, layer_idx) and backend, which
+    `MultiHeadCacheAttentionPlan.run` takes: the step's index tensors (seqstarts, kvstarts, cachestarts,
+    start_pos), decoding_batches, max_seqlen, max_kvlen, the attributes, threads, rung and num_splits.
+
+    Every error multi_head_cache_attention raises about these is raised here, naming the same argument, except
+    what needs a layer's tensors: the rows of current_key and query against seqstarts[B] (named after the layer's
+    tensor), a slot or page past the cache's MaxT (named `cachestarts`, checked in `run` from the host copies kept
+    here, with no device read), a rung the query's dtype or the kernels' shared memory rule out (checked at the
+    first layer of each dtype). `multi_head_cache_attention(**step, **layer)` is
+    `plan_multi_head_cache_attention(**step).run(**layer)`.
+
+    Examples
+    --------
+    One decode step (1 token after 4 cached) and one prefill of 2 tokens, two layers of a float32 paged cache:
+
+    >>> import numpy as np, cacheattn
+    >>> rng = np.random.default_rng(0)
+    >>> cache = rng.standard_normal((16, 2, 2, 2, 8)).astype(np.float32)       # layout 0: MaxT, L, 2, kv heads, Dh
+    >>> plan = cacheattn.plan_multi_head_cache_attention(
+    ...     np.array([0, 1, 3]), np.array([0, 5, 7]), np.array([[8, 4], [0, -1]]), np.array([4, 0]), 1, 2, 5,
+    ...     num_heads=4, head_dim=8, is_causal=True, num_kv_heads=2, num_layer=2, cache_mode=1, page_size=4)
+    >>> outs = [plan.run(rng.standard_normal((3, 4, 8)).astype(np.float32),
+    ...                  *rng.standard_normal((2, 3, 2, 8)).astype(np.float32), cache, layer_idx=layer)
+    ...         for layer in (0, 1)]
+    >>> [o.shape for o in outs]
+    [(3, 4, 8), (3, 4, 8)]
+    """
+    return MultiHeadCacheAttentionPlan(bind_step(_PLAN_PARAMETERS, args, kwargs))
+
+
+_PLAN_PARAMETERS = plan_signature(multi_head_cache_attention, LAYER_INPUTS, "MultiHeadCacheAttentionPlan")
+plan_multi_head_cache_attention.__signature__ = _PLAN_PARAMETERS

@@ -20,6 +20,7 @@ from reference import packed_mask
 from reference import trtllm_gpt_attention as ref
 
 from . import _arrays as arrays
+from ._plans import bind_step, plan_signature
 from ._validate import check_choice, check_int, check_launch, check_shape, dtype_of
 
 FLOATS = ("float16", "bfloat16", "float32", "float64")
@@ -1401,19 +1402,9 @@ def plan_gpt_attention(**step) -> GptAttentionPlan:
     >>> [o.shape for o in outs]
     [(3, 8), (3, 8)]
     """
-    bound = _PLAN_PARAMETERS.bind(**step)
-    bound.apply_defaults()
-    return GptAttentionPlan(dict(bound.arguments))
+    return GptAttentionPlan(bind_step(_PLAN_PARAMETERS, (), step))
 
 
-def _plan_signature():
-    """gpt_attention's signature without its per-layer arguments and backend: plan_gpt_attention's."""
-    import inspect
-    kept = [p for name, p in inspect.signature(gpt_attention).parameters.items()
-            if name not in LAYER_INPUTS and name != "backend"]
-    return inspect.Signature(kept, return_annotation="GptAttentionPlan")
-
-
-_PLAN_PARAMETERS = _plan_signature()
+_PLAN_PARAMETERS = plan_signature(gpt_attention, LAYER_INPUTS, "GptAttentionPlan")
 plan_gpt_attention.__signature__ = _PLAN_PARAMETERS
 

@@ -110,14 +110,16 @@ def test_bench_host_counts_launches_parameters_and_device_reads(tmp_path):
         assert 0 < row["validation_us"] and 0 < row["host_us"]
     saved = json.loads((tmp_path / "host.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(rows)) and "CPU figures" in (tmp_path / "host.md").read_text()
-    # gpt_attention planned once and run per layer: the plan reads the device index tensors, run none.
-    per_layer = saved["per_layer"]
-    trt = next(c for c in host_cases(2, 8) if c.operator == "gpt_attention")
-    assert per_layer["plan_reads"] == len(trt.device_index) and per_layer["run_reads"] == 0
-    assert per_layer["run_launches"] == next(r["launches"] for r in rows if r["label"] == trt.label)
-    assert all(0 < us[1] <= us[0] <= us[2] for us in (per_layer["one_call_us"], per_layer["plan_us"],
-                                                      per_layer["run_us"]))
-    assert len(tables) == 3
+    # gpt_attention and multi_head_cache_attention planned once and run per layer: the plan reads the device
+    # index tensors, run none, and launches what the one call launches.
+    planned = [c for c in host_cases(2, 8) if c.operator in ("gpt_attention", "multi_head_cache_attention")]
+    assert [p["label"] for p in saved["per_layer"]] == [c.label for c in planned]
+    for per_layer, case in zip(saved["per_layer"], planned):
+        assert per_layer["plan_reads"] == len(case.device_index) and per_layer["run_reads"] == 0
+        assert per_layer["run_launches"] == next(r["launches"] for r in rows if r["label"] == case.label)
+        assert all(0 < us[1] <= us[0] <= us[2] for us in (per_layer["one_call_us"], per_layer["plan_us"],
+                                                          per_layer["run_us"]))
+    assert len(tables) == 2 + len(planned)
     for table in tables:
         check_table(table)
 

@@ -184,12 +184,13 @@ def test_version_and_no_files_without_out(tmp_path, monkeypatch, capsys):
     assert main([*host, "--format", "json"]) == 0
     assert list(tmp_path.iterdir()) == []
     document = json.loads(capsys.readouterr().out)
-    assert [len(t["rows"]) for t in document["tables"]] == [3, len(HOST_READS)]
+    # the calls, where host code reads device data, and one call / plan / run per operator that has a plan
+    assert [len(t["rows"]) for t in document["tables"]] == [3, len(HOST_READS), 3, 3]
     assert any("simulator" in note for note in document["notes"])
     assert main([*host, "--format", "markdown", "--out", "here"]) == 0
     assert sorted(p.name for p in (tmp_path / "here").iterdir()) == ["host.json", "host.md"]
     printed = capsys.readouterr().out
-    assert len(_markdown_cells(printed)) == 2 + 3 + len(HOST_READS)        # two header rows and every row
+    assert len(_markdown_cells(printed)) == 2 + 3 + len(HOST_READS) + 2 * (1 + 3)   # every header row and row
     with pytest.raises(SystemExit) as done:
         main(["gpu-session"])
     assert done.value.code == 2 and "--out DIR is needed" in capsys.readouterr().err

@@ -14,10 +14,11 @@ shapes this measures, with every launch recorded instead of run (`_launch.record
     arrays here (as CuPy on a GPU; on the CPU as a NumPy array that presents itself as a device array, so
     the reads are counted the same way).
 
-gpt_attention is measured a second way too, as a server runs it: `cacheattn.plan_gpt_attention` once per batch
-step (validation of the step's index tensors, their one read back), then `plan.run` once per layer (the layer's
-own inputs, the launches); the third table sets run's host time beside the one-call's (timed in turn, ten calls
-of each at a time, so they see the same machine load).
+gpt_attention and OpenPPL's multi_head_cache_attention are measured a second way too, as a server runs them:
+`cacheattn.plan_gpt_attention` / `cacheattn.plan_multi_head_cache_attention` once per batch step (validation of
+the step's index tensors, their one read back), then `plan.run` once per layer (the layer's own inputs, the
+launches); a table for each sets run's host time beside the one call's (timed in turn, ten calls of each at a
+time, so they see the same machine load).
 
 `HOST_READS` lists every place the package reads device data back, found by reading the code; the table's
 counts are the ones these calls make. Without a GPU the figures are CPU figures of the same host code
@@ -51,10 +52,11 @@ class HostRead:
 
 
 HOST_READS = (
-    HostRead("cacheattn/ppl.py `_dynamic_cache_checks` (MultiHeadCacheAttention, dynamic KeyValueCache)",
+    HostRead("cacheattn/ppl.py `_index_arrays` (MultiHeadCacheAttention's plan, dynamic KeyValueCache)",
              "seqstarts, kvstarts, cachestarts, start_pos",
              "proves every cache slot the kernels follow lies inside MaxT; the grids need the max lengths",
-             "kept; none when the caller passes them as NumPy arrays"),
+             "kept, once per step with plan_multi_head_cache_attention (none per layer in plan.run); none when "
+             "the caller passes them as NumPy arrays"),
     HostRead("cacheattn/ppl.py `dynamic_multi_head_attention`", "seqstarts, kvstarts",
              "lengths against query/key rows, max_seqlen / max_kvlen", "kept; none for NumPy index tensors"),
     HostRead("cacheattn/ppl.py `key_value_cache`", "start_pos when given as a tensor",
@@ -188,20 +190,27 @@ def _counting_reads():
 BLOCK = 10          # measure_per_layer: calls of one path timed back to back before the next path's
 
 
+def planned_operators() -> dict:
+    """{operator: (its plan function, its per-layer inputs)}: the operators a server plans once per step."""
+    from .. import ppl, trtllm
+    return {"gpt_attention": (cacheattn.plan_gpt_attention, trtllm.LAYER_INPUTS),
+            "multi_head_cache_attention": (cacheattn.plan_multi_head_cache_attention, ppl.LAYER_INPUTS)}
+
+
 def measure_per_layer(case: HostCase, *, gpu: bool, repeat: int) -> dict:
-    """gpt_attention's one call beside a plan built once and run per layer (module docstring): times in
+    """The operator's one call beside a plan built once and run per layer (module docstring): times in
     microseconds, medians with their 25th and 75th percentiles; the paths are timed in turn, BLOCK calls at a
     time."""
     from kernels_numba import _launch
 
-    from ..trtllm import LAYER_INPUTS
-
+    plan_step, layer_inputs = planned_operators()[case.operator]
+    operator = getattr(cacheattn, case.operator)
     arguments = _on_device(case, gpu)
-    step = {k: v for k, v in arguments.items() if k not in LAYER_INPUTS}
-    layer = {k: v for k, v in arguments.items() if k in LAYER_INPUTS}
+    step = {k: v for k, v in arguments.items() if k not in layer_inputs}
+    layer = {k: v for k, v in arguments.items() if k in layer_inputs}
 
     def one_call():
-        return cacheattn.gpt_attention(**arguments, backend="numba")
+        return operator(**arguments, backend="numba")
 
     def run():
         return plan.run(**layer, backend="numba")
@@ -212,7 +221,7 @@ def measure_per_layer(case: HostCase, *, gpu: bool, repeat: int) -> dict:
             one_call()
         counting, plan_reads = _counting_reads()
         with counting:
-            plan = cacheattn.plan_gpt_attention(**step)
+            plan = plan_step(**step)
         run()                                           # the first layer prepares the step's launches
         launches.clear()
         counting, run_reads = _counting_reads()
@@ -223,7 +232,7 @@ def measure_per_layer(case: HostCase, *, gpu: bool, repeat: int) -> dict:
         # change in the machine's load falls on all three.
         times = {"one call": [], "plan": [], "run": []}
         for _ in range(-(-repeat // BLOCK)):
-            for name, fn in (("one call", one_call), ("plan", lambda: cacheattn.plan_gpt_attention(**step)),
+            for name, fn in (("one call", one_call), ("plan", lambda: plan_step(**step)),
                              ("run", run)):
                 for _ in range(BLOCK):
                     start = time.perf_counter()
@@ -263,9 +272,10 @@ def measure(case: HostCase, *, gpu: bool, repeat: int) -> dict:
                 parameters=sum(kernel_parameters(a) for _, args in one_call for a in args), device_reads=reads[0])
 
 
-def tables(rows: list, where: str, per_layer: dict | None = None) -> list:
-    """The figures, the list of host reads and (given per_layer, measure_per_layer's) gpt_attention's one call
-    beside plan and run, as `_console` tables (what the terminal, markdown and JSON forms and host.md show)."""
+def tables(rows: list, where: str, per_layer: list | None = None) -> list:
+    """The figures, the list of host reads and (given per_layer, measure_per_layer's rows) each planned
+    operator's one call beside plan and run, as `_console` tables (what the terminal, markdown and JSON forms and
+    host.md show)."""
     from .. import _console
 
     figures = _console.make_table(
@@ -286,10 +296,13 @@ def tables(rows: list, where: str, per_layer: dict | None = None) -> list:
     reads = _console.make_table("Where device data comes back to the host (a sync on a GPU):",
                                 ("where", "reads", "why", "status"),
                                 [(h.where, h.reads, h.why, h.status) for h in HOST_READS])
-    if per_layer is None:
-        return [figures, reads]
-    p = per_layer
-    paths = _console.make_table(
+    return [figures, reads, *(_paths_table(p, where) for p in per_layer or ())]
+
+
+def _paths_table(p: dict, where: str):
+    """One operator's one call, plan and run (a measure_per_layer row)."""
+    from .. import _console
+    return _console.make_table(
         f"{p['label']}: one call, or plan once per step and run once per layer ({where}).",
         (_console.Column("path"),
          _console.Column("host µs", "us", lambda us: f"{us[0]:.0f}", right=True,
@@ -302,10 +315,9 @@ def tables(rows: list, where: str, per_layer: dict | None = None) -> list:
          for name, us, reads in (("one call", p["one_call_us"], p["one_call_reads"]),
                                  ("plan (per step)", p["plan_us"], p["plan_reads"]),
                                  ("run (per layer)", p["run_us"], p["run_reads"]))])
-    return [figures, reads, paths]
 
 
-def markdown(rows: list, where: str, per_layer: dict | None = None) -> str:
+def markdown(rows: list, where: str, per_layer: list | None = None) -> str:
     """host.md: the tables in markdown."""
     from .. import _console
     return "\n".join(_console.render_markdown(t) for t in tables(rows, where, per_layer))
@@ -319,7 +331,8 @@ def host_overhead(*, gpu: bool = False, repeat: int = 30, batch: int = 64, conte
 
     cases = host_cases(batch, context)
     rows = [measure(case, gpu=gpu, repeat=repeat) for case in cases]
-    per_layer = measure_per_layer(next(c for c in cases if c.operator == "gpt_attention"), gpu=gpu, repeat=repeat)
+    per_layer = [measure_per_layer(case, gpu=gpu, repeat=repeat) for case in cases
+                 if case.operator in planned_operators()]
     where = "GPU machine's host, CuPy arrays" if gpu else "CPU figures: NumPy arrays, no GPU"
     if out_dir is not None:
         out = Path(out_dir)
