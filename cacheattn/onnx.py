@@ -7,7 +7,6 @@ backend="numba") to the kernels.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
@@ -22,7 +21,7 @@ from .plan import plan as plan_kernels
 
 T1 = ("float16", "float32", "float64", "bfloat16")
 OPSETS = (23, 24, 25)
-RUNGS = (1, 3, 4)          # the kernel ladder's rungs ONNX Attention runs on (docs/kernel-ladder.md)
+RUNGS = (1, 3, 4, 5)       # the kernel ladder's rungs ONNX Attention runs on (docs/kernel-ladder.md)
 
 
 class AttentionOutputs(NamedTuple):
@@ -238,11 +237,11 @@ def onnx_attention(Q: Tensor, K: Tensor, V: Tensor, attn_mask: Tensor | None = N
         The kernels' block size, 32 to 1024 (a multiple of 32 on rungs 3 and 4); None: the plan's (128).
     rung : int or None, default None
         The kernel of the ladder (docs/kernel-ladder.md) that computes `Y`: 1 shared-memory tiles, 3 lane groups
-        with 16-byte vector loads, 4 rung 3 with split-K. None: the plan's choice
-        (`cacheattn.onnx.kernel_plan` shows it and why): decode (one query a batch) on rung 3, or 4 when the grid
-        leaves SMs idle; prefill, float64 (rungs 3 and 4 accumulate in float32) and head sizes their registers and
-        shared memory cannot hold on rung 1. Rungs 3 and 4 read `past_key` / `past_value` and `K` / `V` where they
-        are. The reference ignores it.
+        with 16-byte vector loads, 4 rung 3 with split-K, 5 tensor cores (`mma.sync`, a float16 `Q` only). None:
+        the plan's choice (`cacheattn.onnx.kernel_plan` shows it and why): decode (one query a batch) on rung 3,
+        or 4 when the grid leaves SMs idle; a float16 prefill on rung 5; other prefill, float64 (rungs 3 to 5
+        accumulate in float32) and head sizes their registers and shared memory cannot hold on rung 1. Rungs 3 to
+        5 read `past_key` / `past_value` and `K` / `V` where they are. The reference ignores it.
     num_splits : int or None, default None
         Rung 4's count of key ranges, 1 to 64 (None: chosen from the SMs the grid leaves idle); only with rung 4
         or None (then it asks for rung 4).
@@ -294,6 +293,8 @@ def onnx_attention(Q: Tensor, K: Tensor, V: Tensor, attn_mask: Tensor | None = N
     nonpad = validate(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, opset=opset, **attrs)
     check_choice("return_qk_matmul_output", int(bool(return_qk_matmul_output)), (0, 1))
     check_launch(rung, threads, num_splits, rungs=RUNGS, float64="Q" if _dtype_name(Q) == "float64" else None)
+    if rung == 5 and _dtype_name(Q) != "float16":
+        raise ValueError(f"rung: 5 (tensor cores, mma.sync on float16) needs a float16 Q, got {_dtype_name(Q)}")
     if engine != "reference":
         launch = kernel_plan(Q, K, V, past_key, q_num_heads=q_num_heads, kv_num_heads=kv_num_heads,
                              is_causal=attrs["is_causal"], rung=rung, num_splits=num_splits, threads=threads)
@@ -312,11 +313,11 @@ def onnx_attention(Q: Tensor, K: Tensor, V: Tensor, attn_mask: Tensor | None = N
 def kernel_plan(Q, K, V, past_key=None, *, q_num_heads=None, kv_num_heads=None, is_causal=0, rung=None,
                 num_splits=None, threads=None, sms=None) -> KernelPlan:
     """The `KernelPlan` (rung, splits, block size, reason) the kernels run `onnx_attention` with for these
-    inputs (validated ones: `onnx_attention` checks them first). Decode (one query a batch): `cacheattn.plan.plan`
-    of the call's shape among rungs 3 and 4 (rung 5, tensor cores, is not offered: where it would win, rung 3 or 4
-    runs and the reason says so); rung 1 where they cannot: float64, a block size of partial warps, or head sizes
-    whose rows do not fit their registers and shared memory. Prefill runs on rung 1 unless `rung` asks for 3 or 4;
-    a 4-D prefill is not split (rung 4's combine writes (token, head) rows) and runs on rung 3.
+    inputs (validated ones: `onnx_attention` checks them first): `cacheattn.plan.plan` of the call's shape. Decode
+    (one query a batch) on rung 3 or 4, or rung 5 where the tensor cores are faster; prefill on rung 5 when the
+    plan picks it (a float16 Q), else on rung 1 unless `rung` asks for 3 or 4; rung 1 where the others cannot:
+    float64, a block size of partial warps, or head sizes whose rows do not fit their registers and shared
+    memory. A 4-D prefill is not split (rung 4's combine writes (token, head) rows) and runs on rung 3.
 
     Examples
     --------
@@ -349,18 +350,10 @@ def kernel_plan(Q, K, V, past_key=None, *, q_num_heads=None, kv_num_heads=None, 
                            decode_sequences=batch if q_len == 1 else 0, causal=bool(is_causal))
     if rung == 1:
         return plan_kernels(shape, rung=1, threads=threads, sms=sms)
-    if rung is None and num_splits is None and q_len > 1:
-        return KernelPlan(1, 1, threads or 128, "prefill runs on shared-memory tiles unless rung=3 or 4 asks for "
-                                                "the vector kernel (tensor cores are not offered for ONNX)")
     chosen = plan_kernels(shape, rung=rung, num_splits=num_splits, threads=threads, sms=sms)
-    if chosen.rung == 5:         # not offered here: the plan's CUDA-core choice for the same call
-        from kernels_numba._split_k import sm_count
-
-        from .plan import _cuda_core_rung
-        cores, why = _cuda_core_rung(shape, threads, sm_count() if sms is None else sms)
-        if cores is None:
-            return KernelPlan(1, 1, threads or 128, f"fallback to shared-memory tiles: {why}")
-        chosen = replace(cores[0], reason=f"{cores[0].reason}; rung 5 is not offered for ONNX ({chosen.reason})")
+    if rung is None and num_splits is None and q_len > 1 and chosen.rung != 5:
+        return KernelPlan(1, 1, threads or 128, f"prefill runs on shared-memory tiles unless the tensor cores serve "
+                                                f"it or rung=3 or 4 asks for the vector kernel ({chosen.reason})")
     if chosen.rung == 4 and four_d and q_len > 1:
         chosen = KernelPlan(3, 1, chosen.threads, f"{chosen.reason}; a 4-D prefill runs unsplit on rung 3 (rung 4's "
                                                   "combine writes (token, head) rows)")

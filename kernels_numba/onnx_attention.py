@@ -32,6 +32,7 @@ import numpy as np
 from numba import cuda
 
 from ._attention_core import make_attention_kernel, plan_tiles
+from ._attention_mma import make_mma_attention_kernel, plan_mma_rows
 from ._attention_vector import keys_per_step, make_vector_attention_kernel, plan_vector_rows
 from ._cache import _address, cache_source, make_cache_access, token_head_item
 from ._launch import OFFSET_PAGE, caller_stream, ceil_div, element_strides, empty_like_kind, flat, launch, to_kind
@@ -227,6 +228,20 @@ def _vector_kernel(dtype, head_dim, v_dim, q_heads, kv_heads, q_len, threads, ve
                                           q_tile=q_tile, group=q_heads // kv_heads, warps=threads // 32,
                                           partials=partials, walker=KV_WALKER)
     return kernel, heads_per_block, q_tile
+
+
+@cache
+def _mma_kernel(head_dim, v_dim, q_heads, kv_heads, q_len, threads, vector):
+    """Rung 5's kernel (tensor cores, float16 Q) over the same key walk and 16-byte chunks as rung 3: K and V
+    staged through shared memory from the past and the call's own K / V, read where they are."""
+    score, key_range, _, _ = make_onnx_score(np.float32)
+    heads_per_block, positions, row_tiles = plan_mma_rows(q_heads, kv_heads, q_len, threads // 32,
+                                                         max(head_dim, v_dim))
+    kernel = make_mma_attention_kernel(_kv_row, make_onnx_chunk_load(VECTOR_BYTES // 2, vector), score, key_range,
+                                       head_dim_k=head_dim, head_dim_v=v_dim, chunk=VECTOR_BYTES // 2,
+                                       heads_per_block=heads_per_block, positions=positions, row_tiles=row_tiles,
+                                       group=q_heads // kv_heads, warps=threads // 32, q_registers=True)
+    return kernel, heads_per_block, positions * row_tiles
 
 
 def _kv_source(new, past, heads, present=None):
@@ -436,7 +451,14 @@ def _attention(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, *, is
     zero_starts = to_kind(Q, np.zeros(batch, np.int64))
     lens = to_kind(Q, np.full(batch, q_len, np.int64)), to_kind(Q, np.full(batch, total, np.int64))
     q_geom, y_geom = (flat(Q), zero_starts, *_q_geometry(Q, q_heads)), (flat(Y), zero_starts, *_q_geometry(Y, q_heads))
-    if rung in (3, 4):
+    if rung == 5:
+        k_kv, v_kv = _kv_source(K, past_key, kv_heads), _kv_source(V, past_value, kv_heads)
+        vector = _vector_ok(k_kv, head_dim) and _vector_ok(v_kv, v_dim)
+        kernel, heads_per_block, q_tile = _mma_kernel(head_dim, v_dim, q_heads, kv_heads, min(q_len, 16), threads,
+                                                      vector)
+        grid = (max(1, ceil_div(q_len, q_tile)), q_heads // heads_per_block, batch)
+        launch(kernel, grid, threads, stream, q_geom, y_geom, *lens, k_kv, v_kv, args, np.float32(sm_scale))
+    elif rung in (3, 4):
         _attend_vector(rung, num_splits, Q, K, V, past_key, past_value, written, Y, q_geom, y_geom, lens, args,
                        sm_scale, q_heads, kv_heads, head_dim, v_dim, total, threads, stream)
     else:

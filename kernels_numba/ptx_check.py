@@ -116,10 +116,12 @@ def _onnx_launches(full: bool):
     # size 12 in element loads, a 3-D prefill with a window; rung 4's split decode and its combine. Every variant
     # in both dtypes when full; else the 16-byte decode on rungs 3 and 4 (each vector kernel is a long compile, and
     # the element loads and the prefill rows are rung 3's code paths that the ladder families compile too).
-    calls = [("decode 3-D", 3, np.float16), ("decode 3-D", 4, np.float16)]
+    # Rung 5 (tensor cores, float16 only): the prefill, through the same key walk and chunk loads.
+    calls = [("decode 3-D", 3, np.float16), ("decode 3-D", 4, np.float16), ("prefill", 5, np.float16)]
     if full:
         calls = [(what, rung, dtype) for what, rung in (("decode 3-D", 3), ("decode 4-D head 12", 3), ("prefill", 3),
                                                         ("decode 3-D", 4)) for dtype in (np.float16, np.float32)]
+        calls.append(("prefill", 5, np.float16))
     for what, rung, dtype in calls:
         past = rng.standard_normal((2, 2, 5, 12 if "4-D" in what else 8)).astype(dtype)
         q_len, splits = (3 if what == "prefill" else 1), (2 if rung == 4 else None)
@@ -135,9 +137,10 @@ def _onnx_launches(full: bool):
                                kv_num_heads=2, softcap=1.0, left_window_size=2 if q_len > 1 else -1, rung=rung,
                                num_splits=splits)
         marker = f" {VECTOR_LOAD}" if "4-D" not in what else ""
-        out += [(f"onnx rung {rung} {what} {np.dtype(dtype).name}" + (marker if kernel.py_func.__name__ ==
-                 "vector_attention_kernel" else ""), kernel, args) for kernel, args in launches
-                if kernel.py_func.__name__ in ("vector_attention_kernel", "combine_kernel")]
+        fast = ("vector_attention_kernel", "mma_attention_kernel")
+        out += [(f"onnx rung {rung} {what} {np.dtype(dtype).name}" + (marker if kernel.py_func.__name__ in fast
+                 else ""), kernel, args) for kernel, args in launches
+                if kernel.py_func.__name__ in fast + ("combine_kernel",)]
     return out
 
 

@@ -72,23 +72,56 @@ def test_decode_launches(name):
     assert _launched(case, rung=3) == copies + ["vector_attention_kernel"]
     assert _launched(case, rung=4, num_splits=3) == copies + ["vector_attention_kernel", "combine_kernel"]
     split = case.past_len + case.kv_len > (16 if case.dtype == "float16" else 8)
-    assert _launched(case) == copies + ["vector_attention_kernel"] + ["combine_kernel"] * split
+    if name == "nonpad (5, 11), GQA 4/1, fp16, no past, v_head_size 8":
+        # a float16 group of 4 query heads a key: the plan's bound model gives it to the tensor cores
+        assert _launched(case) == ["mma_attention_kernel"]
+    else:
+        assert _launched(case) == copies + ["vector_attention_kernel"] + ["combine_kernel"] * split
     assert _launched(case, rung=1) == present + ["attention_kernel"]
 
 
+PREFILL = replace(BASE, q_len=3, kv_len=3, past_len=5, three_d=True, is_causal=1, mask="bool", mask_shape=(3, 8))
+
+
 def test_prefill_on_rung_3():
-    """A GQA prefill (3 queries, 3-D, causal, past 5, bool mask) on rung 3 asked for; rung 1 by default. A 4-D
-    prefill asked to split runs unsplit on rung 3."""
-    case = replace(BASE, q_len=3, kv_len=3, past_len=5, three_d=True, is_causal=1, mask="bool", mask_shape=(3, 8))
+    """A GQA prefill (3 queries, 3-D, causal, past 5, bool mask) on rung 3 asked for; by default a float16 prefill
+    runs on the tensor cores (rung 5), a float32 one on rung 1. A 4-D prefill asked to split runs unsplit on
+    rung 3."""
+    case = PREFILL
     inputs, got = _run(case, rung=3)
     want = float64_onnx(inputs, case)
     assert_close("Y", got.Y, want[0], case.dtype)
     assert_bits_equal("present_key", got.present_key, want[1].astype(got.Y.dtype))
-    assert _launched(case) == ["copy_kernel"] * 2 + ["attention_kernel"]
-    plan = kernel_plan(inputs["Q"], inputs["K"], inputs["V"], inputs["past_key"], q_num_heads=4, kv_num_heads=2)
+    assert _launched(case) == ["copy_kernel"] * 2 + ["mma_attention_kernel"]
+    assert _launched(replace(case, dtype="float32")) == ["copy_kernel"] * 2 + ["attention_kernel"]
+    inputs32 = build_onnx(replace(case, dtype="float32"))
+    plan = kernel_plan(inputs32["Q"], inputs32["K"], inputs32["V"], inputs32["past_key"], q_num_heads=4,
+                       kv_num_heads=2)
     assert plan.rung == 1 and "prefill" in plan.reason, plan
     # unsplit, and its one block per GQA group stores present itself (every key is visible to the last query)
     assert _launched(replace(case, three_d=False), rung=4) == ["vector_attention_kernel"]
+
+
+@pytest.mark.parametrize("case", [
+    PREFILL,
+    replace(PREFILL, three_d=False, mask="float", mask_shape=(2, 1, 3, 8), softcap=2.0, left_window_size=2, seed=7),
+], ids=["3-D, causal, bool mask", "4-D, float mask, softcap, left window"])
+def test_prefill_on_rung_5(case):
+    """A float16 prefill on the tensor cores, by default and asked for: Y close to the float64 evaluation, the
+    present tensors (written by the copy kernels) bit for bit."""
+    inputs, got = _run(case)
+    want = float64_onnx(inputs, case)
+    assert_close("Y", got.Y, want[0], case.dtype)
+    for label, got_present, want_present in (("present_key", got.present_key, want[1]),
+                                             ("present_value", got.present_value, want[2])):
+        assert_bits_equal(label, got_present, want_present.astype(got.Y.dtype))
+    assert _launched(case, rung=5) == ["copy_kernel"] * 2 + ["mma_attention_kernel"]
+
+
+def test_rung_5_needs_a_float16_query():
+    case = replace(PREFILL, dtype="float32")
+    with pytest.raises(ValueError, match="rung: 5"):
+        cacheattn.onnx_attention(**build_onnx(case), **case.attrs(), rung=5)
 
 
 def test_float64_and_partial_warps_run_on_rung_1():
@@ -104,7 +137,7 @@ def test_float64_and_partial_warps_run_on_rung_1():
 
 
 @pytest.mark.parametrize("launch,match", [
-    (dict(rung=2), "rung"), (dict(rung=5), "rung"), (dict(rung=3, num_splits=2), "num_splits"),
+    (dict(rung=2), "rung"), (dict(rung=6), "rung"), (dict(rung=3, num_splits=2), "num_splits"),
     (dict(num_splits=0), "num_splits"), (dict(rung=4, threads=48), "threads"), (dict(threads=16), "threads")])
 def test_bad_launch_raises(launch, match):
     """Checked on either backend, before anything runs."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import cacheattn
 
@@ -123,6 +123,9 @@ def _onnx_calls(full: bool) -> list[Call]:
                       lambda: _onnx(decode, rung=4, num_splits=3)))
     calls.append(Call("onnx attention rung 3", "prefill, window 4, padded float mask, fp32",
                       lambda: _onnx(prefill, rung=3)))
+    # Rung 5: the same prefill on the tensor cores (a float16 Q), K and V staged through shared memory.
+    calls.append(Call("onnx attention rung 5", "prefill, window 4, padded float mask, fp16",
+                      lambda: _onnx(replace(prefill, dtype="float16"), rung=5)))
     return calls
 
 
