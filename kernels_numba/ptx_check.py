@@ -114,10 +114,10 @@ def _onnx_launches(full: bool):
         out += [(label, kernel, args) for kernel, args in launches]
     # Rungs 3 and 4 (float16 / float32; float64 stays on rung 1): decode with past 3-D in 16-byte loads, 4-D at head
     # size 12 in element loads, a 3-D prefill with a window; rung 4's split decode and its combine. Every variant
-    # in both dtypes when full; else the 16-byte decode on rungs 3 and 4 (each vector kernel is a long compile, and
-    # the element loads and the prefill rows are rung 3's code paths that the ladder families compile too).
-    # Rung 5 (tensor cores, float16 only): the prefill, through the same key walk and chunk loads.
-    calls = [("decode 3-D", 3, np.float16), ("decode 3-D", 4, np.float16), ("prefill", 5, np.float16)]
+    # in both dtypes when full; else the 16-byte decode on rung 3 (each vector kernel is a long compile; the element
+    # loads and the prefill rows are rung 3's code paths that the ladder families compile too, and rung 4's partials
+    # the rung4 family's). Rung 5 (tensor cores, float16 only): the prefill, through the same key walk and loads.
+    calls = [("decode 3-D", 3, np.float16), ("prefill", 5, np.float16)]
     if full:
         calls = [(what, rung, dtype) for what, rung in (("decode 3-D", 3), ("decode 4-D head 12", 3), ("prefill", 3),
                                                         ("decode 3-D", 4)) for dtype in (np.float16, np.float32)]
