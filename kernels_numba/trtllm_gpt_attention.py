@@ -18,8 +18,8 @@ generation entries together (in-flight batching); the variants below add a launc
    custom mask (the context entries read it from `attention_packed_mask` when given, bit by bit in its fragment
    order), softcap, then ALiBi or the relative bias; `key_range` bounds the walk to the visible keys.
    Generation entries run on the kernel ladder's rung 3 instead (rung 4 when multi-block splits them; `rung`
-   picks), `trtllm_generation`'s vector kernel with the same score and key range: it forms Q from qkv itself and
-   reads the new token's K/V from the cache slot the preprocess wrote when that holds them unquantized.
+   picks), `trtllm_generation`'s vector kernel with the same score and key range (Q formed from qkv, the new K/V
+   read from their cache slot when unquantized); float16 context entries on rung 5 (`trtllm_context`, mma.sync).
 Unfused context (context_fmha_type 0, and FP8 context FMHA): scores in global memory, softmax rows, P V.
 Cross attention: a third kernel copies the context entries' encoder K/V (`cross_kv`) to the scratch and to
 cache slots 0..L-1 in one pass; keys are then the encoder's (scratch in the context phase, the cache in
@@ -794,7 +794,7 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     the vector kernel (`trtllm_generation`), never split; 4: the vector kernel split over num_splits blocks
     (`choose_splits` when None; 1 is rung 3's kernel); None: rung 3, or 4 when multi_block_mode splits. Rungs 3 and
     4 accumulate in float32: a float64 call runs on rung 1 (validation refuses it when forced). Context entries
-    always run on rung 1; num_splits is then the generation kernel's count.
+    run on rung 5 (float16) or 1 (`trtllm_context.context_rung`); num_splits is then the generation kernel's count.
 
     It is exactly `run_layer(prepare_step(...), ...)`: a plan (cacheattn.GptAttentionPlan) keeps the step and
     calls run_layer once per layer."""
@@ -978,8 +978,8 @@ def run_layer(s: StepLaunch, *, qkv, past_key_value, kv_cache_pool, layer_idx, q
     out_geom = (flat(output), s.q_geom[1], np.int64(0), np.int64(H * Dh), np.int64(Dh))
     if s.vector_generation:
         from .trtllm_generation import attend_generation  # here: that module builds on this one
-        attend_generation(None if s.rung == 5 else s.rung, s.generation_splits, s.multi_block_mode, s.num_sms, pre, out_geom,
-                          s.generation_new, s.kvlens, k_src, v_src, args, s.sm_scale, s.rounds_as, H,
+        attend_generation(None if s.rung == 5 else s.rung, s.generation_splits, s.multi_block_mode, s.num_sms,
+                          pre, out_geom, s.generation_new, s.kvlens, k_src, v_src, args, s.sm_scale, s.rounds_as, H,
                           Hkv, Dh, quant, s.rope_on_load, s.new_in_cache, s.num_tokens, threads, stream,
                           (s.rotary_dim, s.rope_style, qkv_bias is not None))
     if s.unfused:

@@ -7,6 +7,7 @@ blocks x threads."""
 from dataclasses import replace
 
 import pytest
+from test_trtllm_kernels import BASE, kernels, launched
 
 import cacheattn
 import cacheattn.testing as kit
@@ -14,7 +15,6 @@ from kernels_numba import _launch
 from kernels_numba.trtllm_context import context_rung
 
 from strategies import KERNEL, build_trt
-from test_trtllm_kernels import BASE, kernels, launched
 
 FP16 = replace(BASE, dtype="float16")
 # Float16 context calls over what the context phase reads: the scratch (new tokens, 16-byte loads when its rows are
