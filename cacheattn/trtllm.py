@@ -1247,8 +1247,10 @@ def gpt_attention(
         The kernel of the ladder (docs/kernel-ladder.md) the generation requests run on: 1 shared-memory tiles, 3
         vector loads, 4 split-K (vector loads, the keys split over several blocks with few blocks for the SMs);
         None: 3, or 4 when multi_block_mode splits. Rungs 3 and 4 accumulate in float32: a float64 qkv runs on
-        rung 1, and asking for 3 or 4 with one raises. Context requests always run on rung 1. The reference
-        ignores it. Default None.
+        rung 1, and asking for 3 or 4 with one raises. Context requests (the fused context FMHA) run on rung 5,
+        tensor cores, with a float16 qkv whose head size fits its tiles, else on rung 1 (rung 1 forces it; 5 asks
+        for it and raises where it cannot run; 3 and 4 leave it to the default). The unfused path
+        (context_fmha_type 0, FP8 context FMHA) is its own. The reference ignores it. Default None.
     num_splits : int, optional
         Split-K's count of key ranges for the generation requests, 1 to 64 (rung 4, rung 1's multi-block mode, or
         None's choice); None: chosen from the SMs the grid leaves idle (with multi_block_mode). Not with rung 3.
@@ -1302,6 +1304,9 @@ def gpt_attention(
                                       relative_attention_bias=relative_attention_bias, backend=backend)
 
 
+RUNGS = (1, 3, 4, 5)     # gpt_attention's `rung`: 3 and 4 the generation's kernel, 5 the context phase's
+
+
 class GptAttentionPlan:
     """One batch step of `gpt_attention`, checked once, run once per layer (`plan_gpt_attention` builds it).
 
@@ -1321,7 +1326,7 @@ class GptAttentionPlan:
         threads = check_int("threads", launch["threads"], low=32, high=1024)
         if threads % 32:
             raise ValueError(f"threads: expected a multiple of 32 (whole warps), got {threads}")
-        check_launch(launch["rung"], None, launch["num_splits"], rungs=(1, 3, 4), split_rungs=(1, 4))
+        check_launch(launch["rung"], None, launch["num_splits"], rungs=RUNGS, split_rungs=(1, 4))
         self._launch = dict(launch, threads=threads)
         self._prepared = {}                 # (array kind, dtype, qkv shape, window) -> the kernels' StepLaunch
 
@@ -1345,8 +1350,11 @@ class GptAttentionPlan:
         engine = arrays.resolve_backend(backend, data)
         checked = validate_layer(self._step, layer)
         if dtype_of(qkv) == np.float64:
-            check_launch(self._launch["rung"], None, self._launch["num_splits"], rungs=(1, 3, 4), split_rungs=(1, 4),
+            check_launch(self._launch["rung"], None, self._launch["num_splits"], rungs=RUNGS, split_rungs=(1, 4),
                          float64="qkv")
+        if self._launch["rung"] == 5 and dtype_of(qkv) != np.float16:
+            raise ValueError(f"rung: 5 (tensor cores, mma.sync on float16) needs a float16 qkv, got "
+                             f"{dtype_of(qkv).name}")
         if engine != "reference":
             return self._run_kernels({**checked, **{k: arrays.as_kernel_array(x) for k, x in data.items()}})
 

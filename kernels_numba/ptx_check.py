@@ -216,7 +216,9 @@ def _ft_launches(full: bool):
 # kernels would repeat the others' code paths, each a long compile; --full compiles FP8 folded without rotation too).
 # Generation on the vector kernel: "multi-block" (INT8, contiguous) and "streaming" (FP8, paged) compile it with
 # TensorRT-LLM's walker; its float16-cache path is the one the ONNX, FasterTransformer and rung3 families compile.
-# A plain float16 decode (TRTLLM_FULL_ONLY) would compile a third copy at ~10 s: --full adds it.
+# A plain float16 decode (TRTLLM_FULL_ONLY) would compile a third copy at ~10 s: --full adds it. The context phase
+# runs on rung 5 (tensor cores) wherever rung 1 is not forced on a float16 call: "streaming" compiles it once, on
+# every load it has (the scratch's 16-byte loads, FP8 codes in 16-byte loads rotated in registers, paged).
 TRTLLM_REPRESENTATIVES = ((np.float16, 0, 2, True, True, {"unfused", "rung1"}),
                           (np.float32, 64, 4, False, False, {"multi-block"}),
                           (np.float16, 128, 6, True, False, {"t5-mask", "fp8-fmha", "rung1"}),
@@ -282,7 +284,9 @@ def _trtllm_launches(full: bool):
         label = (f"trtllm {'+'.join(sorted(extras)) or 'self'} {np.dtype(dtype).name} quant {quant} pos {position}"
                  f"{' paged' if paged else ''}")
         # The generation entries' vector kernel (rungs 3 and 4): rows of 16-byte multiples at Dh 16 in every format.
-        out += [(label + (f" {VECTOR_LOAD}" if kernel.py_func.__name__ == "vector_attention_kernel" else ""), kernel,
+        # The context phase's mma kernel (rung 5) reads the scratch in 16-byte loads too.
+        vector = ("vector_attention_kernel", "mma_attention_kernel")
+        out += [(label + (f" {VECTOR_LOAD}" if kernel.py_func.__name__ in vector else ""), kernel,
                  args) for kernel, args in launches]
     return out
 

@@ -18,8 +18,8 @@ generation entries together (in-flight batching); the variants below add a launc
    custom mask (the context entries read it from `attention_packed_mask` when given, bit by bit in its fragment
    order), softcap, then ALiBi or the relative bias; `key_range` bounds the walk to the visible keys.
    Generation entries run on the kernel ladder's rung 3 instead (rung 4 when multi-block splits them; `rung`
-   picks), `trtllm_generation`'s vector kernel with the same score and key range: it forms Q from qkv itself and
-   reads the new token's K/V from the cache slot the preprocess wrote when that holds them unquantized.
+   picks), `trtllm_generation`'s vector kernel with the same score and key range (Q formed from qkv, the new K/V
+   read from their cache slot when unquantized); float16 context entries on rung 5 (`trtllm_context`, mma.sync).
 Unfused context (context_fmha_type 0, and FP8 context FMHA): scores in global memory, softmax rows, P V.
 Cross attention: a third kernel copies the context entries' encoder K/V (`cross_kv`) to the scratch and to
 cache slots 0..L-1 in one pass; keys are then the encoder's (scratch in the context phase, the cache in
@@ -794,7 +794,7 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     the vector kernel (`trtllm_generation`), never split; 4: the vector kernel split over num_splits blocks
     (`choose_splits` when None; 1 is rung 3's kernel); None: rung 3, or 4 when multi_block_mode splits. Rungs 3 and
     4 accumulate in float32: a float64 call runs on rung 1 (validation refuses it when forced). Context entries
-    always run on rung 1; num_splits is then the generation kernel's count.
+    run on rung 5 (float16) or 1 (`trtllm_context.context_rung`); num_splits is then the generation kernel's count.
 
     It is exactly `run_layer(prepare_step(...), ...)`: a plan (cacheattn.GptAttentionPlan) keeps the step and
     calls run_layer once per layer."""
@@ -913,6 +913,15 @@ def prepare_step(*, like, window, sequence_length, host_past_key_value_lengths, 
     fused_new = np.where(np.arange(E) < num_context, 0, new) if unfused else new
     if vector_generation:
         fused_new = np.where(generation, 0, fused_new)
+    # The context entries of the fused launch on rung 5 (tensor cores) where it can serve them (trtllm_context).
+    from .trtllm_context import context_grid, context_rung  # here: that module builds on this one
+    fused_rung, fused_reason = context_rung(rung=rung, rounds_as=rounds_as, head_size=Dh, threads=threads,
+                                            fused_generation=bool((fused_new[num_context:] > 0).any()),
+                                            num_splits=generation_splits if not vector_generation else None)
+    mma_plan, grid = None, (max(1, ceil_div(max_new, q_tile)), H // heads_per_block, E * num_splits)
+    if fused_rung == 5:
+        num_splits = 1
+        mma_plan, grid = context_grid(H, Hkv, Dh, int(fused_new.max()), threads, E)
     # spec: trtllm/norm-factor
     sm_scale = acc_t(1.0 / (q_scaling * math.sqrt(Dh)))
     return StepLaunch(
@@ -924,7 +933,7 @@ def prepare_step(*, like, window, sequence_length, host_past_key_value_lengths, 
         starts_arg=to_kind(like, new_starts), args=args, kvlens=kvlens, rope_on_load=rope_on_load, tiles=tiles,
         generation_splits=generation_splits, num_splits=num_splits, num_sms=num_sms, multi_block_mode=multi_block_mode,
         q_geom=(q_scratch, token_starts_arg, np.int64(0), np.int64(H * Dh), np.int64(Dh)),
-        grid=(max(1, ceil_div(max_new, q_tile)), H // heads_per_block, E * num_splits),
+        grid=grid, fused_rung=fused_rung, fused_reason=fused_reason, mma_plan=mma_plan,
         sm_scale=sm_scale, fp8_fmha=fp8_fmha, unfused=unfused, fused=bool(fused_new.any()),
         lens=(to_kind(like, fused_new), to_kind(like, kvlens)),
         fused_starts=to_kind(like, np.concatenate([[0], np.cumsum(fused_new)]).astype(np.int64)),
@@ -969,15 +978,20 @@ def run_layer(s: StepLaunch, *, qkv, past_key_value, kv_cache_pool, layer_idx, q
     out_geom = (flat(output), s.q_geom[1], np.int64(0), np.int64(H * Dh), np.int64(Dh))
     if s.vector_generation:
         from .trtllm_generation import attend_generation  # here: that module builds on this one
-        attend_generation(s.rung, s.generation_splits, s.multi_block_mode, s.num_sms, pre, out_geom,
-                          s.generation_new, s.kvlens, k_src, v_src, args, s.sm_scale, s.rounds_as, H,
+        attend_generation(None if s.rung == 5 else s.rung, s.generation_splits, s.multi_block_mode, s.num_sms,
+                          pre, out_geom, s.generation_new, s.kvlens, k_src, v_src, args, s.sm_scale, s.rounds_as, H,
                           Hkv, Dh, quant, s.rope_on_load, s.new_in_cache, s.num_tokens, threads, stream,
                           (s.rotary_dim, s.rope_style, qkv_bias is not None))
     if s.unfused:
         _unfused_context(s.q_scratch, s.q_geom[1], s.new, s.kvlens, s.num_context, k_src, v_src, args, s.sm_scale,
                          output, (s.rounds_as, H, Hkv, Dh, quant, *s.rope_on_load), s.acc_t, threads, stream,
                          (kv_orig_quant_scale, kv_quant_orig_scale) if s.fp8_fmha else None)
-    if s.fused:
+    if s.fused and s.fused_rung == 5:
+        from .trtllm_context import context_kernel_for
+        kernel = context_kernel_for(k_src, v_src, H, Hkv, Dh, quant, threads, s.mma_plan, s.rope_on_load)
+        launch(kernel, s.grid, threads, stream, s.q_geom, out_geom, *s.lens, k_src, v_src, args,
+               np.float32(s.sm_scale))
+    elif s.fused:
         kernel = _attention_kernel(s.rounds_as, H, Hkv, Dh, quant, s.tiles, *s.rope_on_load, s.num_splits > 1)
         if s.num_splits == 1:
             launch(kernel, s.grid, threads, stream, s.q_geom, out_geom, *s.lens, k_src, v_src, args, s.sm_scale)

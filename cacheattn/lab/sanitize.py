@@ -5,7 +5,8 @@ shapes (`cacheattn.tour`): OpenPPL's KeyValueCache, dynamic KeyValueCache, Multi
 MultiHeadCacheAttention at every rung of the kernel ladder on float16, int8 and int4 caches; ONNX Attention (rung 1,
 rungs 3 and 4 on decode with past, rung 3 on a prefill);
 TensorRT-LLM gpt_attention (in-flight context + generation on a paged INT8 pool, StreamingLLM on a cyclic FP8 cache,
-generation on rungs 1 (multi-block), 3 and 4, the unfused and FP8 context paths, cross attention); FasterTransformer
+generation on rungs 1 (multi-block), 3 and 4, the context phase on rung 5, the unfused and FP8 context paths, cross
+attention); FasterTransformer
 cross attention (step 1 and a later step, by the plan and on rungs 1, 3 and 4). A table gives each call's launches,
 kernels and findings (race, uninitialized shared read, out-of-bounds index), a second one every finding; the pass
 ends with the total, `0 findings` when clean.
@@ -151,6 +152,11 @@ def _trt_calls(full: bool) -> list[Call]:
                       lambda: _trt(generation, rung=1)))
     calls.append(Call("trtllm gpt_attention generation rung 4", "1 sequence, past 40, paged INT8, 3 splits",
                       lambda: _trt(with_(generation, paged=True, quant=64), rung=4, num_splits=3)))
+    # The context phase on rung 5 (tensor cores; the in-flight call's context runs there too, over its INT8 pool):
+    # a chunked float16 context on a contiguous cache, the packed custom mask read per (row, key).
+    context = with_(inflight, generations=(), beam_width=1, quant=0, paged=False, mask_type=6, packed_mask=True)
+    calls.append(Call("trtllm gpt_attention context rung 5", "chunk + packed custom mask, contiguous fp16, mma.sync",
+                      lambda: _trt(context)))
     unfused = with_(inflight, generations=(), context_fmha_type=0, quant=0, paged=False)
     calls.append(Call("trtllm gpt_attention context unfused", "context_fmha_type 0, contiguous fp16",
                       lambda: _trt(unfused)))
