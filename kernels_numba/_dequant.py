@@ -130,8 +130,9 @@ if SIMULATED:
 else:
     from llvmlite import ir
     from numba import types
-    from numba.cuda import cgutils
     from numba.cuda.extending import intrinsic
+
+    from ._vector import element_pointer
 
     _WORD = ir.IntType(32)
 
@@ -220,10 +221,7 @@ else:
                 return None
 
             def codegen(context, builder, sig, args):
-                array_type, index_type = sig.args
-                array = context.make_array(array_type)(context, builder, value=args[0])
-                position = context.cast(builder, args[1], index_type, types.intp)
-                pointer = cgutils.get_item_pointer(context, builder, array_type, array, [position])
+                pointer = element_pointer(context, builder, sig, args)
                 asm = ir.InlineAsm(ir.FunctionType(_WORD, [pointer.type]), text, "=r,l")
                 return builder.call(asm, [pointer])
 

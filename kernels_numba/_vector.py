@@ -53,6 +53,13 @@ else:
 
     _WORD = ir.IntType(32)
 
+    def element_pointer(context, builder, sig, args):
+        """The address of data[index] for an intrinsic called as (data, index): a 1-D array and an integer."""
+        array_type, index_type = sig.args[:2]
+        array = context.make_array(array_type)(context, builder, value=args[0])
+        position = context.cast(builder, args[1], index_type, types.intp)
+        return cgutils.get_item_pointer(context, builder, array_type, array, [position])
+
     def _vector_load(words):
         """An intrinsic: one ld.global.nc.v<words>.u32 from the address of data[index] (1-D array, aligned to
         4 * words bytes), the words as a tuple of uint32."""
@@ -66,10 +73,7 @@ else:
                 return None
 
             def codegen(context, builder, sig, args):
-                array_type, index_type = sig.args
-                array = context.make_array(array_type)(context, builder, value=args[0])
-                position = context.cast(builder, args[1], index_type, types.intp)
-                pointer = cgutils.get_item_pointer(context, builder, array_type, array, [position])
+                pointer = element_pointer(context, builder, sig, args)
                 asm_type = ir.FunctionType(ir.LiteralStructType([_WORD] * words), [pointer.type])
                 loaded = builder.call(ir.InlineAsm(asm_type, asm_text, constraints), [pointer])
                 return context.make_tuple(builder, sig.return_type,

@@ -214,18 +214,19 @@ def _ft_launches(full: bool):
 # slot). The beams' generation runs on the vector kernel (rung 3, rung 4 with multi-block): float16 read from the cache
 # slot, INT8 split (partials), FP8 rotated in registers; on rung 1 in float64 and where "rung1" says so (those vector
 # kernels would repeat the others' code paths, each a long compile; --full compiles FP8 folded without rotation too).
-# Generation on the vector kernel: "multi-block" (INT8, contiguous) and "streaming" (FP8, paged) compile it with
-# TensorRT-LLM's walker; its float16-cache path is the one the ONNX, FasterTransformer and rung3 families compile.
-# A plain float16 decode (TRTLLM_FULL_ONLY) would compile a third copy at ~10 s: --full adds it. The context phase
+# Generation on the vector kernel: "streaming" (FP8, paged) compiles it with TensorRT-LLM's walker; its float16-cache
+# path is the one the ONNX, FasterTransformer and rung3 families compile, its split-K partials the rung4 family's.
+# A plain float16 decode and "multi-block" (INT8, contiguous, 3 splits) would compile more copies at 10-15 s
+# each: --full adds them (TRTLLM_FULL_ONLY). The context phase
 # runs on rung 5 (tensor cores) wherever rung 1 is not forced on a float16 call: "streaming" compiles it once, on
 # every load it has (the scratch's 16-byte loads, FP8 codes in 16-byte loads rotated in registers, paged).
 TRTLLM_REPRESENTATIVES = ((np.float16, 0, 2, True, True, {"unfused", "rung1"}),
-                          (np.float32, 64, 4, False, False, {"multi-block"}),
                           (np.float16, 128, 6, True, False, {"t5-mask", "fp8-fmha", "rung1"}),
                           (np.float16, 128, 1, True, False, {"streaming"}),
                           (np.float64, 0, 0, False, True, {"cross"}),
                           ("bfloat16", 64, 2, False, True, {"rung1"}))   # round_to_bfloat16 in bias, RoPE, INT8 store
-TRTLLM_FULL_ONLY = ((np.float16, 0, 2, True, False, {"decode"}),)
+TRTLLM_FULL_ONLY = ((np.float16, 0, 2, True, False, {"decode"}),
+                    (np.float32, 64, 4, False, False, {"multi-block"}))
 
 
 def _trtllm_launches(full: bool):
