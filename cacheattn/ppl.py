@@ -892,9 +892,10 @@ def multi_head_cache_attention(query: Tensor, current_key: Tensor, current_value
     ((3, 4, 8), dtype('float32'))
     """
     # Exactly a plan of this step, run for this layer: both paths share every line. The one call knows the step's
-    # token count from current_key, so seqstarts is checked against it first, as it always was.
+    # token count from current_key and its query's head_dim, so seqstarts and head_dim are checked against them
+    # first, as they always were.
     step = {k: v for k, v in locals().items() if k not in LAYER_INPUTS and k != "backend"}
-    return MultiHeadCacheAttentionPlan(step, tokens=_rows(current_key)).run(
+    return MultiHeadCacheAttentionPlan(step, tokens=_rows(current_key), query=query).run(
         query, current_key, current_value, cache, scale, attn_mask, layer_idx=layer_idx, backend=backend)
 
 
@@ -923,11 +924,13 @@ class MultiHeadCacheAttentionPlan:
     reading nothing back from the device. The plan keeps the index tensors it was given (the kernels read a
     device int64 one in place): they must not change while the plan is in use."""
 
-    def __init__(self, step: dict, tokens: int | None = None):
+    def __init__(self, step: dict, tokens: int | None = None, query=None):
         launch = {name: step.pop(name) for name in ("threads", "rung", "num_splits")}
         check_launch(launch["rung"], launch["threads"], launch["num_splits"], rungs=(1, 2, 3, 4, 5))
         kv_heads = _check_attention_attrs(step["num_heads"], step["head_dim"], step["num_kv_heads"],
                                           step["is_causal"], step["is_alibi"])
+        if query is not None:      # the one call: a head_dim its query contradicts is named before what follows it
+            _check_query(query, step["num_heads"], step["head_dim"])
         _check_cache_attrs(step["num_layer"], step["quant_bit"], step["quant_group"], step["head_dim"],
                            step["cache_mode"], step["cache_layout"], step["page_size"])
         self._given = {name: step.pop(name) for name in _INDEX_INPUTS}
