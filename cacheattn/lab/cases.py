@@ -266,8 +266,48 @@ def _takes_rung(operator) -> bool:
 
 
 class PlannedCase:
-    """A case whose operator offers the rungs in `self.rungs` and whose default is `cacheattn.plan`'s choice for
-    `self.shape()`: the split counts and the default the lab counts come from the plan itself."""
+    """A decode step of one float16 query token a sequence over `self.kvlen` float16 keys (`batch`, `num_heads`,
+    `num_kv_heads`, `head_dim` fields), by an operator that offers the rungs in `self.rungs` and whose default is
+    `cacheattn.plan`'s choice for `self.shape()`: the split counts and the default the lab counts come from the
+    plan itself. `must_move` is the operator's own."""
+    new_tokens = 1
+    quant_bit = 0
+    quant_group = 0
+    cache = "float16"
+    cache_mode = 0
+    page_size = 0
+
+    @property
+    def value_bytes(self) -> int:
+        return 2 * self.head_dim
+
+    @property
+    def row_bytes(self) -> int:
+        return self.value_bytes
+
+    @property
+    def floor_bytes(self) -> int:
+        return sum(self.must_move.values())
+
+    @property
+    def flops(self) -> int:
+        return 4 * self.head_dim * self.num_heads * self.batch * self.kvlen
+
+    def chunk(self, rung: int) -> int:
+        from kernels_numba._cache import chunk_elements
+        return chunk_elements(0, np.float16, rung)
+
+    def shape(self):
+        from ..plan import AttentionShape
+        return AttentionShape(batch=self.batch, max_query_len=1, max_kv_len=self.kvlen, num_heads=self.num_heads,
+                              num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, query_dtype="float16",
+                              decode_sequences=self.batch)
+
+    def rung_keywords(self, rung: int, num_splits: int) -> dict:
+        """The call's `rung=` (and rung 4's `num_splits=`) where the operator offers them; none where it does not."""
+        if 3 not in self.rungs:
+            return {}
+        return dict(rung=rung, **({"num_splits": num_splits} if rung == 4 else {}))
 
     def splits(self, rung: int, threads: int = 128) -> int:
         if rung != 4 or 4 not in self.rungs:
@@ -300,12 +340,6 @@ class OnnxBenchCase(PlannedCase):
 
     operator = "ONNX Attention"
     kv_arrays = ("k_src.data", "v_src.data")   # present, as the attention kernel reads it (not the copy's sources)
-    new_tokens = 1
-    quant_bit = 0
-    quant_group = 0
-    cache = "float16"
-    cache_mode = 0
-    page_size = 0
 
     @property
     def rungs(self) -> tuple:
@@ -317,14 +351,6 @@ class OnnxBenchCase(PlannedCase):
         return self.context + 1
 
     @property
-    def value_bytes(self) -> int:
-        return 2 * self.head_dim
-
-    @property
-    def row_bytes(self) -> int:
-        return self.value_bytes
-
-    @property
     def must_move(self) -> dict:
         """Past K and V read once, the new token's K and V read once, present (past and new) written once, Q read
         once, Y written once (float16)."""
@@ -332,24 +358,6 @@ class OnnxBenchCase(PlannedCase):
         q = self.batch * self.num_heads * self.head_dim * 2
         return dict(kv=2 * heads_kv * self.context * self.row_bytes, new_kv=2 * heads_kv * self.row_bytes,
                     present=2 * heads_kv * self.kvlen * self.row_bytes, q=q, o=q)
-
-    @property
-    def floor_bytes(self) -> int:
-        return sum(self.must_move.values())
-
-    @property
-    def flops(self) -> int:
-        return 4 * self.head_dim * self.num_heads * self.batch * self.kvlen
-
-    def chunk(self, rung: int) -> int:
-        from kernels_numba._cache import chunk_elements
-        return chunk_elements(0, np.float16, rung)
-
-    def shape(self):
-        from ..plan import AttentionShape
-        return AttentionShape(batch=self.batch, max_query_len=1, max_kv_len=self.kvlen, num_heads=self.num_heads,
-                              num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, query_dtype="float16",
-                              decode_sequences=self.batch)
 
     def onnx_case(self) -> OnnxCase:
         return OnnxCase(batch=self.batch, q_heads=self.num_heads, kv_heads=self.num_kv_heads, q_len=1, kv_len=1,
@@ -360,12 +368,9 @@ class OnnxBenchCase(PlannedCase):
     def call(self, rung: int, threads: int = 128, num_splits: int = 1):
         import cacheattn
         case = self.onnx_case()
-        extra = {}
-        if 3 in self.rungs:
-            extra = dict(rung=rung, **({"num_splits": num_splits} if rung == 4 else {}))
         attrs = {k: v for k, v in case.attrs().items() if k != "opset"}
         return cacheattn.onnx_attention(**build_onnx(case), **attrs, opset=case.opset, backend="numba",
-                                        threads=threads, **extra)
+                                        threads=threads, **self.rung_keywords(rung, num_splits))
 
 
 @dataclass(frozen=True)
@@ -386,12 +391,6 @@ class FTBenchCase(PlannedCase):
 
     operator = "FasterTransformer cross_attention"
     kv_arrays = ("k_src[0]", "v_src[0]")       # the attention kernel's cache sources, (data, ...) each
-    new_tokens = 1
-    quant_bit = 0
-    quant_group = 0
-    cache = "float16"
-    cache_mode = 0
-    page_size = 0
 
     def __post_init__(self):
         if self.num_kv_heads != self.num_heads:
@@ -418,35 +417,9 @@ class FTBenchCase(PlannedCase):
         return self.encoder_length - 1
 
     @property
-    def value_bytes(self) -> int:
-        return 2 * self.head_dim
-
-    @property
-    def row_bytes(self) -> int:
-        return self.value_bytes
-
-    @property
     def must_move(self) -> dict:
         q = self.batch * self.num_heads * self.head_dim * 2
         return dict(kv=2 * self.batch * self.num_heads * self.encoder_length * self.row_bytes, q=q, o=q)
-
-    @property
-    def floor_bytes(self) -> int:
-        return sum(self.must_move.values())
-
-    @property
-    def flops(self) -> int:
-        return 4 * self.head_dim * self.num_heads * self.batch * self.encoder_length
-
-    def chunk(self, rung: int) -> int:
-        from kernels_numba._cache import chunk_elements
-        return chunk_elements(0, np.float16, rung)
-
-    def shape(self):
-        from ..plan import AttentionShape
-        return AttentionShape(batch=self.batch, max_query_len=1, max_kv_len=self.encoder_length,
-                              num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                              query_dtype="float16", decode_sequences=self.batch)
 
     def ft_case(self) -> FTCase:
         hidden = self.num_heads * self.head_dim
@@ -458,11 +431,8 @@ class FTBenchCase(PlannedCase):
     def call(self, rung: int, threads: int = 128, num_splits: int = 1):
         import cacheattn
         case = self.ft_case()
-        extra = {}
-        if 3 in self.rungs:
-            extra = dict(rung=rung, **({"num_splits": num_splits} if rung == 4 else {}))
         return cacheattn.cross_attention(**build_ft(case), **case.attrs(), backend="numba", threads=threads,
-                                         **extra)
+                                         **self.rung_keywords(rung, num_splits))
 
 
 TRT_DECODE = TrtBenchCase("trtllm generation B64 ctx4096 paged fp16", 64, 4096)
