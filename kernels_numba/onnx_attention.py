@@ -267,6 +267,13 @@ def _kv_source(new, past, heads, present=None):
                   i64(n_sb), i64(n_st), i64(n_sh), *stored)
 
 
+def _walked_sources(K, V, past_key, past_value, kv_heads, head_dim, v_dim, present):
+    """(k, v, vector) for rungs 3 to 5: the OnnxKV walks of K and V (storing into present = (present_key,
+    present_value), or (None, None)), and whether both read in 16-byte loads."""
+    k_kv, v_kv = _kv_source(K, past_key, kv_heads, present[0]), _kv_source(V, past_value, kv_heads, present[1])
+    return k_kv, v_kv, _vector_ok(k_kv, head_dim) and _vector_ok(v_kv, v_dim)
+
+
 def _vector_ok(src: OnnxKV, size: int) -> bool:
     """Whether every row of both tensors of `src` can be read in 16-byte loads: aligned data, rows of whole
     16-byte chunks, every stride a multiple of 16 bytes (decided on the host, once per launch)."""
@@ -452,8 +459,7 @@ def _attention(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, *, is
     lens = to_kind(Q, np.full(batch, q_len, np.int64)), to_kind(Q, np.full(batch, total, np.int64))
     q_geom, y_geom = (flat(Q), zero_starts, *_q_geometry(Q, q_heads)), (flat(Y), zero_starts, *_q_geometry(Y, q_heads))
     if rung == 5:
-        k_kv, v_kv = _kv_source(K, past_key, kv_heads), _kv_source(V, past_value, kv_heads)
-        vector = _vector_ok(k_kv, head_dim) and _vector_ok(v_kv, v_dim)
+        k_kv, v_kv, vector = _walked_sources(K, V, past_key, past_value, kv_heads, head_dim, v_dim, (None, None))
         kernel, heads_per_block, q_tile = _mma_kernel(head_dim, v_dim, q_heads, kv_heads, min(q_len, 16), threads,
                                                       vector)
         grid = (max(1, ceil_div(q_len, q_tile)), q_heads // heads_per_block, batch)
@@ -494,8 +500,7 @@ def _attend_vector(rung, num_splits, Q, K, V, past_key, past_value, present, Y, 
     """Y on rung 3, or rung 4's split partials and the combine: K/V read from past and K / V where they are;
     present = (present_key, present_value) to store every row into as it is loaded, or (None, None)."""
     batch, q_len = Q.shape[0], (Q.shape[2] if Q.ndim == 4 else Q.shape[1])
-    k_kv, v_kv = _kv_source(K, past_key, kv_heads, present[0]), _kv_source(V, past_value, kv_heads, present[1])
-    vector = _vector_ok(k_kv, head_dim) and _vector_ok(v_kv, v_dim)
+    k_kv, v_kv, vector = _walked_sources(K, V, past_key, past_value, kv_heads, head_dim, v_dim, present)
     itemsize = np.dtype(Q.dtype).itemsize
     key = (np.dtype(Q.dtype).str, head_dim, v_dim, q_heads, kv_heads, min(q_len, 16), threads, vector)
     heads_per_block, q_tile, step = vector_rows(q_heads, kv_heads, min(q_len, 16), head_dim, v_dim, itemsize, threads)
