@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 # The lab's bench cases by their command-line names (cacheattn.lab.counters.CASE_NAMES, which needs the kernels to
 # import; a test keeps the two the same).
 LAB_CASES = ("decode", "decode-int8", "decode-int4", "decode-32k", "prefill-4k", "trtllm-decode", "trtllm-decode-int8",
-             "trtllm-decode-fp8", "onnx-decode", "ft-cross")
+             "trtllm-decode-fp8", "trtllm-context", "onnx-decode", "ft-cross")
 
 
 def main(argv=None) -> int:

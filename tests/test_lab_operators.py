@@ -17,6 +17,7 @@ from cacheattn.lab.cases import (
     LAB_CASES,
     ONNX_DECODE,
     OPERATOR_CASES,
+    TRT_CONTEXT,
     TRT_DECODE,
     FTBenchCase,
     TrtBenchCase,
@@ -56,6 +57,16 @@ def test_the_onnx_and_ft_floors():
         FTBenchCase("bad", 1, 8, num_heads=4, num_kv_heads=2)
 
 
+def test_the_trtllm_context_floor_is_qkv_once_the_cache_store_and_o():
+    # One prompt of 4096 tokens: the packed QKV (32 + 2 x 8 heads of 128 float16) read once, K and V stored into the
+    # float16 cache once, the output written once; nothing cached before it. FLOPs: the causal triangle.
+    tokens = 4096
+    assert TRT_CONTEXT.must_move == dict(qkv=tokens * 48 * 128 * 2, store=2 * tokens * 8 * 256, kv=0,
+                                         o=tokens * 32 * 128 * 2)
+    assert TRT_CONTEXT.flops == 4 * 128 * 32 * tokens * (tokens + 1) // 2
+    assert (TRT_CONTEXT.kvlen, TRT_CONTEXT.rungs) == (4096, (1, 5))
+
+
 def test_every_case_gets_a_plan_and_its_default_call():
     plans = {p.case.label: p for p in counters.plans()}
     assert list(plans) == [case.label for case in ALL_LAB_CASES]
@@ -74,6 +85,13 @@ def test_every_case_gets_a_plan_and_its_default_call():
         if plan.rungs == (1,):
             assert counters.default_call(plan)["rung"] == 1
     assert plans[ONNX_DECODE.label].counted.num_heads == 4 and plans[FT_CROSS.label].counted.num_heads == 1
+    # TensorRT-LLM's context step is counted as a prefill (the parabola through PREFILL_POINTS new tokens); its
+    # default call runs rung 5, the operator's own decision.
+    context = plans[TRT_CONTEXT.label]
+    assert context.prefill and context.points == counters.PREFILL_POINTS and context.grid_scale == 8
+    default = counters.default_call(context)
+    assert (default["rung"], default["num_splits"], default["counted as"]) == (5, 1, "5")
+    assert "mma.sync" in default["reason"]
     assert plans[FT_CROSS.label].grid_scale == 64 * 16 / 2
     # OpenPPL's default is cacheattn.plan's choice, recorded beside the rungs.
     from cacheattn.plan import plan as kernel_plan
@@ -163,3 +181,11 @@ def test_the_committed_trtllm_counts_are_current():
     plan = next(p for p in counters.plans() if p.case.label == OPERATOR_CASES[2].label)
     shown = counters.committed()["operators"][plan.case.label]["rungs"]["3"]
     assert counters._count((plan, 3, shown["points"][0], 128, 1)) == shown["counted"][0]
+
+
+@pytest.mark.skipif(not SIM, reason="the lab counts in numba's CUDA simulator")
+def test_the_committed_trtllm_context_counts_are_current():
+    # As for the generation step: rung 5's first point (16 new tokens), the default call's column.
+    plan = next(p for p in counters.plans() if p.case.label == TRT_CONTEXT.label)
+    shown = counters.committed()["operators"][plan.case.label]["rungs"]["5"]
+    assert counters._count((plan, 5, shown["points"][0], 128, 1)) == shown["counted"][0]

@@ -200,6 +200,7 @@ def test_readme_operator_figures_are_the_committed_runs():
     def bound(label, rung):
         return operators[label]["rungs"][str(rung)]["bounds"]
 
+    context = operators.pop("trtllm context B1 4096 tokens fp16")
     trt, trt_int8, trt_fp8, onnx, ft = (operators[label] for label in operators)
     for op in (trt, trt_int8, trt_fp8, onnx, ft):
         assert op["default"]["rung"] == 3, op["default"]
@@ -222,6 +223,14 @@ def test_readme_operator_figures_are_the_committed_runs():
         "on rung 1 they are bound at " + ", ".join(f"{r['lower bound µs (derived)']:,.1f}" for r in rung1[:2])
         + f" and {rung1[2]['lower bound µs (derived)']:,.1f} µs by shared memory",
     ]
+    # TensorRT-LLM's context step runs rung 5 by default, its HMMA the FLOPs' within 1%.
+    assert context["default"]["rung"] == 5
+    fast = context["rungs"]["5"]
+    assert abs(fast["derived"]["HMMA / (FLOPs / 4096)"] - 1) <= 0.01
+    expected.append(f"TensorRT-LLM's context step of {context['case']['new_tokens']:,} tokens on rung 5 at "
+                    f"{fast['bounds']['TFLOP/s at the bound (derived)']:.0f} TFLOP/s "
+                    f"({fast['bounds']['lower bound µs (derived)']:.1f} µs, limited by "
+                    f"{ {'shared': 'shared memory'}.get(fast['bounds']['limited by'], fast['bounds']['limited by'])})")
     missing = [sentence for sentence in expected if sentence not in readme]
     assert missing == [], "the README's operator figures differ from docs/kernel-ladder-counts.json:\n" + \
         "\n".join(missing)

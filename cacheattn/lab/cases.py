@@ -250,6 +250,91 @@ class TrtBenchCase:
                                        **extra)
 
 
+@dataclass(frozen=True)
+class TrtContextBenchCase:
+    """One TensorRT-LLM `gpt_attention` context step: `batch` prompts of `new_tokens` tokens each and nothing cached
+    before them, a paged float16 cache of `tokens_per_block` tokens a block, no position embedding. The preprocess
+    stores the prompt's K and V into the cache; the fused context kernel reads them from the float16 scratch the
+    preprocess also writes (as TensorRT-LLM's context FMHA reads the packed QKV), under the causal mask.
+
+    Rungs 1 and 5 serve it (rung 5, `mma.sync`, is the default for a float16 query); what it must move at least:
+    the packed QKV read once, the new K and V stored into the cache once, the output written once."""
+    label: str
+    batch: int
+    new_tokens: int
+    context: int = 0
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    tokens_per_block: int = 64
+
+    operator = "TensorRT-LLM gpt_attention"
+    rungs = (1, 5)
+    kv_arrays = ("_src.scratch", "_src.cache")   # the prompt's K/V in the scratch, a chunked context's in the pool
+    cache = "float16"
+    quant_bit = 0
+    cache_mode = 1
+
+    @property
+    def page_size(self) -> int:
+        return self.tokens_per_block
+
+    @property
+    def kvlen(self) -> int:
+        return self.context + self.new_tokens
+
+    @property
+    def value_bytes(self) -> int:
+        return 2 * self.head_dim
+
+    @property
+    def row_bytes(self) -> int:
+        return self.value_bytes
+
+    @property
+    def must_move(self) -> dict:
+        tokens = self.batch * self.new_tokens
+        heads = self.num_heads + 2 * self.num_kv_heads
+        return dict(qkv=tokens * heads * self.head_dim * 2, store=2 * tokens * self.num_kv_heads * self.row_bytes,
+                    kv=2 * self.batch * self.context * self.num_kv_heads * self.row_bytes,
+                    o=tokens * self.num_heads * self.head_dim * 2)
+
+    @property
+    def floor_bytes(self) -> int:
+        return sum(self.must_move.values())
+
+    @property
+    def flops(self) -> int:
+        """As `BenchCase.flops`: query i of a prompt sees context + i + 1 keys."""
+        pairs = self.new_tokens * self.context + self.new_tokens * (self.new_tokens + 1) // 2
+        return 4 * self.head_dim * self.num_heads * self.batch * pairs
+
+    def trt_case(self) -> TrtCase:
+        return TrtCase(contexts=((self.context, self.new_tokens),) * self.batch, generations=(), beam_width=1,
+                       num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_dim,
+                       dtype="float16", capacity=self.kvlen, window=self.kvlen, paged=True,
+                       tokens_per_block=self.tokens_per_block)
+
+    def splits(self, rung: int, threads: int = 128) -> int:
+        return 1
+
+    def default_plan(self, threads: int = 128) -> dict:
+        """What `gpt_attention`'s default call runs for this context step: the operator's own decision
+        (`trtllm_context.context_rung`)."""
+        from kernels_numba.trtllm_context import context_rung
+        rung, reason = context_rung(rung=None, rounds_as="float16", head_size=self.head_dim, threads=threads,
+                                    fused_generation=False, num_splits=None)
+        return dict(rung=rung, num_splits=1, threads=threads, reason=reason)
+
+    def call(self, rung: int, threads: int = 128, num_splits: int = 1):
+        """One gpt_attention context step of this case at `rung` (rung 1 unsplit: multi-block mode would split a
+        cut-down grid that the full launch fills)."""
+        import cacheattn
+        extra = {"num_splits": num_splits} if rung == 1 else {}
+        return cacheattn.gpt_attention(**build_trt(self.trt_case()), backend="numba", threads=threads, rung=rung,
+                                       **extra)
+
+
 DECODE = BenchCase("decode B64 ctx4096 paged fp16", 64, 4096, 1)
 DECODE_INT8 = BenchCase("decode B64 ctx4096 paged int8", 64, 4096, 1, quant_bit=8)
 DECODE_INT4 = BenchCase("decode B64 ctx4096 paged int4", 64, 4096, 1, quant_bit=4)
@@ -339,7 +424,9 @@ class OnnxBenchCase(PlannedCase):
     head_dim: int = 128
 
     operator = "ONNX Attention"
-    kv_arrays = ("k_src.data", "v_src.data")   # present, as the attention kernel reads it (not the copy's sources)
+    # What the attention kernel reads K/V from: present (rung 1, after the copy kernels), or past and the new token
+    # (rungs 3 and 4, which write present as they read them).
+    kv_arrays = ("_src.data", "_src.past", "_src.new")
 
     @property
     def rungs(self) -> tuple:
@@ -438,13 +525,15 @@ class FTBenchCase(PlannedCase):
 TRT_DECODE = TrtBenchCase("trtllm generation B64 ctx4096 paged fp16", 64, 4096)
 TRT_DECODE_INT8 = TrtBenchCase("trtllm generation B64 ctx4096 paged int8", 64, 4096, kv_cache="int8")
 TRT_DECODE_FP8 = TrtBenchCase("trtllm generation B64 ctx4096 paged fp8", 64, 4096, kv_cache="fp8")
+TRT_CONTEXT = TrtContextBenchCase("trtllm context B1 4096 tokens fp16", 1, 4096)
 # ... and what the lab counts and bounds: the five bench cases of OpenPPL's operator (its headline decode with each
 # cache format, B = 1 at 32k, prefill), then the other operators' at the headline shape (TensorRT-LLM's generation
-# step with each of its cache formats, ONNX's decode with past, FasterTransformer's cross-attention step).
+# step with each of its cache formats and its context step of 4096 tokens, ONNX's decode with past,
+# FasterTransformer's cross-attention step).
 LAB_CASES = (DECODE, DECODE_INT8, DECODE_INT4, LONG_DECODE, PREFILL)
 ONNX_DECODE = OnnxBenchCase("onnx decode B64 past4096 fp16", 64, 4096)
 FT_CROSS = FTBenchCase("ft cross-attention B64 enc1024 fp16", 64, 1024)
-OPERATOR_CASES = (TRT_DECODE, TRT_DECODE_INT8, TRT_DECODE_FP8, ONNX_DECODE, FT_CROSS)
+OPERATOR_CASES = (TRT_DECODE, TRT_DECODE_INT8, TRT_DECODE_FP8, TRT_CONTEXT, ONNX_DECODE, FT_CROSS)
 ALL_LAB_CASES = LAB_CASES + OPERATOR_CASES
 TINY_CASES = (
     BenchCase("tiny decode B2 ctx12 paged int8", 2, 12, 1, num_heads=2, num_kv_heads=1, head_dim=8, page_size=4,

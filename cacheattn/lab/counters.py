@@ -4,7 +4,8 @@ give on an H100 SXM.
 The bench cases (`cases.LAB_CASES`, OpenPPL's: the headline paged GQA decode, B = 64 at context 4096, with
 float16, int8 and int4 caches; B = 1 at context 32768; a causal prefill of 4096 tokens; 32 query / 8 kv heads,
 head_dim 128; then `cases.OPERATOR_CASES`, the other operators' decode at the headline shape: TensorRT-LLM's
-generation step with float16, INT8 and FP8 caches, ONNX with past, FasterTransformer's cross-attention step) are far
+generation step with float16, INT8 and FP8 caches and its context step of 4096 tokens, ONNX with past,
+FasterTransformer's cross-attention step) are far
 too large for numba's CUDA simulator, which runs every thread in Python. Each is counted on launches of the same
 block shape cut down twice:
 
@@ -444,6 +445,9 @@ def splice(result: dict, into: dict) -> dict:
                 raise ValueError(f"{label} at {case['threads']} threads is not in the file to update")
             else:
                 held[label]["rungs"].update(case["rungs"])
+        if key in into:          # in the order the code lists the cases (one counted for the first time included)
+            order = {known.label: i for i, known in enumerate(ALL_LAB_CASES)}
+            into[key] = dict(sorted(into[key].items(), key=lambda item: order.get(item[0], len(order))))
     return rederive(into)
 
 
@@ -507,7 +511,7 @@ def print_ladder(result: dict) -> None:
 
 # The command line's names of the bench cases.
 CASE_NAMES = dict(zip(("decode", "decode-int8", "decode-int4", "decode-32k", "prefill-4k", "trtllm-decode",
-                       "trtllm-decode-int8", "trtllm-decode-fp8", "onnx-decode", "ft-cross"),
+                       "trtllm-decode-int8", "trtllm-decode-fp8", "trtllm-context", "onnx-decode", "ft-cross"),
                       (case.label for case in ALL_LAB_CASES)))
 
 
@@ -556,6 +560,7 @@ def committed(path: Path = COMMITTED) -> dict:
 def _short(label: str) -> str:
     return label.replace("decode B64 ctx4096 paged ", "B64 ").replace("decode B1 ctx32768 paged fp16", "B1 32k") \
         .replace("prefill B1 4096 tokens fp16", "prefill 4k").replace("trtllm generation B64 ctx4096 paged ", "TRT ") \
+        .replace("trtllm context B1 4096 tokens fp16", "TRT context 4k") \
         .replace("onnx decode B64 past4096 fp16", "ONNX B64").replace("ft cross-attention B64 enc1024 fp16", "FT cross")
 
 
@@ -613,9 +618,13 @@ def operators_summary(result: dict) -> str:
             keys = full["kv_must_see"] / (2 * row_bytes)
             conflicts = (full[recorder.CONFLICTS_LD] + full[recorder.CONFLICTS_ST]) / keys
             mark = "  default" if default["counted as"] == rung else ""
+            # A prefill is held by its arithmetic: its tensor-core work against the FLOPs, and the rate at its bound.
+            arithmetic = "".join((f"; HMMA {d['HMMA / (FLOPs / 4096)']:.3f}x FLOPs/4096" if d["HMMA / (FLOPs / 4096)"]
+                                  else "", f"; {b['TFLOP/s at the bound (derived)']:.0f} TFLOP/s"
+                                  if "TFLOP/s at the bound (derived)" in b else ""))
             lines.append(f"  rung {rung}: ≥ {b['lower bound µs (derived)']:>7,.1f} µs ({b['limited by']}, "
                          f"{b['HBM share at the bound']:.0%} of HBM); DRAM/floor {b['DRAM / floor (derived)']:.3f}; "
                          f"K/V sectors {_share(d['K/V ld sector efficiency'])} used, read "
                          f"{d['K/V reads per block (loaded / must see)']:.2f}x a block; {conflicts:.2f} conflicts/key"
-                         f"{mark}")
+                         f"{arithmetic}{mark}")
     return "\n".join(lines)
