@@ -579,13 +579,12 @@ def rung_summary(result: dict, rung: int) -> str:
         r = case["rungs"].get(str(rung))
         if r is None:
             continue
-        b, d, full = r["bounds"], r["derived"], r["full"]
-        keys = full["kv_must_see"] / (2 * case_of(label, case["case"]).row_bytes)
-        conflicts = (full[recorder.CONFLICTS_LD] + full[recorder.CONFLICTS_ST]) / keys
+        b, d = r["bounds"], r["derived"]
+        conflicts = key_loop_conflicts(r, case_of(label, case["case"]).row_bytes)
         line = (f"{_short(label):<10} ≥ {b['lower bound µs (derived)']:>7,.1f} µs ({b['limited by']}, "
                 f"{b['HBM share at the bound']:.0%} of HBM); DRAM/floor {b['DRAM / floor (derived)']:.3f}; K/V sectors "
                 f"{d['K/V ld sector efficiency']:.0%} used, read {d['K/V reads per block (loaded / must see)']:.2f}x "
-                f"a block; {conflicts:.2f} conflicts/key")
+                f"a block; {conflicts}")
         if d["splits"] > 1:
             line += f"; {d['splits']} splits, {d['blocks (attention)']} blocks"
         if d["HMMA / (FLOPs / 4096)"]:
@@ -596,6 +595,23 @@ def rung_summary(result: dict, rung: int) -> str:
             line += f"; {b['TFLOP/s at the bound (derived)']:.0f} TFLOP/s"
         lines.append(line)
     return "\n".join(lines)
+
+
+def key_loop_conflicts(shown: dict, row_bytes: int) -> str:
+    """A rung's shared-memory bank conflicts (loads and stores) as the key loop adds them, per key a block sees:
+    the slope between its last two counted points, so what a block does once (the warps' merge at the end) is
+    told apart; for a decode, whose counts are linear in the keys, that once-a-block part too."""
+    def keys_and_conflicts(point):
+        return (point["kv_must_see"] / (2 * row_bytes),
+                point[recorder.CONFLICTS_LD] + point[recorder.CONFLICTS_ST])
+
+    (keys0, conflicts0), (keys1, conflicts1) = map(keys_and_conflicts, shown["counted"][-2:])
+    per_key = (conflicts1 - conflicts0) / (keys1 - keys0)
+    text = f"{per_key:.2f} conflicts/key in the key loop"
+    once = (conflicts1 - per_key * keys1) / shown["counted"][-1]["attention blocks"]
+    if len(shown["counted"]) == 2 and round(once):
+        text += f" + {once:,.0f} a block outside it"
+    return text
 
 
 def _share(x) -> str:
@@ -614,9 +630,8 @@ def operators_summary(result: dict) -> str:
                      f"{default['num_splits']} split(s): {default['reason']}")
         row_bytes = case_of(label, case["case"]).row_bytes
         for rung, r in case["rungs"].items():
-            b, d, full = r["bounds"], r["derived"], r["full"]
-            keys = full["kv_must_see"] / (2 * row_bytes)
-            conflicts = (full[recorder.CONFLICTS_LD] + full[recorder.CONFLICTS_ST]) / keys
+            b, d = r["bounds"], r["derived"]
+            conflicts = key_loop_conflicts(r, row_bytes)
             mark = "  default" if default["counted as"] == rung else ""
             # A prefill is held by its arithmetic: its tensor-core work against the FLOPs, and the rate at its bound.
             arithmetic = "".join((f"; HMMA {d['HMMA / (FLOPs / 4096)']:.3f}x FLOPs/4096" if d["HMMA / (FLOPs / 4096)"]
@@ -625,6 +640,6 @@ def operators_summary(result: dict) -> str:
             lines.append(f"  rung {rung}: ≥ {b['lower bound µs (derived)']:>7,.1f} µs ({b['limited by']}, "
                          f"{b['HBM share at the bound']:.0%} of HBM); DRAM/floor {b['DRAM / floor (derived)']:.3f}; "
                          f"K/V sectors {_share(d['K/V ld sector efficiency'])} used, read "
-                         f"{d['K/V reads per block (loaded / must see)']:.2f}x a block; {conflicts:.2f} conflicts/key"
+                         f"{d['K/V reads per block (loaded / must see)']:.2f}x a block; {conflicts}"
                          f"{arithmetic}{mark}")
     return "\n".join(lines)
