@@ -410,11 +410,7 @@ def _plan(dtype, lengths, done, caches, head_num, size_per_head, rung, num_split
     shape = AttentionShape(batch=running, max_query_len=1, max_kv_len=int(np.max(lengths, initial=1)),
                            num_heads=head_num, num_kv_heads=head_num, head_dim=size_per_head, query_dtype=dtype,
                            decode_sequences=running)
-    chosen = plan_kernels(shape, rung=rung, num_splits=num_splits, threads=threads, sms=sms)
-    if chosen.rung not in RUNGS:       # the plan's rung 5 (or 2): this operator's CUDA-core rungs serve it
-        forced = plan_kernels(shape, rung=4, threads=threads, sms=sms)
-        chosen = KernelPlan(4 if forced.num_splits > 1 else 3, forced.num_splits, threads,
-                            f"rung {chosen.rung} not offered, its CUDA-core rungs: {forced.num_splits} splits")
+    chosen = plan_kernels(shape, rung=rung, num_splits=num_splits, threads=threads, sms=sms, rungs=RUNGS)
     problem = fast_rung_problem(dtype, size_per_head, caches) if chosen.rung in (3, 4) else None
     if problem:
         return KernelPlan(1, 1, threads, f"fallback to shared-memory tiles: {problem}")

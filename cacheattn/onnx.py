@@ -349,8 +349,8 @@ def kernel_plan(Q, K, V, past_key=None, *, q_num_heads=None, kv_num_heads=None, 
                            num_kv_heads=kv_heads, head_dim=max(head_size, v_size), query_dtype=dtype,
                            decode_sequences=batch if q_len == 1 else 0, causal=bool(is_causal))
     if rung == 1:
-        return plan_kernels(shape, rung=1, threads=threads, sms=sms)
-    chosen = plan_kernels(shape, rung=rung, num_splits=num_splits, threads=threads, sms=sms)
+        return plan_kernels(shape, rung=1, threads=threads, sms=sms, rungs=RUNGS)
+    chosen = plan_kernels(shape, rung=rung, num_splits=num_splits, threads=threads, sms=sms, rungs=RUNGS)
     if rung is None and num_splits is None and q_len > 1 and chosen.rung != 5:
         return KernelPlan(1, 1, threads or 128, f"prefill runs on shared-memory tiles unless the tensor cores serve "
                                                 f"it or rung=3 or 4 asks for the vector kernel ({chosen.reason})")

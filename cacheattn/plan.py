@@ -34,6 +34,7 @@ import numpy as np
 
 from ._validate import check_int
 
+LADDER = (1, 2, 3, 4, 5)       # every rung of the kernel ladder (docs/kernel-ladder.md)
 DEFAULT_THREADS = 128          # the block size every rung was counted at (docs/kernel-ladder.md)
 MMA_FLOPS = 16 * 8 * 16 * 2    # one mma.m16n8k16
 MMA_ROWS = 16                  # query rows of one mma tile; rung 5 pads a block's rows to it
@@ -158,7 +159,7 @@ class KernelPlan:
 
 
 def plan(shape: AttentionShape, *, rung: int | None = None, num_splits: int | None = None,
-         threads: int | None = None, sms: int | None = None) -> KernelPlan:
+         threads: int | None = None, sms: int | None = None, rungs: tuple = LADDER) -> KernelPlan:
     """The kernel plan for a call of this shape.
 
     Parameters
@@ -175,6 +176,9 @@ def plan(shape: AttentionShape, *, rung: int | None = None, num_splits: int | No
         them).
     sms : int or None, default None
         The GPU's multiprocessors; None reads the current device (132, an H100 SXM, without one).
+    rungs : tuple of int, default (1, 2, 3, 4, 5)
+        The rungs the operator's kernels offer: the plan chooses among them (FasterTransformer's cross attention
+        offers (1, 3, 4), so rung 5 is never its choice), and a `rung` outside them is refused.
 
     Returns
     -------
@@ -183,7 +187,8 @@ def plan(shape: AttentionShape, *, rung: int | None = None, num_splits: int | No
     Raises
     ------
     ValueError
-        A `rung` asked for that cannot serve the call (named by `threads`, `rung` or `head_dim`), a `num_splits`
+        A `rung` asked for that cannot serve the call or that `rungs` lacks (named by `threads`, `rung` or
+        `head_dim`), a `num_splits`
         outside 1 to 64, or a call that no rung can hold (`head_dim` too wide for every kernel's shared memory at
         the block sizes tried).
 
@@ -204,17 +209,28 @@ def plan(shape: AttentionShape, *, rung: int | None = None, num_splits: int | No
     if sms is None:
         from kernels_numba._split_k import sm_count
         sms = sm_count()
-    return _plan(shape, rung, num_splits, threads, sms)
+    rungs = tuple(sorted(set(rungs)))
+    if not rungs or not set(rungs) <= set(LADDER) or 1 not in rungs:
+        raise ValueError(f"rungs: expected rungs of the ladder {LADDER} including rung 1 (every call's fallback), "
+                         f"got {rungs}")
+    if rung is not None and rung not in rungs:
+        raise ValueError(f"rung: this operator's kernels offer rungs {rungs}, got {rung!r}")
+    if rung is None and num_splits is not None and 4 not in rungs:
+        raise ValueError(f"num_splits: asks for rung 4's split-K, which this operator's kernels do not offer "
+                         f"(rungs {rungs})")
+    return _plan(shape, rung, num_splits, threads, sms, rungs)
 
 
 @lru_cache(maxsize=512)
-def _plan(shape, rung, num_splits, threads, sms):
+def _plan(shape, rung, num_splits, threads, sms, rungs=LADDER):
     if rung is None and num_splits is not None:
         return _forced(shape, 4, num_splits, threads or DEFAULT_THREADS, sms, f"num_splits={num_splits} given")
     if rung is not None:
         return _forced(shape, rung, num_splits, threads or DEFAULT_THREADS, sms, f"rung={rung} asked for")
-    cores, why_not_cores = _cuda_core_rung(shape, threads, sms)
-    tensor, why_not_tensor = _tensor_core_rung(shape, threads, sms)
+    cores, why_not_cores = (_cuda_core_rung(shape, threads, sms, split=4 in rungs) if 3 in rungs
+                            else (None, "rung 3 not offered"))
+    tensor, why_not_tensor = (_tensor_core_rung(shape, threads, sms) if 5 in rungs
+                              else (None, "rung 5 not offered"))
     if tensor is not None and (cores is None or tensor[1].bound_us < cores[1].bound_us):
         chosen = tensor[0]
         against = f"; CUDA cores: {_us(cores[1], cores[1].limiter)}" if cores is not None else ""
@@ -300,8 +316,9 @@ def _fewer(shape, t, threads):
         threads or DEFAULT_THREADS) else ""
 
 
-def _cuda_core_rung(shape, threads, sms):
-    """((plan, bounds), None) for rung 3, or 4 when rung 3's grid leaves SMs idle; (None, why not)."""
+def _cuda_core_rung(shape, threads, sms, split=True):
+    """((plan, bounds), None) for rung 3, or 4 when rung 3's grid leaves SMs idle (and `split` offers it); (None,
+    why not)."""
     if threads is not None and threads % 32:
         return None, f"rungs 2-5 need whole warps, threads is {threads}"
     why = ""
@@ -311,13 +328,14 @@ def _cuda_core_rung(shape, threads, sms):
         except ValueError as e:
             why = why or f"rung 3: {e}"
             continue
-        splits = _splits(shape, blocks, step, sms)
+        splits = _splits(shape, blocks, step, sms) if split else 1
         b = _bounds(shape, sms, blocks * splits, fma_flops=shape.flops)
         figures = f"{'memory' if b.limiter == 'DRAM' else 'compute'}-bound, {_us(b, 'DRAM')}, {_us(b, 'FMA')}"
         if splits > 1:
             reason = f"{blocks} blocks for {sms} SMs: {splits} splits make {blocks * splits}"
         else:
-            reason = f"{blocks} blocks fill {sms} SMs" if blocks >= sms else f"{blocks} blocks, too few keys to split"
+            reason = (f"{blocks} blocks fill {sms} SMs" if blocks >= sms else f"{blocks} blocks, too few keys to split"
+                      if split else f"{blocks} blocks, unsplit: rung 4 (split-K) not offered")
         return (KernelPlan(4 if splits > 1 else 3, splits, t, f"{reason}{_fewer(shape, t, threads)}; {figures}"),
                 b), None
     return None, why

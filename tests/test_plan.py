@@ -90,6 +90,27 @@ def test_asked_for_rungs_and_splits_are_kept_and_checked():
         plan(shape(**{**decode, "head_dim": 704}), rung=1)
 
 
+def test_an_operator_offering_fewer_rungs_gets_its_best_of_them():
+    """`rungs=`: FasterTransformer's cross attention offers rungs 1, 3 and 4; the float16 prefill that goes to the
+    tensor cores takes its CUDA-core rung instead, and a long decode on one request still splits."""
+    offered = (1, 3, 4)
+    assert plan(shape(), sms=132).rung == 5
+    chosen = plan(shape(), sms=132, rungs=offered)
+    assert chosen.rung == 3 and "compute-bound" in chosen.reason
+    long = shape(max_query_len=1, max_kv_len=32769, decode_sequences=1)
+    assert plan(long, sms=132, rungs=offered) == plan(long, sms=132)
+    # Without rung 4 the same decode runs unsplit on rung 3, and says so.
+    unsplit = plan(long, sms=132, rungs=(1, 3))
+    assert (unsplit.rung, unsplit.num_splits) == (3, 1) and "rung 4 (split-K) not offered" in unsplit.reason
+    with pytest.raises(ValueError, match=r"^rung\b.*offer rungs \(1, 3, 4\)"):
+        plan(shape(), rung=5, rungs=offered)
+    with pytest.raises(ValueError, match=r"^num_splits\b"):
+        plan(long, num_splits=4, rungs=(1, 3))
+    for bad in ((), (3, 4), (1, 6)):
+        with pytest.raises(ValueError, match=r"^rungs\b"):
+            plan(shape(), rungs=bad)
+
+
 @pytest.mark.parametrize("field,value", [("num_kv_heads", 3), ("batch", -1), ("head_dim", 0), ("quant_bit", 2),
                                          ("decode_sequences", 2)])
 def test_shape_facts_are_checked(field, value):
