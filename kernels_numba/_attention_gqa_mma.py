@@ -177,22 +177,22 @@ def _word_loader(nbytes: int, itemsize: int):
 
 
 def _scale_table(pairs, quant_group: int, slice_dims: int) -> np.ndarray:
-    """(word, half) of the lane's loaded scale words for each dim of `pairs` ((n, 2) dims relative to the lane's
-    slice): (n, 2, 2) int64, a compile-time table."""
-    out = np.zeros((len(pairs), 2, 2), np.int64)
+    """For each value pair of `pairs` ((n, 2) dims relative to the lane's slice), the loaded scale words of its two
+    groups and the prmt selector that picks their halves (`pair_selector`): (n, 3) int64, a compile-time table."""
+    out = np.zeros((len(pairs), 3), np.int64)
     for n, dims in enumerate(pairs):
-        for k, d in enumerate(dims):
-            group = d // quant_group if quant_group <= slice_dims else 0
-            out[n, k] = group // 2, group % 2
+        groups = [d // quant_group if quant_group <= slice_dims else 0 for d in dims]
+        out[n] = groups[0] // 2, groups[1] // 2, pair_selector(groups[0] % 2, groups[1] % 2)
     return out
 
 
 def make_gqa_mma_decode_kernel(score, key_range, *, quant_bit: int, quant_group: int, head_dim: int,
-                               heads_per_block: int, group: int, warps: int, whole_trips: bool):
+                               heads_per_block: int, group: int, warps: int, whole_trips: bool, biased: bool = True):
     """Build the kernel. Launch grid (1, num_heads / heads_per_block, B), 32 * warps threads; arguments as
     `_attention_mma.make_mma_attention_kernel`'s kernel (float16 query, one position a sequence).
     score / key_range: the operator's (`make_ppl_score`); whole_trips: the page length is a multiple of 16 (every
-    trip in one page)."""
+    trip in one page); biased: the call has a mask or ALiBi (else a score is q.k / sqrt(D) and `score` is not
+    called)."""
     D, HPB, WARPS = head_dim, heads_per_block, warps
     if D not in HEAD_DIMS:
         raise ValueError(f"head_dim: {D} is not one the tensor-core decode kernel takes ({HEAD_DIMS})")
@@ -205,19 +205,20 @@ def make_gqa_mma_decode_kernel(score, key_range, *, quant_bit: int, quant_group:
     K_WORDS, V_WORDS = max(1, K_BYTES // 4), max(1, V_BYTES // 4)
     K_SCALES, V_SCALES = max(1, K_DIMS // quant_group), max(1, V_DIMS // quant_group)
     KS_WORDS, VS_WORDS = max(1, K_SCALES // 2), max(1, V_SCALES // 2)
+    KW_SIZE, KSC_SIZE, VW_SIZE, VSC_SIZE = 2 * K_WORDS, 2 * KS_WORDS, 4 * V_WORDS, 4 * VS_WORDS   # local arrays
     V_UNITS = V_BYTES // 2                           # 2-byte pieces of a V slice: one prmt each
     load_k, load_v = _word_loader(K_BYTES, ITEM), _word_loader(V_BYTES, ITEM)
     load_k_scales, load_v_scales = _word_loader(2 * K_SCALES, 2), _word_loader(2 * V_SCALES, 2)
     # K: the slice dims of each k-step's two registers; their scales' (word, half) in the lane's scale words.
     k_rel = np.array([k_dims(quant_bit, D, 0, ks) for ks in range(K_STEPS)], np.int64)
     K_REL = k_rel
-    K_SC = _scale_table(k_rel.reshape(-1, 2), quant_group, K_DIMS).reshape(K_STEPS, 2, 2, 2)
-    V_SC = _scale_table([(vt, vt) for vt in range(V_TILES)], quant_group, V_DIMS)[:, 0]
+    K_SC = _scale_table(k_rel.reshape(-1, 2), quant_group, K_DIMS).reshape(K_STEPS, 2, 3)
+    V_SC = _scale_table([(vt, vt) for vt in range(V_TILES)], quant_group, V_DIMS)
     V_SELECT = INTERLEAVE_BYTES if quant_bit == 8 else INTERLEAVE_HALVES
     MMA_SCRATCH, QUAD_SCRATCH = scratch_shapes(WARPS)
     MERGE = merge_shape(D, WARPS, HPB)
     O_VALUES = 2 * V_TILES                          # a row's O fragments a lane holds
-    WHOLE = whole_trips
+    WHOLE, BIASED = whole_trips, biased
     f32, u32 = np.float32, np.uint32
     NEG_INF = f32(-math.inf)
     ZERO = u32(0)
@@ -238,10 +239,8 @@ def make_gqa_mma_decode_kernel(score, key_range, *, quant_bit: int, quant_group:
                     halves = int4x8_to_half2(kw[n * K_WORDS + w])
                 for k in range(len(halves)):
                     ks, j = (w, k) if quant_bit == 8 else (2 * w + k // 2, k % 2)
-                    lo_word, lo_half = K_SC[ks, j, 0, 0], K_SC[ks, j, 0, 1]
-                    hi_word, hi_half = K_SC[ks, j, 1, 0], K_SC[ks, j, 1, 1]
-                    scale = scale_half2(ksc[n * KS_WORDS + lo_word], ksc[n * KS_WORDS + hi_word],
-                                        pair_selector(lo_half, hi_half))
+                    scale = scale_half2(ksc[n * KS_WORDS + K_SC[ks, j, 0]], ksc[n * KS_WORDS + K_SC[ks, j, 1]],
+                                        K_SC[ks, j, 2])
                     kb[n, ks, j] = mul_half2(halves[k], scale)
 
     @cuda.jit(device=True, inline="always")
@@ -262,10 +261,119 @@ def make_gqa_mma_decode_kernel(score, key_range, *, quant_bit: int, quant_group:
                     halves = int4x8_to_half2(mixed)
                 for k in range(len(halves)):
                     vt = len(halves) * u + k
-                    word, half = V_SC[vt, 0], V_SC[vt, 1]
+                    word = V_SC[vt, 0]            # both keys' scales of the group: (word, half) alike
                     scale = scale_half2(vsc[2 * p * VS_WORDS + word], vsc[(2 * p + 1) * VS_WORDS + word],
-                                        pair_selector(half, half))
+                                        V_SC[vt, 2])
                     vb[p, vt] = mul_half2(halves[k], scale)
+
+    @cuda.jit(device=True, inline="always")
+    def trip(t0, tail, rows, srcs, kvs, walk, acc, regs, scratch, score_args, sm_scale, warp, lane):
+        """One warp's trip over keys t0 .. t0 + 15: loads, S = Q Kᵀ, softmax, O += P V. `tail` (compile-time):
+        the trip may hold keys from hi on, or lie past them (the last round of trips), so loads are clamped to
+        key hi - 1 and scores masked; the other trips hold only keys below hi.
+        rows: (b, h0, lo, hi, seqlen, kvlen); srcs: (k_src, v_src); kvs: this lane's element / scale indices of
+        slot 0 (K data, K scales, V data, V scales); walk: int64 (page index, offset, key it is at);
+        acc: (row_max, row_sum, o, qa); regs: (s, tile_max, kw, ksc, vw, vsc, kb, vb)."""
+        b, h0, lo, hi, seqlen, kvlen = rows
+        k_src, v_src = srcs
+        k_row, k_sc, v_row, v_sc = kvs
+        row_max, row_sum, o, qa = acc
+        s, tile_max, kw, ksc, vw, vsc, kb, vb = regs
+        mma_scratch, quad_scratch = scratch
+        grp, quad = lane // 4, lane % 4
+        tc = min(t0, hi - 1 - (hi - 1) % KEY_TILE) if tail else t0      # the trip whose keys are loaded
+        kmax = np.int32(min(hi - 1 - tc, KEY_TILE - 1))                  # keys past it load key hi - 1
+        starts, page = k_src.starts, k_src.page
+        slot0 = np.int64(0)
+        if WHOLE:
+            walk[1] += tc - walk[2]
+            walk[2] = tc
+            while walk[1] >= page:
+                walk[1] -= page
+                walk[0] += 1
+            slot0 = starts[b, walk[0]] + walk[1]
+        # 1. the trip's loads: K of keys grp, grp + 8; V of keys 2q, 2q + 1, 2q + 8, 2q + 9 (with scales)
+        for n in range(6):
+            k = np.int32(8 * n + grp if n < 2 else 2 * quad + (n - 2) % 2 + 8 * ((n - 2) // 2))
+            if tail:
+                k = min(k, kmax)
+            if WHOLE:
+                slot = slot0 + k
+            else:
+                t = tc + k
+                slot = starts[b, t // page] + t % page
+            if n < 2:
+                load_k(k_src.data, k_row + slot * k_src.s_t, kw, n * K_WORDS)
+                if quant_bit:
+                    load_k_scales(k_src.scales, k_sc + slot * k_src.sc_s_t, ksc, n * KS_WORDS)
+            else:
+                load_v(v_src.data, v_row + slot * v_src.s_t, vw, (n - 2) * V_WORDS)
+                if quant_bit:
+                    load_v_scales(v_src.scales, v_sc + slot * v_src.sc_s_t, vsc, (n - 2) * VS_WORDS)
+        # 2. S = Q Kᵀ: two n8 tiles (keys t0 + grp.., t0 + 8 + grp..), D / 16 mma each
+        key_fragments(kw, ksc, kb)
+        for nt in range(2):
+            for e in range(4):
+                s[nt, e] = 0.0
+        for ks in range(K_STEPS):
+            for nt in range(2):
+                s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3] = mma_m16n8k16(
+                    qa[ks, 0], qa[ks, 1], qa[ks, 2], qa[ks, 3], kb[nt, ks, 0], kb[nt, ks, 1],
+                    s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3], mma_scratch, warp, lane)
+        # 3. scores and the online softmax; element e of a C tile: row grp + 8 * (e // 2), key 2q + e % 2. Without
+        #    a mask or ALiBi a decode score is q.k / sqrt(D) (causality hides no key of the one query), and a row
+        #    past the group's heads needs no mask: its scores never meet a real row's (a row's max is its quad's).
+        low = np.int32(max(min(lo - t0, KEY_TILE), 0))                  # keys of the trip below lo, and from hi
+        high = np.int32(max(min(hi - t0, KEY_TILE), 0))
+        for r in range(2):
+            tile_max[r] = NEG_INF
+        for r in range(R):
+            h = h0 + grp + 8 * r
+            for nt in range(2):
+                for c in range(2):
+                    kt = np.int32(8 * nt + 2 * quad + c)
+                    x = NEG_INF
+                    if BIASED:
+                        if grp + 8 * r < HPB and low <= kt < high:
+                            x = score(score_args, s[nt, 2 * r + c] * sm_scale, b, h, 0, t0 + kt, seqlen, kvlen)
+                    elif low <= kt and (kt < high or not tail):
+                        x = s[nt, 2 * r + c] * sm_scale
+                    s[nt, 2 * r + c] = x
+                    tile_max[r] = max(tile_max[r], x)
+        top0, top1 = quad_max2(tile_max[0], tile_max[1], quad_scratch, warp, lane)
+        tile_max[0], tile_max[1] = top0, top1
+        for r in range(R):
+            new_max = max(row_max[r], tile_max[r])
+            alpha = f32(1.0)
+            if new_max != NEG_INF:                   # all hidden so far: nothing to rescale, p = 0
+                alpha = math.exp(row_max[r] - new_max)
+            part = f32(0.0)
+            for nt in range(2):
+                for c in range(2):
+                    p = f32(0.0)
+                    if new_max != NEG_INF:
+                        p = math.exp(s[nt, 2 * r + c] - new_max)
+                    s[nt, 2 * r + c] = p
+                    part += p
+            row_sum[r] = row_sum[r] * alpha + part
+            row_max[r] = new_max
+            for vt in range(V_TILES):
+                o[vt, 2 * r] *= alpha
+                o[vt, 2 * r + 1] *= alpha
+        # 4. P as the A fragment of P·V (rows grp + 8 zero unless the block has them)
+        p0, p2 = pack_half2(s[0, 0], s[0, 1]), pack_half2(s[1, 0], s[1, 1])
+        p1, p3 = ZERO, ZERO
+        if R == 2:
+            p1, p3 = pack_half2(s[0, 2], s[0, 3]), pack_half2(s[1, 2], s[1, 3])
+        # 5. O += P V: D / 8 n8 tiles, V's B registers from the interleaved key pairs
+        value_fragments(vw, vsc, vb)
+        for vt in range(V_TILES):
+            c2, c3 = (o[vt, 2], o[vt, 3]) if R == 2 else (f32(0.0), f32(0.0))
+            d0, d1, d2, d3 = mma_m16n8k16(p0, p1, p2, p3, vb[0, vt], vb[1, vt], o[vt, 0], o[vt, 1], c2, c3,
+                                          mma_scratch, warp, lane)
+            o[vt, 0], o[vt, 1] = d0, d1
+            if R == 2:
+                o[vt, 2], o[vt, 3] = d2, d3
 
     @cuda.jit
     def gqa_mma_decode_kernel(q_geom, out_geom, seqlens, kvlens, k_src, v_src, score_args, sm_scale):
@@ -306,111 +414,32 @@ def make_gqa_mma_decode_kernel(score, key_range, *, quant_bit: int, quant_group:
         for vt in range(V_TILES):
             for e in range(4):
                 o[vt, e] = 0.0
-        s = cuda.local.array((2, 4), f32)
-        tile_max = cuda.local.array(2, f32)
-        kw = cuda.local.array(2 * K_WORDS, np.uint32)
-        ksc = cuda.local.array(2 * KS_WORDS, np.uint32)
-        vw = cuda.local.array(4 * V_WORDS, np.uint32)
-        vsc = cuda.local.array(4 * VS_WORDS, np.uint32)
-        kb = cuda.local.array((2, K_STEPS, 2), np.uint32)
-        vb = cuda.local.array((2, V_TILES), np.uint32)
+        regs = (cuda.local.array((2, 4), f32), cuda.local.array(2, f32), cuda.local.array(KW_SIZE, np.uint32),
+                cuda.local.array(KSC_SIZE, np.uint32), cuda.local.array(VW_SIZE, np.uint32),
+                cuda.local.array(VSC_SIZE, np.uint32), cuda.local.array((2, K_STEPS, 2), np.uint32),
+                cuda.local.array((2, V_TILES), np.uint32))
+        acc = (row_max, row_sum, o, qa)
 
         lo, hi = key_range(score_args, b, 0, 0, seqlen, kvlen)
         first = lo - lo % KEY_TILE
         tiles = -(-(hi - first) // KEY_TILE) if hi > lo else 0
-        last = first + (tiles - 1) * KEY_TILE        # the last trip holding a key
-        starts, page = k_src.starts, k_src.page
+        rounds = -(-tiles // WARPS)                  # the same count in every warp: the simulator's barriers
         # This lane's slices in slot 0 of the sequence's cache: K dims K_DIMS * quad.., V dims V_DIMS * grp..
-        k_row = k_src.base + b * k_src.s_b + g_kv * k_src.s_h + K_DIMS * quad * BITS // (8 * ITEM)
-        v_row = v_src.base + b * v_src.s_b + g_kv * v_src.s_h + V_DIMS * grp * BITS // (8 * ITEM)
-        k_sc = k_src.sc_base + b * k_src.sc_s_b + g_kv * k_src.sc_s_h + K_DIMS * quad // quant_group
-        v_sc = v_src.sc_base + b * v_src.sc_s_b + g_kv * v_src.sc_s_h + V_DIMS * grp // quant_group
-        page_index, offset, walked = first // page, first % page, first     # the walk's key: `walked`
-        for trip in range(-(-tiles // WARPS)):       # the same count in every warp: the simulator's barriers
-            t0 = first + (trip * WARPS + warp) * KEY_TILE
-            tc = min(t0, last)                       # the trip whose keys are loaded (t0 past the end: the last)
-            slot0 = np.int64(0)
-            if WHOLE:
-                offset += tc - walked
-                walked = tc
-                while offset >= page:
-                    offset -= page
-                    page_index += 1
-                slot0 = starts[b, page_index] + offset
-            kmax = hi - 1 - tc                       # keys of the trip past hi load key hi - 1
-            # 1. the trip's loads: K of keys grp, grp + 8; V of keys 2q, 2q + 1, 2q + 8, 2q + 9 (with scales)
-            for n in range(6):
-                k = min(8 * n + grp if n < 2 else 2 * quad + (n - 2) % 2 + 8 * ((n - 2) // 2), kmax)
-                if WHOLE:
-                    slot = slot0 + k
-                else:
-                    t = tc + k
-                    slot = starts[b, t // page] + t % page
-                if n < 2:
-                    load_k(k_src.data, k_row + slot * k_src.s_t, kw, n * K_WORDS)
-                    if quant_bit:
-                        load_k_scales(k_src.scales, k_sc + slot * k_src.sc_s_t, ksc, n * KS_WORDS)
-                else:
-                    load_v(v_src.data, v_row + slot * v_src.s_t, vw, (n - 2) * V_WORDS)
-                    if quant_bit:
-                        load_v_scales(v_src.scales, v_sc + slot * v_src.sc_s_t, vsc, (n - 2) * VS_WORDS)
-            # 2. S = Q Kᵀ: two n8 tiles (keys t0 + grp.., t0 + 8 + grp..), D / 16 mma each
-            key_fragments(kw, ksc, kb)
-            for nt in range(2):
-                for e in range(4):
-                    s[nt, e] = 0.0
-            for ks in range(K_STEPS):
-                for nt in range(2):
-                    s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3] = mma_m16n8k16(
-                        qa[ks, 0], qa[ks, 1], qa[ks, 2], qa[ks, 3], kb[nt, ks, 0], kb[nt, ks, 1],
-                        s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3], mma_scratch, warp, lane)
-            # 3. scores and the online softmax; element e of a C tile: row grp + 8 * (e // 2), key 2q + e % 2
-            for r in range(2):
-                tile_max[r] = NEG_INF
-            for r in range(R):
-                h = h0 + grp + 8 * r
-                for nt in range(2):
-                    for c in range(2):
-                        t = t0 + 8 * nt + 2 * quad + c
-                        x = NEG_INF
-                        if grp + 8 * r < HPB and lo <= t < hi:
-                            x = score(score_args, s[nt, 2 * r + c] * sm_scale, b, h, 0, t, seqlen, kvlen)
-                        s[nt, 2 * r + c] = x
-                        tile_max[r] = max(tile_max[r], x)
-            top0, top1 = quad_max2(tile_max[0], tile_max[1], quad_scratch, warp, lane)
-            tile_max[0], tile_max[1] = top0, top1
-            for r in range(R):
-                new_max = max(row_max[r], tile_max[r])
-                alpha = f32(1.0)
-                if new_max != NEG_INF:               # all hidden so far: nothing to rescale, p = 0
-                    alpha = math.exp(row_max[r] - new_max)
-                part = f32(0.0)
-                for nt in range(2):
-                    for c in range(2):
-                        p = f32(0.0)
-                        if new_max != NEG_INF:
-                            p = math.exp(s[nt, 2 * r + c] - new_max)
-                        s[nt, 2 * r + c] = p
-                        part += p
-                row_sum[r] = row_sum[r] * alpha + part
-                row_max[r] = new_max
-                for vt in range(V_TILES):
-                    o[vt, 2 * r] *= alpha
-                    o[vt, 2 * r + 1] *= alpha
-            # 4. P as the A fragment of P·V (rows grp + 8 zero unless the block has them)
-            p0, p2 = pack_half2(s[0, 0], s[0, 1]), pack_half2(s[1, 0], s[1, 1])
-            p1, p3 = ZERO, ZERO
-            if R == 2:
-                p1, p3 = pack_half2(s[0, 2], s[0, 3]), pack_half2(s[1, 2], s[1, 3])
-            # 5. O += P V: D / 8 n8 tiles, V's B registers from the interleaved key pairs
-            value_fragments(vw, vsc, vb)
-            for vt in range(V_TILES):
-                c2, c3 = (o[vt, 2], o[vt, 3]) if R == 2 else (f32(0.0), f32(0.0))
-                d0, d1, d2, d3 = mma_m16n8k16(p0, p1, p2, p3, vb[0, vt], vb[1, vt], o[vt, 0], o[vt, 1], c2, c3,
-                                              mma_scratch, warp, lane)
-                o[vt, 0], o[vt, 1] = d0, d1
-                if R == 2:
-                    o[vt, 2], o[vt, 3] = d2, d3
+        kvs = (k_src.base + b * k_src.s_b + g_kv * k_src.s_h + K_DIMS * quad * BITS // (8 * ITEM),
+               k_src.sc_base + b * k_src.sc_s_b + g_kv * k_src.sc_s_h + K_DIMS * quad // quant_group,
+               v_src.base + b * v_src.s_b + g_kv * v_src.s_h + V_DIMS * grp * BITS // (8 * ITEM),
+               v_src.sc_base + b * v_src.sc_s_b + g_kv * v_src.sc_s_h + V_DIMS * grp // quant_group)
+        walk = cuda.local.array(3, np.int64)         # the page walk: page index, offset, the key they locate
+        walk[0], walk[1], walk[2] = first // k_src.page, first % k_src.page, first
+        rows = (b, h0, lo, hi, seqlen, kvlen)
+        srcs, scratch = (k_src, v_src), (mma_scratch, quad_scratch)
+        # Every round but the last holds whole tiles of keys below hi (tile indices below (rounds - 1) * warps).
+        for step in range(rounds - 1):
+            trip(first + (step * WARPS + warp) * KEY_TILE, False, rows, srcs, kvs, walk, acc, regs, scratch,
+                 score_args, sm_scale, warp, lane)
+        if rounds > 0:
+            trip(first + ((rounds - 1) * WARPS + warp) * KEY_TILE, True, rows, srcs, kvs, walk, acc, regs, scratch,
+                 score_args, sm_scale, warp, lane)
 
         # 6. the warps' merge: warps 1.. hand their state to warp 0, which folds them in (multi-block rule)
         if WARPS > 1:
