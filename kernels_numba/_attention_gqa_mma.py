@@ -186,8 +186,9 @@ def _scale_table(pairs, quant_group: int, slice_dims: int) -> np.ndarray:
     return out
 
 
-def make_gqa_mma_decode_kernel(score, key_range, *, quant_bit: int, quant_group: int, head_dim: int,
-                               heads_per_block: int, group: int, warps: int, whole_trips: bool, biased: bool = True):
+def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_group: int, head_dim: int,
+                                     heads_per_block: int, group: int, warps: int, whole_trips: bool,
+                                     biased: bool = True):
     """Build the kernel. Launch grid (1, num_heads / heads_per_block, B), 32 * warps threads; arguments as
     `_attention_mma.make_mma_attention_kernel`'s kernel (float16 query, one position a sequence).
     score / key_range: the operator's (`make_ppl_score`); whole_trips: the page length is a multiple of 16 (every
@@ -209,10 +210,9 @@ def make_gqa_mma_decode_kernel(score, key_range, *, quant_bit: int, quant_group:
     V_UNITS = V_BYTES // 2                           # 2-byte pieces of a V slice: one prmt each
     load_k, load_v = _word_loader(K_BYTES, ITEM), _word_loader(V_BYTES, ITEM)
     load_k_scales, load_v_scales = _word_loader(2 * K_SCALES, 2), _word_loader(2 * V_SCALES, 2)
-    # K: the slice dims of each k-step's two registers; their scales' (word, half) in the lane's scale words.
-    k_rel = np.array([k_dims(quant_bit, D, 0, ks) for ks in range(K_STEPS)], np.int64)
-    K_REL = k_rel
-    K_SC = _scale_table(k_rel.reshape(-1, 2), quant_group, K_DIMS).reshape(K_STEPS, 2, 3)
+    # K: the slice dims of each k-step's two registers, and where their scales are in the lane's scale words.
+    K_REL = np.array([k_dims(quant_bit, D, 0, ks) for ks in range(K_STEPS)], np.int64)
+    K_SC = _scale_table(K_REL.reshape(-1, 2), quant_group, K_DIMS).reshape(K_STEPS, 2, 3)
     V_SC = _scale_table([(vt, vt) for vt in range(V_TILES)], quant_group, V_DIMS)
     V_SELECT = INTERLEAVE_BYTES if quant_bit == 8 else INTERLEAVE_HALVES
     MMA_SCRATCH, QUAD_SCRATCH = scratch_shapes(WARPS)
@@ -376,7 +376,7 @@ def make_gqa_mma_decode_kernel(score, key_range, *, quant_bit: int, quant_group:
                 o[vt, 2], o[vt, 3] = d2, d3
 
     @cuda.jit
-    def gqa_mma_decode_kernel(q_geom, out_geom, seqlens, kvlens, k_src, v_src, score_args, sm_scale):
+    def gqa_decode_attention_kernel(q_geom, out_geom, seqlens, kvlens, k_src, v_src, score_args, sm_scale):
         b = cuda.blockIdx.z
         seqlen, kvlen = seqlens[b], kvlens[b]
         if seqlen < 1:
@@ -479,4 +479,4 @@ def make_gqa_mma_decode_kernel(score, key_range, *, quant_bit: int, quant_group:
                             d = V_DIMS * (2 * quad + c) + vt              # v_dim: un-permute O's columns
                             out[at + d] = o[vt, 2 * r + c] / total if total > 0.0 else f32(0.0)
 
-    return gqa_mma_decode_kernel
+    return gqa_decode_attention_kernel

@@ -20,7 +20,8 @@ import numpy as np
 from numba import cuda
 
 from ._attention_core import make_attention_kernel, plan_tiles
-from ._attention_gqa_mma import KEY_TILE as DECODE_TRIP, decode_kernel_choice, make_gqa_mma_decode_kernel
+from ._attention_gqa_mma import KEY_TILE as DECODE_TRIP
+from ._attention_gqa_mma import decode_kernel_choice, make_gqa_decode_attention_kernel
 from ._attention_gqa_mma import heads_per_block as decode_heads
 from ._attention_mma import check_fits, make_mma_attention_kernel, plan_mma_rows
 from ._attention_vector import keys_per_step, make_vector_attention_kernel, plan_vector_rows
@@ -116,10 +117,10 @@ def attention_kernel(quant_bit, quant_group, scale_dtype, value_dtype, query_dty
         return kernel, heads_per_block, q_tile
     if rung == 5 and whole_trips is not None:
         heads = decode_heads(num_heads, num_kv_heads)
-        kernel = make_gqa_mma_decode_kernel(score, key_range, quant_bit=quant_bit, quant_group=quant_group,
-                                            head_dim=head_dim, heads_per_block=heads,
-                                            group=num_heads // num_kv_heads, warps=warps, whole_trips=whole_trips,
-                                            biased=biased)
+        kernel = make_gqa_decode_attention_kernel(score, key_range, quant_bit=quant_bit, quant_group=quant_group,
+                                                  head_dim=head_dim, heads_per_block=heads,
+                                                  group=num_heads // num_kv_heads, warps=warps,
+                                                  whole_trips=whole_trips, biased=biased)
         return kernel, heads, 1
     if rung == 5:
         heads_per_block, positions, row_tiles = plan

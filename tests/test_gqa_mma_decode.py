@@ -51,7 +51,7 @@ def test_permuted_k_steps_still_sum_q_k(quant_bit, head_dim):
     q = RNG.standard_normal((MMA_M, head_dim))
     k = RNG.standard_normal((MMA_N, head_dim))
     s = np.zeros((MMA_M, MMA_N))
-    for ks, m in enumerate(maps):
+    for m in maps:
         a = np.zeros((MMA_M, MMA_K))
         b = np.zeros((MMA_K, MMA_N))
         for lane in range(32):               # the fragments each lane would load, placed where the mma reads them
@@ -116,7 +116,7 @@ def _launched(case, **launch):
 
 
 @pytest.mark.parametrize("what,changes,kernel", [
-    ("decode", {}, "gqa_mma_decode_kernel"),
+    ("decode", {}, "gqa_decode_attention_kernel"),
     ("prefill", dict(seqlens=(1, 3), decoding_batches=1), "mma_attention_kernel"),
     ("head_dim 16", dict(head_dim=16), "mma_attention_kernel"),
     ("float32 scales", dict(scale_dtype="float32"), "mma_attention_kernel"),
@@ -148,10 +148,11 @@ def _kernel(op, threads):
 # (a trip in two pages: every key looked up), the offset cache, groups of 1 to 16 heads (16: rows grp + 8 too),
 # two warps merging, ALiBi with a mask.
 RUNS = [
-    ("float16, 2 warps merge", dict(quant_bit=0, head_dim=64), 64),
+    ("float16 group 16, 2 warps merge", dict(quant_bit=0, head_dim=64, num_heads=16), 64),
     ("int8 head_dim 128, page 24", dict(head_dim=128, page_size=24, past=(17, 4)), 32),
     ("int4, page 8, group 2", dict(quant_bit=4, page_size=8, num_heads=4, num_kv_heads=2, past=(12, 3)), 32),
-    ("int4 head_dim 128, offset cache, group 8", dict(quant_bit=4, head_dim=128, cache_mode=0, num_heads=8, past=(5, 20)), 32),
+    ("int4 head_dim 128, offset cache, group 8",
+     dict(quant_bit=4, head_dim=128, cache_mode=0, num_heads=8, past=(5, 20)), 32),
     ("int8 group 16, ALiBi and a mask", dict(num_heads=16, is_alibi=True, mask="2d", quant_group=4), 32),
     ("float16 group 1, layout 2", dict(quant_bit=0, num_heads=2, num_kv_heads=2, cache_layout=2, past=(3, 18)), 32),
 ]
@@ -160,7 +161,7 @@ RUNS = [
 @pytest.mark.parametrize("what,changes,threads", RUNS, ids=[r[0] for r in RUNS])
 def test_decode_kernel_conforms(what, changes, threads):
     case = _case(**changes, seed=len(what))
-    assert _launched(case, threads=threads)[-1] == "gqa_mma_decode_kernel"
+    assert _launched(case, threads=threads)[-1] == "gqa_decode_attention_kernel"
     kit.check_case("multi_head_cache_attention", _kernel("multi_head_cache_attention", threads), case)
 
 
@@ -171,4 +172,4 @@ def test_packed_keys_decode_on_it_too(monkeypatch):
                         real(kernel, *args))
     case = _case(quant_bit=0, past=(9, 30), seed=7)
     kit.check_case("dynamic_multi_head_attention", _kernel("dynamic_multi_head_attention", 32), case)
-    assert set(names) == {"gqa_mma_decode_kernel"}, names
+    assert set(names) == {"gqa_decode_attention_kernel"}, names

@@ -41,7 +41,7 @@ CACHES = {"float16": 0, "int8": 8, "int4": 4}            # cache format -> OpenP
 RUNG_KERNELS = {1: "attention_kernel", 2: "warp_attention_kernel", 3: "vector_attention_kernel",
                 4: "vector_attention_kernel", 5: "mma_attention_kernel"}
 # Where a phase runs another kernel than its rung's: rung 5 decodes on its register-fed GQA kernel.
-PHASE_KERNELS = {(5, "decode"): "gqa_mma_decode_kernel"}
+PHASE_KERNELS = {(5, "decode"): "gqa_decode_attention_kernel"}
 PREFILL_ROWS = 16          # query positions of the prefill variant: query tiles stop growing at 16 rows
 
 # sm_90 (H100) limits the occupancy calculator uses: CUDA C++ Programming Guide, "Technical Specifications per
