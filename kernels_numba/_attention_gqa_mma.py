@@ -54,7 +54,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda
+from numba import config, cuda
 
 from ._attention_core import SHARED_BYTES
 from ._dequant import (
@@ -73,8 +73,38 @@ from ._mma import MMA_K, MMA_M, MMA_N, mma_m16n8k16, pack_half2, quad_max2, quad
 from ._vector import load8, load16
 from ._warp import WARP_SIZE
 
+LOG2_E = 1.4426950408889634   # scores are kept in base 2: exp(x) = 2 ** (x log2 e), one ex2 each
 KEY_TILE = 16                 # keys a warp takes a trip: two n8 tiles of S, one k16 step of P·V
 HEAD_DIMS = (32, 64, 128)     # a lane's K slice is whole 16-byte loads (or one smaller load) at these
+
+
+if config.ENABLE_CUDASIM:
+    @cuda.jit(device=True)
+    def exp2(x):
+        """2 ** x in float32 (NumPy's, rounded once; the GPU's ex2.approx.ftz is within 2 ulp of it)."""
+        return np.float32(np.exp2(np.float32(x)))
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def _ex2(typingctx, x):
+        """ex2.approx.ftz.f32: one MUFU.EX2 (numba's math.exp adds range reduction around it)."""
+        if not isinstance(x, types.Float):
+            return None
+
+        def codegen(context, builder, sig, args):
+            value = context.cast(builder, args[0], sig.args[0], types.float32)
+            fnty = ir.FunctionType(ir.FloatType(), [ir.FloatType()])
+            return builder.call(ir.InlineAsm(fnty, "ex2.approx.ftz.f32 $0, $1;", "=f,f"), [value])
+
+        return types.float32(x), codegen
+
+    @cuda.jit(device=True)
+    def exp2(x):
+        """2 ** x in float32, ex2.approx.ftz.f32 (relative error below 2 ** -22; 2 ** -inf is 0)."""
+        return _ex2(x)
 
 
 def k_dims(quant_bit: int, head_dim: int, quad: int, ks: int) -> tuple:
@@ -272,17 +302,19 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
         the trip may hold keys from hi on, or lie past them (the last round of trips), so loads are clamped to
         key hi - 1 and scores masked; the other trips hold only keys below hi.
         rows: (b, h0, lo, hi, seqlen, kvlen); srcs: (k_src, v_src); kvs: this lane's element / scale indices of
-        slot 0 (K data, K scales, V data, V scales); walk: int64 (page index, offset, key it is at);
-        acc: (row_max, row_sum, o, qa); regs: (s, tile_max, kw, ksc, vw, vsc, kb, vb)."""
+        slot 0 (K data, K scales, V data, V scales), then the same plus its first key's rows (K: grp, V: 2q);
+        walk: int64 (page index, offset, key it is at); acc: (row_max, row_sum, o, qa);
+        regs: (s, tile_max, kw, ksc, vw, vsc, kb, vb)."""
         b, h0, lo, hi, seqlen, kvlen = rows
         k_src, v_src = srcs
-        k_row, k_sc, v_row, v_sc = kvs
+        k_row, k_sc, v_row, v_sc, k_lane, k_sc_lane, v_lane, v_sc_lane = kvs
         row_max, row_sum, o, qa = acc
         s, tile_max, kw, ksc, vw, vsc, kb, vb = regs
         mma_scratch, quad_scratch = scratch
         grp, quad = lane // 4, lane % 4
+        sm_log2 = sm_scale * f32(LOG2_E)            # scores and row maxima in base 2
         tc = min(t0, hi - 1 - (hi - 1) % KEY_TILE) if tail else t0      # the trip whose keys are loaded
-        kmax = np.int32(min(hi - 1 - tc, KEY_TILE - 1))                  # keys past it load key hi - 1
+        kmax = hi - 1 - tc                                              # keys past it load key hi - 1
         starts, page = k_src.starts, k_src.page
         slot0 = np.int64(0)
         if WHOLE:
@@ -292,24 +324,36 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                 walk[1] -= page
                 walk[0] += 1
             slot0 = starts[b, walk[0]] + walk[1]
-        # 1. the trip's loads: K of keys grp, grp + 8; V of keys 2q, 2q + 1, 2q + 8, 2q + 9 (with scales)
+        # 1. the trip's loads: K of keys grp, grp + 8; V of keys 2q, 2q + 1, 2q + 8, 2q + 9 (with scales). A whole
+        #    trip in one page adds 0 or 8 rows (K), 0, 1, 8 or 9 rows (V) to the lane's first key's row.
+        if WHOLE and not tail:
+            lane_rows = (k_lane + slot0 * k_src.s_t, k_sc_lane + slot0 * k_src.sc_s_t,
+                         v_lane + slot0 * v_src.s_t, v_sc_lane + slot0 * v_src.sc_s_t)
         for n in range(6):
-            k = np.int32(8 * n + grp if n < 2 else 2 * quad + (n - 2) % 2 + 8 * ((n - 2) // 2))
-            if tail:
-                k = min(k, kmax)
-            if WHOLE:
-                slot = slot0 + k
+            src = k_src if n < 2 else v_src
+            if WHOLE and not tail:
+                extra = 8 * n if n < 2 else (n - 2) % 2 + 8 * ((n - 2) // 2)
+                at = lane_rows[0 if n < 2 else 2] + extra * src.s_t
+                sc_at = lane_rows[1 if n < 2 else 3] + extra * src.sc_s_t
             else:
-                t = tc + k
-                slot = starts[b, t // page] + t % page
+                k = np.int64(grp + 8 * n if n < 2 else 2 * quad + (n - 2) % 2 + 8 * ((n - 2) // 2))
+                if tail:
+                    k = min(k, kmax)
+                if WHOLE:
+                    slot = slot0 + k
+                else:
+                    t = tc + k
+                    slot = starts[b, t // page] + t % page
+                at = (k_row if n < 2 else v_row) + slot * src.s_t
+                sc_at = (k_sc if n < 2 else v_sc) + slot * src.sc_s_t
             if n < 2:
-                load_k(k_src.data, k_row + slot * k_src.s_t, kw, n * K_WORDS)
+                load_k(k_src.data, at, kw, n * K_WORDS)
                 if quant_bit:
-                    load_k_scales(k_src.scales, k_sc + slot * k_src.sc_s_t, ksc, n * KS_WORDS)
+                    load_k_scales(k_src.scales, sc_at, ksc, n * KS_WORDS)
             else:
-                load_v(v_src.data, v_row + slot * v_src.s_t, vw, (n - 2) * V_WORDS)
+                load_v(v_src.data, at, vw, (n - 2) * V_WORDS)
                 if quant_bit:
-                    load_v_scales(v_src.scales, v_sc + slot * v_src.sc_s_t, vsc, (n - 2) * VS_WORDS)
+                    load_v_scales(v_src.scales, sc_at, vsc, (n - 2) * VS_WORDS)
         # 2. S = Q Kᵀ: two n8 tiles (keys t0 + grp.., t0 + 8 + grp..), D / 16 mma each
         key_fragments(kw, ksc, kb)
         for nt in range(2):
@@ -335,9 +379,10 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                     x = NEG_INF
                     if BIASED:
                         if grp + 8 * r < HPB and low <= kt < high:
-                            x = score(score_args, s[nt, 2 * r + c] * sm_scale, b, h, 0, t0 + kt, seqlen, kvlen)
+                            x = score(score_args, s[nt, 2 * r + c] * sm_scale, b, h, 0, t0 + kt, seqlen,
+                                      kvlen) * f32(LOG2_E)
                     elif low <= kt and (kt < high or not tail):
-                        x = s[nt, 2 * r + c] * sm_scale
+                        x = s[nt, 2 * r + c] * sm_log2
                     s[nt, 2 * r + c] = x
                     tile_max[r] = max(tile_max[r], x)
         top0, top1 = quad_max2(tile_max[0], tile_max[1], quad_scratch, warp, lane)
@@ -346,13 +391,13 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
             new_max = max(row_max[r], tile_max[r])
             alpha = f32(1.0)
             if new_max != NEG_INF:                   # all hidden so far: nothing to rescale, p = 0
-                alpha = math.exp(row_max[r] - new_max)
+                alpha = exp2(row_max[r] - new_max)
             part = f32(0.0)
             for nt in range(2):
                 for c in range(2):
                     p = f32(0.0)
                     if new_max != NEG_INF:
-                        p = math.exp(s[nt, 2 * r + c] - new_max)
+                        p = exp2(s[nt, 2 * r + c] - new_max)
                     s[nt, 2 * r + c] = p
                     part += p
             row_sum[r] = row_sum[r] * alpha + part
@@ -429,6 +474,8 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                k_src.sc_base + b * k_src.sc_s_b + g_kv * k_src.sc_s_h + K_DIMS * quad // quant_group,
                v_src.base + b * v_src.s_b + g_kv * v_src.s_h + V_DIMS * grp * BITS // (8 * ITEM),
                v_src.sc_base + b * v_src.sc_s_b + g_kv * v_src.sc_s_h + V_DIMS * grp // quant_group)
+        kvs = kvs + (kvs[0] + grp * k_src.s_t, kvs[1] + grp * k_src.sc_s_t, kvs[2] + 2 * quad * v_src.s_t,
+                     kvs[3] + 2 * quad * v_src.sc_s_t)
         walk = cuda.local.array(3, np.int64)         # the page walk: page index, offset, the key they locate
         walk[0], walk[1], walk[2] = first // k_src.page, first % k_src.page, first
         rows = (b, h0, lo, hi, seqlen, kvlen)
@@ -459,7 +506,7 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                         other = merge[w, at, lane]
                         top = max(row_max[r], other)
                         if top != NEG_INF:
-                            mine, theirs = math.exp(row_max[r] - top), math.exp(other - top)
+                            mine, theirs = exp2(row_max[r] - top), exp2(other - top)
                             row_sum[r] = row_sum[r] * mine + merge[w, at + 1, lane] * theirs
                             for vt in range(V_TILES):
                                 for c in range(2):
