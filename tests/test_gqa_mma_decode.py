@@ -10,6 +10,8 @@ import functools
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cacheattn
 import cacheattn.testing as kit
@@ -19,7 +21,7 @@ from kernels_numba._attention_gqa_mma import HEAD_DIMS, decode_kernel_choice, k_
 from kernels_numba._dequant import INT4_PAIR_ELEMENTS
 from kernels_numba._mma import MMA_K, MMA_M, MMA_N, a_position, b_position, c_position
 
-from strategies import PPLCase, build_ppl
+from strategies import KERNEL, PPLCase, build_ppl, ppl_cases, with_
 
 RNG = np.random.default_rng(20261125)
 
@@ -173,3 +175,15 @@ def test_packed_keys_decode_on_it_too(monkeypatch):
     case = _case(quant_bit=0, past=(9, 30), seed=7)
     kit.check_case("dynamic_multi_head_attention", _kernel("dynamic_multi_head_attention", 32), case)
     assert set(names) == {"gqa_decode_attention_kernel"}, names
+
+
+@pytest.mark.skipif(KERNEL < 16, reason="a longer hunt: CACHEATTN_EXAMPLES=2 or more")
+@settings(max_examples=KERNEL // 4)
+@given(case=ppl_cases(max_seqlen=1, max_past=40, dtypes=("float16",)), head_dim=st.sampled_from([32, 64]),
+       page_size=st.sampled_from([3, 8, 16, 32]))
+def test_drawn_decode_calls_conform(case, head_dim, page_size):
+    """The kit's drawn decode calls (masks, ALiBi, layouts, modes, groups, formats, quant groups) at a head_dim the
+    kernel takes, with float16 scales and pages that do and do not hold a trip."""
+    case = with_(case, head_dim=head_dim, scale_dtype="float16", page_size=page_size)
+    assert _launched(case, threads=32)[-1] == "gqa_decode_attention_kernel"
+    kit.check_case("multi_head_cache_attention", _kernel("multi_head_cache_attention", 32), case)
