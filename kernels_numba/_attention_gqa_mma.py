@@ -5,7 +5,9 @@ A block serves one sequence's decode token for the query heads of one GQA group 
 an A tile); its warps split the keys, each walking its own tiles of 16 keys (a *trip*) with no barrier and no
 shared-memory staging: every lane loads the K and V elements its B fragments need from global memory in whole
 16-byte (8-, 4-, 2-byte for short rows) loads, unpacks them in registers and feeds the mma. At the end the warps
-merge their (m, l, O) through shared memory, as the prefill kernel does (`_attention_mma`).
+merge their (m, l, O) through shared memory, as the prefill kernel does (`_attention_mma`). Keys are not split
+across blocks: a batch of 64 decodes at 8 kv heads is 512 blocks, which fill the GPU (one long sequence is rung
+4's case).
 
 With g = lane >> 2 and q = lane & 3 (PTX's groupID and threadID_in_group), the fragments of `_mma` are fixed:
 K's B fragment gives lane (g, q) key column g and reduction indices {2q, 2q + 1, 2q + 8, 2q + 9} of each k16 step,
@@ -34,15 +36,19 @@ two values share a key (their groups' scales), a V register's pair takes the two
 lane's group scales of a row come in one load beside its data.
 
 Softmax runs on the C fragments as in the prefill kernel (a row's maximum over a trip by `quad_max2`), once a
-trip: P, packed to float16, is the A fragment of P·V. Rows 8 .. 15 of a group of at most 8 heads are empty: the
-kernel drops their softmax, their O accumulators and Q's registers at compile time.
+trip, in base 2 (scores times log2(e) / sqrt(D), one ex2.approx an exponential): P, packed to float16, is the A
+fragment of P·V. Rows 8 .. 15 of a group of at most 8 heads are empty: the kernel drops their softmax, their O
+accumulators and Q's registers at compile time. Without a mask or ALiBi (a compile-time choice) a decode score is
+q.k / sqrt(D): the one query sees every key, so the operator's score function is not called.
 
-Keys: the block's key range starts at a multiple of 16, warp w takes trips w, w + warps, ... Every warp runs the
-same number of trips (the simulator's mma needs all threads of the block); a trip past the last key reloads the
-last one and masks it, and the keys of the last trip past the end are read as the last key (`min`), so every load
-stays inside the sequence's pages and no value that is not the cache's own ever reaches P·V (0 x NaN). When the
-page length is a multiple of 16 (and in an offset cache), a trip lies in one page: one page-table read a trip,
-advanced by a walk of the page index (no division in the loop); otherwise every key is looked up.
+Keys: the block's key range starts at a multiple of 16, warp w takes trips w, w + warps, ... Every round of trips
+but the last holds whole tiles below the last key, so its loads need no bounds: a trip in one page (the page
+length a multiple of 16, or an offset cache) is one page-table read, advanced by a walk of the page index (no
+division), plus the lane's fixed key offsets. The last round (compiled apart) clamps every key past the end to the
+last key, so all loads stay inside the sequence's pages and no value that is not the cache's own reaches P·V
+(0 x NaN), and masks them; a trip past the end reloads the last tile, all masked. Every warp runs the same number
+of trips (the simulator's mma needs all threads of the block). Pages shorter than a trip, or not a multiple of
+16, look every key up.
 
 What the host must have decided (`decode_kernel_choice`): one query token a sequence, a float16 query, head_dim
 32, 64 or 128, a float16 cache or an int8 / int4 one with float16 scales, rows whose data and scales allow the
