@@ -165,7 +165,7 @@ def decode_kernel_choice(*, query_dtype, max_seqlen: int, head_dim: int, num_hea
         why = f"query {np.dtype(query_dtype).name}, not float16"
     elif head_dim not in HEAD_DIMS:
         why = f"head_dim {head_dim} is not one of {HEAD_DIMS}"
-    elif quant_bit == 0 and key_src.data.dtype != np.float16 or quant_bit and key_src.data.dtype != np.int8:
+    elif key_src.data.dtype != (np.int8 if quant_bit else np.float16):
         why = f"a {key_src.data.dtype} cache of quant_bit {quant_bit}"
     elif quant_bit and np.dtype(scale_dtype) != np.float16:
         why = f"{np.dtype(scale_dtype).name} scales (the f16x2 dequantization takes float16 scales)"
