@@ -19,6 +19,9 @@ handles a pair:
         places. 1 shift + 4 lop3 + 2 sub + 2 fma per 8 values; the pairs come out as elements (k, k + 4).
     scale_half2(word_a, word_b, selector) -> the pair of float16 scales a value pair is multiplied by:
         one prmt.b32 of two words of scales (selector: which 16-bit half of each).
+    permute_bytes(word_a, word_b, selector) -> prmt.b32 itself: result byte i is byte (selector >> 4i) & 7 of
+        the 8 bytes word_b:word_a (0..3 from word_a). The tensor-core decode interleaves two keys' codes with it,
+        so that one unpacking yields a (key, next key) pair of one element (`INTERLEAVE_*`).
     mul_half2(values, scales) -> mul.rn.f16x2: each code times its scale, rounded to float16 once. Every int8
         and int4 code is exact in float16 and the product of an 8-bit code and an 11-bit significand is exact
         in float32, so this is bit for bit the document's q * scale rounded to a float16 scale's dtype.
@@ -55,6 +58,10 @@ INT4_HIGH_ADD = 0xD480D480      # float16 -72 = -(1024 + 128) / 16
 LOP3_AND_XOR = 0x6A             # lop3 lookup table of (a & b) ^ c: (0xF0 & 0xCC) ^ 0xAA
 INT4_PAIR_ELEMENTS = ((0, 4), (1, 5), (2, 6), (3, 7))       # elements of int4x8_to_half2's four pairs
 INT8_PAIR_ELEMENTS = ((0, 1), (2, 3))
+# permute_bytes selectors that interleave two words a, b (bytes a0..a3, b0..b3): a's and b's low or high 16 bits
+# side by side (float16 pairs, or 4 int4 codes each), and a's and b's bytes alternating (int8 codes).
+INTERLEAVE_HALVES = (0x5410, 0x7632)     # (a0 a1 b0 b1), (a2 a3 b2 b3)
+INTERLEAVE_BYTES = (0x5140, 0x7362)      # (a0 b0 a1 b1), (a2 b2 a3 b3)
 
 
 def pair_selector(half_a: int, half_b: int) -> int:
@@ -103,6 +110,11 @@ if SIMULATED:
     @cuda.jit(device=True)
     def scale_half2(word_a, word_b, selector):
         """The float16 pair (half of word_a, half of word_b) that `selector` (pair_selector) picks."""
+        return np.uint32(_permute(word_a, word_b, selector))
+
+    @cuda.jit(device=True)
+    def permute_bytes(word_a, word_b, selector):
+        """prmt.b32: byte i of the result is byte (selector >> 4i) & 7 of word_b:word_a."""
         return np.uint32(_permute(word_a, word_b, selector))
 
     @cuda.jit(device=True)
@@ -247,6 +259,11 @@ else:
     @cuda.jit(device=True)
     def scale_half2(word_a, word_b, selector):
         """The float16 pair (half of word_a, half of word_b) that `selector` (pair_selector) picks."""
+        return _prmt(word_a, word_b, selector)
+
+    @cuda.jit(device=True)
+    def permute_bytes(word_a, word_b, selector):
+        """prmt.b32: byte i of the result is byte (selector >> 4i) & 7 of word_b:word_a."""
         return _prmt(word_a, word_b, selector)
 
     @cuda.jit(device=True)

@@ -20,6 +20,9 @@ import numpy as np
 from numba import cuda
 
 from ._attention_core import make_attention_kernel, plan_tiles
+from ._attention_gqa_mma import KEY_TILE as DECODE_TRIP
+from ._attention_gqa_mma import decode_kernel_choice, make_gqa_decode_attention_kernel
+from ._attention_gqa_mma import heads_per_block as decode_heads
 from ._attention_mma import check_fits, make_mma_attention_kernel, plan_mma_rows
 from ._attention_vector import keys_per_step, make_vector_attention_kernel, plan_vector_rows
 from ._attention_warp import make_warp_attention_kernel, plan_warp_rows
@@ -84,12 +87,15 @@ def block_plan(rung, num_heads, num_kv_heads, max_seqlen, head_dim, threads=128,
 
 @cache
 def attention_kernel(quant_bit, quant_group, scale_dtype, value_dtype, query_dtype, head_dim, num_heads,
-                     num_kv_heads, max_seqlen, rung=1, threads=128, cache_dtype=None, vector=False, partials=False):
+                     num_kv_heads, max_seqlen, rung=1, threads=128, cache_dtype=None, vector=False, partials=False,
+                     whole_trips=None, biased=True):
     """The core specialised for OpenPPL: cache reads of this quantization, OpenPPL's bias; plus its tile plan.
     rung 1: the shared-memory tile loop (_attention_core); rung 2: a warp per key (_attention_warp); rung 3
     (rung 4's too): lane groups per key reading 16-byte chunks of a `cache_dtype` cache, in vector loads when
     `vector` (_attention_vector), writing split-K partials when `partials`; rung 5: tensor cores (_attention_mma,
-    float16 query; K/V staged in shared memory in 16-byte chunks, vector loads when `vector`)."""
+    float16 query; K/V staged in shared memory in 16-byte chunks, vector loads when `vector`; a decode batch that
+    `decode_kernel_choice` accepts: _attention_gqa_mma, whole_trips saying whether a page holds whole 16-key trips,
+    biased whether the call has a mask or ALiBi)."""
     round_scale = rounder(scale_dtype) if quant_bit else keep_float32
     row_offsets, load = make_cache_access(quant_bit, quant_group, round_scale, rounder(value_dtype))
     score, key_range = make_ppl_score(rounder(query_dtype))
@@ -109,6 +115,13 @@ def attention_kernel(quant_bit, quant_group, scale_dtype, value_dtype, query_dty
                                             head_dim_v=head_dim, heads_per_block=heads_per_block, q_tile=q_tile,
                                             group=num_heads // num_kv_heads, warps=warps)
         return kernel, heads_per_block, q_tile
+    if rung == 5 and whole_trips is not None:
+        heads = decode_heads(num_heads, num_kv_heads)
+        kernel = make_gqa_decode_attention_kernel(score, key_range, quant_bit=quant_bit, quant_group=quant_group,
+                                                  head_dim=head_dim, heads_per_block=heads,
+                                                  group=num_heads // num_kv_heads, warps=warps,
+                                                  whole_trips=whole_trips, biased=biased)
+        return kernel, heads, 1
     if rung == 5:
         heads_per_block, positions, row_tiles = plan
         load_chunk = make_chunk_load(quant_bit, quant_group, round_scale, rounder(value_dtype), chunk, vector)
@@ -138,7 +151,15 @@ def attend(query, key_src, value_src, seqstarts, kvstarts, decoding_batches, max
     shape = (quant_bit, quant_group, np.dtype(scale_dtype).str, np.dtype(value_dtype).str, query.dtype.str, head_dim,
              num_heads, num_kv_heads, min(max_seqlen, 16), 3 if rung == 4 else rung, threads if rung >= 2 else 128,
              key_src.data.dtype.str if rung in (3, 4, 5) else None, vector)
-    kernel, heads_per_block, q_tile = attention_kernel(*shape)
+    # Rung 5 on a decode batch: the register-fed GQA kernel where it serves the call (the reason says why not).
+    decode, _ = decode_kernel_choice(
+        query_dtype=query.dtype, max_seqlen=max_seqlen, head_dim=head_dim, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, quant_bit=quant_bit, quant_group=quant_group, scale_dtype=scale_dtype,
+        value_dtype=value_dtype, threads=threads, vector=vector, key_src=key_src, value_src=value_src) \
+        if rung == 5 else (False, None)
+    whole_trips = int(key_src.page) % DECODE_TRIP == 0 if decode else None
+    biased = not decode or attn_mask is not None or alibi_slopes is not None
+    kernel, heads_per_block, q_tile = attention_kernel(*shape, whole_trips=whole_trips, biased=biased)
     grid = (max(1, ceil_div(max_seqlen, q_tile)), num_heads // heads_per_block, batch)
     splits = 1
     if rung == 4:

@@ -156,6 +156,35 @@ def test_scale_pairs_pick_either_half_of_either_word():
             assert got == (a >> (16 * half_a)) & 0xFFFF | ((b >> (16 * half_b)) & 0xFFFF) << 16
 
 
+
+def test_permute_bytes_is_prmt_and_the_interleaves_pair_two_words():
+    """permute_bytes against the ISA's prmt on random words and every selector nibble; the interleave selectors
+    put a's and b's halves (bytes) side by side, so int8x4_to_half2 / int4x8_to_half2 of an interleaved word give
+    (a's code, b's code) pairs of one element."""
+    for _ in range(32):
+        a, b, selector = (int(x) for x in RNG.integers(0, 2**32, 3, dtype=np.uint64))
+        selector &= 0x7777
+        assert int(dq.permute_bytes(a, b, selector)) == _isa_prmt(a, b, selector)
+    codes = RNG.integers(-128, 128, (2, 4)).astype(np.int8)
+    a, b = (int(w) for w in codes.view(np.uint32)[:, 0])
+    for half, selector in enumerate(dq.INTERLEAVE_BYTES):
+        pairs = dq.int8x4_to_half2(dq.permute_bytes(a, b, selector))
+        for k, pair in enumerate(pairs):
+            got = np.array([int(pair)], np.uint32).view(np.float16)
+            assert np.array_equal(got, codes[:, 2 * half + k].astype(np.float16))
+    nibbles = RNG.integers(-8, 8, (2, 8)).astype(np.int8)
+    a, b = (int(w) for w in pack_int4(nibbles).view(np.uint32)[:, 0])
+    for half, selector in enumerate(dq.INTERLEAVE_HALVES):
+        pairs = dq.int4x8_to_half2(dq.permute_bytes(a, b, selector))
+        for k, pair in enumerate(pairs):
+            got = np.array([int(pair)], np.uint32).view(np.float16)
+            assert np.array_equal(got, nibbles[:, 4 * half + k].astype(np.float16))
+    halves = RNG.standard_normal((2, 2)).astype(np.float16)
+    a, b = (int(w) for w in halves.view(np.uint32)[:, 0])
+    for k, selector in enumerate(dq.INTERLEAVE_HALVES):
+        got = np.array([int(dq.permute_bytes(a, b, selector))], np.uint32).view(np.float16)
+        assert np.array_equal(_bits(got), _bits(halves[:, k]))
+
 def test_scale_loads_read_whole_groups_of_a_chunk():
     assert [scale_loads(g, 16) for g in (1, 2, 4, 8, 16, 32, 3, 24)] == [0, 8, 4, 2, 1, 1, 0, 0]
 

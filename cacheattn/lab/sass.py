@@ -40,6 +40,8 @@ CACHES = {"float16": 0, "int8": 8, "int4": 4}            # cache format -> OpenP
 # The kernel each rung launches for attention (rung 4: the split-K partials kernel; its combine is a small pass).
 RUNG_KERNELS = {1: "attention_kernel", 2: "warp_attention_kernel", 3: "vector_attention_kernel",
                 4: "vector_attention_kernel", 5: "mma_attention_kernel"}
+# Where a phase runs another kernel than its rung's: rung 5 decodes on its register-fed GQA kernel.
+PHASE_KERNELS = {(5, "decode"): "gqa_decode_attention_kernel"}
 PREFILL_ROWS = 16          # query positions of the prefill variant: query tiles stop growing at 16 rows
 
 # sm_90 (H100) limits the occupancy calculator uses: CUDA C++ Programming Guide, "Technical Specifications per
@@ -66,6 +68,11 @@ class Variant:
     @property
     def key(self) -> str:
         return f"rung{self.rung}-{self.cache}-{self.phase}"
+
+    @property
+    def kernel(self) -> str:
+        """The name of the kernel the launcher runs for this variant."""
+        return PHASE_KERNELS.get((self.rung, self.phase), RUNG_KERNELS[self.rung])
 
 
 VARIANTS = tuple([Variant(rung, cache) for rung in range(1, 6) for cache in CACHES]
@@ -339,7 +346,7 @@ def _record_launch(variant: Variant):
             num_heads=NUM_HEADS, head_dim=HEAD_DIM, is_causal=True, num_kv_heads=NUM_KV_HEADS, quant_bit=quant_bit,
             quant_group=QUANT_GROUP, cache_mode=1, page_size=page, cache_axes="T L KV H D", rung=variant.rung,
             threads=THREADS, num_splits=2 if variant.rung == 4 else None)
-    name = RUNG_KERNELS[variant.rung]
+    name = variant.kernel
     found = [(kernel, args) for kernel, args in launches if kernel.py_func.__name__ == name]
     if not found:
         raise RuntimeError(f"{variant.key}: the launcher made no {name} launch")
@@ -381,7 +388,7 @@ def analyse(variant: Variant, ptxas_text: str, sass_text: str, threads: int) -> 
     body = instructions[span[0]:span[1] + 1]
     inner = [(a, b) for a, b in loops(instructions) if span[0] <= a and b <= span[1] and (a, b) != span]
     walks = page_walks(instructions, inner)
-    return dict(rung=variant.rung, cache=variant.cache, phase=variant.phase, kernel=RUNG_KERNELS[variant.rung],
+    return dict(rung=variant.rung, cache=variant.cache, phase=variant.phase, kernel=variant.kernel,
                 threads=threads, **resources, shared_dynamic=0,         # numba's kernels declare static arrays only
                 spill_bytes=resources["spill_stores"],                 # bytes a thread spills (and reloads)
                 occupancy=occupancy(resources["registers"], resources["shared"], 0, threads),

@@ -1,0 +1,535 @@
+"""Rung 5's decode kernel: a GQA group's query rows on tensor cores (`mma.sync.m16n8k16`), K and V fed to them
+straight from registers (TensorRT-LLM's XQA idea, written for this ladder).
+
+A block serves one sequence's decode token for the query heads of one GQA group (<= 16, padded to the 16 rows of
+an A tile); its warps split the keys, each walking its own tiles of 16 keys (a *trip*) with no barrier and no
+shared-memory staging: every lane loads the K and V elements its B fragments need from global memory in whole
+16-byte (8-, 4-, 2-byte for short rows) loads, unpacks them in registers and feeds the mma. At the end the warps
+merge their (m, l, O) through shared memory, as the prefill kernel does (`_attention_mma`). Keys are not split
+across blocks: a batch of 64 decodes at 8 kv heads is 512 blocks, which fill the GPU (one long sequence is rung
+4's case).
+
+With g = lane >> 2 and q = lane & 3 (PTX's groupID and threadID_in_group), the fragments of `_mma` are fixed:
+K's B fragment gives lane (g, q) key column g and reduction indices {2q, 2q + 1, 2q + 8, 2q + 9} of each k16 step,
+V's gives keys {2q, 2q + 1, 2q + 8, 2q + 9} of the trip at output column g of each n8 tile. Both reductions and
+O's columns may be taken in any order, so the kernel permutes them to make every lane's loads contiguous:
+
+    S = Q Kᵀ (head_dim D, k-step ks = 0 .. D/16 - 1). Lane q owns dims D/4 * q .. D/4 * (q + 1) - 1 of a key
+    row; its B registers b0 = (k 2q, 2q + 1), b1 = (k 2q + 8, 2q + 9) hold the dims (relative to that slice)
+
+        format     b0 (low, high)         b1 (low, high)
+        float16    4ks, 4ks + 1           4ks + 2, 4ks + 3          (words 2ks, 2ks + 1 of the slice as loaded)
+        int8       4ks, 4ks + 1           4ks + 2, 4ks + 3          (int8x4_to_half2 of word ks)
+        int4       8w + 2h, 8w + 2h + 4   8w + 2h + 1, 8w + 2h + 5  (ks = 2w + h: int4x8_to_half2 of word w)
+
+    and Q's A fragments (built once, kept in registers) take the same dims, so S is unchanged: `k_dims`.
+
+    O += P V (n8 tile vt = 0 .. D/8 - 1). Lane g owns dims D/8 * g .. D/8 * (g + 1) - 1 of a value row: column g
+    of tile vt is dim D/8 * g + vt, so O's C element (row, column 2q + c) of tile vt is dim D/8 * (2q + c) + vt,
+    which the final store un-permutes: `v_dim`. Its B registers pair two keys at one dim, so the two keys'
+    loaded words are interleaved first (`_dequant.permute_bytes`, one prmt a register of float16, a half-register
+    of int8, a quarter of int4) and then unpacked as K is: the low half is key 2q (2q + 8), the high half the next.
+
+Quantized caches (float16 group scales) are dequantized by magic numbers and one mul.rn.f16x2 a register by the
+codes' scale pair, which is the document's q * scale rounded to float16 bit for bit (`_dequant`): a K register's
+two values share a key (their groups' scales), a V register's pair takes the two keys' scales of one group. The
+lane's group scales of a row come in one load beside its data.
+
+Softmax runs on the C fragments as in the prefill kernel (a row's maximum over a trip by `quad_max2`), once a
+trip, in base 2 (scores times log2(e) / sqrt(D), one ex2.approx an exponential): P, packed to float16, is the A
+fragment of P·V. Rows 8 .. 15 of a group of at most 8 heads are empty: the kernel drops their softmax, their O
+accumulators and Q's registers at compile time. Without a mask or ALiBi (a compile-time choice) a decode score is
+q.k / sqrt(D): the one query sees every key, so the operator's score function is not called.
+
+Keys: the block's key range starts at a multiple of 16, warp w takes trips w, w + warps, ... Every round of trips
+but the last holds whole tiles below the last key, so its loads need no bounds: a trip in one page (the page
+length a multiple of 16, or an offset cache) is one page-table read, advanced by a walk of the page index (no
+division), plus the lane's fixed key offsets. The last round (compiled apart) clamps every key past the end to the
+last key, so all loads stay inside the sequence's pages and no value that is not the cache's own reaches P·V
+(0 x NaN), and masks them; a trip past the end reloads the last tile, all masked. Every warp runs the same number
+of trips (the simulator's mma needs all threads of the block). Pages shorter than a trip, or not a multiple of
+16, look every key up.
+
+What the host must have decided (`decode_kernel_choice`): one query token a sequence, a float16 query, head_dim
+32, 64 or 128, a float16 cache or an int8 / int4 one with float16 scales, rows whose data and scales allow the
+vector loads, K and V on one page table.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import config, cuda
+
+from ._attention_core import SHARED_BYTES
+from ._dequant import (
+    INTERLEAVE_BYTES,
+    INTERLEAVE_HALVES,
+    int4x8_to_half2,
+    int8x4_to_half2,
+    load_bits2,
+    load_bits4,
+    mul_half2,
+    pair_selector,
+    permute_bytes,
+    scale_half2,
+)
+from ._mma import MMA_K, MMA_M, MMA_N, mma_m16n8k16, pack_half2, quad_max2, quad_sum2, scratch_shapes
+from ._vector import load8, load16
+from ._warp import WARP_SIZE
+
+LOG2_E = 1.4426950408889634   # scores are kept in base 2: exp(x) = 2 ** (x log2 e), one ex2 each
+KEY_TILE = 16                 # keys a warp takes a trip: two n8 tiles of S, one k16 step of P·V
+HEAD_DIMS = (32, 64, 128)     # a lane's K slice is whole 16-byte loads (or one smaller load) at these
+
+
+if config.ENABLE_CUDASIM:
+    @cuda.jit(device=True)
+    def exp2(x):
+        """2 ** x in float32 (NumPy's, rounded once; the GPU's ex2.approx.ftz is within 2 ulp of it)."""
+        return np.float32(np.exp2(np.float32(x)))
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def _ex2(typingctx, x):
+        """ex2.approx.ftz.f32: one MUFU.EX2 (numba's math.exp adds range reduction around it)."""
+        if not isinstance(x, types.Float):
+            return None
+
+        def codegen(context, builder, sig, args):
+            value = context.cast(builder, args[0], sig.args[0], types.float32)
+            fnty = ir.FunctionType(ir.FloatType(), [ir.FloatType()])
+            return builder.call(ir.InlineAsm(fnty, "ex2.approx.ftz.f32 $0, $1;", "=f,f"), [value])
+
+        return types.float32(x), codegen
+
+    @cuda.jit(device=True)
+    def exp2(x):
+        """2 ** x in float32, ex2.approx.ftz.f32 (relative error below 2 ** -22; 2 ** -inf is 0)."""
+        return _ex2(x)
+
+
+def k_dims(quant_bit: int, head_dim: int, quad: int, ks: int) -> tuple:
+    """The head dims of lane quad's K B fragment at k-step ks, (b0 low, b0 high, b1 low, b1 high): the
+    reduction indices 2q, 2q + 1, 2q + 8, 2q + 9 of the step, permuted (the module's table); Q's A fragment
+    columns take the same dims."""
+    base = head_dim // 4 * quad
+    if quant_bit == 4:
+        w, h = divmod(ks, 2)
+        e = base + 8 * w + 2 * h
+        return e, e + 4, e + 1, e + 5
+    e = base + 4 * ks
+    return e, e + 1, e + 2, e + 3
+
+
+def v_dim(head_dim: int, column: int, tile: int) -> int:
+    """The head dim of column `column` (0..7) of O's n8 tile `tile`: lane g's V B fragment is column g."""
+    return head_dim // 8 * column + tile
+
+
+def heads_per_block(num_heads: int, num_kv_heads: int) -> int:
+    """Query heads of a block: the largest divisor of the GQA group that fits the 16 rows of an A tile."""
+    group = num_heads // num_kv_heads
+    return max(d for d in range(1, min(group, MMA_M) + 1) if group % d == 0)
+
+
+def _rows(heads: int) -> int:
+    """C-fragment rows a lane keeps: grp only (1) when the block's heads fit rows 0..7, else grp and grp + 8."""
+    return 1 if heads <= 8 else 2
+
+
+def merge_shape(head_dim: int, warps: int, heads: int) -> tuple:
+    """Shared float32 array of the warps' merge: per warp past the first, per value (each row's m, l and O
+    fragments) one word per lane, lane last (a warp's 32 words of a value fall in 32 banks)."""
+    return max(1, warps - 1), _rows(heads) * (2 + 2 * (head_dim // MMA_N)), WARP_SIZE
+
+
+def shared_bytes(head_dim: int, warps: int, heads: int) -> int:
+    """Shared memory of a block: the merge slots and the simulator's scratch (4-byte words)."""
+    return 4 * sum(math.prod(s) for s in (merge_shape(head_dim, warps, heads), *scratch_shapes(warps)))
+
+
+def decode_kernel_choice(*, query_dtype, max_seqlen: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                         quant_bit: int, quant_group: int, scale_dtype, value_dtype, threads: int, vector: bool,
+                         key_src, value_src) -> tuple:
+    """(serves, reason): whether rung 5 runs this call on the register-fed decode kernel rather than the staged
+    one (`_attention_mma`), and why, in one line. Decided on the host from the call's facts."""
+    why = None
+    if max_seqlen != 1:
+        why = f"not a decode batch (max_seqlen {max_seqlen})"
+    elif np.dtype(query_dtype) != np.float16:
+        why = f"query {np.dtype(query_dtype).name}, not float16"
+    elif head_dim not in HEAD_DIMS:
+        why = f"head_dim {head_dim} is not one of {HEAD_DIMS}"
+    elif key_src.data.dtype != (np.int8 if quant_bit else np.float16):
+        why = f"a {key_src.data.dtype} cache of quant_bit {quant_bit}"
+    elif quant_bit and np.dtype(scale_dtype) != np.float16:
+        why = f"{np.dtype(scale_dtype).name} scales (the f16x2 dequantization takes float16 scales)"
+    elif np.dtype(value_dtype) not in (np.float16, np.float32):
+        why = f"a {np.dtype(value_dtype).name} value dtype (the dequantized values are rounded to it)"
+    elif not vector:
+        why = "rows or scales not aligned for 16-byte loads"
+    elif quant_bit and not all(int(x) % max(1, head_dim // 4 // quant_group) == 0 for src in (key_src, value_src)
+                               for x in (src.sc_base, src.sc_s_b, src.sc_s_t, src.sc_s_h)):
+        why = "scale rows not aligned for a lane's scale loads"
+    elif key_src.starts is not value_src.starts or int(key_src.page) != int(value_src.page):
+        why = "K and V on different page tables"
+    elif shared_bytes(head_dim, threads // WARP_SIZE, heads_per_block(num_heads, num_kv_heads)) > SHARED_BYTES:
+        why = f"the merge of {threads // WARP_SIZE} warps needs more than {SHARED_BYTES} bytes of shared memory"
+    if why is None:
+        return True, "decode: a GQA group on tensor cores, K/V loaded into the mma's registers"
+    return False, f"staged rung 5: {why}"
+
+
+def _word_loader(nbytes: int, itemsize: int):
+    """Device function (data, index, out, at): the `nbytes` bytes from element `index` of the 1-D array `data`
+    into out[at:] as uint32 words (one word, zero-extended, below 4 bytes), in 16-byte loads where they fit."""
+    if nbytes >= 16:
+        loads, step = nbytes // 16, 16 // itemsize
+
+        @cuda.jit(device=True, inline="always")
+        def load_words(data, index, out, at):
+            for c in range(loads):
+                w = load16(data, index + c * step)
+                for j in range(4):
+                    out[at + 4 * c + j] = w[j]
+    elif nbytes == 8:
+        @cuda.jit(device=True, inline="always")
+        def load_words(data, index, out, at):
+            w = load8(data, index)
+            out[at] = w[0]
+            out[at + 1] = w[1]
+    else:
+        load_one = load_bits4 if nbytes == 4 else load_bits2
+
+        @cuda.jit(device=True, inline="always")
+        def load_words(data, index, out, at):
+            out[at] = load_one(data, index)
+    return load_words
+
+
+def _scale_table(pairs, quant_group: int, slice_dims: int) -> np.ndarray:
+    """For each value pair of `pairs` ((n, 2) dims relative to the lane's slice), the loaded scale words of its two
+    groups and the prmt selector that picks their halves (`pair_selector`): (n, 3) int64, a compile-time table."""
+    out = np.zeros((len(pairs), 3), np.int64)
+    for n, dims in enumerate(pairs):
+        groups = [d // quant_group if quant_group <= slice_dims else 0 for d in dims]
+        out[n] = groups[0] // 2, groups[1] // 2, pair_selector(groups[0] % 2, groups[1] % 2)
+    return out
+
+
+def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_group: int, head_dim: int,
+                                     heads_per_block: int, group: int, warps: int, whole_trips: bool,
+                                     biased: bool = True):
+    """Build the kernel. Launch grid (1, num_heads / heads_per_block, B), 32 * warps threads; arguments as
+    `_attention_mma.make_mma_attention_kernel`'s kernel (float16 query, one position a sequence).
+    score / key_range: the operator's (`make_ppl_score`); whole_trips: the page length is a multiple of 16 (every
+    trip in one page); biased: the call has a mask or ALiBi (else a score is q.k / sqrt(D) and `score` is not
+    called)."""
+    D, HPB, WARPS = head_dim, heads_per_block, warps
+    if D not in HEAD_DIMS:
+        raise ValueError(f"head_dim: {D} is not one the tensor-core decode kernel takes ({HEAD_DIMS})")
+    K_STEPS, V_TILES = D // MMA_K, D // MMA_N
+    R = _rows(HPB)                                   # C rows a lane keeps: grp (and grp + 8)
+    BITS = quant_bit or 16
+    ITEM = 2 if quant_bit == 0 else 1                # bytes of a data element (int4: a byte holds two codes)
+    K_DIMS, V_DIMS = D // 4, D // 8                  # dims of a row a lane loads: K (per quad), V (per grp)
+    K_BYTES, V_BYTES = K_DIMS * BITS // 8, V_DIMS * BITS // 8
+    K_WORDS, V_WORDS = max(1, K_BYTES // 4), max(1, V_BYTES // 4)
+    K_SCALES, V_SCALES = max(1, K_DIMS // quant_group), max(1, V_DIMS // quant_group)
+    KS_WORDS, VS_WORDS = max(1, K_SCALES // 2), max(1, V_SCALES // 2)
+    KW_SIZE, KSC_SIZE, VW_SIZE, VSC_SIZE = 2 * K_WORDS, 2 * KS_WORDS, 4 * V_WORDS, 4 * VS_WORDS   # local arrays
+    V_UNITS = V_BYTES // 2                           # 2-byte pieces of a V slice: one prmt each
+    load_k, load_v = _word_loader(K_BYTES, ITEM), _word_loader(V_BYTES, ITEM)
+    load_k_scales, load_v_scales = _word_loader(2 * K_SCALES, 2), _word_loader(2 * V_SCALES, 2)
+    # K: the slice dims of each k-step's two registers, and where their scales are in the lane's scale words.
+    K_REL = np.array([k_dims(quant_bit, D, 0, ks) for ks in range(K_STEPS)], np.int64)
+    K_SC = _scale_table(K_REL.reshape(-1, 2), quant_group, K_DIMS).reshape(K_STEPS, 2, 3)
+    V_SC = _scale_table([(vt, vt) for vt in range(V_TILES)], quant_group, V_DIMS)
+    V_SELECT = INTERLEAVE_BYTES if quant_bit == 8 else INTERLEAVE_HALVES
+    MMA_SCRATCH, QUAD_SCRATCH = scratch_shapes(WARPS)
+    MERGE = merge_shape(D, WARPS, HPB)
+    O_VALUES = 2 * V_TILES                          # a row's O fragments a lane holds
+    WHOLE, BIASED = whole_trips, biased
+    f32, u32 = np.float32, np.uint32
+    NEG_INF = f32(-math.inf)
+    ZERO = u32(0)
+
+    @cuda.jit(device=True, inline="always")
+    def key_fragments(kw, ksc, kb):
+        """K's B registers kb[n, ks, j] of the two keys (n = 0: key grp, 1: grp + 8) from their loaded words."""
+        for n in range(2):
+            if quant_bit == 0:
+                for ks in range(K_STEPS):
+                    kb[n, ks, 0] = kw[n * K_WORDS + 2 * ks]
+                    kb[n, ks, 1] = kw[n * K_WORDS + 2 * ks + 1]
+                continue
+            for w in range(K_WORDS):
+                if quant_bit == 8:
+                    halves = int8x4_to_half2(kw[n * K_WORDS + w])
+                else:
+                    halves = int4x8_to_half2(kw[n * K_WORDS + w])
+                for k in range(len(halves)):
+                    ks, j = (w, k) if quant_bit == 8 else (2 * w + k // 2, k % 2)
+                    scale = scale_half2(ksc[n * KS_WORDS + K_SC[ks, j, 0]], ksc[n * KS_WORDS + K_SC[ks, j, 1]],
+                                        K_SC[ks, j, 2])
+                    kb[n, ks, j] = mul_half2(halves[k], scale)
+
+    @cuda.jit(device=True, inline="always")
+    def value_fragments(vw, vsc, vb):
+        """V's B registers vb[p, vt] of the key pairs (p = 0: keys 2q, 2q + 1; 1: 2q + 8, 2q + 9) from the four
+        keys' loaded words (key n = 2p + u at vw[n * V_WORDS:]): each 2-byte piece of the two keys interleaved,
+        then unpacked and scaled."""
+        for p in range(2):
+            a, b = 2 * p * V_WORDS, (2 * p + 1) * V_WORDS
+            for u in range(V_UNITS):
+                mixed = permute_bytes(vw[a + u // 2], vw[b + u // 2], V_SELECT[u % 2])
+                if quant_bit == 0:
+                    vb[p, u] = mixed
+                    continue
+                if quant_bit == 8:
+                    halves = int8x4_to_half2(mixed)
+                else:
+                    halves = int4x8_to_half2(mixed)
+                for k in range(len(halves)):
+                    vt = len(halves) * u + k
+                    word = V_SC[vt, 0]            # both keys' scales of the group: (word, half) alike
+                    scale = scale_half2(vsc[2 * p * VS_WORDS + word], vsc[(2 * p + 1) * VS_WORDS + word],
+                                        V_SC[vt, 2])
+                    vb[p, vt] = mul_half2(halves[k], scale)
+
+    @cuda.jit(device=True, inline="always")
+    def trip(t0, tail, rows, srcs, kvs, walk, acc, regs, scratch, score_args, sm_scale, warp, lane):
+        """One warp's trip over keys t0 .. t0 + 15: loads, S = Q Kᵀ, softmax, O += P V. `tail` (compile-time):
+        the trip may hold keys from hi on, or lie past them (the last round of trips), so loads are clamped to
+        key hi - 1 and scores masked; the other trips hold only keys below hi.
+        rows: (b, h0, lo, hi, seqlen, kvlen); srcs: (k_src, v_src); kvs: this lane's element / scale indices of
+        slot 0 (K data, K scales, V data, V scales), then the same plus its first key's rows (K: grp, V: 2q);
+        walk: int64 (page index, offset, key it is at); acc: (row_max, row_sum, o, qa);
+        regs: (s, tile_max, kw, ksc, vw, vsc, kb, vb)."""
+        b, h0, lo, hi, seqlen, kvlen = rows
+        k_src, v_src = srcs
+        k_row, k_sc, v_row, v_sc, k_lane, k_sc_lane, v_lane, v_sc_lane = kvs
+        row_max, row_sum, o, qa = acc
+        s, tile_max, kw, ksc, vw, vsc, kb, vb = regs
+        mma_scratch, quad_scratch = scratch
+        grp, quad = lane // 4, lane % 4
+        sm_log2 = sm_scale * f32(LOG2_E)            # scores and row maxima in base 2
+        tc = min(t0, hi - 1 - (hi - 1) % KEY_TILE) if tail else t0      # the trip whose keys are loaded
+        kmax = hi - 1 - tc                                              # keys past it load key hi - 1
+        starts, page = k_src.starts, k_src.page
+        slot0 = np.int64(0)
+        if WHOLE:
+            walk[1] += tc - walk[2]
+            walk[2] = tc
+            while walk[1] >= page:
+                walk[1] -= page
+                walk[0] += 1
+            slot0 = starts[b, walk[0]] + walk[1]
+        # 1. the trip's loads: K of keys grp, grp + 8; V of keys 2q, 2q + 1, 2q + 8, 2q + 9 (with scales). A whole
+        #    trip in one page adds 0 or 8 rows (K), 0, 1, 8 or 9 rows (V) to the lane's first key's row.
+        if WHOLE and not tail:
+            lane_rows = (k_lane + slot0 * k_src.s_t, k_sc_lane + slot0 * k_src.sc_s_t,
+                         v_lane + slot0 * v_src.s_t, v_sc_lane + slot0 * v_src.sc_s_t)
+        for n in range(6):
+            src = k_src if n < 2 else v_src
+            if WHOLE and not tail:
+                extra = 8 * n if n < 2 else (n - 2) % 2 + 8 * ((n - 2) // 2)
+                at = lane_rows[0 if n < 2 else 2] + extra * src.s_t
+                sc_at = lane_rows[1 if n < 2 else 3] + extra * src.sc_s_t
+            else:
+                k = np.int64(grp + 8 * n if n < 2 else 2 * quad + (n - 2) % 2 + 8 * ((n - 2) // 2))
+                if tail:
+                    k = min(k, kmax)
+                if WHOLE:
+                    slot = slot0 + k
+                else:
+                    t = tc + k
+                    slot = starts[b, t // page] + t % page
+                at = (k_row if n < 2 else v_row) + slot * src.s_t
+                sc_at = (k_sc if n < 2 else v_sc) + slot * src.sc_s_t
+            if n < 2:
+                load_k(k_src.data, at, kw, n * K_WORDS)
+                if quant_bit:
+                    load_k_scales(k_src.scales, sc_at, ksc, n * KS_WORDS)
+            else:
+                load_v(v_src.data, at, vw, (n - 2) * V_WORDS)
+                if quant_bit:
+                    load_v_scales(v_src.scales, sc_at, vsc, (n - 2) * VS_WORDS)
+        # 2. S = Q Kᵀ: two n8 tiles (keys t0 + grp.., t0 + 8 + grp..), D / 16 mma each
+        key_fragments(kw, ksc, kb)
+        for nt in range(2):
+            for e in range(4):
+                s[nt, e] = 0.0
+        for ks in range(K_STEPS):
+            for nt in range(2):
+                s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3] = mma_m16n8k16(
+                    qa[ks, 0], qa[ks, 1], qa[ks, 2], qa[ks, 3], kb[nt, ks, 0], kb[nt, ks, 1],
+                    s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3], mma_scratch, warp, lane)
+        # 3. scores and the online softmax; element e of a C tile: row grp + 8 * (e // 2), key 2q + e % 2. Without
+        #    a mask or ALiBi a decode score is q.k / sqrt(D) (causality hides no key of the one query), and a row
+        #    past the group's heads needs no mask: its scores never meet a real row's (a row's max is its quad's).
+        low = np.int32(max(min(lo - t0, KEY_TILE), 0))                  # keys of the trip below lo, and from hi
+        high = np.int32(max(min(hi - t0, KEY_TILE), 0))
+        for r in range(2):
+            tile_max[r] = NEG_INF
+        for r in range(R):
+            h = h0 + grp + 8 * r
+            for nt in range(2):
+                for c in range(2):
+                    kt = np.int32(8 * nt + 2 * quad + c)
+                    x = NEG_INF
+                    if BIASED:
+                        if grp + 8 * r < HPB and low <= kt < high:
+                            x = score(score_args, s[nt, 2 * r + c] * sm_scale, b, h, 0, t0 + kt, seqlen,
+                                      kvlen) * f32(LOG2_E)
+                    elif low <= kt and (kt < high or not tail):
+                        x = s[nt, 2 * r + c] * sm_log2
+                    s[nt, 2 * r + c] = x
+                    tile_max[r] = max(tile_max[r], x)
+        top0, top1 = quad_max2(tile_max[0], tile_max[1], quad_scratch, warp, lane)
+        tile_max[0], tile_max[1] = top0, top1
+        for r in range(R):
+            new_max = max(row_max[r], tile_max[r])
+            alpha = f32(1.0)
+            if new_max != NEG_INF:                   # all hidden so far: nothing to rescale, p = 0
+                alpha = exp2(row_max[r] - new_max)
+            part = f32(0.0)
+            for nt in range(2):
+                for c in range(2):
+                    p = f32(0.0)
+                    if new_max != NEG_INF:
+                        p = exp2(s[nt, 2 * r + c] - new_max)
+                    s[nt, 2 * r + c] = p
+                    part += p
+            row_sum[r] = row_sum[r] * alpha + part
+            row_max[r] = new_max
+            for vt in range(V_TILES):
+                o[vt, 2 * r] *= alpha
+                o[vt, 2 * r + 1] *= alpha
+        # 4. P as the A fragment of P·V (rows grp + 8 zero unless the block has them)
+        p0, p2 = pack_half2(s[0, 0], s[0, 1]), pack_half2(s[1, 0], s[1, 1])
+        p1, p3 = ZERO, ZERO
+        if R == 2:
+            p1, p3 = pack_half2(s[0, 2], s[0, 3]), pack_half2(s[1, 2], s[1, 3])
+        # 5. O += P V: D / 8 n8 tiles, V's B registers from the interleaved key pairs
+        value_fragments(vw, vsc, vb)
+        for vt in range(V_TILES):
+            c2, c3 = (o[vt, 2], o[vt, 3]) if R == 2 else (f32(0.0), f32(0.0))
+            d0, d1, d2, d3 = mma_m16n8k16(p0, p1, p2, p3, vb[0, vt], vb[1, vt], o[vt, 0], o[vt, 1], c2, c3,
+                                          mma_scratch, warp, lane)
+            o[vt, 0], o[vt, 1] = d0, d1
+            if R == 2:
+                o[vt, 2], o[vt, 3] = d2, d3
+
+    @cuda.jit
+    def gqa_decode_attention_kernel(q_geom, out_geom, seqlens, kvlens, k_src, v_src, score_args, sm_scale):
+        b = cuda.blockIdx.z
+        seqlen, kvlen = seqlens[b], kvlens[b]
+        if seqlen < 1:
+            return                                   # block-uniform exit: no thread waits at a barrier
+        h0 = cuda.blockIdx.y * HPB
+        g_kv = h0 // group
+        tid = cuda.threadIdx.x
+        warp, lane = tid // WARP_SIZE, tid % WARP_SIZE
+        grp, quad = lane // 4, lane % 4
+
+        mma_scratch = cuda.shared.array(MMA_SCRATCH, np.uint32)     # simulator paths only
+        quad_scratch = cuda.shared.array(QUAD_SCRATCH, f32)
+        merge = cuda.shared.array(MERGE, f32)
+
+        # Q's A fragments in the permuted dims (k_dims); rows grp + 8 only when the block has more than 8 heads.
+        q, q_starts, q_sb, q_si, q_sh = q_geom
+        qa = cuda.local.array((K_STEPS, 4), np.uint32)
+        for ks in range(K_STEPS):
+            for k in range(4):
+                qa[ks, k] = ZERO
+        for r in range(R):
+            if grp + 8 * r < HPB:
+                at = b * q_sb + q_starts[b] * q_si + (h0 + grp + 8 * r) * q_sh + K_DIMS * quad
+                for ks in range(K_STEPS):
+                    for j in range(2):
+                        lo, hi = K_REL[ks, 2 * j], K_REL[ks, 2 * j + 1]
+                        qa[ks, r + 2 * j] = pack_half2(f32(q[at + lo]), f32(q[at + hi]))
+
+        row_max = cuda.local.array(2, f32)
+        row_sum = cuda.local.array(2, f32)           # this lane's columns only, until the end
+        o = cuda.local.array((V_TILES, 4), f32)      # O's C fragments (elements 2, 3: rows grp + 8)
+        for r in range(2):
+            row_max[r] = NEG_INF
+            row_sum[r] = 0.0
+        for vt in range(V_TILES):
+            for e in range(4):
+                o[vt, e] = 0.0
+        regs = (cuda.local.array((2, 4), f32), cuda.local.array(2, f32), cuda.local.array(KW_SIZE, np.uint32),
+                cuda.local.array(KSC_SIZE, np.uint32), cuda.local.array(VW_SIZE, np.uint32),
+                cuda.local.array(VSC_SIZE, np.uint32), cuda.local.array((2, K_STEPS, 2), np.uint32),
+                cuda.local.array((2, V_TILES), np.uint32))
+        acc = (row_max, row_sum, o, qa)
+
+        lo, hi = key_range(score_args, b, 0, 0, seqlen, kvlen)
+        first = lo - lo % KEY_TILE
+        tiles = -(-(hi - first) // KEY_TILE) if hi > lo else 0
+        rounds = -(-tiles // WARPS)                  # the same count in every warp: the simulator's barriers
+        # This lane's slices in slot 0 of the sequence's cache: K dims K_DIMS * quad.., V dims V_DIMS * grp..
+        kvs = (k_src.base + b * k_src.s_b + g_kv * k_src.s_h + K_DIMS * quad * BITS // (8 * ITEM),
+               k_src.sc_base + b * k_src.sc_s_b + g_kv * k_src.sc_s_h + K_DIMS * quad // quant_group,
+               v_src.base + b * v_src.s_b + g_kv * v_src.s_h + V_DIMS * grp * BITS // (8 * ITEM),
+               v_src.sc_base + b * v_src.sc_s_b + g_kv * v_src.sc_s_h + V_DIMS * grp // quant_group)
+        kvs = kvs + (kvs[0] + grp * k_src.s_t, kvs[1] + grp * k_src.sc_s_t, kvs[2] + 2 * quad * v_src.s_t,
+                     kvs[3] + 2 * quad * v_src.sc_s_t)
+        walk = cuda.local.array(3, np.int64)         # the page walk: page index, offset, the key they locate
+        walk[0], walk[1], walk[2] = first // k_src.page, first % k_src.page, first
+        rows = (b, h0, lo, hi, seqlen, kvlen)
+        srcs, scratch = (k_src, v_src), (mma_scratch, quad_scratch)
+        # Every round but the last holds whole tiles of keys below hi (tile indices below (rounds - 1) * warps).
+        for step in range(rounds - 1):
+            trip(first + (step * WARPS + warp) * KEY_TILE, False, rows, srcs, kvs, walk, acc, regs, scratch,
+                 score_args, sm_scale, warp, lane)
+        if rounds > 0:
+            trip(first + ((rounds - 1) * WARPS + warp) * KEY_TILE, True, rows, srcs, kvs, walk, acc, regs, scratch,
+                 score_args, sm_scale, warp, lane)
+
+        # 6. the warps' merge: warps 1.. hand their state to warp 0, which folds them in (multi-block rule)
+        if WARPS > 1:
+            if warp > 0:
+                for r in range(R):
+                    at = r * (2 + O_VALUES)
+                    merge[warp - 1, at, lane] = row_max[r]
+                    merge[warp - 1, at + 1, lane] = row_sum[r]
+                    for vt in range(V_TILES):
+                        for c in range(2):
+                            merge[warp - 1, at + 2 + 2 * vt + c, lane] = o[vt, 2 * r + c]
+            cuda.syncthreads()
+            if warp == 0:
+                for w in range(WARPS - 1):
+                    for r in range(R):
+                        at = r * (2 + O_VALUES)
+                        other = merge[w, at, lane]
+                        top = max(row_max[r], other)
+                        if top != NEG_INF:
+                            mine, theirs = exp2(row_max[r] - top), exp2(other - top)
+                            row_sum[r] = row_sum[r] * mine + merge[w, at + 1, lane] * theirs
+                            for vt in range(V_TILES):
+                                for c in range(2):
+                                    o[vt, 2 * r + c] = o[vt, 2 * r + c] * mine + merge[w, at + 2 + 2 * vt + c,
+                                                                                       lane] * theirs
+                            row_max[r] = top
+
+        total0, total1 = quad_sum2(row_sum[0], row_sum[1], quad_scratch, warp, lane)
+        if warp == 0:
+            out, o_starts, o_sb, o_si, o_sh = out_geom
+            for r in range(R):
+                total = total0 if r == 0 else total1
+                if grp + 8 * r < HPB:
+                    at = b * o_sb + o_starts[b] * o_si + (h0 + grp + 8 * r) * o_sh
+                    for vt in range(V_TILES):
+                        for c in range(2):
+                            d = V_DIMS * (2 * quad + c) + vt              # v_dim: un-permute O's columns
+                            out[at + d] = o[vt, 2 * r + c] / total if total > 0.0 else f32(0.0)
+
+    return gqa_decode_attention_kernel
