@@ -50,7 +50,7 @@ from kernels_numba._attention_vector import keys_per_step
 
 from .. import _console
 from . import bounds, recorder, sass
-from .cases import ALL_LAB_CASES, LAB_CASES, BenchCase
+from .cases import ALL_LAB_CASES, LAB_CASES, BenchCase, TrtBenchCase
 
 RUNGS = (1, 2, 3, 4, 5)
 THREADS = 128
@@ -241,6 +241,14 @@ def lower_bounds(full: dict, plan: Plan) -> bounds.Bounds:
                          fma_flops=None if full[HMMA] else plan.case.flops, blocks=round(full["attention blocks"]))
 
 
+def sass_key(case, rung: int) -> str | None:
+    """The committed SASS variant (docs/kernel-ladder-sass.json) of `case`'s decode kernel at `rung`: OpenPPL's
+    launch, or TensorRT-LLM's generation step; None for the other operators (their kernels are not compiled
+    there)."""
+    prefix = {BenchCase: "", TrtBenchCase: "trtllm-"}.get(type(case))
+    return None if prefix is None else f"{prefix}rung{rung}-{case.cache}-decode"
+
+
 def issue_estimate(full: dict, plan: Plan, rung: int, threads: int) -> float | None:
     """Microseconds the busiest SM needs to issue the key loop's warp instructions: the loop body of the committed
     SASS (docs/kernel-ladder-sass.json, decode at head_dim 128, 128 threads) once per trip of every warp. An
@@ -249,8 +257,8 @@ def issue_estimate(full: dict, plan: Plan, rung: int, threads: int) -> float | N
     but page walks, each counted once: a walk runs at most once a trip while a page holds a block's step of keys."""
     case, machine = plan.case, sass.committed()
     shapes = machine["shapes"]
-    variant = machine["variants"].get(f"rung{rung}-{case.cache}-decode")
-    if (not isinstance(case, BenchCase) or plan.prefill or rung not in (2, 3, 4) or variant is None
+    variant = machine["variants"].get(sass_key(case, rung))
+    if (plan.prefill or rung not in (2, 3, 4) or variant is None
             or variant["key_loop"]["inner_loops"] > variant["key_loop"].get("walk_loops", 0)
             or (case.head_dim, threads) != (shapes["head_dim"], shapes["threads"])):
         return None
@@ -277,9 +285,8 @@ def latency_figures(full: dict, plan: Plan, rung: int, threads: int) -> dict | N
     `issue_estimate`)."""
     case, machine = plan.case, sass.committed()
     shapes = machine["shapes"]
-    variant = machine["variants"].get(f"rung{rung}-{case.cache}-decode")
-    if (not isinstance(case, BenchCase) or plan.prefill or rung not in (2, 3, 4) or variant is None
-            or "in_flight" not in variant["key_loop"]
+    variant = machine["variants"].get(sass_key(case, rung))
+    if (plan.prefill or rung not in (2, 3, 4) or variant is None or "in_flight" not in variant["key_loop"]
             or (case.head_dim, threads) != (shapes["head_dim"], shapes["threads"])):
         return None
     figures = bounds.latency_bound(full[recorder.DRAM_READ] + full[recorder.DRAM_WRITE],

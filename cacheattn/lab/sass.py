@@ -2,7 +2,8 @@
 
 For each rung (docs/kernel-ladder.md) and cache format at the headline shapes (32 query / 8 kv heads, head_dim 128,
 quant_group 8 with float16 scales, a float16 query, 128 threads a block as the launchers use by default), this
-records the OpenPPL launch the launcher makes, compiles the kernel to PTX (`cuda.compile_ptx`, in a process without
+records the OpenPPL launch the launcher makes (and TensorRT-LLM's generation step on rung 3, with its float16,
+INT8 and FP8 caches), compiles the kernel to PTX (`cuda.compile_ptx`, in a process without
 NUMBA_ENABLE_CUDASIM, as `kernels_numba.ptx_check` does), assembles it for sm_90 with `ptxas -v` (registers,
 spills, static shared memory) and disassembles the cubin with `nvdisasm`. From those it derives
 
@@ -11,7 +12,7 @@ spills, static shared memory) and disassembles the cubin with `nvdisasm`. From t
   rung 1 sit inside it), and its *static* instruction mix: each instruction of the body counted once, however
   often it runs (`instruction_mix`).
 
-    python -m cacheattn.lab.sass [--write docs/kernel-ladder-sass.json] [--rung 3] [--cache int8]
+    python -m cacheattn.lab.sass [--write docs/kernel-ladder-sass.json] [--rung 3] [--cache int8] [--operator trtllm]
 
 The tools' output is cached on disk, keyed by the kernels' sources, the variant and the tools' versions, so a second
 call costs a file read and the parsing. Everything here is counted from the compiler's output, never timed.
@@ -60,14 +61,16 @@ MIX_CLASSES = ("LDG.8", "LDG.16", "LDG.32", "LDG.64", "LDG.128", "STG", "LDS", "
 @dataclass(frozen=True)
 class Variant:
     """One kernel of the ladder at the headline shapes: rung 1-5, cache format, decode (one query position) or
-    prefill (PREFILL_ROWS positions, rung 5's case)."""
+    prefill (PREFILL_ROWS positions, rung 5's case); OpenPPL's launch, or TensorRT-LLM's generation step
+    (`operator` "trtllm": its own vector kernel, with its caches, TRT_CACHES)."""
     rung: int
     cache: str
     phase: str = "decode"
+    operator: str = "ppl"
 
     @property
     def key(self) -> str:
-        return f"rung{self.rung}-{self.cache}-{self.phase}"
+        return f"{'' if self.operator == 'ppl' else self.operator + '-'}rung{self.rung}-{self.cache}-{self.phase}"
 
     @property
     def kernel(self) -> str:
@@ -75,8 +78,12 @@ class Variant:
         return PHASE_KERNELS.get((self.rung, self.phase), RUNG_KERNELS[self.rung])
 
 
+TRT_CACHES = ("float16", "int8", "fp8")               # TensorRT-LLM's KV cache formats (one per-tensor scale)
+# Every rung and cache of OpenPPL's launch; TensorRT-LLM's generation on rung 3, its default at the headline
+# decode (its rung 4 is the same loop writing split-K partials).
 VARIANTS = tuple([Variant(rung, cache) for rung in range(1, 6) for cache in CACHES]
-                 + [Variant(5, cache, "prefill") for cache in CACHES])
+                 + [Variant(5, cache, "prefill") for cache in CACHES]
+                 + [Variant(3, cache, operator="trtllm") for cache in TRT_CACHES])
 
 
 class ToolMissing(RuntimeError):
@@ -325,11 +332,15 @@ def occupancy(registers: int, shared_static: int, shared_dynamic: int, threads: 
 
 def _record_launch(variant: Variant):
     """(kernel, args, threads) of the attention launch the OpenPPL launcher makes for `variant` (launches recorded,
-    not run): a paged cache, two sequences, one position each (decode) or PREFILL_ROWS (prefill, causal)."""
+    not run): a paged cache, two sequences, one position each (decode) or PREFILL_ROWS (prefill, causal); for
+    TensorRT-LLM, the generation step of the lab's bench case (`cases.TrtBenchCase`) over 2 cached tokens."""
     import numpy as np
 
     from kernels_numba import _launch
     from kernels_numba.ppl_multi_head_cache_attention import multi_head_cache_attention
+
+    if variant.operator == "trtllm":
+        return _record_trtllm_launch(variant)
 
     quant_bit = CACHES[variant.cache]
     seqlen = 1 if variant.phase == "decode" else PREFILL_ROWS
@@ -346,11 +357,38 @@ def _record_launch(variant: Variant):
             num_heads=NUM_HEADS, head_dim=HEAD_DIM, is_causal=True, num_kv_heads=NUM_KV_HEADS, quant_bit=quant_bit,
             quant_group=QUANT_GROUP, cache_mode=1, page_size=page, cache_axes="T L KV H D", rung=variant.rung,
             threads=THREADS, num_splits=2 if variant.rung == 4 else None)
-    name = variant.kernel
-    found = [(kernel, args) for kernel, args in launches if kernel.py_func.__name__ == name]
+    return _the_launch(variant, launches)
+
+
+def _the_launch(variant: Variant, launches) -> tuple:
+    """(kernel, args, threads) of the variant's kernel among the recorded launches."""
+    found = [(kernel, args) for kernel, args in launches if kernel.py_func.__name__ == variant.kernel]
     if not found:
-        raise RuntimeError(f"{variant.key}: the launcher made no {name} launch")
+        raise RuntimeError(f"{variant.key}: the launcher made no {variant.kernel} launch")
     return (*found[0], THREADS)
+
+
+def _record_trtllm_launch(variant: Variant):
+    """`_record_launch` for TensorRT-LLM's generation: the operator's arguments validated as the one call does,
+    then the kernels' launcher at the variant's rung."""
+    import inspect
+
+    from kernels_numba import _launch
+    from kernels_numba.trtllm_gpt_attention import gpt_attention as launch_kernels
+
+    from .. import trtllm
+    from ..examples import build_trt
+    from .cases import TrtBenchCase
+
+    case = TrtBenchCase(variant.key, 2, 2, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
+                        kv_cache=variant.cache)
+    bound = inspect.signature(trtllm.gpt_attention).bind(**build_trt(case.trt_case()))
+    bound.apply_defaults()
+    call = trtllm.validate({k: v for k, v in bound.arguments.items()
+                            if k not in ("backend", "threads", "rung", "num_splits")})
+    with _launch.recorded_launches() as launches:
+        launch_kernels(**call, threads=THREADS, rung=variant.rung, num_splits=None)
+    return _the_launch(variant, launches)
 
 
 def _compile(variant: Variant) -> dict:
@@ -410,7 +448,8 @@ def _fingerprint(variant: Variant) -> str:
     digest = hashlib.sha256()
     for path in sorted((ROOT / "kernels_numba").glob("*.py")):
         digest.update(path.read_bytes())
-    digest.update((inspect.getsource(_record_launch) + inspect.getsource(_compile)).encode())
+    recipe = (_record_launch, _record_trtllm_launch, _the_launch, _compile)
+    digest.update("".join(inspect.getsource(f) for f in recipe).encode())
     for name in ("numba-cuda", "numba", "nvidia-cuda-nvcc-cu12", "nvidia-cuda-nvdisasm"):
         try:
             digest.update(f"{name}={metadata.version(name)}".encode())
@@ -462,10 +501,11 @@ def machine_code(variants=VARIANTS, *, use_cache: bool = True) -> dict:
 
 def parse_key(key: str) -> Variant:
     """Variant from its key 'rung3-int8-decode'."""
-    m = re.fullmatch(r"rung(\d)-(\w+)-(decode|prefill)", key)
-    if m is None or m.group(2) not in CACHES:
-        raise ValueError(f"variant: expected rung<N>-<{'|'.join(CACHES)}>-<decode|prefill>, got {key!r}")
-    return Variant(int(m.group(1)), m.group(2), m.group(3))
+    m = re.fullmatch(r"(trtllm-)?rung(\d)-(\w+)-(decode|prefill)", key)
+    if m is None or m.group(3) not in (TRT_CACHES if m.group(1) else CACHES):
+        raise ValueError(f"variant: expected [trtllm-]rung<N>-<{'|'.join(CACHES)}>-<decode|prefill> (TensorRT-LLM's "
+                         f"caches: {'|'.join(TRT_CACHES)}), got {key!r}")
+    return Variant(int(m.group(2)), m.group(3), m.group(4), "trtllm" if m.group(1) else "ppl")
 
 
 # ----------------------------------------------------------------------------------------------------------- report
@@ -513,7 +553,10 @@ def show_loop(result: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rung", nargs="+", type=int, choices=range(1, 6), help="only these rungs")
-    parser.add_argument("--cache", nargs="+", choices=tuple(CACHES), help="only these cache formats")
+    parser.add_argument("--cache", nargs="+", choices=tuple(dict.fromkeys((*CACHES, *TRT_CACHES))),
+                        help="only these cache formats")
+    parser.add_argument("--operator", nargs="+", choices=("ppl", "trtllm"),
+                        help="only these operators' launches (OpenPPL's, TensorRT-LLM's generation)")
     parser.add_argument("--write", metavar="JSON", help="write the figures (and tool versions) to this file, e.g. "
                                                         "docs/kernel-ladder-sass.json")
     parser.add_argument("--no-cache", action="store_true", help="compile again even when cached")
@@ -528,7 +571,7 @@ def main(argv=None) -> int:
             Path(args.compile_to, f"{key}.json").write_text(json.dumps(_compile(parse_key(key))))
         return 0
     variants = [v for v in VARIANTS if (not args.rung or v.rung in args.rung)
-                and (not args.cache or v.cache in args.cache)]
+                and (not args.cache or v.cache in args.cache) and (not args.operator or v.operator in args.operator)]
     try:
         results = machine_code(variants, use_cache=not args.no_cache)
     except ToolMissing as exc:
