@@ -341,18 +341,21 @@ RUNG5_REPRESENTATIVES = ((0, np.float16, 1, False), (8, np.float16, 3, True), (4
 
 
 def _rung5_launches(full: bool):
-    """Rung 5 (tensor cores: inline-PTX mma.sync) on the OpenPPL launches; every compile must contain the mma
-    (REQUIRED_PTX), so a build that silently lost it fails."""
+    """Rung 5 (tensor cores: inline-PTX mma.sync) on the OpenPPL launches: the staged kernel (prefill) and the
+    register-fed decode kernel (the decode representatives); every compile must contain the mma (REQUIRED_PTX), so
+    a build that silently lost it fails."""
     return [(f"rung 5 {label}", kernel, args) for label, kernel, args in
             _ppl_launches(full, rung=5, representatives=RUNG5_REPRESENTATIVES, dtypes=(np.float16,))
-            if kernel.py_func.__name__ == "mma_attention_kernel"]
+            if kernel.py_func.__name__ in REQUIRED_PTX]
 
 
 # Kernels with inline PTX: the instruction their PTX must contain, by kernel name (rung 5's mma, in every compile)
 # or by a marker in the launch's label (rung 3's vector loads, on the aligned launches only). NVVM copies inline asm
 # into the PTX without reading it, so these are also assembled with ptxas when it is installed (the CUDA toolkit
 # wheels of numba-cuda's cu12 extra bring it): a bad operand or constraint fails here, not when a GPU loads the module.
-REQUIRED_PTX = {"mma_attention_kernel": "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"}
+MMA_PTX = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+# The decode kernel also pairs two keys' V values with one prmt a register before unpacking them.
+REQUIRED_PTX = {"mma_attention_kernel": (MMA_PTX,), "gqa_decode_attention_kernel": (MMA_PTX, "prmt.b32")}
 PTX_MARKERS = {VECTOR_LOAD: "ld.global.nc.v4.u32", VECTOR_LOAD_INT4: "ld.global.nc.v2.u32"}
 
 
@@ -365,8 +368,7 @@ def _required_ptx(label: str, kernel) -> list:
     texts = [text for marker, text in PTX_MARKERS.items() if marker in label]
     if texts and ("quant_bit=8 " in label or "quant_bit=4 " in label):
         texts.append(QUANT_VECTOR_PTX)
-    if kernel.py_func.__name__ in REQUIRED_PTX:
-        texts.append(REQUIRED_PTX[kernel.py_func.__name__])
+    texts += REQUIRED_PTX.get(kernel.py_func.__name__, ())
     return texts
 
 
