@@ -32,6 +32,7 @@ from .plan import plan as plan_kernels
 # spec: ft/head-size-dispatch
 HEAD_SIZES = (32, 48, 64, 80, 96, 112, 128, 144, 160, 192, 224, 256)
 RUNGS = (1, 3, 4)      # the kernel ladder's rungs the attention kernel offers (docs/kernel-ladder.md)
+PLAN_OPTIONS = dict(rungs=RUNGS)      # what `cacheattn.plan` chooses among
 
 
 class DenseWeight(NamedTuple):
@@ -410,7 +411,7 @@ def _plan(dtype, lengths, done, caches, head_num, size_per_head, rung, num_split
     shape = AttentionShape(batch=running, max_query_len=1, max_kv_len=int(np.max(lengths, initial=1)),
                            num_heads=head_num, num_kv_heads=head_num, head_dim=size_per_head, query_dtype=dtype,
                            decode_sequences=running)
-    chosen = plan_kernels(shape, rung=rung, num_splits=num_splits, threads=threads, sms=sms, rungs=RUNGS)
+    chosen = plan_kernels(shape, rung=rung, num_splits=num_splits, threads=threads, sms=sms, **PLAN_OPTIONS)
     problem = fast_rung_problem(dtype, size_per_head, caches) if chosen.rung in (3, 4) else None
     if problem:
         return KernelPlan(1, 1, threads, f"fallback to shared-memory tiles: {problem}")

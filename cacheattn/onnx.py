@@ -22,6 +22,8 @@ from .plan import plan as plan_kernels
 T1 = ("float16", "float32", "float64", "bfloat16")
 OPSETS = (23, 24, 25)
 RUNGS = (1, 3, 4, 5)       # the kernel ladder's rungs ONNX Attention runs on (docs/kernel-ladder.md)
+# What `cacheattn.plan` chooses among: those rungs, rung 5 staging its keys in decode as in prefill.
+PLAN_OPTIONS = dict(rungs=RUNGS, register_decode=False)
 
 
 class AttentionOutputs(NamedTuple):
@@ -349,8 +351,8 @@ def kernel_plan(Q, K, V, past_key=None, *, q_num_heads=None, kv_num_heads=None, 
                            num_kv_heads=kv_heads, head_dim=max(head_size, v_size), query_dtype=dtype,
                            decode_sequences=batch if q_len == 1 else 0, causal=bool(is_causal))
     if rung == 1:
-        return plan_kernels(shape, rung=1, threads=threads, sms=sms, rungs=RUNGS)
-    chosen = plan_kernels(shape, rung=rung, num_splits=num_splits, threads=threads, sms=sms, rungs=RUNGS)
+        return plan_kernels(shape, rung=1, threads=threads, sms=sms, **PLAN_OPTIONS)
+    chosen = plan_kernels(shape, rung=rung, num_splits=num_splits, threads=threads, sms=sms, **PLAN_OPTIONS)
     if rung is None and num_splits is None and q_len > 1 and chosen.rung != 5:
         return KernelPlan(1, 1, threads or 128, f"prefill runs on shared-memory tiles unless the tensor cores serve "
                                                 f"it or rung=3 or 4 asks for the vector kernel ({chosen.reason})")

@@ -159,7 +159,8 @@ class KernelPlan:
 
 
 def plan(shape: AttentionShape, *, rung: int | None = None, num_splits: int | None = None,
-         threads: int | None = None, sms: int | None = None, rungs: tuple = LADDER) -> KernelPlan:
+         threads: int | None = None, sms: int | None = None, rungs: tuple = LADDER,
+         register_decode: bool = True) -> KernelPlan:
     """The kernel plan for a call of this shape.
 
     Parameters
@@ -179,6 +180,10 @@ def plan(shape: AttentionShape, *, rung: int | None = None, num_splits: int | No
     rungs : tuple of int, default (1, 2, 3, 4, 5)
         The rungs the operator's kernels offer: the plan chooses among them (FasterTransformer's cross attention
         offers (1, 3, 4), so rung 5 is never its choice), and a `rung` outside them is refused.
+    register_decode : bool, default True
+        Whether the operator's rung 5 decodes on the register-fed kernel (`kernels_numba._attention_gqa_mma`,
+        OpenPPL's launcher): then a decode batch that fills the GPU on rung 3 runs it instead, the same bytes in
+        a fraction of the instructions. ONNX's rung 5 stages its keys through shared memory: False.
 
     Returns
     -------
@@ -218,11 +223,11 @@ def plan(shape: AttentionShape, *, rung: int | None = None, num_splits: int | No
     if rung is None and num_splits is not None and 4 not in rungs:
         raise ValueError(f"num_splits: asks for rung 4's split-K, which this operator's kernels do not offer "
                          f"(rungs {rungs})")
-    return _plan(shape, rung, num_splits, threads, sms, rungs)
+    return _plan(shape, rung, num_splits, threads, sms, rungs, register_decode)
 
 
 @lru_cache(maxsize=512)
-def _plan(shape, rung, num_splits, threads, sms, rungs=LADDER):
+def _plan(shape, rung, num_splits, threads, sms, rungs=LADDER, register_decode=True):
     if rung is None and num_splits is not None:
         return _forced(shape, 4, num_splits, threads or DEFAULT_THREADS, sms, f"num_splits={num_splits} given")
     if rung is not None:
@@ -237,6 +242,8 @@ def _plan(shape, rung, num_splits, threads, sms, rungs=LADDER):
         return replace(chosen, reason=chosen.reason + against)
     if cores is not None:
         chosen, b = cores
+        if register_decode and 5 in rungs and chosen.rung == 3 and _register_decode_serves(shape, chosen.threads):
+            return replace(chosen, rung=5, reason=f"{chosen.reason}; {_register_decode_reason(shape)}")
         if b.limiter != "DRAM" and why_not_tensor:
             chosen = replace(chosen, reason=f"{chosen.reason}; no tensor cores: {why_not_tensor}")
         return chosen
@@ -339,6 +346,33 @@ def _cuda_core_rung(shape, threads, sms, split=True):
         return (KernelPlan(4 if splits > 1 else 3, splits, t, f"{reason}{_fewer(shape, t, threads)}; {figures}"),
                 b), None
     return None, why
+
+
+# Warp instructions the key loop issues a key (a trip's static SASS over its keys), rung 3 against rung 5's
+# register-fed decode kernel, at the headline decode (head_dim 128, 32 query / 8 kv heads, 128 threads, sm_90):
+# from docs/kernel-ladder-sass.json, which tests/test_plan.py holds them to.
+DECODE_INSTRUCTIONS_PER_KEY = {0: (185.5, 19.6), 8: (136.0, 34.8), 4: (136.4, 32.4)}
+
+
+def _register_decode_serves(shape, threads) -> bool:
+    """Whether rung 5's register-fed decode kernel takes a call of this shape at `threads` (the shape's share of
+    `kernels_numba._attention_gqa_mma.decode_kernel_choice`; the launcher checks the arrays' alignment too and
+    otherwise stages rung 5 as for prefill)."""
+    from kernels_numba._attention_core import SHARED_BYTES
+    from kernels_numba._attention_gqa_mma import HEAD_DIMS, heads_per_block, shared_bytes
+
+    cache = shape.cache_dtype
+    return (shape.max_query_len == 1 and shape.decode_sequences == shape.batch
+            and shape.query_dtype == np.float16 and shape.head_dim in HEAD_DIMS
+            and cache == (np.int8 if shape.quant_bit else np.float16) and threads % 32 == 0
+            and shared_bytes(shape.head_dim, threads // 32, heads_per_block(shape.num_heads, shape.num_kv_heads))
+            <= SHARED_BYTES)
+
+
+def _register_decode_reason(shape) -> str:
+    rung3, rung5 = DECODE_INSTRUCTIONS_PER_KEY[shape.quant_bit]
+    return (f"rung 5's decode kernel: the GQA group on tensor cores fed from registers, the same bytes in about "
+            f"{rung5:.0f} instructions a key against rung 3's {rung3:.0f} (sm_90 SASS at head_dim 128)")
 
 
 def _tensor_core_rung(shape, threads, sms):

@@ -26,6 +26,7 @@ from strategies import PPLCase, build_ppl
 
 RUNG_KERNELS = {1: ["attention_kernel"], 3: ["vector_attention_kernel"],
                 4: ["vector_attention_kernel", "combine_kernel"], 5: ["mma_attention_kernel"]}
+DECODE_KERNELS = {5: ["gqa_decode_attention_kernel"]}     # a decode batch's rung 5: the register-fed kernel
 
 
 def bench_shape(case):
@@ -39,13 +40,17 @@ def bench_shape(case):
 
 @pytest.mark.parametrize("case", LAB_CASES, ids=[c.label for c in LAB_CASES])
 def test_the_bench_cases_get_the_rungs_the_lab_counts_at_their_bound(case):
-    """Decode at B = 64 fills the 132 SMs with rung 3's 512 blocks (every cache format); B = 1 at 32k splits them
-    as the lab counted rung 4 (33 splits); the float16 prefill goes to the tensor cores."""
+    """Decode at B = 64 fills the 132 SMs with 512 blocks (every cache format): the grid of rung 3, which then
+    gives way to rung 5's register-fed decode kernel (the same bytes, a fraction of the instructions); B = 1 at
+    32k splits them as the lab counted rung 4 (33 splits); the float16 prefill goes to the tensor cores."""
     chosen = plan(bench_shape(case), sms=132)
     if case.new_tokens > 1:
         assert chosen.rung == 5 and "tensor cores" in chosen.reason
     elif case.batch == 64:
-        assert (chosen.rung, chosen.num_splits) == (3, 1) and "512 blocks fill 132 SMs; memory-bound" in chosen.reason
+        assert (chosen.rung, chosen.num_splits) == (5, 1) and "512 blocks fill 132 SMs; memory-bound" in chosen.reason
+        assert "rung 5's decode kernel" in chosen.reason
+        # Where the operator's rung 5 stages its keys (ONNX's), the same call stays on rung 3.
+        assert plan(bench_shape(case), sms=132, register_decode=False).rung == 3
     else:
         assert (chosen.rung, chosen.num_splits) == (4, counters.splits_for(case)[0]) == (4, 33)
     assert chosen.threads == 128
@@ -156,10 +161,12 @@ def case(seqlens, past, dtype="float16", **changes):
 
 
 # One small problem per rung the plan picks, with the block size a caller would pass (None: the plan's). Decode
-# with short contexts stays on rung 3; 70 keys at one warp a block (32 keys a step) split 3 ways; a float16
-# prefill takes the tensor cores; 48 threads are not whole warps.
+# with short contexts stays on rung 3 at a head_dim rung 5's decode kernel does not take (8), and goes to it at
+# 32; 70 keys at one warp a block (32 keys a step) split 3 ways; a float16 prefill takes the tensor cores; 48
+# threads are not whole warps.
 DEFAULT_CALLS = {
     "decode, int8 cache": (case((1, 1), (6, 11), quant_bit=8), None, 3),
+    "decode, int4 cache, head_dim 32": (case((1, 1), (6, 19), quant_bit=4, head_dim=32), None, 5),
     "decode, float32": (case((1, 1), (3, 9), "float32", cache_layout=2), None, 3),
     "long decode, one warp": (case((1,), (69,), quant_bit=4), 32, 4),
     "decode and prefill, float16": (case((1, 3), (5, 0), is_alibi=True), None, 5),
@@ -208,10 +215,12 @@ def test_the_default_call_runs_the_planned_rung_and_conforms(device, monkeypatch
     problem, threads, rung = DEFAULT_CALLS[label]
     launch = {} if threads is None else {"threads": threads}
     ops = ["multi_head_cache_attention"] + (["dynamic_multi_head_attention"] if rung == 1 else [])
+    decode = all(n == 1 for n in problem.seqlens)
+    expected = DECODE_KERNELS.get(rung, RUNG_KERNELS[rung]) if decode else RUNG_KERNELS[rung]
     for op in ops:
         names = spied(monkeypatch)
         kit.check_case(op, on_device(device, getattr(cacheattn, op), **launch), problem)
-        assert names == RUNG_KERNELS[rung], (op, names)
+        assert names == expected, (op, names)
         monkeypatch.undo()
 
 

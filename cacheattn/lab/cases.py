@@ -398,13 +398,13 @@ class PlannedCase:
         if rung != 4 or 4 not in self.rungs:
             return 1
         from ..plan import plan
-        return plan(self.shape(), rung=4, threads=threads, sms=SMS).num_splits
+        return plan(self.shape(), rung=4, threads=threads, sms=SMS, **self.plan_options).num_splits
 
     def default_plan(self, threads: int = 128) -> dict:
         if 3 not in self.rungs:
             return dict(rung=1, num_splits=1, threads=threads, reason="the call offers rung 1's tiles only")
         from ..plan import plan
-        chosen = plan(self.shape(), sms=SMS)
+        chosen = plan(self.shape(), sms=SMS, **self.plan_options)
         return dict(rung=chosen.rung, num_splits=chosen.num_splits, threads=chosen.threads, reason=chosen.reason)
 
 
@@ -424,6 +424,11 @@ class OnnxBenchCase(PlannedCase):
     head_dim: int = 128
 
     operator = "ONNX Attention"
+
+    @property
+    def plan_options(self) -> dict:
+        from ..onnx import PLAN_OPTIONS
+        return PLAN_OPTIONS
     # What the attention kernel reads K/V from: present (rung 1, after the copy kernels), or past and the new token
     # (rungs 3 and 4, which write present as they read them).
     kv_arrays = ("_src.data", "_src.past", "_src.new")
@@ -477,6 +482,11 @@ class FTBenchCase(PlannedCase):
     head_dim: int = 64
 
     operator = "FasterTransformer cross_attention"
+
+    @property
+    def plan_options(self) -> dict:
+        from ..ft import PLAN_OPTIONS
+        return PLAN_OPTIONS
     kv_arrays = ("k_src[0]", "v_src[0]")       # the attention kernel's cache sources, (data, ...) each
 
     def __post_init__(self):
