@@ -143,7 +143,7 @@ def _shifted(x, n, stride):
 
 @cuda.jit(device=True, inline="always")
 def _page_begin(k_src, v_src, b, h, t0):
-    return _page_rows(k_src, v_src, b, t0 // k_src.page, t0 % k_src.page, h)
+    return _page_rows(k_src, v_src, b, as_offset(t0 // k_src.page, k_src.s_t), t0 % k_src.page, h)
 
 
 @cuda.jit(device=True, inline="always")

@@ -170,11 +170,12 @@ def page_slot(src, b, page_index, offset):
 def page_walk(page_index, offset, step, page):
     """(page index, offset) of the token `step` tokens after the one at (page_index, offset): a key loop that
     walks t += step keeps the pair and calls this instead of dividing t by the page size (a 64-bit division by
-    a runtime value is a call of ~40 instructions) for every key."""
-    offset += step
+    a runtime value is a call of ~40 instructions) for every key. Both keep their integer types (32-bit walks
+    stay 32-bit: `as_offset`)."""
+    offset = as_offset(offset + step, offset)
     while offset >= page:
-        offset -= page
-        page_index += 1
+        offset = as_offset(offset - page, offset)
+        page_index = as_offset(page_index + 1, page_index)
     return page_index, offset
 
 
