@@ -359,9 +359,27 @@ def make_chunk_load(quant_bit: int, quant_group: int, round_scale, round_value, 
                 q = np.int32(field ^ sign) - sign                # two's complement of a bits-wide field
                 regs[at + e] = dequantize(q, scale)
 
+    @cuda.jit(device=True, inline="always")
+    def fetch_floats(src, row, sc_row, d0, words_out, scales_out):
+        """A float chunk's load alone: its words into words_out[:words] (no scales)."""
+        loaded = load_words(src.data, row + d0)
+        for j in range(words):
+            words_out[j] = loaded[j]
+
+    @cuda.jit(device=True, inline="always")
+    def unpack_floats(loaded, held, regs, at):
+        """The values of a fetched float chunk into regs[at:at + elements], as load_chunk gives them."""
+        for j in range(words):
+            for k in range(per_word):
+                field = (loaded[j] >> (bits * k)) & ((1 << bits) - 1)
+                x = half_from_bits(field) if bits == 16 else float_from_bits(field)
+                regs[at + j * per_word + k] = x if exact else round_value(x)
+
+    # A kernel may issue every load of a step before it unpacks any (`ChunkPrefetch`).
     if magic:
-        # A kernel may issue every load of a step before it unpacks any (`ChunkPrefetch`).
         load_chunk.prefetch = ChunkPrefetch(fetch_chunk, unpack_chunk, words, max(1, scales_read // 2))
+    elif vector and quant_bit == 0:
+        load_chunk.prefetch = ChunkPrefetch(fetch_floats, unpack_floats, words, 1)
     return load_chunk
 
 
