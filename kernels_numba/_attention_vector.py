@@ -99,7 +99,8 @@ def plan_vector_rows(num_heads: int, num_kv_heads: int, max_seqlen: int, head_di
 
 # A walker over K and V together: begin(k_src, v_src, b, h, t0) -> the state of a lane group's first key t0 of kv
 # head h, at(k_src, v_src, b, state, j, h) -> (k_row, k_sc_row, v_row, v_sc_row) of key t0 + j,
-# advance(k_src, v_src, b, h, state, step) -> the state of key t0 + step.
+# advance(k_src, v_src, b, h, state, step, live) -> the state of key t0 + step (live: whether that key is one the loop
+# reads; a walk past its last key may leave its state unplaced).
 KVWalker = namedtuple("KVWalker", "begin at advance")
 
 
@@ -119,7 +120,7 @@ def each_source(walker) -> KVWalker:
         return k_row, k_sc, v_row, v_sc
 
     @cuda.jit(device=True, inline="always")
-    def advance_both(k_src, v_src, b, h, state, step):
+    def advance_both(k_src, v_src, b, h, state, step, live):
         return advance(k_src, state[0], step), advance(v_src, state[1], step)
 
     return KVWalker(begin_both, at_both, advance_both)
@@ -158,9 +159,9 @@ def _page_at(k_src, v_src, b, state, j, h):
 
 
 @cuda.jit(device=True, inline="always")
-def _page_advance(k_src, v_src, b, h, state, step):
+def _page_advance(k_src, v_src, b, h, state, step, live):
     page_index, offset, k_row, k_sc, v_row, v_sc = state
-    if offset + step < k_src.page:                # the same page: no lookup
+    if offset + step < k_src.page or not live:    # the same page, or past the last key: no lookup
         return (page_index, as_offset(offset + step, offset), _shifted(k_row, step, k_src.s_t),
                 _shifted(k_sc, step, k_src.sc_s_t), _shifted(v_row, step, v_src.s_t), _shifted(v_sc, step, v_src.sc_s_t))
     page_index, offset = page_walk(page_index, offset, step, k_src.page)
@@ -393,7 +394,7 @@ def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, h
                     for x in range(VR):
                         acc[r, x] += weights[r * TILE + j] * v_reg[x]
             t0 += STEP
-            state = walk_advance(k_src, v_src, b, g, state, STEP)
+            state = walk_advance(k_src, v_src, b, g, state, STEP, t0 < hi)
         if SCALE_V:                                   # the per-tensor scale the loads left out of V
             factor = value_scale(v_src)
             for r in range(ROWS):

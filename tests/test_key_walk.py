@@ -14,6 +14,8 @@ from kernels_numba import _launch
 from kernels_numba._attention_vector import PAGE_WALKER, KVWalker, each_source
 from kernels_numba._cache import OFFSET_LIMIT, cache_source, offset_type
 from kernels_numba._launch import OFFSET_PAGE
+from kernels_numba.ft_cross_attention import CACHE_WALKER
+from kernels_numba.onnx_attention import KV_WALKER
 from kernels_numba.trtllm_generation import make_generation_walker
 
 from strategies import PPLCase, TrtCase, build_ppl, build_trt
@@ -49,10 +51,11 @@ def test_offsets_are_int32_only_when_every_offset_fits():
     assert offset_type(huge_view(np.int8, (OFFSET_LIMIT - 1,))) is np.int32
 
 
-def test_openppl_launches_walk_k_and_v_once_and_trtllm_twice():
+def test_which_walks_k_and_v_share():
     """OpenPPL's K and V come from one cache through one page table (cachestarts), so rung 3 takes PAGE_WALKER, one
-    walk for both; TensorRT-LLM's K and V blocks have block offsets of their own, so its walker goes through
-    each_source, a walk each."""
+    walk and one page-table read for both; TensorRT-LLM's share the walk (entry table, window, beams) but each
+    takes its own address, as their blocks have offsets of their own; ONNX's and FasterTransformer's walkers place
+    K and V apart (present's past and new parts, two caches), so they go through each_source, a walk each."""
     case = PPLCase(seqlens=(1, 1), past=(5, 9), decoding_batches=2, num_heads=4, num_kv_heads=2, head_dim=32,
                    dtype="float16", quant_bit=8, quant_group=8, scale_dtype="float16", cache_layout=0, cache_mode=1,
                    page_size=4, num_layer=2, layer_idx=1, is_causal=True, is_alibi=False, mask="none", mask_pad=0,
@@ -65,8 +68,9 @@ def test_openppl_launches_walk_k_and_v_once_and_trtllm_twice():
     assert type(k_src.s_t) is type(v_src.s_t) is np.int32
     assert isinstance(PAGE_WALKER, KVWalker)
 
-    _, walker = make_generation_walker(2, 16, True)
-    assert not isinstance(walker, KVWalker) and isinstance(each_source(walker), KVWalker)
+    assert isinstance(make_generation_walker(2, 16, True)[1], KVWalker)
+    for walker in (CACHE_WALKER, KV_WALKER):
+        assert not isinstance(walker, KVWalker) and isinstance(each_source(walker), KVWalker)
 
 
 # head_dim 128 with a GQA group of 4: lane groups take tiles of 2 keys and a block of 2 warps steps 8 keys (float16)
@@ -87,11 +91,15 @@ def test_walks_that_cross_pages_inside_tiles_and_steps(quant_bit, rung, num_spli
 
 
 def test_trtllm_paged_k_and_v_on_their_own_blocks():
-    """A paged TensorRT-LLM generation call whose K and V blocks differ, on rung 3: two walks, the reference's
-    result."""
+    """A paged TensorRT-LLM generation call whose K and V blocks differ, on rung 3: one walk, each its own block,
+    the reference's result."""
     case = TrtCase(contexts=(), generations=((3, 6), (2, 9)), beam_width=1, num_heads=4, num_kv_heads=2,
                    head_size=16, dtype="float16", capacity=12, window=12, paged=True, tokens_per_block=4, seed=7)
-    offsets = build_trt(case)["kv_cache_block_offsets"]
+    args = build_trt(case)
+    offsets = args["kv_cache_block_offsets"]
     assert not np.array_equal(offsets[:, :, 0], offsets[:, :, 1])
     impl = cacheattn.gpt_attention
+    with _launch.recorded_launches() as launches:
+        impl(**args, backend="numba", threads=32, rung=3)
+    assert "vector_attention_kernel" in [kernel.py_func.__name__ for kernel, _ in launches]
     kit.check_case("gpt_attention", lambda *a, **k: impl(*a, **k, backend="numba", threads=32, rung=3), case)
