@@ -163,7 +163,8 @@ def _page_advance(k_src, v_src, b, h, state, step, live):
     page_index, offset, k_row, k_sc, v_row, v_sc = state
     if offset + step < k_src.page or not live:    # the same page, or past the last key: no lookup
         return (page_index, as_offset(offset + step, offset), _shifted(k_row, step, k_src.s_t),
-                _shifted(k_sc, step, k_src.sc_s_t), _shifted(v_row, step, v_src.s_t), _shifted(v_sc, step, v_src.sc_s_t))
+                _shifted(k_sc, step, k_src.sc_s_t), _shifted(v_row, step, v_src.s_t),
+                _shifted(v_sc, step, v_src.sc_s_t))
     page_index, offset = page_walk(page_index, offset, step, k_src.page)
     return _page_rows(k_src, v_src, b, page_index, offset, h)
 
