@@ -34,12 +34,13 @@ split past the last key is empty) and writes unnormalised acc, M and L per row a
 from __future__ import annotations
 
 import math
+from collections import namedtuple
 
 import numpy as np
 from numba import cuda
 
 from ._attention_warp import make_row_starter, make_row_writer, plan_warp_rows, softmax_weights
-from ._cache import page_rows, page_walk
+from ._cache import as_index, as_offset, page_slot, page_walk, slot_rows
 from ._launch import ceil_div
 from ._warp import SIMULATED, WARP_SIZE, lane_values, transpose_sum, xor_reduce_many
 
@@ -96,20 +97,76 @@ def plan_vector_rows(num_heads: int, num_kv_heads: int, max_seqlen: int, head_di
     return plan_warp_rows(num_heads, num_kv_heads, max_seqlen, head_dim, warps, max_rows=max_rows(head_dim, chunk))
 
 
-@cuda.jit(device=True, inline="always")
-def _page_begin(src, b, t0):
-    return t0 // src.page, t0 % src.page
+# A walker over K and V together: begin(k_src, v_src, b, h, t0) -> the state of a lane group's first key t0 of kv
+# head h, at(k_src, v_src, b, state, j, h) -> (k_row, k_sc_row, v_row, v_sc_row) of key t0 + j,
+# advance(k_src, v_src, b, h, state, step, live) -> the state of key t0 + step (live: whether that key is one the loop
+# reads; a walk past its last key may leave its state unplaced).
+KVWalker = namedtuple("KVWalker", "begin at advance")
+
+
+def each_source(walker) -> KVWalker:
+    """The KVWalker of a walker over one source, (begin(src, b, t0), at(src, b, state, j, h), advance(src, state,
+    step)): K and V each walked with their own state, for sources whose keys K and V place apart."""
+    begin, at, advance = walker
+
+    @cuda.jit(device=True, inline="always")
+    def begin_both(k_src, v_src, b, h, t0):
+        return begin(k_src, b, t0), begin(v_src, b, t0)
+
+    @cuda.jit(device=True, inline="always")
+    def at_both(k_src, v_src, b, state, j, h):
+        k_row, k_sc = at(k_src, b, state[0], j, h)
+        v_row, v_sc = at(v_src, b, state[1], j, h)
+        return k_row, k_sc, v_row, v_sc
+
+    @cuda.jit(device=True, inline="always")
+    def advance_both(k_src, v_src, b, h, state, step, live):
+        return advance(k_src, state[0], step), advance(v_src, state[1], step)
+
+    return KVWalker(begin_both, at_both, advance_both)
 
 
 @cuda.jit(device=True, inline="always")
-def _page_at(src, b, state, j, h):
-    page_index, offset = page_walk(state[0], state[1], j, src.page)
-    return page_rows(src, b, page_index, offset, h)
+def _page_rows(k_src, v_src, b, page_index, offset, h):
+    """(page index, offset, K row, K scale row, V row, V scale row) of the token at `offset` in page `page_index`:
+    one page-table read for both."""
+    slot = page_slot(k_src, b, page_index, offset)
+    k_row, k_sc = slot_rows(k_src, b, slot, h)
+    v_row, v_sc = slot_rows(v_src, b, slot, h)
+    return page_index, as_offset(offset, k_src.s_t), k_row, k_sc, v_row, v_sc
 
 
 @cuda.jit(device=True, inline="always")
-def _page_advance(src, state, step):
-    return page_walk(state[0], state[1], step, src.page)
+def _shifted(x, n, stride):
+    """Offset x moved n tokens along a page (stride: the source's token stride), in x's type."""
+    return as_offset(x + n * stride, x)
+
+
+@cuda.jit(device=True, inline="always")
+def _page_begin(k_src, v_src, b, h, t0):
+    return _page_rows(k_src, v_src, b, as_offset(t0 // k_src.page, k_src.s_t), t0 % k_src.page, h)
+
+
+@cuda.jit(device=True, inline="always")
+def _page_at(k_src, v_src, b, state, j, h):
+    page_index, offset, k_row, k_sc, v_row, v_sc = state
+    if j > 0 and offset + j >= k_src.page:        # a tile that crosses into the next page (or later ones)
+        page_index, offset = page_walk(page_index, offset, j, k_src.page)
+        _, _, k_row, k_sc, v_row, v_sc = _page_rows(k_src, v_src, b, page_index, offset, h)
+        return as_index(k_row), as_index(k_sc), as_index(v_row), as_index(v_sc)
+    return (as_index(_shifted(k_row, j, k_src.s_t)), as_index(_shifted(k_sc, j, k_src.sc_s_t)),
+            as_index(_shifted(v_row, j, v_src.s_t)), as_index(_shifted(v_sc, j, v_src.sc_s_t)))
+
+
+@cuda.jit(device=True, inline="always")
+def _page_advance(k_src, v_src, b, h, state, step, live):
+    page_index, offset, k_row, k_sc, v_row, v_sc = state
+    if offset + step < k_src.page or not live:    # the same page, or past the last key: no lookup
+        return (page_index, as_offset(offset + step, offset), _shifted(k_row, step, k_src.s_t),
+                _shifted(k_sc, step, k_src.sc_s_t), _shifted(v_row, step, v_src.s_t),
+                _shifted(v_sc, step, v_src.sc_s_t))
+    page_index, offset = page_walk(page_index, offset, step, k_src.page)
+    return _page_rows(k_src, v_src, b, page_index, offset, h)
 
 
 @cuda.jit(device=True, inline="always")
@@ -117,10 +174,13 @@ def _unscaled(v_src):
     return np.float32(1.0)
 
 
-# The key walk of `_cache.CacheSource` sources: the state (page index, offset) of a lane group's first key, stepped by
-# `_cache.page_walk`; a key's (row, scale_row) by `_cache.page_rows`, the formula `_cache.make_cache_access`'s
-# row_offsets uses.
-PAGE_WALKER = (_page_begin, _page_at, _page_advance)
+# The key walk of `_cache.CacheSource` sources, whose K and V share one page table (`starts` and `page`: OpenPPL's
+# cachestarts serves both, and a packed key/value pair has one row_starts): the state is the page index, offset
+# and K/V rows (and scale rows) of a lane group's first key. A key further along its page is those rows plus a
+# multiple of the token stride; the page table is read once for K and V when a walk enters a page (or a tile
+# crosses into the next), never per key; the rows are in 32-bit arithmetic when the host narrowed the sources
+# (`_cache.offset_type`).
+PAGE_WALKER = KVWalker(_page_begin, _page_at, _page_advance)
 
 
 def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, head_dim_k: int, head_dim_v: int,
@@ -130,17 +190,20 @@ def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, h
     with partials), 32 * warps threads; arguments as `_attention_core.make_attention_kernel`'s kernel.
     load_chunk(src, row, sc_row, d0, regs, at, dims) fills regs[at:at + chunk] with elements d0.. of a row.
 
-    Where key t lives is a walk, so the loop divides by no page size: walker = (begin, at, advance) device
-    functions, begin(src, b, t0) -> state of a lane group's first key t0, at(src, b, state, j, h) -> (row, sc_row)
-    of key t0 + j of kv head h (the row and the second value load_chunk takes), advance(src, state, step) ->
-    the state of key t0 + step; row_offsets(src, b, t, h) places one key t as `at` would (the last visible one,
-    which keys past the end read instead, weighed 0). None: `PAGE_WALKER`, over `_cache.CacheSource` page tables.
+    Where key t lives is a walk, so the loop divides by no page size: walker = a `KVWalker` of K and V together
+    (one state for both where they share a page table), or (begin, at, advance) device functions over one source,
+    walked for K and V apart (`each_source`): begin(src, b, t0) -> state of a lane group's first key t0,
+    at(src, b, state, j, h) -> (row, sc_row) of key t0 + j of kv head h (the row and the second value load_chunk
+    takes), advance(src, state, step) -> the state of key t0 + step; row_offsets(src, b, t, h) places one key t as
+    `at` would (the last visible one, which keys past the end read instead, weighed 0). None: `PAGE_WALKER`, over
+    `_cache.CacheSource` pairs that share one page table.
     value_scale(v_src) -> a factor every output row is multiplied by after the key loop (a per-tensor cache scale
     folded out of the loads: load_chunk then returns the stored codes of V, times 1 / factor for a value kept
     unscaled); None: no factor.
     query(q_geom, b, i, h, d) -> element d of query i, head h (None: q_geom is a flat query and its geometry, as
     `_attention_warp.query_element` reads it). sum_epsilon: rows end as acc / (l + sum_epsilon)."""
-    walk_begin, walk_at, walk_advance = walker or PAGE_WALKER
+    walk_begin, walk_at, walk_advance = walker if isinstance(walker, KVWalker) else \
+        each_source(walker) if walker is not None else PAGE_WALKER
     # A loader that can split its loads from its unpacking (`_cache.ChunkPrefetch`) gets every load of a step (the
     # tile's K and V chunks and their scales) issued before the first is used: a warp then has all of them in
     # flight at once, not one key's, which the latency of HBM needs (`cacheattn.lab.bounds.latency_bound`).
@@ -250,7 +313,7 @@ def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, h
         t0 = lo + (warp * KEYS + key_of_warp) * TILE  # barriers; t0: this group's first key
         # Keys past hi read the last visible key instead (weighed 0), and t0's place is walked forward a step at a
         # time (the walker's state), so the loop divides by the page size nowhere.
-        k_state, v_state = walk_begin(k_src, b, t0), walk_begin(v_src, b, t0)
+        state = walk_begin(k_src, v_src, b, g, t0)
         last = max(hi - 1, 0)
         k_last, k_last_sc = row_offsets(k_src, b, last, g)
         v_last, v_last_sc = row_offsets(v_src, b, last, g)
@@ -259,8 +322,7 @@ def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, h
             for j in range(TILE):
                 k_rows[j, 0], k_rows[j, 1], v_rows[j, 0], v_rows[j, 1] = k_last, k_last_sc, v_last, v_last_sc
                 if t0 + j < hi:
-                    k_rows[j, 0], k_rows[j, 1] = walk_at(k_src, b, k_state, j, g)
-                    v_rows[j, 0], v_rows[j, 1] = walk_at(v_src, b, v_state, j, g)
+                    k_rows[j, 0], k_rows[j, 1], v_rows[j, 0], v_rows[j, 1] = walk_at(k_src, v_src, b, state, j, g)
             if PREFETCH:                              # every load of the step, before any is used
                 for j in range(TILE):
                     for m in range(K_LOADS):
@@ -333,7 +395,7 @@ def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, h
                     for x in range(VR):
                         acc[r, x] += weights[r * TILE + j] * v_reg[x]
             t0 += STEP
-            k_state, v_state = walk_advance(k_src, k_state, STEP), walk_advance(v_src, v_state, STEP)
+            state = walk_advance(k_src, v_src, b, g, state, STEP, t0 < hi)
         if SCALE_V:                                   # the per-tensor scale the loads left out of V
             factor = value_scale(v_src)
             for r in range(ROWS):

@@ -14,6 +14,10 @@ That one formula covers
   - the static per-batch cache (starts = 0, s_b = the batch stride),
   - a packed dense tensor like `key` (T, H, Dh) (starts = kvstarts[:B, None]).
 Layouts only change the strides; layer_idx and key-vs-value only change `base`.
+
+The integer fields are int32 when every element offset the source can form fits in 32 bits (its data and scales
+hold fewer than 2**31 elements, `offset_type`): decided on the host for each source, so the kernels compile a
+32-bit variant of the key walk (`slot_rows`) for those caches and keep 64-bit offsets for larger ones.
 """
 
 from __future__ import annotations
@@ -37,9 +41,10 @@ from ._dequant import (
 )
 from ._launch import OFFSET_PAGE, axis_strides, flat
 from ._numerics import keep_float32, round_to_float16, rounder
-from ._vector import VECTOR_BYTES, float_from_bits, half_from_bits, load8, load16
+from ._vector import SIMULATED, VECTOR_BYTES, float_from_bits, half_from_bits, load8, load16
 
 QMAX = {8: 127, 4: 7}
+OFFSET_LIMIT = 2 ** 31          # element offsets below this fit an int32
 MIN_SCALE = 1e-5
 
 # Element (b, token slot, head) of the data starts at base + b*s_b + slot*s_t + h*s_h; its scales likewise.
@@ -51,8 +56,15 @@ CacheSource = namedtuple("CacheSource", "data scales starts page base s_b s_t s_
 ChunkPrefetch = namedtuple("ChunkPrefetch", "fetch unpack words scale_words")
 
 
+def offset_type(*arrays):
+    """np.int32 when every element offset into these arrays fits in 32 bits (each holds fewer than 2**31
+    elements), else np.int64: the type of a CacheSource's offsets and strides, decided on the host."""
+    return np.int32 if all(int(a.size) < OFFSET_LIMIT for a in arrays) else np.int64
+
+
 def cache_source(data, scales, starts, page, axes: str, layer_idx: int = 0, kv: int = 0, scale_axes: str | None = None):
-    """Build the CacheSource for one layer and one of key (kv=0) / value (kv=1) of a tensor with named axes."""
+    """Build the CacheSource for one layer and one of key (kv=0) / value (kv=1) of a tensor with named axes; its
+    offsets and strides in `offset_type` (int32 for a cache of fewer than 2**31 elements)."""
     s = axis_strides(data.shape, axes)
     base = layer_idx * s.get("L", 0) + kv * s.get("KV", 0)
     if scales is None:
@@ -61,9 +73,12 @@ def cache_source(data, scales, starts, page, axes: str, layer_idx: int = 0, kv: 
     else:
         sc = axis_strides(scales.shape, scale_axes or axes)
         sc_base = layer_idx * sc.get("L", 0) + kv * sc.get("KV", 0)
-    i64 = np.int64
-    return CacheSource(flat(data), flat(scales), starts, i64(page), i64(base), i64(s.get("B", 0)), i64(s["T"]),
-                       i64(s["H"]), i64(sc_base), i64(sc.get("B", 0)), i64(sc.get("T", 0)), i64(sc.get("H", 0)))
+    data, scales = flat(data), flat(scales)
+    i = offset_type(data, scales)
+    # A page past any 32-bit offset is the offset mode's page that never ends: no token index reaches it either.
+    page = min(int(page), OFFSET_LIMIT - 1) if i is np.int32 else page
+    return CacheSource(data, scales, starts, i(page), i(base), i(s.get("B", 0)), i(s["T"]), i(s["H"]), i(sc_base),
+                       i(sc.get("B", 0)), i(sc.get("T", 0)), i(sc.get("H", 0)))
 
 
 def packed_source(tensor, row_starts):
@@ -91,15 +106,76 @@ def page_rows(src, b, page_index, offset, h):
             src.sc_base + b * src.sc_s_b + slot * src.sc_s_t + h * src.sc_s_h)
 
 
+if SIMULATED:
+    @cuda.jit(device=True)
+    def as_offset(x, like):
+        """The integer x in the type of `like` (a CacheSource offset or stride): int32 arithmetic when the host
+        narrowed the source's offsets (`offset_type`), which every offset it can form fits."""
+        return type(like)(x)
+
+    @cuda.jit(device=True)
+    def as_index(x):
+        """A non-negative offset (an int32 `as_offset` gave, or an int64) as an int64 index."""
+        return np.int64(x)
+else:
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def as_offset(typingctx, x, like):
+        """The integer x in the type of `like` (a CacheSource offset or stride): int32 arithmetic when the host
+        narrowed the source's offsets (`offset_type`), which every offset it can form fits. A truncation in LLVM,
+        which then narrows the multiply-adds that formed x to 32 bits."""
+        if not (isinstance(x, types.Integer) and isinstance(like, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            return context.cast(builder, args[0], sig.args[0], sig.return_type)
+
+        return like(x, like), codegen
+
+    @intrinsic
+    def as_index(typingctx, x):
+        """A non-negative offset (an int32 `as_offset` gave, or an int64) as an int64 index: zero-extended, which
+        lets the address be one wide multiply-add rather than a sign extension and a 64-bit add."""
+        if not isinstance(x, types.Integer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            if sig.args[0].bitwidth < 64:
+                return builder.zext(args[0], context.get_value_type(types.int64))
+            return context.cast(builder, args[0], sig.args[0], types.int64)
+
+        return types.int64(x), codegen
+
+
+@cuda.jit(device=True, inline="always")
+def slot_rows(src, b, slot, h):
+    """(row, scale_row) of head h of sequence b's token in cache slot `slot`, in the source's offset type: the
+    32-bit multiply-adds of `page_rows` when the host narrowed it (`offset_type`), widened once where it is read."""
+    return (as_offset(src.base + b * src.s_b + slot * src.s_t + h * src.s_h, src.s_t),
+            as_offset(src.sc_base + b * src.sc_s_b + slot * src.sc_s_t + h * src.sc_s_h, src.sc_s_t))
+
+
+@cuda.jit(device=True, inline="always")
+def page_slot(src, b, page_index, offset):
+    """The cache slot of the token at `offset` in page `page_index` of sequence b, in the source's offset type. An
+    index past the table reads its last page: a walk may look up the page after the last key (never read)."""
+    last = src.starts.shape[1] - 1
+    # unsigned indices: no wraparound of a negative index (there is none) in the address arithmetic
+    return as_offset(src.starts[np.uint32(b), np.uint32(min(page_index, last))] + offset, src.s_t)
+
+
 @cuda.jit(device=True, inline="always")
 def page_walk(page_index, offset, step, page):
     """(page index, offset) of the token `step` tokens after the one at (page_index, offset): a key loop that
     walks t += step keeps the pair and calls this instead of dividing t by the page size (a 64-bit division by
-    a runtime value is a call of ~40 instructions) for every key."""
-    offset += step
+    a runtime value is a call of ~40 instructions) for every key. Both keep their integer types (32-bit walks
+    stay 32-bit: `as_offset`)."""
+    offset = as_offset(offset + step, offset)
     while offset >= page:
-        offset -= page
-        page_index += 1
+        offset = as_offset(offset - page, offset)
+        page_index = as_offset(page_index + 1, page_index)
     return page_index, offset
 
 
@@ -283,9 +359,27 @@ def make_chunk_load(quant_bit: int, quant_group: int, round_scale, round_value, 
                 q = np.int32(field ^ sign) - sign                # two's complement of a bits-wide field
                 regs[at + e] = dequantize(q, scale)
 
+    @cuda.jit(device=True, inline="always")
+    def fetch_floats(src, row, sc_row, d0, words_out, scales_out):
+        """A float chunk's load alone: its words into words_out[:words] (no scales)."""
+        loaded = load_words(src.data, row + d0)
+        for j in range(words):
+            words_out[j] = loaded[j]
+
+    @cuda.jit(device=True, inline="always")
+    def unpack_floats(loaded, held, regs, at):
+        """The values of a fetched float chunk into regs[at:at + elements], as load_chunk gives them."""
+        for j in range(words):
+            for k in range(per_word):
+                field = (loaded[j] >> (bits * k)) & ((1 << bits) - 1)
+                x = half_from_bits(field) if bits == 16 else float_from_bits(field)
+                regs[at + j * per_word + k] = x if exact else round_value(x)
+
+    # A kernel may issue every load of a step before it unpacks any (`ChunkPrefetch`).
     if magic:
-        # A kernel may issue every load of a step before it unpacks any (`ChunkPrefetch`).
         load_chunk.prefetch = ChunkPrefetch(fetch_chunk, unpack_chunk, words, max(1, scales_read // 2))
+    elif vector and quant_bit == 0:
+        load_chunk.prefetch = ChunkPrefetch(fetch_floats, unpack_floats, words, 1)
     return load_chunk
 
 

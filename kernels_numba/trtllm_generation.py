@@ -8,7 +8,9 @@ semantics come in through the device functions it takes:
   first key (sinks stay put, the rest cycle through the window's W - S slots) is stepped forward, wrapping with
   one subtraction, so the loop divides neither by the window nor by the page size (tokens_per_block is a power
   of two: shift and mask); paged blocks through the block offsets after the sinks' bubble; beams through
-  cache_indirection (the prompt from the sequence's first row, later tokens from the beam it names);
+  cache_indirection (the prompt from the sequence's first row, later tokens from the beam it names). K and V take
+  one walk (one cyclic step and one beam lookup a key) and each its own address: their blocks have offsets of their
+  own;
 - how a chunk is loaded (`make_generation_chunk_load`): 16 bytes of float16 / float32 values, or of INT8 / FP8
   (e4m3) codes. A per-tensor scale is folded out of the loads: a chunk holds the codes as float32 (e4m3 read as
   the float16 with the same sign, exponent and mantissa bits, which is its value / 256, one shift and mask a
@@ -37,7 +39,7 @@ from functools import cache
 import numpy as np
 from numba import cuda
 
-from ._attention_vector import keys_per_step, make_vector_attention_kernel, plan_vector_rows
+from ._attention_vector import KVWalker, keys_per_step, make_vector_attention_kernel, plan_vector_rows
 from ._cache import _address
 from ._launch import ceil_div, empty_like_kind, launch, to_kind
 from ._numerics import rounder
@@ -102,11 +104,11 @@ def hidden_keys(x, b):
 
 
 def make_generation_walker(num_kv_heads: int, head_size: int, new_in_cache: bool):
-    """(row_offsets, (begin, at, advance)) of `_attention_vector.make_vector_attention_kernel` for TensorRT-LLM's
-    KVSource, over the visible keys (`hidden_keys`: walk index u is key u below the sinks, u + hidden past them):
-    the element index of key u and `where` = (cyclic slot << 32) | (b + 1) for a cached key, or its scratch row
-    and 0 for the new token when not new_in_cache. The state is (u, cyclic slot of its key, the entry's first
-    row, prompt length, sequence, beam, past, hidden keys)."""
+    """(row_offsets, walker) of `_attention_vector.make_vector_attention_kernel` for TensorRT-LLM's KVSources, over
+    the visible keys (`hidden_keys`: walk index u is key u below the sinks, u + hidden past them): the element index
+    of key u and `where` = (cyclic slot << 32) | (b + 1) for a cached key, or its scratch row and 0 for the new
+    token when not new_in_cache. One walk for K and V (a `KVWalker`), whose state is (u, cyclic slot of its key,
+    the entry's first row, prompt length, sequence, beam, past, hidden keys); each takes its own address."""
     HKV, DH = num_kv_heads, head_size
 
     @cuda.jit(device=True, inline="always")
@@ -152,7 +154,10 @@ def make_generation_walker(num_kv_heads: int, head_size: int, new_in_cache: bool
 
     # spec: trtllm/cyclic-cache, trtllm/sink-tokens, trtllm/generation-beam-tokens
     @cuda.jit(device=True, inline="always")
-    def at(src, b, state, j, h):
+    def place(src, b, state, j):
+        """(cache row or -1, slot, where, scratch index) of walk index u0 + j: the row whose slot holds it (its own
+        row's for the new token with new_in_cache, the beam's past the prompt), or -1 for the new token read from
+        the scratch at that index."""
         u0, slot0, first_row, prompt, sequence, beam, past, hidden = state
         t = u0 + j
         if t >= src.sinks:
@@ -161,17 +166,41 @@ def make_generation_walker(num_kv_heads: int, head_size: int, new_in_cache: bool
         where = (slot << 32) | (b + 1)
         if t >= past:                                   # the new token: its own row's slot, or the scratch
             if new_in_cache:
-                return address(src, b, slot, h), where
-            return ((src.table[b, TOKEN_START] + t - past) * HKV + h) * DH, np.int64(0)
+                return np.int64(b), slot, where, np.int64(0)
+            return np.int64(-1), slot, where, (src.table[b, TOKEN_START] + t - past) * HKV
         row = first_row
         if t >= prompt and src.indirection.shape[1] > 1:   # one beam: its only index is 0, no load
             row += src.indirection[sequence, beam, slot]
+        return row, slot, where, np.int64(0)
+
+    @cuda.jit(device=True, inline="always")
+    def at(src, b, state, j, h):
+        row, slot, where, scratch = place(src, b, state, j)
+        if row < 0:
+            return (scratch + h) * DH, np.int64(0)
         return address(src, row, slot, h), where
 
     @cuda.jit(device=True, inline="always")
     def advance(src, state, step):
         u0, slot0, first_row, prompt, sequence, beam, past, hidden = state
         return u0 + step, slot_after(src, u0, slot0, step, hidden), first_row, prompt, sequence, beam, past, hidden
+
+    # K and V: one walk (their sources share the entry table, window, sinks, beams and block tables), each its own
+    # address: a paged pool's K and V blocks have block offsets of their own, a contiguous cache's V is s_kv on.
+    @cuda.jit(device=True, inline="always")
+    def begin_both(k_src, v_src, b, h, u0):
+        return begin(k_src, b, u0)
+
+    @cuda.jit(device=True, inline="always")
+    def at_both(k_src, v_src, b, state, j, h):
+        row, slot, where, scratch = place(k_src, b, state, j)
+        if row < 0:
+            return (scratch + h) * DH, np.int64(0), (scratch + h) * DH, np.int64(0)
+        return address(k_src, row, slot, h), where, address(v_src, row, slot, h), where
+
+    @cuda.jit(device=True, inline="always")
+    def advance_both(k_src, v_src, b, h, state, step, live):
+        return advance(k_src, state, step)
 
     @cuda.jit(device=True, inline="always")
     def row_offsets(src, b, u, h):
@@ -183,7 +212,7 @@ def make_generation_walker(num_kv_heads: int, head_size: int, new_in_cache: bool
             return at(src, b, begin(src, b, u - 1), 0, h)
         return row, where
 
-    return row_offsets, (begin, at, advance)
+    return row_offsets, KVWalker(begin_both, at_both, advance_both)
 
 
 def make_generation_score():

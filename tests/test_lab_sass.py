@@ -120,9 +120,12 @@ def test_missing_tools_are_named(monkeypatch, tmp_path):
 
 
 def test_variant_keys_round_trip():
-    assert all(sass.parse_key(v.key) == v for v in sass.VARIANTS) and len(sass.VARIANTS) == 18
-    with pytest.raises(ValueError, match="variant"):
-        sass.parse_key("rung3-fp8-decode")
+    # OpenPPL's 5 rungs x 3 caches in decode and rung 5's prefill; TensorRT-LLM's rung 3 with its 3 caches.
+    assert all(sass.parse_key(v.key) == v for v in sass.VARIANTS) and len(sass.VARIANTS) == 21
+    assert sass.parse_key("trtllm-rung3-fp8-decode") == sass.Variant(3, "fp8", operator="trtllm")
+    for bad in ("rung3-fp8-decode", "trtllm-rung3-int4-decode"):      # each operator's own cache formats
+        with pytest.raises(ValueError, match="variant"):
+            sass.parse_key(bad)
 
 
 def test_committed_figures_are_current(tmp_path, monkeypatch):
