@@ -46,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kernels_numba._attention_gqa_mma import KEY_TILE as DECODE_TRIP
 from kernels_numba._attention_vector import keys_per_step
 
 from .. import _console
@@ -253,18 +254,23 @@ def issue_estimate(full: dict, plan: Plan, rung: int, threads: int) -> float | N
     """Microseconds the busiest SM needs to issue the key loop's warp instructions: the loop body of the committed
     SASS (docs/kernel-ladder-sass.json, decode at head_dim 128, 128 threads) once per trip of every warp. An
     estimate, not a bound: the static body holds the instructions of branches a trip skips, so it over-counts
-    those; it leaves out what runs outside the loop. For rungs 2 to 4 in decode, whose loop holds no inner loop
-    but page walks, each counted once: a walk runs at most once a trip while a page holds a block's step of keys."""
+    those; it leaves out what runs outside the loop. For rungs 2 to 5 in decode, whose loop holds no inner loop
+    but page walks, each counted once: a walk runs at most once a trip while a page holds a block's step of keys
+    (rung 5: its register-fed decode kernel, a warp's trip of 16 keys)."""
     case, machine = plan.case, sass.committed()
     shapes = machine["shapes"]
     variant = machine["variants"].get(sass_key(case, rung))
-    if (plan.prefill or rung not in (2, 3, 4) or variant is None
+    if (plan.prefill or rung not in (2, 3, 4, 5) or variant is None
             or variant["key_loop"]["inner_loops"] > variant["key_loop"].get("walk_loops", 0)
             or (case.head_dim, threads) != (shapes["head_dim"], shapes["threads"])):
         return None
     warps = threads // 32
     if rung == 2:
         keys_per_trip = 1                              # a warp per key
+    elif rung == 5:                                    # a warp's trip of keys
+        if variant["kernel"] != "gqa_decode_attention_kernel" or case.page_size % DECODE_TRIP:
+            return None
+        keys_per_trip = DECODE_TRIP
     else:                                              # a tile of keys per lane group
         step = keys_per_step(case.head_dim, case_chunk(case, rung), warps)
         if case.cache_mode == 1 and case.page_size < step:
@@ -286,7 +292,7 @@ def latency_figures(full: dict, plan: Plan, rung: int, threads: int) -> dict | N
     case, machine = plan.case, sass.committed()
     shapes = machine["shapes"]
     variant = machine["variants"].get(sass_key(case, rung))
-    if (plan.prefill or rung not in (2, 3, 4) or variant is None or "in_flight" not in variant["key_loop"]
+    if (plan.prefill or rung not in (2, 3, 4, 5) or variant is None or "in_flight" not in variant["key_loop"]
             or (case.head_dim, threads) != (shapes["head_dim"], shapes["threads"])):
         return None
     figures = bounds.latency_bound(full[recorder.DRAM_READ] + full[recorder.DRAM_WRITE],
