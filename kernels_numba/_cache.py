@@ -160,7 +160,7 @@ def slot_rows(src, b, slot, h):
 @cuda.jit(device=True, inline="always")
 def page_slot(src, b, page_index, offset):
     """The cache slot of the token at `offset` in page `page_index` of sequence b, in the source's offset type. An
-    index past the table reads its last page: a walk may look up the page after the last key (never read)."""
+    index past the table reads its last page (a lane group whose first key is past the last one, never read)."""
     last = src.starts.shape[1] - 1
     # unsigned indices: no wraparound of a negative index (there is none) in the address arithmetic
     return as_offset(src.starts[np.uint32(b), np.uint32(min(page_index, last))] + offset, src.s_t)
