@@ -90,8 +90,11 @@ def test_the_issue_estimate_is_the_key_loop_once_per_trip_of_every_warp():
     assert sass.committed()["variants"]["rung3-float16-decode"]["key_loop"]["walk_loops"] > 0
     small_pages = replace(plan, case=replace(plan.case, page_size=8))
     assert counters.issue_estimate(full, small_pages, 3, 128) is None
-    # No estimate where the loop has inner loops that load (rungs 1 and 5), for prefill or for other shapes than the
-    # SASS's.
-    assert counters.issue_estimate(full, plan, 5, 128) is None
+    # Rung 5's decode kernel: a warp's trip of 16 keys (whole trips need pages of a multiple of 16 keys).
+    body5 = sass.committed()["variants"]["rung5-float16-decode"]["key_loop"]["mix"]["total"]
+    assert counters.issue_estimate(full, plan, 5, 128) == pytest.approx(expected * 4 / 16 * body5 / body)
+    assert counters.issue_estimate(full, replace(plan, case=replace(plan.case, page_size=24)), 5, 128) is None
+    # No estimate where the loop has inner loops that load (rung 1), for prefill or for other shapes than the SASS's.
+    assert counters.issue_estimate(full, plan, 1, 128) is None
     assert counters.issue_estimate(full, plan, 3, 256) is None
     assert counters.issue_estimate(full, counters.plans()[4], 3, 128) is None

@@ -7,6 +7,8 @@ picks, its launches recorded and its output held to a float64 evaluation by the 
 
 import functools
 
+import numpy as np
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -93,6 +95,25 @@ def test_asked_for_rungs_and_splits_are_kept_and_checked():
         plan(shape(**decode, query_dtype="float32"), rung=5)
     with pytest.raises(ValueError, match=r"^head_dim\b"):
         plan(shape(**{**decode, "head_dim": 704}), rung=1)
+
+
+def test_the_decode_instruction_figures_are_the_committed_sass():
+    """The plan's reason quotes rung 3's and rung 5's key-loop instructions a key: the committed sm_90 SASS's trip
+    over the keys a trip takes (rung 3: its lane groups' tile of keys a warp; rung 5's decode kernel: 16)."""
+    from cacheattn.lab import sass
+    from cacheattn.plan import DECODE_INSTRUCTIONS_PER_KEY
+    from kernels_numba._attention_gqa_mma import KEY_TILE
+    from kernels_numba._attention_vector import keys_per_step
+
+    variants = sass.committed()["variants"]
+    for quant_bit, (rung3, rung5) in DECODE_INSTRUCTIONS_PER_KEY.items():
+        cache = {0: "float16", 8: "int8", 4: "int4"}[quant_bit]
+        warps = 4
+        keys3 = keys_per_step(128, chunk_elements(quant_bit, np.int8 if quant_bit else np.float16, 3), warps) // warps
+        assert variants[f"rung3-{cache}-decode"]["key_loop"]["mix"]["total"] / keys3 == pytest.approx(rung3, abs=0.06)
+        loop5 = variants[f"rung5-{cache}-decode"]
+        assert loop5["kernel"] == "gqa_decode_attention_kernel"
+        assert loop5["key_loop"]["mix"]["total"] / KEY_TILE == pytest.approx(rung5, abs=0.06)
 
 
 def test_an_operator_offering_fewer_rungs_gets_its_best_of_them():

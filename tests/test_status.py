@@ -129,6 +129,12 @@ def test_readme_lab_figures_are_the_committed_runs():
     issue = [r["issue µs (SASS estimate)"] for r in (fp16, int8, int4)]
     expected.append(f"puts rung 3's decode at {' / '.join(f'{x:.0f}' for x in issue)} µs to issue (float16 / int8 / "
                     f"int4), {' / '.join(f'{x / b:.1f}' for x, b in zip(issue, bound))} times the DRAM bounds")
+    # What OpenPPL's default decode runs: rung 5's register-fed kernel, its estimates under the DRAM bounds.
+    fast = [rung(case, 5) for case in LAB_CASES[:3]]
+    assert all(r["latency µs (Little's law estimate)"] <= r["DRAM µs (derived)"] for r in fast)
+    issue5 = [r["issue µs (SASS estimate)"] for r in fast]
+    expected.append(f"at {' / '.join(f'{x:.0f}' for x in issue5)} µs to issue "
+                    f"({' / '.join(f'{x / b:.2f}' for x, b in zip(issue5, bound))} times the DRAM bounds)")
     missing = [sentence for sentence in expected if sentence not in readme]
     assert missing == [], "the README's lab figures differ from docs/kernel-ladder-counts.json:\n" + "\n".join(missing)
 
@@ -223,6 +229,10 @@ def test_readme_operator_figures_are_the_committed_runs():
         "on rung 1 they are bound at " + ", ".join(f"{r['lower bound µs (derived)']:,.1f}" for r in rung1[:2])
         + f" and {rung1[2]['lower bound µs (derived)']:,.1f} µs by shared memory",
     ]
+    trt_issue = [bound(op["case"]["label"], 3) for op in (trt, trt_int8, trt_fp8)]
+    expected.append("generation loop (rung 3) would issue for " + " / ".join(
+        f"{b['issue µs (SASS estimate)']:.0f}" for b in trt_issue) + " µs (float16 / INT8 / FP8), " + " / ".join(
+        f"{b['issue µs (SASS estimate)'] / b['DRAM µs (derived)']:.1f}" for b in trt_issue) + " times its DRAM bounds")
     # TensorRT-LLM's context step runs rung 5 by default, its HMMA the FLOPs' within 1%.
     assert context["default"]["rung"] == 5
     fast = context["rungs"]["5"]

@@ -512,17 +512,18 @@ def parse_key(key: str) -> Variant:
 
 def table(results: dict) -> str:
     """A markdown table: one row per variant, resources and the key loop's static instruction mix."""
-    head = "| rung | cache | phase | regs | spill B | smem B | blocks/SM | occupancy | LDG.8/16/32/64/128 | " \
+    head = "| launch | rung | cache | phase | regs | spill B | smem B | blocks/SM | occupancy | LDG.8/16/32/64/128 | " \
            "LDS | STS | SHFL | BAR | FFMA | HFMA2 | HMMA | MUFU.EX2 | loop instr. |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in results.values():
+    for key, r in results.items():
         mix = r["key_loop"]["mix"]
         loads = "/".join(str(mix[f"LDG.{w}"]) for w in (8, 16, 32, 64, 128))
         occ = r["occupancy"]
-        lines.append(f"| {r['rung']} | {r['cache']} | {r['phase']} | {r['registers']} | {r['spill_bytes']} | "
-                     f"{r['shared']} | {occ['blocks_per_sm']} ({occ['limited_by']}) | {occ['occupancy']:.0%} | "
-                     f"{loads} | {mix['LDS']} | {mix['STS']} | {mix['SHFL']} | {mix['BAR']} | {mix['FFMA']} | "
-                     f"{mix['HFMA2']} | {mix['HMMA']} | {mix['MUFU.EX2']} | {mix['total']} |")
+        launch = "TensorRT-LLM" if key.startswith("trtllm-") else "OpenPPL"
+        cells = [launch, r["rung"], r["cache"], r["phase"], r["registers"], r["spill_bytes"], r["shared"],
+                 f"{occ['blocks_per_sm']} ({occ['limited_by']})", f"{occ['occupancy']:.0%}", loads,
+                 *(mix[name] for name in ("LDS", "STS", "SHFL", "BAR", "FFMA", "HFMA2", "HMMA", "MUFU.EX2", "total"))]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
 
