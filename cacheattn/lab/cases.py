@@ -22,6 +22,13 @@ SMS = 132                      # an H100 SXM's multiprocessors: the full launche
 CACHE_NAMES = {0: "float16", 8: "int8", 4: "int4"}
 
 
+def causal_flops(case) -> int:
+    """Multiply-adds of S = Q K^T and O = P V, times 2: 4 x head_dim per visible (query, key) pair per head; with
+    the causal rule query i of a request sees its context + i + 1 keys."""
+    pairs = case.new_tokens * case.context + case.new_tokens * (case.new_tokens + 1) // 2
+    return 4 * case.head_dim * case.num_heads * case.batch * pairs
+
+
 @dataclass(frozen=True)
 class BenchCase:
     """One OpenPPL MultiHeadCacheAttention call (decode or prefill) over a float16, int8 or int4 cache.
@@ -81,10 +88,7 @@ class BenchCase:
 
     @property
     def flops(self) -> int:
-        """Multiply-adds of S = Q K^T and O = P V, times 2: 4 x head_dim per visible (query, key) pair per head; with
-        the causal rule query i of a request sees context + i + 1 keys."""
-        pairs = self.new_tokens * self.context + self.new_tokens * (self.new_tokens + 1) // 2
-        return 4 * self.head_dim * self.num_heads * self.batch * pairs
+        return causal_flops(self)
 
     def ppl_case(self) -> PPLCase:
         decode = self.new_tokens == 1
@@ -305,9 +309,7 @@ class TrtContextBenchCase:
 
     @property
     def flops(self) -> int:
-        """As `BenchCase.flops`: query i of a prompt sees context + i + 1 keys."""
-        pairs = self.new_tokens * self.context + self.new_tokens * (self.new_tokens + 1) // 2
-        return 4 * self.head_dim * self.num_heads * self.batch * pairs
+        return causal_flops(self)
 
     def trt_case(self) -> TrtCase:
         return TrtCase(contexts=((self.context, self.new_tokens),) * self.batch, generations=(), beam_width=1,
