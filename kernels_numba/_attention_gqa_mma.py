@@ -12,10 +12,14 @@ across blocks: a batch of 64 decodes at 8 kv heads is 512 blocks, which fill the
 With g = lane >> 2 and q = lane & 3 (PTX's groupID and threadID_in_group), the fragments of `_mma` are fixed:
 K's B fragment gives lane (g, q) key column g and reduction indices {2q, 2q + 1, 2q + 8, 2q + 9} of each k16 step,
 V's gives keys {2q, 2q + 1, 2q + 8, 2q + 9} of the trip at output column g of each n8 tile. Both reductions and
-O's columns may be taken in any order, so the kernel permutes them to make every lane's loads contiguous:
+O's columns may be taken in any order, so the kernel permutes them to make every load instruction read whole
+32-byte sectors. A lane's *slice* of a row (a quarter of a key row, an eighth of a value row) is loaded in
+16-byte chunks (one 8-, 4- or 2-byte load where the slice is shorter), and the lanes sharing the row interleave
+them: chunk c of lane x is chunk x + L c of the row (L = 4 lanes for K, 8 for V), so load c of those lanes reads
+L consecutive chunks (`lane_dim`). Within its slice a lane takes its elements in the order it loaded them:
 
-    S = Q Kᵀ (head_dim D, k-step ks = 0 .. D/16 - 1). Lane q owns dims D/4 * q .. D/4 * (q + 1) - 1 of a key
-    row; its B registers b0 = (k 2q, 2q + 1), b1 = (k 2q + 8, 2q + 9) hold the dims (relative to that slice)
+    S = Q Kᵀ (head_dim D, k-step ks = 0 .. D/16 - 1). Lane q's slice of a key row holds D/4 dims; its B
+    registers b0 = (k 2q, 2q + 1), b1 = (k 2q + 8, 2q + 9) hold the slice's elements
 
         format     b0 (low, high)         b1 (low, high)
         float16    4ks, 4ks + 1           4ks + 2, 4ks + 3          (words 2ks, 2ks + 1 of the slice as loaded)
@@ -24,16 +28,19 @@ O's columns may be taken in any order, so the kernel permutes them to make every
 
     and Q's A fragments (built once, kept in registers) take the same dims, so S is unchanged: `k_dims`.
 
-    O += P V (n8 tile vt = 0 .. D/8 - 1). Lane g owns dims D/8 * g .. D/8 * (g + 1) - 1 of a value row: column g
-    of tile vt is dim D/8 * g + vt, so O's C element (row, column 2q + c) of tile vt is dim D/8 * (2q + c) + vt,
-    which the final store un-permutes: `v_dim`. Its B registers pair two keys at one dim, so the two keys'
+    O += P V (n8 tile vt = 0 .. D/8 - 1). Column g of tile vt is element vt of lane g's slice of a value row,
+    so O's C element (row, column 2q + c) of tile vt is that element of lane 2q + c's slice, whose dim the final
+    store un-permutes: `v_dim`. Its B registers pair two keys at one dim, so the two keys'
     loaded words are interleaved first (`_dequant.permute_bytes`, one prmt a register of float16, a half-register
     of int8, a quarter of int4) and then unpacked as K is: the low half is key 2q (2q + 8), the high half the next.
 
 Quantized caches (float16 group scales) are dequantized by magic numbers and one mul.rn.f16x2 a register by the
 codes' scale pair, which is the document's q * scale rounded to float16 bit for bit (`_dequant`): a K register's
-two values share a key (their groups' scales), a V register's pair takes the two keys' scales of one group. The
-lane's group scales of a row come in one load beside its data.
+two values share a key (their groups' scales), a V register's pair takes the two keys' scales of one group. A
+chunk's group scales come in one load beside it, interleaved as the chunks are; where that would read half
+sectors (two chunks of two groups: int8 at D = 128, groups of 8) each lane loads two chunks' scales of the row
+in one 8-byte load, the quad a whole sector, and trades one with its neighbour lane. Q's A fragments (built once)
+take K's dims, loaded in 16-byte loads of the query row.
 
 Softmax runs on the C fragments as in the prefill kernel (a row's maximum over a trip by `quad_max2`), once a
 trip, in base 2 (scores times log2(e) / sqrt(D), one ex2.approx an exponential): P, packed to float16, is the A
@@ -77,7 +84,7 @@ from ._dequant import (
 )
 from ._mma import MMA_K, MMA_M, MMA_N, mma_m16n8k16, pack_half2, quad_max2, quad_sum2, scratch_shapes
 from ._vector import load8, load16
-from ._warp import WARP_SIZE
+from ._warp import WARP_SIZE, lane_values
 
 LOG2_E = 1.4426950408889634   # scores are kept in base 2: exp(x) = 2 ** (x log2 e), one ex2 each
 KEY_TILE = 16                 # keys a warp takes a trip: two n8 tiles of S, one k16 step of P·V
@@ -113,22 +120,42 @@ else:
         return _ex2(x)
 
 
-def k_dims(quant_bit: int, head_dim: int, quad: int, ks: int) -> tuple:
-    """The head dims of lane quad's K B fragment at k-step ks, (b0 low, b0 high, b1 low, b1 high): the
-    reduction indices 2q, 2q + 1, 2q + 8, 2q + 9 of the step, permuted (the module's table); Q's A fragment
-    columns take the same dims."""
-    base = head_dim // 4 * quad
+def chunk_dims(slice_dims: int, quant_bit: int) -> int:
+    """Dims of one load of a lane's slice of `slice_dims` dims: a 16-byte chunk (8 float16, 16 int8, 32 int4
+    values), or the whole slice where it is shorter (one 8-, 4- or 2-byte load)."""
+    return min(slice_dims, 128 // (quant_bit or 16))
+
+
+def lane_dim(slice_dims: int, quant_bit: int, lanes: int, lane: int, dim: int) -> int:
+    """The head dim of element `dim` (0 .. slice_dims - 1) of lane `lane`'s slice, the `lanes` lanes of a row
+    interleaving their chunks: load c of the lanes reads chunks lanes * c .. lanes * c + lanes - 1 of the row, one
+    contiguous run of whole sectors."""
+    chunk = chunk_dims(slice_dims, quant_bit)
+    return chunk * (lane + lanes * (dim // chunk)) + dim % chunk
+
+
+def k_slice_dims(quant_bit: int, ks: int) -> tuple:
+    """The elements of a lane's K slice in its B fragment at k-step ks, (b0 low, b0 high, b1 low, b1 high): the
+    module's table."""
     if quant_bit == 4:
         w, h = divmod(ks, 2)
-        e = base + 8 * w + 2 * h
+        e = 8 * w + 2 * h
         return e, e + 4, e + 1, e + 5
-    e = base + 4 * ks
+    e = 4 * ks
     return e, e + 1, e + 2, e + 3
 
 
-def v_dim(head_dim: int, column: int, tile: int) -> int:
-    """The head dim of column `column` (0..7) of O's n8 tile `tile`: lane g's V B fragment is column g."""
-    return head_dim // 8 * column + tile
+def k_dims(quant_bit: int, head_dim: int, quad: int, ks: int) -> tuple:
+    """The head dims of lane quad's K B fragment at k-step ks, (b0 low, b0 high, b1 low, b1 high): the
+    reduction indices 2q, 2q + 1, 2q + 8, 2q + 9 of the step, permuted (`k_slice_dims`, then `lane_dim`); Q's A
+    fragment columns take the same dims."""
+    return tuple(lane_dim(head_dim // 4, quant_bit, 4, quad, d) for d in k_slice_dims(quant_bit, ks))
+
+
+def v_dim(quant_bit: int, head_dim: int, column: int, tile: int) -> int:
+    """The head dim of column `column` (0..7) of O's n8 tile `tile`: lane g's V B fragment is column g, its
+    element `tile` of its slice (`lane_dim`)."""
+    return lane_dim(head_dim // 8, quant_bit, 8, column, tile)
 
 
 def heads_per_block(num_heads: int, num_kv_heads: int) -> int:
@@ -185,11 +212,12 @@ def decode_kernel_choice(*, query_dtype, max_seqlen: int, head_dim: int, num_hea
     return False, f"staged rung 5: {why}"
 
 
-def _word_loader(nbytes: int, itemsize: int):
-    """Device function (data, index, out, at): the `nbytes` bytes from element `index` of the 1-D array `data`
-    into out[at:] as uint32 words (one word, zero-extended, below 4 bytes), in 16-byte loads where they fit."""
+def _word_loader(nbytes: int, itemsize: int, lanes: int = 1):
+    """Device function (data, index, out, at): a lane's `nbytes` bytes from element `index` of the 1-D array `data`
+    into out[at:] as uint32 words (one word, zero-extended, below 4 bytes), in 16-byte loads where they fit; the
+    `lanes` lanes sharing the row interleave their 16-byte chunks (the lane's chunk c is 16 * lanes * c bytes on)."""
     if nbytes >= 16:
-        loads, step = nbytes // 16, 16 // itemsize
+        loads, step = nbytes // 16, 16 * lanes // itemsize
 
         @cuda.jit(device=True, inline="always")
         def load_words(data, index, out, at):
@@ -212,14 +240,32 @@ def _word_loader(nbytes: int, itemsize: int):
     return load_words
 
 
-def _scale_table(pairs, quant_group: int, slice_dims: int) -> np.ndarray:
-    """For each value pair of `pairs` ((n, 2) dims relative to the lane's slice), the loaded scale words of its two
-    groups and the prmt selector that picks their halves (`pair_selector`): (n, 3) int64, a compile-time table."""
+def _scale_table(pairs, quant_group: int, chunk: int, chunk_words: int) -> np.ndarray:
+    """For each value pair of `pairs` ((n, 2) dims relative to the lane's slice, loaded in chunks of `chunk` dims),
+    the loaded scale words of its two groups and the prmt selector that picks their halves (`pair_selector`):
+    (n, 3) int64, a compile-time table. Chunk c's group scales are words c * chunk_words.. of the lane's."""
     out = np.zeros((len(pairs), 3), np.int64)
     for n, dims in enumerate(pairs):
-        groups = [d // quant_group if quant_group <= slice_dims else 0 for d in dims]
-        out[n] = groups[0] // 2, groups[1] // 2, pair_selector(groups[0] % 2, groups[1] % 2)
+        at = [(d // chunk, d % chunk // quant_group if quant_group <= chunk else 0) for d in dims]
+        words = [c * chunk_words + g // 2 for c, g in at]
+        out[n] = words[0], words[1], pair_selector(at[0][1] % 2, at[1][1] % 2)
     return out
+
+
+def _scale_loader(slice_dims: int, quant_bit: int, quant_group: int, lanes: int):
+    """(device function (scales, index, out, at), words it writes): a lane's group scales of one row, chunk by
+    chunk (`lane_dim`): chunk c's whole groups in one load (one scale where a group spans the chunk), `lanes *
+    chunk / quant_group` scales after chunk c - 1's; index: the lane's first chunk's first scale."""
+    chunk = chunk_dims(slice_dims, quant_bit)
+    loads, per_chunk = slice_dims // chunk, max(1, chunk // quant_group)
+    words, stride = max(1, per_chunk // 2), lanes * chunk // quant_group
+    load_chunk = _word_loader(2 * per_chunk, 2)
+
+    @cuda.jit(device=True, inline="always")
+    def load_scales(scales, index, out, at):
+        for c in range(loads):
+            load_chunk(scales, index + c * stride, out, at + c * words)
+    return load_scales, loads * words
 
 
 def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_group: int, head_dim: int,
@@ -240,17 +286,34 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
     K_DIMS, V_DIMS = D // 4, D // 8                  # dims of a row a lane loads: K (per quad), V (per grp)
     K_BYTES, V_BYTES = K_DIMS * BITS // 8, V_DIMS * BITS // 8
     K_WORDS, V_WORDS = max(1, K_BYTES // 4), max(1, V_BYTES // 4)
-    K_SCALES, V_SCALES = max(1, K_DIMS // quant_group), max(1, V_DIMS // quant_group)
-    KS_WORDS, VS_WORDS = max(1, K_SCALES // 2), max(1, V_SCALES // 2)
-    KW_SIZE, KSC_SIZE, VW_SIZE, VSC_SIZE = 2 * K_WORDS, 2 * KS_WORDS, 4 * V_WORDS, 4 * VS_WORDS   # local arrays
+    # A lane's slice is loaded in chunks (`chunk_dims`), the lanes of a row interleaving them (`lane_dim`): a
+    # load instruction reads whole sectors of every row it touches.
+    K_CHUNK, V_CHUNK = chunk_dims(K_DIMS, quant_bit), chunk_dims(V_DIMS, quant_bit)
+    K_CHUNK_BYTES, V_CHUNK_BYTES = K_CHUNK * BITS // 8, V_CHUNK * BITS // 8
     V_UNITS = V_BYTES // 2                           # 2-byte pieces of a V slice: one prmt each
-    load_k, load_v = _word_loader(K_BYTES, ITEM), _word_loader(V_BYTES, ITEM)
-    load_k_scales, load_v_scales = _word_loader(2 * K_SCALES, 2), _word_loader(2 * V_SCALES, 2)
-    # K: the slice dims of each k-step's two registers, and where their scales are in the lane's scale words.
-    K_REL = np.array([k_dims(quant_bit, D, 0, ks) for ks in range(K_STEPS)], np.int64)
-    K_SC = _scale_table(K_REL.reshape(-1, 2), quant_group, K_DIMS).reshape(K_STEPS, 2, 3)
-    V_SC = _scale_table([(vt, vt) for vt in range(V_TILES)], quant_group, V_DIMS)
+    load_k, load_v = _word_loader(K_BYTES, ITEM, 4), _word_loader(V_BYTES, ITEM, 8)
+    load_k_scales, KS_WORDS = _scale_loader(K_DIMS, quant_bit, quant_group, 4)
+    # Two chunks of two group scales each (int8 at head_dim 128, groups of 8): the quad's interleaved scale loads
+    # would read half of the row's 32 bytes each. Instead lane q reads 8 bytes, chunks 2 pi(q) and 2 pi(q) + 1 of
+    # the row with pi = (0, 2, 1, 3), a whole sector a quad, keeps the one it needs and trades the other with
+    # its neighbour (lane q ^ 1 holds the other one it needs): one shuffle a key.
+    K_SCALE_SWAP = bool(quant_bit) and K_DIMS // K_CHUNK == 2 and K_CHUNK // quant_group == 2
+    if K_SCALE_SWAP:
+        load_k_scales = _word_loader(8, 2)
+    load_v_scales, VS_WORDS = _scale_loader(V_DIMS, quant_bit, quant_group, 8)
+    KW_SIZE, KSC_SIZE, VW_SIZE, VSC_SIZE = 2 * K_WORDS, 2 * KS_WORDS, 4 * V_WORDS, 4 * VS_WORDS   # local arrays
+    # K: the slice dims of each k-step's two registers (the module's table before `lane_dim`), and where their
+    # scales are in the lane's scale words.
+    K_REL = np.array([k_slice_dims(quant_bit, ks) for ks in range(K_STEPS)], np.int64)
+    K_SC = _scale_table(K_REL.reshape(-1, 2), quant_group, K_CHUNK, KS_WORDS // (K_DIMS // K_CHUNK)).reshape(
+        K_STEPS, 2, 3)
+    V_SC = _scale_table([(vt, vt) for vt in range(V_TILES)], quant_group, V_CHUNK, VS_WORDS // (V_DIMS // V_CHUNK))
     V_SELECT = INTERLEAVE_BYTES if quant_bit == 8 else INTERLEAVE_HALVES
+    # Q's A fragments take K's dims: the lane's float16 chunks of the query row at K's chunks, each chunk's bytes
+    # in whole 16-byte loads (Q's selectors pick each register's two halves from the loaded words).
+    Q_LOADS, Q_WORDS = K_DIMS // 8, K_DIMS // 2     # 16-byte loads (8 float16) and words of a lane's Q slice
+    Q_SELECT = tuple(pair_selector(int(K_REL[ks, 2 * j]) % 2, int(K_REL[ks, 2 * j + 1]) % 2)
+                     for ks in range(K_STEPS) for j in range(2))      # Python ints: prmt's selector
     MMA_SCRATCH, QUAD_SCRATCH = scratch_shapes(WARPS)
     MERGE = merge_shape(D, WARPS, HPB)
     O_VALUES = 2 * V_TILES                          # a row's O fragments a lane holds
@@ -310,12 +373,12 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
         rows: (b, h0, lo, hi, seqlen, kvlen); srcs: (k_src, v_src); kvs: this lane's element / scale indices of
         slot 0 (K data, K scales, V data, V scales), then the same plus its first key's rows (K: grp, V: 2q);
         walk: int64 (page index, offset, key it is at); acc: (row_max, row_sum, o, qa);
-        regs: (s, tile_max, kw, ksc, vw, vsc, kb, vb)."""
+        regs: (s, tile_max, kw, ksc, vw, vsc, kb, vb, swap)."""
         b, h0, lo, hi, seqlen, kvlen = rows
         k_src, v_src = srcs
         k_row, k_sc, v_row, v_sc, k_lane, k_sc_lane, v_lane, v_sc_lane = kvs
         row_max, row_sum, o, qa = acc
-        s, tile_max, kw, ksc, vw, vsc, kb, vb = regs
+        s, tile_max, kw, ksc, vw, vsc, kb, vb, swap = regs
         mma_scratch, quad_scratch = scratch
         grp, quad = lane // 4, lane % 4
         sm_log2 = sm_scale * f32(LOG2_E)            # scores and row maxima in base 2
@@ -356,6 +419,14 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                 load_k(k_src.data, at, kw, n * K_WORDS)
                 if quant_bit:
                     load_k_scales(k_src.scales, sc_at, ksc, n * KS_WORDS)
+                if K_SCALE_SWAP:                # even lanes hold chunk 0's word, odd ones chunk 1's
+                    even = quad % 2 == 0
+                    w0, w1 = ksc[2 * n], ksc[2 * n + 1]
+                    # shfl takes 32-bit signed ints: the word's bits travel as an int32
+                    lane_values(swap, 1, np.int32(w1 if even else w0), mma_scratch, warp, lane, lane ^ 1, 0)
+                    got = u32(swap[0])
+                    ksc[2 * n] = w0 if even else got
+                    ksc[2 * n + 1] = got if even else w1
             else:
                 load_v(v_src.data, at, vw, (n - 2) * V_WORDS)
                 if quant_bit:
@@ -445,16 +516,22 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
         # Q's A fragments in the permuted dims (k_dims); rows grp + 8 only when the block has more than 8 heads.
         q, q_starts, q_sb, q_si, q_sh = q_geom
         qa = cuda.local.array((K_STEPS, 4), np.uint32)
+        qw = cuda.local.array(Q_WORDS, np.uint32)
         for ks in range(K_STEPS):
             for k in range(4):
                 qa[ks, k] = ZERO
         for r in range(R):
             if grp + 8 * r < HPB:
-                at = b * q_sb + q_starts[b] * q_si + (h0 + grp + 8 * r) * q_sh + K_DIMS * quad
+                at = b * q_sb + q_starts[b] * q_si + (h0 + grp + 8 * r) * q_sh + K_CHUNK * quad
+                for u in range(Q_LOADS):        # load u: chunk u // per of K's, its 8 dims 8 * (u % per)..
+                    c, part = divmod(u, K_CHUNK // 8)
+                    w = load16(q, at + 4 * K_CHUNK * c + 8 * part)
+                    for j in range(4):
+                        qw[4 * u + j] = w[j]
                 for ks in range(K_STEPS):
                     for j in range(2):
                         lo, hi = K_REL[ks, 2 * j], K_REL[ks, 2 * j + 1]
-                        qa[ks, r + 2 * j] = pack_half2(f32(q[at + lo]), f32(q[at + hi]))
+                        qa[ks, r + 2 * j] = permute_bytes(qw[lo // 2], qw[hi // 2], Q_SELECT[2 * ks + j])
 
         row_max = cuda.local.array(2, f32)
         row_sum = cuda.local.array(2, f32)           # this lane's columns only, until the end
@@ -468,18 +545,19 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
         regs = (cuda.local.array((2, 4), f32), cuda.local.array(2, f32), cuda.local.array(KW_SIZE, np.uint32),
                 cuda.local.array(KSC_SIZE, np.uint32), cuda.local.array(VW_SIZE, np.uint32),
                 cuda.local.array(VSC_SIZE, np.uint32), cuda.local.array((2, K_STEPS, 2), np.uint32),
-                cuda.local.array((2, V_TILES), np.uint32))
+                cuda.local.array((2, V_TILES), np.uint32), cuda.local.array(1, np.int32))
         acc = (row_max, row_sum, o, qa)
 
         lo, hi = key_range(score_args, b, 0, 0, seqlen, kvlen)
         first = lo - lo % KEY_TILE
         tiles = -(-(hi - first) // KEY_TILE) if hi > lo else 0
         rounds = -(-tiles // WARPS)                  # the same count in every warp: the simulator's barriers
-        # This lane's slices in slot 0 of the sequence's cache: K dims K_DIMS * quad.., V dims V_DIMS * grp..
-        kvs = (k_src.base + b * k_src.s_b + g_kv * k_src.s_h + K_DIMS * quad * BITS // (8 * ITEM),
-               k_src.sc_base + b * k_src.sc_s_b + g_kv * k_src.sc_s_h + K_DIMS * quad // quant_group,
-               v_src.base + b * v_src.s_b + g_kv * v_src.s_h + V_DIMS * grp * BITS // (8 * ITEM),
-               v_src.sc_base + b * v_src.sc_s_b + g_kv * v_src.sc_s_h + V_DIMS * grp // quant_group)
+        # This lane's first chunks in slot 0 of the sequence's cache: K dims K_CHUNK * quad.., V dims V_CHUNK * grp..
+        kvs = (k_src.base + b * k_src.s_b + g_kv * k_src.s_h + K_CHUNK_BYTES * quad // ITEM,
+               k_src.sc_base + b * k_src.sc_s_b + g_kv * k_src.sc_s_h +
+               ((4 * (quad // 2) + 8 * (quad % 2)) if K_SCALE_SWAP else K_CHUNK * quad // quant_group),
+               v_src.base + b * v_src.s_b + g_kv * v_src.s_h + V_CHUNK_BYTES * grp // ITEM,
+               v_src.sc_base + b * v_src.sc_s_b + g_kv * v_src.sc_s_h + V_CHUNK * grp // quant_group)
         kvs = kvs + (kvs[0] + grp * k_src.s_t, kvs[1] + grp * k_src.sc_s_t, kvs[2] + 2 * quad * v_src.s_t,
                      kvs[3] + 2 * quad * v_src.sc_s_t)
         walk = cuda.local.array(3, np.int64)         # the page walk: page index, offset, the key they locate
@@ -529,7 +607,8 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                     at = b * o_sb + o_starts[b] * o_si + (h0 + grp + 8 * r) * o_sh
                     for vt in range(V_TILES):
                         for c in range(2):
-                            d = V_DIMS * (2 * quad + c) + vt              # v_dim: un-permute O's columns
+                            # v_dim: un-permute O's columns
+                            d = V_CHUNK * (2 * quad + c + 8 * (vt // V_CHUNK)) + vt % V_CHUNK
                             out[at + d] = o[vt, 2 * r + c] / total if total > 0.0 else f32(0.0)
 
     return gqa_decode_attention_kernel

@@ -28,6 +28,14 @@ RNG = np.random.default_rng(20261125)
 
 # ------------------------------------------------------------------------------ the permutations, in NumPy
 
+def _lane_owner(quant_bit, head_dim, lanes):
+    """The lane of a row's `lanes` that loads each head dim: the row cut into 16-byte chunks (the lane's whole
+    slice where it is shorter), chunk i loaded by lane i % lanes."""
+    bits = quant_bit or 16
+    chunk = min(head_dim // lanes, 128 // bits)
+    return np.arange(head_dim) // chunk % lanes
+
+
 def _k_index_dim(quant_bit, head_dim, ks):
     """{reduction index 0..15 of k-step ks: head dim} as the lanes' B fragments of K (and Q's A) hold them."""
     out = {}
@@ -42,14 +50,16 @@ def _k_index_dim(quant_bit, head_dim, ks):
 @pytest.mark.parametrize("quant_bit", [0, 8, 4])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_permuted_k_steps_still_sum_q_k(quant_bit, head_dim):
-    """The k-steps' reduction indices map onto every head dim once, each lane's onto its contiguous quarter of the
-    row, and the mma's sums over the permuted fragments are Q Kᵀ."""
+    """The k-steps' reduction indices map onto every head dim once, each lane's onto the chunks of the row it loads
+    (the quad's lanes interleaving their 16-byte chunks), and the mma's sums over the permuted fragments are
+    Q Kᵀ."""
     steps = head_dim // MMA_K
     maps = [_k_index_dim(quant_bit, head_dim, ks) for ks in range(steps)]
     assert sorted(d for m in maps for d in m.values()) == list(range(head_dim))
+    owner = _lane_owner(quant_bit, head_dim, 4)
     for quad in range(4):
         dims = sorted(d for ks in range(steps) for d in k_dims(quant_bit, head_dim, quad, ks))
-        assert dims == list(range(head_dim // 4 * quad, head_dim // 4 * (quad + 1)))
+        assert dims == np.flatnonzero(owner == quad).tolist()
     q = RNG.standard_normal((MMA_M, head_dim))
     k = RNG.standard_normal((MMA_N, head_dim))
     s = np.zeros((MMA_M, MMA_N))
@@ -77,13 +87,16 @@ def test_int4_k_steps_take_the_unpacked_pairs():
         assert (dims[2] - 8 * w, dims[3] - 8 * w) == INT4_PAIR_ELEMENTS[2 * h + 1]
 
 
+@pytest.mark.parametrize("quant_bit", [0, 8, 4])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_permuted_output_columns_unpermute_to_p_v(head_dim):
-    """Column g of every n8 tile is one of lane g's contiguous eighth of the row; the C fragments, written back at
-    v_dim, are P V."""
+def test_permuted_output_columns_unpermute_to_p_v(quant_bit, head_dim):
+    """Column g of the n8 tiles runs over the dims lane g loads of a value row (the row's 16-byte chunks shared
+    out among the 8 lanes in turn), in the order it loads them; the C fragments, written back at v_dim, are
+    P V."""
+    owner = _lane_owner(quant_bit, head_dim, 8)
     for g in range(8):
-        assert [v_dim(head_dim, g, vt) for vt in range(head_dim // 8)] == \
-            list(range(head_dim // 8 * g, head_dim // 8 * (g + 1)))
+        assert [v_dim(quant_bit, head_dim, g, vt) for vt in range(head_dim // 8)] == \
+            np.flatnonzero(owner == g).tolist()
     p = RNG.standard_normal((MMA_M, MMA_K))
     v = RNG.standard_normal((MMA_K, head_dim))
     out = np.full((MMA_M, head_dim), np.nan)
@@ -92,12 +105,12 @@ def test_permuted_output_columns_unpermute_to_p_v(head_dim):
         for lane in range(32):
             for i in range(4):
                 row, col = b_position(lane, i)
-                b[row, col] = v[row, v_dim(head_dim, col, vt)]
+                b[row, col] = v[row, v_dim(quant_bit, head_dim, col, vt)]
         tile = p @ b
         for lane in range(32):
             for i in range(4):
                 row, col = c_position(lane, i)
-                out[row, v_dim(head_dim, col, vt)] = tile[row, col]
+                out[row, v_dim(quant_bit, head_dim, col, vt)] = tile[row, col]
     np.testing.assert_allclose(out, p @ v, rtol=1e-12, atol=1e-12)
 
 
@@ -187,3 +200,28 @@ def test_drawn_decode_calls_conform(case, head_dim, page_size):
     case = with_(case, head_dim=head_dim, scale_dtype="float16", page_size=page_size)
     assert _launched(case, threads=32)[-1] == "gqa_decode_attention_kernel"
     kit.check_case("multi_head_cache_attention", _kernel("multi_head_cache_attention", 32), case)
+
+
+@pytest.mark.parametrize("quant_bit", [0, 8])
+def test_decode_loads_whole_sectors(quant_bit):
+    """Recorded as Nsight Compute counts it: every K/V load request (and a quantized cache's scale loads) of the
+    decode kernel uses every byte of the 32-byte sectors it touches, at head_dim 128 where a lane's slice is
+    several 16-byte chunks (float16 K: 4, V: 2; int8 K: 2, its group scales traded within the quad), and so do
+    a float16 cache's query loads. The output still conforms."""
+    from cacheattn import lab
+
+    case = _case(quant_bit=quant_bit, head_dim=128, past=(40, 33), seed=11 + quant_bit)
+    with lab.record() as rec:
+        kit.check_case("multi_head_cache_attention", _kernel("multi_head_cache_attention", 64), case)
+    arrays = {}
+    for launch in rec.launches:
+        if launch.kernel == "gqa_decode_attention_kernel":
+            for name, figures in launch.arrays.items():
+                total = arrays.setdefault(name, {"ld_sectors": 0, "ld_bytes_requested": 0})
+                for key in total:
+                    total[key] += figures[key]
+    wanted = ["k_src.data=v_src.data"] + (["k_src.scales=v_src.scales"] if quant_bit else ["q_geom[0]"])
+    for name in wanted:
+        figures = arrays[name]
+        assert figures["ld_sectors"] > 0 and figures["ld_bytes_requested"] == 32 * figures["ld_sectors"], \
+            (name, figures)
