@@ -199,7 +199,7 @@ def decode_kernel_choice(*, query_dtype, max_seqlen: int, head_dim: int, num_hea
     elif np.dtype(value_dtype) not in (np.float16, np.float32):
         why = f"a {np.dtype(value_dtype).name} value dtype (the dequantized values are rounded to it)"
     elif not vector:
-        why = "rows or scales not aligned for 16-byte loads"
+        why = "cache rows, scales or the query not aligned for 16-byte loads"
     elif quant_bit and not all(int(x) % max(1, head_dim // 4 // quant_group) == 0 for src in (key_src, value_src)
                                for x in (src.sc_base, src.sc_s_b, src.sc_s_t, src.sc_s_h)):
         why = "scale rows not aligned for a lane's scale loads"

@@ -26,10 +26,11 @@ from ._attention_gqa_mma import heads_per_block as decode_heads
 from ._attention_mma import check_fits, make_mma_attention_kernel, plan_mma_rows
 from ._attention_vector import keys_per_step, make_vector_attention_kernel, plan_vector_rows
 from ._attention_warp import make_warp_attention_kernel, plan_warp_rows
-from ._cache import chunk_elements, make_cache_access, make_chunk_load, packed_source, vector_loads_ok
+from ._cache import _address, chunk_elements, make_cache_access, make_chunk_load, packed_source, vector_loads_ok
 from ._launch import caller_stream, ceil_div, empty_like_kind, flat, launch, to_kind
 from ._numerics import keep_float32, rounder
 from ._split_k import choose_splits, combine_kernel
+from ._vector import VECTOR_BYTES
 
 NEG_INF = np.float32(-math.inf)
 
@@ -151,12 +152,14 @@ def attend(query, key_src, value_src, seqstarts, kvstarts, decoding_batches, max
     shape = (quant_bit, quant_group, np.dtype(scale_dtype).str, np.dtype(value_dtype).str, query.dtype.str, head_dim,
              num_heads, num_kv_heads, min(max_seqlen, 16), 3 if rung == 4 else rung, threads if rung >= 2 else 128,
              key_src.data.dtype.str if rung in (3, 4, 5) else None, vector)
-    # Rung 5 on a decode batch: the register-fed GQA kernel where it serves the call (the reason says why not).
+    # Rung 5 on a decode batch: the register-fed GQA kernel where it serves the call (the reason says why not). It
+    # reads the query in 16-byte loads too, whose rows (H x Dh halves) are whole chunks: its start must be aligned.
+    query_rows = flat(query)
     decode, _ = decode_kernel_choice(
         query_dtype=query.dtype, max_seqlen=max_seqlen, head_dim=head_dim, num_heads=num_heads,
         num_kv_heads=num_kv_heads, quant_bit=quant_bit, quant_group=quant_group, scale_dtype=scale_dtype,
-        value_dtype=value_dtype, threads=threads, vector=vector, key_src=key_src, value_src=value_src) \
-        if rung == 5 else (False, None)
+        value_dtype=value_dtype, threads=threads, vector=vector and _address(query_rows) % VECTOR_BYTES == 0,
+        key_src=key_src, value_src=value_src) if rung == 5 else (False, None)
     whole_trips = int(key_src.page) % DECODE_TRIP == 0 if decode else None
     biased = not decode or attn_mask is not None or alibi_slopes is not None
     kernel, heads_per_block, q_tile = attention_kernel(*shape, whole_trips=whole_trips, biased=biased)
@@ -181,7 +184,7 @@ def attend(query, key_src, value_src, seqstarts, kvstarts, decoding_batches, max
     kvlens = kvstarts[1:] - kvstarts[:-1]
     attn_output = empty_like_kind(query, query.shape, query.dtype)
     geometry = (np.int64(0), np.int64(num_heads * head_dim), np.int64(head_dim))   # (s_b, s_i, s_h) of (T, H, Dh)
-    inputs = ((flat(query), seqstarts, *geometry), seqlens, kvlens, key_src, value_src, score_args,
+    inputs = ((query_rows, seqstarts, *geometry), seqlens, kvlens, key_src, value_src, score_args,
               np.float32(1 / math.sqrt(head_dim)))
     if splits == 1:
         launch(kernel, grid, threads, stream, inputs[0], (flat(attn_output), seqstarts, *geometry), *inputs[1:])

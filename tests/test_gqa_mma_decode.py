@@ -140,6 +140,19 @@ def test_rung_5_takes_the_decode_kernel_where_it_serves(what, changes, kernel):
     assert _launched(_case(**changes), threads=64) == ["store_kernel", kernel], what
 
 
+def test_a_query_not_16_byte_aligned_takes_the_staged_kernel():
+    """The decode kernel reads the query in 16-byte loads: a query view starting 2 bytes into its buffer runs the
+    staged kernel, and conforms."""
+    case = _case(quant_bit=0)
+    inputs = build_ppl(case)
+    query = inputs["query"]
+    shifted = np.empty(query.size + 1, query.dtype)[1:].reshape(query.shape)     # 2 bytes past an aligned start
+    shifted[...] = query
+    with _launch.recorded_launches() as launches:
+        cacheattn.multi_head_cache_attention(**{**inputs, "query": shifted}, **case.attrs(), backend="numba", rung=5)
+    assert [kernel.py_func.__name__ for kernel, _ in launches] == ["store_kernel", "mma_attention_kernel"]
+
+
 def test_the_choice_says_why_not():
     src = ppl_kernels.packed_source(np.zeros((4, 1, 32), np.float16), np.zeros((1, 1), np.int64))
     facts = dict(query_dtype=np.float16, max_seqlen=1, head_dim=32, num_heads=4, num_kv_heads=1, quant_bit=0,
