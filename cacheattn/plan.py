@@ -199,12 +199,14 @@ def plan(shape: AttentionShape, *, rung: int | None = None, num_splits: int | No
 
     Examples
     --------
-    Decode of 64 requests at 4096 cached tokens fills an H100 with rung 3; one request at 32768 splits its keys:
+    Decode of 64 requests at 4096 cached tokens fills an H100 on rung 3's grid, which rung 5's decode kernel runs
+    (rung 3 where the operator's rung 5 has no such kernel); one request at 32768 splits its keys:
 
     >>> from cacheattn.plan import AttentionShape, plan
     >>> heads = dict(num_heads=32, num_kv_heads=8, head_dim=128, query_dtype="float16")
-    >>> plan(AttentionShape(batch=64, max_query_len=1, max_kv_len=4097, decode_sequences=64, **heads), sms=132).rung
-    3
+    >>> decode = AttentionShape(batch=64, max_query_len=1, max_kv_len=4097, decode_sequences=64, **heads)
+    >>> plan(decode, sms=132).rung, plan(decode, sms=132, register_decode=False).rung
+    (5, 3)
     >>> long = plan(AttentionShape(batch=1, max_query_len=1, max_kv_len=32769, decode_sequences=1, **heads), sms=132)
     >>> long.rung, long.num_splits, long.threads
     (4, 33, 128)
