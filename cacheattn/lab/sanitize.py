@@ -2,7 +2,8 @@
 
 Every operator runs on the kernels in numba's CUDA simulator on the tour's example cases, cut to the tour's quick
 shapes (`cacheattn.tour`): OpenPPL's KeyValueCache, dynamic KeyValueCache, MultiHeadAttention and
-MultiHeadCacheAttention at every rung of the kernel ladder on float16, int8 and int4 caches; ONNX Attention (rung 1,
+MultiHeadCacheAttention at every rung of the kernel ladder on float16, int8 and int4 caches (rung 4's split-K on
+float16, its loop rung 3's; every cache with --full); ONNX Attention (rung 1,
 rungs 3 and 4 on decode with past, rung 3 on a prefill);
 TensorRT-LLM gpt_attention (in-flight context + generation on a paged INT8 pool, StreamingLLM on a cyclic FP8 cache,
 generation on rungs 1 (multi-block), 3 and 4, the context phase on rung 5, the unfused and FP8 context paths, cross
@@ -55,7 +56,8 @@ def _ppl_calls(full: bool) -> list[Call]:
     calls.append(Call("ppl dynamic multi_head_attention", "2 decode + chunked prefill, ALiBi, fp32",
                       lambda: _dynamic_attention(chunked)))
     # Rung 1 on the tour's three cases (paged int8 decode, offset float32 chunked prefill, paged int4 prefill
-    # with a 3-D mask); rungs 2-5 on decode with float16, int8 and int4 caches (rung 4 forced to 3 splits).
+    # with a 3-D mask); rungs 2, 3 and 5 on decode with float16, int8 and int4 caches; rung 4 (forced to 3 splits)
+    # on float16, its loop rung 3's on every cache, its partials and combine the same for each (full: every cache).
     cases = [("paged int8 decode, fp16", decode), ("offset fp32 cache, chunked prefill, ALiBi", chunked),
              ("paged int4 prefill, 3-D mask", prefill)]
     for label, case in cases:
@@ -64,6 +66,8 @@ def _ppl_calls(full: bool) -> list[Call]:
     rungs = (2, 3, 4, 5)
     for rung in rungs:
         for cache, change in caches.items():
+            if rung == 4 and cache != "float16" and not full:
+                continue
             case = with_(decode, **change)
             extra = {"num_splits": 3} if rung == 4 else {}
             calls.append(Call(f"ppl multi_head_cache_attention rung {rung}", f"paged {cache} decode, fp16",
