@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .hf.cli import add_parser as add_hf  # torch-free: the command says so if the hf extra is missing
     add_hf(sub, parents=[form])
     lab_help = ("counters and lower bounds of every kernel-ladder rung per bench case, counted in the simulator "
-                "(about 5 minutes on 2 idle cores, 10 under load; --quick: under a minute; a progress bar on a "
+                "(about 8 minutes on 2 idle cores, more under load; --quick: under a minute; a progress bar on a "
                 "terminal) (--sanitize: race / initcheck / memcheck over every kernel family, about two minutes)")
     lab = sub.add_parser("lab", parents=[form], help=lab_help, description=lab_help)
     lab.add_argument("--sanitize", action="store_true", help="one representative call of every kernel family under "

@@ -51,7 +51,7 @@ def test_rung_4_splits_the_long_decode_over_two_blocks_an_sm():
     # The B = 64 decode's 512 blocks fill the GPU: no split.
     assert counters.splits_for(LAB_CASES[0])[0] == 1
     (plan,) = [p for p in counters.plans() if p.case is long_decode]
-    assert plan.points_for(4) == (528, 1056) and plan.points_for(3) == (128, 256)
+    assert plan.points_for(4) == (528, 1056) and plan.points_for(3) == (128, 256) and plan.points_for(1) == (64, 128)
 
 
 @pytest.mark.parametrize("case_index,rung", [(0, 3), (4, 5)])
