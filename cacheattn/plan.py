@@ -357,18 +357,15 @@ DECODE_INSTRUCTIONS_PER_KEY = {0: (153.8, 19.9), 8: (121.6, 34.5), 4: (121.0, 32
 
 
 def _register_decode_serves(shape, threads) -> bool:
-    """Whether rung 5's register-fed decode kernel takes a call of this shape at `threads` (the shape's share of
-    `kernels_numba._attention_gqa_mma.decode_kernel_choice`; the launcher checks the arrays' alignment too and
-    otherwise stages rung 5 as for prefill)."""
-    from kernels_numba._attention_core import SHARED_BYTES
-    from kernels_numba._attention_gqa_mma import HEAD_DIMS, heads_per_block, shared_bytes
+    """Whether rung 5's register-fed decode kernel takes a call of this shape at `threads` (whole warps: rung 3's
+    block size): the kernel's own shape conditions; the launcher checks the arrays' alignment too and otherwise
+    stages rung 5 as for prefill."""
+    from kernels_numba._attention_gqa_mma import decode_shape_problem
 
-    cache = shape.cache_dtype
-    return (shape.max_query_len == 1 and shape.decode_sequences == shape.batch
-            and shape.query_dtype == np.float16 and shape.head_dim in HEAD_DIMS
-            and cache == (np.int8 if shape.quant_bit else np.float16) and threads % 32 == 0
-            and shared_bytes(shape.head_dim, threads // 32, heads_per_block(shape.num_heads, shape.num_kv_heads))
-            <= SHARED_BYTES)
+    return shape.decode_sequences == shape.batch and decode_shape_problem(
+        query_dtype=shape.query_dtype, max_seqlen=shape.max_query_len, head_dim=shape.head_dim,
+        num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads, quant_bit=shape.quant_bit,
+        cache_dtype=shape.cache_dtype, threads=threads) is None
 
 
 def _register_decode_reason(shape) -> str:

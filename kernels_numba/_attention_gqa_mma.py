@@ -180,33 +180,48 @@ def shared_bytes(head_dim: int, warps: int, heads: int) -> int:
     return 4 * sum(math.prod(s) for s in (merge_shape(head_dim, warps, heads), *scratch_shapes(warps)))
 
 
+def decode_shape_problem(*, query_dtype, max_seqlen: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                         quant_bit: int, cache_dtype, threads: int) -> str | None:
+    """Why a call of these shapes cannot run on this kernel, or None: what `cacheattn.plan` can know before any
+    array exists (`decode_kernel_choice` adds the arrays' own conditions)."""
+    if max_seqlen != 1:
+        return f"not a decode batch (max_seqlen {max_seqlen})"
+    if np.dtype(query_dtype) != np.float16:
+        return f"query {np.dtype(query_dtype).name}, not float16"
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim {head_dim} is not one of {HEAD_DIMS}"
+    if np.dtype(cache_dtype) != (np.int8 if quant_bit else np.float16):
+        return f"a {np.dtype(cache_dtype)} cache of quant_bit {quant_bit}"
+    if shared_bytes(head_dim, threads // WARP_SIZE, heads_per_block(num_heads, num_kv_heads)) > SHARED_BYTES:
+        return f"the merge of {threads // WARP_SIZE} warps needs more than {SHARED_BYTES} bytes of shared memory"
+    return None
+
+
+def _arrays_problem(quant_bit, quant_group, head_dim, scale_dtype, value_dtype, vector, key_src, value_src):
+    """Why the call's arrays keep it off this kernel (dtypes, alignment, page tables), or None."""
+    if quant_bit and np.dtype(scale_dtype) != np.float16:
+        return f"{np.dtype(scale_dtype).name} scales (the f16x2 dequantization takes float16 scales)"
+    if np.dtype(value_dtype) not in (np.float16, np.float32):
+        return f"a {np.dtype(value_dtype).name} value dtype (the dequantized values are rounded to it)"
+    if not vector:
+        return "cache rows, scales or the query not aligned for 16-byte loads"
+    if quant_bit and not all(int(x) % max(1, head_dim // 4 // quant_group) == 0 for src in (key_src, value_src)
+                             for x in (src.sc_base, src.sc_s_b, src.sc_s_t, src.sc_s_h)):
+        return "scale rows not aligned for a lane's scale loads"
+    if key_src.starts is not value_src.starts or int(key_src.page) != int(value_src.page):
+        return "K and V on different page tables"
+    return None
+
+
 def decode_kernel_choice(*, query_dtype, max_seqlen: int, head_dim: int, num_heads: int, num_kv_heads: int,
                          quant_bit: int, quant_group: int, scale_dtype, value_dtype, threads: int, vector: bool,
                          key_src, value_src) -> tuple:
     """(serves, reason): whether rung 5 runs this call on the register-fed decode kernel rather than the staged
     one (`_attention_mma`), and why, in one line. Decided on the host from the call's facts."""
-    why = None
-    if max_seqlen != 1:
-        why = f"not a decode batch (max_seqlen {max_seqlen})"
-    elif np.dtype(query_dtype) != np.float16:
-        why = f"query {np.dtype(query_dtype).name}, not float16"
-    elif head_dim not in HEAD_DIMS:
-        why = f"head_dim {head_dim} is not one of {HEAD_DIMS}"
-    elif key_src.data.dtype != (np.int8 if quant_bit else np.float16):
-        why = f"a {key_src.data.dtype} cache of quant_bit {quant_bit}"
-    elif quant_bit and np.dtype(scale_dtype) != np.float16:
-        why = f"{np.dtype(scale_dtype).name} scales (the f16x2 dequantization takes float16 scales)"
-    elif np.dtype(value_dtype) not in (np.float16, np.float32):
-        why = f"a {np.dtype(value_dtype).name} value dtype (the dequantized values are rounded to it)"
-    elif not vector:
-        why = "cache rows, scales or the query not aligned for 16-byte loads"
-    elif quant_bit and not all(int(x) % max(1, head_dim // 4 // quant_group) == 0 for src in (key_src, value_src)
-                               for x in (src.sc_base, src.sc_s_b, src.sc_s_t, src.sc_s_h)):
-        why = "scale rows not aligned for a lane's scale loads"
-    elif key_src.starts is not value_src.starts or int(key_src.page) != int(value_src.page):
-        why = "K and V on different page tables"
-    elif shared_bytes(head_dim, threads // WARP_SIZE, heads_per_block(num_heads, num_kv_heads)) > SHARED_BYTES:
-        why = f"the merge of {threads // WARP_SIZE} warps needs more than {SHARED_BYTES} bytes of shared memory"
+    why = decode_shape_problem(query_dtype=query_dtype, max_seqlen=max_seqlen, head_dim=head_dim,
+                               num_heads=num_heads, num_kv_heads=num_kv_heads, quant_bit=quant_bit,
+                               cache_dtype=key_src.data.dtype, threads=threads) \
+        or _arrays_problem(quant_bit, quant_group, head_dim, scale_dtype, value_dtype, vector, key_src, value_src)
     if why is None:
         return True, "decode: a GQA group on tensor cores, K/V loaded into the mma's registers"
     return False, f"staged rung 5: {why}"
