@@ -1245,12 +1245,17 @@ def gpt_attention(
         The kernels' block size, a multiple of 32 up to 1024; the reference ignores it. Default 128.
     rung : int, optional
         The kernel of the ladder (docs/kernel-ladder.md) the generation requests run on: 1 shared-memory tiles, 3
-        vector loads, 4 split-K (vector loads, the keys split over several blocks with few blocks for the SMs);
-        None: 3, or 4 when multi_block_mode splits. Rungs 3 and 4 accumulate in float32: a float64 qkv runs on
-        rung 1, and asking for 3 or 4 with one raises. Context requests (the fused context FMHA) run on rung 5,
-        tensor cores, with a float16 qkv whose head size fits its tiles, else on rung 1 (rung 1 forces it; 5 asks
-        for it and raises where it cannot run; 3 and 4 leave it to the default). The unfused path
-        (context_fmha_type 0, FP8 context FMHA) is its own. The reference ignores it. Default None.
+        vector loads, 4 split-K (vector loads, the keys split over several blocks with few blocks for the SMs), 5
+        rung 5's decode kernel (each GQA group's query heads on tensor cores, K/V loaded straight into the mma's
+        registers) where it serves the step, else 3 or 4 as with None; None: rung 4 when multi_block_mode splits,
+        else rung 5's decode kernel where it serves, else 3. The decode kernel takes a float16 qkv, head size 32,
+        64 or 128, a float16, INT8 or FP8 cache, one beam, no sink tokens or StreamingLLM, no cross attention, and
+        sequences no longer than the attention window; a layer whose cache is not aligned for 16-byte loads runs
+        rung 3. Rungs 3 to 5 accumulate in float32: a float64 qkv runs on rung 1, and asking for 3 or 4 with one
+        raises. Context requests (the fused context FMHA) run on rung 5, tensor cores, with a float16 qkv whose
+        head size fits its tiles, else on rung 1 (rung 1 forces it; 5 asks for it and raises where it cannot run;
+        3 and 4 leave it to the default). The unfused path (context_fmha_type 0, FP8 context FMHA) is its own. The
+        reference ignores it. Default None.
     num_splits : int, optional
         Split-K's count of key ranges for the generation requests, 1 to 64 (rung 4, rung 1's multi-block mode, or
         None's choice); None: chosen from the SMs the grid leaves idle (with multi_block_mode). Not with rung 3.

@@ -73,6 +73,7 @@ from ._attention_core import SHARED_BYTES
 from ._dequant import (
     INTERLEAVE_BYTES,
     INTERLEAVE_HALVES,
+    half2_floats,
     int4x8_to_half2,
     int8x4_to_half2,
     load_bits2,
@@ -285,18 +286,35 @@ def _scale_loader(slice_dims: int, quant_bit: int, quant_group: int, lanes: int)
 
 def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_group: int, head_dim: int,
                                      heads_per_block: int, group: int, warps: int, whole_trips: bool,
-                                     biased: bool = True):
+                                     biased: bool = True, per_tensor: bool = False, e4m3: bool = False,
+                                     shared_pages: bool = True, page_unit: int = 1, new_token: bool = False,
+                                     num_kv_heads: int = 0):
     """Build the kernel. Launch grid (1, num_heads / heads_per_block, B), 32 * warps threads; arguments as
-    `_attention_mma.make_mma_attention_kernel`'s kernel (float16 query, one position a sequence).
+    `_attention_mma.make_mma_attention_kernel`'s kernel (float16 query, one position a sequence), the sources
+    `_cache.CacheSource`s (data, scales, starts, page and the strides).
     score / key_range: the operator's (`make_ppl_score`); whole_trips: the page length is a multiple of 16 (every
     trip in one page); biased: the call has a mask or ALiBi (else a score is q.k / sqrt(D) and `score` is not
-    called)."""
+    called).
+
+    TensorRT-LLM's generation adds (`trtllm_generation`): per_tensor, an 8-bit cache with one scale for the whole
+    tensor and no group scales: the codes (int8, or e4m3 read as value / 256 with `e4m3`) go into the mma as they
+    are, the launcher folds the scale into sm_scale, and the output is multiplied by the sources' `fold`;
+    shared_pages False, V's pages from v_src.starts (K and V blocks have offsets of their own); page_unit, the
+    slots a step of starts counts (a block index times the slots of a block); new_token, the sequence's last key
+    read from the sources' `scratch` (row (q_starts[b] * num_kv_heads + kv head) * D, float16) rather than
+    the cache: the warps walk the cached keys before it, and warp 0 adds it after the merge in float32."""
     D, HPB, WARPS = head_dim, heads_per_block, warps
     if D not in HEAD_DIMS:
         raise ValueError(f"head_dim: {D} is not one the tensor-core decode kernel takes ({HEAD_DIMS})")
     K_STEPS, V_TILES = D // MMA_K, D // MMA_N
     R = _rows(HPB)                                   # C rows a lane keeps: grp (and grp + 8)
     BITS = quant_bit or 16
+    SCALED = bool(quant_bit) and not per_tensor      # group scales loaded beside the codes and multiplied in
+    if (per_tensor or e4m3) and quant_bit != 8:
+        raise ValueError(f"quant_bit: a per-tensor or e4m3 cache holds 8-bit codes, got {quant_bit}")
+    to_half2 = int8x4_to_half2
+    if e4m3:
+        from ._dequant import e4m3x4_to_half2 as to_half2
     ITEM = 2 if quant_bit == 0 else 1                # bytes of a data element (int4: a byte holds two codes)
     K_DIMS, V_DIMS = D // 4, D // 8                  # dims of a row a lane loads: K (per quad), V (per grp)
     K_BYTES, V_BYTES = K_DIMS * BITS // 8, V_DIMS * BITS // 8
@@ -312,7 +330,7 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
     # would read half of the row's 32 bytes each. Instead lane q reads 8 bytes, chunks 2 pi(q) and 2 pi(q) + 1 of
     # the row with pi = (0, 2, 1, 3), a whole sector a quad, keeps the one it needs and trades the other with
     # its neighbour (lane q ^ 1 holds the other one it needs): one shuffle a key.
-    K_SCALE_SWAP = bool(quant_bit) and K_DIMS // K_CHUNK == 2 and K_CHUNK // quant_group == 2
+    K_SCALE_SWAP = SCALED and K_DIMS // K_CHUNK == 2 and K_CHUNK // quant_group == 2
     if K_SCALE_SWAP:
         load_k_scales = _word_loader(8, 2)
     load_v_scales, VS_WORDS = _scale_loader(V_DIMS, quant_bit, quant_group, 8)
@@ -332,7 +350,12 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
     MMA_SCRATCH, QUAD_SCRATCH = scratch_shapes(WARPS)
     MERGE = merge_shape(D, WARPS, HPB)
     O_VALUES = 2 * V_TILES                          # a row's O fragments a lane holds
-    WHOLE, BIASED = whole_trips, biased
+    WHOLE, BIASED, SHARED, UNIT, NEW = whole_trips, biased, shared_pages, page_unit, new_token
+    KV_HEADS, PER_TENSOR = num_kv_heads, per_tensor
+    # The new token's K dims of each lane: the quad's lanes hold a quarter of Q's row each (k_dims).
+    K_DIM_TABLE = np.array([[k_dims(quant_bit, D, quad, ks) for ks in range(K_STEPS)] for quad in range(4)],
+                           np.int64)
+
     f32, u32 = np.float32, np.uint32
     NEG_INF = f32(-math.inf)
     ZERO = u32(0)
@@ -348,11 +371,14 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                 continue
             for w in range(K_WORDS):
                 if quant_bit == 8:
-                    halves = int8x4_to_half2(kw[n * K_WORDS + w])
+                    halves = to_half2(kw[n * K_WORDS + w])
                 else:
                     halves = int4x8_to_half2(kw[n * K_WORDS + w])
                 for k in range(len(halves)):
                     ks, j = (w, k) if quant_bit == 8 else (2 * w + k // 2, k % 2)
+                    if not SCALED:
+                        kb[n, ks, j] = halves[k]
+                        continue
                     scale = scale_half2(ksc[n * KS_WORDS + K_SC[ks, j, 0]], ksc[n * KS_WORDS + K_SC[ks, j, 1]],
                                         K_SC[ks, j, 2])
                     kb[n, ks, j] = mul_half2(halves[k], scale)
@@ -370,11 +396,14 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                     vb[p, u] = mixed
                     continue
                 if quant_bit == 8:
-                    halves = int8x4_to_half2(mixed)
+                    halves = to_half2(mixed)
                 else:
                     halves = int4x8_to_half2(mixed)
                 for k in range(len(halves)):
                     vt = len(halves) * u + k
+                    if not SCALED:
+                        vb[p, vt] = halves[k]
+                        continue
                     word = V_SC[vt, 0]            # both keys' scales of the group: (word, half) alike
                     scale = scale_half2(vsc[2 * p * VS_WORDS + word], vsc[(2 * p + 1) * VS_WORDS + word],
                                         V_SC[vt, 2])
@@ -400,19 +429,20 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
         tc = min(t0, hi - 1 - (hi - 1) % KEY_TILE) if tail else t0      # the trip whose keys are loaded
         kmax = hi - 1 - tc                                              # keys past it load key hi - 1
         starts, page = k_src.starts, k_src.page
-        slot0 = np.int64(0)
+        slot0 = v_slot0 = np.int64(0)
         if WHOLE:
             walk[1] += tc - walk[2]
             walk[2] = tc
             while walk[1] >= page:
                 walk[1] -= page
                 walk[0] += 1
-            slot0 = starts[b, walk[0]] + walk[1]
+            slot0 = starts[b, walk[0]] * UNIT + walk[1]
+            v_slot0 = slot0 if SHARED else v_src.starts[b, walk[0]] * UNIT + walk[1]
         # 1. the trip's loads: K of keys grp, grp + 8; V of keys 2q, 2q + 1, 2q + 8, 2q + 9 (with scales). A whole
         #    trip in one page adds 0 or 8 rows (K), 0, 1, 8 or 9 rows (V) to the lane's first key's row.
         if WHOLE and not tail:
             lane_rows = (k_lane + slot0 * k_src.s_t, k_sc_lane + slot0 * k_src.sc_s_t,
-                         v_lane + slot0 * v_src.s_t, v_sc_lane + slot0 * v_src.sc_s_t)
+                         v_lane + v_slot0 * v_src.s_t, v_sc_lane + v_slot0 * v_src.sc_s_t)
         for n in range(6):
             src = k_src if n < 2 else v_src
             if WHOLE and not tail:
@@ -424,15 +454,15 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                 if tail:
                     k = min(k, kmax)
                 if WHOLE:
-                    slot = slot0 + k
+                    slot = (slot0 if n < 2 else v_slot0) + k
                 else:
                     t = tc + k
-                    slot = starts[b, t // page] + t % page
+                    slot = (starts if n < 2 or SHARED else v_src.starts)[b, t // page] * UNIT + t % page
                 at = (k_row if n < 2 else v_row) + slot * src.s_t
                 sc_at = (k_sc if n < 2 else v_sc) + slot * src.sc_s_t
             if n < 2:
                 load_k(k_src.data, at, kw, n * K_WORDS)
-                if quant_bit:
+                if SCALED:
                     load_k_scales(k_src.scales, sc_at, ksc, n * KS_WORDS)
                 if K_SCALE_SWAP:                # even lanes hold chunk 0's word, odd ones chunk 1's
                     even = quad % 2 == 0
@@ -444,7 +474,7 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                     ksc[2 * n + 1] = got if even else w1
             else:
                 load_v(v_src.data, at, vw, (n - 2) * V_WORDS)
-                if quant_bit:
+                if SCALED:
                     load_v_scales(v_src.scales, sc_at, vsc, (n - 2) * VS_WORDS)
         # 2. S = Q Kᵀ: two n8 tiles (keys t0 + grp.., t0 + 8 + grp..), D / 16 mma each
         key_fragments(kw, ksc, kb)
@@ -512,6 +542,54 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
             if R == 2:
                 o[vt, 2], o[vt, 3] = d2, d3
 
+    @cuda.jit(device=True, inline="always")
+    def o_dim(quad, c, vt):
+        """The head dim of O's C element (any row, column 2 quad + c) of n8 tile vt: `v_dim`, un-permuted."""
+        return V_CHUNK * (2 * quad + c + 8 * (vt // V_CHUNK)) + vt % V_CHUNK
+
+    @cuda.jit(device=True, inline="always")
+    def new_token(b, h0, g_kv, t, seqlen, kvlen, q_starts, k_src, v_src, acc, quad_scratch, score_args, sm_scale,
+                  warp, lane):
+        """Key t, the sequence's new token, from the scratch into warp 0's merged state, in float32: each lane's
+        quarter of q.k (Q's registers hold its dims), summed over the quad; one online-softmax step; O's columns
+        from V's row. With a per-tensor scale the cached keys are in code units: the logit scale and V are
+        divided by the sources' fold."""
+        row_max, row_sum, o, qa = acc
+        grp, quad = lane // 4, lane % 4
+        at = (q_starts[b] * KV_HEADS + g_kv) * D
+        dots = cuda.local.array(2, f32)
+        for r in range(2):
+            dots[r] = 0.0
+        for r in range(R):
+            for ks in range(K_STEPS):
+                for j in range(2):
+                    q_low, q_high = half2_floats(qa[ks, r + 2 * j])
+                    dots[r] += q_low * f32(k_src.scratch[at + K_DIM_TABLE[quad, ks, 2 * j]]) + \
+                        q_high * f32(k_src.scratch[at + K_DIM_TABLE[quad, ks, 2 * j + 1]])
+        dot0, dot1 = quad_sum2(dots[0], dots[1], quad_scratch, warp, lane)
+        if warp != 0:
+            return
+        logit_scale = sm_scale / k_src.fold if PER_TENSOR else sm_scale
+        value_scale = f32(1.0) / v_src.fold if PER_TENSOR else f32(1.0)
+        for r in range(R):
+            x = NEG_INF
+            if grp + 8 * r < HPB:
+                logit = (dot0 if r == 0 else dot1) * logit_scale
+                if BIASED:
+                    x = score(score_args, logit, b, h0 + grp + 8 * r, 0, t, seqlen, kvlen) * f32(LOG2_E)
+                else:
+                    x = logit * f32(LOG2_E)
+            new_max = max(row_max[r], x)
+            if new_max == NEG_INF:
+                continue
+            alpha, p = exp2(row_max[r] - new_max), exp2(x - new_max)
+            row_sum[r] = row_sum[r] * alpha + (p if quad == 0 else f32(0.0))   # a row's sum: once in its quad
+            row_max[r] = new_max
+            for vt in range(V_TILES):
+                for c in range(2):
+                    o[vt, 2 * r + c] = o[vt, 2 * r + c] * alpha + \
+                        p * f32(v_src.scratch[at + o_dim(quad, c, vt)]) * value_scale
+
     @cuda.jit
     def gqa_decode_attention_kernel(q_geom, out_geom, seqlens, kvlens, k_src, v_src, score_args, sm_scale):
         b = cuda.blockIdx.z
@@ -564,6 +642,9 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
         acc = (row_max, row_sum, o, qa)
 
         lo, hi = key_range(score_args, b, 0, 0, seqlen, kvlen)
+        last_key = hi - 1
+        if NEW:
+            hi -= 1                                  # the warps walk the cached keys; the new one comes after
         first = lo - lo % KEY_TILE
         tiles = -(-(hi - first) // KEY_TILE) if hi > lo else 0
         rounds = -(-tiles // WARPS)                  # the same count in every warp: the simulator's barriers
@@ -613,6 +694,10 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                                                                                        lane] * theirs
                             row_max[r] = top
 
+        if NEW:
+            new_token(b, h0, g_kv, last_key, seqlen, kvlen, q_starts, k_src, v_src, acc, quad_scratch, score_args,
+                      sm_scale, warp, lane)
+
         total0, total1 = quad_sum2(row_sum[0], row_sum[1], quad_scratch, warp, lane)
         if warp == 0:
             out, o_starts, o_sb, o_si, o_sh = out_geom
@@ -622,8 +707,7 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                     at = b * o_sb + o_starts[b] * o_si + (h0 + grp + 8 * r) * o_sh
                     for vt in range(V_TILES):
                         for c in range(2):
-                            # v_dim: un-permute O's columns
-                            d = V_CHUNK * (2 * quad + c + 8 * (vt // V_CHUNK)) + vt % V_CHUNK
-                            out[at + d] = o[vt, 2 * r + c] / total if total > 0.0 else f32(0.0)
+                            x = o[vt, 2 * r + c] / total if total > 0.0 else f32(0.0)
+                            out[at + o_dim(quad, c, vt)] = x * v_src.fold if PER_TENSOR else x
 
     return gqa_decode_attention_kernel

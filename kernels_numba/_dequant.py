@@ -1,4 +1,5 @@
-"""Magic-number dequantization: int8 and int4 cache codes to float16 pairs in a few bit operations, for rung 3.
+"""Magic-number dequantization: int8, int4 and FP8 e4m3 cache codes to float16 pairs in a few bit operations, for
+rung 3.
 
 A float16 with exponent field 25 (bits 0x6400) holds 1024 + m exactly for every 10-bit m, so writing a code u
 in [0, 1024) into the low bits of 0x6400 *is* the float16 1024 + u, and one float16 subtraction of the magic
@@ -17,11 +18,26 @@ handles a pair:
         1032 turns into q. Mask 0x00f000f0 keeps nibbles 1 and 5 four bits higher: 1024 + 16 (q + 8), which one
         fma.rn.f16x2 by 1/16 and -72 turns into q. One shift by 8 brings nibbles 2, 6 and 3, 7 to the same
         places. 1 shift + 4 lop3 + 2 sub + 2 fma per 8 values; the pairs come out as elements (k, k + 4).
+    e4m3x4_to_half2(word) -> (h01, h23)
+        word holds 4 FP8 e4m3 codes (the fn variant: bias 7, no infinities, 0x7f and 0xff NaN), element k in
+        byte k. Each comes out as its value / 256, exactly: float16's exponent bias is 8 more than e4m3's, so the
+        code's exponent and mantissa bits at float16 bits 7..13 and its sign at bit 15 are value / 256, subnormals
+        included (the caller folds the 256 into its scale). So no float16 arithmetic, only moving bits: and
+        0x7f7f7f7f keeps each byte's magnitude; add 0x01010101 carries into bit 7 of exactly the bytes whose
+        magnitude is 0x7f (the NaN codes); one lop3.b32 puts those carries above the magnitudes (a flagged byte:
+        bit 7 NaN, bits 0..6 exponent and mantissa). prmt.b32 of the flagged word and the codes lays out
+        [flagged byte k, code k's sign replicated, flagged byte k + 1, code k + 1's sign replicated] (a selector
+        nibble with bit 3 set replicates the picked byte's sign), so one shl by 7 puts each flagged byte at bits
+        7..14 of its half (a NaN flag completes the all-ones float16 exponent, whose mantissa bits are already
+        nonzero) and bit 0 of the sign byte above it at bit 15; and 0xff80ff80 clears the other sign copies,
+        shifted into the high half's low mantissa bits. 1 and + 1 add + 1 lop3 + 2 prmt + 2 shl + 2 and per 4
+        values (2.25 a value); integer instructions only, so sm_80 too (cvt.rn.f16x2.e4m3x2 needs sm_89).
     scale_half2(word_a, word_b, selector) -> the pair of float16 scales a value pair is multiplied by:
         one prmt.b32 of two words of scales (selector: which 16-bit half of each).
     permute_bytes(word_a, word_b, selector) -> prmt.b32 itself: result byte i is byte (selector >> 4i) & 7 of
-        the 8 bytes word_b:word_a (0..3 from word_a). The tensor-core decode interleaves two keys' codes with it,
-        so that one unpacking yields a (key, next key) pair of one element (`INTERLEAVE_*`).
+        the 8 bytes word_b:word_a (0..3 from word_a), or that byte's sign copied to all 8 bits where bit 3 of
+        the nibble is set. The tensor-core decode interleaves two keys' codes with it, so that one unpacking
+        yields a (key, next key) pair of one element (`INTERLEAVE_*`).
     mul_half2(values, scales) -> mul.rn.f16x2: each code times its scale, rounded to float16 once. Every int8
         and int4 code is exact in float16 and the product of an 8-bit code and an 11-bit significand is exact
         in float32, so this is bit for bit the document's q * scale rounded to a float16 scale's dtype.
@@ -56,8 +72,18 @@ INT4_LOW_SUB = 0x64086408       # float16 1032 = 1024 + 8
 INT4_HIGH_MUL = 0x2C002C00      # float16 1/16
 INT4_HIGH_ADD = 0xD480D480      # float16 -72 = -(1024 + 128) / 16
 LOP3_AND_XOR = 0x6A             # lop3 lookup table of (a & b) ^ c: (0xF0 & 0xCC) ^ 0xAA
+LOP3_OR_AND = 0xF8              # lop3 lookup table of a | (b & c): 0xF0 | (0xCC & 0xAA)
+E4M3_MAGNITUDE = 0x7F7F7F7F     # and: each code without its sign
+E4M3_NAN_CARRY = 0x01010101     # add: a magnitude of 0x7f, and only that, carries into the byte's bit 7
+E4M3_NAN_FLAG = 0x80808080      # the carries, placed above the magnitudes
+# prmt selectors of (flagged word, code word): flagged byte k, code byte k's sign replicated (nibble 8 | 4 + k),
+# flagged byte k + 1, code byte k + 1's sign replicated, for k = 0 and 2
+E4M3_PAIRS = (0xD1C0, 0xF3E2)
+E4M3_SHIFT = 7                  # flagged byte to bits 7..14 of its half, the sign byte's bit 0 to bit 15
+E4M3_KEEP = 0xFF80FF80          # clears the low sign byte's other copies, shifted into bits 16..22
 INT4_PAIR_ELEMENTS = ((0, 4), (1, 5), (2, 6), (3, 7))       # elements of int4x8_to_half2's four pairs
 INT8_PAIR_ELEMENTS = ((0, 1), (2, 3))
+E4M3_PAIR_ELEMENTS = ((0, 1), (2, 3))
 # permute_bytes selectors that interleave two words a, b (bytes a0..a3, b0..b3): a's and b's low or high 16 bits
 # side by side (float16 pairs, or 4 int4 codes each), and a's and b's bytes alternating (int8 codes).
 INTERLEAVE_HALVES = (0x5410, 0x7632)     # (a0 a1 b0 b1), (a2 a3 b2 b3)
@@ -79,11 +105,16 @@ if SIMULATED:
         return int(np.asarray(halves, np.float16).view(np.uint32)[0])
 
     def _permute(a, b, selector):
-        """prmt.b32 (default mode): result byte i is byte (selector >> 4i) & 7 of the 8 bytes b:a."""
+        """prmt.b32 (default mode): result byte i is byte (selector >> 4i) & 7 of the 8 bytes b:a, or that
+        byte's sign replicated (0x00 or 0xff) where bit 3 of the nibble is set."""
         source = (int(b) & 0xFFFFFFFF) << 32 | (int(a) & 0xFFFFFFFF)
         out = 0
         for i in range(4):
-            out |= ((source >> (8 * ((selector >> (4 * i)) & 7))) & 0xFF) << (8 * i)
+            nibble = (selector >> (4 * i)) & 0xF
+            byte = (source >> (8 * (nibble & 7))) & 0xFF
+            if nibble & 8:
+                byte = 0xFF if byte & 0x80 else 0
+            out |= byte << (8 * i)
         return out
 
     @cuda.jit(device=True)
@@ -108,13 +139,25 @@ if SIMULATED:
         return out[0], out[1], out[2], out[3]
 
     @cuda.jit(device=True)
+    def e4m3x4_to_half2(word):
+        """The 4 e4m3 codes of `word` as two float16 pairs of value / 256: elements (0, 1) and (2, 3); NaN for the
+        NaN codes. 9 integer instructions per 4 values."""
+        codes = int(word) & 0xFFFFFFFF
+        magnitudes = codes & E4M3_MAGNITUDE
+        carries = (magnitudes + E4M3_NAN_CARRY) & 0xFFFFFFFF
+        flagged = magnitudes | (carries & E4M3_NAN_FLAG)                  # the lop3
+        return tuple(np.uint32(((_permute(flagged, codes, sel) << E4M3_SHIFT) & 0xFFFFFFFF) & E4M3_KEEP)
+                     for sel in E4M3_PAIRS)
+
+    @cuda.jit(device=True)
     def scale_half2(word_a, word_b, selector):
         """The float16 pair (half of word_a, half of word_b) that `selector` (pair_selector) picks."""
         return np.uint32(_permute(word_a, word_b, selector))
 
     @cuda.jit(device=True)
     def permute_bytes(word_a, word_b, selector):
-        """prmt.b32: byte i of the result is byte (selector >> 4i) & 7 of word_b:word_a."""
+        """prmt.b32: byte i of the result is byte (selector >> 4i) & 7 of word_b:word_a (its sign replicated
+        where bit 3 of the nibble is set)."""
         return np.uint32(_permute(word_a, word_b, selector))
 
     @cuda.jit(device=True)
@@ -200,6 +243,14 @@ else:
         "sub.rn.f16x2 $0, $0, c; fma.rn.f16x2 $1, $1, k, a; "
         "sub.rn.f16x2 $2, $2, c; fma.rn.f16x2 $3, $3, k, a; }"))
 
+    _e4m3x4 = _words_asm("_e4m3x4", 1, 2, (
+        "{ .reg .b32 m, c; "
+        f"and.b32 m, $2, {E4M3_MAGNITUDE:#x}; add.u32 c, m, {E4M3_NAN_CARRY:#x}; "
+        f"lop3.b32 m, m, c, {E4M3_NAN_FLAG:#x}, {LOP3_OR_AND:#x}; "
+        f"prmt.b32 $0, m, $2, {E4M3_PAIRS[0]:#x}; prmt.b32 $1, m, $2, {E4M3_PAIRS[1]:#x}; "
+        f"shl.b32 $0, $0, {E4M3_SHIFT}; shl.b32 $1, $1, {E4M3_SHIFT}; "
+        f"and.b32 $0, $0, {E4M3_KEEP:#x}; and.b32 $1, $1, {E4M3_KEEP:#x}; }}"))
+
     _prmt = _words_asm("_prmt", 3, 1, "prmt.b32 $0, $1, $2, $3;")
     _mul = _words_asm("_mul", 2, 1, "mul.rn.f16x2 $0, $1, $2;")
 
@@ -257,13 +308,20 @@ else:
         return _int4x8(word)
 
     @cuda.jit(device=True)
+    def e4m3x4_to_half2(word):
+        """The 4 e4m3 codes of `word` as two float16 pairs of value / 256: elements (0, 1) and (2, 3); NaN for the
+        NaN codes. 9 integer instructions per 4 values."""
+        return _e4m3x4(word)
+
+    @cuda.jit(device=True)
     def scale_half2(word_a, word_b, selector):
         """The float16 pair (half of word_a, half of word_b) that `selector` (pair_selector) picks."""
         return _prmt(word_a, word_b, selector)
 
     @cuda.jit(device=True)
     def permute_bytes(word_a, word_b, selector):
-        """prmt.b32: byte i of the result is byte (selector >> 4i) & 7 of word_b:word_a."""
+        """prmt.b32: byte i of the result is byte (selector >> 4i) & 7 of word_b:word_a (its sign replicated
+        where bit 3 of the nibble is set)."""
         return _prmt(word_a, word_b, selector)
 
     @cuda.jit(device=True)

@@ -289,6 +289,38 @@ def _trtllm_launches(full: bool):
         vector = ("vector_attention_kernel", "mma_attention_kernel")
         out += [(label + (f" {VECTOR_LOAD}" if kernel.py_func.__name__ in vector else ""), kernel,
                  args) for kernel, args in launches]
+    return out + _trtllm_decode_launches(full)
+
+
+# The generation entries on rung 5's decode kernel (one beam, head size 32): FP8 (e4m3 codes, the folded per-tensor
+# scale, K and V pages apart, the new token from the scratch); --full adds float16 and INT8.
+TRTLLM_DECODE_QUANTS = (128,)
+TRTLLM_DECODE_FULL_ONLY = (0, 64)
+
+
+def _trtllm_decode_launches(full: bool):
+    from . import _launch
+    from .trtllm_gpt_attention import gpt_attention
+
+    rng = np.random.default_rng(1)
+    H, Hkv, Dh, tpb, past = 4, 2, 32, 16, np.array([20, 20])
+    out = []
+    for quant in TRTLLM_DECODE_QUANTS + (TRTLLM_DECODE_FULL_ONLY if full else ()):
+        cache_dtype = {0: np.float16, 64: np.int8, 128: np.uint8}[quant]
+        blocks = 2 * -(-int(past[0] + 1) // tpb)
+        call = dict(qkv=rng.standard_normal((2, (H + 2 * Hkv) * Dh)).astype(np.float16), past_key_value=None,
+                    kv_cache_pool=np.zeros((2 * blocks, 1, 2, Hkv, tpb, Dh), cache_dtype),
+                    kv_cache_block_offsets=np.arange(2 * blocks).reshape(1, 2, 2, -1), attention_mask=None,
+                    sequence_length=past + 1, host_past_key_value_lengths=past,
+                    host_max_attention_window_sizes=np.array([64]), host_sink_token_length=np.array([0]),
+                    context_lengths=np.array([2, 2]), cache_indirection=np.zeros((2, 1, 64), np.int32),
+                    host_request_types=np.array([1, 1]), layer_idx=0, num_heads=H, num_kv_heads=Hkv,
+                    hidden_size_per_head=Dh, q_scaling=1.0, kv_orig_quant_scale=10.0, kv_quant_orig_scale=0.1,
+                    kv_cache_quant_mode=quant, paged_kv_cache=True, tokens_per_block=tpb)
+        with _launch.recorded_launches() as launches:
+            gpt_attention(**call, rung=5)
+        out += [(f"trtllm rung5 decode quant {quant} paged", kernel, args) for kernel, args in launches
+                if kernel.py_func.__name__ == "gqa_decode_attention_kernel"]
     return out
 
 

@@ -1,5 +1,6 @@
 """TensorRT-LLM's generation phase on the kernel ladder's fast decode rungs: rung 3 (16-byte vector loads, lane groups
-per key, `_attention_vector`) and rung 4 (the same with split-K and `_split_k`'s combine).
+per key, `_attention_vector`), rung 4 (the same with split-K and `_split_k`'s combine) and rung 5's decode kernel
+(a GQA group on tensor cores, K/V loaded into the mma's registers, `_attention_gqa_mma`; see "Rung 5" below).
 
 The rung-3 loop is the one `_attention_vector.make_vector_attention_kernel` builds for OpenPPL; TensorRT-LLM's
 semantics come in through the device functions it takes:
@@ -28,6 +29,16 @@ from that slot like any other key and the preprocess writes no K/V scratch for g
 A quantized cache holds its codes, StreamingLLM's holds K before RoPE, and a call whose context chunk wraps the
 cyclic cache writes it after attention: then the new token's K/V come from the scratch the preprocess wrote, in
 the input dtype.
+
+Rung 5: `_attention_gqa_mma`'s kernel walks a sequence's cached keys in slot order from one page table per K and V,
+so it takes the generation entries whose key t sits at slot t of their own row: one beam, no sink tokens, no
+StreamingLLM rotation, no cross attention, and a window no shorter than any of them (`register_problem`). The
+TensorRT-LLM sources become `DecodeSource`s: a paged pool's block offsets are the pages (a step of them
+`page_unit` slots), a contiguous cache one page a row. INT8 and e4m3 codes go into the mma as they are: the
+per-tensor scale (and e4m3's 256) folds into the logit scale for K and into one multiply of the output for V, as
+on rung 3. The preprocess writes the query to the scratch for it; a quantized cache's new token comes from the K/V
+scratch (`new_token`), in float32 after the warps' merge. Its choice is made on the host for the step (a batch
+that multi-block mode would not split) and checked per layer (16-byte loads); otherwise rung 3 or 4 run as above.
 """
 
 from __future__ import annotations
@@ -39,8 +50,9 @@ from functools import cache
 import numpy as np
 from numba import cuda
 
+from ._attention_gqa_mma import decode_shape_problem, heads_per_block, make_gqa_decode_attention_kernel
 from ._attention_vector import KVWalker, keys_per_step, make_vector_attention_kernel, plan_vector_rows
-from ._cache import _address
+from ._cache import CacheSource, _address
 from ._launch import ceil_div, empty_like_kind, launch, to_kind
 from ._numerics import rounder
 from ._split_k import choose_splits, combine_kernel
@@ -72,6 +84,11 @@ QuerySource = namedtuple("QuerySource", "qkv bias table inv_freq position_diviso
 # folded FP8 scale carries the 256, exactly.
 FP8_AS_HALF = 256.0
 NO_PROMPT = 1 << 62                    # a context entry's keys never go through the beam indirection
+
+# Rung 5's decode kernel reads `_cache.CacheSource`'s fields; TensorRT-LLM's sources add the new token's scratch and
+# the per-tensor scale the codes are folded by (times 256 for e4m3; 1 for a float cache).
+DecodeSource = namedtuple("DecodeSource", CacheSource._fields + ("scratch", "fold"))
+CONTIGUOUS_PAGE = 1 << 40              # a contiguous row as one page longer than any sequence (whole 16-key trips)
 
 
 def chunk_elements(cache_itemsize: int) -> int:
@@ -398,6 +415,18 @@ def generation_splits(rung, num_splits, multi_block_mode, blocks, max_kv_len, ke
     return num_splits or choose_splits(blocks, max_kv_len, key_tile, num_sms)
 
 
+def step_splits(rung, num_splits, multi_block_mode, num_sms, new, kvlens, window, num_heads, num_kv_heads,
+                head_size, cache_itemsize, threads) -> int:
+    """The generation kernel's split count for this step (`generation_splits` over its blocks and the longest
+    walk of a live entry: the keys the window leaves visible)."""
+    chunk = chunk_elements(cache_itemsize)
+    heads_per_block, _ = block_plan(num_heads, num_kv_heads, head_size, chunk, threads)
+    live = np.asarray(new) > 0
+    visible = np.minimum(np.asarray(kvlens, np.int64), int(window))     # the walk skips what the window hides
+    return generation_splits(rung, num_splits, multi_block_mode, (num_heads // heads_per_block) * int(live.sum()),
+                             int(np.max(np.where(live, visible, 0))), key_step(head_size, chunk, threads), num_sms)
+
+
 def attend_generation(rung, num_splits, multi_block_mode, num_sms, pre, out_geom, new, kvlens, k_src, v_src, args,
                       sm_scale, rounds_as, num_heads, num_kv_heads, head_size, quant, rope_on_load, new_in_cache,
                       num_tokens, threads, stream, query_rope):
@@ -413,15 +442,12 @@ def attend_generation(rung, num_splits, multi_block_mode, num_sms, pre, out_geom
                         position_divisor=pre.position_divisor, cos_sin=pre.cos_sin, cos_sin_long=pre.cos_sin_long,
                         logn=pre.logn, logn_on=pre.logn_on, streaming=pre.streaming, window=pre.k_dst.window)
     cache_itemsize = np.dtype(k_src.cache.dtype).itemsize
-    chunk = chunk_elements(cache_itemsize)
     vector = vector_loads_ok(k_src.cache, head_size)
     key = (rounds_as, H, num_kv_heads, head_size, quant, cache_itemsize, vector, new_in_cache, threads, query_rope,
            *rope_on_load)
     kernel, heads_per_block, folded = generation_kernel(*key)
-    live = new > 0
-    visible = np.minimum(np.asarray(kvlens, np.int64), int(args.window))     # the walk skips what the window hides
-    splits = generation_splits(rung, num_splits, multi_block_mode, (H // heads_per_block) * int(live.sum()),
-                               int(np.max(np.where(live, visible, 0))), key_step(head_size, chunk, threads), num_sms)
+    splits = step_splits(rung, num_splits, multi_block_mode, num_sms, new, kvlens, args.window, H, num_kv_heads,
+                         head_size, cache_itemsize, threads)
     if folded:
         sm_scale = np.float32(float(sm_scale) * float(k_src.scale) * fold_factor(quant))
     lens = to_kind(like, new), to_kind(like, kvlens)
@@ -440,3 +466,90 @@ def attend_generation(rung, num_splits, multi_block_mode, num_sms, pre, out_geom
     starts = to_kind(like, np.concatenate([[0], np.cumsum(new)]).astype(np.int64))
     launch(combine_kernel(rounds_as, H, head_size), (max(1, ceil_div(H * head_size, threads)), E), threads, stream,
            o_part, m_part, l_part, np.int64(splits), out_geom[1], starts, out_geom[0])
+
+
+# ---- rung 5: the register-fed decode kernel ----------------------------------------------------------------------
+
+def register_problem(*, rounds_as, head_size, num_heads, num_kv_heads, quant, threads, use_cache, cross, beam_width,
+                     sinks, streaming, generation_new, generation_kvlens, window) -> str | None:
+    """Why the step's generation entries cannot run on rung 5's decode kernel, or None (host facts only; the
+    layer's arrays are checked at launch, `register_sources`)."""
+    if rounds_as != "float16":
+        return f"query {rounds_as}, not float16"
+    if not use_cache:
+        return "no cache"
+    if cross:
+        return "cross attention reads the encoder's keys"
+    if beam_width > 1:
+        return f"{beam_width} beams read their keys from other rows (cache_indirection)"
+    if sinks:
+        return "sink tokens move the window's slots"
+    if streaming:
+        return "StreamingLLM rotates the cached keys as they load"
+    if len(generation_kvlens) and int(np.max(generation_kvlens)) > window:
+        return f"a sequence past the cyclic window ({window}) wraps its slots"
+    return decode_shape_problem(query_dtype=np.dtype(rounds_as), max_seqlen=int(np.max(generation_new, initial=1)),
+                                head_dim=head_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                quant_bit=8 if quant else 0, cache_dtype=np.int8 if quant else np.float16,
+                                threads=threads)
+
+
+def register_sources(k_src, v_src, quant: int, head_size: int, contiguous_starts):
+    """(K, V DecodeSource, page_unit) over a layer's KVSources, or None where its arrays do not allow 16-byte loads.
+    Paged: slot s of entry b's row is at (offsets[b, kv, s // tpb] + layer_blocks) * s_block + (s % tpb) * Dh, so
+    the offsets are the pages and a step of them is s_block / Dh slots; contiguous: row b one page, V s_kv on."""
+    itemsize = np.dtype(k_src.cache.dtype).itemsize
+    if itemsize != (1 if quant else 2) or not vector_loads_ok(k_src.cache, head_size) or \
+            _address(k_src.scratch) % VECTOR_BYTES:
+        return None
+    i64 = np.int64
+    fold = np.float32(float(k_src.scale) * fold_factor(quant)) if quant else np.float32(1.0)
+
+    def source(src):
+        if src.paged:
+            layout = dict(starts=src.offsets[:, int(src.kv), :], page=i64(src.tokens_per_block),
+                          base=i64(src.layer_blocks * src.s_block), s_b=i64(0))
+        else:
+            layout = dict(starts=contiguous_starts, page=i64(CONTIGUOUS_PAGE), base=i64(src.kv * src.s_kv),
+                          s_b=i64(src.s_row))
+        return DecodeSource(data=src.cache, scales=src.scratch, s_t=i64(head_size), s_h=i64(src.s_head),
+                            sc_base=i64(0), sc_s_b=i64(0), sc_s_t=i64(0), sc_s_h=i64(0), scratch=src.scratch,
+                            fold=fold, **layout)
+
+    unit = int(k_src.s_block) // head_size if k_src.paged else 1
+    return source(k_src), source(v_src), unit
+
+
+@cache
+def register_kernel(num_heads, num_kv_heads, head_size, quant, paged, page_unit, whole, biased, new_token, threads):
+    """Rung 5's decode kernel for TensorRT-LLM's generation entries (`_attention_gqa_mma`), with its score and keys."""
+    score, key_range = make_trt_score(np.float32)
+    return make_gqa_decode_attention_kernel(
+        score, key_range, quant_bit=8 if quant else 0, quant_group=head_size, head_dim=head_size,
+        heads_per_block=heads_per_block(num_heads, num_kv_heads), group=num_heads // num_kv_heads,
+        warps=threads // 32, whole_trips=whole, biased=biased, per_tensor=bool(quant), e4m3=quant == FP8_KV_CACHE,
+        shared_pages=not paged, page_unit=page_unit, new_token=new_token, num_kv_heads=num_kv_heads)
+
+
+def scores_biased(args) -> bool:
+    """Whether a generation score is more than the scaled q.k (softcap, ALiBi, a custom mask or a relative bias):
+    the decode kernel then calls the score function on every key."""
+    return bool(args.alibi_on or args.softcap > 0 or args.mask_cols > 0 or args.relative != 0)
+
+
+def attend_generation_register(q_geom, out_geom, lens, k_src, v_src, args, sm_scale, num_heads, num_kv_heads,
+                               head_size, quant, new_in_cache, threads, stream, contiguous_starts) -> bool:
+    """Launch rung 5's decode kernel over the generation entries (lens: the step's (new, kvlens) with 0 new for the
+    others, whose blocks return at once); False, launching nothing, where the layer's arrays do not allow it."""
+    sources = register_sources(k_src, v_src, quant, head_size, contiguous_starts)
+    if sources is None:
+        return False
+    k_dec, v_dec, unit = sources
+    whole = int(k_dec.page) % 16 == 0
+    kernel = register_kernel(num_heads, num_kv_heads, head_size, quant, bool(k_src.paged), unit, whole,
+                             scores_biased(args), not new_in_cache, threads)
+    if quant:
+        sm_scale = float(sm_scale) * float(k_dec.fold)
+    grid = (1, num_heads // heads_per_block(num_heads, num_kv_heads), len(lens[0]))
+    launch(kernel, grid, threads, stream, q_geom, out_geom, *lens, k_dec, v_dec, args, np.float32(sm_scale))
+    return True

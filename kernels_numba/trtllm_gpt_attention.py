@@ -9,7 +9,8 @@ generation entries together (in-flight batching); the variants below add a launc
    `rotary_inv_freq` as given, times the m-scale), Qwen's logn factor on Q, then
    - Q, K, V of the new tokens -> scratch (T, heads, Dh) in the input dtype, which holds every one exactly (the
      current tokens attend with their own unquantized K/V, as the reference's `keys[P:] = k_rot`); a generation
-     entry on rungs 3 and 4 writes no Q and, when the cache holds its K/V exactly, no K/V (see 2.),
+     entry on rungs 3 and 4 writes no Q (rung 5's decode kernel reads it) and, when the cache holds its K/V
+     exactly, no K/V (see 2.),
    - K, V -> their cache slot (contiguous row, or paged block through the block offsets; cyclic with sinks and
      the paged bubble), quantized to INT8 or FP8 e4m3 bits on the fly. The same thread that read a token's
      K/V from `qkv` writes it: one pass.
@@ -17,9 +18,10 @@ generation entries together (in-flight batching); the variants below add a launc
    INT8 dequant / e4m3 decode) and from the scratch for t >= past; `score` applies the causal / window / sinks /
    custom mask (the context entries read it from `attention_packed_mask` when given, bit by bit in its fragment
    order), softcap, then ALiBi or the relative bias; `key_range` bounds the walk to the visible keys.
-   Generation entries run on the kernel ladder's rung 3 instead (rung 4 when multi-block splits them; `rung`
-   picks), `trtllm_generation`'s vector kernel with the same score and key range (Q formed from qkv, the new K/V
-   read from their cache slot when unquantized); float16 context entries on rung 5 (`trtllm_context`, mma.sync).
+   Generation entries run on the kernel ladder instead (`trtllm_generation`, with the same score and key range):
+   rung 5's decode kernel where it serves them (one beam, float16: the GQA group on tensor cores), else rung 3's
+   vector kernel (rung 4 when multi-block splits them; `rung` picks; Q formed from qkv, the new K/V read from their
+   cache slot when unquantized); float16 context entries on rung 5 (`trtllm_context`, mma.sync).
 Unfused context (context_fmha_type 0, and FP8 context FMHA): scores in global memory, softmax rows, P V.
 Cross attention: a third kernel copies the context entries' encoder K/V (`cross_kv`) to the scratch and to
 cache slots 0..L-1 in one pass; keys are then the encoder's (scratch in the context phase, the cache in
@@ -792,9 +794,11 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
 
     rung: the kernel of the ladder for the generation entries (docs/kernel-ladder.md). 1: the tiled core above; 3:
     the vector kernel (`trtllm_generation`), never split; 4: the vector kernel split over num_splits blocks
-    (`choose_splits` when None; 1 is rung 3's kernel); None: rung 3, or 4 when multi_block_mode splits. Rungs 3 and
-    4 accumulate in float32: a float64 call runs on rung 1 (validation refuses it when forced). Context entries
-    run on rung 5 (float16) or 1 (`trtllm_context.context_rung`); num_splits is then the generation kernel's count.
+    (`choose_splits` when None; 1 is rung 3's kernel); 5: rung 5's decode kernel where it serves the step
+    (`trtllm_generation.register_problem`), else as None; None: rung 4 when multi_block_mode splits, else rung 5's
+    decode kernel where it serves, else rung 3. Rungs 3 to 5 accumulate in float32: a float64 call runs on rung 1
+    (validation refuses it when forced). Context entries run on rung 5 (float16) or 1
+    (`trtllm_context.context_rung`); num_splits is then the generation kernel's count.
 
     It is exactly `run_layer(prepare_step(...), ...)`: a plan (cacheattn.GptAttentionPlan) keeps the step and
     calls run_layer once per layer."""
@@ -876,6 +880,14 @@ def prepare_step(*, like, window, sequence_length, host_past_key_value_lengths, 
     generation = np.arange(E) >= num_context
     vector_generation = rung != 1 and acc_t == np.float32 and bool(use_cache) and bool(generation.any())
     new_in_cache = vector_generation and not quant and not rotate_cached and not write_after
+    kvlens = np.asarray(encoder_input_lengths, np.int64) if do_cross_attention else lengths
+    register, generation_reason = _generation_choice(
+        vector_generation, rung, rounds_as=rounds_as, head_size=Dh, num_heads=H, num_kv_heads=Hkv, quant=quant,
+        threads=threads, use_cache=bool(use_cache), cross=bool(do_cross_attention), beam_width=beam_width,
+        sinks=sinks, streaming=bool(streamingllm), generation_new=new[num_context:],
+        generation_kvlens=kvlens[num_context:], window=window, num_splits=num_splits,
+        multi_block_mode=multi_block_mode, num_sms=num_sms, new=np.where(generation, new, 0), kvlens=kvlens,
+        dtype=dtype)
     placeholder = to_kind(like, np.zeros(1, np.float32))
     pre = Preprocess(qkv=None, bias=None, table=table, inv_freq=rope.inv_freq, position_divisor=rope.position_divisor,
                      cos_sin=rope.cos_sin, cos_sin_long=rope.cos_sin_long,
@@ -884,7 +896,8 @@ def prepare_step(*, like, window, sequence_length, host_past_key_value_lengths, 
                      k_out=k_scratch, v_out=v_scratch, k_dst=None, v_dst=None, write_scratch=np.int64(1),
                      write_cache=np.int64(bool(use_cache) and not write_after and not do_cross_attention),
                      streaming=np.int64(streamingllm),
-                     generation_scratch=np.int64(2 * (not new_in_cache) if vector_generation else 3))
+                     # bit 1: Q (rung 5 reads it), bit 2: K and V (the new token not in the cache as attended)
+                     generation_scratch=np.int64((register | 2 * (not new_in_cache)) if vector_generation else 3))
     max_new = int(new.max())
     pre_grid = (max(1, ceil_div(max_new * (H + 2 * Hkv) * Dh, threads)), E)
     alibi_on = position_embedding_type in (ALIBI, ALIBI_WITH_SCALE)
@@ -894,7 +907,6 @@ def prepare_step(*, like, window, sequence_length, host_past_key_value_lengths, 
                      window=np.int64(window), sinks=np.int64(sinks), streaming=np.int64(streamingllm),
                      **_mask_and_bias(attention_mask, attention_packed_mask, None, position_embedding_type,
                                       max_distance, mask_type, like))
-    kvlens = np.asarray(encoder_input_lengths, np.int64) if do_cross_attention else lengths
     rope_on_load = (rope_style, rotary_dim) if rotate_cached else (0, 0)
     # One kernel for every length past 16 query tokens.
     tiles = plan_tiles(H, Hkv, min(max_new, 16), Dh, Dh, np.dtype(acc_t).itemsize)
@@ -930,6 +942,9 @@ def prepare_step(*, like, window, sequence_length, host_past_key_value_lengths, 
         num_tokens=num_tokens, rotate_cached=rotate_cached, write_after=write_after,
         generation_new=np.where(generation, new, 0),
         vector_generation=vector_generation, new_in_cache=new_in_cache, pre=pre, pre_grid=pre_grid,
+        register_generation=register, generation_reason=generation_reason,
+        generation_lens=(to_kind(like, np.where(generation, new, 0)), to_kind(like, kvlens)),
+        contiguous_starts=to_kind(like, np.zeros((E, 1), np.int64)),
         starts_arg=to_kind(like, new_starts), args=args, kvlens=kvlens, rope_on_load=rope_on_load, tiles=tiles,
         generation_splits=generation_splits, num_splits=num_splits, num_sms=num_sms, multi_block_mode=multi_block_mode,
         q_geom=(q_scratch, token_starts_arg, np.int64(0), np.int64(H * Dh), np.int64(Dh)),
@@ -945,6 +960,28 @@ def prepare_step(*, like, window, sequence_length, host_past_key_value_lengths, 
         encoder_input_lengths=encoder_input_lengths, position_embedding_type=position_embedding_type,
         max_distance=max_distance, threads=threads, rung=rung, k_scratch=k_scratch, v_scratch=v_scratch,
         q_scratch=q_scratch)
+
+
+def _generation_choice(vector_generation, rung, *, num_splits, multi_block_mode, num_sms, new, kvlens, dtype,
+                       **facts) -> tuple:
+    """(rung 5's decode kernel or not, why) for the step's generation entries: with rung None or 5, where its
+    conditions hold (`trtllm_generation.register_problem`), and with None only where multi-block mode would not
+    split the keys (rung 4's case: few blocks for the SMs)."""
+    if not vector_generation:
+        return False, "no generation entries on the vector rungs"
+    if rung not in (None, 5):
+        return False, f"rung={rung} asked for"
+    from .trtllm_generation import register_problem, step_splits  # here: that module builds on this one
+    why = register_problem(**facts)
+    if why is None and rung is None:
+        itemsize = 1 if facts["quant"] else dtype.itemsize
+        splits = step_splits(None, num_splits, multi_block_mode, num_sms, new, kvlens, facts["window"],
+                             facts["num_heads"], facts["num_kv_heads"], facts["head_size"], itemsize, facts["threads"])
+        if splits > 1:
+            why = f"multi-block mode splits the keys {splits} ways (rung 4)"
+    if why is not None:
+        return False, f"rung 3/4: {why}"
+    return True, "rung 5's decode kernel: the GQA group on tensor cores, K/V loaded into the mma's registers"
 
 
 def run_layer(s: StepLaunch, *, qkv, past_key_value, kv_cache_pool, layer_idx, qkv_bias, kv_orig_quant_scale,
@@ -977,11 +1014,14 @@ def run_layer(s: StepLaunch, *, qkv, past_key_value, kv_cache_pool, layer_idx, q
         args = args._replace(table=table, window=k_src.window)      # the encoder's keys: every one in view
     out_geom = (flat(output), s.q_geom[1], np.int64(0), np.int64(H * Dh), np.int64(Dh))
     if s.vector_generation:
-        from .trtllm_generation import attend_generation  # here: that module builds on this one
-        attend_generation(None if s.rung == 5 else s.rung, s.generation_splits, s.multi_block_mode, s.num_sms,
-                          pre, out_geom, s.generation_new, s.kvlens, k_src, v_src, args, s.sm_scale, s.rounds_as, H,
-                          Hkv, Dh, quant, s.rope_on_load, s.new_in_cache, s.num_tokens, threads, stream,
-                          (s.rotary_dim, s.rope_style, qkv_bias is not None))
+        from .trtllm_generation import attend_generation, attend_generation_register  # that module builds on this
+        if not (s.register_generation and attend_generation_register(
+                s.q_geom, out_geom, s.generation_lens, k_src, v_src, args, s.sm_scale, H, Hkv, Dh, quant,
+                s.new_in_cache, threads, stream, s.contiguous_starts)):
+            attend_generation(None if s.rung == 5 else s.rung, s.generation_splits, s.multi_block_mode, s.num_sms,
+                              pre, out_geom, s.generation_new, s.kvlens, k_src, v_src, args, s.sm_scale, s.rounds_as,
+                              H, Hkv, Dh, quant, s.rope_on_load, s.new_in_cache, s.num_tokens, threads, stream,
+                              (s.rotary_dim, s.rope_style, qkv_bias is not None))
     if s.unfused:
         _unfused_context(s.q_scratch, s.q_geom[1], s.new, s.kvlens, s.num_context, k_src, v_src, args, s.sm_scale,
                          output, (s.rounds_as, H, Hkv, Dh, quant, *s.rope_on_load), s.acc_t, threads, stream,

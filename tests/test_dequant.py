@@ -1,13 +1,19 @@
 """The magic-number dequantization of rung 3 (`kernels_numba._dequant`): its simulator twins against the
 document's rule (`reference.quant.dequantize`, q times a float16 scale rounded to float16) on every int8 and int4
-code, bit for bit, and against a second formulation of the PTX instructions they stand for (prmt, lop3 and
-f16x2 arithmetic written from the ISA's definitions, in float64).
+code, bit for bit, the e4m3 conversion against the TensorRT-LLM decode's value / 256 on every code, and all of
+them against a second formulation of the PTX instructions they stand for (prmt, lop3, integer and f16x2
+arithmetic written from the ISA's definitions, the float16 arithmetic in float64).
 
 On a GPU the same names are inline PTX; `python -m kernels_numba.ptx_check --family rung3` compiles and assembles
-them for sm_80 and sm_90, and the rung-3 kernel tests run them.
+them for sm_80 and sm_90, and the rung-3 kernel tests run them. No kernel calls the e4m3 conversion yet, so a
+test here compiles one that does, for both.
 """
 
 import functools
+import os
+import subprocess
+import sys
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -16,6 +22,7 @@ import cacheattn
 import cacheattn.testing as kit
 from kernels_numba import _dequant as dq
 from kernels_numba._cache import scale_loads
+from kernels_numba.trtllm_gpt_attention import e4m3_decode
 from reference.quant import dequantize, pack_int4
 
 from strategies import PPLCase
@@ -42,9 +49,14 @@ def _bits(x):
 
 def _isa_prmt(a, b, selector):
     """prmt.b32 (PTX ISA, default mode): the eight bytes {b, a}, b3..b0 a3..a0 numbered 7..0; result byte i is
-    the byte that nibble i of the selector numbers (bit 3 of the nibble, sign replication, unused here)."""
+    the byte that bits 0..2 of nibble i of the selector number, or, with bit 3 of the nibble set, that byte's
+    msb replicated over all 8 bits."""
     table = np.frombuffer(np.array([a, b], np.uint32).tobytes(), np.uint8)
-    picks = [table[(selector >> (4 * i)) & 7] for i in range(4)]
+    picks = []
+    for i in range(4):
+        nibble = (selector >> (4 * i)) & 0xF
+        byte = table[nibble & 7]
+        picks.append((0xFF if byte >= 0x80 else 0x00) if nibble & 8 else byte)
     return int(np.frombuffer(bytes(picks), np.uint32)[0])
 
 
@@ -55,6 +67,16 @@ def _isa_lop3(a, b, c, lut):
         index = ((a >> k) & 1) * 4 + ((b >> k) & 1) * 2 + ((c >> k) & 1)
         out |= ((lut >> index) & 1) << k
     return out
+
+
+def _isa_add(a, b):
+    """add.u32: the sum modulo 2**32."""
+    return (a + b) % 2**32
+
+
+def _isa_shl(a, n):
+    """shl.b32: the low 32 bits of a * 2**n."""
+    return a * 2**n % 2**32
 
 
 def _isa_f16x2(word):
@@ -82,6 +104,12 @@ def _isa_int4(word):
         out += [_isa_pack(low - _isa_f16x2(0x64086408)),
                 _isa_pack(high * _isa_f16x2(0x2C002C00) + _isa_f16x2(0xD480D480))]
     return out
+
+
+def _isa_e4m3(word):
+    magnitudes = word & 0x7F7F7F7F
+    flagged = _isa_lop3(magnitudes, _isa_add(magnitudes, 0x01010101), 0x80808080, 0xF8)
+    return [_isa_shl(_isa_prmt(flagged, word, sel), 7) & 0xFF80FF80 for sel in (0xD1C0, 0xF3E2)]
 
 
 # ------------------------------------------------------------------------------------------------------ tests
@@ -123,6 +151,66 @@ def test_int4_codes_become_their_float16_pairs_in_interleaved_order():
         assert np.array_equal(_bits(got), _bits(want))
 
 
+def _e4m3_words():
+    """Every e4m3 code in every byte position (code c at byte k of word (c + 67 k) % 256), then random words."""
+    ordered = (np.arange(256)[:, None] + 67 * np.arange(4)[None, :]) % 256
+    codes = np.concatenate([ordered, RNG.integers(0, 256, (256, 4))]).astype(np.uint8)
+    return codes, codes.view(np.uint32)[:, 0]
+
+
+def test_e4m3_codes_become_their_value_over_256():
+    """Each code's float16 is the TensorRT-LLM decode's value / 256 bit for bit (signed zeros, subnormals, +-448
+    included); the NaN codes 0x7f and 0xff give a NaN."""
+    with np.errstate(invalid="ignore"):
+        values = np.array([e4m3_decode(c) for c in range(256)], np.float64)
+    want_halves = (values / 256).astype(np.float16)     # exact: every e4m3 value / 256 is a float16
+    assert np.array_equal(np.flatnonzero(np.isnan(values)), [0x7F, 0xFF])
+    codes, words = _e4m3_words()
+    for code, word in zip(codes, words):
+        pairs = dq.e4m3x4_to_half2(word)
+        assert [int(p) for p in pairs] == _isa_e4m3(int(word))
+        got = np.array([int(p) for p in pairs], np.uint32).view(np.float16)
+        elements = [code[a] for pair in dq.E4M3_PAIR_ELEMENTS for a in pair]
+        want = want_halves[elements]
+        nan = np.isin(elements, [0x7F, 0xFF])
+        assert np.array_equal(np.isnan(got), nan), code
+        assert np.array_equal(_bits(got[~nan]), _bits(want[~nan])), code
+
+
+# Outside the simulator: a kernel calling the conversion, compiled for each architecture and assembled (ptxas,
+# when installed); it prints the conversion's inline PTX, which numba copies between begin/end markers.
+E4M3_COMPILE = """
+from numba import cuda, types
+from kernels_numba import _dequant as dq, ptx_check
+
+ptx_check._allow_device_functions_without_gpu()
+
+def convert(words, out):
+    i = cuda.grid(1)
+    if i < words.size:
+        out[2 * i], out[2 * i + 1] = dq.e4m3x4_to_half2(words[i])
+
+for cc in ((8, 0), (9, 0)):
+    ptx_check._target_cc[0] = cc
+    ptx, _ = cuda.compile_ptx(convert, (types.uint32[::1], types.uint32[::1]), cc=cc)
+    asm = ptx.split("begin inline asm")[1].split("// end inline asm")[0]
+    print(f"sm_{cc[0]}{cc[1]}{ptx_check._assemble(ptx, cc)}|{' '.join(asm.split())}")
+"""
+
+
+def test_e4m3_conversion_compiles_for_sm_80_and_sm_90_in_nine_integer_instructions():
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    run = subprocess.run([sys.executable, "-c", E4M3_COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    lines = run.stdout.splitlines()
+    assert [line.split(",")[0] for line in lines] == ["sm_80", "sm_90"], run.stdout
+    for line in lines:
+        asm = line.split("|")[1]
+        ops = [op.split()[0] for op in asm.strip("{} ").split(";") if op.strip()]
+        opcodes = Counter(op for op in ops if not op.startswith("."))             # not the .reg declaration
+        assert opcodes == {"and.b32": 3, "add.u32": 1, "lop3.b32": 1, "prmt.b32": 2, "shl.b32": 2}, asm
+
+
 @pytest.mark.parametrize("quant_bit", [8, 4])
 def test_scaled_pairs_are_the_documents_float16_products_bit_for_bit(quant_bit):
     """Every code times every scale of the spread, through the kernel's chain (pairs, a scale pair picked by
@@ -158,12 +246,12 @@ def test_scale_pairs_pick_either_half_of_either_word():
 
 
 def test_permute_bytes_is_prmt_and_the_interleaves_pair_two_words():
-    """permute_bytes against the ISA's prmt on random words and every selector nibble; the interleave selectors
-    put a's and b's halves (bytes) side by side, so int8x4_to_half2 / int4x8_to_half2 of an interleaved word give
-    (a's code, b's code) pairs of one element."""
+    """permute_bytes against the ISA's prmt on random words and selectors (sign replication too); the interleave
+    selectors put a's and b's halves (bytes) side by side, so int8x4_to_half2 / int4x8_to_half2 of an interleaved
+    word give (a's code, b's code) pairs of one element."""
     for _ in range(32):
         a, b, selector = (int(x) for x in RNG.integers(0, 2**32, 3, dtype=np.uint64))
-        selector &= 0x7777
+        selector &= 0xFFFF                                  # bit 3 of a nibble: the byte's sign replicated
         assert int(dq.permute_bytes(a, b, selector)) == _isa_prmt(a, b, selector)
     codes = RNG.integers(-128, 128, (2, 4)).astype(np.int8)
     a, b = (int(w) for w in codes.view(np.uint32)[:, 0])

@@ -72,11 +72,12 @@ def test_every_case_gets_a_plan_and_its_default_call():
     assert list(plans) == [case.label for case in ALL_LAB_CASES]
     for case in OPERATOR_CASES[:3]:
         plan = plans[case.label]
-        assert plan.rungs == (1, 3, 4) and plan.points == (128, 256) and plan.split_points == ()
-        # 512 blocks (64 sequences x 8 GQA groups) fill 132 SMs: rung 3, no split, at any rung.
-        assert [plan.splits(r) for r in plan.rungs] == [1, 1, 1]
+        assert plan.rungs == (1, 3, 4, 5) and plan.points == (128, 256) and plan.split_points == ()
+        # 512 blocks (64 sequences x 8 GQA groups) fill 132 SMs: no split at any rung; rung 5's decode kernel.
+        assert [plan.splits(r) for r in plan.rungs] == [1, 1, 1, 1]
         default = counters.default_call(plan)
-        assert (default["rung"], default["num_splits"], default["counted as"]) == (3, 1, "3")
+        assert (default["rung"], default["num_splits"], default["counted as"]) == (5, 1, "5")
+        assert "decode kernel" in default["reason"]
     # ONNX and FasterTransformer: the rungs their calls offer (rung 1 alone without `rung=`); multi-head cross
     # attention is counted on one head a block (the cut-down grid keeps the GQA group: 4 heads, or 1).
     for case in (ONNX_DECODE, FT_CROSS):
@@ -179,8 +180,8 @@ def test_the_committed_trtllm_counts_are_current():
     # A kernel change that moves a count of TensorRT-LLM's generation must come with a new file (python -m
     # cacheattn lab --case trtllm-decode-fp8 --update docs/kernel-ladder-counts.json): its default rung's first point.
     plan = next(p for p in counters.plans() if p.case.label == OPERATOR_CASES[2].label)
-    shown = counters.committed()["operators"][plan.case.label]["rungs"]["3"]
-    assert counters._count((plan, 3, shown["points"][0], 128, 1)) == shown["counted"][0]
+    shown = counters.committed()["operators"][plan.case.label]["rungs"]["5"]
+    assert counters._count((plan, 5, shown["points"][0], 128, 1)) == shown["counted"][0]
 
 
 @pytest.mark.skipif(not SIM, reason="the lab counts in numba's CUDA simulator")

@@ -120,8 +120,8 @@ def test_missing_tools_are_named(monkeypatch, tmp_path):
 
 
 def test_variant_keys_round_trip():
-    # OpenPPL's 5 rungs x 3 caches in decode and rung 5's prefill; TensorRT-LLM's rung 3 with its 3 caches.
-    assert all(sass.parse_key(v.key) == v for v in sass.VARIANTS) and len(sass.VARIANTS) == 21
+    # OpenPPL's 5 rungs x 3 caches in decode and rung 5's prefill; TensorRT-LLM's rungs 3 and 5 with its 3 caches.
+    assert all(sass.parse_key(v.key) == v for v in sass.VARIANTS) and len(sass.VARIANTS) == 24
     assert sass.parse_key("trtllm-rung3-fp8-decode") == sass.Variant(3, "fp8", operator="trtllm")
     for bad in ("rung3-fp8-decode", "trtllm-rung3-int4-decode"):      # each operator's own cache formats
         with pytest.raises(ValueError, match="variant"):

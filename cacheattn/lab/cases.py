@@ -147,7 +147,8 @@ class TrtBenchCase:
     scale for the whole cache), no position embedding (RoPE adds arithmetic on Q and the new K, no bytes).
 
     The preprocess stores every new token's K and V into the cache, then attention reads `context + 1` keys. Rungs
-    1, 3 and 4 serve it; the default call takes rung 3, or 4 when multi-block mode splits (few blocks)."""
+    1, 3, 4 and 5 (its decode kernel) serve it; the default call takes rung 5's decode kernel, or rung 4 when
+    multi-block mode splits (few blocks)."""
     label: str
     batch: int
     context: int
@@ -158,8 +159,9 @@ class TrtBenchCase:
     tokens_per_block: int = 64
 
     operator = "TensorRT-LLM gpt_attention"
-    rungs = (1, 3, 4)
-    kv_arrays = "_src.cache"   # the cache sources' field: `k_src.cache` / `v_src.cache` (the pool)
+    rungs = (1, 3, 4, 5)
+    # the cache sources' field: `k_src.cache` / `v_src.cache` (the pool); rung 5's decode sources name it `data`
+    kv_arrays = ("_src.cache", "_src.data")
     new_tokens = 1
     quant_bit = 0              # no per-group scales: the INT8 / FP8 cache has one per-tensor scale
     cache_mode = 1
@@ -223,33 +225,40 @@ class TrtBenchCase:
             heads_per_block, q_tile, key_tile = plan_tiles(self.num_heads, self.num_kv_heads, 1, self.head_dim,
                                                            self.head_dim, 4)
             return math.ceil(1 / q_tile) * (self.num_heads // heads_per_block) * self.batch, key_tile
+        if rung == 5:                                   # the decode kernel: a GQA group a block, 16 keys a warp
+            from kernels_numba._attention_gqa_mma import KEY_TILE, heads_per_block
+            return (self.num_heads // heads_per_block(self.num_heads, self.num_kv_heads)) * self.batch, \
+                KEY_TILE * threads // 32
         from kernels_numba.trtllm_generation import block_plan, key_step
         heads_per_block, _ = block_plan(self.num_heads, self.num_kv_heads, self.head_dim, self.chunk(rung), threads)
         return (self.num_heads // heads_per_block) * self.batch, key_step(self.head_dim, self.chunk(rung), threads)
 
     def splits(self, rung: int, threads: int = 128) -> int:
         """The split count multi-block mode picks for this (full) launch on an H100 at `rung` (rung 3: 1)."""
-        if rung == 3:
+        if rung in (3, 5):
             return 1
         from kernels_numba._split_k import choose_splits
         blocks, step = self._blocks(rung, threads)
         return choose_splits(blocks, self.kvlen, step, SMS)
 
     def default_plan(self, threads: int = 128) -> dict:
-        """What `gpt_attention`'s default call (rung None, multi_block_mode) runs for this launch on an H100."""
+        """What `gpt_attention`'s default call (rung None, multi_block_mode) runs for this launch on an H100: rung 4
+        where multi-block mode splits, else rung 5's decode kernel (a float16 query at its head sizes, one beam:
+        the bench cases are such)."""
         blocks, _ = self._blocks(3, threads)
         splits = self.splits(4, threads)
         if splits == 1:
-            reason = f"{blocks} blocks fill {SMS} SMs: rung 3, multi-block mode does not split"
+            reason = (f"{blocks} blocks fill {SMS} SMs: multi-block mode does not split; rung 5's decode kernel (the "
+                      f"GQA group on tensor cores, K/V loaded into the mma's registers)")
         else:
             reason = f"{blocks} blocks for {SMS} SMs: multi-block mode splits the keys {splits} ways (rung 4)"
-        return dict(rung=4 if splits > 1 else 3, num_splits=splits, threads=threads, reason=reason)
+        return dict(rung=4 if splits > 1 else 5, num_splits=splits, threads=threads, reason=reason)
 
     def call(self, rung: int, threads: int = 128, num_splits: int = 1):
         """One gpt_attention generation step of this case at `rung` (rungs 1 and 4 at `num_splits`: the full
         launch's, never what multi-block mode would pick for a cut-down grid)."""
         import cacheattn
-        extra = {} if rung == 3 else {"num_splits": num_splits}
+        extra = {} if rung in (3, 5) else {"num_splits": num_splits}
         return cacheattn.gpt_attention(**build_trt(self.trt_case()), backend="numba", threads=threads, rung=rung,
                                        **extra)
 

@@ -79,11 +79,11 @@ class Variant:
 
 
 TRT_CACHES = ("float16", "int8", "fp8")               # TensorRT-LLM's KV cache formats (one per-tensor scale)
-# Every rung and cache of OpenPPL's launch; TensorRT-LLM's generation on rung 3, its default at the headline
-# decode (its rung 4 is the same loop writing split-K partials).
+# Every rung and cache of OpenPPL's launch; TensorRT-LLM's generation on rung 3 (its rung 4 is the same loop
+# writing split-K partials) and on rung 5's decode kernel, its default at the headline decode.
 VARIANTS = tuple([Variant(rung, cache) for rung in range(1, 6) for cache in CACHES]
                  + [Variant(5, cache, "prefill") for cache in CACHES]
-                 + [Variant(3, cache, operator="trtllm") for cache in TRT_CACHES])
+                 + [Variant(rung, cache, operator="trtllm") for rung in (3, 5) for cache in TRT_CACHES])
 
 
 class ToolMissing(RuntimeError):

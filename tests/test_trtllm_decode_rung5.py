@@ -1,0 +1,134 @@
+"""TensorRT-LLM's generation entries on rung 5's decode kernel (kernels_numba/trtllm_generation.py, "Rung 5"): the
+kit's checks on the calls it takes, the new token of a quantized cache read exactly, and the calls it leaves to
+rungs 3 and 4, with why."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+import cacheattn
+import cacheattn.examples
+import cacheattn.testing as kit
+from cacheattn import trtllm
+from kernels_numba import _launch
+from kernels_numba.trtllm_gpt_attention import LAYER_INPUTS, prepare_step
+
+from strategies import TrtCase, build_trt
+from test_trtllm_kernels import kernels
+
+# Two generation sequences of one token over a paged cache of whole 16-key trips (head_size 32: a lane's K slice is
+# one 16-byte load of float16), a GQA group of 2.
+DECODE = TrtCase(contexts=(), generations=((3, 20), (2, 37)), beam_width=1, num_heads=4, num_kv_heads=2,
+                 head_size=32, dtype="float16", capacity=40, window=40, paged=True, tokens_per_block=16, seed=5)
+
+ON_RUNG_5 = {
+    "paged-fp16": DECODE,
+    "paged-int8": replace(DECODE, quant=64),
+    "paged-fp8-layer1": replace(DECODE, quant=128, num_layers=2, layer_idx=1),
+    "contiguous-int8-group4": replace(DECODE, quant=64, paged=False, num_heads=8),
+    # pages of 8 keys: every key looked up; ALiBi and softcap call the score function on every key
+    "paged8-fp8-alibi-softcap": replace(DECODE, quant=128, tokens_per_block=8, position=4, softcap=3.0),
+    "head128-fp16-custom-mask": replace(DECODE, head_size=128, mask_type=6, generations=((3, 18),)),
+    # a context chunk that wraps its cyclic cache writes every new token after attention: a float16 generation
+    # entry's new token then comes from the scratch too
+    "inflight-wrapping-chunk-fp16": replace(DECODE, contexts=((3, 6),), generations=((2, 4),), window=5, capacity=5,
+                                            tokens_per_block=4),
+}
+
+TWO_WARPS = ("paged-int8", "head128-fp16-custom-mask")
+
+
+def launched(case: TrtCase, **launch) -> list:
+    """Names of the kernels a numba call launches (recorded, not run)."""
+    with _launch.recorded_launches() as launches:
+        cacheattn.gpt_attention(**build_trt(case), backend="numba", **launch)
+    return [kernel.py_func.__name__ for kernel, _ in launches]
+
+
+@pytest.mark.spec("trtllm/generation-mmha")
+@pytest.mark.parametrize("name", ON_RUNG_5)
+def test_rung_5_decode_conforms(name):
+    """The kit's checks (float64 evaluation, caches bit for bit, unread slots NaN) with the generation entries on the
+    decode kernel: asked for (rung 5), and chosen by rung None where multi-block mode does not split the keys. One
+    warp a block (the simulator's cost is blocks x threads), two where the warps' merge meets the new token."""
+    case = ON_RUNG_5[name]
+    threads = 64 if name in TWO_WARPS else 32
+    assert "gqa_decode_attention_kernel" in launched(case, threads=threads, rung=5)
+    if not case.contexts:
+        assert launched(case, threads=threads, multi_block_mode=False) == ["preprocess_kernel",
+                                                                           "gqa_decode_attention_kernel"]
+    kit.check_case("gpt_attention", kernels(threads, rung=5), case)
+
+
+@pytest.mark.parametrize("quant", [64, 128])
+def test_quantized_new_token_is_the_unquantized_one(quant, monkeypatch):
+    """The document attends with the new token's own K/V, not its cache codes. With coarse codes (a scale that
+    leaves N(0, 1) data 3 or 4 levels a side) and two keys a sequence, reading the new token from the cache would
+    miss the float16 tolerance: the kernel must take it from the scratch."""
+    monkeypatch.setattr(cacheattn.examples, "trt_kv_scale", lambda q: {64: 0.5, 128: 0.25}.get(q, 1.0))
+    case = replace(DECODE, generations=((1, 1), (2, 3)), quant=quant)
+    assert "gqa_decode_attention_kernel" in launched(case, threads=32, rung=5)
+    kit.check_case("gpt_attention", kernels(32, rung=5), case)
+
+
+FALLBACKS = {
+    "beams": (replace(DECODE, generations=((3, 20),), beam_width=2), "2 beams"),
+    "sinks": (replace(DECODE, sinks=2, window=30, streamingllm=True), "sink tokens"),
+    "streamingllm-rope": (replace(DECODE, streamingllm=True, position=1, rotary_dim=8), "StreamingLLM"),
+    "cyclic-wrap": (replace(DECODE, window=24, capacity=24), "cyclic window (24)"),
+    "bfloat16": (replace(DECODE, dtype="bfloat16"), "query bfloat16"),
+    "head-size-16": (replace(DECODE, head_size=16), "head_dim 16"),
+    "cross-attention": (replace(DECODE, mask_type=0, encoder_lengths=(6, 6)), "encoder's keys"),
+}
+
+
+def _step_choice(case: TrtCase, **launch) -> tuple:
+    """(register, reason) of the step's generation entries, as the kernels' `gpt_attention` plans them."""
+    bound = inspect.signature(trtllm.gpt_attention).bind(**build_trt(case))
+    bound.apply_defaults()
+    call = trtllm.validate({k: v for k, v in bound.arguments.items()
+                            if k not in ("backend", "threads", "rung", "num_splits")})
+    step = {k: v for k, v in call.items() if k not in LAYER_INPUTS}
+    step.update({"threads": 64, "rung": None, "num_splits": None, "rounds_as": None, "num_sms": None, **launch})
+    window = int(call["host_max_attention_window_sizes"][0])
+    prepared = prepare_step(like=call["qkv"], window=window, **step)
+    return prepared.register_generation, prepared.generation_reason
+
+
+@pytest.mark.parametrize("name", FALLBACKS)
+def test_calls_the_decode_kernel_leaves_to_rung_3(name):
+    """What it cannot serve runs the vector kernel (rung 5 asked for; bfloat16, which rung 5 refuses, by default
+    with multi-block mode off) and the step says why."""
+    case, why = FALLBACKS[name]
+    launch = dict(multi_block_mode=False) if case.dtype == "bfloat16" else dict(rung=5)   # rung 5 takes float16
+    names = launched(case, threads=64, **launch)
+    assert "gqa_decode_attention_kernel" not in names and "vector_attention_kernel" in names, names
+    register, reason = _step_choice(case, **launch)
+    assert not register and why in reason, reason
+
+
+def test_few_blocks_split_on_rung_4_by_default():
+    """rung None with multi-block mode: one long sequence leaves SMs idle, so its keys split on rung 4 (the decode
+    kernel does not split); rung 5 asked for takes the decode kernel."""
+    case = replace(DECODE, generations=((3, 600),), capacity=700, window=700, tokens_per_block=64)
+    assert launched(case, threads=64) == ["preprocess_kernel", "vector_attention_kernel", "combine_kernel"]
+    register, reason = _step_choice(case)
+    assert not register and "multi-block mode splits" in reason
+    assert launched(case, threads=64, rung=5) == ["preprocess_kernel", "gqa_decode_attention_kernel"]
+
+
+def test_misaligned_cache_takes_rung_3_per_layer():
+    """16-byte loads need the cache's rows aligned: a pool that starts 2 bytes off runs rung 3 for that layer."""
+    args = build_trt(replace(DECODE, quant=0))
+    pool = args["kv_cache_pool"]
+    backing = np.empty(pool.size + 8, pool.dtype)
+    shifted = backing[1:1 + pool.size].reshape(pool.shape)
+    shifted[...] = pool
+    with _launch.recorded_launches() as launches:
+        cacheattn.gpt_attention(**{**args, "kv_cache_pool": shifted}, backend="numba", threads=64, rung=5)
+    names = [kernel.py_func.__name__ for kernel, _ in launches]
+    assert "vector_attention_kernel" in names and "gqa_decode_attention_kernel" not in names, names
