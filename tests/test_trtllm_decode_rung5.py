@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from test_trtllm_kernels import kernels
 
 import cacheattn
 import cacheattn.examples
@@ -18,7 +19,6 @@ from kernels_numba import _launch
 from kernels_numba.trtllm_gpt_attention import LAYER_INPUTS, prepare_step
 
 from strategies import TrtCase, build_trt
-from test_trtllm_kernels import kernels
 
 # Two generation sequences of one token over a paged cache of whole 16-key trips (head_size 32: a lane's K slice is
 # one 16-byte load of float16), a GQA group of 2.
