@@ -171,7 +171,8 @@ def plan(shape: AttentionShape, *, rung: int | None = None, num_splits: int | No
         None: the plan's choice. 1 to 5: that rung (the ladder's teaching override); ValueError naming
         `head_dim` or `threads` when it cannot serve the call, as the kernels would raise.
     num_splits : int or None, default None
-        Rung 4's split count; given without `rung`, it asks for rung 4.
+        Rung 4's split count, or that of rung 5's decode kernel with `rung` 5; given without `rung`, it asks for
+        rung 4.
     threads : int or None, default None
         The block size; None lets the plan pick (128, or fewer warps where a rung's shared-memory buffers need
         them).
@@ -182,8 +183,9 @@ def plan(shape: AttentionShape, *, rung: int | None = None, num_splits: int | No
         offers (1, 3, 4), so rung 5 is never its choice), and a `rung` outside them is refused.
     register_decode : bool, default True
         Whether the operator's rung 5 decodes on the register-fed kernel (`kernels_numba._attention_gqa_mma`,
-        OpenPPL's launcher): then a decode batch that fills the GPU on rung 3 runs it instead, the same bytes in
-        a fraction of the instructions. ONNX's rung 5 stages its keys through shared memory: False.
+        OpenPPL's launcher): then a decode batch that rung 3 or 4 would serve runs it instead, the same bytes in a
+        fraction of the instructions, its keys split across blocks as rung 4's where the grid leaves SMs idle.
+        ONNX's rung 5 stages its keys through shared memory: False.
 
     Returns
     -------
@@ -200,7 +202,8 @@ def plan(shape: AttentionShape, *, rung: int | None = None, num_splits: int | No
     Examples
     --------
     Decode of 64 requests at 4096 cached tokens fills an H100 on rung 3's grid, which rung 5's decode kernel runs
-    (rung 3 where the operator's rung 5 has no such kernel); one request at 32768 splits its keys:
+    (rung 3 where the operator's rung 5 has no such kernel); one request at 32768 splits its keys over 33 blocks a
+    GQA group (rung 4 where the operator's rung 5 has no decode kernel):
 
     >>> from cacheattn.plan import AttentionShape, plan
     >>> heads = dict(num_heads=32, num_kv_heads=8, head_dim=128, query_dtype="float16")
@@ -209,9 +212,9 @@ def plan(shape: AttentionShape, *, rung: int | None = None, num_splits: int | No
     (5, 3)
     >>> long = plan(AttentionShape(batch=1, max_query_len=1, max_kv_len=32769, decode_sequences=1, **heads), sms=132)
     >>> long.rung, long.num_splits, long.threads
-    (4, 33, 128)
-    >>> long.reason
-    '8 blocks for 132 SMs: 33 splits make 264; memory-bound, DRAM ≥ 40.1 µs, FMA ≥ 8.0 µs'
+    (5, 33, 128)
+    >>> long.reason.split("; ")[:2]
+    ['8 blocks for 132 SMs: 33 splits make 264', 'memory-bound, DRAM ≥ 40.1 µs, FMA ≥ 8.0 µs']
     """
     if sms is None:
         from kernels_numba._split_k import sm_count
@@ -233,7 +236,8 @@ def _plan(shape, rung, num_splits, threads, sms, rungs=LADDER, register_decode=T
     if rung is None and num_splits is not None:
         return _forced(shape, 4, num_splits, threads or DEFAULT_THREADS, sms, f"num_splits={num_splits} given")
     if rung is not None:
-        return _forced(shape, rung, num_splits, threads or DEFAULT_THREADS, sms, f"rung={rung} asked for")
+        return _forced(shape, rung, num_splits, threads or DEFAULT_THREADS, sms, f"rung={rung} asked for",
+                       register_decode)
     cores, why_not_cores = (_cuda_core_rung(shape, threads, sms, split=4 in rungs) if 3 in rungs
                             else (None, "rung 3 not offered"))
     tensor, why_not_tensor = (_tensor_core_rung(shape, threads, sms) if 5 in rungs
@@ -244,8 +248,10 @@ def _plan(shape, rung, num_splits, threads, sms, rungs=LADDER, register_decode=T
         return replace(chosen, reason=chosen.reason + against)
     if cores is not None:
         chosen, b = cores
-        if register_decode and 5 in rungs and chosen.rung == 3 and _register_decode_serves(shape, chosen.threads):
-            return replace(chosen, rung=5, reason=f"{chosen.reason}; {_register_decode_reason(shape)}")
+        if register_decode and 5 in rungs and _register_decode_serves(shape, chosen.threads):
+            splits = _decode_splits(shape, chosen.threads, sms) if chosen.rung == 4 else 1
+            return replace(chosen, rung=5, num_splits=splits,
+                           reason=f"{chosen.reason}; {_register_decode_reason(shape)}")
         if b.limiter != "DRAM" and why_not_tensor:
             chosen = replace(chosen, reason=f"{chosen.reason}; no tensor cores: {why_not_tensor}")
         return chosen
@@ -256,8 +262,9 @@ def _plan(shape, rung, num_splits, threads, sms, rungs=LADDER, register_decode=T
     return KernelPlan(1, 1, threads or DEFAULT_THREADS, f"fallback to shared-memory tiles: {why_not_cores}")
 
 
-def _forced(shape, rung, num_splits, threads, sms, why):
-    """The rung asked for, checked as its launcher will check it, with rung 4's split count."""
+def _forced(shape, rung, num_splits, threads, sms, why, register_decode=True):
+    """The rung asked for, checked as its launcher will check it, with rung 4's split count (and that of rung 5's
+    decode kernel, which splits as rung 4 does)."""
     from kernels_numba._split_k import MAX_SPLITS
     from kernels_numba.ppl_dynamic_multi_head_attention import block_plan
 
@@ -271,6 +278,12 @@ def _forced(shape, rung, num_splits, threads, sms, why):
                          f"got {shape.query_dtype.name}")
     block_plan(rung, shape.num_heads, shape.num_kv_heads, max(shape.max_query_len, 1), shape.head_dim, threads,
                _chunk(shape, rung) if rung in (3, 4) else None)
+    if rung == 5 and register_decode and _register_decode_serves(shape, threads):
+        splits = num_splits or _decode_splits(shape, threads, sms)
+        return KernelPlan(5, splits, threads, why if splits == 1 else f"{why}: the decode kernel, {splits} splits")
+    if num_splits is not None and num_splits > 1 and rung != 4:
+        raise ValueError(f"num_splits: rung {rung} does not split this call's keys (rung 4 does, and rung 5's decode "
+                         f"kernel on a float16 decode batch), got num_splits={num_splits}")
     if rung != 4:
         return KernelPlan(rung, 1, threads, why)
     blocks, step = _vector_grid(shape, threads)
@@ -293,6 +306,14 @@ def _vector_grid(shape, threads):
                                                warps)
     blocks = math.ceil(rows / q_tile) * (shape.num_heads // heads_per_block) * shape.batch
     return max(blocks, 1), keys_per_step(shape.head_dim, chunk, warps)
+
+
+def _decode_splits(shape, threads, sms):
+    """The split count of rung 5's decode kernel: a GQA group a block, a warp's trip of 16 keys a step."""
+    from kernels_numba._attention_gqa_mma import KEY_TILE, heads_per_block
+
+    blocks = (shape.num_heads // heads_per_block(shape.num_heads, shape.num_kv_heads)) * shape.batch
+    return _splits(shape, blocks, KEY_TILE * (threads // 32), sms)
 
 
 def _splits(shape, blocks, step, sms):

@@ -639,12 +639,14 @@ def dynamic_multi_head_attention(query: Tensor, key: Tensor, value: Tensor, seqs
         warps where a rung's shared-memory buffers need them).
     rung : int or None, default None
         Which kernel of the ladder runs (docs/kernel-ladder.md). None: the plan's choice for this call's shapes
-        (`cacheattn.plan`): rung 3 for decode, rung 4 when the grid leaves SMs idle, rung 5 where tensor cores
-        are faster (a float16 `query`), rung 1 where those cannot run (`threads` not whole warps, a `head_dim`
-        too wide for them). 1 to 5 force one: 1 shared-memory tiles, 2 a warp per key, 3 16-byte loads,
+        (`cacheattn.plan`): for a float16 decode batch rung 5's decode kernel (its keys split across blocks where
+        the grid leaves SMs idle), else rung 3 for decode, rung 4 when the grid leaves SMs idle, rung 5 where
+        tensor cores are faster (a float16 `query`), rung 1 where those cannot run (`threads` not whole warps, a
+        `head_dim` too wide for them). 1 to 5 force one: 1 shared-memory tiles, 2 a warp per key, 3 16-byte loads,
         4 split-K, 5 tensor cores (float16 `query` only).
     num_splits : int or None, default None
-        Rung 4's key splits, 1 to 64 (None: chosen for the GPU's SM count); given with `rung` None, rung 4 runs.
+        Key splits, 1 to 64, of rung 4 or of rung 5's decode kernel (None: chosen for the GPU's SM count,
+        splitting only where the grid leaves SMs idle); given with `rung` None, rung 4 runs.
 
     Returns
     -------
@@ -678,7 +680,7 @@ def dynamic_multi_head_attention(query: Tensor, key: Tensor, value: Tensor, seqs
     """
     data = dict(query=query, key=key, value=value, attn_mask=attn_mask)
     engine = arrays.resolve_backend(backend, data)
-    check_launch(rung, threads, num_splits, rungs=(1, 2, 3, 4, 5))
+    check_launch(rung, threads, num_splits, rungs=(1, 2, 3, 4, 5), split_rungs=(4, 5))
     kv_heads = _check_attention_attrs(num_heads, head_dim, num_kv_heads, is_causal, is_alibi)
     _check_query(query, num_heads, head_dim)
     _check_rung(rung, query)
@@ -740,7 +742,8 @@ def _kernel_plan(engine, rung, threads, num_splits, query_dtype, seqlens, max_se
 
 def _launch_args(launch):
     """A KernelPlan as the kernel launchers' keywords."""
-    return dict(threads=launch.threads, rung=launch.rung, num_splits=launch.num_splits if launch.rung == 4 else None)
+    return dict(threads=launch.threads, rung=launch.rung,
+                num_splits=launch.num_splits if launch.rung in (4, 5) else None)
 
 
 @arrays.accepts_torch
@@ -839,12 +842,14 @@ def multi_head_cache_attention(query: Tensor, current_key: Tensor, current_value
         warps where a rung's shared-memory buffers need them).
     rung : int or None, default None
         Which kernel of the ladder runs (docs/kernel-ladder.md). None: the plan's choice for this call's shapes
-        (`cacheattn.plan`): rung 3 for decode, rung 4 when the grid leaves SMs idle, rung 5 where tensor cores
-        are faster (a float16 `query`), rung 1 where those cannot run (`threads` not whole warps, a `head_dim`
-        too wide for them). 1 to 5 force one: 1 shared-memory tiles, 2 a warp per key, 3 16-byte loads,
+        (`cacheattn.plan`): for a float16 decode batch rung 5's decode kernel (its keys split across blocks where
+        the grid leaves SMs idle), else rung 3 for decode, rung 4 when the grid leaves SMs idle, rung 5 where
+        tensor cores are faster (a float16 `query`), rung 1 where those cannot run (`threads` not whole warps, a
+        `head_dim` too wide for them). 1 to 5 force one: 1 shared-memory tiles, 2 a warp per key, 3 16-byte loads,
         4 split-K, 5 tensor cores (float16 `query` only).
     num_splits : int or None, default None
-        Rung 4's key splits, 1 to 64 (None: chosen for the GPU's SM count); given with `rung` None, rung 4 runs.
+        Key splits, 1 to 64, of rung 4 or of rung 5's decode kernel (None: chosen for the GPU's SM count,
+        splitting only where the grid leaves SMs idle); given with `rung` None, rung 4 runs.
 
     Returns
     -------
@@ -926,7 +931,8 @@ class MultiHeadCacheAttentionPlan:
 
     def __init__(self, step: dict, tokens: int | None = None, query=None):
         launch = {name: step.pop(name) for name in ("threads", "rung", "num_splits")}
-        check_launch(launch["rung"], launch["threads"], launch["num_splits"], rungs=(1, 2, 3, 4, 5))
+        check_launch(launch["rung"], launch["threads"], launch["num_splits"], rungs=(1, 2, 3, 4, 5),
+                     split_rungs=(4, 5))
         kv_heads = _check_attention_attrs(step["num_heads"], step["head_dim"], step["num_kv_heads"],
                                           step["is_causal"], step["is_alibi"])
         if query is not None:      # the one call: a head_dim its query contradicts is named before what follows it

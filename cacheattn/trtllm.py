@@ -1247,8 +1247,9 @@ def gpt_attention(
         The kernel of the ladder (docs/kernel-ladder.md) the generation requests run on: 1 shared-memory tiles, 3
         vector loads, 4 split-K (vector loads, the keys split over several blocks with few blocks for the SMs), 5
         rung 5's decode kernel (each GQA group's query heads on tensor cores, K/V loaded straight into the mma's
-        registers) where it serves the step, else 3 or 4 as with None; None: rung 4 when multi_block_mode splits,
-        else rung 5's decode kernel where it serves, else 3. The decode kernel takes a float16 qkv, head size 32,
+        registers, its keys split across blocks as rung 4's) where it serves the step, else 3 or 4 as with None;
+        None: rung 5's decode kernel where it serves (split where multi_block_mode splits), else 3, or 4 when
+        multi_block_mode splits. The decode kernel takes a float16 qkv, head size 32,
         64 or 128, a float16, INT8 or FP8 cache, one beam, no sink tokens or StreamingLLM, no cross attention, and
         sequences no longer than the attention window; a layer whose cache is not aligned for 16-byte loads runs
         rung 3. Rungs 3 to 5 accumulate in float32: a float64 qkv runs on rung 1, and asking for 3 or 4 with one
@@ -1257,8 +1258,9 @@ def gpt_attention(
         3 and 4 leave it to the default). The unfused path (context_fmha_type 0, FP8 context FMHA) is its own. The
         reference ignores it. Default None.
     num_splits : int, optional
-        Split-K's count of key ranges for the generation requests, 1 to 64 (rung 4, rung 1's multi-block mode, or
-        None's choice); None: chosen from the SMs the grid leaves idle (with multi_block_mode). Not with rung 3.
+        Split-K's count of key ranges for the generation requests, 1 to 64 (rung 4, rung 5's decode kernel, rung
+        1's multi-block mode, or None's choice); None: chosen from the SMs the grid leaves idle (with
+        multi_block_mode). Not with rung 3.
         Default None.
 
     Returns
@@ -1331,7 +1333,7 @@ class GptAttentionPlan:
         threads = check_int("threads", launch["threads"], low=32, high=1024)
         if threads % 32:
             raise ValueError(f"threads: expected a multiple of 32 (whole warps), got {threads}")
-        check_launch(launch["rung"], None, launch["num_splits"], rungs=RUNGS, split_rungs=(1, 4))
+        check_launch(launch["rung"], None, launch["num_splits"], rungs=RUNGS, split_rungs=(1, 4, 5))
         self._launch = dict(launch, threads=threads)
         self._prepared = {}                 # (array kind, dtype, qkv shape, window) -> the kernels' StepLaunch
 
@@ -1355,7 +1357,7 @@ class GptAttentionPlan:
         engine = arrays.resolve_backend(backend, data)
         checked = validate_layer(self._step, layer)
         if dtype_of(qkv) == np.float64:
-            check_launch(self._launch["rung"], None, self._launch["num_splits"], rungs=RUNGS, split_rungs=(1, 4),
+            check_launch(self._launch["rung"], None, self._launch["num_splits"], rungs=RUNGS, split_rungs=(1, 4, 5),
                          float64="qkv")
         if self._launch["rung"] == 5 and dtype_of(qkv) != np.float16:
             raise ValueError(f"rung: 5 (tensor cores, mma.sync on float16) needs a float16 qkv, got "

@@ -288,7 +288,7 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                                      heads_per_block: int, group: int, warps: int, whole_trips: bool,
                                      biased: bool = True, per_tensor: bool = False, e4m3: bool = False,
                                      shared_pages: bool = True, page_unit: int = 1, new_token: bool = False,
-                                     num_kv_heads: int = 0):
+                                     num_kv_heads: int = 0, partials: bool = False):
     """Build the kernel. Launch grid (1, num_heads / heads_per_block, B), 32 * warps threads; arguments as
     `_attention_mma.make_mma_attention_kernel`'s kernel (float16 query, one position a sequence), the sources
     `_cache.CacheSource`s (data, scales, starts, page and the strides).
@@ -302,7 +302,12 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
     shared_pages False, V's pages from v_src.starts (K and V blocks have offsets of their own); page_unit, the
     slots a step of starts counts (a block index times the slots of a block); new_token, the sequence's last key
     read from the sources' `scratch` (row (q_starts[b] * num_kv_heads + kv head) * D, float16) rather than
-    the cache: the warps walk the cached keys before it, and warp 0 adds it after the merge in float32."""
+    the cache: the warps walk the cached keys before it, and warp 0 adds it after the merge in float32.
+
+    partials (split-K, `_split_k`): out_geom is `_attention_core.make_attention_kernel`'s partial geometry and
+    grid z = B * num_splits; block z walks split z % num_splits of sequence z // num_splits's trips (whole 16-key
+    trips from the first visible key's, so no two splits load one) and writes each row's unnormalised O, its max
+    (natural log units) and sum; the last split adds the new token. `_split_k.combine_kernel` finishes."""
     D, HPB, WARPS = head_dim, heads_per_block, warps
     if D not in HEAD_DIMS:
         raise ValueError(f"head_dim: {D} is not one the tensor-core decode kernel takes ({HEAD_DIMS})")
@@ -351,7 +356,8 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
     MERGE = merge_shape(D, WARPS, HPB)
     O_VALUES = 2 * V_TILES                          # a row's O fragments a lane holds
     WHOLE, BIASED, SHARED, UNIT, NEW = whole_trips, biased, shared_pages, page_unit, new_token
-    KV_HEADS, PER_TENSOR = num_kv_heads, per_tensor
+    KV_HEADS, PER_TENSOR, PARTIALS = num_kv_heads, per_tensor, partials
+    LN_2 = np.float32(math.log(2.0))                 # base-2 row maxima to the combine's natural-log units
     # The new token's K dims of each lane: the quad's lanes hold a quarter of Q's row each (k_dims).
     K_DIM_TABLE = np.array([[k_dims(quant_bit, D, quad, ks) for ks in range(K_STEPS)] for quad in range(4)],
                            np.int64)
@@ -548,6 +554,26 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
         return V_CHUNK * (2 * quad + c + 8 * (vt // V_CHUNK)) + vt % V_CHUNK
 
     @cuda.jit(device=True, inline="always")
+    def write_partials(out_geom, b, split, h0, acc, total0, total1, v_src, lane):
+        """Warp 0's rows as split `split`'s partials: unnormalised O (times the per-tensor scale), and once a row
+        its max in natural-log units and its sum (-inf and 0 for a split that saw no key)."""
+        out, o_starts, o_sb, o_si, o_sh, _, split_stride, split_rows, num_heads, m_out, l_out = out_geom
+        row_max, row_sum, o, qa = acc
+        grp, quad = lane // 4, lane % 4
+        for r in range(R):
+            if grp + 8 * r < HPB:
+                h = h0 + grp + 8 * r
+                at = split * split_stride + b * o_sb + o_starts[b] * o_si + h * o_sh
+                for vt in range(V_TILES):
+                    for c in range(2):
+                        x = o[vt, 2 * r + c]
+                        out[at + o_dim(quad, c, vt)] = x * v_src.fold if PER_TENSOR else x
+                if quad == 0:
+                    row = split * split_rows + o_starts[b] * num_heads + h
+                    m_out[row] = row_max[r] * LN_2 if row_max[r] != NEG_INF else NEG_INF
+                    l_out[row] = total0 if r == 0 else total1
+
+    @cuda.jit(device=True, inline="always")
     def new_token(b, h0, g_kv, t, seqlen, kvlen, q_starts, k_src, v_src, acc, quad_scratch, score_args, sm_scale,
                   warp, lane):
         """Key t, the sequence's new token, from the scratch into warp 0's merged state, in float32: each lane's
@@ -592,7 +618,10 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
 
     @cuda.jit
     def gqa_decode_attention_kernel(q_geom, out_geom, seqlens, kvlens, k_src, v_src, score_args, sm_scale):
-        b = cuda.blockIdx.z
+        b, split, num_splits = cuda.blockIdx.z, 0, 1
+        if PARTIALS:
+            num_splits = out_geom[5]
+            b, split = b // num_splits, b % num_splits
         seqlen, kvlen = seqlens[b], kvlens[b]
         if seqlen < 1:
             return                                   # block-uniform exit: no thread waits at a barrier
@@ -645,6 +674,10 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
         last_key = hi - 1
         if NEW:
             hi -= 1                                  # the warps walk the cached keys; the new one comes after
+        if PARTIALS:                                 # this split's whole trips of the visible keys
+            start = lo - lo % KEY_TILE
+            per_split = -(-max(hi - start, 0) // (KEY_TILE * num_splits)) * KEY_TILE
+            lo, hi = max(lo, start + split * per_split), min(hi, start + (split + 1) * per_split)
         first = lo - lo % KEY_TILE
         tiles = -(-(hi - first) // KEY_TILE) if hi > lo else 0
         rounds = -(-tiles // WARPS)                  # the same count in every warp: the simulator's barriers
@@ -694,11 +727,15 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                                                                                        lane] * theirs
                             row_max[r] = top
 
-        if NEW:
+        if NEW and split == num_splits - 1:
             new_token(b, h0, g_kv, last_key, seqlen, kvlen, q_starts, k_src, v_src, acc, quad_scratch, score_args,
                       sm_scale, warp, lane)
 
         total0, total1 = quad_sum2(row_sum[0], row_sum[1], quad_scratch, warp, lane)
+        if PARTIALS:
+            if warp == 0:
+                write_partials(out_geom, b, split, h0, acc, total0, total1, v_src, lane)
+            return
         if warp == 0:
             out, o_starts, o_sb, o_si, o_sh = out_geom
             for r in range(R):

@@ -121,7 +121,7 @@ def attention_kernel(quant_bit, quant_group, scale_dtype, value_dtype, query_dty
         kernel = make_gqa_decode_attention_kernel(score, key_range, quant_bit=quant_bit, quant_group=quant_group,
                                                   head_dim=head_dim, heads_per_block=heads,
                                                   group=num_heads // num_kv_heads, warps=warps,
-                                                  whole_trips=whole_trips, biased=biased)
+                                                  whole_trips=whole_trips, biased=biased, partials=partials)
         return kernel, heads, 1
     if rung == 5:
         heads_per_block, positions, row_tiles = plan
@@ -143,7 +143,8 @@ def attend(query, key_src, value_src, seqstarts, kvstarts, decoding_batches, max
            stream, rung=1, num_splits=None):
     """Launch the OpenPPL attention kernel over K/V sources; returns attn_output (seqstarts[B], H, Dh).
     rung: which kernel of the ladder (1 shared-memory tiles, 2 a warp per key, 3 16-byte loads, 4 split-K, 5 tensor
-    cores; threads a multiple of 32 from rung 2); num_splits: rung 4's split count (None: `choose_splits`)."""
+    cores; threads a multiple of 32 from rung 2); num_splits: the split count of rung 4, or of rung 5's decode kernel
+    (None: `choose_splits`, which splits only where the blocks leave SMs idle)."""
     head_dim = query.shape[2]
     batch = seqstarts.shape[0] - 1
     # Rungs 3-5 read whole 16-byte chunks when every row of both sources is aligned (decided here, per launch).
@@ -168,6 +169,8 @@ def attend(query, key_src, value_src, seqstarts, kvstarts, decoding_batches, max
     if rung == 4:
         step = keys_per_step(head_dim, chunk_elements(quant_bit, key_src.data.dtype, rung), threads // 32)
         splits = num_splits or choose_splits(grid[0] * grid[1] * grid[2], max_kvlen, step)
+    elif decode:                                  # the decode kernel splits as rung 4 does, a warp's trip a step
+        splits = num_splits or choose_splits(grid[0] * grid[1] * grid[2], max_kvlen, DECODE_TRIP * (threads // 32))
     is_alibi = alibi_slopes is not None
     # Upstream forms the ALiBi bias in the query dtype, so the slopes are rounded to it first.
     slopes = np.asarray(alibi_slopes if is_alibi else [0.0]).astype(query.dtype).astype(np.float32)
@@ -195,7 +198,7 @@ def attend(query, key_src, value_src, seqstarts, kvstarts, decoding_batches, max
     m_part, l_part = (empty_like_kind(query, (splits * rows,), np.float32) for _ in range(2))
     split_geom = (o_part, seqstarts, *geometry, np.int64(splits), np.int64(rows * head_dim), np.int64(rows),
                   np.int64(num_heads), m_part, l_part)
-    kernel, _, _ = attention_kernel(*shape, partials=True)
+    kernel, _, _ = attention_kernel(*shape, partials=True, whole_trips=whole_trips, biased=biased)
     launch(kernel, grid[:2] + (batch * splits,), threads, stream, inputs[0], split_geom, *inputs[1:])
     launch(combine_kernel(query.dtype.str, num_heads, head_dim),
            (max(1, ceil_div(max_seqlen * num_heads * head_dim, threads)), batch), threads, stream, o_part, m_part,

@@ -50,7 +50,7 @@ from functools import cache
 import numpy as np
 from numba import cuda
 
-from ._attention_gqa_mma import decode_shape_problem, heads_per_block, make_gqa_decode_attention_kernel
+from ._attention_gqa_mma import KEY_TILE, decode_shape_problem, heads_per_block, make_gqa_decode_attention_kernel
 from ._attention_vector import KVWalker, keys_per_step, make_vector_attention_kernel, plan_vector_rows
 from ._cache import CacheSource, _address
 from ._launch import ceil_div, empty_like_kind, launch, to_kind
@@ -521,14 +521,17 @@ def register_sources(k_src, v_src, quant: int, head_size: int, contiguous_starts
 
 
 @cache
-def register_kernel(num_heads, num_kv_heads, head_size, quant, paged, page_unit, whole, biased, new_token, threads):
-    """Rung 5's decode kernel for TensorRT-LLM's generation entries (`_attention_gqa_mma`), with its score and keys."""
+def register_kernel(num_heads, num_kv_heads, head_size, quant, paged, page_unit, whole, biased, new_token, threads,
+                    partials=False):
+    """Rung 5's decode kernel for TensorRT-LLM's generation entries (`_attention_gqa_mma`), with its score and keys
+    (partials: split-K's, as rung 4's)."""
     score, key_range = make_trt_score(np.float32)
     return make_gqa_decode_attention_kernel(
         score, key_range, quant_bit=8 if quant else 0, quant_group=head_size, head_dim=head_size,
         heads_per_block=heads_per_block(num_heads, num_kv_heads), group=num_heads // num_kv_heads,
         warps=threads // 32, whole_trips=whole, biased=biased, per_tensor=bool(quant), e4m3=quant == FP8_KV_CACHE,
-        shared_pages=not paged, page_unit=page_unit, new_token=new_token, num_kv_heads=num_kv_heads)
+        shared_pages=not paged, page_unit=page_unit, new_token=new_token, num_kv_heads=num_kv_heads,
+        partials=partials)
 
 
 def scores_biased(args) -> bool:
@@ -537,19 +540,47 @@ def scores_biased(args) -> bool:
     return bool(args.alibi_on or args.softcap > 0 or args.mask_cols > 0 or args.relative != 0)
 
 
+def register_splits(rung, num_splits, multi_block_mode, num_sms, new, kvlens, window, num_heads, num_kv_heads,
+                    threads) -> int:
+    """The decode kernel's split count for the step: as rung 4's (`generation_splits`; rung 5 asked for splits as
+    rung 4 does), over its blocks (a GQA group each) and a warp's trip of 16 keys a step."""
+    live = np.asarray(new) > 0
+    visible = np.minimum(np.asarray(kvlens, np.int64), int(window))
+    blocks = (num_heads // heads_per_block(num_heads, num_kv_heads)) * int(live.sum())
+    return generation_splits(None if rung is None else 4, num_splits, multi_block_mode, blocks,
+                             int(np.max(np.where(live, visible, 0))), KEY_TILE * (threads // 32), num_sms)
+
+
 def attend_generation_register(q_geom, out_geom, lens, k_src, v_src, args, sm_scale, num_heads, num_kv_heads,
-                               head_size, quant, new_in_cache, threads, stream, contiguous_starts) -> bool:
+                               head_size, quant, new_in_cache, threads, stream, contiguous_starts, splits=1,
+                               num_tokens=0, new_starts=None) -> bool:
     """Launch rung 5's decode kernel over the generation entries (lens: the step's (new, kvlens) with 0 new for the
-    others, whose blocks return at once); False, launching nothing, where the layer's arrays do not allow it."""
+    others, whose blocks return at once), split `splits` ways with the combine after it (num_tokens, new_starts:
+    the output's rows and the entries' first rows among the new tokens); False, launching nothing, where the
+    layer's arrays do not allow it."""
     sources = register_sources(k_src, v_src, quant, head_size, contiguous_starts)
     if sources is None:
         return False
     k_dec, v_dec, unit = sources
     whole = int(k_dec.page) % 16 == 0
-    kernel = register_kernel(num_heads, num_kv_heads, head_size, quant, bool(k_src.paged), unit, whole,
-                             scores_biased(args), not new_in_cache, threads)
+    key = (num_heads, num_kv_heads, head_size, quant, bool(k_src.paged), unit, whole, scores_biased(args),
+           not new_in_cache, threads)
     if quant:
         sm_scale = float(sm_scale) * float(k_dec.fold)
-    grid = (1, num_heads // heads_per_block(num_heads, num_kv_heads), len(lens[0]))
-    launch(kernel, grid, threads, stream, q_geom, out_geom, *lens, k_dec, v_dec, args, np.float32(sm_scale))
+    entries = len(lens[0])
+    grid = (1, num_heads // heads_per_block(num_heads, num_kv_heads), entries)
+    inputs = (*lens, k_dec, v_dec, args, np.float32(sm_scale))
+    if splits == 1:
+        launch(register_kernel(*key), grid, threads, stream, q_geom, out_geom, *inputs)
+        return True
+    like = q_geom[0]
+    rows = num_tokens * num_heads
+    o_part = empty_like_kind(like, (splits * rows * head_size,), np.float32)
+    m_part, l_part = (empty_like_kind(like, (splits * rows,), np.float32) for _ in range(2))
+    split_geom = (o_part, *out_geom[1:], np.int64(splits), np.int64(rows * head_size), np.int64(rows),
+                  np.int64(num_heads), m_part, l_part)
+    launch(register_kernel(*key, partials=True), grid[:2] + (entries * splits,), threads, stream, q_geom, split_geom,
+           *inputs)
+    launch(combine_kernel("float16", num_heads, head_size), (max(1, ceil_div(num_heads * head_size, threads)), entries),
+           threads, stream, o_part, m_part, l_part, np.int64(splits), out_geom[1], new_starts, out_geom[0])
     return True

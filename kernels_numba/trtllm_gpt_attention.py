@@ -795,8 +795,8 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     rung: the kernel of the ladder for the generation entries (docs/kernel-ladder.md). 1: the tiled core above; 3:
     the vector kernel (`trtllm_generation`), never split; 4: the vector kernel split over num_splits blocks
     (`choose_splits` when None; 1 is rung 3's kernel); 5: rung 5's decode kernel where it serves the step
-    (`trtllm_generation.register_problem`), else as None; None: rung 4 when multi_block_mode splits, else rung 5's
-    decode kernel where it serves, else rung 3. Rungs 3 to 5 accumulate in float32: a float64 call runs on rung 1
+    (`trtllm_generation.register_problem`), split as rung 4, else as None; None: rung 5's decode kernel where it
+    serves (split where multi_block_mode splits), else rung 3, or 4 when multi_block_mode splits. Rungs 3 to 5 accumulate in float32: a float64 call runs on rung 1
     (validation refuses it when forced). Context entries run on rung 5 (float16) or 1
     (`trtllm_context.context_rung`); num_splits is then the generation kernel's count.
 
@@ -881,13 +881,12 @@ def prepare_step(*, like, window, sequence_length, host_past_key_value_lengths, 
     vector_generation = rung != 1 and acc_t == np.float32 and bool(use_cache) and bool(generation.any())
     new_in_cache = vector_generation and not quant and not rotate_cached and not write_after
     kvlens = np.asarray(encoder_input_lengths, np.int64) if do_cross_attention else lengths
-    register, generation_reason = _generation_choice(
+    register, register_splits, generation_reason = _generation_choice(
         vector_generation, rung, rounds_as=rounds_as, head_size=Dh, num_heads=H, num_kv_heads=Hkv, quant=quant,
         threads=threads, use_cache=bool(use_cache), cross=bool(do_cross_attention), beam_width=beam_width,
         sinks=sinks, streaming=bool(streamingllm), generation_new=new[num_context:],
         generation_kvlens=kvlens[num_context:], window=window, num_splits=num_splits,
-        multi_block_mode=multi_block_mode, num_sms=num_sms, new=np.where(generation, new, 0), kvlens=kvlens,
-        dtype=dtype)
+        multi_block_mode=multi_block_mode, num_sms=num_sms, new=np.where(generation, new, 0), kvlens=kvlens)
     placeholder = to_kind(like, np.zeros(1, np.float32))
     pre = Preprocess(qkv=None, bias=None, table=table, inv_freq=rope.inv_freq, position_divisor=rope.position_divisor,
                      cos_sin=rope.cos_sin, cos_sin_long=rope.cos_sin_long,
@@ -942,7 +941,9 @@ def prepare_step(*, like, window, sequence_length, host_past_key_value_lengths, 
         num_tokens=num_tokens, rotate_cached=rotate_cached, write_after=write_after,
         generation_new=np.where(generation, new, 0),
         vector_generation=vector_generation, new_in_cache=new_in_cache, pre=pre, pre_grid=pre_grid,
-        register_generation=register, generation_reason=generation_reason,
+        register_generation=register, register_splits=register_splits, generation_reason=generation_reason,
+        generation_starts=to_kind(like, np.concatenate([[0], np.cumsum(np.where(generation, new, 0))]).astype(
+            np.int64)),
         generation_lens=(to_kind(like, np.where(generation, new, 0)), to_kind(like, kvlens)),
         contiguous_starts=to_kind(like, np.zeros((E, 1), np.int64)),
         starts_arg=to_kind(like, new_starts), args=args, kvlens=kvlens, rope_on_load=rope_on_load, tiles=tiles,
@@ -962,26 +963,24 @@ def prepare_step(*, like, window, sequence_length, host_past_key_value_lengths, 
         q_scratch=q_scratch)
 
 
-def _generation_choice(vector_generation, rung, *, num_splits, multi_block_mode, num_sms, new, kvlens, dtype,
+def _generation_choice(vector_generation, rung, *, num_splits, multi_block_mode, num_sms, new, kvlens,
                        **facts) -> tuple:
-    """(rung 5's decode kernel or not, why) for the step's generation entries: with rung None or 5, where its
-    conditions hold (`trtllm_generation.register_problem`), and with None only where multi-block mode would not
-    split the keys (rung 4's case: few blocks for the SMs)."""
+    """(rung 5's decode kernel or not, its split count, why) for the step's generation entries: with rung None or
+    5, where its conditions hold (`trtllm_generation.register_problem`); split as rung 4 would be (multi-block
+    mode with None, always with 5) where its blocks leave SMs idle."""
     if not vector_generation:
-        return False, "no generation entries on the vector rungs"
+        return False, 1, "no generation entries on the vector rungs"
     if rung not in (None, 5):
-        return False, f"rung={rung} asked for"
-    from .trtllm_generation import register_problem, step_splits  # here: that module builds on this one
+        return False, 1, f"rung={rung} asked for"
+    from .trtllm_generation import register_problem, register_splits  # here: that module builds on this one
     why = register_problem(**facts)
-    if why is None and rung is None:
-        itemsize = 1 if facts["quant"] else dtype.itemsize
-        splits = step_splits(None, num_splits, multi_block_mode, num_sms, new, kvlens, facts["window"],
-                             facts["num_heads"], facts["num_kv_heads"], facts["head_size"], itemsize, facts["threads"])
-        if splits > 1:
-            why = f"multi-block mode splits the keys {splits} ways (rung 4)"
     if why is not None:
-        return False, f"rung 3/4: {why}"
-    return True, "rung 5's decode kernel: the GQA group on tensor cores, K/V loaded into the mma's registers"
+        return False, 1, f"rung 3/4: {why}"
+    splits = register_splits(rung, num_splits, multi_block_mode, num_sms, new, kvlens, facts["window"],
+                             facts["num_heads"], facts["num_kv_heads"], facts["threads"])
+    split = f", its keys split {splits} ways (multi-block)" if splits > 1 else ""
+    return True, splits, ("rung 5's decode kernel: the GQA group on tensor cores, K/V loaded into the mma's "
+                          f"registers{split}")
 
 
 def run_layer(s: StepLaunch, *, qkv, past_key_value, kv_cache_pool, layer_idx, qkv_bias, kv_orig_quant_scale,
@@ -1017,7 +1016,8 @@ def run_layer(s: StepLaunch, *, qkv, past_key_value, kv_cache_pool, layer_idx, q
         from .trtllm_generation import attend_generation, attend_generation_register  # that module builds on this
         if not (s.register_generation and attend_generation_register(
                 s.q_geom, out_geom, s.generation_lens, k_src, v_src, args, s.sm_scale, H, Hkv, Dh, quant,
-                s.new_in_cache, threads, stream, s.contiguous_starts)):
+                s.new_in_cache, threads, stream, s.contiguous_starts, s.register_splits, s.num_tokens,
+                s.generation_starts)):
             attend_generation(None if s.rung == 5 else s.rung, s.generation_splits, s.multi_block_mode, s.num_sms,
                               pre, out_geom, s.generation_new, s.kvlens, k_src, v_src, args, s.sm_scale, s.rounds_as,
                               H, Hkv, Dh, quant, s.rope_on_load, s.new_in_cache, s.num_tokens, threads, stream,

@@ -125,6 +125,8 @@ def _case(**kw):
 
 
 def _launched(case, **launch):
+    """The kernels a rung-5 call launches (recorded, not run); one split unless `launch` asks for more."""
+    launch = {"num_splits": 1, **launch}
     with _launch.recorded_launches() as launches:
         cacheattn.multi_head_cache_attention(**build_ppl(case), **case.attrs(), backend="numba", rung=5, **launch)
     return [kernel.py_func.__name__ for kernel, _ in launches]
@@ -149,7 +151,8 @@ def test_a_query_not_16_byte_aligned_takes_the_staged_kernel():
     shifted = np.empty(query.size + 1, query.dtype)[1:].reshape(query.shape)     # 2 bytes past an aligned start
     shifted[...] = query
     with _launch.recorded_launches() as launches:
-        cacheattn.multi_head_cache_attention(**{**inputs, "query": shifted}, **case.attrs(), backend="numba", rung=5)
+        cacheattn.multi_head_cache_attention(**{**inputs, "query": shifted}, **case.attrs(), backend="numba", rung=5,
+                                             num_splits=1)
     assert [kernel.py_func.__name__ for kernel, _ in launches] == ["store_kernel", "mma_attention_kernel"]
 
 
@@ -168,8 +171,8 @@ def test_the_choice_says_why_not():
 
 # -------------------------------------------------------------------------------------- the kernel, run
 
-def _kernel(op, threads):
-    return functools.partial(getattr(cacheattn, op), backend="numba", threads=threads, rung=5)
+def _kernel(op, threads, num_splits=1):
+    return functools.partial(getattr(cacheattn, op), backend="numba", threads=threads, rung=5, num_splits=num_splits)
 
 
 # (what, changes to _case, threads): every format and head_dim, trips that end mid-page, pages of 8 and 24 keys
@@ -191,6 +194,38 @@ def test_decode_kernel_conforms(what, changes, threads):
     case = _case(**changes, seed=len(what))
     assert _launched(case, threads=threads)[-1] == "gqa_decode_attention_kernel"
     kit.check_case("multi_head_cache_attention", _kernel("multi_head_cache_attention", threads), case)
+
+
+# Split-K (few sequences for the SMs): each split walks whole trips of the visible keys, the combine finishes.
+SPLIT_RUNS = [
+    ("int8 head_dim 128, 2 warps, 3 splits", dict(head_dim=128, past=(70, 33)), 64, 3),
+    ("float16, ALiBi and a mask, page 8, 5 splits (some empty)", dict(quant_bit=0, is_alibi=True, mask="2d",
+                                                                      page_size=8, past=(40, 9)), 32, 5),
+]
+
+
+@pytest.mark.parametrize("what,changes,threads,splits", SPLIT_RUNS, ids=[r[0] for r in SPLIT_RUNS])
+def test_split_decode_conforms(what, changes, threads, splits):
+    case = _case(**changes, seed=len(what))
+    assert _launched(case, threads=threads, num_splits=splits)[-2:] == ["gqa_decode_attention_kernel",
+                                                                         "combine_kernel"]
+    kit.check_case("multi_head_cache_attention", _kernel("multi_head_cache_attention", threads, splits), case)
+
+
+def test_rung_5_splits_a_few_long_sequences_by_itself():
+    """Without num_splits rung 5 splits the decode kernel's keys where its blocks leave SMs idle (2 blocks here,
+    18 and 38 keys: one trip of 16 a warp a step), as rung 4 does; the plan says the same count."""
+    from cacheattn.plan import plan
+    case = _case()
+    with _launch.recorded_launches() as launches:
+        cacheattn.multi_head_cache_attention(**build_ppl(case), **case.attrs(), backend="numba", rung=5, threads=32)
+    assert [kernel.py_func.__name__ for kernel, _ in launches] == ["store_kernel", "gqa_decode_attention_kernel",
+                                                                    "combine_kernel"]
+    assert launches[1][1][1][5] == 3                    # out_geom's num_splits: ceil(38 / 16)
+    shape = cacheattn.plan.AttentionShape(batch=2, max_query_len=1, max_kv_len=38, num_heads=4, num_kv_heads=1,
+                                          head_dim=32, query_dtype="float16", quant_bit=8, quant_group=8,
+                                          decode_sequences=2)
+    assert plan(shape, rung=5, threads=32, sms=132).num_splits == 3
 
 
 def test_packed_keys_decode_on_it_too(monkeypatch):

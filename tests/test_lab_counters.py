@@ -42,16 +42,19 @@ def test_the_quadratic_fit_predicts_a_prefill_it_did_not_count():
         assert predicted == pytest.approx(fourth[name], abs=1e-6), name
 
 
-def test_rung_4_splits_the_long_decode_over_two_blocks_an_sm():
+def test_rungs_4_and_5_split_the_long_decode_over_two_blocks_an_sm():
     long_decode = LAB_CASES[3]
     assert (long_decode.batch, long_decode.kvlen) == (1, 32769)
     # 8 blocks (one per kv head, its GQA group of 4 in one block): ceil(2 x 132 / 8) = 33 splits, 264 blocks; a
-    # block step is 4 warps x 2 lane groups x a tile of 2 keys = 16 keys, so rung 4 is counted at 33 x 16 x (1, 2).
-    assert counters.splits_for(long_decode) == (33, 16)
+    # rung-4 block step is 4 warps x 2 lane groups x a tile of 2 keys = 16 keys, so rung 4 is counted at 33 x 16 x
+    # (1, 2); rung 5's decode kernel steps 4 warps x a trip of 16 keys: 33 x 64 x (1, 2).
+    assert counters.split_steps(long_decode) == {4: (33, 16), 5: (33, 64)}
     # The B = 64 decode's 512 blocks fill the GPU: no split.
-    assert counters.splits_for(LAB_CASES[0])[0] == 1
+    assert counters.split_steps(LAB_CASES[0]) == {4: (1, 16), 5: (1, 64)}
     (plan,) = [p for p in counters.plans() if p.case is long_decode]
-    assert plan.points_for(4) == (528, 1056) and plan.points_for(3) == (128, 256) and plan.points_for(1) == (64, 128)
+    assert plan.points_for(4) == (528, 1056) and plan.points_for(5) == (2112, 4224)
+    assert plan.points_for(3) == (128, 256) and plan.points_for(1) == (64, 128)
+    assert plan.splits(5) == 33
 
 
 @pytest.mark.parametrize("case_index,rung", [(0, 3), (4, 5)])

@@ -105,14 +105,15 @@ def test_every_case_gets_a_plan_and_its_default_call():
 
 
 def test_the_trtllm_split_count_is_the_one_its_default_call_launches():
-    # Recorded launches run nothing: a call of 4 sequences x 2 GQA groups (8 blocks) splits its 2001 keys into
-    # ceil(2 x 132 / 8) = 33 key ranges, and the case says so.
+    # Recorded launches run nothing: a call of 4 sequences x 2 GQA groups (8 blocks) would split its 2001 keys into
+    # ceil(2 x 132 / 8) = 33 key ranges on rung 4; rung 5's decode kernel, its default, takes 64 keys a step (4
+    # warps x 16), so no more than ceil(2001 / 64) = 32, and the case says so.
     case = TrtBenchCase("small", 4, 2000, num_heads=8, num_kv_heads=2, head_dim=128)
-    assert case.splits(4) == 33 and case.default_plan()["rung"] == 4
+    assert (case.splits(4), case.splits(5), case.default_plan()["rung"]) == (33, 32, 5)
     with _launch.recorded_launches() as launches:
         cacheattn.gpt_attention(**build_trt(case.trt_case()), backend="numba", threads=128)
     names = [kernel.py_func.__name__ for kernel, _ in launches]
-    assert names == ["preprocess_kernel", "vector_attention_kernel", "combine_kernel"]
+    assert names == ["preprocess_kernel", "gqa_decode_attention_kernel", "combine_kernel"]
     assert launches[1][1][1][5] == case.default_plan()["num_splits"]          # out_geom's num_splits
     # Rung 1's multi-block mode splits too (for its own key tile): its combine kernel runs.
     assert case.splits(1) > 1

@@ -43,7 +43,8 @@ def bench_shape(case):
 def test_the_bench_cases_get_the_rungs_the_lab_counts_at_their_bound(case):
     """Decode at B = 64 fills the 132 SMs with 512 blocks (every cache format): the grid of rung 3, which then
     gives way to rung 5's register-fed decode kernel (the same bytes, a fraction of the instructions); B = 1 at
-    32k splits them as the lab counted rung 4 (33 splits); the float16 prefill goes to the tensor cores."""
+    32k splits the decode kernel's keys as rung 4's would be (33 splits, the lab's count); the float16 prefill
+    goes to the tensor cores."""
     chosen = plan(bench_shape(case), sms=132)
     if case.new_tokens > 1:
         assert chosen.rung == 5 and "tensor cores" in chosen.reason
@@ -53,7 +54,10 @@ def test_the_bench_cases_get_the_rungs_the_lab_counts_at_their_bound(case):
         # Where the operator's rung 5 stages its keys (ONNX's), the same call stays on rung 3.
         assert plan(bench_shape(case), sms=132, register_decode=False).rung == 3
     else:
-        assert (chosen.rung, chosen.num_splits) == (4, counters.splits_for(case)[0]) == (4, 33)
+        assert (chosen.rung, chosen.num_splits) == (5, counters.split_steps(case)[5][0]) == (5, 33)
+        assert "33 splits make 264" in chosen.reason and "rung 5's decode kernel" in chosen.reason
+        staged = plan(bench_shape(case), sms=132, register_decode=False)
+        assert (staged.rung, staged.num_splits) == (4, 33)
     assert chosen.threads == 128
 
 
@@ -117,13 +121,15 @@ def test_the_decode_instruction_figures_are_the_committed_sass():
 
 def test_an_operator_offering_fewer_rungs_gets_its_best_of_them():
     """`rungs=`: FasterTransformer's cross attention offers rungs 1, 3 and 4; the float16 prefill that goes to the
-    tensor cores takes its CUDA-core rung instead, and a long decode on one request still splits."""
+    tensor cores takes its CUDA-core rung instead, and a long decode on one request still splits, on rung 4 (where
+    all rungs are offered, rung 5's decode kernel splits it)."""
     offered = (1, 3, 4)
     assert plan(shape(), sms=132).rung == 5
     chosen = plan(shape(), sms=132, rungs=offered)
     assert chosen.rung == 3 and "compute-bound" in chosen.reason
     long = shape(max_query_len=1, max_kv_len=32769, decode_sequences=1)
-    assert plan(long, sms=132, rungs=offered) == plan(long, sms=132)
+    assert plan(long, sms=132, rungs=offered) == plan(long, sms=132, register_decode=False)
+    assert plan(long, sms=132).rung == 5
     # Without rung 4 the same decode runs unsplit on rung 3, and says so.
     unsplit = plan(long, sms=132, rungs=(1, 3))
     assert (unsplit.rung, unsplit.num_splits) == (3, 1) and "rung 4 (split-K) not offered" in unsplit.reason

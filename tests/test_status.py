@@ -119,6 +119,13 @@ def test_readme_lab_figures_are_the_committed_runs():
                     f"{100 * (dram4 - dram3) / dram3:.2f}% to the bytes (rung 3 on {kv_heads} blocks: "
                     f"{long3['lower bound µs (derived)']:.1f} µs)")
 
+    long5 = rung(LAB_CASES[3], 5)
+    assert cases[LAB_CASES[3].label]["default"]["rung"] == 5 and long5["limited by"] == "DRAM"
+    expected.append(f"the default, rung 5's decode kernel split the same way, is DRAM-bound at "
+                    f"{long5['lower bound µs (derived)']:.1f} µs too and issues its key loop in "
+                    f"{long5['issue µs (SASS estimate)']:.1f} µs where rung 4 needs "
+                    f"{long4['issue µs (SASS estimate)']:.1f} µs")
+
     prefill = rung(LAB_CASES[4], 5)
     cuda_cores = {rung(LAB_CASES[4], n)["lower bound µs (derived)"] for n in (2, 3, 4)}
     assert prefill["limited by"] == "shared" and len(cuda_cores) == 1

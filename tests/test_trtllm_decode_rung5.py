@@ -111,14 +111,23 @@ def test_calls_the_decode_kernel_leaves_to_rung_3(name):
     assert not register and why in reason, reason
 
 
-def test_few_blocks_split_on_rung_4_by_default():
-    """rung None with multi-block mode: one long sequence leaves SMs idle, so its keys split on rung 4 (the decode
-    kernel does not split); rung 5 asked for takes the decode kernel."""
+def test_few_blocks_split_the_decode_kernel():
+    """One long sequence leaves SMs idle: multi-block mode splits the decode kernel's keys (rung None), as rung 4's
+    would be, and the combine finishes; with multi-block mode off it runs whole."""
     case = replace(DECODE, generations=((3, 600),), capacity=700, window=700, tokens_per_block=64)
-    assert launched(case, threads=64) == ["preprocess_kernel", "vector_attention_kernel", "combine_kernel"]
+    split = ["preprocess_kernel", "gqa_decode_attention_kernel", "combine_kernel"]
+    assert launched(case, threads=64) == split
     register, reason = _step_choice(case)
-    assert not register and "multi-block mode splits" in reason
-    assert launched(case, threads=64, rung=5) == ["preprocess_kernel", "gqa_decode_attention_kernel"]
+    assert register and "split 19 ways" in reason, reason          # ceil(601 keys / (2 warps x 16))
+    assert launched(case, threads=64, multi_block_mode=False) == split[:2]
+
+
+@pytest.mark.parametrize("quant", [0, 128])
+def test_split_decode_conforms(quant):
+    """Three splits of a sequence's trips; with FP8 the last split adds the new token from the scratch."""
+    case = replace(DECODE, generations=((3, 37), (2, 7)), quant=quant)
+    assert launched(case, threads=32, rung=5, num_splits=3)[1:] == ["gqa_decode_attention_kernel", "combine_kernel"]
+    kit.check_case("gpt_attention", kernels(32, rung=5, num_splits=3), case)
 
 
 def test_misaligned_cache_takes_rung_3_per_layer():

@@ -115,11 +115,12 @@ class BenchCase:
                               decode_sequences=self.batch if self.new_tokens == 1 else 0, causal=True)
 
     def splits(self, rung: int, threads: int = 128) -> int:
-        """Rung 4's split count for this (full) launch, as the plan picks it for an H100's SMs; 1 for the rest."""
-        if rung != 4:
+        """The split count of rung 4, or of rung 5's decode kernel, for this (full) launch, as the plan picks it
+        for an H100's SMs; 1 for the rest."""
+        if rung not in (4, 5):
             return 1
         from ..plan import plan
-        return plan(self.shape(), rung=4, threads=threads, sms=SMS).num_splits
+        return plan(self.shape(), rung=rung, threads=threads, sms=SMS).num_splits
 
     def default_plan(self, threads: int = 128) -> dict:
         """What the operator's default call (rung None) runs for this launch on an H100: `cacheattn.plan`'s
@@ -129,10 +130,10 @@ class BenchCase:
         return dict(rung=chosen.rung, num_splits=chosen.num_splits, threads=chosen.threads, reason=chosen.reason)
 
     def call(self, rung: int, threads: int = 128, num_splits: int = 1):
-        """One multi_head_cache_attention call of this case at `rung` (rung 4 at `num_splits`)."""
+        """One multi_head_cache_attention call of this case at `rung` (rungs 4 and 5 at `num_splits`)."""
         import cacheattn
         ppl = self.ppl_case()
-        extra = {"num_splits": num_splits} if rung == 4 else {}
+        extra = {"num_splits": num_splits} if rung in (4, 5) else {}
         return cacheattn.multi_head_cache_attention(**build_ppl(ppl), **ppl.attrs(), backend="numba",
                                                     threads=threads, rung=rung, **extra)
 
@@ -235,30 +236,30 @@ class TrtBenchCase:
 
     def splits(self, rung: int, threads: int = 128) -> int:
         """The split count multi-block mode picks for this (full) launch on an H100 at `rung` (rung 3: 1)."""
-        if rung in (3, 5):
+        if rung == 3:
             return 1
         from kernels_numba._split_k import choose_splits
         blocks, step = self._blocks(rung, threads)
         return choose_splits(blocks, self.kvlen, step, SMS)
 
     def default_plan(self, threads: int = 128) -> dict:
-        """What `gpt_attention`'s default call (rung None, multi_block_mode) runs for this launch on an H100: rung 4
-        where multi-block mode splits, else rung 5's decode kernel (a float16 query at its head sizes, one beam:
-        the bench cases are such)."""
-        blocks, _ = self._blocks(3, threads)
-        splits = self.splits(4, threads)
+        """What `gpt_attention`'s default call (rung None, multi_block_mode) runs for this launch on an H100: rung 5's
+        decode kernel (a float16 query at its head sizes, one beam: the bench cases are such), its keys split where
+        multi-block mode splits."""
+        blocks, _ = self._blocks(5, threads)
+        splits = self.splits(5, threads)
+        kernel = "rung 5's decode kernel (the GQA group on tensor cores, K/V loaded into the mma's registers)"
         if splits == 1:
-            reason = (f"{blocks} blocks fill {SMS} SMs: multi-block mode does not split; rung 5's decode kernel (the "
-                      f"GQA group on tensor cores, K/V loaded into the mma's registers)")
+            reason = f"{blocks} blocks fill {SMS} SMs: multi-block mode does not split; {kernel}"
         else:
-            reason = f"{blocks} blocks for {SMS} SMs: multi-block mode splits the keys {splits} ways (rung 4)"
-        return dict(rung=4 if splits > 1 else 5, num_splits=splits, threads=threads, reason=reason)
+            reason = f"{blocks} blocks for {SMS} SMs: multi-block mode splits the keys {splits} ways; {kernel}"
+        return dict(rung=5, num_splits=splits, threads=threads, reason=reason)
 
     def call(self, rung: int, threads: int = 128, num_splits: int = 1):
         """One gpt_attention generation step of this case at `rung` (rungs 1 and 4 at `num_splits`: the full
         launch's, never what multi-block mode would pick for a cut-down grid)."""
         import cacheattn
-        extra = {} if rung in (3, 5) else {"num_splits": num_splits}
+        extra = {} if rung == 3 else {"num_splits": num_splits}
         return cacheattn.gpt_attention(**build_trt(self.trt_case()), backend="numba", threads=threads, rung=rung,
                                        **extra)
 

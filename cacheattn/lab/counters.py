@@ -77,16 +77,17 @@ class Plan:
     counted: BenchCase
     points: tuple
     rungs: tuple = RUNGS
-    split_points: tuple = ()         # rung 4's, when it splits: multiples of splits x keys per step
+    split_points: tuple = ()         # (rung, points) of the rungs that split: multiples of splits x keys per step
 
     def points_for(self, rung: int) -> tuple:
-        if rung == 4 and self.split_points:
-            return self.split_points
+        for split_rung, points in self.split_points:
+            if split_rung == rung:
+                return points
         return RUNG1_DECODE_POINTS if rung == 1 and self.points == DECODE_POINTS else self.points
 
     def splits(self, rung: int, threads: int = THREADS) -> int:
         """The split count `rung` runs the *full* launch at (1 where it does not split)."""
-        return self.case.splits(rung, threads) if rung in (1, 4) and not self.prefill else 1
+        return self.case.splits(rung, threads) if rung in (1, 4, 5) and not self.prefill else 1
 
     @property
     def prefill(self) -> bool:
@@ -122,10 +123,14 @@ def case_chunk(case, rung: int) -> int:
     return case.chunk(rung)
 
 
-def splits_for(case, threads: int = THREADS) -> tuple[int, int]:
-    """Rung 4's split count for the full launch of `case`, as its operator picks it on a 132-SM GPU (OpenPPL:
-    `cacheattn.plan`; TensorRT-LLM: multi-block mode), and the keys a block takes per step."""
-    return case.splits(4, threads), keys_per_step(case.head_dim, case.chunk(3), threads // 32)
+def split_steps(case, threads: int = THREADS) -> dict:
+    """{rung: (split count, keys a block takes per step)} of the rungs that split the full launch of `case`, as its
+    operator picks them on a 132-SM GPU (OpenPPL: `cacheattn.plan`; TensorRT-LLM: multi-block mode): rung 4, and
+    rung 5's decode kernel (a warp's trip of 16 keys a step)."""
+    out = {4: (case.splits(4, threads), keys_per_step(case.head_dim, case.chunk(3), threads // 32))}
+    if 5 in case.rungs:
+        out[5] = (case.splits(5, threads), DECODE_TRIP * (threads // 32))
+    return out
 
 
 def plans(quick: bool = False) -> list[Plan]:
@@ -143,8 +148,8 @@ def plans(quick: bool = False) -> list[Plan]:
             continue
         if 1 in case.rungs and case.splits(1) > 1:
             raise ValueError(f"{case.label}: rung 1 splits the full launch; its points would need its key tile")
-        splits, step = splits_for(case)
-        split_points = (splits * step, 2 * splits * step) if splits > 1 else ()
+        split_points = tuple((rung, (splits * step, 2 * splits * step))
+                             for rung, (splits, step) in split_steps(case).items() if splits > 1)
         out.append(Plan(case, counted, DECODE_POINTS, rungs=case.rungs, split_points=split_points))
     return out
 
