@@ -374,7 +374,7 @@ def _cuda_core_rung(shape, threads, sms, split=True):
 # Warp instructions the key loop issues a key (a trip's static SASS over its keys), rung 3 against rung 5's
 # register-fed decode kernel, at the headline decode (head_dim 128, 32 query / 8 kv heads, 128 threads, sm_90):
 # from docs/kernel-ladder-sass.json, which tests/test_plan.py holds them to.
-DECODE_INSTRUCTIONS_PER_KEY = {0: (153.8, 19.9), 8: (121.6, 34.5), 4: (121.0, 32.6)}
+DECODE_INSTRUCTIONS_PER_KEY = {0: (147.0, 19.9), 8: (120.0, 34.5), 4: (119.2, 32.6)}
 
 
 def _register_decode_serves(shape, threads) -> bool:

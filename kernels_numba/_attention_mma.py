@@ -7,18 +7,19 @@ grp = lane >> 2 and quad = lane % 4, a lane's C fragment elements are rows grp a
 2 * quad + {0, 1} of the 16x8 tile:
 
     1. Q as A fragments, once per row tile: head_dim / 16 k-steps x 4 registers of two float16 each. For float16
-       and int8 caches (`q_registers`) they stay in registers, 32 a lane at head_dim 128 beside O's 64; an int4
-       cache's staging unpacks 32 elements a chunk and leaves no room, so there they live in shared memory (one
-       word per lane, no bank conflicts) and are read again for every key tile;
+       and int8 caches (`q_registers`) they stay in registers, 32 a lane at head_dim 128 beside O's 64; for an
+       int4 cache, whose staging unpacks 32 elements a chunk, the launcher keeps them in shared memory (one word
+       per lane, no bank conflicts), read again for every key tile;
     2. S = Q Kᵀ in two 16x8 C tiles (keys t0..t0+7, t0+8..t0+15), head_dim / 16 mma each. The block first copies
        the K rows of every warp's key tile into shared memory together (`load_chunk`: 16-byte loads when the
        launcher found the rows aligned, consecutive lanes on consecutive chunks of a row, so every sector a warp
        touches is used whole), dequantized and packed to float16 pairs, so K is read from global memory once per
        block rather than once per warp. Rows are padded by 4 words: K's B fragment, the words
-       (key t0 + grp, 2 * quad + {0, 1}) and (.., + {8, 9}) per k-step, then hits 32 different banks. Each lane
-       stores its chunk's words starting at a lane-dependent one, so a warp's stores hit 32 banks too; the
-       rotation is done on registers with selects (`rotate`), since indexing by it would move the chunk, and an
-       address per word, into local memory;
+       (key t0 + grp, 2 * quad + {0, 1}) and (.., + {8, 9}) per k-step, then hits 32 different banks. The lanes
+       whose chunks start in the same bank store their words in different orders (word j ^ m at the j-th store,
+       m the lane's rank among them, `store_masks`), so a warp's stores hit 32 banks too; the permutation is done
+       on registers with selects (`swizzle`, one round a bit of m), since indexing by m would move the chunk,
+       and an address per word, into local memory;
     3. scores through the operator's `score` (-inf outside [lo, hi) and for empty rows), then the online
        softmax on the fragments: a row's maximum over its 16 keys is the max over the 4 lanes of a quad
        (`quad_max2`); each lane keeps the partial row sum of its own columns (summed over the quad at the end);
@@ -121,6 +122,21 @@ def shared_bytes(head_dim_k: int, head_dim_v: int, warps: int, row_tiles: int) -
     return 4 * sum(math.prod(shape) for shape in shapes)
 
 
+def store_masks(row_words: int, chunk_words: int, chunks: int) -> tuple:
+    """(masks, rounds) for the stores of one stage: a warp's lane l first stages chunk l % chunks of row
+    l // chunks (rows of row_words words, chunks of chunk_words, a power of two, so j ^ masks[l] stays in the
+    chunk), and stores its word j ^ masks[l] at its j-th store. masks[l] is the lane's rank among the lower lanes
+    whose chunk starts in the same bank, so the lanes of one start bank store different words at once; at head_dim
+    128 every start bank is a multiple of 2 ** rounds, and a warp's stores fall in 32 banks. rounds: the bits of
+    the largest mask (the selects `swizzle` needs)."""
+    seen, masks = {}, []
+    for lane in range(WARP_SIZE):
+        bank = (lane // chunks * row_words + lane % chunks * chunk_words) % WARP_SIZE
+        masks.append(seen.get(bank, 0) % chunk_words)
+        seen[bank] = seen.get(bank, 0) + 1
+    return np.array(masks, np.int32), max(masks).bit_length()
+
+
 def check_fits(head_dim: int, warps: int) -> None:
     """ValueError naming head_dim unless a plan of this many warps fits the shared memory: some split of the warps
     into row tiles (the launchers call this before anything runs)."""
@@ -160,23 +176,26 @@ def make_mma_attention_kernel(row_offsets, load_chunk, score, key_range, *, head
     PIECE = 2 * chunk                              # a thread's chunk of two keys (stage_v), dequantized
     CHUNKS = -(-2 * WORDS // chunk)                # chunks a row is copied in
     THREADS = WARPS * WARP_SIZE
-    # Lanes start at different words of their chunks (rotated by lane // rotation), or a warp's stores would
-    # pile into a few banks; at head_dim 128 these spread the 32 lanes over 32 banks for every format.
-    K_ROTATE, V_ROTATE = max(1, 64 // chunk), max(1, 32 // chunk)
-    K_LOG, V_LOG = (chunk // 2).bit_length() - 1, chunk.bit_length() - 1    # chunk: a power of two
+    # Lanes store their chunk's words in lane-dependent orders, or a warp's stores would pile into a few banks;
+    # at head_dim 128 these spread the 32 lanes over 32 banks for every format in 2 rounds of selects for K and 3
+    # for V (a rotation by the lane took a round a bit of the chunk's words: 5 of 32 for int4's V).
+    K_MASKS, K_ROUNDS = store_masks(K_ROW, chunk // 2, CHUNKS)
+    V_MASKS, V_ROUNDS = store_masks(V_ROW, chunk, CHUNKS)
     f32 = np.float32
     NEG_INF = f32(-math.inf)
 
     @cuda.jit(device=True, inline="always")
-    def rotate(words, spare, log_n, by):
-        """words[j] <- words[(j + by) % n] for j < n = 2 ** log_n: log_n rounds of selects at fixed indices, which
-        keep both arrays in registers (reading words[(j + by) % n] would put them, and an address per j, in local
-        memory)."""
-        for bit in range(log_n):
-            take = by >> bit & 1
-            for j in range(1 << log_n):
-                spare[j] = words[(j + (1 << bit)) % (1 << log_n)] if take else words[j]
-            for j in range(1 << log_n):
+    def swizzle(words, spare, n, rounds, mask):
+        """words[j] <- words[j ^ mask] for j < n (mask < 2 ** rounds <= n): a round of selects at fixed indices
+        per bit, which keeps both arrays in registers (reading words[j ^ mask] would put them, and an address
+        per j, in local memory). A round swaps words j and j ^ bit or not, pair by pair, so it holds two words
+        beyond the chunk; a rotation's words[(j + by) % n] holds up to n / 2 more, which spilled int4's V
+        (32 words) in the prefill."""
+        for bit in range(rounds):
+            take = mask >> bit & 1
+            for j in range(n):
+                spare[j] = words[j ^ (1 << bit)] if take else words[j]
+            for j in range(n):
                 words[j] = spare[j]
 
     @cuda.jit(device=True, inline="always")
@@ -195,10 +214,10 @@ def make_mma_attention_kernel(row_offsets, load_chunk, score, key_range, *, head
                 load_chunk(src, row, sc_row, c * chunk, piece, 0, DK)
             for j in range(chunk // 2):
                 words[j] = pack_half2(piece[2 * j], piece[2 * j + 1])
-            by = tid % WARP_SIZE // K_ROTATE % (chunk // 2)
-            rotate(words, spare, K_LOG, by)
+            mask = K_MASKS[tid % WARP_SIZE]
+            swizzle(words, spare, chunk // 2, K_ROUNDS, mask)
             for j in range(chunk // 2):
-                w = c * (chunk // 2) + (j + by) % (chunk // 2)
+                w = c * (chunk // 2) + (j ^ mask)
                 if w < WORDS:
                     kv_s[key * K_ROW + w] = words[j]
 
@@ -218,10 +237,10 @@ def make_mma_attention_kernel(row_offsets, load_chunk, score, key_range, *, head
                     load_chunk(src, row, sc_row, c * chunk, piece, u * chunk, DV)
             for j in range(chunk):
                 words[j] = pack_half2(piece[j], piece[chunk + j])
-            by = tid % WARP_SIZE // V_ROTATE % chunk
-            rotate(words, spare, V_LOG, by)
+            mask = V_MASKS[tid % WARP_SIZE]
+            swizzle(words, spare, chunk, V_ROUNDS, mask)
             for j in range(chunk):
-                d = c * chunk + (j + by) % chunk
+                d = c * chunk + (j ^ mask)
                 if d < 2 * WORDS:
                     kv_s[k * V_ROW + d] = words[j]
 
@@ -245,7 +264,7 @@ def make_mma_attention_kernel(row_offsets, load_chunk, score, key_range, *, head
         q_s = cuda.shared.array(Q_FRAGMENTS, np.uint32)
         kv_s = cuda.shared.array(STAGE_WORDS, np.uint32)
         piece = cuda.local.array(PIECE, f32)
-        words = cuda.local.array(chunk, np.uint32)   # a staged chunk's float16 pairs, rotated (`rotate`)
+        words = cuda.local.array(chunk, np.uint32)   # a staged chunk's float16 pairs, permuted (`swizzle`)
         spare = cuda.local.array(chunk, np.uint32)
 
         # This lane's two rows, grp and grp + 8 of the tile: query position, head, and whether they exist.

@@ -170,6 +170,16 @@ def _page_advance(k_src, v_src, b, h, state, step, live):
 
 
 @cuda.jit(device=True, inline="always")
+def _divmod32(x, n):
+    """(x // n, x % n) of non-negative 32-bit x and n (thread indices) as int32, by unsigned 32-bit division.
+    numba's // and % of integers are signed 64-bit floor divisions: each index would be a register pair with a
+    sign correction, and the lane indices stay live through the whole key loop (rung 4's split bookkeeping on top
+    of them took int8 and int4 past 255 registers, and their high words were spilled)."""
+    x, n = np.uint32(x), np.uint32(n)
+    return np.int32(x // n), np.int32(x % n)
+
+
+@cuda.jit(device=True, inline="always")
 def _unscaled(v_src):
     return np.float32(1.0)
 
@@ -261,9 +271,8 @@ def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, h
             return                                   # block-uniform exit
         h0 = cuda.blockIdx.y * HPB
         g = h0 // group
-        tid = cuda.threadIdx.x
-        warp, lane = tid // WARP_SIZE, tid % WARP_SIZE
-        key_of_warp, group_lane = lane // LANES, lane % LANES
+        warp, lane = _divmod32(cuda.threadIdx.x, WARP_SIZE)
+        key_of_warp, group_lane = _divmod32(lane, LANES)
         first_lane = key_of_warp * LANES             # of this lane's group, in the warp
 
         scratch = cuda.shared.array((WARPS, WARP_SIZE, SCRATCH), acc_t)     # the simulator's warp functions only

@@ -796,9 +796,9 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     the vector kernel (`trtllm_generation`), never split; 4: the vector kernel split over num_splits blocks
     (`choose_splits` when None; 1 is rung 3's kernel); 5: rung 5's decode kernel where it serves the step
     (`trtllm_generation.register_problem`), split as rung 4, else as None; None: rung 5's decode kernel where it
-    serves (split where multi_block_mode splits), else rung 3, or 4 when multi_block_mode splits. Rungs 3 to 5 accumulate in float32: a float64 call runs on rung 1
-    (validation refuses it when forced). Context entries run on rung 5 (float16) or 1
-    (`trtllm_context.context_rung`); num_splits is then the generation kernel's count.
+    serves (split where multi_block_mode splits), else rung 3, or 4 when multi_block_mode splits. Rungs 3 to 5
+    accumulate in float32: a float64 call runs on rung 1 (validation refuses it when forced). Context entries run on
+    rung 5 (float16) or 1 (`trtllm_context.context_rung`); num_splits is then the generation kernel's count.
 
     It is exactly `run_layer(prepare_step(...), ...)`: a plan (cacheattn.GptAttentionPlan) keeps the step and
     calls run_layer once per layer."""

@@ -138,3 +138,15 @@ def test_committed_figures_are_current(tmp_path, monkeypatch):
     assert fresh == committed["variants"][variant.key], "regenerate docs/kernel-ladder-sass.json"
     assert committed["tools"]["ptxas"] == sass.tool_versions()["ptxas"]
     assert set(committed["variants"]) == {v.key for v in sass.VARIANTS}
+
+
+def test_no_rung_the_plan_chooses_spills():
+    """Rungs 3 to 5 (the plan's and TensorRT-LLM's choices, decode and prefill, every cache) keep every value in
+    registers: no spill stores or loads in the committed sm_90 machine code. A kernel change that spills shows
+    here once the file is regenerated (`python -m cacheattn.lab.sass --write docs/kernel-ladder-sass.json`)."""
+    variants = json.loads(COMMITTED.read_text())["variants"]
+    chosen = {key: v for key, v in variants.items() if v["rung"] >= 3}
+    assert len(chosen) == 18                     # OpenPPL 9 decode + 3 prefill, TensorRT-LLM 6
+    spilled = {key: (v["spill_stores"], v["spill_loads"]) for key, v in chosen.items()
+               if v["spill_stores"] or v["spill_loads"]}
+    assert spilled == {}, spilled

@@ -9,6 +9,8 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_trtllm_kernels import kernels
 
 import cacheattn
@@ -18,7 +20,7 @@ from cacheattn import trtllm
 from kernels_numba import _launch
 from kernels_numba.trtllm_gpt_attention import LAYER_INPUTS, prepare_step
 
-from strategies import TrtCase, build_trt
+from strategies import KERNEL, TrtCase, build_trt, trt_cases
 
 # Two generation sequences of one token over a paged cache of whole 16-key trips (head_size 32: a lane's K slice is
 # one 16-byte load of float16), a GQA group of 2.
@@ -141,3 +143,13 @@ def test_misaligned_cache_takes_rung_3_per_layer():
         cacheattn.gpt_attention(**{**args, "kv_cache_pool": shifted}, backend="numba", threads=64, rung=5)
     names = [kernel.py_func.__name__ for kernel, _ in launches]
     assert "vector_attention_kernel" in names and "gqa_decode_attention_kernel" not in names, names
+
+
+@pytest.mark.skipif(KERNEL < 12, reason="a longer hunt: CACHEATTN_EXAMPLES=2 or more")
+@settings(max_examples=KERNEL // 3)
+@given(case=trt_cases(dtypes=("float16",), beams=(1,)), head_size=st.sampled_from([32, 64]))
+def test_drawn_calls_conform_with_rung_5(case, head_size):
+    """The kit's drawn gpt_attention calls (in-flight batches, windows, masks, RoPE, ALiBi, biases, every cache) at a
+    head size the decode kernel takes, rung 5 asked for: the generation requests it serves run on it."""
+    case = replace(case, head_size=head_size, rotary_dim=min(case.rotary_dim, head_size))
+    kit.check_case("gpt_attention", kernels(32, rung=5), case)
