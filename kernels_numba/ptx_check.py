@@ -292,8 +292,9 @@ def _trtllm_launches(full: bool):
     return out + _trtllm_decode_launches(full)
 
 
-# The generation entries on rung 5's decode kernel (one beam, head size 32): FP8 (e4m3 codes, the folded per-tensor
-# scale, K and V pages apart, the new token from the scratch); --full adds float16 and INT8.
+# The generation entries on rung 5's decode kernel (one beam, head size 32), split two ways: FP8 (e4m3 codes, the
+# folded per-tensor scale, K and V pages apart, the new token from the scratch, the split partials); --full adds
+# float16 and INT8.
 TRTLLM_DECODE_QUANTS = (128,)
 TRTLLM_DECODE_FULL_ONLY = (0, 64)
 
@@ -318,8 +319,8 @@ def _trtllm_decode_launches(full: bool):
                     hidden_size_per_head=Dh, q_scaling=1.0, kv_orig_quant_scale=10.0, kv_quant_orig_scale=0.1,
                     kv_cache_quant_mode=quant, paged_kv_cache=True, tokens_per_block=tpb)
         with _launch.recorded_launches() as launches:
-            gpt_attention(**call, rung=5)
-        out += [(f"trtllm rung5 decode quant {quant} paged", kernel, args) for kernel, args in launches
+            gpt_attention(**call, rung=5, num_splits=2)
+        out += [(f"trtllm rung5 decode quant {quant} paged split", kernel, args) for kernel, args in launches
                 if kernel.py_func.__name__ == "gqa_decode_attention_kernel"]
     return out
 

@@ -180,7 +180,7 @@ def _kernel(op, threads, num_splits=1):
 # two warps merging, ALiBi with a mask.
 RUNS = [
     ("float16 group 16, 2 warps merge", dict(quant_bit=0, head_dim=64, num_heads=16), 64),
-    ("int8 head_dim 128, page 24", dict(head_dim=128, page_size=24, past=(17, 4)), 32),
+    ("int8 head_dim 128, page 24, 3 splits", dict(head_dim=128, page_size=24, past=(30, 4)), 32),
     ("int4, page 8, group 2", dict(quant_bit=4, page_size=8, num_heads=4, num_kv_heads=2, past=(12, 3)), 32),
     ("int4 head_dim 128, offset cache, group 8",
      dict(quant_bit=4, head_dim=128, cache_mode=0, num_heads=8, past=(5, 20)), 32),
@@ -192,13 +192,15 @@ RUNS = [
 @pytest.mark.parametrize("what,changes,threads", RUNS, ids=[r[0] for r in RUNS])
 def test_decode_kernel_conforms(what, changes, threads):
     case = _case(**changes, seed=len(what))
-    assert _launched(case, threads=threads)[-1] == "gqa_decode_attention_kernel"
-    kit.check_case("multi_head_cache_attention", _kernel("multi_head_cache_attention", threads), case)
+    splits = int(what.split(" splits")[0].rsplit(" ", 1)[1]) if " splits" in what else 1
+    kernels = ["gqa_decode_attention_kernel"] + ["combine_kernel"] * (splits > 1)
+    assert _launched(case, threads=threads, num_splits=splits)[-len(kernels):] == kernels
+    kit.check_case("multi_head_cache_attention", _kernel("multi_head_cache_attention", threads, splits), case)
 
 
 # Split-K (few sequences for the SMs): each split walks whole trips of the visible keys, the combine finishes.
+# (test_decode_kernel_conforms splits its int8 run at head_dim 128 three ways too.)
 SPLIT_RUNS = [
-    ("int8 head_dim 128, 2 warps, 3 splits", dict(head_dim=128, past=(70, 33)), 64, 3),
     ("float16, ALiBi and a mask, page 8, 5 splits (some empty)", dict(quant_bit=0, is_alibi=True, mask="2d",
                                                                       page_size=8, past=(40, 9)), 32, 5),
 ]
