@@ -32,15 +32,16 @@ ON_RUNG_5 = {
     # score function on every key; the new token from the scratch
     "paged8-fp8-layer1-alibi-softcap": replace(DECODE, quant=128, tokens_per_block=8, num_layers=2, layer_idx=1,
                                                position=4, softcap=3.0),
-    # a contiguous cache (one page a row, V s_kv on), a GQA group of 4, two warps merging before the new token
-    "contiguous-int8-group4": replace(DECODE, quant=64, paged=False, num_heads=8),
+    # a contiguous cache (one page a row, V s_kv on), a GQA group of 4, two warps merging, split two ways: the last
+    # split adds the new token
+    "contiguous-int8-group4-split": replace(DECODE, quant=64, paged=False, num_heads=8),
     # a context chunk that wraps its cyclic cache writes every new token after attention: a float16 generation
     # entry's new token then comes from the scratch too
     "inflight-wrapping-chunk-fp16": replace(DECODE, contexts=((3, 6),), generations=((2, 4),), window=5, capacity=5,
                                             tokens_per_block=4),
 }
 
-TWO_WARPS = ("contiguous-int8-group4",)
+TWO_WARPS = SPLIT = ("contiguous-int8-group4-split",)
 
 
 def launched(case: TrtCase, **launch) -> list:
@@ -58,11 +59,14 @@ def test_rung_5_decode_conforms(name):
     warp a block (the simulator's cost is blocks x threads), two where the warps' merge meets the new token."""
     case = ON_RUNG_5[name]
     threads = 64 if name in TWO_WARPS else 32
-    assert "gqa_decode_attention_kernel" in launched(case, threads=threads, rung=5)
+    launch = dict(rung=5, num_splits=2 if name in SPLIT else 1)
+    expected = ["gqa_decode_attention_kernel"] + ["combine_kernel"] * (name in SPLIT)
+    names = launched(case, threads=threads, **launch)
+    assert names[names.index("gqa_decode_attention_kernel"):][:len(expected)] == expected, names
     if not case.contexts:
         assert launched(case, threads=threads, multi_block_mode=False) == ["preprocess_kernel",
                                                                            "gqa_decode_attention_kernel"]
-    kit.check_case("gpt_attention", kernels(threads, rung=5), case)
+    kit.check_case("gpt_attention", kernels(threads, **launch), case)
 
 
 @pytest.mark.parametrize("quant", [64])
@@ -121,14 +125,6 @@ def test_few_blocks_split_the_decode_kernel():
     register, reason = _step_choice(case)
     assert register and "split 19 ways" in reason, reason          # ceil(601 keys / (2 warps x 16))
     assert launched(case, threads=64, multi_block_mode=False) == split[:2]
-
-
-@pytest.mark.parametrize("quant", [128])
-def test_split_decode_conforms(quant):
-    """Three splits of a sequence's trips; with FP8 the last split adds the new token from the scratch."""
-    case = replace(DECODE, generations=((3, 37), (2, 7)), quant=quant)
-    assert launched(case, threads=32, rung=5, num_splits=3)[1:] == ["gqa_decode_attention_kernel", "combine_kernel"]
-    kit.check_case("gpt_attention", kernels(32, rung=5, num_splits=3), case)
 
 
 def test_misaligned_cache_takes_rung_3_per_layer():
