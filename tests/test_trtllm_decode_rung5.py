@@ -32,8 +32,8 @@ ON_RUNG_5 = {
     # score function on every key; the new token from the scratch
     "paged8-fp8-layer1-alibi-softcap": replace(DECODE, quant=128, tokens_per_block=8, num_layers=2, layer_idx=1,
                                                position=4, softcap=3.0),
-    # a contiguous cache (one page a row, V s_kv on), a GQA group of 4, two warps merging, split two ways: the last
-    # split adds the new token
+    # a contiguous cache (one page a row, V s_kv on), a GQA group of 4, split two ways: the last split adds the new
+    # token (after its two warps merge)
     "contiguous-int8-group4-split": replace(DECODE, quant=64, paged=False, num_heads=8),
     # a context chunk that wraps its cyclic cache writes every new token after attention: a float16 generation
     # entry's new token then comes from the scratch too
