@@ -310,10 +310,9 @@ def _vector_grid(shape, threads):
 
 def _decode_splits(shape, threads, sms):
     """The split count of rung 5's decode kernel: a GQA group a block, a warp's trip of 16 keys a step."""
-    from kernels_numba._attention_gqa_mma import KEY_TILE, heads_per_block
+    from kernels_numba._attention_gqa_mma import decode_grid
 
-    blocks = (shape.num_heads // heads_per_block(shape.num_heads, shape.num_kv_heads)) * shape.batch
-    return _splits(shape, blocks, KEY_TILE * (threads // 32), sms)
+    return _splits(shape, *decode_grid(shape.num_heads, shape.num_kv_heads, shape.batch, threads), sms)
 
 
 def _splits(shape, blocks, step, sms):

@@ -73,6 +73,7 @@ from ._attention_core import SHARED_BYTES
 from ._dequant import (
     INTERLEAVE_BYTES,
     INTERLEAVE_HALVES,
+    e4m3x4_to_half2,
     half2_floats,
     int4x8_to_half2,
     int8x4_to_half2,
@@ -163,6 +164,12 @@ def heads_per_block(num_heads: int, num_kv_heads: int) -> int:
     """Query heads of a block: the largest divisor of the GQA group that fits the 16 rows of an A tile."""
     group = num_heads // num_kv_heads
     return max(d for d in range(1, min(group, MMA_M) + 1) if group % d == 0)
+
+
+def decode_grid(num_heads: int, num_kv_heads: int, sequences: int, threads: int) -> tuple:
+    """(blocks, keys a block takes a step) of the kernel over `sequences` decode sequences: a block a GQA group's
+    `heads_per_block` heads, each warp a trip of 16 keys a step (what a split count is chosen from)."""
+    return (num_heads // heads_per_block(num_heads, num_kv_heads)) * sequences, KEY_TILE * (threads // WARP_SIZE)
 
 
 def _rows(heads: int) -> int:
@@ -317,9 +324,7 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
     SCALED = bool(quant_bit) and not per_tensor      # group scales loaded beside the codes and multiplied in
     if (per_tensor or e4m3) and quant_bit != 8:
         raise ValueError(f"quant_bit: a per-tensor or e4m3 cache holds 8-bit codes, got {quant_bit}")
-    to_half2 = int8x4_to_half2
-    if e4m3:
-        from ._dequant import e4m3x4_to_half2 as to_half2
+    to_half2 = e4m3x4_to_half2 if e4m3 else int8x4_to_half2
     ITEM = 2 if quant_bit == 0 else 1                # bytes of a data element (int4: a byte holds two codes)
     K_DIMS, V_DIMS = D // 4, D // 8                  # dims of a row a lane loads: K (per quad), V (per grp)
     K_BYTES, V_BYTES = K_DIMS * BITS // 8, V_DIMS * BITS // 8

@@ -21,7 +21,7 @@ from numba import cuda
 
 from ._attention_core import make_attention_kernel, plan_tiles
 from ._attention_gqa_mma import KEY_TILE as DECODE_TRIP
-from ._attention_gqa_mma import decode_kernel_choice, make_gqa_decode_attention_kernel
+from ._attention_gqa_mma import decode_grid, decode_kernel_choice, make_gqa_decode_attention_kernel
 from ._attention_gqa_mma import heads_per_block as decode_heads
 from ._attention_mma import check_fits, make_mma_attention_kernel, plan_mma_rows
 from ._attention_vector import keys_per_step, make_vector_attention_kernel, plan_vector_rows
@@ -170,7 +170,8 @@ def attend(query, key_src, value_src, seqstarts, kvstarts, decoding_batches, max
         step = keys_per_step(head_dim, chunk_elements(quant_bit, key_src.data.dtype, rung), threads // 32)
         splits = num_splits or choose_splits(grid[0] * grid[1] * grid[2], max_kvlen, step)
     elif decode:                                  # the decode kernel splits as rung 4 does, a warp's trip a step
-        splits = num_splits or choose_splits(grid[0] * grid[1] * grid[2], max_kvlen, DECODE_TRIP * (threads // 32))
+        blocks, step = decode_grid(num_heads, num_kv_heads, batch, threads)
+        splits = num_splits or choose_splits(blocks, max_kvlen, step)
     is_alibi = alibi_slopes is not None
     # Upstream forms the ALiBi bias in the query dtype, so the slopes are rounded to it first.
     slopes = np.asarray(alibi_slopes if is_alibi else [0.0]).astype(query.dtype).astype(np.float32)

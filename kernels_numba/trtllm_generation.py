@@ -50,7 +50,8 @@ from functools import cache
 import numpy as np
 from numba import cuda
 
-from ._attention_gqa_mma import KEY_TILE, decode_shape_problem, heads_per_block, make_gqa_decode_attention_kernel
+from ._attention_gqa_mma import decode_grid, decode_shape_problem, make_gqa_decode_attention_kernel
+from ._attention_gqa_mma import heads_per_block as decode_heads
 from ._attention_vector import KVWalker, keys_per_step, make_vector_attention_kernel, plan_vector_rows
 from ._cache import CacheSource, _address
 from ._launch import ceil_div, empty_like_kind, launch, to_kind
@@ -421,10 +422,16 @@ def step_splits(rung, num_splits, multi_block_mode, num_sms, new, kvlens, window
     walk of a live entry: the keys the window leaves visible)."""
     chunk = chunk_elements(cache_itemsize)
     heads_per_block, _ = block_plan(num_heads, num_kv_heads, head_size, chunk, threads)
+    live, longest = live_walks(new, kvlens, window)
+    return generation_splits(rung, num_splits, multi_block_mode, (num_heads // heads_per_block) * live, longest,
+                             key_step(head_size, chunk, threads), num_sms)
+
+
+def live_walks(new, kvlens, window) -> tuple:
+    """(entries with new tokens, the longest walk among them): the keys the window leaves visible."""
     live = np.asarray(new) > 0
     visible = np.minimum(np.asarray(kvlens, np.int64), int(window))     # the walk skips what the window hides
-    return generation_splits(rung, num_splits, multi_block_mode, (num_heads // heads_per_block) * int(live.sum()),
-                             int(np.max(np.where(live, visible, 0))), key_step(head_size, chunk, threads), num_sms)
+    return int(live.sum()), int(np.max(np.where(live, visible, 0)))
 
 
 def attend_generation(rung, num_splits, multi_block_mode, num_sms, pre, out_geom, new, kvlens, k_src, v_src, args,
@@ -499,8 +506,7 @@ def register_sources(k_src, v_src, quant: int, head_size: int, contiguous_starts
     Paged: slot s of entry b's row is at (offsets[b, kv, s // tpb] + layer_blocks) * s_block + (s % tpb) * Dh, so
     the offsets are the pages and a step of them is s_block / Dh slots; contiguous: row b one page, V s_kv on."""
     itemsize = np.dtype(k_src.cache.dtype).itemsize
-    if itemsize != (1 if quant else 2) or not vector_loads_ok(k_src.cache, head_size) or \
-            _address(k_src.scratch) % VECTOR_BYTES:
+    if itemsize != (1 if quant else 2) or not vector_loads_ok(k_src.cache, head_size):
         return None
     i64 = np.int64
     fold = np.float32(float(k_src.scale) * fold_factor(quant)) if quant else np.float32(1.0)
@@ -528,7 +534,7 @@ def register_kernel(num_heads, num_kv_heads, head_size, quant, paged, page_unit,
     score, key_range = make_trt_score(np.float32)
     return make_gqa_decode_attention_kernel(
         score, key_range, quant_bit=8 if quant else 0, quant_group=head_size, head_dim=head_size,
-        heads_per_block=heads_per_block(num_heads, num_kv_heads), group=num_heads // num_kv_heads,
+        heads_per_block=decode_heads(num_heads, num_kv_heads), group=num_heads // num_kv_heads,
         warps=threads // 32, whole_trips=whole, biased=biased, per_tensor=bool(quant), e4m3=quant == FP8_KV_CACHE,
         shared_pages=not paged, page_unit=page_unit, new_token=new_token, num_kv_heads=num_kv_heads,
         partials=partials)
@@ -544,11 +550,10 @@ def register_splits(rung, num_splits, multi_block_mode, num_sms, new, kvlens, wi
                     threads) -> int:
     """The decode kernel's split count for the step: as rung 4's (`generation_splits`; rung 5 asked for splits as
     rung 4 does), over its blocks (a GQA group each) and a warp's trip of 16 keys a step."""
-    live = np.asarray(new) > 0
-    visible = np.minimum(np.asarray(kvlens, np.int64), int(window))
-    blocks = (num_heads // heads_per_block(num_heads, num_kv_heads)) * int(live.sum())
-    return generation_splits(None if rung is None else 4, num_splits, multi_block_mode, blocks,
-                             int(np.max(np.where(live, visible, 0))), KEY_TILE * (threads // 32), num_sms)
+    live, longest = live_walks(new, kvlens, window)
+    blocks, step = decode_grid(num_heads, num_kv_heads, live, threads)
+    return generation_splits(None if rung is None else 4, num_splits, multi_block_mode, blocks, longest, step,
+                             num_sms)
 
 
 def attend_generation_register(q_geom, out_geom, lens, k_src, v_src, args, sm_scale, num_heads, num_kv_heads,
@@ -559,7 +564,7 @@ def attend_generation_register(q_geom, out_geom, lens, k_src, v_src, args, sm_sc
     the output's rows and the entries' first rows among the new tokens); False, launching nothing, where the
     layer's arrays do not allow it."""
     sources = register_sources(k_src, v_src, quant, head_size, contiguous_starts)
-    if sources is None:
+    if sources is None or _address(q_geom[0]) % VECTOR_BYTES:    # the query rows come in 16-byte loads too
         return False
     k_dec, v_dec, unit = sources
     whole = int(k_dec.page) % 16 == 0
@@ -568,7 +573,7 @@ def attend_generation_register(q_geom, out_geom, lens, k_src, v_src, args, sm_sc
     if quant:
         sm_scale = float(sm_scale) * float(k_dec.fold)
     entries = len(lens[0])
-    grid = (1, num_heads // heads_per_block(num_heads, num_kv_heads), entries)
+    grid = (1, num_heads // decode_heads(num_heads, num_kv_heads), entries)
     inputs = (*lens, k_dec, v_dec, args, np.float32(sm_scale))
     if splits == 1:
         launch(register_kernel(*key), grid, threads, stream, q_geom, out_geom, *inputs)

@@ -227,9 +227,8 @@ class TrtBenchCase:
                                                            self.head_dim, 4)
             return math.ceil(1 / q_tile) * (self.num_heads // heads_per_block) * self.batch, key_tile
         if rung == 5:                                   # the decode kernel: a GQA group a block, 16 keys a warp
-            from kernels_numba._attention_gqa_mma import KEY_TILE, heads_per_block
-            return (self.num_heads // heads_per_block(self.num_heads, self.num_kv_heads)) * self.batch, \
-                KEY_TILE * threads // 32
+            from kernels_numba._attention_gqa_mma import decode_grid
+            return decode_grid(self.num_heads, self.num_kv_heads, self.batch, threads)
         from kernels_numba.trtllm_generation import block_plan, key_step
         heads_per_block, _ = block_plan(self.num_heads, self.num_kv_heads, self.head_dim, self.chunk(rung), threads)
         return (self.num_heads // heads_per_block) * self.batch, key_step(self.head_dim, self.chunk(rung), threads)
