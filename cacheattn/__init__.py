@@ -3,6 +3,7 @@ define them. One function per operator; NumPy arrays in -> NumPy reference, GPU 
 kernels, the same array kind out. `backend="reference"` or `"numba"` forces one."""
 
 from .ft import AttentionWeight, CrossAttentionOutputs, DenseWeight, cross_attention
+from .kernel_choice import AttentionShape, KernelPlan, choose_kernel
 from .onnx import AttentionOutputs, onnx_attention
 from .ppl import (
                   KeyValue,
@@ -14,7 +15,8 @@ from .ppl import (
                   plan_multi_head_cache_attention,
 )
 
-__all__ = ["AttentionOutputs", "KeyValue", "dynamic_key_value_cache", "dynamic_multi_head_attention",
+__all__ = ["AttentionShape", "KernelPlan", "choose_kernel",
+           "AttentionOutputs", "KeyValue", "dynamic_key_value_cache", "dynamic_multi_head_attention",
            "key_value_cache", "multi_head_cache_attention", "MultiHeadCacheAttentionPlan",
            "plan_multi_head_cache_attention", "onnx_attention",
            "AttentionWeight", "CrossAttentionOutputs", "DenseWeight", "cross_attention"]

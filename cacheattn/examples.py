@@ -425,7 +425,7 @@ def build_ft(case: FTCase) -> dict:
     `AttentionWeight`) included; caches and buffers hold plausible old data."""
     from reference.ft_cross_attention import chunk_elements
 
-    from .ft import AttentionWeight, DenseWeight
+    from ._types import AttentionWeight, DenseWeight
 
     rng = np.random.default_rng(case.seed)
     dtype = np.dtype(case.dtype)
@@ -464,7 +464,7 @@ def build_ft(case: FTCase) -> dict:
 def float64_ft(inputs: dict, case: FTCase) -> tuple:
     """The reference on float64 copies of every floating tensor (weights too): `(hidden_features, context,
     key_cache, value_cache, cross_attentions)`, the last four as the call left them."""
-    from .ft import AttentionWeight, DenseWeight
+    from ._types import AttentionWeight, DenseWeight
 
     def wide(a):
         return a.astype(np.float64) if isinstance(a, np.ndarray) and a.dtype.kind == "f" else a

@@ -231,7 +231,8 @@ def bounds_plot(result: dict) -> str:
     one bar per rung, the floor's time (the bytes the case must move over the HBM bandwidth, or its FLOPs over the
     tensor cores) as a share of the rung's lower bound, so 100% is a rung that can reach the floor. Derived from
     counts, never timed."""
-    from .lab import bounds, cases
+    from . import bounds
+    from .lab import cases
 
     machine = bounds.H100_SXM
     svg, left, full, bar = Svg(), 260, 300, 12

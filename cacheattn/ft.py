@@ -15,7 +15,7 @@ import reference
 from reference.ft_cross_attention import chunk_elements
 
 from . import _arrays as arrays
-from ._types import IndexTensor, Tensor
+from ._types import AttentionWeight, DenseWeight, IndexTensor, Tensor
 from ._validate import (
     FLOAT_T1,
     check_contiguous,
@@ -25,55 +25,14 @@ from ._validate import (
     check_same_dtype,
     check_shape,
 )
-from .plan import AttentionShape, KernelPlan
-from .plan import plan as plan_kernels
+from .kernel_choice import AttentionShape, KernelPlan
+from .kernel_choice import choose_kernel as plan_kernels
 
 # FasterTransformer's masked-MHA dispatch: one kernel per head size (built for the next power of two).
 # spec: ft/head-size-dispatch
 HEAD_SIZES = (32, 48, 64, 80, 96, 112, 128, 144, 160, 192, 224, 256)
 RUNGS = (1, 3, 4)      # the kernel ladder's rungs the attention kernel offers (docs/kernel-ladder.md)
-PLAN_OPTIONS = dict(rungs=RUNGS)      # what `cacheattn.plan` chooses among
-
-
-class DenseWeight(NamedTuple):
-    """FasterTransformer's DenseWeight: one projection.
-
-    Attributes
-    ----------
-    kernel : Tensor
-        `[in, out]`: the input times `kernel` is the projection.
-    bias : Tensor or None
-        `[out]`, or None (no bias).
-    """
-    kernel: Tensor
-    bias: Tensor | None = None
-
-
-class AttentionWeight(NamedTuple):
-    """FasterTransformer's AttentionWeight: the members cross attention reads, in the dtype of the input.
-
-    Attributes
-    ----------
-    query_weight : DenseWeight
-        `[d_model, head_num * size_per_head]`, bias `[head_num * size_per_head]` (added in the kernel).
-    key_weight : DenseWeight
-        `[mem_d_model, head_num * size_per_head]`; its bias is added to the cache at step 1.
-    value_weight : DenseWeight
-        `[mem_d_model, head_num * size_per_head]`, likewise.
-    attention_output_weight : DenseWeight
-        `[head_num * size_per_head, d_model]`; its bias is the caller's to add (FasterTransformer adds it
-        outside the layer), so it is not read.
-    ia3_key_weight : DenseWeight or None
-        IA3 key scaling: `kernel` `[num_tasks, head_num * size_per_head]` (bias unused), or None.
-    ia3_value_weight : DenseWeight or None
-        IA3 value scaling, likewise.
-    """
-    query_weight: DenseWeight
-    key_weight: DenseWeight
-    value_weight: DenseWeight
-    attention_output_weight: DenseWeight
-    ia3_key_weight: DenseWeight | None = None
-    ia3_value_weight: DenseWeight | None = None
+PLAN_OPTIONS = dict(rungs=RUNGS)      # what `cacheattn.choose_kernel` chooses among
 
 
 class CrossAttentionOutputs(NamedTuple):
@@ -366,7 +325,7 @@ def kernel_plan(encoder_sequence_length: IndexTensor, key_cache: Tensor, value_c
     """The kernel plan `cross_attention` runs its attention with, for these arguments (the same names).
 
     Each step's attention is one query row per running sequence over its `encoder_sequence_length[b]` cached
-    keys, on `head_num` heads with their own keys: `cacheattn.plan.plan` of that shape, over the rungs this
+    keys, on `head_num` heads with their own keys: `cacheattn.choose_kernel` of that shape, over the rungs this
     operator offers (1, 3, 4). Without `rung` that is rung 3, or rung 4 when the running sequences' heads
     leave SMs idle; rungs 3 and 4 read 16-byte chunks, so a cache that does not start on a 16-byte boundary
     (or, without `rung`, a block size of partial warps) runs on rung 1, with the reason in the plan.

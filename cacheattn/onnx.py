@@ -16,13 +16,13 @@ import reference
 from . import _arrays as arrays
 from ._types import IndexTensor, Tensor
 from ._validate import check_choice, check_flag, check_int, check_launch, check_shape
-from .plan import AttentionShape, KernelPlan
-from .plan import plan as plan_kernels
+from .kernel_choice import AttentionShape, KernelPlan
+from .kernel_choice import choose_kernel as plan_kernels
 
 T1 = ("float16", "float32", "float64", "bfloat16")
 OPSETS = (23, 24, 25)
 RUNGS = (1, 3, 4, 5)       # the kernel ladder's rungs ONNX Attention runs on (docs/kernel-ladder.md)
-# What `cacheattn.plan` chooses among: those rungs, rung 5 staging its keys in decode as in prefill.
+# What `cacheattn.choose_kernel` chooses among: those rungs, rung 5 staging its keys in decode as in prefill.
 PLAN_OPTIONS = dict(rungs=RUNGS, register_decode=False)
 
 
@@ -315,7 +315,7 @@ def onnx_attention(Q: Tensor, K: Tensor, V: Tensor, attn_mask: Tensor | None = N
 def kernel_plan(Q, K, V, past_key=None, *, q_num_heads=None, kv_num_heads=None, is_causal=0, rung=None,
                 num_splits=None, threads=None, sms=None) -> KernelPlan:
     """The `KernelPlan` (rung, splits, block size, reason) the kernels run `onnx_attention` with for these
-    inputs (validated ones: `onnx_attention` checks them first): `cacheattn.plan.plan` of the call's shape. Decode
+    inputs (validated ones: `onnx_attention` checks them first): `cacheattn.choose_kernel` of the call's shape. Decode
     (one query a batch) on rung 3 or 4, or rung 5 where the tensor cores are faster; prefill on rung 5 when the
     plan picks it (a float16 Q), else on rung 1 unless `rung` asks for 3 or 4; rung 1 where the others cannot:
     float64, a block size of partial warps, or head sizes whose rows do not fit their registers and shared

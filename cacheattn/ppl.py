@@ -31,8 +31,8 @@ from ._validate import (
     check_shape,
     check_starts,
 )
-from .plan import AttentionShape
-from .plan import plan as plan_kernels
+from .kernel_choice import AttentionShape
+from .kernel_choice import choose_kernel as plan_kernels
 
 QUANT_BITS = (0, 4, 8)
 
@@ -639,7 +639,7 @@ def dynamic_multi_head_attention(query: Tensor, key: Tensor, value: Tensor, seqs
         warps where a rung's shared-memory buffers need them).
     rung : int or None, default None
         Which kernel of the ladder runs (docs/kernel-ladder.md). None: the plan's choice for this call's shapes
-        (`cacheattn.plan`): for a float16 decode batch rung 5's decode kernel (its keys split across blocks where
+        (`choose_kernel`): for a float16 decode batch rung 5's decode kernel (its keys split across blocks where
         the grid leaves SMs idle), else rung 3 for decode, rung 4 when the grid leaves SMs idle, rung 5 where
         tensor cores are faster (a float16 `query`), rung 1 where those cannot run (`threads` not whole warps, a
         `head_dim` too wide for them). 1 to 5 force one: 1 shared-memory tiles, 2 a warp per key, 3 16-byte loads,
@@ -724,7 +724,7 @@ def _check_rung(rung, query):
 
 def _kernel_plan(engine, rung, threads, num_splits, query_dtype, seqlens, max_seqlen, max_kvlen, num_heads, kv_heads,
                  head_dim, cache_dtype, is_causal, is_alibi, quant_bit=0, quant_group=0, page_size=0):
-    """The kernels' rung, split count and block size (`cacheattn.plan`, from the call's shapes; seqlens: the host
+    """The kernels' rung, split count and block size (`choose_kernel`, from the call's shapes; seqlens: the host
     query lengths), planned before the cache store or any kernel runs: every kernel keeps its rows' K/V tiles or
     softmax states in shared memory, so a rung asked for whose layout does not fit is a ValueError naming head_dim
     here, from the launcher's own planner. A rung asked for by name (2 to 5, or 4 through num_splits) is checked on
@@ -842,7 +842,7 @@ def multi_head_cache_attention(query: Tensor, current_key: Tensor, current_value
         warps where a rung's shared-memory buffers need them).
     rung : int or None, default None
         Which kernel of the ladder runs (docs/kernel-ladder.md). None: the plan's choice for this call's shapes
-        (`cacheattn.plan`): for a float16 decode batch rung 5's decode kernel (its keys split across blocks where
+        (`choose_kernel`): for a float16 decode batch rung 5's decode kernel (its keys split across blocks where
         the grid leaves SMs idle), else rung 3 for decode, rung 4 when the grid leaves SMs idle, rung 5 where
         tensor cores are faster (a float16 `query`), rung 1 where those cannot run (`threads` not whole warps, a
         `head_dim` too wide for them). 1 to 5 force one: 1 shared-memory tiles, 2 a warp per key, 3 16-byte loads,

@@ -190,7 +190,7 @@ def shared_bytes(head_dim: int, warps: int, heads: int) -> int:
 
 def decode_shape_problem(*, query_dtype, max_seqlen: int, head_dim: int, num_heads: int, num_kv_heads: int,
                          quant_bit: int, cache_dtype, threads: int) -> str | None:
-    """Why a call of these shapes cannot run on this kernel, or None: what `cacheattn.plan` can know before any
+    """Why a call of these shapes cannot run on this kernel, or None: what `cacheattn.choose_kernel` can know before any
     array exists (`decode_kernel_choice` adds the arrays' own conditions)."""
     if max_seqlen != 1:
         return f"not a decode batch (max_seqlen {max_seqlen})"

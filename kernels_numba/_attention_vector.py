@@ -216,7 +216,7 @@ def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, h
         each_source(walker) if walker is not None else PAGE_WALKER
     # A loader that can split its loads from its unpacking (`_cache.ChunkPrefetch`) gets every load of a step (the
     # tile's K and V chunks and their scales) issued before the first is used: a warp then has all of them in
-    # flight at once, not one key's, which the latency of HBM needs (`cacheattn.lab.bounds.latency_bound`).
+    # flight at once, not one key's, which the latency of HBM needs (`cacheattn.bounds.latency_bound`).
     prefetch = getattr(load_chunk, "prefetch", None)
     PREFETCH = prefetch is not None
     fetch_chunk, unpack_chunk = (prefetch.fetch, prefetch.unpack) if PREFETCH else (None, None)

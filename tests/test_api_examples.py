@@ -12,7 +12,7 @@ import pytest
 
 MODULES = ("cacheattn.ppl", "cacheattn.onnx", "cacheattn.ft", "cacheattn.trtllm", "cacheattn.examples",
            "cacheattn.testing", "cacheattn.testing.strategies", "cacheattn.testing.pytest_plugin",
-           "cacheattn.traceability", "cacheattn.onnx_conformance", "cacheattn.plan")
+           "cacheattn.traceability", "cacheattn.onnx_conformance", "cacheattn.kernel_choice")
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 

@@ -204,17 +204,17 @@ def test_decode_kernel_conforms(what, changes, threads):
 def test_rung_5_splits_a_few_long_sequences_by_itself():
     """Without num_splits rung 5 splits the decode kernel's keys where its blocks leave SMs idle (2 blocks here,
     18 and 38 keys: one trip of 16 a warp a step), as rung 4 does; the plan says the same count."""
-    from cacheattn.plan import plan
+    from cacheattn import choose_kernel
     case = _case()
     with _launch.recorded_launches() as launches:
         cacheattn.multi_head_cache_attention(**build_ppl(case), **case.attrs(), backend="numba", rung=5, threads=32)
     assert [kernel.py_func.__name__ for kernel, _ in launches] == ["store_kernel", "gqa_decode_attention_kernel",
                                                                     "combine_kernel"]
     assert launches[1][1][1][5] == 3                    # out_geom's num_splits: ceil(38 / 16)
-    shape = cacheattn.plan.AttentionShape(batch=2, max_query_len=1, max_kv_len=38, num_heads=4, num_kv_heads=1,
+    shape = cacheattn.AttentionShape(batch=2, max_query_len=1, max_kv_len=38, num_heads=4, num_kv_heads=1,
                                           head_dim=32, query_dtype="float16", quant_bit=8, quant_group=8,
                                           decode_sequences=2)
-    assert plan(shape, rung=5, threads=32, sms=132).num_splits == 3
+    assert choose_kernel(shape, rung=5, threads=32, sms=132).num_splits == 3
 
 
 def test_packed_keys_decode_on_it_too(monkeypatch):

@@ -1,8 +1,8 @@
-"""cacheattn.lab.bounds on hand-made metric dicts whose figures are worked out by hand in the comments."""
+"""cacheattn.bounds on hand-made metric dicts whose figures are worked out by hand in the comments."""
 
 import pytest
 
-from cacheattn.lab.bounds import H100_SXM, bounds
+from cacheattn.bounds import H100_SXM, bounds
 from cacheattn.lab.cases import LAB_CASES, BenchCase
 
 DECODE_F16, DECODE_I8, DECODE_I4, LONG, PREFILL = LAB_CASES

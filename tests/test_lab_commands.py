@@ -54,7 +54,7 @@ def test_lab_counts_every_rung_and_bounds_the_full_decode(capsys):
     (table,) = document["tables"]
     rows = {row["metric"]: row for row in table["rows"]}
     rungs = [f"rung_{rung}" for rung in range(1, 6)]
-    # Beside the rungs, the operator's default call: cacheattn.plan's choice, rung 5's register-fed decode kernel
+    # Beside the rungs, the operator's default call: choose_kernel's choice, rung 5's register-fed decode kernel
     # for the B = 64 decode (rung 3's grid, which fills the GPU).
     assert [c["key"] for c in table["columns"]] == ["metric", *rungs, "default"]
     assert table["columns"][-1]["header"] == "default (rung 5)"

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from cacheattn.lab import bounds, sass
+from cacheattn import bounds
+from cacheattn.lab import sass
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -94,8 +94,8 @@ def test_every_case_gets_a_plan_and_its_default_call():
     assert (default["rung"], default["num_splits"], default["counted as"]) == (5, 1, "5")
     assert "mma.sync" in default["reason"]
     assert plans[FT_CROSS.label].grid_scale == 64 * 16 / 2
-    # OpenPPL's default is cacheattn.plan's choice, recorded beside the rungs.
-    from cacheattn.plan import plan as kernel_plan
+    # OpenPPL's default is cacheattn.choose_kernel's choice, recorded beside the rungs.
+    from cacheattn import choose_kernel as kernel_plan
     for case in LAB_CASES:
         chosen = kernel_plan(case.shape(), sms=132)
         default = counters.default_call(plans[case.label])

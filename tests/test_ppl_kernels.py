@@ -48,7 +48,7 @@ def kernels(device, function, threads, **launch):
 @pytest.mark.parametrize("op", ["multi_head_cache_attention", "dynamic_multi_head_attention",
                                 "dynamic_key_value_cache", "key_value_cache"])
 def test_kernels_conform(device, op, threads):
-    """The attention operators take the plan's rung at one warp (`cacheattn.plan`: rungs 3 to 5 on these problems)
+    """The attention operators take the plan's rung at one warp (`choose_kernel`: rungs 3 to 5 on these problems)
     and rung 1, the plan's fallback, at two; the rungs below each get their own check too."""
     launch = {"rung": 1} if op.endswith("attention") and threads == THREADS[-1] else {}
     report = kit.check(op, kernels(device, getattr(cacheattn, op), threads, **launch), max_examples=EXAMPLES)

@@ -37,7 +37,7 @@ L2_MULTIPLE = 4          # rotate inputs until their bytes exceed the L2 cache t
 
 
 TINY_THREADS = 32        # the simulator's cost is per thread
-# Every rung of the kernel ladder, timed beside the default call (the rung `cacheattn.plan` picks for the case):
+# Every rung of the kernel ladder, timed beside the default call (the rung `choose_kernel` picks for the case):
 # {peer name: rung}. Every case is a float16 query, which rung 5 needs.
 LADDER_PEERS = {"rung 1 (shared-memory tiles)": 1, "rung 2 (warp per key)": 2, "rung 3 (16-byte loads)": 3,
                 "rung 4 (split-K)": 4, "rung 5 (tensor cores, mma.sync)": 5}

@@ -105,8 +105,8 @@ class BenchCase:
         return chunk_elements(self.quant_bit, np.int8 if self.quant_bit else np.float16, rung)
 
     def shape(self):
-        """The call as `cacheattn.plan` sees it."""
-        from ..plan import AttentionShape
+        """The call as `cacheattn.choose_kernel` sees it."""
+        from ..kernel_choice import AttentionShape
         return AttentionShape(batch=self.batch, max_query_len=self.new_tokens, max_kv_len=self.kvlen,
                               num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                               query_dtype="float16", quant_bit=self.quant_bit,
@@ -119,14 +119,14 @@ class BenchCase:
         for an H100's SMs; 1 for the rest."""
         if rung not in (4, 5):
             return 1
-        from ..plan import plan
-        return plan(self.shape(), rung=rung, threads=threads, sms=SMS).num_splits
+        from ..kernel_choice import choose_kernel
+        return choose_kernel(self.shape(), rung=rung, threads=threads, sms=SMS).num_splits
 
     def default_plan(self, threads: int = 128) -> dict:
-        """What the operator's default call (rung None) runs for this launch on an H100: `cacheattn.plan`'s
+        """What the operator's default call (rung None) runs for this launch on an H100: `cacheattn.choose_kernel`'s
         choice."""
-        from ..plan import plan
-        chosen = plan(self.shape(), sms=SMS)
+        from ..kernel_choice import choose_kernel
+        chosen = choose_kernel(self.shape(), sms=SMS)
         return dict(rung=chosen.rung, num_splits=chosen.num_splits, threads=chosen.threads, reason=chosen.reason)
 
     def call(self, rung: int, threads: int = 128, num_splits: int = 1):
@@ -364,7 +364,7 @@ def _takes_rung(operator) -> bool:
 class PlannedCase:
     """A decode step of one float16 query token a sequence over `self.kvlen` float16 keys (`batch`, `num_heads`,
     `num_kv_heads`, `head_dim` fields), by an operator that offers the rungs in `self.rungs` and whose default is
-    `cacheattn.plan`'s choice for `self.shape()`: the split counts and the default the lab counts come from the
+    `cacheattn.choose_kernel`'s choice for `self.shape()`: the split counts and the default the lab counts come from the
     plan itself. `must_move` is the operator's own."""
     new_tokens = 1
     quant_bit = 0
@@ -394,7 +394,7 @@ class PlannedCase:
         return chunk_elements(0, np.float16, rung)
 
     def shape(self):
-        from ..plan import AttentionShape
+        from ..kernel_choice import AttentionShape
         return AttentionShape(batch=self.batch, max_query_len=1, max_kv_len=self.kvlen, num_heads=self.num_heads,
                               num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, query_dtype="float16",
                               decode_sequences=self.batch)
@@ -408,14 +408,14 @@ class PlannedCase:
     def splits(self, rung: int, threads: int = 128) -> int:
         if rung != 4 or 4 not in self.rungs:
             return 1
-        from ..plan import plan
-        return plan(self.shape(), rung=4, threads=threads, sms=SMS, **self.plan_options).num_splits
+        from ..kernel_choice import choose_kernel
+        return choose_kernel(self.shape(), rung=4, threads=threads, sms=SMS, **self.plan_options).num_splits
 
     def default_plan(self, threads: int = 128) -> dict:
         if 3 not in self.rungs:
             return dict(rung=1, num_splits=1, threads=threads, reason="the call offers rung 1's tiles only")
-        from ..plan import plan
-        chosen = plan(self.shape(), sms=SMS, **self.plan_options)
+        from ..kernel_choice import choose_kernel
+        chosen = choose_kernel(self.shape(), sms=SMS, **self.plan_options)
         return dict(rung=chosen.rung, num_splits=chosen.num_splits, threads=chosen.threads, reason=chosen.reason)
 
 
@@ -426,7 +426,7 @@ class OnnxBenchCase(PlannedCase):
     it must read the past once and write all of present once.
 
     Counted at the rungs its call offers: rung 1 where it has no `rung=`; rungs 1, 3 and 4 once it has (then its
-    default is `cacheattn.plan`'s choice)."""
+    default is `cacheattn.choose_kernel`'s choice)."""
     label: str
     batch: int
     context: int

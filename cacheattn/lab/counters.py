@@ -28,8 +28,8 @@ Every call is the whole operator (OpenPPL's `multi_head_cache_attention`: the ca
 4's combine; TensorRT-LLM's preprocess, attention, combine; ONNX's present copies, then attention; FasterTransformer's
 query bias, then attention), recorded by `lab.record()`, at each rung its call offers (`case.rungs`), and each case
 records what the operator's default call (no rung asked for) runs for the full launch (`default_call`: OpenPPL
-`cacheattn.plan`'s choice), whose counts are that rung's column. The bounds (`bounds.bounds`) are derived from the
-full launch's figures: lower bounds on time, never timings. Every launch of a run goes to one pool of `jobs`
+`cacheattn.choose_kernel`'s choice), whose counts are that rung's column. The bounds (`bounds.bounds`) are derived
+from the full launch's figures: lower bounds on time, never timings. Every launch of a run goes to one pool of `jobs`
 processes, the longest first (`job_cost`).
 """
 
@@ -49,8 +49,8 @@ import numpy as np
 from kernels_numba._attention_gqa_mma import KEY_TILE as DECODE_TRIP
 from kernels_numba._attention_vector import keys_per_step
 
-from .. import _console
-from . import bounds, recorder, sass
+from .. import _console, bounds
+from . import recorder, sass
 from .cases import ALL_LAB_CASES, LAB_CASES, BenchCase, TrtBenchCase
 
 RUNGS = (1, 2, 3, 4, 5)
@@ -125,7 +125,7 @@ def case_chunk(case, rung: int) -> int:
 
 def split_steps(case, threads: int = THREADS) -> dict:
     """{rung: (split count, keys a block takes per step)} of the rungs that split the full launch of `case`, as its
-    operator picks them on a 132-SM GPU (OpenPPL: `cacheattn.plan`; TensorRT-LLM: multi-block mode): rung 4, and
+    operator picks them on a 132-SM GPU (OpenPPL: `choose_kernel`; TensorRT-LLM: multi-block mode): rung 4, and
     rung 5's decode kernel (a warp's trip of 16 keys a step)."""
     out = {4: (case.splits(4, threads), keys_per_step(case.head_dim, case.chunk(3), threads // 32))}
     if 5 in case.rungs:
@@ -393,7 +393,7 @@ def assemble(plan: Plan, work: list, counted: list, threads: int = THREADS) -> d
 
 def default_call(plan: Plan, threads: int = THREADS) -> dict:
     """What the operator's default call (no rung asked for) runs for the full launch: its rung, split count, block
-    size and reason (OpenPPL: `cacheattn.plan.plan`'s choice), and the rung column whose counts are that call's
+    size and reason (OpenPPL: `cacheattn.choose_kernel`'s choice), and the rung column whose counts are that call's
     (None when the default runs another split count or block size than the column was counted at)."""
     chosen = plan.case.default_plan(threads)
     same = chosen["threads"] == threads and chosen["rung"] in plan.rungs \

@@ -23,8 +23,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from .cases import BenchCase
+
+class FloorCase(Protocol):
+    """What a bound needs of a bench case (`cacheattn.lab.cases.BenchCase`): the bytes any kernel must move and a
+    label. The model is a leaf that the kernel choice and the lab both import, so it names no lab type."""
+    floor_bytes: float
+    label: str
 
 # ----------------------------------------------------------------------------------------------------- the machine
 
@@ -144,9 +150,9 @@ def _total(metrics: dict, names) -> int | None:
     return sum(present) if present else None
 
 
-def bounds(metrics: dict, scale: float = 1.0, *, case: BenchCase | None = None, warp_instructions: float | None = None,
-           mma: float | None = None, fma_flops: float | None = None, blocks: int | None = None,
-           machine: Machine = H100_SXM) -> Bounds:
+def bounds(metrics: dict, scale: float = 1.0, *, case: FloorCase | None = None,
+           warp_instructions: float | None = None, mma: float | None = None, fma_flops: float | None = None,
+           blocks: int | None = None, machine: Machine = H100_SXM) -> Bounds:
     """Lower bounds on the time of the full grid from figures counted on a scaled-down launch.
 
     Parameters
@@ -157,8 +163,9 @@ def bounds(metrics: dict, scale: float = 1.0, *, case: BenchCase | None = None, 
         its resource out.
     scale : float
         Blocks of the full grid per block counted (the per-block figures scale with the grid).
-    case : BenchCase, optional
-        The bench case: adds the floor (the bytes the operator must move) and DRAM bytes ÷ floor.
+    case : FloorCase, optional
+        The bench case (`cacheattn.lab.cases.BenchCase`): adds the floor (the bytes the operator must move) and
+        DRAM bytes ÷ floor.
     warp_instructions : float, optional
         Warp instructions the full grid issues, for the issue bound; already at full scale. From the SASS key loop
         (`cacheattn.lab.sass`) its length times the trips of every warp is an estimate, not a bound: a static count

@@ -1,4 +1,4 @@
-"""The kernel plan (`cacheattn.plan`): which rung OpenPPL's attention operators run when `rung` is not given.
+"""The kernel plan (`cacheattn.choose_kernel`): which rung OpenPPL's attention operators run when `rung` is not given.
 
 Host-only checks of the choice (the lab's bench cases, the fallbacks and their reasons, every call rung 1 can
 serve still served), then the default call itself on the kernels: one small problem for each rung the plan
@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 import cacheattn
 import cacheattn.testing as kit
 import kernels_numba.ppl_dynamic_multi_head_attention as ppl_kernels
+from cacheattn.kernel_choice import AttentionShape, KernelPlan, choose_kernel
 from cacheattn.lab import counters
 from cacheattn.lab.cases import LAB_CASES
-from cacheattn.plan import AttentionShape, KernelPlan, plan
 from kernels_numba import _launch
 from kernels_numba._attention_core import plan_tiles
 from kernels_numba._cache import chunk_elements
@@ -45,18 +45,18 @@ def test_the_bench_cases_get_the_rungs_the_lab_counts_at_their_bound(case):
     gives way to rung 5's register-fed decode kernel (the same bytes, a fraction of the instructions); B = 1 at
     32k splits the decode kernel's keys as rung 4's would be (33 splits, the lab's count); the float16 prefill
     goes to the tensor cores."""
-    chosen = plan(bench_shape(case), sms=132)
+    chosen = choose_kernel(bench_shape(case), sms=132)
     if case.new_tokens > 1:
         assert chosen.rung == 5 and "tensor cores" in chosen.reason
     elif case.batch == 64:
         assert (chosen.rung, chosen.num_splits) == (5, 1) and "512 blocks fill 132 SMs; memory-bound" in chosen.reason
         assert "rung 5's decode kernel" in chosen.reason
         # Where the operator's rung 5 stages its keys (ONNX's), the same call stays on rung 3.
-        assert plan(bench_shape(case), sms=132, register_decode=False).rung == 3
+        assert choose_kernel(bench_shape(case), sms=132, register_decode=False).rung == 3
     else:
         assert (chosen.rung, chosen.num_splits) == (5, counters.split_steps(case)[5][0]) == (5, 33)
         assert "33 splits make 264" in chosen.reason and "rung 5's decode kernel" in chosen.reason
-        staged = plan(bench_shape(case), sms=132, register_decode=False)
+        staged = choose_kernel(bench_shape(case), sms=132, register_decode=False)
         assert (staged.rung, staged.num_splits) == (4, 33)
     assert chosen.threads == 128
 
@@ -71,40 +71,40 @@ def shape(**changes):
 def test_fallbacks_say_why():
     decode = shape(batch=4, max_query_len=1, max_kv_len=100, decode_sequences=4)
     # Not whole warps: only rung 1's tile loops take any block size.
-    assert plan(decode, threads=48, sms=132) == KernelPlan(
+    assert choose_kernel(decode, threads=48, sms=132) == KernelPlan(
         1, 1, 48, "fallback to shared-memory tiles: rungs 2-5 need whole warps, threads is 48")
     # A prefill the CUDA cores would be bound on, with a float32 query the tensor cores cannot take.
-    chosen = plan(shape(query_dtype="float32"), sms=132)
+    chosen = choose_kernel(shape(query_dtype="float32"), sms=132)
     assert chosen.rung == 3 and chosen.reason.endswith("no tensor cores: rung 5 takes a float16 query, got float32")
     assert "compute-bound" in chosen.reason
     # Float16, it goes to rung 5; at a head_dim whose tiles need fewer warps, with fewer warps.
-    assert plan(shape(), sms=132).rung == 5
-    wide = plan(shape(head_dim=320), sms=132)
+    assert choose_kernel(shape(), sms=132).rung == 5
+    wide = choose_kernel(shape(head_dim=320), sms=132)
     assert (wide.rung, wide.threads) == (5, 64) and "head_dim 320 does not fit 128" in wide.reason
 
 
 def test_asked_for_rungs_and_splits_are_kept_and_checked():
     decode = dict(max_query_len=1, max_kv_len=4096, num_heads=8, num_kv_heads=2, head_dim=64, decode_sequences=1)
-    assert plan(shape(**decode), rung=2, sms=132) == KernelPlan(2, 1, 128, "rung=2 asked for")
-    forced = plan(shape(**decode), num_splits=5, sms=132)
+    assert choose_kernel(shape(**decode), rung=2, sms=132) == KernelPlan(2, 1, 128, "rung=2 asked for")
+    forced = choose_kernel(shape(**decode), num_splits=5, sms=132)
     assert (forced.rung, forced.num_splits) == (4, 5)
     # rung 4 without a count: the launcher's own heuristic, for the SMs given (2 blocks: 2 x 16 / 2 = 16 splits).
-    assert plan(shape(**decode), rung=4, sms=16).num_splits == 16
+    assert choose_kernel(shape(**decode), rung=4, sms=16).num_splits == 16
     with pytest.raises(ValueError, match=r"^threads\b"):
-        plan(shape(**decode), rung=3, threads=48)
+        choose_kernel(shape(**decode), rung=3, threads=48)
     with pytest.raises(ValueError, match=r"^num_splits\b"):
-        plan(shape(**decode), num_splits=65)
+        choose_kernel(shape(**decode), num_splits=65)
     with pytest.raises(ValueError, match=r"^rung\b"):
-        plan(shape(**decode, query_dtype="float32"), rung=5)
+        choose_kernel(shape(**decode, query_dtype="float32"), rung=5)
     with pytest.raises(ValueError, match=r"^head_dim\b"):
-        plan(shape(**{**decode, "head_dim": 704}), rung=1)
+        choose_kernel(shape(**{**decode, "head_dim": 704}), rung=1)
 
 
 def test_the_decode_instruction_figures_are_the_committed_sass():
     """The plan's reason quotes rung 3's and rung 5's key-loop instructions a key: the committed sm_90 SASS's trip
     over the keys a trip takes (rung 3: its lane groups' tile of keys a warp; rung 5's decode kernel: 16)."""
+    from cacheattn.kernel_choice import DECODE_INSTRUCTIONS_PER_KEY
     from cacheattn.lab import sass
-    from cacheattn.plan import DECODE_INSTRUCTIONS_PER_KEY
     from kernels_numba._attention_gqa_mma import KEY_TILE
     from kernels_numba._attention_vector import keys_per_step
 
@@ -124,22 +124,22 @@ def test_an_operator_offering_fewer_rungs_gets_its_best_of_them():
     tensor cores takes its CUDA-core rung instead, and a long decode on one request still splits, on rung 4 (where
     all rungs are offered, rung 5's decode kernel splits it)."""
     offered = (1, 3, 4)
-    assert plan(shape(), sms=132).rung == 5
-    chosen = plan(shape(), sms=132, rungs=offered)
+    assert choose_kernel(shape(), sms=132).rung == 5
+    chosen = choose_kernel(shape(), sms=132, rungs=offered)
     assert chosen.rung == 3 and "compute-bound" in chosen.reason
     long = shape(max_query_len=1, max_kv_len=32769, decode_sequences=1)
-    assert plan(long, sms=132, rungs=offered) == plan(long, sms=132, register_decode=False)
-    assert plan(long, sms=132).rung == 5
+    assert choose_kernel(long, sms=132, rungs=offered) == choose_kernel(long, sms=132, register_decode=False)
+    assert choose_kernel(long, sms=132).rung == 5
     # Without rung 4 the same decode runs unsplit on rung 3, and says so.
-    unsplit = plan(long, sms=132, rungs=(1, 3))
+    unsplit = choose_kernel(long, sms=132, rungs=(1, 3))
     assert (unsplit.rung, unsplit.num_splits) == (3, 1) and "rung 4 (split-K) not offered" in unsplit.reason
     with pytest.raises(ValueError, match=r"^rung\b.*offer rungs \(1, 3, 4\)"):
-        plan(shape(), rung=5, rungs=offered)
+        choose_kernel(shape(), rung=5, rungs=offered)
     with pytest.raises(ValueError, match=r"^num_splits\b"):
-        plan(long, num_splits=4, rungs=(1, 3))
+        choose_kernel(long, num_splits=4, rungs=(1, 3))
     for bad in ((), (3, 4), (1, 6)):
         with pytest.raises(ValueError, match=r"^rungs\b"):
-            plan(shape(), rungs=bad)
+            choose_kernel(shape(), rungs=bad)
 
 
 @pytest.mark.parametrize("field,value", [("num_kv_heads", 3), ("batch", -1), ("head_dim", 0), ("quant_bit", 2),
@@ -167,7 +167,7 @@ def test_every_call_rung_1_serves_is_served_by_a_rung_that_fits(batch, query_len
         plan_tiles(facts.num_heads, kv_heads, query_len, head_dim, head_dim)
     except ValueError:
         return                                        # rung 1 cannot run it: nothing to keep
-    chosen = plan(facts, threads=threads, sms=sms)
+    chosen = choose_kernel(facts, threads=threads, sms=sms)
     assert chosen.rung in (1, 3, 4, 5) and chosen.reason
     assert threads is None or chosen.threads == threads
     assert (chosen.num_splits > 1) == (chosen.rung == 4) and chosen.num_splits <= 64
@@ -255,7 +255,7 @@ def test_the_plan_is_what_the_operator_runs():
     problem, threads, rung = DEFAULT_CALLS["long decode, one warp"]
     facts = AttentionShape(batch=1, max_query_len=1, max_kv_len=70, num_heads=4, num_kv_heads=2, head_dim=8,
                            query_dtype="float16", quant_bit=4, quant_group=8, page_size=4, decode_sequences=1)
-    chosen = plan(facts, threads=threads)
+    chosen = choose_kernel(facts, threads=threads)
     with _launch.recorded_launches() as launches:
         cacheattn.multi_head_cache_attention(**build_ppl(problem), **problem.attrs(), backend="numba",
                                              threads=threads)

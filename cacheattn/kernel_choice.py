@@ -10,7 +10,7 @@ The choice, among the rungs of docs/kernel-ladder.md that can serve the call:
 - **rung 3, or rung 4 when SMs would idle.** Lane groups with vector loads reach the DRAM bound in decode. When
   the grid has fewer blocks than the GPU has SMs, rung 4 splits every block's keys so each SM gets about two
   (`kernels_numba._split_k.choose_splits`, TensorRT-LLM's multi-block mode);
-- **rung 5 when the tensor cores are faster.** The lab's bound model (`cacheattn.lab.bounds`, an H100 SXM with the
+- **rung 5 when the tensor cores are faster.** The bound model (`cacheattn.bounds`, an H100 SXM with the
   device's SM count) bounds both: rungs 3/4 by DRAM bytes and float32 FMA on the CUDA cores, rung 5 by DRAM bytes,
   mma.sync and the shared-memory wavefronts that feed it, each per-SM resource charged to the busiest SM of its
   grid. Rung 5 wins only where its bound is lower: prefill with a float16 query, or decode with a GQA group wide
@@ -158,7 +158,7 @@ class KernelPlan:
     reason: str
 
 
-def plan(shape: AttentionShape, *, rung: int | None = None, num_splits: int | None = None,
+def choose_kernel(shape: AttentionShape, *, rung: int | None = None, num_splits: int | None = None,
          threads: int | None = None, sms: int | None = None, rungs: tuple = LADDER,
          register_decode: bool = True) -> KernelPlan:
     """The kernel plan for a call of this shape.
@@ -205,12 +205,13 @@ def plan(shape: AttentionShape, *, rung: int | None = None, num_splits: int | No
     (rung 3 where the operator's rung 5 has no such kernel); one request at 32768 splits its keys over 33 blocks a
     GQA group (rung 4 where the operator's rung 5 has no decode kernel):
 
-    >>> from cacheattn.plan import AttentionShape, plan
+    >>> from cacheattn import AttentionShape, choose_kernel
     >>> heads = dict(num_heads=32, num_kv_heads=8, head_dim=128, query_dtype="float16")
     >>> decode = AttentionShape(batch=64, max_query_len=1, max_kv_len=4097, decode_sequences=64, **heads)
-    >>> plan(decode, sms=132).rung, plan(decode, sms=132, register_decode=False).rung
+    >>> choose_kernel(decode, sms=132).rung, choose_kernel(decode, sms=132, register_decode=False).rung
     (5, 3)
-    >>> long = plan(AttentionShape(batch=1, max_query_len=1, max_kv_len=32769, decode_sequences=1, **heads), sms=132)
+    >>> one = AttentionShape(batch=1, max_query_len=1, max_kv_len=32769, decode_sequences=1, **heads)
+    >>> long = choose_kernel(one, sms=132)
     >>> long.rung, long.num_splits, long.threads
     (5, 33, 128)
     >>> long.reason.split("; ")[:2]
@@ -321,9 +322,9 @@ def _splits(shape, blocks, step, sms):
 
 
 def _bounds(shape, sms, blocks, **work):
-    """The lab's lower bounds (`cacheattn.lab.bounds`) for the call's bytes and `work` (fma_flops, or mma and
+    """The bound model's lower bounds (`cacheattn.bounds`) for the call's bytes and `work` (fma_flops, or mma and
     shared wavefronts) on an H100 SXM with `sms` multiprocessors, over a grid of `blocks` blocks."""
-    from cacheattn.lab import bounds as lab
+    from cacheattn import bounds as lab
 
     metrics = {lab.DRAM_READ: shape.bytes_to_move}
     if "wavefronts" in work:
@@ -372,7 +373,7 @@ def _cuda_core_rung(shape, threads, sms, split=True):
 
 # Warp instructions the key loop issues a key (a trip's static SASS over its keys), rung 3 against rung 5's
 # register-fed decode kernel, at the headline decode (head_dim 128, 32 query / 8 kv heads, 128 threads, sm_90):
-# from docs/kernel-ladder-sass.json, which tests/test_plan.py holds them to.
+# from docs/kernel-ladder-sass.json, which tests/test_kernel_choice.py holds them to.
 DECODE_INSTRUCTIONS_PER_KEY = {0: (147.0, 19.9), 8: (120.0, 34.5), 4: (119.2, 32.6)}
 
 
