@@ -29,11 +29,11 @@ from cacheattn.examples import (  # noqa: F401
 from cacheattn.testing.strategies import onnx_cases, ppl_cases, static_cases  # noqa: F401
 
 # Example counts: reference tests are cheap; simulator kernel tests cost about a second per launch. The defaults
-# keep the whole suite within CI's 10 minutes on 2 cores; CACHEATTN_EXAMPLES=10 multiplies both, for a long hunt
-# before a release.
+# are the quick tier (the README's test command, within 8 minutes on 2 cores); CI's deep tier runs
+# CACHEATTN_EXAMPLES=4, which multiplies both and turns on the longer hunts (see .ci/run).
 _SCALE = int(os.environ.get("CACHEATTN_EXAMPLES", "1"))
 REFERENCE = 40 * _SCALE
-KERNEL = 6 * _SCALE
+KERNEL = 8 * _SCALE
 
 
 # ---- FasterTransformer
