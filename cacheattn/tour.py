@@ -6,8 +6,10 @@ on the kernels, every step's attention checked against float64, and the greedy t
 compared. Then every implemented operator, on the reference and on the kernels, for a handful of
 realistic configurations, each compared with a float64 evaluation of the reference.
 
-Cache-only operators (KeyValueCache) are specified to the bit, so their error is exact: 0 or a failure.
-Attention outputs are compared with float64 at the dtype's tolerance. On a machine without a GPU
+Attention outputs are compared with float64 at the dtype's tolerance. A cache-only operator (KeyValueCache) has
+no attention output: its reference row compares the tokens it stored with the input tokens, within half a
+quantization step, and its kernel row the kernel's cache with the reference's, to the bit. The legend printed
+under the table says the same. On a machine without a GPU
 the kernels run in numba's CUDA simulator, which is slow, so by default the serving model has one layer and
 every configuration runs on smaller shapes (head dims of at most 16, at most 6 cached tokens per request);
 `--full` runs two layers and the shapes the labels name (several minutes in the simulator, instant on a
@@ -326,6 +328,29 @@ def _has_kernels(operator: str) -> bool:
 TOLERANCE_F32 = 1e-4     # a float32 model's attention output against float64, absolute
 
 
+def _legend() -> list[str]:
+    """What each kind of operator row compares and what makes it pass, the tolerances read from where the checks
+    take them."""
+    from .examples import TOLERANCE
+
+    f16, f32 = (TOLERANCE[np.dtype(d)][0] for d in ("float16", "float32"))
+    return [
+        "How to read the rows. An attention row compares the output on its backend with a float64 evaluation of "
+        f"the reference and passes when every element is within atol = rtol = {f16:g} (float16) or {f32:g} "
+        "(float32); gpt_attention gets 4 times that (Q and K are rounded to the input dtype after bias and RoPE), "
+        "cross_attention 2 times on its context and 4 times on hidden_features (after the output projection; "
+        "the error shown), and multi_head_cache_attention must also leave the cache exactly as the reference "
+        "does.",
+        "key_value_cache only stores tokens: its output is the cache, so there is no float64 attention to compare "
+        "with. Its reference row, \"(vs input)\", reads the stored tokens back and compares them with the input "
+        "tokens: an int8 or int4 cache keeps each group of values as codes times one scale, so the error is the "
+        "quantization's, up to half a step (the group's largest |value| / 127 for int8, / 7 for int4) plus the "
+        "input dtype's rounding, and the row passes when every token is within that bound. Its kernel row, "
+        "\"(vs reference)\", compares the kernel's cache with the reference's and passes only when they are equal "
+        "to the bit (the quantization is specified exactly), its error 0.00e+00.",
+    ]
+
+
 def tour(quick: bool = False, full: bool = False, backends=("reference", "numba"), cache_bits: int = 8) -> int:
     """Run the serving loop and every operator row; returns 0 when all pass. See the module docstring for
     the three sizes: quick, default (smaller shapes), full. backends: which backends run; cache_bits: the
@@ -360,6 +385,9 @@ def tour(quick: bool = False, full: bool = False, backends=("reference", "numba"
                      "request (--full: the shapes the labels name)")
         _console.say()
     _console.table("Every operator on both backends, against a float64 evaluation", OPERATOR_COLUMNS, rows)
+    for paragraph in _legend():
+        _console.say(paragraph)
+    _console.say()
     failed = sum(not r[4] for r in rows)
     _console.say(f"{len(rows) - failed} passed, {failed} failed; serving loop: "
                  f"{len(serve_rows) - serve_failed} passed, {serve_failed} failed")

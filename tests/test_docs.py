@@ -1,5 +1,8 @@
 """The read-and-run pages: every code block runs, and every output the page shows is what it prints."""
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -76,3 +79,39 @@ def test_check_fails_an_empty_or_vanished_output_naming_page_and_block(tmp_path,
     assert "empty output block" in problem or "prints nothing" in problem
     _docs.update(page)                       # nothing printed: the page keeps what it shows, and still fails
     assert len(_docs.check(page)) == 1
+
+
+# ------------------------------------------------------------------------------------------- the README
+
+
+README = ROOT / "README.md"
+
+
+def readme_blocks():
+    return _docs.parse(README.read_text())
+
+
+def test_the_readme_has_a_first_block_that_calls_both_backends():
+    first = readme_blocks()[0]
+    assert 'os.environ["NUMBA_ENABLE_CUDASIM"] = "1"' in first.code.splitlines()[1]
+    assert 'backend in ("reference", "numba")' in first.code and first.output
+
+
+@pytest.mark.parametrize("number", range(len(readme_blocks())), ids=lambda n: f"block{n + 1}")
+def test_readme_block_runs_as_pasted_into_a_fresh_file(number, tmp_path):
+    """Each python block of the README, alone in a new file and a new interpreter, as a reader would run it: the
+    environment has no NUMBA_ENABLE_CUDASIM (the test suite's conftest sets it), so the block's own line must, and it
+    prints what the README shows."""
+    block = readme_blocks()[number]
+    script = tmp_path / "readme_block.py"
+    script.write_text(block.code)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")}
+    env["PYTHONPATH"] = str(ROOT)         # this checkout's cacheattn, as `pip install -e .` would give
+    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=600)
+    where = f"README.md:{block.code_line}"
+    assert run.returncode == 0, f"{where} fails as pasted:\n{run.stderr[-3000:]}"
+    if block.output is not None:
+        assert _docs.same_output(block.output, run.stdout), f"{where} prints\n{run.stdout}\nbut shows\n{block.output}"
+    else:
+        assert not run.stdout.strip(), f"{where} prints output the README does not show"

@@ -5,11 +5,14 @@ smaller shapes); the full tour, the README's command, runs 24 operator rows. The
 (`--format json`), and the same run's tables and progress bars are checked for what a reader sees."""
 
 import json
+import re
 from contextlib import contextmanager
 
+import numpy as np
 from test_tables import check_table
 
 from cacheattn import _console, serving
+from cacheattn.examples import TOLERANCE
 from cacheattn.tour import tour
 
 OPERATORS = ("multi_head_cache_attention", "dynamic_multi_head_attention", "key_value_cache", "onnx_attention",
@@ -37,6 +40,11 @@ def test_tour_passes_every_row(capsys, monkeypatch):
         ("gpt_attention", "reference")}, serving_rows
     assert all(row["tokens_equal_reference"] and row["passed"] for row in serving_rows), serving_rows
     assert f"12 passed, 0 failed; serving loop: {len(serving_rows)} passed, 0 failed" in document["notes"]
+    # The legend names every kind of row the table shows, and the tolerances the checks use.
+    legend = " ".join(document["notes"])
+    kinds = {re.search(r"\(vs [a-z ]+\)$", row["config"]).group(0) for row in operator_rows if "(vs " in row["config"]}
+    assert kinds == {"(vs input)", "(vs reference)"} and all(f'"{kind}"' in legend for kind in kinds)
+    assert all(f"{TOLERANCE[np.dtype(d)][0]:g} ({d})" in legend for d in ("float16", "float32"))
     # Every table of the run reads whole at 80 columns (terminal and piped; and at 60 and 120), as markdown and
     # as JSON.
     assert len(tables) == 2
