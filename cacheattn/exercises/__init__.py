@@ -14,7 +14,8 @@ exercise's inputs under `cacheattn.lab.record()` and gives three verdicts:
   sizes included), each with its source line.
 
 A verdict is "ok", "FAIL", "not run" (the launch failed: nothing to judge, and not a pass) or "n/a" (nothing of
-the kind to judge: exercise 10's fast and safe). In the simulator, `cuda.shfl_xor_sync` works inside `check`.
+the kind to judge: exercise 10's fast and safe). In the simulator, `cuda.shfl_xor_sync` works inside `check` and
+inside `with shuffles():`.
 
 `solutions` passes every check; `first_kernel` is the whole decode kernel of docs/first-kernel.md.
 """
@@ -33,7 +34,7 @@ import numpy as np
 
 from .book import EXERCISES, Exercise
 
-__all__ = ["EXERCISES", "Exercise", "Result", "Verdict", "check", "inputs", "show"]
+__all__ = ["EXERCISES", "Exercise", "Result", "Verdict", "check", "inputs", "show", "shuffles"]
 
 # |got - expected| <= atol + rtol |expected|, by the output's dtype: float32 sums of a few dozen terms of O(1).
 TOLERANCE = {np.dtype(np.float32): (1e-5, 1e-5), np.dtype(np.float16): (2e-3, 2e-3)}
@@ -89,6 +90,14 @@ class Result:
         head = (f"exercise {self.exercise.number}, {self.exercise.title}: "
                 f"{sum(v.passed for v in judged)} of {len(judged)} verdicts pass")
         return "\n".join([head] + [textwrap.indent(str(v), "  ") for v in verdicts])
+
+
+def shuffles():
+    """A context manager: inside it, kernels run in numba's CUDA simulator can call `cuda.shfl_xor_sync`, which the
+    simulator lacks (`check` does this itself; this is for your own launches). Each warp's lanes meet at every
+    call, as on a GPU."""
+    from ._shuffle import installed
+    return installed()
 
 
 def _exercise(n) -> Exercise:
