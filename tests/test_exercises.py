@@ -1,41 +1,50 @@
 """cacheattn.exercises: every solution passes its check; for every exercise a planted wrong kernel fails "right" with
-a shrunk counterexample, and a planted slow or unsafe one fails "fast" or "safe" naming what to fix; the first
-kernel page's kernels match the operator and count as the page says."""
+a shrunk counterexample, and planted slow or unsafe ones fail "fast" or "safe" naming what to fix; a failing launch
+is a verdict naming the kernel's line, and "safe" looks also at the sizes where "right" failed; the first kernel
+page's kernels match the operator and count as the page says."""
 
 import os
 
 import numpy as np
 import pytest
-from numba import cuda
+from numba import cuda, float32
 
 import cacheattn
 from cacheattn import exercises, lab
-from cacheattn.exercises import first_kernel, mistakes, skeletons, solutions
+from cacheattn.exercises import _shuffle, first_kernel, mistakes, skeletons, solutions
 
 pytestmark = pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") != "1",
                                 reason="the checks count in numba's CUDA simulator")
 
 KERNELS = {1: "copy_head", 2: "tile_scores", 3: "online_softmax", 4: "gather_pages", 5: "dequantize_int8",
-           6: "gqa_values", 7: "combine_splits"}
-# The planted slow or unsafe kernel of each exercise, the verdict it must fail, and a word of the fix it must name.
-PLANTED = {1: ("_slow", "fast", "lane pick the dimension"), 2: ("_slow", "fast", "rows of 33 words"),
-           3: ("_slow", "fast", "exp(old maximum - new maximum)"), 4: ("_unsafe", "safe", "out_of_bounds on k_cache"),
-           5: ("_slow", "fast", "lane on the dimension"), 6: ("_slow", "fast", "each value row once"),
-           7: ("_slow", "fast", "running maximum")}
+           6: "gqa_values", 7: "combine_splits", 8: "warp_sum", 9: "unpack_halves"}
+# The planted slow or unsafe kernels of each exercise, the verdict each must fail, a word of the fix it must name,
+# and whether it is right all the same (exercise 8's unsafe kernel races, so its outputs vary from run to run;
+# exercise 9's reads a row past the end, which NumPy refuses: wrong too).
+PLANTED = [(1, "_slow", "fast", "lane pick the dimension", True), (2, "_slow", "fast", "rows of 33 words", True),
+           (3, "_slow", "fast", "exp(old maximum - new maximum)", True),
+           (4, "_unsafe", "safe", "out_of_bounds on k_cache", True),
+           (5, "_slow", "fast", "lane on the dimension", True),
+           (6, "_slow", "fast", "each value row once", True), (7, "_slow", "fast", "running maximum", True),
+           (8, "_slow", "fast", "cuda.shfl_xor_sync(0xFFFFFFFF, v, offset)", True),
+           (8, "_unsafe", "safe", "race on buf", None), (9, "_slow", "fast", "one load16(k[t], 8 * j)", True),
+           (9, "_unsafe", "safe", "out_of_bounds on k at mistakes.py", False)]
 
 
-def test_seven_exercises_each_with_skeleton_solution_and_plants():
-    assert sorted(exercises.EXERCISES) == list(range(1, 8))
-    for n, name in KERNELS.items():
+def test_ten_exercises_each_with_skeleton_solution_and_plants():
+    assert sorted(exercises.EXERCISES) == list(range(1, 11))
+    for n, name in {**KERNELS, 10: "c_position"}.items():
         assert exercises.EXERCISES[n].skeleton is getattr(skeletons, name)
         assert f"Exercise {n}" in exercises.show(n) and "def " + name in exercises.show(n)
+        assert callable(getattr(solutions, name)) and callable(getattr(mistakes, name + "_wrong"))
+    assert "checked for right only" in exercises.show(10)
 
 
 @pytest.mark.parametrize("n", sorted(KERNELS))
 def test_solution_passes_all_three(n):
     result = exercises.check(n, getattr(solutions, KERNELS[n]))
     assert result.passed, str(result)
-    assert "3 of 3 verdicts pass" in str(result)
+    assert "3 of 3 verdicts pass" in str(result) and not result.hazards
 
 
 @pytest.mark.parametrize("n", sorted(KERNELS))
@@ -53,22 +62,68 @@ def test_planted_wrong_kernel_fails_right_with_a_smaller_counterexample(n):
     assert exercises._difference(exercises.EXERCISES[n], x) is not None
 
 
-@pytest.mark.parametrize("n", sorted(KERNELS))
-def test_planted_slow_or_unsafe_kernel_fails_with_the_fix(n):
-    suffix, verdict, fix = PLANTED[n]
+@pytest.mark.parametrize("n, suffix, verdict, fix, right", PLANTED, ids=[f"{p[0]}{p[1]}" for p in PLANTED])
+def test_planted_slow_or_unsafe_kernel_fails_with_the_fix(n, suffix, verdict, fix, right):
     result = exercises.check(n, getattr(mistakes, KERNELS[n] + suffix))
     failed = getattr(result, verdict)
-    assert not failed.passed and fix in failed.message, str(result)
-    assert result.right.passed, str(result)       # slow or unsafe, but its outputs are right
+    assert failed.status == "FAIL" and fix in failed.message, str(result)
+    if right is not None:
+        assert result.right.passed == right, str(result)
+
+
+def test_mma_fragment_position_is_checked_for_right_only():
+    from kernels_numba import _mma
+
+    assert all(solutions.c_position(lane, e) == _mma.c_position(lane, e) for lane in range(32) for e in range(4))
+    good = exercises.check(10, solutions.c_position)
+    assert good.passed and good.fast.status == good.safe.status == "n/a" and "1 of 1 verdicts pass" in str(good)
+    wrong = exercises.check(10, mistakes.c_position_wrong)
+    assert not wrong.passed and "c_position_wrong(0, 1) is (8, 0), the layout has (0, 1)" in wrong.right.message
+    assert "64 of 128 positions differ" in wrong.right.message
+    skeleton = exercises.check(10, skeletons.c_position)
+    assert not skeleton.right.passed and "127 of 128" in skeleton.right.message
 
 
 def test_missing_barrier_is_a_race_and_the_skeleton_is_not_right():
     result = exercises.check(2, mistakes.tile_scores_unsafe)
     assert not result.safe.passed and "race on tile" in result.safe.message
     assert "cuda.syncthreads()" in result.safe.message
+    race = next(h for h in result.hazards if h.kind == "race")
+    assert race.sources == ("tile[j, lane] = k[j, lane]", "s += q[d] * tile[lane, d]")    # in source order
     skeleton = exercises.check(1, skeletons.copy_head)
     assert not skeleton.right.passed and "outputs start as NaN" in skeleton.right.message
     assert not skeleton.fast.passed and "nothing to count" in skeleton.fast.message
+
+
+@cuda.jit
+def online_softmax_unguarded(scores, values, out):
+    r = cuda.threadIdx.x
+    keys, rows = scores.shape
+    m = float32(-np.inf)
+    total = float32(0)
+    acc = float32(0)
+    for t in range(keys):
+        s = scores[t, r]
+        if s > m:
+            total *= np.exp(m - s)
+            acc *= np.exp(m - s)
+            m = s
+        p = np.exp(s - m)
+        total += p
+        acc += p * values[t, r]
+    out[r] = acc / total
+
+
+def test_safe_looks_where_right_failed_and_names_the_line():
+    # Without `if r < rows`, the default sizes (rows = 32 = the lanes) run clean; the least sizes read past the row.
+    result = exercises.check(3, online_softmax_unguarded)
+    line = "test_exercises.py:"
+    assert result.counterexample == {"keys": 1, "rows": 1}
+    assert "raised IndexError at " + line in result.right.message
+    assert "(`s = scores[t, r]`)" in result.right.message
+    assert result.fast.passed                                   # the default sizes ran: their counts stand
+    assert result.safe.status == "FAIL" and "out_of_bounds on scores at " + line in result.safe.message
+    assert "(`s = scores[t, r]`)" in result.safe.message and "first at keys=1, rows=1" in result.safe.message
 
 
 def test_a_kernel_that_raises_is_a_verdict_not_an_error():
@@ -78,24 +133,81 @@ def test_a_kernel_that_raises_is_a_verdict_not_an_error():
         out[0, lane] = k_cache[out.shape[0] + 5, head, lane]
 
     result = exercises.check(1, reads_past_the_end)
-    assert not result.right.passed and "raised IndexError" in result.right.message
-    assert not result.fast.passed and "launch failed" in result.fast.message
+    assert not result.right.passed and "raised IndexError at test_exercises.py:" in result.right.message
+    assert result.fast.status == "not run" and "failed" in result.fast.message
     assert not result.safe.passed and "out_of_bounds on k_cache" in result.safe.message
+
+
+def test_a_failed_launch_leaves_fast_and_safe_not_run():
+    @cuda.jit
+    def calls_what_is_not_there(k_cache, head, out):
+        out[0, cuda.threadIdx.x] = cuda.no_such_function(head)
+
+    result = exercises.check(1, calls_what_is_not_there)
+    assert "raised AttributeError at test_exercises.py:" in result.right.message
+    assert "(`out[0, cuda.threadIdx.x] = cuda.no_such_function(head)`)" in result.right.message
+    for verdict in (result.fast, result.safe):
+        assert verdict.status == "not run" and not verdict.passed and "AttributeError" in verdict.message
+    assert not result.passed and "0 of 3 verdicts pass" in str(result) and "not run" in str(result)
+
+
+def test_another_exercises_kernel_gets_a_verdict():
+    # Other parameters: not launched, and said so.
+    result = exercises.check(4, skeletons.online_softmax)
+    assert "is it another exercise's kernel?" in result.right.message and "(scores, values, out)" in \
+        result.right.message
+    assert result.fast.status == result.safe.status == "not run" and not result.passed
+    # The same number of parameters: launched, and it fails where it fails.
+    result = exercises.check(3, solutions.copy_head)
+    assert result.right.status == "FAIL" and "raised ValueError at solutions.py:" in result.right.message
+    assert result.fast.status == "not run"
+
+
+def test_a_shuffle_not_every_lane_reaches_is_a_verdict(monkeypatch):
+    monkeypatch.setattr(_shuffle, "WAIT_S", 5.0)
+
+    @cuda.jit
+    def half_warp(x, out):
+        lane = cuda.threadIdx.x
+        v = x[cuda.blockIdx.x, lane]
+        if lane < 16:
+            v += cuda.shfl_xor_sync(0xFFFFFFFF, v, 1)
+        out[cuda.blockIdx.x, lane] = v
+
+    result = exercises.check(8, half_warp)
+    assert "lanes [16, 17," in result.right.message and "ended without reaching this shuffle" in result.right.message
+    assert result.fast.status == "not run"
 
 
 def test_bad_use_of_check_is_a_clear_error():
     with pytest.raises(ValueError, match="n must be one of the exercises"):
-        exercises.check(8, solutions.copy_head)
+        exercises.check(11, solutions.copy_head)
     with pytest.raises(TypeError, match="n must be an exercise number"):
         exercises.check("1", solutions.copy_head)
-    with pytest.raises(TypeError, match="kernel must be a numba.cuda.jit kernel"):
+    with pytest.raises(TypeError, match="kernel must be a numba.cuda.jit kernel.*decorate it with @cuda.jit"):
         exercises.check(1, solutions.copy_head.py_func)
+    with pytest.raises(TypeError, match="kernel must be a numba.cuda.jit kernel.*got NoneType"):
+        exercises.check(1, None)
+    with pytest.raises(TypeError, match="got the device function"):
+        exercises.check(1, cuda.jit(device=True)(solutions.copy_head.py_func))
+    with pytest.raises(TypeError, match="exercise 10 takes a plain Python function of .lane, e.*got a numba"):
+        exercises.check(10, solutions.copy_head)
+    with pytest.raises(TypeError, match="exercise 10 takes a plain Python function.*got NoneType"):
+        exercises.check(10, None)
     with pytest.raises(ValueError, match="sizes must be ints at least"):
         exercises.inputs(1, tokens=0)
     with pytest.raises(ValueError, match="sizes of exercise 1 are"):
         exercises.inputs(1, heads=2)
     with pytest.raises(ValueError, match="sizes must be at most"):
         exercises.inputs(2, keys=33)
+
+
+def test_a_function_that_raises_or_returns_nonsense_is_a_verdict():
+    raised = exercises.check(10, lambda lane, e: (lane // 0, e))
+    assert "<lambda>(0, 0) raised ZeroDivisionError at test_exercises.py:" in raised.right.message
+    nonsense = exercises.check(10, lambda lane, e: "row")
+    assert "<lambda>(0, 0) returned 'row': expected a (row, col) pair of ints" in nonsense.right.message
+    assert not raised.passed and not nonsense.passed
 
 
 def _paged_decode_case(rng, kvlens, num_heads=4, num_kv_heads=2, page_size=8):

@@ -2,7 +2,8 @@
 float64 reference its outputs must match, how its kernel is launched, and the counts it should reach.
 
 Every exercise's kernel works on head_dim 32, one dimension a lane of one warp, so that the counts are easy to
-check by hand: 32 float32 lanes side by side are 128 bytes, 4 sectors; 32 int8 lanes are one sector.
+check by hand: 32 float32 lanes side by side are 128 bytes, 4 sectors; 32 int8 lanes are one sector. Exercise 9
+reads rows of 64 float16, 8 a lane (16 bytes); exercise 10 is a plain Python function, checked for right only.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..lab.recorder import CONFLICTS_LD, CONFLICTS_ST
-from . import skeletons
+from . import _shuffle, skeletons
 from .skeletons import GROUP
 
 HEAD_DIM = 32
@@ -50,9 +51,11 @@ class Exercise:
     inputs_text: str
     reference_text: str
     largest: dict = field(default_factory=dict)     # sizes with an upper bound (a tile's rows)
+    function: bool = False    # a plain Python function called with args, not a kernel: right is all there is
 
     def launch_kernel(self, kernel, inputs):
-        kernel[self.grid(inputs), 32](*(inputs[name] for name in self.args))
+        with _shuffle.installed():                  # the simulator has no warp shuffles of its own
+            kernel[self.grid(inputs), 32](*(inputs[name] for name in self.args))
 
 
 # A measure returns None when the kernel made no access it could count: a skeleton is not fast for reading nothing.
@@ -72,6 +75,12 @@ def _bank_conflicts(rec):
     if not rec.extra["shared_ld_requests"]:
         return None
     return rec.metrics[CONFLICTS_LD] + rec.metrics[CONFLICTS_ST]
+
+
+def _shared_traffic(rec):
+    extra = rec.extra
+    traffic = extra["shared_ld_requests"] + extra["shared_st_requests"] + extra["barriers"]
+    return None if not traffic and not extra.get("warp_shuffles") else traffic
 
 
 def _nan(*shape):
@@ -173,6 +182,27 @@ def _splits_reference(x):
     return {"out": p @ x["all_values"] / p.sum(axis=1, keepdims=True)}
 
 
+# --- 8. a warp shuffle sum
+def _make_rows(s, rng):
+    return {"x": _normal(rng, s["rows"], 32), "out": _nan(s["rows"], 32)}
+
+
+def _rows_reference(x):
+    sums = x["x"].astype(np.float64).sum(axis=1, keepdims=True)
+    return {"out": np.repeat(sums, 32, axis=1)}
+
+
+# --- 9. unpacking a 16-byte chunk
+def _make_halves(s, rng):
+    return {"k": _normal(rng, s["tokens"], 64, dtype=np.float16), "out": _nan(s["tokens"], 64)}
+
+
+# --- 10. an mma fragment's position
+def _fragment_reference(x):
+    from kernels_numba import _mma
+    return {"position": np.array([[_mma.c_position(lane, e) for e in range(4)] for lane in range(32)])}
+
+
 EXERCISES = {e.number: e for e in (
     Exercise(
         1, "Coalesced loads", "Neighbouring lanes read neighbouring bytes: a warp's request then touches the fewest "
@@ -266,4 +296,43 @@ EXERCISES = {e.number: e for e in (
         "all_scores (heads, splits * keys_per_split), standard normal x 3, and all_values (splits * keys_per_split, "
         "32); out float32 (heads, 32)",
         "out[h] = softmax(all_scores[h]) @ all_values: attention over every key of every split"),
+    Exercise(
+        8, "A warp shuffle sum", "The 32 lanes of a warp can hand each other registers: five butterfly steps of "
+        "cuda.shfl_xor_sync (lanes 16 apart, then 8, 4, 2, 1) leave the warp's sum in every lane, with no shared "
+        "memory and no barrier.",
+        "out[r, lane] = sum_d x[r, d] in every lane, one warp a row.",
+        skeletons.warp_sum, "one block of 32 threads per row",
+        {"rows": 4}, {"rows": 1}, _make_rows, ("out",), _rows_reference,
+        lambda x: x["x"].shape[0], ("x", "out"),
+        (Target("shared-memory requests and barriers", _shared_traffic, lambda s: 0,
+                "sum in registers: v += cuda.shfl_xor_sync(0xFFFFFFFF, v, offset) for offset 16, 8, 4, 2, 1 needs "
+                "neither shared memory nor a barrier"),),
+        "x float32 (rows, 32); out float32 (rows, 32)",
+        "out[r, :] = x[r].sum()"),
+    Exercise(
+        9, "Unpacking a 16-byte chunk", "One 16-byte load a lane (load16: four 32-bit words) brings 8 float16 in one "
+        "instruction, where 8 two-byte loads take 8; the lane then unpacks the words in registers, low half first.",
+        "out[t, d] = k[t, d] as float32 for a float16 k (tokens, 64): each lane loads 16-byte chunks of 8 halves, "
+        "one load16 a chunk, and unpacks them with half_from_bits.",
+        skeletons.unpack_halves, "1 block of 32 threads",
+        {"tokens": 8}, {"tokens": 1}, _make_halves, ("out",),
+        lambda x: {"out": x["k"].astype(np.float64)},
+        lambda x: 1, ("k", "out"),
+        (Target("load requests of k", _array_figure("k", "ld_requests"), lambda s: -(-s["tokens"] * 8 // 32),
+                "load each chunk's 8 halves with one load16(k[t], 8 * j) (a warp's 32 chunks in one request) and "
+                "unpack the four words with half_from_bits(word) and half_from_bits(word >> 16)"),),
+        "k float16 (tokens, 64); out float32 (tokens, 64)",
+        "out = k (float16 to float32 is exact)"),
+    Exercise(
+        10, "An mma fragment's position", "mma.sync.m16n8k16 spreads its 16x8 float32 accumulator over the 32 lanes of "
+        "a warp, 4 elements a lane: the 4 lanes of a quad (lane // 4) share two rows 8 apart, and each holds two "
+        "neighbouring columns of both. Knowing which lane holds what is how a kernel reads its scores out of a "
+        "tensor-core tile.",
+        "c_position(lane, e) = the (row, col) of element e (0..3) of lane's accumulator fragment.",
+        skeletons.c_position, "none: a plain Python function, called for every lane 0..31 and element 0..3",
+        {}, {}, lambda s, rng: {}, ("position",), _fragment_reference,
+        lambda x: 1, ("lane", "e"), (),
+        "lane 0..31; e 0..3",
+        "the PTX ISA's fragment layout for mma.m16n8k16 (section 9.7.14.5.8), as kernels_numba._mma.c_position "
+        "has it", function=True),
 )}

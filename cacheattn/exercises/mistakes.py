@@ -1,9 +1,12 @@
-"""Planted mistakes, one wrong and one slow or unsafe kernel per exercise: what the checks say about them is what
-the exercises page shows and what the tests hold `check` to."""
+"""Planted mistakes, one wrong and one slow or unsafe kernel per exercise (exercises 8 and 9: one of each; exercise
+10, a plain function: only a wrong one): what the checks say about them is what the exercises pages show and what
+the tests hold `check` to."""
 
 import math
 
 from numba import cuda, float32
+
+from kernels_numba._vector import half_from_bits, load16
 
 from .skeletons import GROUP
 
@@ -205,3 +208,90 @@ def combine_splits_slow(partial_out, partial_max, partial_sum, out):
         acc += weight * partial_out[s, h, lane]
         total += weight
     out[h, lane] = acc / total
+
+
+# --- exercise 8
+@cuda.jit
+def warp_sum_wrong(x, out):
+    r = cuda.blockIdx.x
+    lane = cuda.threadIdx.x
+    v = x[r, lane]
+    offset = 8                                      # starts at 8: each half of the warp sums only itself
+    while offset >= 1:
+        v += cuda.shfl_xor_sync(0xFFFFFFFF, v, offset)
+        offset //= 2
+    out[r, lane] = v
+
+
+@cuda.jit
+def warp_sum_slow(x, out):
+    r = cuda.blockIdx.x
+    lane = cuda.threadIdx.x
+    buf = cuda.shared.array(32, float32)            # a tree through shared memory: a barrier a step
+    buf[lane] = x[r, lane]
+    cuda.syncthreads()
+    half = 16
+    while half >= 1:
+        if lane < half:
+            buf[lane] += buf[lane + half]
+        cuda.syncthreads()
+        half //= 2
+    out[r, lane] = buf[0]
+
+
+@cuda.jit
+def warp_sum_unsafe(x, out):
+    r = cuda.blockIdx.x
+    lane = cuda.threadIdx.x
+    buf = cuda.shared.array(32, float32)
+    buf[lane] = x[r, lane]
+    s = float32(0)
+    for d in range(32):                             # no barrier: lane d's word may not be written yet
+        s += buf[d]
+    out[r, lane] = s
+
+
+# --- exercise 9
+@cuda.jit
+def unpack_halves_wrong(k, out):
+    lane = cuda.threadIdx.x
+    tokens, head_dim = k.shape
+    chunks = head_dim // 8
+    for c in range(lane, tokens * chunks, 32):
+        t, j = c // chunks, c % chunks
+        words = load16(k[t], 8 * j)
+        for w in range(4):
+            out[t, 8 * j + 2 * w] = half_from_bits(words[w] >> 16)     # the high half is the second element
+            out[t, 8 * j + 2 * w + 1] = half_from_bits(words[w])
+
+
+@cuda.jit
+def unpack_halves_slow(k, out):
+    lane = cuda.threadIdx.x
+    tokens, head_dim = k.shape
+    chunks = head_dim // 8
+    for c in range(lane, tokens * chunks, 32):
+        t, j = c // chunks, c % chunks
+        for e in range(8):                          # 8 two-byte loads: 8 requests where one would do
+            out[t, 8 * j + e] = float32(k[t, 8 * j + e])
+
+
+@cuda.jit
+def unpack_halves_unsafe(k, out):
+    lane = cuda.threadIdx.x
+    tokens, head_dim = k.shape
+    chunks = head_dim // 8
+    for c0 in range(0, tokens * chunks, 32):        # whole warps of chunks: the last may run past the rows
+        c = c0 + lane
+        t, j = c // chunks, c % chunks
+        words = load16(k[t], 8 * j)
+        if t < tokens:
+            for w in range(4):
+                out[t, 8 * j + 2 * w] = half_from_bits(words[w])
+                out[t, 8 * j + 2 * w + 1] = half_from_bits(words[w] >> 16)
+
+
+# --- exercise 10
+def c_position_wrong(lane, e):
+    group, thread = lane // 4, lane % 4
+    return group + 8 * (e % 2), 2 * thread + e // 2     # c1 is the next column, not eight rows down

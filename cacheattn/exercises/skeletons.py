@@ -2,6 +2,7 @@
 is about. Copy one, fill in the marked lines, and check it with `cacheattn.exercises.check(n, kernel)`.
 
 Each runs as it stands, and fails its check: the outputs start as NaN, and the marked lines are what writes them.
+Exercise 10's skeleton is a plain Python function, not a kernel: it answers with the wrong place.
 """
 # The skeletons leave the lines that use their loop variables and locals to the reader:
 # ruff: noqa: B007, F841
@@ -9,6 +10,8 @@ Each runs as it stands, and fails its check: the outputs start as NaN, and the m
 import math
 
 from numba import cuda, float32
+
+from kernels_numba._vector import half_from_bits, load16  # noqa: F401  (exercise 9 calls them)
 
 GROUP = 2               # exercise 6: query heads per key/value head
 
@@ -106,3 +109,35 @@ def combine_splits(partial_out, partial_max, partial_sum, out):
     for s in range(partial_out.shape[0]):
         pass            # Fill in: weigh split s by how much its sum counts against the largest score of all splits.
     out[h, lane] = acc / total
+
+
+@cuda.jit
+def warp_sum(x, out):
+    """Exercise 8, a warp shuffle sum. out[r, lane] = sum_d x[r, d] in every lane, the lanes exchanging values
+    with cuda.shfl_xor_sync (no shared memory, no barrier). Launch: one block of 32 threads per row."""
+    r = cuda.blockIdx.x
+    lane = cuda.threadIdx.x
+    v = x[r, lane]
+    # Fill in: add the value of lane `lane ^ offset` for offset 16, 8, 4, 2, 1: then every lane holds the sum.
+    out[r, lane] = v
+
+
+@cuda.jit
+def unpack_halves(k, out):
+    """Exercise 9, unpacking a 16-byte chunk. out[t, d] = k[t, d] as float32 for a float16 k (tokens, 64): each lane
+    takes 16-byte chunks of 8 halves, loads one with a single load16(row, first element), which returns four uint32
+    words, and unpacks them with half_from_bits. Launch: 1 block of 32 threads."""
+    lane = cuda.threadIdx.x
+    tokens, head_dim = k.shape
+    chunks = head_dim // 8                          # 16-byte chunks a row
+    for c in range(lane, tokens * chunks, 32):
+        t, j = c // chunks, c % chunks              # chunk c is halves 8j .. 8j + 7 of row t
+        # Fill in: one load16 of the chunk; word w holds half 2w in its low 16 bits and half 2w + 1 in its high ones.
+
+
+def c_position(lane, e):
+    """Exercise 10, an mma fragment's position: the (row, col) in the 16x8 accumulator C (and D) of
+    mma.sync.m16n8k16 of element e (0..3) of lane's fragment, as the PTX ISA lays it out. A plain Python function."""
+    group, thread = lane // 4, lane % 4         # the ISA's groupID and threadID_in_group
+    # Fill in: rows group and group + 8, two neighbouring columns a thread; e = 0, 1 first, then 2, 3.
+    return 0, 0

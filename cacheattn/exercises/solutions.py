@@ -4,6 +4,8 @@ import math
 
 from numba import cuda, float32
 
+from kernels_numba._vector import half_from_bits, load16
+
 from .skeletons import GROUP
 
 
@@ -106,3 +108,33 @@ def combine_splits(partial_out, partial_max, partial_sum, out):
         acc += weight * partial_out[s, h, lane]
         total += weight
     out[h, lane] = acc / total
+
+
+@cuda.jit
+def warp_sum(x, out):
+    r = cuda.blockIdx.x
+    lane = cuda.threadIdx.x
+    v = x[r, lane]
+    offset = 16
+    while offset >= 1:                              # a butterfly: lanes 16 apart, then 8, ..., then neighbours
+        v += cuda.shfl_xor_sync(0xFFFFFFFF, v, offset)
+        offset //= 2
+    out[r, lane] = v                                # both partners add the same two numbers: one sum everywhere
+
+
+@cuda.jit
+def unpack_halves(k, out):
+    lane = cuda.threadIdx.x
+    tokens, head_dim = k.shape
+    chunks = head_dim // 8
+    for c in range(lane, tokens * chunks, 32):
+        t, j = c // chunks, c % chunks
+        words = load16(k[t], 8 * j)                 # one 16-byte load: 32 lanes ask for 512 neighbouring bytes
+        for w in range(4):
+            out[t, 8 * j + 2 * w] = half_from_bits(words[w])           # the low half is the first element
+            out[t, 8 * j + 2 * w + 1] = half_from_bits(words[w] >> 16)
+
+
+def c_position(lane, e):
+    group, thread = lane // 4, lane % 4
+    return group + 8 * (e // 2), 2 * thread + e % 2     # c0, c1 in row group; c2, c3 eight rows down

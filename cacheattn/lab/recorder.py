@@ -99,13 +99,15 @@ class Hazard:
     """One sanitizer finding: `count` occurrences of `kind` on `array` at the same site(s).
 
     index: the first offending index; threads: ((blockIdx, threadIdx), ...) of the first occurrence (two for a
-    race); lines: "file.py:line" of the site(s) (a race's two accesses, the earlier-executed first)."""
+    race); lines: "file.py:line" of the site(s) (a race's two accesses, the earlier-executed first); sources: the
+    text of those lines, stripped ("" where the source cannot be read)."""
     kind: str
     array: str
     index: object
     threads: tuple
     lines: tuple
     count: int = 1
+    sources: tuple = ()
 
     def __str__(self):
         where = " / ".join(self.lines)
@@ -280,10 +282,11 @@ class Recording:
 
     def _line(self, site) -> str:
         path, line, _ = self._site_names[site]
-        page = _DOCS_BLOCK.match(path)
-        if page:                                          # a docs page's block (cacheattn._docs): the page's line
-            return f"{os.path.basename(page.group(1))}:{int(page.group(2)) + line}"
-        return f"{os.path.basename(path)}:{line}"
+        return source_line(path, line)[0]
+
+    def _source(self, site) -> str:
+        path, line, _ = self._site_names[site]
+        return source_line(path, line)[1]
 
     # --- launches and blocks ---------------------------------------------------------------------------------
     def _begin_launch(self, name, grid, block):
@@ -518,7 +521,8 @@ class Recording:
         with self._lock:
             found = self._findings.get(key)
             if found is None:
-                self._findings[key] = Hazard(kind, array, index, tuple(threads), tuple(self._line(s) for s in sites))
+                self._findings[key] = Hazard(kind, array, index, tuple(threads), tuple(self._line(s) for s in sites),
+                                             sources=tuple(self._source(s) for s in sites))
             else:
                 found.count += 1
 
@@ -564,6 +568,15 @@ class Recording:
         if found is not None and name not in found._mem.name.split("="):
             found._mem.name += f"={name}"
         return found
+
+
+def source_line(path: str, line: int) -> tuple[str, str]:
+    """("file.py:line", the line's text stripped) of line `line` of the code compiled from `path`; a docs page's
+    block (cacheattn._docs names it "page.md:first line") gives the page's own line."""
+    page = _DOCS_BLOCK.match(path)
+    if page:
+        path, line = page.group(1), int(page.group(2)) + line
+    return f"{os.path.basename(path)}:{line}", linecache.getline(path, line).strip()
 
 
 def _memory_key(ary):
