@@ -36,7 +36,7 @@ def test_at_least_two_kernels_each_with_source_published_and_shape():
         # A kernel without a published figure says why; one with a figure converts it to µs.
         assert entry["published"]["what"], key
         assert (entry["published"]["value"] is None) == (entry["published_us"]["value"] is None), key
-    assert sum(entry["published_us"]["value"] is not None for entry in KERNELS.values()) >= 1
+    assert sum(entry["published_us"]["value"] is not None for entry in KERNELS.values()) >= 2
 
 
 def test_flashattention_published_time_follows_from_its_shape():
@@ -71,6 +71,23 @@ def test_decode_dram_bytes_follow_from_its_shape():
     pages = s["batch"] * (s["seqlen_k"] // s["page_size"]) * 4
     assert entry["dram_bytes"]["value"] == kv + qo + pages
     assert entry["launch"]["blocks"] == s["batch"] * s["kv_heads"]
+
+
+def test_single_decode_split_follows_from_its_occupancy():
+    """FlashInfer splits the keys into as many chunks as fill the SMs at the kernel's occupancy, each at least 256
+    keys; a block walks its chunk in iterations of bdy x bdz = 32 keys, two a trip."""
+    entry = KERNELS["fi_single_decode_hdim128_gqa8"]
+    s, launch = entry["shape"], entry["launch"]
+    sms = calibration.default_machine().sms
+    chunks_max = entry["occupancy"]["blocks_per_sm"] * sms // s["kv_heads"]
+    chunk = max(-(-s["seqlen_k"] // chunks_max), 256)
+    chunks = -(-s["seqlen_k"] // chunk)
+    assert launch["grid"] == [chunks, s["kv_heads"]] and launch["blocks"] == chunks * s["kv_heads"]
+    iterations = -(-chunk // (8 * 4))
+    assert iterations % 2 == 0 and entry["main_loop"]["trips_per_block"] == iterations // 2
+    kv = s["seqlen_k"] * s["kv_heads"] * s["head_dim"] * 2 * 2
+    assert math.isclose(entry["published_us"]["value"], kv / (entry["published"]["value"] / 100 * 3.352e12) * 1e6,
+                        rel_tol=1e-3)
 
 
 @pytest.mark.parametrize("path", ["source", "published", "shape", "launch.blocks", "main_loop.trips_per_block",

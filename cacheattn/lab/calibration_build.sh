@@ -89,4 +89,23 @@ EOF
   -Xptxas -v -o "$OUT/fi_decode_hdim128_gqa4.cubin" "$OUT/fi_decode_hdim128_gqa4.cu" \
   > "$OUT/fi_decode_hdim128_gqa4.ptxas" 2>&1
 "$NVDISASM" -c "$OUT/fi_decode_hdim128_gqa4.cubin" > "$OUT/fi_decode_hdim128_gqa4.sass"
+# FlashInfer single-request decode, the kernel of its blog's GQA figure (llama2-70b at tp 2: 32 query heads over 4 kv
+# heads, group 8): SingleDecodeWithKVCacheDispatched for float16, head_dim 128, no positional encoding: vec_size 8,
+# bdx 16, bdy 8, get_heuristic_num_threads(8, 2 bytes) = 512 threads so bdz 4, tile_size_per_bdx 1, two stages.
+cat > "$OUT/fi_single_decode_hdim128_gqa8.cu" <<'EOF2'
+#include <flashinfer/attention/decode.cuh>
+#include <flashinfer/attention/default_decode_params.cuh>
+#include <flashinfer/attention/variants.cuh>
+namespace flashinfer {
+using Params = SingleDecodeParams<half, half, half>;
+using Variant = DefaultAttention<false, false, false, false>;
+template __global__ void SingleDecodeWithKVCacheKernel<PosEncodingMode::kNone, 2, 1, 8, 16, 8, 4, Variant, Params>(
+    const __grid_constant__ Params params);
+}
+EOF2
+"$NVCC" -arch=sm_90 -cubin -O3 -DNDEBUG -std=c++17 --use_fast_math --expt-relaxed-constexpr \
+  -I "$SRC/cccl/libcudacxx/include" -I "$SRC/cccl/cub" -I "$SRC/cccl/thrust" -I "$SRC/flashinfer/include" \
+  -Xptxas -v -o "$OUT/fi_single_decode_hdim128_gqa8.cubin" "$OUT/fi_single_decode_hdim128_gqa8.cu" \
+  > "$OUT/fi_single_decode_hdim128_gqa8.ptxas" 2>&1
+"$NVDISASM" -c "$OUT/fi_single_decode_hdim128_gqa8.cubin" > "$OUT/fi_single_decode_hdim128_gqa8.sass"
 echo "wrote $OUT: $(ls "$OUT" | tr '\n' ' ')"
