@@ -140,6 +140,12 @@ def test_terms_take_the_machine():
         assert math.isclose(now[term][0], was[term][0] / 2), term
     assert math.isclose(now["MUFU"][0], was["MUFU"][0] / 4)
     assert math.isclose(now["DRAM"][0], was["DRAM"][0] * 2)
+    # mma.sync's own rate and an L2 rate, once a Machine has them
+    assert "L2" not in was
+    richer = SimpleNamespace(**dict(fields, mma_sync_per_clock=base.mma_per_clock / 2, l2_bytes_per_s=5e12))
+    found = calibration.terms(entry, richer)
+    assert math.isclose(found["tensor"][0], was["tensor"][0] * 2)
+    assert math.isclose(found["L2"][0], entry["l2_bytes"]["value"] / 5e12 * 1e6)
 
 
 SASS = """
@@ -175,6 +181,25 @@ def test_rotated_loops_merge_and_counts():
     assert counts["FMA pipe"] == 1 and counts["control"] == 3 and counts["total"] == 11
     with pytest.raises(ValueError, match="no loop with a global load"):
         calibration.main_loop(instructions[:1])
+
+
+def test_dependent_global_loads():
+    chained = calibration.sass.parse_sass("""
+        /*0000*/                   LDG.E R2, desc[UR4][R4.64] ;
+        /*0010*/                   IMAD R6, R2, 0x100, RZ ;
+        /*0020*/                   STS [R8], R6 ;
+        /*0030*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0040*/                   LDS R10, [R8] ;
+        /*0050*/                   IADD3 R12, P0, R10, R14, RZ ;
+        /*0060*/                   LDGSTS.E.BYPASS.LTC128B.128 [R16], desc[UR4][R12.64] ;
+        /*0070*/                   LDG.E.128 R20, desc[UR4][R14.64] ;
+""")
+    assert calibration.dependent_global_loads(chained) == 2       # page index -> shared -> address of the tile
+    assert calibration.dependent_global_loads(chained[6:]) == 1   # loads at computed addresses only
+    assert calibration.dependent_global_loads(chained[1:6]) == 0
+    # the committed kernels: only the paged decode computes an address from a loaded value (its page table)
+    assert {k: e["main_loop"]["dependent_global_loads"] for k, e in KERNELS.items()} == {
+        "fa2_fwd_hdim128": 1, "fi_decode_hdim128_gqa4": 2, "fi_single_decode_hdim128_gqa8": 1}
 
 
 def test_cli_prints_the_table(capsys):

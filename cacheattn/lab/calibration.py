@@ -8,7 +8,8 @@ own reader (`cacheattn.lab.sass`); only the statistics are kept, in docs/calibra
 kernel came from, its shape and its published figure.
 
 From those statistics `terms` computes every term of the bound model the statistics support (DRAM, tensor pipe,
-shared-memory wavefronts, instruction issue, MUFU, FMA pipe), each with its formula, and the bound is the largest:
+shared-memory wavefronts, instruction issue, MUFU, FMA pipe; L2 once the machine carries its rate), each with its
+formula, and the bound is the largest:
 
     python -m cacheattn.lab.calibration            # kernel | shape | published µs | bound µs | ratio | binding term
     python -m cacheattn.lab.calibration --derive OUT --write docs/calibration-sass.json   # after the build script
@@ -55,6 +56,11 @@ def default_machine():
 EXTRA_RATES = dict(
     # Achievable share of the HBM bandwidth: 1.0, the datasheet's 3.35 TB/s, so the DRAM term stays a lower bound.
     dram_fraction=1.0,
+    # mma.sync's m16n8k16 per clock per SM: None falls back to Machine.mma_per_clock, the dense rate the datasheet
+    # implies for wgmma, which mma.sync does not reach on Hopper; a Machine with its measured rate replaces it.
+    mma_sync_per_clock=None,
+    # L2 bytes per second: None leaves the L2 term out until the Machine carries a cited figure.
+    l2_bytes_per_s=None,
     # MUFU (ex2, rcp, lg2, ...) results per clock per SM on compute capability 9.0: 16 (CUDA C++ Programming Guide,
     # "Arithmetic Instructions" throughput table: 32-bit reciprocal, base-2 exponential and logarithm, sine, cosine).
     mufu_per_clock=16,
@@ -110,6 +116,49 @@ def wavefronts(instructions) -> int:
     return total
 
 
+_REGISTER = re.compile(r"\bR(\d+)(\.64)?")
+_NO_DESTINATION = ("ST", "RED", "ATOM", "LDGSTS", "LDGDEPBAR", "DEPBAR", "BRA", "BAR", "EXIT", "BSSY", "BSYNC",
+                   "WARPSYNC", "CALL", "RET", "NOP")
+
+
+def _registers(operands: str) -> set:
+    out = set()
+    for number, pair in _REGISTER.findall(operands):
+        out.update((int(number), int(number) + 1) if pair else (int(number),))
+    return out
+
+
+def dependent_global_loads(instructions) -> int:
+    """The longest chain of global loads (LDG, cp.async's LDGSTS) in one pass over `instructions` where each load's
+    address depends on the one before: 1 when every load's address comes from arithmetic alone, 2 when an address is
+    computed from a loaded value (a page index), and so on; 0 without global loads. Values are followed through
+    registers and through shared memory, taken as one location: an STS of a loaded value taints every later LDS /
+    LDSM, which can overstate a chain. What cp.async itself copies into shared memory is not followed: in these
+    kernels it is K and V, read for arithmetic, never for an address."""
+    depth, shared, longest = {}, 0, 0
+    for _, text, _ in instructions:
+        words = text.split()
+        if words and words[0].startswith("@"):
+            words = words[1:]
+        if not words:
+            continue
+        op, operands = words[0], " ".join(words[1:])
+        head = operands.split(",")[0]
+        writes = set() if op.startswith(_NO_DESTINATION) else _registers(head)
+        reads = _registers(operands[len(head):] if writes else operands)
+        level = max((depth.get(r, 0) for r in reads), default=0)
+        if op.startswith(("LDS", "LDSM")):
+            level = max(level, shared)
+        if op.startswith("LDG") and not op.startswith("LDGDEPBAR"):
+            level += 1
+            longest = max(longest, level)
+        elif op.startswith("STS"):
+            shared = max(shared, level)
+        for r in writes:
+            depth[r] = level
+    return longest
+
+
 def regions(instructions) -> list[tuple[int, int]]:
     """Loops as the code runs them: `sass.loops` spans merged where they overlap (a compiler that rotates a loop
     leaves two backward branches whose spans cross, as FlashAttention-2's main loop does), outermost first."""
@@ -159,6 +208,7 @@ def derive(ptxas_text: str, sass_text: str, meta: dict) -> dict:
                          instructions=b - a + 1) for a, b in regions(instructions)]
     out["main_loop"] = dict(meta["main_loop"], first=f"{body[0][0]:04x}", last=f"{body[-1][0]:04x}",
                             instructions=len(body), mix=mix(body), wavefronts=wavefronts(body),
+                            dependent_global_loads=dependent_global_loads(body),
                             in_flight=sass.loads_in_flight(_register_loads_only(body)))
     out["outside_main_loop"] = dict(instructions=len(outside), mix=mix(outside), wavefronts=wavefronts(outside))
     return out
@@ -224,9 +274,14 @@ def terms(entry: dict, machine=None) -> dict:
     out["DRAM"] = (dram / rate * 1e6, f"{dram:,.0f} B ({entry['dram_bytes']['how']}) / ({rate / 1e12:g} TB/s)")
     hmma = blocks * warps * (loop["mix"]["HMMA"] * trips + out_mix["HMMA"])
     if hmma:
-        out["tensor"] = (hmma / (m.mma_per_clock * per_clock),
+        mma = _rate(m, "mma_sync_per_clock") or m.mma_per_clock
+        out["tensor"] = (hmma / (mma * per_clock),
                          f"HMMA.16816 {grid} x ({loop['mix']['HMMA']} x {trips} trips + {out_mix['HMMA']}) = "
-                         f"{hmma:,.0f} / ({m.mma_per_clock:g} per clock x {clock})")
+                         f"{hmma:,.0f} / ({mma:g} per clock x {clock})")
+    l2_rate = _rate(m, "l2_bytes_per_s")
+    if l2_rate and "l2_bytes" in entry:
+        moved = entry["l2_bytes"]["value"]
+        out["L2"] = (moved / l2_rate * 1e6, f"{moved:,.0f} B ({entry['l2_bytes']['how']}) / ({l2_rate / 1e12:g} TB/s)")
     fronts = blocks * warps * loop["wavefronts"] * trips
     if fronts:
         out["shared"] = (fronts / (m.shared_wavefronts_per_clock * per_clock),
@@ -347,7 +402,7 @@ def main(argv=None) -> int:
 
 # What --derive keeps of an entry (the hand-written facts); the rest is recomputed from the tools' output.
 _META_FIELDS = ("kernel", "source", "shape", "published", "published_us", "compiler", "launch", "dram_bytes",
-                "main_loop", "load_chain", "notes")
+                "l2_bytes", "main_loop", "load_chain", "notes")
 
 
 if __name__ == "__main__":
