@@ -90,6 +90,25 @@ def test_single_decode_split_follows_from_its_occupancy():
                         rel_tol=1e-3)
 
 
+def test_batch_decode_split_follows_from_its_occupancy():
+    """FlashInfer's planner splits each request's pages into the fewest pages a chunk (at least 128 / page_size)
+    for which chunks x kv heads fit the SMs at the kernel's occupancy; a block walks its chunk 8 keys an iteration
+    (bdy 8 x bdz 1), two a trip."""
+    entry = KERNELS["fi_decode_hdim128_gqa8"]
+    s, launch = entry["shape"], entry["launch"]
+    grid_max = entry["occupancy"]["blocks_per_sm"] * calibration.default_machine().sms
+    assert s["batch"] * s["kv_heads"] < grid_max                                        # so it splits
+    pages = s["seqlen_k"] // s["page_size"]
+    chunk = next(c for c in range(max(128 // s["page_size"], 1), pages + 1)
+                 if s["batch"] * -(-pages // c) * s["kv_heads"] <= grid_max)
+    chunks = s["batch"] * -(-pages // chunk)
+    assert launch["grid"] == [chunks, s["kv_heads"]] and launch["blocks"] == chunks * s["kv_heads"]
+    assert entry["main_loop"]["trips_per_block"] == chunk * s["page_size"] // 8 // 2
+    kv = s["batch"] * s["seqlen_k"] * s["kv_heads"] * s["head_dim"] * 2 * 2
+    assert math.isclose(entry["published_us"]["value"], kv / (entry["published"]["value"] / 100 * 3.352e12) * 1e6,
+                        rel_tol=1e-3)
+
+
 @pytest.mark.parametrize("path", ["source", "published", "shape", "launch.blocks", "main_loop.trips_per_block",
                                   "main_loop.mix.HMMA", "main_loop.mix", "outside_main_loop.mix.HMMA",
                                   "dram_bytes.value", "published_us.conversion"])
@@ -199,7 +218,8 @@ def test_dependent_global_loads():
     assert calibration.dependent_global_loads(chained[1:6]) == 0
     # the committed kernels: only the paged decode computes an address from a loaded value (its page table)
     assert {k: e["main_loop"]["dependent_global_loads"] for k, e in KERNELS.items()} == {
-        "fa2_fwd_hdim128": 1, "fi_decode_hdim128_gqa4": 2, "fi_single_decode_hdim128_gqa8": 1}
+        "fa2_fwd_hdim128": 1, "fi_decode_hdim128_gqa4": 2, "fi_single_decode_hdim128_gqa8": 1,
+        "fi_decode_hdim128_gqa8": 2}
 
 
 def test_cli_prints_the_table(capsys):

@@ -1,11 +1,12 @@
 """Calibration of the lab's lower bounds against outside kernels whose H100 time is published.
 
-The bounds (`cacheattn.lab.bounds`) have never been held against a kernel with a known time. Two public kernels
-serve: FlashAttention-2's forward (head_dim 128, float16, the sm_80-class kernel FlashAttention-2 runs on an H100)
-and FlashInfer's batch decode over a paged KV cache (float16, head_dim 128, 32 query heads over 8 kv heads). Each was
-compiled for sm_90 without a GPU (`cacheattn/lab/calibration_build.sh`) and its machine code read with the project's
-own reader (`cacheattn.lab.sass`); only the statistics are kept, in docs/calibration-sass.json, with where each
-kernel came from, its shape and its published figure.
+The bounds (`cacheattn.lab.bounds`) have never been held against a kernel with a known time. Public kernels with
+published H100 figures serve: FlashAttention-2's forward (head_dim 128, float16, the sm_80-class kernel
+FlashAttention-2 runs on an H100) and FlashInfer's CUDA-core decode (float16, head_dim 128: over a paged cache at
+group 8 and group 4, and single-request at group 8). Each was compiled for sm_90 without a GPU
+(`cacheattn/lab/calibration_build.sh`) and its machine code read with the project's own reader (`cacheattn.lab.sass`);
+only the statistics are kept, in docs/calibration-sass.json, with where each kernel came from, its shape and its
+published figure (null where none was found).
 
 From those statistics `terms` computes every term of the bound model the statistics support (DRAM, tensor pipe,
 shared-memory wavefronts, instruction issue, MUFU, FMA pipe; L2 once the machine carries its rate), each with its

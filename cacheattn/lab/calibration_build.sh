@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Compile the two outside kernels that calibrate the lab's bounds for sm_90, without a GPU, and leave ptxas -v's
-# report and nvdisasm's listing of each in OUT. `python -m cacheattn.lab.calibration --derive OUT --write
+# Compile the outside kernels that calibrate the lab's bounds (FlashAttention-2's forward, three instantiations of
+# FlashInfer's decode) for sm_90, without a GPU, and leave ptxas -v's report and nvdisasm's listing of each in OUT. `python -m cacheattn.lab.calibration --derive OUT --write
 # docs/calibration-sass.json` then reads them with the project's SASS reader. CI never runs this; it reads the
 # committed statistics only.
 #
@@ -89,6 +89,16 @@ EOF
   -Xptxas -v -o "$OUT/fi_decode_hdim128_gqa4.cubin" "$OUT/fi_decode_hdim128_gqa4.cu" \
   > "$OUT/fi_decode_hdim128_gqa4.ptxas" 2>&1
 "$NVDISASM" -c "$OUT/fi_decode_hdim128_gqa4.cubin" > "$OUT/fi_decode_hdim128_gqa4.sass"
+# The same batch decode at group 8 (32 query heads over 4 kv heads, llama2-70b at tp 2, the blog's batch GQA figure):
+# bdy 8, 128 threads so bdz 1.
+sed -e 's/<PosEncodingMode::kNone, 2, 1, 8, 16, 4, 2, Variant, Params>/<PosEncodingMode::kNone, 2, 1, 8, 16, 8, 1, Variant, Params>/' \
+  "$OUT/fi_decode_hdim128_gqa4.cu" > "$OUT/fi_decode_hdim128_gqa8.cu"
+"$NVCC" -arch=sm_90 -cubin -O3 -DNDEBUG -std=c++17 --use_fast_math --expt-relaxed-constexpr \
+  -I "$SRC/cccl/libcudacxx/include" -I "$SRC/cccl/cub" -I "$SRC/cccl/thrust" -I "$SRC/flashinfer/include" \
+  -Xptxas -v -o "$OUT/fi_decode_hdim128_gqa8.cubin" "$OUT/fi_decode_hdim128_gqa8.cu" \
+  > "$OUT/fi_decode_hdim128_gqa8.ptxas" 2>&1
+"$NVDISASM" -c "$OUT/fi_decode_hdim128_gqa8.cubin" > "$OUT/fi_decode_hdim128_gqa8.sass"
+
 # FlashInfer single-request decode, the kernel of its blog's GQA figure (llama2-70b at tp 2: 32 query heads over 4 kv
 # heads, group 8): SingleDecodeWithKVCacheDispatched for float16, head_dim 128, no positional encoding: vec_size 8,
 # bdx 16, bdy 8, get_heuristic_num_threads(8, 2 bytes) = 512 threads so bdz 4, tile_size_per_bdx 1, two stages.
