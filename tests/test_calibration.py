@@ -198,8 +198,33 @@ def test_rotated_loops_merge_and_counts():
     counts = calibration.mix(body)
     assert (counts["LDSM"], counts["LDGSTS"], counts["HMMA"], counts["MUFU.EX2"], counts["FMUL"]) == (2, 1, 1, 1, 1)
     assert counts["FMA pipe"] == 1 and counts["control"] == 3 and counts["total"] == 11
+    assert counts["other"] == 0 and sum(v for k, v in counts.items() if k not in ("total", "FMA pipe")) == 11
+    for key, entry in KERNELS.items():                  # the committed classes cover every instruction once
+        for part in ("main_loop", "outside_main_loop"):
+            found = entry[part]["mix"]
+            assert sum(v for k, v in found.items() if k not in ("total", "FMA pipe")) == found["total"], key
+            assert found["total"] == entry[part]["instructions"], key
+        assert entry["main_loop"]["instructions"] + entry["outside_main_loop"]["instructions"] == \
+            entry["total_instructions"], key
     with pytest.raises(ValueError, match="no loop with a global load"):
         calibration.main_loop(instructions[:1])
+
+
+def test_derive_from_the_tools_output():
+    ptxas = ("ptxas info    : Used 96 registers, used 1 barriers\n"
+             "    0 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads")
+    meta = dict(kernel="toy", launch=dict(threads=128, blocks=4, dynamic_shared=16384),
+                main_loop=dict(trips_per_block=3, skipped_per_trip=0))
+    entry = calibration.derive(ptxas, SASS, meta)
+    assert entry["resources"]["registers"] == 96 and entry["resources"]["spill_stores"] == 8
+    assert entry["occupancy"]["blocks_per_sm"] == 5 and entry["occupancy"]["limited_by"] == "registers"
+    assert entry["main_loop"]["instructions"] == 11 and entry["main_loop"]["trips_per_block"] == 3
+    assert entry["outside_main_loop"]["instructions"] == 2 and entry["total_instructions"] == 13
+    assert entry["loops"] == [dict(first="0010", last="00b0", instructions=11)]
+    with pytest.raises(ValueError, match="Used N registers"):
+        calibration.derive("no report", SASS, meta)
+    with pytest.raises(ValueError, match="toy: nvdisasm printed no instructions"):
+        calibration.derive(ptxas, "", meta)
 
 
 def test_dependent_global_loads():

@@ -93,13 +93,15 @@ FMA_PIPE = ("FFMA", "FMUL", "FADD", "HFMA2", "HADD2", "HMUL2")
 
 def mix(instructions) -> dict:
     """`sass.instruction_mix` of `instructions` plus EXTRA_CLASSES (MUFU (other): MUFU but not EX2; integer counts
-    moves, predicates and conversions with the integer arithmetic), and the FMA-pipe total."""
+    moves, predicates and conversions with the integer arithmetic) and `other` (the rest), which together sum to
+    `total`; and the FMA-pipe subtotal (FFMA, FMUL, FADD and the half2 arithmetic)."""
     out = sass.instruction_mix(instructions)
     heads = Counter(sass.opcode(text).split(".")[0] for _, text, _ in instructions)
     for name, members in EXTRA_CLASSES.items():
         out[name] = sum(heads[m] for m in members)
     out["MUFU (other)"] -= out["MUFU.EX2"]
-    out["FMA pipe"] = sum(heads[m] for m in FMA_PIPE)
+    out["other"] = out["total"] - sum(v for k, v in out.items() if k != "total")
+    out["FMA pipe"] = sum(heads[m] for m in FMA_PIPE)          # a subtotal across classes, not a class
     return out
 
 
