@@ -1,0 +1,412 @@
+"""Calibration of the lab's lower bounds against outside kernels whose H100 time is published.
+
+The bounds (`cacheattn.lab.bounds`) have never been held against a kernel with a known time. Public kernels with
+published H100 figures serve: FlashAttention-2's forward (head_dim 128, float16, the sm_80-class kernel
+FlashAttention-2 runs on an H100) and FlashInfer's CUDA-core decode (float16, head_dim 128: over a paged cache at
+group 8 and group 4, and single-request at group 8). Each was compiled for sm_90 without a GPU
+(`cacheattn/lab/calibration_build.sh`) and its machine code read with the project's own reader (`cacheattn.lab.sass`);
+only the statistics are kept, in docs/calibration-sass.json, with where each kernel came from, its shape and its
+published figure (null where none was found).
+
+From those statistics `terms` computes every term of the bound model the statistics support (DRAM, tensor pipe,
+shared-memory wavefronts, instruction issue, MUFU, FMA pipe; L2 once the machine carries its rate), each with its
+formula, and the bound is the largest:
+
+    python -m cacheattn.lab.calibration            # kernel | shape | published µs | bound µs | ratio | binding term
+    python -m cacheattn.lab.calibration --derive OUT --write docs/calibration-sass.json   # after the build script
+
+A ratio bound / published near 1 says the model explains the kernel's time; well below 1, that the kernel loses
+time to something no term charges for (latency, dependencies, a pipe slower than its peak).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+from . import sass
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMITTED = ROOT / "docs" / "calibration-sass.json"
+
+
+def _bounds_module():
+    """The bound model's module, where it lives now: `cacheattn.bounds` (its new home) or `cacheattn.lab.bounds`."""
+    for name in ("cacheattn.bounds", "cacheattn.lab.bounds"):
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+    raise ModuleNotFoundError("cacheattn.bounds (or cacheattn.lab.bounds): the bound model is missing")
+
+
+def default_machine():
+    """The bound model's H100 SXM (`H100_SXM`)."""
+    return _bounds_module().H100_SXM
+
+
+# Rates the terms need that the bound model's `Machine` may not carry yet; a Machine attribute of the same name wins,
+# so a richer Machine replaces these without a change here.
+EXTRA_RATES = dict(
+    # Achievable share of the HBM bandwidth: 1.0, the datasheet's 3.35 TB/s, so the DRAM term stays a lower bound.
+    dram_fraction=1.0,
+    # mma.sync's m16n8k16 per clock per SM: None falls back to Machine.mma_per_clock, the dense rate the datasheet
+    # implies for wgmma, which mma.sync does not reach on Hopper; a Machine with its measured rate replaces it.
+    mma_sync_per_clock=None,
+    # L2 bytes per second: None leaves the L2 term out until the Machine carries a cited figure.
+    l2_bytes_per_s=None,
+    # MUFU (ex2, rcp, lg2, ...) results per clock per SM on compute capability 9.0: 16 (CUDA C++ Programming Guide,
+    # "Arithmetic Instructions" throughput table: 32-bit reciprocal, base-2 exponential and logarithm, sine, cosine).
+    mufu_per_clock=16,
+)
+
+
+def _rate(machine, name):
+    return getattr(machine, name, EXTRA_RATES.get(name))
+
+
+# --------------------------------------------------------------------------------------- statistics from the SASS
+
+# Classes the outside kernels use beyond `sass.MIX_CLASSES` (cp.async, ldmatrix, scoreboard waits, the FP32 and
+# half2 arithmetic, integer and control instructions), by opcode head.
+EXTRA_CLASSES = {
+    "LDGSTS": ("LDGSTS",), "LDSM": ("LDSM",), "DEPBAR": ("DEPBAR", "LDGDEPBAR"), "FMUL": ("FMUL",),
+    "FADD": ("FADD",), "FMNMX": ("FMNMX",), "HADD2/HMUL2": ("HADD2", "HMUL2"), "MUFU (other)": ("MUFU",),
+    "integer": ("IMAD", "IADD3", "IADD", "LEA", "SHF", "LOP3", "ISETP", "SEL", "VIADD", "IABS", "PRMT", "IMNMX",
+                "UIADD3", "ULOP3", "ULEA", "USHF", "UIMAD", "USEL", "UISETP", "POPC", "FLO", "I2F", "F2I", "F2FP",
+                "I2FP", "F2F", "PLOP3", "FSETP", "FSEL", "CS2R", "S2R", "S2UR", "MOV", "UMOV", "ULDC", "LDC",
+                "SHL", "SHR", "P2R", "R2P", "R2UR"),
+    "control": ("BRA", "EXIT", "BSSY", "BSYNC", "NOP", "WARPSYNC", "RET", "CALL", "PREEXIT", "BPT", "YIELD",
+                "ACQBULK"),
+}
+# The FP32 pipe's instructions (32 lanes each against Machine.fma_per_clock lanes a clock) and the half2 ones the
+# same pipe runs.
+FMA_PIPE = ("FFMA", "FMUL", "FADD", "HFMA2", "HADD2", "HMUL2")
+
+
+def mix(instructions) -> dict:
+    """`sass.instruction_mix` of `instructions` plus EXTRA_CLASSES (MUFU (other): MUFU but not EX2; integer counts
+    moves, predicates and conversions with the integer arithmetic) and `other` (the rest), which together sum to
+    `total`; and the FMA-pipe subtotal (FFMA, FMUL, FADD and the half2 arithmetic)."""
+    out = sass.instruction_mix(instructions)
+    heads = Counter(sass.opcode(text).split(".")[0] for _, text, _ in instructions)
+    for name, members in EXTRA_CLASSES.items():
+        out[name] = sum(heads[m] for m in members)
+    out["MUFU (other)"] -= out["MUFU.EX2"]
+    out["other"] = out["total"] - sum(v for k, v in out.items() if k != "total")
+    out["FMA pipe"] = sum(heads[m] for m in FMA_PIPE)          # a subtotal across classes, not a class
+    return out
+
+
+def wavefronts(instructions) -> int:
+    """Shared-memory wavefronts of one warp running `instructions` once, at best (no bank conflicts): a wavefront
+    moves 128 bytes, so ldmatrix .x4 (four 8x8 half matrices, 512 bytes) is 4, .x2 2, .x1 1; LDS / STS of 128, 64
+    or 32 bits a lane 4, 2, 1; cp.async of 16 bytes a lane (LDGSTS .128) writes 4."""
+    total = 0
+    for _, text, _ in instructions:
+        parts = sass.opcode(text).split(".")
+        if parts[0] == "LDSM":
+            total += 4 if "4" in parts[-1:] else 2 if "2" in parts[-1:] else 1
+        elif parts[0] in ("LDS", "STS", "LDGSTS"):
+            total += 4 if "128" in parts else 2 if "64" in parts else 1
+    return total
+
+
+_REGISTER = re.compile(r"\bR(\d+)(\.64)?")
+_NO_DESTINATION = ("ST", "RED", "ATOM", "LDGSTS", "LDGDEPBAR", "DEPBAR", "BRA", "BAR", "EXIT", "BSSY", "BSYNC",
+                   "WARPSYNC", "CALL", "RET", "NOP")
+
+
+def _registers(operands: str) -> set:
+    out = set()
+    for number, pair in _REGISTER.findall(operands):
+        out.update((int(number), int(number) + 1) if pair else (int(number),))
+    return out
+
+
+def dependent_global_loads(instructions) -> int:
+    """The longest chain of global loads (LDG, cp.async's LDGSTS) in one pass over `instructions` where each load's
+    address depends on the one before: 1 when every load's address comes from arithmetic alone, 2 when an address is
+    computed from a loaded value (a page index), and so on; 0 without global loads. Values are followed through
+    registers and through shared memory, taken as one location: an STS of a loaded value taints every later LDS /
+    LDSM, which can overstate a chain. What cp.async itself copies into shared memory is not followed: in these
+    kernels it is K and V, read for arithmetic, never for an address."""
+    depth, shared, longest = {}, 0, 0
+    for _, text, _ in instructions:
+        words = text.split()
+        if words and words[0].startswith("@"):
+            words = words[1:]
+        if not words:
+            continue
+        op, operands = words[0], " ".join(words[1:])
+        head = operands.split(",")[0]
+        writes = set() if op.startswith(_NO_DESTINATION) else _registers(head)
+        reads = _registers(operands[len(head):] if writes else operands)
+        level = max((depth.get(r, 0) for r in reads), default=0)
+        if op.startswith(("LDS", "LDSM")):
+            level = max(level, shared)
+        if op.startswith("LDG") and not op.startswith("LDGDEPBAR"):
+            level += 1
+            longest = max(longest, level)
+        elif op.startswith("STS"):
+            shared = max(shared, level)
+        for r in writes:
+            depth[r] = level
+    return longest
+
+
+def regions(instructions) -> list[tuple[int, int]]:
+    """Loops as the code runs them: `sass.loops` spans merged where they overlap (a compiler that rotates a loop
+    leaves two backward branches whose spans cross, as FlashAttention-2's main loop does), outermost first."""
+    out = []
+    for first, last in sorted(sass.loops(instructions)):
+        if out and first <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], last))
+        else:
+            out.append((first, last))
+    return out
+
+
+def main_loop(instructions) -> tuple[int, int]:
+    """The merged loop region holding the most global loads (LDG and cp.async's LDGSTS): the loop over keys."""
+    def loads(span):
+        return sum(sass.opcode(t).startswith(("LDG", "LDGSTS")) for _, t, _ in instructions[span[0]:span[1] + 1])
+    found = [span for span in regions(instructions) if loads(span)]
+    if not found:
+        raise ValueError("no loop with a global load in this SASS")
+    return max(found, key=loads)
+
+
+def _register_loads_only(instructions):
+    """`instructions` without cp.async (LDGSTS, and its LDGDEPBAR): it writes shared memory, not registers, so no
+    register waits on it (its wait is DEPBAR), and `sass.load_bytes` knows only LDG widths."""
+    return [ins for ins in instructions if not sass.opcode(ins[1]).startswith(("LDGSTS", "LDGDEPBAR"))]
+
+
+def derive(ptxas_text: str, sass_text: str, meta: dict) -> dict:
+    """The statistics of one kernel from ptxas -v's output and nvdisasm's listing, merged into `meta` (its source,
+    shape, launch, published figure, and `main_loop`: trips a block makes and the instructions a trip may skip)."""
+    resources = sass.parse_ptxas(ptxas_text)
+    instructions = sass.parse_sass(sass_text)
+    if not instructions:
+        raise ValueError(f"{meta['kernel']}: nvdisasm printed no instructions")
+    first, last = main_loop(instructions)
+    body = instructions[first:last + 1]
+    outside = instructions[:first] + instructions[last + 1:]
+    launch = meta["launch"]
+    occ = sass.occupancy(resources["registers"], resources["shared"], launch["dynamic_shared"], launch["threads"])
+    out = dict(meta)
+    out["resources"] = dict(resources, shared_dynamic=launch["dynamic_shared"])
+    out["occupancy"] = dict(blocks_per_sm=occ["blocks_per_sm"], warps_per_sm=occ["warps_per_sm"],
+                            limited_by=occ["limited_by"], limits=occ["limits"])
+    out["total_instructions"] = len(instructions)
+    out["loops"] = [dict(first=f"{instructions[a][0]:04x}", last=f"{instructions[b][0]:04x}",
+                         instructions=b - a + 1) for a, b in regions(instructions)]
+    out["main_loop"] = dict(meta["main_loop"], first=f"{body[0][0]:04x}", last=f"{body[-1][0]:04x}",
+                            instructions=len(body), mix=mix(body), wavefronts=wavefronts(body),
+                            dependent_global_loads=dependent_global_loads(body),
+                            in_flight=sass.loads_in_flight(_register_loads_only(body)))
+    out["outside_main_loop"] = dict(instructions=len(outside), mix=mix(outside), wavefronts=wavefronts(outside))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------- terms
+
+REQUIRED = {
+    "": ("kernel", "source", "shape", "published", "published_us", "compiler", "launch", "resources", "occupancy",
+         "main_loop", "outside_main_loop", "dram_bytes"),
+    "launch": ("threads", "blocks", "dynamic_shared"),
+    "main_loop": ("instructions", "trips_per_block", "skipped_per_trip", "mix", "wavefronts"),
+    "main_loop.mix": ("HMMA", "MUFU.EX2", "FMA pipe", "total"),
+    "outside_main_loop": ("instructions", "mix"),
+    "outside_main_loop.mix": ("HMMA",),
+    "dram_bytes": ("value", "how"),
+    "published_us": ("value", "conversion"),
+}
+
+
+def check(entry: dict, name: str = "?") -> None:
+    """ValueError naming the kernel and the first missing or malformed key: a bound is never computed from a partial
+    entry."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"calibration entry {name!r}: expected an object, got {type(entry).__name__}")
+    name = entry.get("kernel", name) if isinstance(entry.get("kernel"), str) else name
+    for path, keys in REQUIRED.items():
+        node = entry
+        for part in path.split(".") if path else ():
+            node = node.get(part) if isinstance(node, dict) else None
+        for key in keys:
+            if not isinstance(node, dict) or key not in node:
+                raise ValueError(f"calibration entry {name!r}: missing key {'.'.join(filter(None, (path, key)))!r}")
+    numbers = dict(threads=entry["launch"]["threads"], blocks=entry["launch"]["blocks"],
+                   trips=entry["main_loop"]["trips_per_block"], instructions=entry["main_loop"]["instructions"],
+                   dram_bytes=entry["dram_bytes"]["value"])
+    for key, value in numbers.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"calibration entry {name!r}: {key} must be a positive number, got {value!r}")
+    if entry["published_us"]["value"] is not None and entry["published_us"]["value"] <= 0:
+        raise ValueError(f"calibration entry {name!r}: published_us.value must be positive or null")
+
+
+def terms(entry: dict, machine=None) -> dict:
+    """{term: (µs, formula)} of one kernel from its statistics, on `machine` (the bound model's H100_SXM by default;
+    any object with its fields, plus optional EXTRA_RATES names). Per-SM terms charge the busiest SM, which runs
+    ceil(blocks / SMs) blocks, as the bound model does. Counts from the main loop are per warp a trip; a trip may skip
+    `skipped_per_trip` instructions (a prefetch the last trip leaves out, a page-table refresh most trips skip), so the
+    issue term counts instructions - skipped: a lower bound. Prologue and epilogue are left out of the issue, MUFU and
+    FMA terms (each is one trip's worth at most) but their HMMA count (a peeled first trip) is in the tensor term."""
+    check(entry)
+    m = machine or default_machine()
+    launch, loop, out_mix = entry["launch"], entry["main_loop"], entry["outside_main_loop"]["mix"]
+    blocks, warps = launch["blocks"], math.ceil(launch["threads"] / 32)
+    trips = loop["trips_per_block"]
+    busiest = math.ceil(blocks / m.sms) * m.sms / blocks
+    per_clock = m.sms * m.clock_hz / busiest / 1e6         # SM-clocks per µs, the busiest SM's share
+    clock = f"{m.sms} SMs x {m.clock_hz / 1e9:g} GHz / {busiest:.4g} (busiest SM)"
+    grid = f"{blocks} blocks x {warps} warps"
+    out = {}
+    dram = entry["dram_bytes"]["value"]
+    rate = m.hbm_bytes_per_s * _rate(m, "dram_fraction")
+    out["DRAM"] = (dram / rate * 1e6, f"{dram:,.0f} B ({entry['dram_bytes']['how']}) / ({rate / 1e12:g} TB/s)")
+    hmma = blocks * warps * (loop["mix"]["HMMA"] * trips + out_mix["HMMA"])
+    if hmma:
+        mma = _rate(m, "mma_sync_per_clock") or m.mma_per_clock
+        out["tensor"] = (hmma / (mma * per_clock),
+                         f"HMMA.16816 {grid} x ({loop['mix']['HMMA']} x {trips} trips + {out_mix['HMMA']}) = "
+                         f"{hmma:,.0f} / ({mma:g} per clock x {clock})")
+    l2_rate = _rate(m, "l2_bytes_per_s")
+    if l2_rate and "l2_bytes" in entry:
+        moved = entry["l2_bytes"]["value"]
+        out["L2"] = (moved / l2_rate * 1e6, f"{moved:,.0f} B ({entry['l2_bytes']['how']}) / ({l2_rate / 1e12:g} TB/s)")
+    fronts = blocks * warps * loop["wavefronts"] * trips
+    if fronts:
+        out["shared"] = (fronts / (m.shared_wavefronts_per_clock * per_clock),
+                         f"wavefronts {grid} x {loop['wavefronts']} x {trips} trips = {fronts:,.0f} / "
+                         f"({m.shared_wavefronts_per_clock} per clock x {clock})")
+    issued = blocks * warps * (loop["instructions"] - loop["skipped_per_trip"]) * trips
+    out["issue"] = (issued / (m.issue_per_clock * per_clock),
+                    f"warp instructions {grid} x ({loop['instructions']} - {loop['skipped_per_trip']} skippable) x "
+                    f"{trips} trips = {issued:,.0f} / ({m.issue_per_clock} per clock x {clock})")
+    ex2 = blocks * warps * loop["mix"]["MUFU.EX2"] * trips
+    if ex2:
+        mufu = _rate(m, "mufu_per_clock")
+        out["MUFU"] = (ex2 * 32 / (mufu * per_clock),
+                       f"MUFU.EX2 {grid} x {loop['mix']['MUFU.EX2']} x {trips} trips x 32 lanes = {ex2 * 32:,.0f} / "
+                       f"({mufu} per clock x {clock})")
+    fma = blocks * warps * loop["mix"]["FMA pipe"] * trips
+    if fma:
+        out["FMA"] = (fma * 32 / (m.fma_per_clock * per_clock),
+                      f"FP32-pipe {grid} x {loop['mix']['FMA pipe']} x {trips} trips x 32 lanes = {fma * 32:,.0f} / "
+                      f"({m.fma_per_clock} per clock x {clock})")
+    return out
+
+
+def bound(entry: dict, machine=None) -> tuple[float, str]:
+    """(bound µs, binding term): the largest term."""
+    found = terms(entry, machine)
+    name = max(found, key=lambda k: found[k][0])
+    return found[name][0], name
+
+
+def committed(path=COMMITTED) -> dict:
+    """docs/calibration-sass.json: {'machine_note', 'kernels': {key: entry}}, every entry checked."""
+    data = json.loads(Path(path).read_text())
+    kernels = data.get("kernels") if isinstance(data, dict) else None
+    if not isinstance(kernels, dict) or not kernels:
+        raise ValueError(f"{path}: expected an object with a non-empty 'kernels' object")
+    for key, entry in kernels.items():
+        check(entry, key)
+    return data
+
+
+def _shape_text(shape: dict) -> str:
+    keys = ("batch", "heads", "kv_heads", "seqlen_q", "seqlen_k", "head_dim", "page_size", "causal", "dtype")
+    return " ".join(f"{k}={shape[k]}" for k in keys if k in shape)
+
+
+def table(data: dict, machine=None) -> str:
+    """kernel | shape | published µs | bound µs | ratio | binding term, one row per kernel."""
+    lines = ["| kernel | shape | published µs | bound µs | ratio | binding term |", "|---|---|---|---|---|---|"]
+    for key, entry in data["kernels"].items():
+        value, name = bound(entry, machine)
+        published = entry["published_us"]["value"]
+        ratio = f"{value / published:.2f}" if published else "n/a (no published figure)"
+        shown = f"{published:,.1f}" if published else "n/a"
+        lines.append(f"| {key} | {_shape_text(entry['shape'])} | {shown} | {value:,.1f} | {ratio} | {name} |")
+    return "\n".join(lines)
+
+
+def show_terms(data: dict, machine=None) -> str:
+    """Every term of every kernel with its formula."""
+    lines = []
+    for key, entry in data["kernels"].items():
+        lines.append(key)
+        for name, (value, how) in sorted(terms(entry, machine).items(), key=lambda kv: -kv[1][0]):
+            lines.append(f"  {name:<7} {value:>10,.1f} µs  {how}")
+    return "\n".join(lines)
+
+
+# -------------------------------------------------------------------------------------------------- derive & CLI
+
+def _kernel_name(sass_text: str) -> str:
+    found = re.search(r"\.text\.(\S+?):", sass_text)
+    return found.group(1) if found else "?"
+
+
+def derive_all(build_dir, kernels_meta: dict) -> dict:
+    """{'kernels': {key: statistics}} from the build script's OUT folder (<key>.ptxas, <key>.sass, nvcc.version)."""
+    build = Path(build_dir)
+    nvcc = (build / "nvcc.version").read_text().strip().splitlines()
+    nvdisasm = (build / "nvdisasm.version").read_text().strip().splitlines()
+    out = {}
+    for key, meta in kernels_meta.items():
+        sass_text = (build / f"{key}.sass").read_text()
+        entry = derive((build / f"{key}.ptxas").read_text(), sass_text, meta)
+        entry["compiler"] = dict(entry.get("compiler", {}), nvcc=nvcc[0], nvdisasm=nvdisasm[0],
+                                 mangled=_kernel_name(sass_text))
+        out[key] = entry
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default=str(COMMITTED), help="the statistics (docs/calibration-sass.json)")
+    parser.add_argument("--terms", action="store_true", help="print every term with its formula")
+    parser.add_argument("--derive", metavar="OUT", help="read the build script's OUT folder (needs --write)")
+    parser.add_argument("--write", metavar="JSON", help="write the derived statistics here")
+    args = parser.parse_args(argv)
+    if args.derive:
+        if not args.write:
+            parser.error("--derive needs --write")
+        existing = json.loads(Path(args.write).read_text()) if Path(args.write).exists() else {}
+        meta = {k: {f: v for f, v in e.items() if f in _META_FIELDS} for k, e in existing.get("kernels", {}).items()}
+        if not meta:
+            parser.error(f"{args.write}: no kernel metadata (source, shape, launch, published) to derive into")
+        existing["kernels"] = derive_all(args.derive, meta)
+        for entry in existing["kernels"].values():
+            entry["bound_us"], entry["binding_term"] = (round(v, 3) if isinstance(v, float) else v
+                                                        for v in bound(entry))
+        Path(args.write).write_text(json.dumps(existing, indent=1, ensure_ascii=False) + "\n")
+        data = existing
+    else:
+        data = committed(args.json)
+    print(table(data))
+    if args.terms:
+        print(show_terms(data))
+    return 0
+
+
+# What --derive keeps of an entry (the hand-written facts); the rest is recomputed from the tools' output.
+_META_FIELDS = ("kernel", "source", "shape", "published", "published_us", "compiler", "launch", "dram_bytes",
+                "l2_bytes", "main_loop", "load_chain", "notes")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
