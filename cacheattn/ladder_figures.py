@@ -189,7 +189,7 @@ def rung2_butterfly() -> str:
     for w in range(warps):
         bx = 4 + w * (box_w + 10)
         svg.rect(bx, box_top, box_w, 38, _lighter(PALETTE[(w + 1) % len(PALETTE)]))
-        keys = ", ".join(str(w + k * warps) for k in range(3))
+        keys = ", ".join(str(w + k * warps) for k in range(2))
         svg.text(bx + 6, box_top + 15, f"warp {w}: keys {keys}, …")
         svg.text(bx + 6, box_top + 31, f"its own (m{w}, l{w}, o{w})")
         svg.line(bx + box_w / 2, box_top + 40, bx + box_w / 2, box_top + 70)
