@@ -4,7 +4,8 @@ Each picture reads the constants and layout functions of the kernel it shows: ru
 size and butterfly of `_warp`, the chunk sizes and lane groups of rungs 3 and 4, the mma fragment layouts of
 `_mma` and the stage's store permutation of `_attention_mma`, so a change in a kernel changes its picture.
 The shapes are the first bench case's (`cacheattn.lab.cases.LAB_CASES`: 32 query heads over 8 kv heads,
-head_dim 128). Cells that a test reads back carry `data-*` attributes (lane, bank, element).
+head_dim 128). Cells carry `data-*` attributes (lane, bank, element), so the tests read a picture back.
+The kernels are imported inside the functions: numba reads the simulator flag on its first import.
 `figures()` returns {file name: SVG text}; `cacheattn.figures.figures` adds them to the site's figures.
 """
 
@@ -448,9 +449,7 @@ def rung5_fragments() -> str:
     for r, (label, j, banks) in enumerate(rows):
         yy = y + 22 + r * (bcell + 4)
         svg.text(4, yy + bcell / 2 + 4, label)
-        lanes_at = {}
-        for lane, bank in enumerate(banks):
-            lanes_at.setdefault(bank, []).append(lane)
+        lanes_at = _by_bank(banks)
         for b in range(BANKS):
             here = lanes_at.get(b, [])
             fill_b = "#fff" if not here else CONFLICT if len(here) > 1 else _hue(here[0], WARP_SIZE)
@@ -465,7 +464,8 @@ def rung5_fragments() -> str:
     return svg.render()
 
 
-def _by_bank(banks):
+def _by_bank(banks) -> dict:
+    """{bank: the lanes whose store hits it} from [lane] -> bank."""
     out: dict = {}
     for lane, bank in enumerate(banks):
         out.setdefault(bank, []).append(lane)
