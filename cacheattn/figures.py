@@ -263,6 +263,7 @@ def bounds_plot(result: dict) -> str:
 
 def figures() -> dict[str, str]:
     """{file name: SVG text} of every figure the pages embed."""
+    from cacheattn import ladder_figures
     from reference.cache_layout import DYNAMIC_LAYOUTS
 
     bottom_right, top_left = causal_masks()
@@ -277,6 +278,7 @@ def figures() -> dict[str, str]:
         out["bench.svg"] = bench_plot(json.loads(BENCH_RUN.read_text()))
     if LAB_RUN.exists():                         # committed from python -m cacheattn lab --write
         out["lab-bounds.svg"] = bounds_plot(json.loads(LAB_RUN.read_text()))
+    out.update(ladder_figures.figures())         # the kernel ladder's rung pages, drawn from the kernels
     return out
 
 

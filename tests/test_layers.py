@@ -25,7 +25,8 @@ FLOORS = (
     ("cacheattn.examples", "cacheattn.testing", "cacheattn.serving", "cacheattn.hf.engine", "cacheattn.hf.__init__",
      "cacheattn.onnx_conformance", "cacheattn.tour"),
     # 5. The measuring room and what teaches from it.
-    ("cacheattn.lab", "cacheattn.exercises", "cacheattn.figures", "cacheattn.hf.bench", "cacheattn.hf.cli"),
+    ("cacheattn.lab", "cacheattn.exercises", "cacheattn.figures", "cacheattn.ladder_figures", "cacheattn.hf.bench",
+     "cacheattn.hf.cli"),
     # 6. Entry points.
     ("cacheattn.__main__", "cacheattn._site_hooks"),
 )
