@@ -13,58 +13,13 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from html import escape
 
 import numpy as np
 
-# The look of `cacheattn.figures` (which imports this module, so this one cannot import it back).
-CELL_FONT = "font-family='DejaVu Sans Mono, monospace' font-size='11'"
-PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#b07aa1", "#76b7b2")
+from ._svg import PALETTE, Svg
+
 BANKS = 32              # shared memory: 32 banks of 4-byte words (CUDA C++ Programming Guide, "Shared Memory")
 CONFLICT, CLEAR, GRID = "#e15759", "#59a14f", "#dddddd"
-
-
-class LadderSvg:
-    """An SVG canvas that grows to fit what is drawn on it; cells carry data attributes (the tests read them)."""
-
-    def __init__(self):
-        self.items: list[str] = []
-        self.width = self.height = 0
-
-    def _fit(self, x, y):
-        self.width, self.height = max(self.width, round(x) + 4), max(self.height, round(y) + 4)
-
-    def cell(self, x, y, w, h, fill, label="", text_fill="#000", **data):
-        attrs = "".join(f" data-{k.replace('_', '-')}='{escape(str(v))}'" for k, v in data.items())
-        self.items.append(f"<rect x='{x}' y='{y}' width='{w}' height='{h}' fill='{fill}' stroke='#555' "
-                          f"stroke-width='0.5'{attrs}/>")
-        if str(label):                           # 0 is a label too
-            self.text(x + w / 2, y + h / 2 + 4, label, anchor="middle", fill=text_fill)
-        self._fit(x + w, y + h)
-
-    rect = cell
-
-    def text(self, x, y, text, anchor="start", fill="#000", bold=False):
-        weight = " font-weight='bold'" if bold else ""
-        self.items.append(f"<text x='{x}' y='{y}' text-anchor='{anchor}' fill='{fill}' {CELL_FONT}{weight}>"
-                          f"{escape(str(text))}</text>")
-        self._fit(x + (0 if anchor != "start" else 7 * len(str(text))), y)
-
-    def line(self, x1, y1, x2, y2, colour="#555"):
-        self.items.append(f"<line x1='{x1}' y1='{y1}' x2='{x2}' y2='{y2}' stroke='{colour}' stroke-width='1.2' "
-                          "marker-end='url(#arrow)'/>")
-        self._fit(max(x1, x2), max(y1, y2))
-
-    def plain_line(self, x1, y1, x2, y2, colour="#888", width=1.0):
-        self.items.append(f"<line x1='{x1}' y1='{y1}' x2='{x2}' y2='{y2}' stroke='{colour}' "
-                          f"stroke-width='{width}'/>")
-        self._fit(max(x1, x2), max(y1, y2))
-
-    def render(self) -> str:
-        arrow = ("<defs><marker id='arrow' markerWidth='8' markerHeight='8' refX='7' refY='4' orient='auto'>"
-                 "<path d='M0,0 L8,4 L0,8 z' fill='#555'/></marker></defs>")
-        return (f"<svg xmlns='http://www.w3.org/2000/svg' width='{self.width}' height='{self.height}' "
-                f"viewBox='0 0 {self.width} {self.height}'>{arrow}" + "".join(self.items) + "</svg>\n")
 
 
 def _lighter(colour: str) -> str:
@@ -104,7 +59,7 @@ def rung1_banks() -> str:
     case = _case()
     dim = case.head_dim
     _, _, key_tile = plan_tiles(case.num_heads, case.num_kv_heads, case.new_tokens, dim, dim)
-    svg, cell, left, top = LadderSvg(), 9, 48, 72
+    svg, cell, left, top = Svg(), 9, 48, 72
     svg.text(4, 14, f"rung 1: one K-tile column k_s[j, 0], key tile {key_tile} x head_dim {dim} (float32 words)",
              bold=True)
     svg.text(4, 30, f"a warp reads key j = lane % {key_tile}, all at the same d: which bank each word falls in")
@@ -165,7 +120,7 @@ def rung2_butterfly() -> str:
 
     rounds = butterfly(WARP_SIZE)
     offsets = [offset for offset, _ in rounds[1:]]
-    svg, cell, left, top, gap = LadderSvg(), 19, 62, 40, 36
+    svg, cell, left, top, gap = Svg(), 19, 62, 40, 36
     svg.text(4, 14, f"rung 2: warp_sum over {WARP_SIZE} lanes, {len(offsets)} rounds of shfl_xor "
                     f"(offsets {', '.join(map(str, offsets))})", bold=True)
     for lane in range(WARP_SIZE):
@@ -255,7 +210,7 @@ def rung3_vector() -> str:
     dim = case.head_dim
     layouts = {name: row_chunks(dim, qb, dtype, bits) for name, qb, dtype, bits in FORMATS}
     scale = 600 / max(lay["row_bytes"] for lay in layouts.values())      # px a byte
-    svg, left, top = LadderSvg(), 64, 44
+    svg, left, top = Svg(), 64, 44
     svg.text(4, 14, f"rung 3: one K row of head_dim {dim}, and the lane of its group that loads each chunk",
              bold=True)
     for b in range(0, layouts["float16"]["row_bytes"] + 1, 32):
@@ -340,7 +295,7 @@ def split_example(kvlen: int = 10, num_splits: int = 3, seed: int = 4) -> dict:
 def rung4_combine() -> str:
     """The worked split-K example as a picture: three blocks' partial states and the combine."""
     ex = split_example()
-    svg, box_w, top = LadderSvg(), 214, 44
+    svg, box_w, top = Svg(), 214, 44
     n = len(ex["splits"])
     svg.text(4, 14, f"rung 4: one query row over {len(ex['s'])} keys in {n} splits; each block leaves (m, l, o)",
              bold=True)
@@ -398,7 +353,7 @@ def rung5_fragments() -> str:
     from kernels_numba._mma import MMA_K, MMA_M, MMA_N, a_position, c_position
     from kernels_numba._warp import WARP_SIZE
 
-    svg, cell, top = LadderSvg(), 18, 64
+    svg, cell, top = Svg(), 18, 64
     svg.text(4, 14, f"rung 5: S = Q Kᵀ as two {MMA_M}x{MMA_N} accumulator tiles is P·V's {MMA_M}x{MMA_K} A operand, "
                     "lane for lane", bold=True)
     from_tile = [sorted({i for i in range(8) if a_position(0, i)[1] // MMA_N == t}) for t in range(MMA_K // MMA_N)]

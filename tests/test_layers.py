@@ -12,7 +12,7 @@ PACKAGES = ("cacheattn", "kernels_numba", "reference")
 FLOORS = (
     # 0. Facts and helpers that depend on nothing of ours: the documents' NumPy references, validation, the
     #    bound model (machine constants and formulas), console and docs helpers.
-    ("reference", "cacheattn._types", "cacheattn._validate", "cacheattn._console", "cacheattn._docs",
+    ("reference", "cacheattn._types", "cacheattn._svg", "cacheattn._validate", "cacheattn._console", "cacheattn._docs",
      "cacheattn._plans", "cacheattn.bounds", "cacheattn.pictures", "cacheattn.traceability",
      "cacheattn.hf.blocks", "cacheattn.hf.models", "cacheattn.exercises.first_kernel"),
     # 1. The kernels.
