@@ -15,7 +15,7 @@ import reference
 
 from . import _arrays as arrays
 from ._types import IndexTensor, Tensor
-from ._validate import check_choice, check_flag, check_int, check_launch, check_shape
+from ._validate import check_choice, check_flag, check_int, check_launch, check_shape, dtype_mismatch
 from .kernel_choice import AttentionShape, KernelPlan
 from .kernel_choice import choose_kernel as plan_kernels
 
@@ -55,7 +55,7 @@ def _check_float(name, x, like=None):
     if _dtype_name(x) not in T1:
         raise TypeError(f"{name}: expected dtype in {T1}, got {_dtype_name(x)}")
     if like is not None and np.dtype(x.dtype) != np.dtype(like[1].dtype):
-        raise TypeError(f"{name}: expected the dtype of {like[0]} ({_dtype_name(like[1])}), got {_dtype_name(x)}")
+        raise dtype_mismatch(name, x, like[0], like[1], allowed=T1)
 
 
 def _is_real(x) -> bool:

@@ -72,7 +72,7 @@ def _check_layer(num_layer, layer_idx):
 def _check_current(current_key, current_value, rank_shape, meaning):
     check_dtype("current_key", current_key, FLOAT_T1)
     check_shape("current_key", current_key, rank_shape, meaning)
-    check_same_dtype("current_value", current_value, "current_key", current_key)
+    check_same_dtype("current_value", current_value, "current_key", current_key, allowed=FLOAT_T1)
     check_shape("current_value", current_value, tuple(current_key.shape), "(that of current_key)")
 
 
@@ -84,7 +84,8 @@ def _check_cache_tensors(cache, scale, axes, *, num_layer, num_heads, head_dim, 
     # spec: ppl-kvc/quant-skip, ppl-mhca/types
     if quant_bit:
         if np.dtype(cache.dtype) != np.int8:
-            raise TypeError(f"cache: expected int8 for quant_bit {quant_bit}, got {np.dtype(cache.dtype).name}")
+            raise TypeError(f"cache: expected int8 codes for quant_bit {quant_bit}, got {np.dtype(cache.dtype).name}: "
+                            f"pass the cache as int8 (its scales in scale), or quant_bit=0 for a float cache")
     else:
         check_dtype("cache", cache, FLOAT_T1)
     layout_text = "(" + ",".join(names) + ")"
@@ -262,7 +263,7 @@ def _check_query(query, num_heads, head_dim):
 def _check_mask(attn_mask, query, num_heads, total_tokens, total_kv):
     if attn_mask is None:
         return
-    check_same_dtype("attn_mask", attn_mask, "query", query)
+    check_same_dtype("attn_mask", attn_mask, "query", query, allowed=FLOAT_T1)
     if attn_mask.ndim not in (2, 3):
         raise ValueError(f"attn_mask: expected shape (sum seqlens, >= sum kvlens) or "
                          f"(num_heads, sum seqlens, >= sum kvlens), got {tuple(attn_mask.shape)}")
@@ -685,7 +686,7 @@ def dynamic_multi_head_attention(query: Tensor, key: Tensor, value: Tensor, seqs
     _check_query(query, num_heads, head_dim)
     _check_rung(rung, query)
     for name, x in (("key", key), ("value", value)):
-        check_same_dtype(name, x, "query", query)
+        check_same_dtype(name, x, "query", query, allowed=FLOAT_T1)
         check_shape(name, x, (None, kv_heads, head_dim), "(kvstarts[B], num_kv_heads, head_dim)")
     seqs = arrays.index_array("seqstarts", seqstarts)
     kvs = arrays.index_array("kvstarts", kvstarts)
@@ -969,7 +970,7 @@ class MultiHeadCacheAttentionPlan:
         engine = arrays.resolve_backend(backend, data)
         _check_query(query, s["num_heads"], s["head_dim"])
         _check_rung(self._launch["rung"], query)
-        check_same_dtype("current_key", current_key, "query", query)
+        check_same_dtype("current_key", current_key, "query", query, allowed=FLOAT_T1)
         _check_current(current_key, current_value, (None, self._kv_heads, s["head_dim"]),
                        "(seqstarts[B], num_kv_heads, head_dim)")
         _check_layer(s["num_layer"], layer_idx)
@@ -1064,7 +1065,9 @@ def plan_multi_head_cache_attention(*args, **kwargs) -> MultiHeadCacheAttentionP
     >>> [o.shape for o in outs]
     [(3, 4, 8), (3, 4, 8)]
     """
-    return MultiHeadCacheAttentionPlan(bind_step(_PLAN_PARAMETERS, args, kwargs))
+    step = bind_step(_PLAN_PARAMETERS, args, kwargs, function="plan_multi_head_cache_attention",
+                     layer_inputs=LAYER_INPUTS)
+    return MultiHeadCacheAttentionPlan(step)
 
 
 _PLAN_PARAMETERS = plan_signature(multi_head_cache_attention, LAYER_INPUTS, "MultiHeadCacheAttentionPlan")

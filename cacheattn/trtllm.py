@@ -21,7 +21,7 @@ from reference import trtllm_gpt_attention as ref
 
 from . import _arrays as arrays
 from ._plans import bind_step, plan_signature
-from ._validate import check_choice, check_int, check_launch, check_shape, dtype_of
+from ._validate import check_choice, check_int, check_launch, check_shape, dtype_mismatch, dtype_of
 
 FLOATS = ("float16", "bfloat16", "float32", "float64")
 
@@ -218,7 +218,7 @@ def _float_tensor(name, x, like=None):
     if dtype_of(x).name not in FLOATS:
         raise TypeError(f"{name}: expected dtype in {FLOATS}, got {dtype_of(x).name}")
     if like is not None and dtype_of(x) != dtype_of(like):
-        raise TypeError(f"{name}: expected qkv's dtype ({dtype_of(like).name}), got {dtype_of(x).name}")
+        raise dtype_mismatch(name, x, "qkv", like, allowed=FLOATS)
 
 
 def _per_entry(name, x, entries):
@@ -864,9 +864,24 @@ def _check_mask(a, mask_type, packed, E, new, lengths):
 
 
 def _cache_dtype_ok(name, x, qkv, quant):
-    want = {0: dtype_of(qkv), 64: np.dtype(np.int8), 128: ref.fp8_e4m3()}[quant]
-    if dtype_of(x) != want:
-        raise TypeError(f"{name}: expected dtype {want.name} for kv_cache_quant_mode {quant}, got {dtype_of(x).name}")
+    """The cache's dtype: qkv's without quantization (the call follows qkv: the message says so, and that either
+    array may change), the codes' with it (the message names the mode the cache's dtype would ask for)."""
+    codes = {64: np.dtype(np.int8), 128: ref.fp8_e4m3()}
+    got = dtype_of(x)
+    if quant == 0:
+        if got == dtype_of(qkv):
+            return
+        mode = next((f"kv_cache_quant_mode={QuantMode(m).name} ({m})" for m, d in codes.items() if d == got), None)
+        if mode is not None:
+            raise TypeError(f"{name}: expected qkv's dtype {dtype_of(qkv).name} with kv_cache_quant_mode 0 (an "
+                            f"unquantized cache holds qkv's dtype), got {got.name}: {got.name} holds "
+                            f"quantized codes; pass {mode} with its KV scales, or a {dtype_of(qkv).name} cache")
+        raise dtype_mismatch(name, x, "qkv", qkv, allowed=FLOATS,
+                             why="with kv_cache_quant_mode 0 the cache holds qkv's dtype")
+    if got != codes[quant]:
+        raise TypeError(f"{name}: expected {codes[quant].name} codes for kv_cache_quant_mode {QuantMode(quant).name} "
+                        f"({quant}), got {got.name}: pass the cache as {codes[quant].name}, or kv_cache_quant_mode=0 "
+                        f"for a cache of qkv's dtype ({dtype_of(qkv).name})")
 
 
 def _block_offsets(a, E):
@@ -1417,7 +1432,8 @@ def plan_gpt_attention(**step) -> GptAttentionPlan:
     >>> [o.shape for o in outs]
     [(3, 8), (3, 8)]
     """
-    return GptAttentionPlan(bind_step(_PLAN_PARAMETERS, (), step))
+    return GptAttentionPlan(bind_step(_PLAN_PARAMETERS, (), step, function="plan_gpt_attention",
+                                       layer_inputs=LAYER_INPUTS))
 
 
 _PLAN_PARAMETERS = plan_signature(gpt_attention, LAYER_INPUTS, "GptAttentionPlan")
