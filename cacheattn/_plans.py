@@ -51,3 +51,14 @@ def bind_step(signature: inspect.Signature, args: tuple, kwargs: dict, *, functi
     bound = signature.bind(*args, **kwargs)
     bound.apply_defaults()
     return dict(bound.arguments)
+
+
+def phase_line(phase: str, rung: int, splits: int, reason: str, *, threads: int | None = None) -> str:
+    """One phase's kernel choice as a plan's repr prints it: `phase: rung r, n splits[, t threads]: why`."""
+    block = f", {threads} threads" if threads is not None else ""
+    return f"  {phase}: rung {rung}, {splits} split{'s' if splits != 1 else ''}{block}: {reason}"
+
+
+def asked_text(launch: dict) -> str:
+    """The kernel keywords a plan was given (threads, rung, num_splits), None ones as the plan's choice."""
+    return "kernel keywords " + ", ".join(f"{name}={launch[name]!r}" for name in ("rung", "num_splits", "threads"))

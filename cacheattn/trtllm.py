@@ -20,7 +20,7 @@ from reference import packed_mask
 from reference import trtllm_gpt_attention as ref
 
 from . import _arrays as arrays
-from ._plans import bind_step, plan_signature
+from ._plans import asked_text, bind_step, phase_line, plan_signature
 from ._validate import check_choice, check_int, check_launch, check_shape, dtype_mismatch, dtype_of
 
 FLOATS = ("float16", "bfloat16", "float32", "float64")
@@ -1352,6 +1352,23 @@ class GptAttentionPlan:
         self._launch = dict(launch, threads=threads)
         self._prepared = {}                 # (array kind, dtype, qkv shape, window) -> the kernels' StepLaunch
 
+    def __repr__(self) -> str:
+        """The step, then one line per phase (context, generation) and per qkv dtype, shape and window the kernels
+        ran: the rung, the split count and why. The kernels choose at the first layer of each (the choice depends
+        on qkv's dtype and the layer's window); until then each phase says so."""
+        f = self._step["facts"]
+        E, contexts = f["E"], int(f["is_context"].sum())
+        phases = [p for p, n in (("context", contexts), ("generation", E - contexts)) if n]
+        lines = [f"GptAttentionPlan({E} entries: {contexts} context, {E - contexts} generation; {f['H']} heads over "
+                 f"{f['Hkv']} kv heads, head size {f['Dh']}; {asked_text(self._launch)})"]
+        for (_, dtype, shape, window), step in self._prepared.items():
+            where = f"{dtype.name} qkv {tuple(shape)}, window {window}"
+            lines += [phase_line(f"{phase} ({where})", *_phase_choice(step, phase)) for phase in phases]
+        if not self._prepared:
+            lines += [f"  {phase}: not chosen yet: the kernels choose at the first layer run on them, by qkv's dtype "
+                      f"and the layer's window (the reference runs no kernel)" for phase in phases]
+        return "\n".join(lines)
+
     @arrays.accepts_torch
     def run(self, *, qkv, layer_idx: int, past_key_value=None, kv_cache_pool=None, qkv_bias=None,
             kv_orig_quant_scale=None, kv_quant_orig_scale=None, cross_kv=None, relative_attention_bias=None,
@@ -1398,6 +1415,34 @@ class GptAttentionPlan:
                 like=qkv, window=window, num_sms=None, rounds_as=None, **self._launch,
                 **{k: v for k, v in call.items() if k not in LAYER_INPUTS})
         return launches.run_layer(step, **{name: call[name] for name in LAYER_INPUTS})
+
+
+def _phase_choice(s, phase: str) -> tuple:
+    """(rung, split count, why) of one phase of a prepared step (the kernels' StepLaunch), as its launches run."""
+    if phase == "context":
+        if s.unfused:
+            return 1, 1, ("the unfused path (scores in global memory, softmax, P V): context_fmha_type 0 or FP8 "
+                          "context FMHA")
+        if s.fused_rung == 5:
+            return 5, 1, s.fused_reason
+        return 1, s.num_splits, s.fused_reason + (" (multi-block)" if s.num_splits > 1 else "")
+    if not s.vector_generation:
+        why = ("rung=1 asked for" if s.rung == 1 else "rungs 3 to 5 accumulate in float32, qkv is float64"
+               if s.acc_t != np.float32 else "no cache to read the generation tokens from")
+        return 1, s.num_splits, f"shared-memory tiles, with the context entries: {why}"
+    if s.register_generation:
+        return 5, s.register_splits, s.generation_reason + " (rung 3 for a layer whose cache is not aligned for " \
+                                                           "16-byte loads)"
+    from kernels_numba.trtllm_generation import step_splits
+
+    rung = None if s.rung == 5 else s.rung
+    splits = step_splits(rung, s.generation_splits, s.multi_block_mode, s.num_sms, s.generation_new, s.kvlens,
+                         s.window, s.H, s.Hkv, s.Dh, 1 if s.quant else np.dtype(s.rounds_as).itemsize, s.threads)
+    chosen = 4 if splits > 1 or rung == 4 else 3
+    why = (f"rung={s.rung} asked for" if s.rung in (3, 4) else
+           f"rung 5's decode kernel does not serve it: {s.generation_reason.removeprefix('rung 3/4: ')}")
+    mode = f"; its keys split {splits} ways (multi-block)" if splits > 1 else ""
+    return chosen, splits, f"vector loads: {why}{mode}"
 
 
 @arrays.accepts_torch
