@@ -495,9 +495,11 @@ def _split(args):
 def test_a_per_layer_argument_given_to_the_plan_names_the_plan_and_sends_it_to_run(name):
     step, layer = _split(build_trt(BASE))
     value = dict(layer, backend="reference")[name]
+    before = {k: v.copy() for k, v in {**step, **layer}.items() if isinstance(v, np.ndarray)}
     with pytest.raises(TypeError, match=rf"^{name}: expected in plan\.run\(\.\.\.\), got in plan_gpt_attention: it "
                                         rf"is per layer.*pass it to plan\.run\({name}=\.\.\.\) for each layer$"):
         cacheattn.plan_gpt_attention(**step, **{name: value})
+    assert all(x.tobytes() == {**step, **layer}[k].tobytes() for k, x in before.items())
 
 
 @pytest.mark.parametrize("name,close", [("num_kv_head", "num_kv_heads"), ("past_key_values", "past_key_value "
