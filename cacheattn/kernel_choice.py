@@ -90,7 +90,7 @@ class AttentionShape:
     ValueError / TypeError
         A field out of its range, named: a negative count, a head count or head_dim below 1, `num_kv_heads` not
         dividing `num_heads`, more query tokens than keys (`max_query_len`) without `keys_apart`, decode sequences
-        without a query token or a key, a dtype outside those listed, a `quant_group` that does not divide
+        without a query token, a dtype outside those listed, a `quant_group` that does not divide
         `head_dim` in a quantized cache.
     """
     batch: int
@@ -126,10 +126,9 @@ class AttentionShape:
             raise ValueError(f"max_query_len: expected <= max_kv_len ({self.max_kv_len}: a sequence's keys are its "
                              f"cached tokens plus its new ones), got {self.max_query_len}; swapped? Pass "
                              f"keys_apart=True where the keys are given apart from the queries (cross attention)")
-        if self.decode_sequences and (self.max_query_len < 1 or self.max_kv_len < 1):
-            field = "max_query_len" if self.max_query_len < 1 else "max_kv_len"
-            raise ValueError(f"{field}: expected >= 1 with decode_sequences {self.decode_sequences} (a decode step "
-                             f"has one query token and at least its own key), got 0")
+        if self.decode_sequences and self.max_query_len < 1:
+            raise ValueError(f"max_query_len: expected >= 1 with decode_sequences {self.decode_sequences} (a decode "
+                             f"step has one query token), got 0")
         if isinstance(self.quant_bit, bool) or self.quant_bit not in (0, 4, 8):
             raise ValueError(f"quant_bit: expected one of (0, 4, 8), got {self.quant_bit!r}")
         if self.quant_bit:

@@ -349,7 +349,7 @@ def kernel_plan(Q, K, V, past_key=None, *, q_num_heads=None, kv_num_heads=None, 
     batch = int(Q.shape[0])
     shape = AttentionShape(batch=batch, max_query_len=q_len, max_kv_len=total, num_heads=q_heads,
                            num_kv_heads=kv_heads, head_dim=max(head_size, v_size), query_dtype=dtype,
-                           decode_sequences=batch if q_len == 1 and total else 0, causal=bool(is_causal),
+                           decode_sequences=batch if q_len == 1 else 0, causal=bool(is_causal),
                            keys_apart=True)       # K and V are inputs of their own: fewer keys than queries is fine
     if rung == 1:
         return plan_kernels(shape, rung=1, threads=threads, sms=sms, **PLAN_OPTIONS)

@@ -289,7 +289,6 @@ BAD_SHAPES = [
     (dict(quant_bit=4, quant_group=1), ValueError, "quant_group", r"expected an even group for quant_bit 4"),
     (dict(quant_bit=True), ValueError, "quant_bit", r"expected one of \(0, 4, 8\), got True$"),
     (dict(decode_sequences=1, max_query_len=0), ValueError, "max_query_len", r"expected >= 1 with decode_sequences 1"),
-    (dict(decode_sequences=1, max_query_len=0, max_kv_len=0), ValueError, "max_query_len", r"expected >= 1"),
     (dict(max_kv_len=-1), ValueError, "max_kv_len", r"expected an int >= 0, got -1$"),
     (dict(num_heads=0), ValueError, "num_heads", r"expected an int >= 1, got 0$"),
     (dict(batch=2.0), TypeError, "batch", r"expected an int, got float 2.0$"),
@@ -306,6 +305,9 @@ def test_what_the_operators_plan_is_a_valid_shape():
     """An empty step (no sequence, no key), keys given apart from fewer queries than keys (cross attention), an
     int4 cache whose group divides head_dim, dtypes as names or NumPy types: accepted, the dtypes normalised."""
     assert AttentionShape(**{**FACTS, "batch": 0, "max_query_len": 0, "max_kv_len": 0}).batch == 0
+    # a decode query whose keys, given apart, are none (OpenPPL's dynamic attention, ONNX without K rows)
+    assert AttentionShape(**{**FACTS, "max_query_len": 1, "max_kv_len": 0, "decode_sequences": 2,
+                             "keys_apart": True}).decode_sequences == 2
     cross = AttentionShape(**{**FACTS, "max_query_len": 50, "keys_apart": True})
     assert cross.keys_apart is True and choose_kernel(cross, sms=132).rung in (1, 3, 4, 5)
     quantized = AttentionShape(**{**FACTS, "quant_bit": 4, "quant_group": 8, "query_dtype": np.float32,
