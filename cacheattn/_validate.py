@@ -68,10 +68,24 @@ def check_dtype(name: str, x, allowed) -> None:
         raise TypeError(f"{name}: expected dtype in {tuple(allowed)}, got {dtype_of(x).name}")
 
 
-def check_same_dtype(name: str, x, other_name: str, other) -> None:
+def check_same_dtype(name: str, x, other_name: str, other, *, allowed=None, why: str = "") -> None:
+    """x must have the dtype of `other`, the array the call follows (its dtype is checked first); `allowed`: the
+    dtypes the two may share (None: any), `why`: the rule, said in the message."""
     if dtype_of(x) != dtype_of(other):
-        raise TypeError(f"{name}: expected the dtype of {other_name} ({dtype_of(other).name}), "
-                        f"got {dtype_of(x).name}")
+        raise dtype_mismatch(name, x, other_name, other, allowed=allowed, why=why)
+
+
+def dtype_mismatch(name: str, x, other_name: str, other, *, allowed=None, why: str = "") -> TypeError:
+    """The TypeError for x whose dtype is not that of `other`, the array the call follows: it names both arrays and
+    says how to make them agree (either dtype, where `allowed` takes it), so the fix is not always to convert x."""
+    got, want = dtype_of(x).name, dtype_of(other).name
+    rule = f" ({why})" if why else ""
+    if allowed is None or got in allowed:
+        fix = f"pass both as {got} or both as {want}"
+    else:
+        fix = f"pass {name} as {want}"
+    return TypeError(f"{name}: expected {other_name}'s dtype {want}{rule}, got {got}: the call follows "
+                     f"{other_name}; {fix}")
 
 
 def check_shape(name: str, x, expected: tuple, meaning: str = "") -> None:

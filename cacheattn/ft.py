@@ -93,7 +93,7 @@ def validate(input_query, encoder_output, encoder_sequence_length, step, key_cac
     check_shape("input_query", input_query, (None, None), "[batch_size, d_model]")
     batch, d_model = (int(s) for s in input_query.shape)
     # spec: ft/encoder-output
-    check_same_dtype("encoder_output", encoder_output, "input_query", input_query)
+    check_same_dtype("encoder_output", encoder_output, "input_query", input_query, allowed=FLOAT_T1)
     check_shape("encoder_output", encoder_output, (batch, None, None), "[batch_size, mem_max_seq_len, mem_d_model]")
     mem_len, mem_d = int(encoder_output.shape[1]), int(encoder_output.shape[2])
     if mem_len < 1:
@@ -109,7 +109,7 @@ def validate(input_query, encoder_output, encoder_sequence_length, step, key_cac
         k_text = v_text = "[B, mem_max_seq_len, H, Dh]"
     for name, cache, want, text in (("key_cache", key_cache, k_want, k_text),
                                     ("value_cache", value_cache, v_want, v_text)):
-        check_same_dtype(name, cache, "input_query", input_query)
+        check_same_dtype(name, cache, "input_query", input_query, allowed=FLOAT_T1)
         check_shape(name, cache, want, text)
         check_contiguous(name, cache)
 
@@ -117,7 +117,7 @@ def validate(input_query, encoder_output, encoder_sequence_length, step, key_cac
               "attention_output_weight": (hidden, d_model)}
     num_tasks = None
     for name, w in weight_arrays.items():
-        check_same_dtype(name, w, "input_query", input_query)
+        check_same_dtype(name, w, "input_query", input_query, allowed=FLOAT_T1)
         member, part = name.split(".")[1:]
         if member.startswith("ia3"):
             num_tasks = int(w.shape[0]) if getattr(w, "ndim", 0) == 2 else num_tasks
@@ -149,7 +149,7 @@ def validate(input_query, encoder_output, encoder_sequence_length, step, key_cac
         if (tasks < 0).any() or (tasks >= num_tasks).any():
             raise ValueError(f"ia3_tasks: expected values in [0, {num_tasks}) (num_tasks), got {tasks.tolist()}")
     if context_buf is not None:
-        check_same_dtype("context_buf", context_buf, "input_query", input_query)
+        check_same_dtype("context_buf", context_buf, "input_query", input_query, allowed=FLOAT_T1)
         check_shape("context_buf", context_buf, (batch, hidden), "[batch_size, H*Dh]")
         check_contiguous("context_buf", context_buf)
     if cross_attentions is not None:

@@ -80,6 +80,18 @@ class AttentionShape:
     causal : bool
         Whether prefill query rows see only the keys up to their own position (bottom-right aligned); halves a
         prefill's FLOPs.
+    keys_apart : bool
+        Whether the keys are given apart from the queries (cross attention; ONNX's K, OpenPPL's dynamic attention),
+        so that a sequence may have more query tokens than keys. False: the keys are the cached tokens plus the new
+        ones, and `max_query_len` cannot exceed `max_kv_len`.
+
+    Raises
+    ------
+    ValueError / TypeError
+        A field out of its range, named: a negative count, a head count or head_dim below 1, `num_kv_heads` not
+        dividing `num_heads`, more query tokens than keys (`max_query_len`) without `keys_apart`, decode sequences
+        without a query token, a dtype outside those listed, a `quant_group` that does not divide
+        `head_dim` in a quantized cache.
     """
     batch: int
     max_query_len: int
@@ -94,8 +106,15 @@ class AttentionShape:
     page_size: int = 0
     decode_sequences: int = 0
     causal: bool = False
+    keys_apart: bool = False
+
+    # The dtypes the kernels take: a float16 or float32 query (bfloat16 runs as float32, float64 on rung 1 without
+    # a plan), a cache of the query's float dtype or of int8 codes.
+    QUERY_DTYPES = ("float16", "float32")
+    CACHE_DTYPES = ("float16", "float32", "int8")
 
     def __post_init__(self):
+        # Zero batch, query or key lengths describe an empty step, which the operators may plan.
         for name, low in (("batch", 0), ("max_query_len", 0), ("max_kv_len", 0), ("num_heads", 1),
                           ("num_kv_heads", 1), ("head_dim", 1), ("page_size", 0), ("quant_group", 0)):
             check_int(name, getattr(self, name), low=low)
@@ -103,14 +122,34 @@ class AttentionShape:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads: expected a divisor of num_heads ({self.num_heads}), "
                              f"got {self.num_kv_heads}")
-        if self.quant_bit not in (0, 4, 8):
+        if not self.keys_apart and self.max_query_len > self.max_kv_len:
+            raise ValueError(f"max_query_len: expected <= max_kv_len ({self.max_kv_len}: a sequence's keys are its "
+                             f"cached tokens plus its new ones), got {self.max_query_len}; swapped? Pass "
+                             f"keys_apart=True where the keys are given apart from the queries (cross attention)")
+        if self.decode_sequences and self.max_query_len < 1:
+            raise ValueError(f"max_query_len: expected >= 1 with decode_sequences {self.decode_sequences} (a decode "
+                             f"step has one query token), got 0")
+        if isinstance(self.quant_bit, bool) or self.quant_bit not in (0, 4, 8):
             raise ValueError(f"quant_bit: expected one of (0, 4, 8), got {self.quant_bit!r}")
+        if self.quant_bit:
+            if self.quant_group < 1 or self.head_dim % self.quant_group:
+                raise ValueError(f"quant_group: expected a divisor of head_dim ({self.head_dim}) for quant_bit "
+                                 f"{self.quant_bit} (a float16 scale per group), got {self.quant_group}")
+            if self.quant_bit == 4 and self.quant_group % 2:
+                raise ValueError(f"quant_group: expected an even group for quant_bit 4 (two values per byte), got "
+                                 f"{self.quant_group}")
         # Dtypes as NumPy dtypes, so equal shapes hash equal (the plan is cached per shape).
-        object.__setattr__(self, "query_dtype", np.dtype(self.query_dtype))
-        cache = np.dtype(np.int8 if self.quant_bit else self.query_dtype if self.cache_dtype is None
-                         else self.cache_dtype)
+        query = _dtype_field("query_dtype", self.query_dtype, self.QUERY_DTYPES)
+        object.__setattr__(self, "query_dtype", query)
+        if self.quant_bit:
+            cache = np.dtype(np.int8)        # int4 codes pack two in a byte: the cache holds int8 either way
+        elif self.cache_dtype is None:
+            cache = query
+        else:
+            cache = _dtype_field("cache_dtype", self.cache_dtype, self.CACHE_DTYPES)
         object.__setattr__(self, "cache_dtype", cache)
         object.__setattr__(self, "causal", bool(self.causal))
+        object.__setattr__(self, "keys_apart", bool(self.keys_apart))
 
     @property
     def row_bytes(self) -> int:
@@ -134,6 +173,18 @@ class AttentionShape:
         prefill_pairs = q * (kv - q) + q * (q + 1) // 2 if self.causal and q <= kv else q * kv
         pairs = self.decode_sequences * kv + (self.batch - self.decode_sequences) * prefill_pairs
         return 4 * self.head_dim * self.num_heads * pairs
+
+
+def _dtype_field(name: str, value, accepted: tuple) -> np.dtype:
+    """An AttentionShape dtype field as a NumPy dtype, one of `accepted` (TypeError naming the field)."""
+    try:
+        dtype = np.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.name not in accepted:
+        got = dtype.name if dtype is not None else repr(value)
+        raise TypeError(f"{name}: expected one of {accepted} (a name or NumPy dtype), got {got}")
+    return dtype
 
 
 @dataclass(frozen=True)

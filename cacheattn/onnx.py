@@ -15,7 +15,7 @@ import reference
 
 from . import _arrays as arrays
 from ._types import IndexTensor, Tensor
-from ._validate import check_choice, check_flag, check_int, check_launch, check_shape
+from ._validate import check_choice, check_flag, check_int, check_launch, check_shape, dtype_mismatch
 from .kernel_choice import AttentionShape, KernelPlan
 from .kernel_choice import choose_kernel as plan_kernels
 
@@ -55,7 +55,7 @@ def _check_float(name, x, like=None):
     if _dtype_name(x) not in T1:
         raise TypeError(f"{name}: expected dtype in {T1}, got {_dtype_name(x)}")
     if like is not None and np.dtype(x.dtype) != np.dtype(like[1].dtype):
-        raise TypeError(f"{name}: expected the dtype of {like[0]} ({_dtype_name(like[1])}), got {_dtype_name(x)}")
+        raise dtype_mismatch(name, x, like[0], like[1], allowed=T1)
 
 
 def _is_real(x) -> bool:
@@ -349,7 +349,8 @@ def kernel_plan(Q, K, V, past_key=None, *, q_num_heads=None, kv_num_heads=None, 
     batch = int(Q.shape[0])
     shape = AttentionShape(batch=batch, max_query_len=q_len, max_kv_len=total, num_heads=q_heads,
                            num_kv_heads=kv_heads, head_dim=max(head_size, v_size), query_dtype=dtype,
-                           decode_sequences=batch if q_len == 1 else 0, causal=bool(is_causal))
+                           decode_sequences=batch if q_len == 1 else 0, causal=bool(is_causal),
+                           keys_apart=True)       # K and V are inputs of their own: fewer keys than queries is fine
     if rung == 1:
         return plan_kernels(shape, rung=1, threads=threads, sms=sms, **PLAN_OPTIONS)
     chosen = plan_kernels(shape, rung=rung, num_splits=num_splits, threads=threads, sms=sms, **PLAN_OPTIONS)

@@ -18,7 +18,7 @@ from reference.cache_layout import DYNAMIC_LAYOUTS, STATIC_LAYOUTS
 from reference.quant import stored_head_dim
 
 from . import _arrays as arrays
-from ._plans import bind_step, plan_signature
+from ._plans import asked_text, bind_step, phase_line, plan_signature
 from ._types import IndexTensor, Tensor
 from ._validate import (
     FLOAT_T1,
@@ -72,7 +72,7 @@ def _check_layer(num_layer, layer_idx):
 def _check_current(current_key, current_value, rank_shape, meaning):
     check_dtype("current_key", current_key, FLOAT_T1)
     check_shape("current_key", current_key, rank_shape, meaning)
-    check_same_dtype("current_value", current_value, "current_key", current_key)
+    check_same_dtype("current_value", current_value, "current_key", current_key, allowed=FLOAT_T1)
     check_shape("current_value", current_value, tuple(current_key.shape), "(that of current_key)")
 
 
@@ -84,7 +84,8 @@ def _check_cache_tensors(cache, scale, axes, *, num_layer, num_heads, head_dim, 
     # spec: ppl-kvc/quant-skip, ppl-mhca/types
     if quant_bit:
         if np.dtype(cache.dtype) != np.int8:
-            raise TypeError(f"cache: expected int8 for quant_bit {quant_bit}, got {np.dtype(cache.dtype).name}")
+            raise TypeError(f"cache: expected int8 codes for quant_bit {quant_bit}, got {np.dtype(cache.dtype).name}: "
+                            f"pass the cache as int8 (its scales in scale), or quant_bit=0 for a float cache")
     else:
         check_dtype("cache", cache, FLOAT_T1)
     layout_text = "(" + ",".join(names) + ")"
@@ -262,7 +263,7 @@ def _check_query(query, num_heads, head_dim):
 def _check_mask(attn_mask, query, num_heads, total_tokens, total_kv):
     if attn_mask is None:
         return
-    check_same_dtype("attn_mask", attn_mask, "query", query)
+    check_same_dtype("attn_mask", attn_mask, "query", query, allowed=FLOAT_T1)
     if attn_mask.ndim not in (2, 3):
         raise ValueError(f"attn_mask: expected shape (sum seqlens, >= sum kvlens) or "
                          f"(num_heads, sum seqlens, >= sum kvlens), got {tuple(attn_mask.shape)}")
@@ -685,7 +686,7 @@ def dynamic_multi_head_attention(query: Tensor, key: Tensor, value: Tensor, seqs
     _check_query(query, num_heads, head_dim)
     _check_rung(rung, query)
     for name, x in (("key", key), ("value", value)):
-        check_same_dtype(name, x, "query", query)
+        check_same_dtype(name, x, "query", query, allowed=FLOAT_T1)
         check_shape(name, x, (None, kv_heads, head_dim), "(kvstarts[B], num_kv_heads, head_dim)")
     seqs = arrays.index_array("seqstarts", seqstarts)
     kvs = arrays.index_array("kvstarts", kvstarts)
@@ -702,7 +703,7 @@ def dynamic_multi_head_attention(query: Tensor, key: Tensor, value: Tensor, seqs
     _check_mask(attn_mask, query, num_heads, int(seqs[-1]), int(kvs[-1]))
     _check_kernel_tensors(engine, query=query, key=key, value=value, attn_mask=attn_mask)
     launch = _kernel_plan(engine, rung, threads, num_splits, query.dtype, seqlens, max_seqlen, max_kvlen, num_heads,
-                          kv_heads, head_dim, key.dtype, is_causal, is_alibi)
+                          kv_heads, head_dim, key.dtype, is_causal, is_alibi, keys_apart=True)
     attrs = dict(num_heads=num_heads, head_dim=head_dim, is_causal=bool(is_causal), num_kv_heads=num_kv_heads)
     if engine == "reference":
         return arrays.run_reference(data, (), lambda h: reference.dynamic_multi_head_attention(
@@ -723,20 +724,24 @@ def _check_rung(rung, query):
 
 
 def _kernel_plan(engine, rung, threads, num_splits, query_dtype, seqlens, max_seqlen, max_kvlen, num_heads, kv_heads,
-                 head_dim, cache_dtype, is_causal, is_alibi, quant_bit=0, quant_group=0, page_size=0):
+                 head_dim, cache_dtype, is_causal, is_alibi, quant_bit=0, quant_group=0, page_size=0, keys_apart=False):
     """The kernels' rung, split count and block size (`choose_kernel`, from the call's shapes; seqlens: the host
     query lengths), planned before the cache store or any kernel runs: every kernel keeps its rows' K/V tiles or
     softmax states in shared memory, so a rung asked for whose layout does not fit is a ValueError naming head_dim
     here, from the launcher's own planner. A rung asked for by name (2 to 5, or 4 through num_splits) is checked on
     either backend, so the call fails the same way wherever it runs; the plan's own choice is made on the kernels
-    only (the reference ignores the rung)."""
+    only (the reference ignores the rung). keys_apart: the keys are given apart from the queries (dynamic
+    attention's key and value), so a sequence may have more query tokens than keys."""
     if engine == "reference" and rung in (None, 1) and num_splits is None:
         return None
-    shape = AttentionShape(batch=int(seqlens.shape[0]), max_query_len=max_seqlen, max_kv_len=max_kvlen,
+    # With a cache, kvlen = start_pos + seqlen: no sequence has more new tokens than max_kvlen, however loose the
+    # bound max_seqlen is.
+    query_len = max_seqlen if keys_apart else min(max_seqlen, max_kvlen)
+    shape = AttentionShape(batch=int(seqlens.shape[0]), max_query_len=query_len, max_kv_len=max_kvlen,
                            num_heads=num_heads, num_kv_heads=kv_heads, head_dim=head_dim, query_dtype=query_dtype,
                            cache_dtype=cache_dtype, quant_bit=quant_bit, quant_group=quant_group if quant_bit else 0,
                            page_size=page_size, decode_sequences=int(np.count_nonzero(seqlens == 1)),
-                           causal=bool(is_causal or is_alibi))
+                           causal=bool(is_causal or is_alibi), keys_apart=keys_apart)
     return plan_kernels(shape, rung=rung, num_splits=num_splits, threads=threads)
 
 
@@ -951,6 +956,27 @@ class MultiHeadCacheAttentionPlan:
         self._kernel_plans = {}             # (backend, query dtype, cache dtype) -> KernelPlan
         self._prepared = {}                 # the cache's array kind -> the kernels' CacheAttentionStep
 
+    def __repr__(self) -> str:
+        """The step, then one line per phase (decode, prefill) and per query and cache dtype the kernels were planned
+        for: the rung, the split count, the block size and why. One launch serves both phases, so their lines agree;
+        the kernels plan at the first layer of each dtype pair (the reference plans only a rung asked for)."""
+        s = self._step
+        batch, decode = int(self._seqlens.shape[0]), int(s["decoding_batches"])
+        phases = [p for p, n in (("decode", decode), ("prefill", batch - decode)) if n]
+        lines = [f"MultiHeadCacheAttentionPlan({batch} sequences: {decode} decode, {batch - decode} prefill; "
+                 f"max_seqlen {s['max_seqlen']}, max_kvlen {s['max_kvlen']}; {s['num_heads']} heads over "
+                 f"{self._kv_heads} kv heads, head_dim {s['head_dim']}; {asked_text(self._launch)})"]
+        chosen = {key: plan for key, plan in self._kernel_plans.items() if plan is not None}
+        for (engine, query, cache), plan in chosen.items():
+            both = " (one launch with the decode)" if len(phases) == 2 else ""
+            lines += [phase_line(f"{phase} ({query.name} query, {cache.name} cache, {engine})", plan.rung,
+                                 plan.num_splits, plan.reason + (both if phase == "prefill" else ""),
+                                 threads=plan.threads) for phase in phases]
+        if not chosen:
+            lines += [f"  {phase}: not chosen yet: the kernels choose at the first layer run on them, by the query's "
+                      f"and the cache's dtypes (the reference runs no kernel)" for phase in phases]
+        return "\n".join(lines)
+
     @arrays.accepts_torch
     def run(self, query: Tensor, current_key: Tensor, current_value: Tensor, cache: Tensor,
             scale: Tensor | None = None, attn_mask: Tensor | None = None, *, layer_idx: int = 0,
@@ -969,7 +995,7 @@ class MultiHeadCacheAttentionPlan:
         engine = arrays.resolve_backend(backend, data)
         _check_query(query, s["num_heads"], s["head_dim"])
         _check_rung(self._launch["rung"], query)
-        check_same_dtype("current_key", current_key, "query", query)
+        check_same_dtype("current_key", current_key, "query", query, allowed=FLOAT_T1)
         _check_current(current_key, current_value, (None, self._kv_heads, s["head_dim"]),
                        "(seqstarts[B], num_kv_heads, head_dim)")
         _check_layer(s["num_layer"], layer_idx)
@@ -1064,7 +1090,9 @@ def plan_multi_head_cache_attention(*args, **kwargs) -> MultiHeadCacheAttentionP
     >>> [o.shape for o in outs]
     [(3, 4, 8), (3, 4, 8)]
     """
-    return MultiHeadCacheAttentionPlan(bind_step(_PLAN_PARAMETERS, args, kwargs))
+    step = bind_step(_PLAN_PARAMETERS, args, kwargs, function="plan_multi_head_cache_attention",
+                     layer_inputs=LAYER_INPUTS)
+    return MultiHeadCacheAttentionPlan(step)
 
 
 _PLAN_PARAMETERS = plan_signature(multi_head_cache_attention, LAYER_INPUTS, "MultiHeadCacheAttentionPlan")

@@ -20,8 +20,8 @@ from reference import packed_mask
 from reference import trtllm_gpt_attention as ref
 
 from . import _arrays as arrays
-from ._plans import bind_step, plan_signature
-from ._validate import check_choice, check_int, check_launch, check_shape, dtype_of
+from ._plans import asked_text, bind_step, phase_line, plan_signature
+from ._validate import check_choice, check_int, check_launch, check_shape, dtype_mismatch, dtype_of
 
 FLOATS = ("float16", "bfloat16", "float32", "float64")
 
@@ -218,7 +218,7 @@ def _float_tensor(name, x, like=None):
     if dtype_of(x).name not in FLOATS:
         raise TypeError(f"{name}: expected dtype in {FLOATS}, got {dtype_of(x).name}")
     if like is not None and dtype_of(x) != dtype_of(like):
-        raise TypeError(f"{name}: expected qkv's dtype ({dtype_of(like).name}), got {dtype_of(x).name}")
+        raise dtype_mismatch(name, x, "qkv", like, allowed=FLOATS)
 
 
 def _per_entry(name, x, entries):
@@ -864,9 +864,24 @@ def _check_mask(a, mask_type, packed, E, new, lengths):
 
 
 def _cache_dtype_ok(name, x, qkv, quant):
-    want = {0: dtype_of(qkv), 64: np.dtype(np.int8), 128: ref.fp8_e4m3()}[quant]
-    if dtype_of(x) != want:
-        raise TypeError(f"{name}: expected dtype {want.name} for kv_cache_quant_mode {quant}, got {dtype_of(x).name}")
+    """The cache's dtype: qkv's without quantization (the call follows qkv: the message says so, and that either
+    array may change), the codes' with it (the message names the mode the cache's dtype would ask for)."""
+    codes = {64: np.dtype(np.int8), 128: ref.fp8_e4m3()}
+    got = dtype_of(x)
+    if quant == 0:
+        if got == dtype_of(qkv):
+            return
+        mode = next((f"kv_cache_quant_mode={QuantMode(m).name} ({m})" for m, d in codes.items() if d == got), None)
+        if mode is not None:
+            raise TypeError(f"{name}: expected qkv's dtype {dtype_of(qkv).name} with kv_cache_quant_mode 0 (an "
+                            f"unquantized cache holds qkv's dtype), got {got.name}: {got.name} holds "
+                            f"quantized codes; pass {mode} with its KV scales, or a {dtype_of(qkv).name} cache")
+        raise dtype_mismatch(name, x, "qkv", qkv, allowed=FLOATS,
+                             why="with kv_cache_quant_mode 0 the cache holds qkv's dtype")
+    if got != codes[quant]:
+        raise TypeError(f"{name}: expected {codes[quant].name} codes for kv_cache_quant_mode {QuantMode(quant).name} "
+                        f"({quant}), got {got.name}: pass the cache as {codes[quant].name}, or kv_cache_quant_mode=0 "
+                        f"for a cache of qkv's dtype ({dtype_of(qkv).name})")
 
 
 def _block_offsets(a, E):
@@ -1337,6 +1352,23 @@ class GptAttentionPlan:
         self._launch = dict(launch, threads=threads)
         self._prepared = {}                 # (array kind, dtype, qkv shape, window) -> the kernels' StepLaunch
 
+    def __repr__(self) -> str:
+        """The step, then one line per phase (context, generation) and per qkv dtype, shape and window the kernels
+        ran: the rung, the split count and why. The kernels choose at the first layer of each (the choice depends
+        on qkv's dtype and the layer's window); until then each phase says so."""
+        f = self._step["facts"]
+        E, contexts = f["E"], int(f["is_context"].sum())
+        phases = [p for p, n in (("context", contexts), ("generation", E - contexts)) if n]
+        lines = [f"GptAttentionPlan({E} entries: {contexts} context, {E - contexts} generation; {f['H']} heads over "
+                 f"{f['Hkv']} kv heads, head size {f['Dh']}; {asked_text(self._launch)})"]
+        for (_, dtype, shape, window), step in self._prepared.items():
+            where = f"{dtype.name} qkv {tuple(shape)}, window {window}"
+            lines += [phase_line(f"{phase} ({where})", *_phase_choice(step, phase)) for phase in phases]
+        if not self._prepared:
+            lines += [f"  {phase}: not chosen yet: the kernels choose at the first layer run on them, by qkv's dtype "
+                      f"and the layer's window (the reference runs no kernel)" for phase in phases]
+        return "\n".join(lines)
+
     @arrays.accepts_torch
     def run(self, *, qkv, layer_idx: int, past_key_value=None, kv_cache_pool=None, qkv_bias=None,
             kv_orig_quant_scale=None, kv_quant_orig_scale=None, cross_kv=None, relative_attention_bias=None,
@@ -1385,6 +1417,34 @@ class GptAttentionPlan:
         return launches.run_layer(step, **{name: call[name] for name in LAYER_INPUTS})
 
 
+def _phase_choice(s, phase: str) -> tuple:
+    """(rung, split count, why) of one phase of a prepared step (the kernels' StepLaunch), as its launches run."""
+    if phase == "context":
+        if s.unfused:
+            return 1, 1, ("the unfused path (scores in global memory, softmax, P V): context_fmha_type 0 or FP8 "
+                          "context FMHA")
+        if s.fused_rung == 5:
+            return 5, 1, s.fused_reason
+        return 1, s.num_splits, s.fused_reason + (" (multi-block)" if s.num_splits > 1 else "")
+    if not s.vector_generation:
+        why = ("rung=1 asked for" if s.rung == 1 else "rungs 3 to 5 accumulate in float32, qkv is float64"
+               if s.acc_t != np.float32 else "no cache to read the generation tokens from")
+        return 1, s.num_splits, f"shared-memory tiles, with the context entries: {why}"
+    if s.register_generation:
+        return 5, s.register_splits, s.generation_reason + " (rung 3 for a layer whose cache is not aligned for " \
+                                                           "16-byte loads)"
+    from kernels_numba.trtllm_generation import step_splits
+
+    rung = None if s.rung == 5 else s.rung
+    splits = step_splits(rung, s.generation_splits, s.multi_block_mode, s.num_sms, s.generation_new, s.kvlens,
+                         s.window, s.H, s.Hkv, s.Dh, 1 if s.quant else np.dtype(s.rounds_as).itemsize, s.threads)
+    chosen = 4 if splits > 1 or rung == 4 else 3
+    why = (f"rung={s.rung} asked for" if s.rung in (3, 4) else
+           f"rung 5's decode kernel does not serve it: {s.generation_reason.removeprefix('rung 3/4: ')}")
+    mode = f"; its keys split {splits} ways (multi-block)" if splits > 1 else ""
+    return chosen, splits, f"vector loads: {why}{mode}"
+
+
 @arrays.accepts_torch
 def plan_gpt_attention(**step) -> GptAttentionPlan:
     """Plan one batch step of `gpt_attention` (as FlashInfer's `plan`): validate the step once, then
@@ -1417,7 +1477,8 @@ def plan_gpt_attention(**step) -> GptAttentionPlan:
     >>> [o.shape for o in outs]
     [(3, 8), (3, 8)]
     """
-    return GptAttentionPlan(bind_step(_PLAN_PARAMETERS, (), step))
+    return GptAttentionPlan(bind_step(_PLAN_PARAMETERS, (), step, function="plan_gpt_attention",
+                                       layer_inputs=LAYER_INPUTS))
 
 
 _PLAN_PARAMETERS = plan_signature(gpt_attention, LAYER_INPUTS, "GptAttentionPlan")

@@ -133,6 +133,35 @@ def test_an_operator_names_the_argument_it_refuses_and_writes_nothing(name, brea
     check()
 
 
+# The array whose dtype disagrees with the one the call follows, and that one: the message names both and says
+# both ways to agree, so that converting the broken one is not the only fix it offers.
+LEADERS = [("onnx_attention", "K", "Q"), ("cross_attention", "encoder_output", "input_query"),
+           ("multi_head_cache_attention", "current_key", "query"), ("dynamic_multi_head_attention", "key", "query")]
+
+
+@pytest.mark.parametrize("name,argument,leader", LEADERS, ids=[f"{n}-{a}" for n, a, _ in LEADERS])
+def test_a_dtype_disagreement_names_the_array_the_call_follows(name, argument, leader):
+    op = OPERATORS[name]
+
+    @ROWS
+    @given(case=_space(op))
+    def check(case):
+        inputs, attrs = op.problem(case)
+        call = Call(copy_inputs(inputs), dict(attrs))
+        want, got = np.dtype(call[leader].dtype).name, {"float16": "float32"}.get(np.dtype(call[leader].dtype).name,
+                                                                                   "float16")
+        call[argument] = call[argument].astype(got)
+        if name == "multi_head_cache_attention":          # current_value follows current_key
+            call["current_value"] = call["current_value"].astype(got)
+        for backend in BACKENDS:
+            refusal = check_refused(lambda c, backend=backend: call_operator(op, op.function, c.inputs, c.attrs,
+                                                                              backend=backend),
+                                    call, broken(argument, "the other float dtype", sets()))
+            assert str(refusal) == (f"{argument}: expected {leader}'s dtype {want}, got {got}: the call follows "
+                                    f"{leader}; pass both as {got} or both as {want}")
+    check()
+
+
 # ---------------------------------------------------------------------------------------------- cacheattn.convert
 
 from convert_formats import SEQUENCE, make, random_kv  # noqa: E402

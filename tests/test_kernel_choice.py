@@ -272,3 +272,54 @@ def test_a_head_dim_rung_1_cannot_hold_runs_on_the_vector_loads(device, monkeypa
     names = spied(monkeypatch)
     kit.check_case("multi_head_cache_attention", on_device(device, cacheattn.multi_head_cache_attention), problem)
     assert names == RUNG_KERNELS[4], names
+
+
+FACTS = dict(batch=2, max_query_len=5, max_kv_len=10, num_heads=4, num_kv_heads=2, head_dim=64)
+BAD_SHAPES = [
+    # (changes, error, field, the rest of the message)
+    (dict(max_query_len=50), ValueError, "max_query_len",
+     r"expected <= max_kv_len \(10: a sequence's keys are its cached tokens plus its new ones\), got 50; swapped\? "
+     r"Pass keys_apart=True where the keys are given apart from the queries \(cross attention\)$"),
+    (dict(query_dtype="banana"), TypeError, "query_dtype",
+     r"expected one of \('float16', 'float32'\) \(a name or NumPy dtype\), got 'banana'$"),
+    (dict(query_dtype="float64"), TypeError, "query_dtype", r"expected one of .*, got float64$"),
+    (dict(cache_dtype="bool"), TypeError, "cache_dtype", r"expected one of \('float16', 'float32', 'int8'\)"),
+    (dict(quant_bit=8), ValueError, "quant_group", r"expected a divisor of head_dim \(64\) for quant_bit 8"),
+    (dict(quant_bit=8, quant_group=6), ValueError, "quant_group", r"expected a divisor of head_dim .*, got 6$"),
+    (dict(quant_bit=4, quant_group=1), ValueError, "quant_group", r"expected an even group for quant_bit 4"),
+    (dict(quant_bit=True), ValueError, "quant_bit", r"expected one of \(0, 4, 8\), got True$"),
+    (dict(decode_sequences=1, max_query_len=0), ValueError, "max_query_len", r"expected >= 1 with decode_sequences 1"),
+    (dict(max_kv_len=-1), ValueError, "max_kv_len", r"expected an int >= 0, got -1$"),
+    (dict(num_heads=0), ValueError, "num_heads", r"expected an int >= 1, got 0$"),
+    (dict(batch=2.0), TypeError, "batch", r"expected an int, got float 2.0$"),
+]
+
+
+@pytest.mark.parametrize("changes,error,field,rest", BAD_SHAPES, ids=[b[2] + " " + str(b[0]) for b in BAD_SHAPES])
+def test_a_shape_names_the_field_at_fault(changes, error, field, rest):
+    with pytest.raises(error, match=rf"^{field}: {rest}"):
+        AttentionShape(**{**FACTS, **changes})
+
+
+def test_what_the_operators_plan_is_a_valid_shape():
+    """An empty step (no sequence, no key), keys given apart from fewer queries than keys (cross attention), an
+    int4 cache whose group divides head_dim, dtypes as names or NumPy types: accepted, the dtypes normalised."""
+    assert AttentionShape(**{**FACTS, "batch": 0, "max_query_len": 0, "max_kv_len": 0}).batch == 0
+    # a decode query whose keys, given apart, are none (OpenPPL's dynamic attention, ONNX without K rows)
+    assert AttentionShape(**{**FACTS, "max_query_len": 1, "max_kv_len": 0, "decode_sequences": 2,
+                             "keys_apart": True}).decode_sequences == 2
+    cross = AttentionShape(**{**FACTS, "max_query_len": 50, "keys_apart": True})
+    assert cross.keys_apart is True and choose_kernel(cross, sms=132).rung in (1, 3, 4, 5)
+    quantized = AttentionShape(**{**FACTS, "quant_bit": 4, "quant_group": 8, "query_dtype": np.float32,
+                                  "cache_dtype": "float16"})
+    assert quantized.cache_dtype == np.int8 and quantized.query_dtype == np.float32
+
+
+def test_a_kernel_plan_prints_its_rung_split_count_and_reason():
+    one = AttentionShape(batch=1, max_query_len=1, max_kv_len=32769, decode_sequences=1, num_heads=32,
+                         num_kv_heads=8, head_dim=128)
+    chosen = choose_kernel(one, sms=132)
+    text = repr(chosen)
+    assert "\n" not in text
+    assert text.startswith(f"KernelPlan(rung={chosen.rung}, num_splits={chosen.num_splits}, threads=128, reason=")
+    assert repr(chosen.reason) in text and "33 splits make 264" in chosen.reason

@@ -388,3 +388,76 @@ def test_dynamic_mha_refuses_a_prefill_counted_as_decoding(backend):
         out = cacheattn.dynamic_multi_head_attention(query, key, value, seqstarts, kvstarts, decoding, 3, 6,
                                                      **dict(attrs, backend="reference"))
         assert out.shape == query.shape and np.isfinite(out).all()
+
+
+# ---- Errors that point at the mistake: the plan's arguments, dtypes that disagree; the plan shows its choice -----
+
+FLOAT = with_(BASE, quant_bit=0, scale_dtype=None)
+
+
+def _plan_split(case):
+    """(the step's arguments, the layer's) of multi_head_cache_attention's call for `case`."""
+    args = {**build_ppl(case), **case.attrs()}
+    layer = cacheattn.ppl.LAYER_INPUTS
+    return {k: v for k, v in args.items() if k not in layer}, {k: v for k, v in args.items() if k in layer}
+
+
+@pytest.mark.parametrize("name", ["query", "cache", "layer_idx"])
+def test_a_per_layer_argument_given_to_the_plan_names_the_plan_and_sends_it_to_run(name):
+    step, layer = _plan_split(BASE)
+    with pytest.raises(TypeError, match=rf"^{name}: expected in plan\.run\(\.\.\.\), got in plan_multi_head_cache_"
+                                        rf"attention: it is per layer.*plan\.run\({name}=\.\.\.\)"):
+        cacheattn.plan_multi_head_cache_attention(**step, **{name: layer[name]})
+
+
+def test_an_unknown_or_missing_argument_of_the_plan_names_the_plan():
+    step, _ = _plan_split(BASE)
+    with pytest.raises(TypeError, match=r"^num_kv_head: expected an argument of plan_multi_head_cache_attention, got "
+                                        r"an unknown name; did you mean num_kv_heads\b"):
+        cacheattn.plan_multi_head_cache_attention(**step, num_kv_head=2)
+    del step["head_dim"]
+    with pytest.raises(TypeError, match=r"^head_dim: expected a value, got none: plan_multi_head_cache_attention "
+                                        r"requires it; pass head_dim=\.\.\.$"):
+        cacheattn.plan_multi_head_cache_attention(**step)
+    with pytest.raises(TypeError, match=r"^plan_multi_head_cache_attention: expected at most 7 positional arguments "
+                                        r"\(seqstarts, .*, max_kvlen\), got 8; per-layer tensors go to plan\.run"):
+        cacheattn.plan_multi_head_cache_attention(*range(8), num_heads=4, head_dim=16, is_causal=True)
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+@pytest.mark.parametrize("name,case,changes,rest", [
+    ("current_key", FLOAT, dict(current_key=lambda x: x["current_key"].astype(np.float32),
+                                current_value=lambda x: x["current_value"].astype(np.float32)),
+     r"expected query's dtype float16, got float32: the call follows query; pass both as float32 or both as "
+     r"float16$"),
+    ("cache", BASE, dict(cache=lambda x: x["cache"].astype(np.float16)),
+     r"expected int8 codes for quant_bit 8, got float16: pass the cache as int8 \(its scales in scale\), or "
+     r"quant_bit=0 for a float cache$"),
+], ids=["current_key", "cache"])
+def test_a_dtype_disagreement_names_both_arrays_and_how_to_agree(name, case, changes, rest, backend):
+    inputs, attrs = mhca_call(set_(**changes), case)
+    before = {k: v.copy() for k, v in inputs.items() if isinstance(v, np.ndarray)}
+    with _launch.recorded_launches() as launches, pytest.raises(TypeError, match=rf"^{name}: {rest}"):
+        cacheattn.multi_head_cache_attention(**inputs, **attrs, backend=backend)
+    assert launches == []
+    for k, x in before.items():
+        assert x.dtype == inputs[k].dtype and x.tobytes() == inputs[k].tobytes(), f"the refused call changed {k}"
+
+
+def test_the_plan_prints_each_phases_choice():
+    """Before the kernels plan, each phase says the choice is to come; after a layer on them, one line per phase
+    (decode, prefill) with the rung, split count, block size and reason of the one launch serving both."""
+    step, layer = _plan_split(BASE)
+    plan = cacheattn.plan_multi_head_cache_attention(**step)
+    lines = repr(plan).splitlines()
+    assert lines[0] == ("MultiHeadCacheAttentionPlan(2 sequences: 1 decode, 1 prefill; max_seqlen 3, max_kvlen 5; 4 "
+                        "heads over 2 kv heads, head_dim 16; kernel keywords rung=None, num_splits=None, threads=None)")
+    assert [line.split(":")[0] for line in lines[1:]] == ["  decode", "  prefill"]
+    assert all("not chosen yet" in line for line in lines[1:])
+    plan.run(**layer, backend="numba")
+    chosen = plan._kernel_plans["numba", np.dtype(np.float16), np.dtype(np.int8)]
+    decode, prefill = repr(plan).splitlines()[1:]
+    said = (f"rung {chosen.rung}, {chosen.num_splits} split{'s' if chosen.num_splits > 1 else ''}, "
+            f"{chosen.threads} threads: {chosen.reason}")
+    assert decode == f"  decode (float16 query, int8 cache, numba): {said}"
+    assert prefill == f"  prefill (float16 query, int8 cache, numba): {said} (one launch with the decode)"

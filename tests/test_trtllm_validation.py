@@ -481,3 +481,112 @@ def test_bad_kernel_choice(name, case, launch, error, param, backend):
     with _launch.recorded_launches() as launches, pytest.raises(error, match=rf"^{param}\b"):
         cacheattn.gpt_attention(**args, backend=backend, **launch)
     assert launches == [] and before.tobytes() == _cache_of(args).tobytes()
+
+
+# ---- Errors that point at the mistake: the plan's arguments, a cache of another dtype than qkv -------------------
+
+def _split(args):
+    """(the step's arguments, the layer's) of a gpt_attention call."""
+    return ({k: v for k, v in args.items() if k not in trtllm.LAYER_INPUTS},
+            {k: v for k, v in args.items() if k in trtllm.LAYER_INPUTS})
+
+
+@pytest.mark.parametrize("name", ["past_key_value", "qkv", "layer_idx", "backend"])
+def test_a_per_layer_argument_given_to_the_plan_names_the_plan_and_sends_it_to_run(name):
+    step, layer = _split(build_trt(BASE))
+    value = dict(layer, backend="reference")[name]
+    before = {k: v.copy() for k, v in {**step, **layer}.items() if isinstance(v, np.ndarray)}
+    with pytest.raises(TypeError, match=rf"^{name}: expected in plan\.run\(\.\.\.\), got in plan_gpt_attention: it "
+                                        rf"is per layer.*pass it to plan\.run\({name}=\.\.\.\) for each layer$"):
+        cacheattn.plan_gpt_attention(**step, **{name: value})
+    assert all(x.tobytes() == {**step, **layer}[k].tobytes() for k, x in before.items())
+
+
+@pytest.mark.parametrize("name,close", [("num_kv_head", "num_kv_heads"), ("past_key_values", "past_key_value "
+                                                                           r"\(per layer: plan\.run\)"),
+                                        ("banana", None)])
+def test_an_unknown_argument_of_the_plan_names_the_plan_and_the_close_names(name, close):
+    step, _ = _split(build_trt(BASE))
+    hint = rf"; did you mean {close}( or [^?]*)?\?$" if close else "$"
+    with pytest.raises(TypeError, match=rf"^{name}: expected an argument of plan_gpt_attention, got an unknown "
+                                        rf"name{hint}"):
+        cacheattn.plan_gpt_attention(**step, **{name: 1})
+
+
+def test_a_missing_argument_of_the_plan_names_the_plan_and_what_to_pass():
+    step, _ = _split(build_trt(BASE))
+    del step["num_kv_heads"], step["q_scaling"]
+    with pytest.raises(TypeError, match=r"^num_kv_heads: expected a value, got none: plan_gpt_attention requires it "
+                                        r"\(also missing: q_scaling\); pass num_kv_heads=\.\.\.$"):
+        cacheattn.plan_gpt_attention(**step)
+
+
+DTYPE_DISAGREEMENTS = [
+    # (id, case, the layer's changes, the argument named, the rest of the message)
+    ("float64 qkv, float32 pool", PAGED, lambda a: dict(qkv=a["qkv"].astype(np.float64)), "kv_cache_pool",
+     r"expected qkv's dtype float64 \(with kv_cache_quant_mode 0 the cache holds qkv's dtype\), got float32: the "
+     r"call follows qkv; pass both as float32 or both as float64$"),
+    ("float16 contiguous cache", BASE, lambda a: dict(past_key_value=a["past_key_value"].astype(np.float16)),
+     "past_key_value", r"expected qkv's dtype float32 .*, got float16: the call follows qkv; pass both as float16 "
+                       r"or both as float32$"),
+    ("int8 cache without quantization", BASE, lambda a: dict(past_key_value=a["past_key_value"].astype(np.int8)),
+     "past_key_value", r"expected qkv's dtype float32 with kv_cache_quant_mode 0 .*, got int8: int8 holds quantized "
+                       r"codes; pass kv_cache_quant_mode=INT8_KV_CACHE \(64\) with its KV scales, or a float32 cache$"),
+    ("float cache with INT8_KV_CACHE", INT8, lambda a: dict(past_key_value=a["past_key_value"].astype(np.float32)),
+     "past_key_value", r"expected int8 codes for kv_cache_quant_mode INT8_KV_CACHE \(64\), got float32: pass the "
+                       r"cache as int8, or kv_cache_quant_mode=0 for a cache of qkv's dtype \(float32\)$"),
+    ("float16 qkv_bias", BASE, lambda a: dict(qkv_bias=np.ones(a["qkv"].shape[-1], np.float16)), "qkv_bias",
+     r"expected qkv's dtype float32, got float16: the call follows qkv; pass both as float16 or both as float32$"),
+]
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+@pytest.mark.parametrize("how", ["one call", "plan"])
+@pytest.mark.parametrize("name,case,change,param,rest", DTYPE_DISAGREEMENTS, ids=[d[0] for d in DTYPE_DISAGREEMENTS])
+def test_a_dtype_disagreement_names_both_arrays_and_how_to_agree(name, case, change, param, rest, how, backend):
+    """The cache (or a table) whose dtype is not qkv's is named with qkv and both ways out, not only "convert the
+    cache"; on either backend, through the plan as through the one call, before any kernel, every array
+    bit-identical afterwards."""
+    args = build_trt(case)
+    args.update(change(args))
+    before = {k: v.copy() for k, v in args.items() if isinstance(v, np.ndarray)}
+    step, layer = _split(args)
+    with _launch.recorded_launches() as launches, pytest.raises(TypeError, match=rf"^{param}: {rest}"):
+        if how == "plan":
+            cacheattn.plan_gpt_attention(**step).run(**layer, backend=backend)
+        else:
+            cacheattn.gpt_attention(**args, backend=backend)
+    assert launches == []
+    for k, x in before.items():
+        assert x.dtype == args[k].dtype and x.tobytes() == args[k].tobytes(), f"the refused call changed {k}"
+
+
+def test_the_plan_prints_each_phases_choice():
+    """Before a kernel runs the plan says the choice is to come, and why; after a layer on the kernels, one line per
+    phase with the rung, the split count and the reason, as the launches ran (rung 5's context kernel on float16,
+    rung 1's tiles otherwise; the generation's vector kernel, rung 4 as asked)."""
+    f16 = replace(BASE, dtype="float16")
+    step, layer = _split(build_trt(f16))
+    plan = cacheattn.plan_gpt_attention(**step)
+    text = repr(plan)
+    assert text.splitlines()[0] == ("GptAttentionPlan(4 entries: 2 context, 2 generation; 6 heads over 2 kv heads, "
+                                    "head size 8; kernel keywords rung=None, num_splits=None, threads=128)")
+    assert [line.split(":")[0] for line in text.splitlines()[1:]] == ["  context", "  generation"]
+    assert all("not chosen yet" in line for line in text.splitlines()[1:])
+    with _launch.recorded_launches() as launches:
+        plan.run(**layer, backend="numba")
+    context, generation = repr(plan).splitlines()[1:]
+    assert context.startswith("  context (float16 qkv (7, 80), window 8): rung 5, 1 split: tensor cores")
+    assert generation.startswith("  generation (float16 qkv (7, 80), window 8): rung 3, 1 split: vector loads: ")
+    assert "cache_indirection" in generation                    # two beams: rung 5's decode kernel does not serve
+    names = [kernel.py_func.__name__ for kernel, _ in launches]
+    assert any("mma" in n for n in names) and not any("combine" in n for n in names)
+
+    step, layer = _split(build_trt(BASE))
+    plan = cacheattn.plan_gpt_attention(**step, rung=4, num_splits=2)
+    plan.run(**layer, backend="numba")
+    context, generation = repr(plan).splitlines()[1:]
+    assert context.startswith("  context (float32 qkv (7, 80), window 8): rung 1, 1 split: fallback to shared-memory "
+                              "tiles: rung 5 takes a float16 query, got float32")
+    assert generation == "  generation (float32 qkv (7, 80), window 8): rung 4, 2 splits: vector loads: rung=4 asked " \
+                         "for; its keys split 2 ways (multi-block)"

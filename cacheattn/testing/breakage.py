@@ -399,6 +399,7 @@ PPL_CACHE = [       # dynamic_batching.KeyValueCache's arguments, shared with Mu
     broken("max_kvlen", "a float", sets(max_kvlen=lambda c: float(c["max_kvlen"]))),
     broken("cache", "float64", sets(cache=cast("cache", np.float64))),
     broken("cache", "one kv head more", sets(cache=along("cache", grow, lambda c: _cache_axis(c, "H")))),
+    broken("cache", "float16 codes with quant_bit set", sets(cache=cast("cache", np.float16)), when=quantized),
     broken("scale", "missing with quant_bit set", sets(scale=None), when=quantized),
     broken("scale", "a group short", sets(scale=shrink("scale", -1)), when=quantized),
     broken("scale", "int8", sets(scale=cast("scale", np.int8)), when=quantized),
@@ -444,6 +445,9 @@ PPL_LAUNCH = [      # the kernels' own keywords (not the document's), checked on
 
 MULTI_HEAD_CACHE_ATTENTION = PPL_CACHE + PPL_ATTENTION + PPL_LAUNCH + [
     broken("current_key", "a kv head missing", sets(current_key=shrink("current_key", 1))),
+    # the call follows the query: the message names both (either may change)
+    broken("current_key", "current key and value in the other float dtype than the query", sets(
+        current_key=other_float("current_key"), current_value=other_float("current_value")), "query"),
 ]
 
 DYNAMIC_KEY_VALUE_CACHE = PPL_CACHE + [
@@ -491,6 +495,7 @@ KEY_VALUE_CACHE = [
     broken("start_pos", "a float", _static_start(lambda c, start, s: float(start))),
     broken("cache", "float64", sets(cache=cast("cache", np.float64))),
     broken("cache", "one head more", sets(cache=along("cache", grow, lambda c: _cache_axis(c, "H", static=True)))),
+    broken("cache", "float16 codes with quant_bit set", sets(cache=cast("cache", np.float16)), when=quantized),
     broken("scale", "missing with quant_bit set", sets(scale=None), when=quantized),
     broken("scale", "a group short", sets(scale=shrink("scale", -1)), when=quantized),
     broken("num_layer", "one more than the cache holds", sets(num_layer=plus("num_layer", 1)), "cache"),
@@ -797,6 +802,15 @@ GPT_ATTENTION = [
            when=trt_contiguous),
     broken("kv_cache_pool", "the other float dtype", sets(kv_cache_pool=other_float("kv_cache_pool")),
            when=lambda c: trt_paged(c) and not kv_quantized(c)),
+    broken("past_key_value", "the other float dtype", sets(past_key_value=other_float("past_key_value")),
+           "qkv", when=lambda c: trt_contiguous(c) and not kv_quantized(c)),
+    # the cache follows qkv: a qkv of another dtype is named with the cache (or a table of qkv's dtype) it leaves
+    broken("qkv", "the other float dtype than its cache", sets(qkv=other_float("qkv")), "past_key_value",
+           "kv_cache_pool", "qkv_bias", "cross_kv", "relative_attention_bias", when=lambda c: not kv_quantized(c)),
+    broken("past_key_value", "float32 with a quantized cache", sets(past_key_value=cast("past_key_value", np.float32)),
+           when=lambda c: trt_contiguous(c) and kv_quantized(c)),
+    broken("kv_cache_pool", "float32 with a quantized cache", sets(kv_cache_pool=cast("kv_cache_pool", np.float32)),
+           when=lambda c: trt_paged(c) and kv_quantized(c)),
     broken("past_key_value", "missing with a contiguous cache", sets(past_key_value=None), when=trt_contiguous),
     broken("past_key_value", "one kv head short", sets(past_key_value=shrink("past_key_value", 2)),
            when=trt_contiguous),
