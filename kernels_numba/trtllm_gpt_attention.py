@@ -417,28 +417,6 @@ def _kv_sources(templates, *, cache_array, paged, layer_idx, tokens_per_block, s
     return templates[0]._replace(**layer), templates[1]._replace(**layer)
 
 
-def _unfused_context(q_scratch, token_starts, new, kvlens, num_context, k_src, v_src, args, sm_scale, output,
-                     kernel_key, acc_t, threads, stream, fp8_scales=None):
-    """context_fmha_type 0: the context entries' scores in global memory (E, H, max new, max keys), softmax rows,
-    then P V into the output; generation entries have 0 rows here."""
-    E, H, Dh = len(new), kernel_key[1], kernel_key[3]
-    context_new = np.where(np.arange(E) < num_context, new, 0)
-    rows, keys = int(context_new.max()), int(np.max(kvlens[:num_context]))
-    like = q_scratch
-    scores = empty_like_kind(like, (E, H, rows, keys), acc_t)
-    seqlens, kv = to_kind(like, context_new), to_kind(like, kvlens)
-    totals = empty_like_kind(like, (E, H, rows), acc_t)
-    inv_s, s = (np.float32(x) for x in (fp8_scales or (1.0, 1.0)))
-    if fp8_scales:
-        sm_scale = acc_t(float(sm_scale) * float(s) * float(s))   # (q / s).(k / s) * s^2 = q.k
-    scores_kernel, softmax_kernel, pv_kernel = _unfused_kernels(*kernel_key, fp8_scales is not None)
-    launch(scores_kernel, (max(1, ceil_div(rows * H * keys, threads)), E), threads, stream, q_scratch, token_starts,
-           seqlens, kv, k_src, args, sm_scale, inv_s, scores)
-    launch(softmax_kernel, (max(1, ceil_div(rows * H, threads)), E), threads, stream, seqlens, kv, scores, totals)
-    launch(pv_kernel, (max(1, ceil_div(rows * H * Dh, threads)), E), threads, stream, token_starts, seqlens, kv,
-           v_src, scores, totals, acc_t(s), inv_s, flat(output))
-
-
 def _mask_and_bias(attention_mask, attention_packed_mask, relative_attention_bias, position_embedding_type,
                    max_distance, mask_type, like):
     """ScoreArgs fields of the custom mask (mask_cols 0: none) and the relative attention bias (relative 0: none,
@@ -747,9 +725,8 @@ def run_layer(s: StepLaunch, *, qkv, past_key_value, kv_cache_pool, layer_idx, q
     if s.vector_generation:
         masked_multihead_attention(s, pre, out_geom, k_src, v_src, args, stream, qkv_bias is not None)
     if s.unfused:
-        _unfused_context(s.q_scratch, s.q_geom[1], s.new, s.kvlens, s.num_context, k_src, v_src, args, s.sm_scale,
-                         output, (s.rounds_as, s.H, s.Hkv, s.Dh, s.quant, *s.rope_on_load), s.acc_t, s.threads,
-                         stream, (kv_orig_quant_scale, kv_quant_orig_scale) if s.fp8_fmha else None)
+        unfused_context(s, output, k_src, v_src, args, stream,
+                        (kv_orig_quant_scale, kv_quant_orig_scale) if s.fp8_fmha else None)
     if s.fused:
         partials = context_fmha(s, qkv, out_geom, k_src, v_src, args, stream)
         if partials is not None:
@@ -803,6 +780,30 @@ def masked_multihead_attention(s: StepLaunch, pre, out_geom, k_src, v_src, args,
                       out_geom, s.generation_new, s.kvlens, k_src, v_src, args, s.sm_scale, s.rounds_as, s.H, s.Hkv,
                       s.Dh, s.quant, s.rope_on_load, s.new_in_cache, s.num_tokens, s.threads, stream,
                       (s.rotary_dim, s.rope_style, has_bias))
+
+
+def unfused_context(s: StepLaunch, output, k_src, v_src, args, stream, fp8_scales=None) -> None:
+    """The context phase with context_fmha_type 0 (and FP8 context FMHA): the context entries' scores in global
+    memory (E, H, max new, max keys), softmax rows, then P V into the output; generation entries have 0 rows here.
+    fp8_scales: the cache's (1 / s, s) for FP8 context FMHA."""
+    E, H, Dh, acc_t, threads = s.E, s.H, s.Dh, s.acc_t, s.threads
+    context_new = np.where(np.arange(E) < s.num_context, s.new, 0)
+    rows, keys = int(context_new.max()), int(np.max(s.kvlens[:s.num_context]))
+    like, token_starts = s.q_scratch, s.q_geom[1]
+    scores = empty_like_kind(like, (E, H, rows, keys), acc_t)
+    seqlens, kv = to_kind(like, context_new), to_kind(like, s.kvlens)
+    totals = empty_like_kind(like, (E, H, rows), acc_t)
+    inv_scale, scale = (np.float32(x) for x in (fp8_scales or (1.0, 1.0)))
+    sm_scale = s.sm_scale
+    if fp8_scales:
+        sm_scale = acc_t(float(sm_scale) * float(scale) * float(scale))   # (q / s).(k / s) * s^2 = q.k
+    scores_kernel, softmax_kernel, pv_kernel = _unfused_kernels(s.rounds_as, H, s.Hkv, Dh, s.quant, *s.rope_on_load,
+                                                                fp8_scales is not None)
+    launch(scores_kernel, (max(1, ceil_div(rows * H * keys, threads)), E), threads, stream, s.q_scratch,
+           token_starts, seqlens, kv, k_src, args, sm_scale, inv_scale, scores)
+    launch(softmax_kernel, (max(1, ceil_div(rows * H, threads)), E), threads, stream, seqlens, kv, scores, totals)
+    launch(pv_kernel, (max(1, ceil_div(rows * H * Dh, threads)), E), threads, stream, token_starts, seqlens, kv,
+           v_src, scores, totals, acc_t(scale), inv_scale, flat(output))
 
 
 def context_fmha(s: StepLaunch, qkv, out_geom, k_src, v_src, args, stream):
