@@ -548,7 +548,10 @@ def prepare_step(*, like, window, sequence_length, host_past_key_value_lengths, 
                  use_fp8_context_fmha, context_fmha_type, multi_block_mode, host_sink_token_length, num_splits,
                  num_sms, threads, rung, rounds_as, **unused) -> StepLaunch:
     """The launches' step-wide part for layers whose qkv is shaped, typed and placed like `like` and whose window is
-    `window`: everything but the per-layer inputs (LAYER_INPUTS), computed and uploaded once."""
+    `window`: everything but the per-layer inputs (LAYER_INPUTS), computed and uploaded once. The rows, lengths,
+    RoPE plan and entry table first, then each step's plan in run_layer's order: the generation phase's kernel
+    (`_plan_generation`), the preprocess (`_plan_preprocess`), the scores (`_score_args`), the context phase's
+    launch (`_plan_context`)."""
     H, Hkv, Dh = num_heads, num_kv_heads, hidden_size_per_head
     dtype = np.dtype(like.dtype)
     rounds_as = rounds_as or dtype.name                 # the kernels' keys: the dtype whose roundings they emulate
@@ -590,40 +593,116 @@ def prepare_step(*, like, window, sequence_length, host_past_key_value_lengths, 
     rotate_cached = bool(streamingllm and rope_style)   # StreamingLLM: cached K rotated at its cache index on load
     # A chunk that wraps the cyclic cache would overwrite keys its own queries read: write after attention.
     write_after = bool(use_cache) and not do_cross_attention and bool(((new > 1) & (lengths > window)).any())
+    kvlens = np.asarray(encoder_input_lengths, np.int64) if do_cross_attention else lengths
+
+    generation = _plan_generation(
+        like, rung=rung, acc_t=acc_t, rotate_cached=rotate_cached, write_after=write_after, num_context=num_context,
+        new=new, kvlens=kvlens, num_splits=num_splits, multi_block_mode=multi_block_mode, num_sms=num_sms,
+        rounds_as=rounds_as, head_size=Dh, num_heads=H, num_kv_heads=Hkv, quant=quant, threads=threads,
+        use_cache=bool(use_cache), cross=bool(do_cross_attention), beam_width=beam_width, sinks=sinks,
+        streaming=bool(streamingllm), window=window)
+    pre, pre_grid = _plan_preprocess(
+        like, table=table, rope=rope, logn_scaling=logn_scaling, scratch=(q_scratch, k_scratch, v_scratch),
+        write_cache=bool(use_cache) and not write_after and not do_cross_attention, streamingllm=streamingllm,
+        generation=generation, new=new, num_heads=H, num_kv_heads=Hkv, head_size=Dh, threads=threads)
+    args = _score_args(like, table=table, acc_t=acc_t, window=window, sinks=sinks, streamingllm=streamingllm,
+                       alibi_slopes=alibi_slopes, attn_logit_softcapping_scale=attn_logit_softcapping_scale,
+                       mask_type=mask_type, do_cross_attention=do_cross_attention, attention_mask=attention_mask,
+                       attention_packed_mask=attention_packed_mask, position_embedding_type=position_embedding_type,
+                       max_distance=max_distance)
+    context = _plan_context(
+        like, rung=rung, rounds_as=rounds_as, acc_t=acc_t, num_heads=H, num_kv_heads=Hkv, head_size=Dh,
+        num_context=num_context, new=new, kvlens=kvlens, threads=threads, num_splits=num_splits,
+        multi_block_mode=multi_block_mode, num_sms=num_sms, context_fmha_type=context_fmha_type,
+        use_fp8_context_fmha=use_fp8_context_fmha, vector_generation=generation["vector_generation"])
+    # spec: trtllm/norm-factor
+    sm_scale = acc_t(1.0 / (q_scaling * math.sqrt(Dh)))
+    return StepLaunch(
+        rounds_as=rounds_as, acc_t=acc_t, H=H, Hkv=Hkv, Dh=Dh, E=E, new=new, num_context=num_context, window=window,
+        sinks=sinks, quant=quant, rope_style=rope_style, rotary_dim=rotary_dim, rope=rope, table=table,
+        num_tokens=num_tokens, rotate_cached=rotate_cached, write_after=write_after, pre=pre, pre_grid=pre_grid,
+        starts_arg=to_kind(like, new_starts), args=args, kvlens=kvlens,
+        rope_on_load=(rope_style, rotary_dim) if rotate_cached else (0, 0), num_sms=num_sms,
+        multi_block_mode=multi_block_mode,
+        q_geom=(q_scratch, to_kind(like, token_starts), np.int64(0), np.int64(H * Dh), np.int64(Dh)),
+        sm_scale=sm_scale,
+        kv_templates=_kv_templates(block_offsets=kv_cache_block_offsets, indirection=cache_indirection, table=table,
+                                   k_scratch=k_scratch, v_scratch=v_scratch, tokens_per_block=tokens_per_block,
+                                   window=window, sinks=sinks, like=like, rope=rope, rotate_keys=rotate_cached),
+        paged_kv_cache=paged_kv_cache, use_cache=use_cache, tokens_per_block=tokens_per_block,
+        remove_input_padding=remove_input_padding, do_cross_attention=do_cross_attention,
+        encoder_input_lengths=encoder_input_lengths, position_embedding_type=position_embedding_type,
+        max_distance=max_distance, threads=threads, rung=rung, k_scratch=k_scratch, v_scratch=v_scratch,
+        q_scratch=q_scratch, **generation, **context)
+
+
+def _plan_generation(like, *, rung, acc_t, rotate_cached, write_after, num_context, new, kvlens, num_splits,
+                     multi_block_mode, num_sms, **facts) -> dict:
+    """The generation phase's part of the step (StepLaunch fields): whether the masked MHA runs on the kernel
+    ladder, on which rung (`_generation_choice`; facts: `trtllm_generation.register_problem`'s), whether the new
+    token is read back from its cache slot, and the lengths and rows its launches take."""
+    E = len(new)
     # Rungs 3 and 4 (trtllm_generation) take the generation entries (float32 accumulation); rung 1 the rest. Their
     # kernel forms Q from qkv itself, and reads the new token's K/V back from the cache slot the preprocess writes
     # when it holds them as the document attends with them (unquantized, after RoPE, written before attention): no
     # scratch for those entries then.
     generation = np.arange(E) >= num_context
-    vector_generation = rung != 1 and acc_t == np.float32 and bool(use_cache) and bool(generation.any())
-    new_in_cache = vector_generation and not quant and not rotate_cached and not write_after
-    kvlens = np.asarray(encoder_input_lengths, np.int64) if do_cross_attention else lengths
+    vector_generation = rung != 1 and acc_t == np.float32 and facts["use_cache"] and bool(generation.any())
+    new_in_cache = vector_generation and not facts["quant"] and not rotate_cached and not write_after
+    generation_new = np.where(generation, new, 0)
     register, register_splits, generation_reason = _generation_choice(
-        vector_generation, rung, rounds_as=rounds_as, head_size=Dh, num_heads=H, num_kv_heads=Hkv, quant=quant,
-        threads=threads, use_cache=bool(use_cache), cross=bool(do_cross_attention), beam_width=beam_width,
-        sinks=sinks, streaming=bool(streamingllm), generation_new=new[num_context:],
-        generation_kvlens=kvlens[num_context:], window=window, num_splits=num_splits,
-        multi_block_mode=multi_block_mode, num_sms=num_sms, new=np.where(generation, new, 0), kvlens=kvlens)
-    placeholder = to_kind(like, np.zeros(1, np.float32))
+        vector_generation, rung, generation_new=new[num_context:], generation_kvlens=kvlens[num_context:],
+        num_splits=num_splits, multi_block_mode=multi_block_mode, num_sms=num_sms, new=generation_new, kvlens=kvlens,
+        **facts)
+    return dict(vector_generation=vector_generation, new_in_cache=new_in_cache, register_generation=register,
+                register_splits=register_splits, generation_reason=generation_reason, generation_new=generation_new,
+                generation_starts=to_kind(like, np.concatenate([[0], np.cumsum(generation_new)]).astype(np.int64)),
+                generation_lens=(to_kind(like, generation_new), to_kind(like, kvlens)),
+                contiguous_starts=to_kind(like, np.zeros((E, 1), np.int64)), generation_splits=num_splits)
+
+
+def _plan_preprocess(like, *, table, rope, logn_scaling, scratch, write_cache, streamingllm, generation, new,
+                     num_heads, num_kv_heads, head_size, threads) -> tuple:
+    """(Preprocess arguments without the layer's arrays, grid) of the preprocess kernel: what it writes where, and
+    for the generation entries what their kernel reads from the scratch (`generation`: _plan_generation's)."""
+    q_scratch, k_scratch, v_scratch = scratch
+    vector_generation, register, new_in_cache = (generation[k] for k in ("vector_generation", "register_generation",
+                                                                         "new_in_cache"))
     pre = Preprocess(qkv=None, bias=None, table=table, inv_freq=rope.inv_freq, position_divisor=rope.position_divisor,
                      cos_sin=rope.cos_sin, cos_sin_long=rope.cos_sin_long,
                      logn=flat(logn_scaling) if logn_scaling is not None else to_kind(like, np.ones(1, np.float32)),
                      logn_on=np.int64(logn_scaling is not None), inv_scale=np.float32(1.0), q_out=q_scratch,
                      k_out=k_scratch, v_out=v_scratch, k_dst=None, v_dst=None, write_scratch=np.int64(1),
-                     write_cache=np.int64(bool(use_cache) and not write_after and not do_cross_attention),
-                     streaming=np.int64(streamingllm),
+                     write_cache=np.int64(write_cache), streaming=np.int64(streamingllm),
                      # bit 1: Q (rung 5 reads it), bit 2: K and V (the new token not in the cache as attended)
                      generation_scratch=np.int64((register | 2 * (not new_in_cache)) if vector_generation else 3))
-    max_new = int(new.max())
-    pre_grid = (max(1, ceil_div(max_new * (H + 2 * Hkv) * Dh, threads)), E)
+    heads = num_heads + 2 * num_kv_heads
+    return pre, (max(1, ceil_div(int(new.max()) * heads * head_size, threads)), len(new))
+
+
+def _score_args(like, *, table, acc_t, window, sinks, streamingllm, alibi_slopes, attn_logit_softcapping_scale,
+                mask_type, do_cross_attention, attention_mask, attention_packed_mask, position_embedding_type,
+                max_distance) -> ScoreArgs:
+    """The score function's arguments for the step (a layer's relative attention bias and cross attention's keys
+    are filled in per layer)."""
+    placeholder = to_kind(like, np.zeros(1, np.float32))
     alibi_on = position_embedding_type in (ALIBI, ALIBI_WITH_SCALE)
-    args = ScoreArgs(table=table, alibi=alibi_slopes if alibi_on else placeholder, alibi_on=np.int64(alibi_on),
+    return ScoreArgs(table=table, alibi=alibi_slopes if alibi_on else placeholder, alibi_on=np.int64(alibi_on),
                      softcap=acc_t(attn_logit_softcapping_scale),
                      causal=np.int64(mask_type in (CAUSAL, SLIDING_WINDOW_CAUSAL) and not do_cross_attention),
                      window=np.int64(window), sinks=np.int64(sinks), streaming=np.int64(streamingllm),
                      **_mask_and_bias(attention_mask, attention_packed_mask, None, position_embedding_type,
                                       max_distance, mask_type, like))
-    rope_on_load = (rope_style, rotary_dim) if rotate_cached else (0, 0)
+
+
+def _plan_context(like, *, rung, rounds_as, acc_t, num_heads, num_kv_heads, head_size, num_context, new, kvlens,
+                  threads, num_splits, multi_block_mode, num_sms, context_fmha_type, use_fp8_context_fmha,
+                  vector_generation) -> dict:
+    """The context phase's part of the step (StepLaunch fields): the unfused path or not, and the fused launch's
+    entries, rung (`trtllm_context.context_rung`), tiles, split count and grid. The fused launch also takes the
+    generation entries that do not run on the kernel ladder (`vector_generation` False)."""
+    H, Hkv, Dh, E = num_heads, num_kv_heads, head_size, len(new)
+    max_new = int(new.max())
     # One kernel for every length past 16 query tokens.
     tiles = plan_tiles(H, Hkv, min(max_new, 16), Dh, Dh, np.dtype(acc_t).itemsize)
     heads_per_block, q_tile, key_tile = tiles
@@ -633,14 +712,13 @@ def prepare_step(*, like, window, sequence_length, host_past_key_value_lengths, 
     num_splits = None if vector_generation else num_splits     # a forced count is the generation kernel's
     if num_splits is None:
         num_splits = choose_splits(q_blocks, int(np.max(kvlens)), key_tile, num_sms) if multi_block_mode else 1
-    token_starts_arg = to_kind(like, token_starts)
     # context_fmha_type 0 (disabled): the context entries take the unfused path, the fused kernel the rest.
     # spec: trtllm/context-unfused, trtllm/fp8-context-fmha
     fp8_fmha = bool(use_fp8_context_fmha) and num_context > 0
     unfused = (context_fmha_type == 0 or fp8_fmha) and num_context > 0
     fused_new = np.where(np.arange(E) < num_context, 0, new) if unfused else new
     if vector_generation:
-        fused_new = np.where(generation, 0, fused_new)
+        fused_new = np.where(np.arange(E) >= num_context, 0, fused_new)
     # The context entries of the fused launch on rung 5 (tensor cores) where it can serve them (trtllm_context).
     fused_rung, fused_reason = context_rung(rung=rung, rounds_as=rounds_as, head_size=Dh, threads=threads,
                                             fused_generation=bool((fused_new[num_context:] > 0).any()),
@@ -649,34 +727,10 @@ def prepare_step(*, like, window, sequence_length, host_past_key_value_lengths, 
     if fused_rung == 5:
         num_splits = 1
         mma_plan, grid = context_grid(H, Hkv, Dh, int(fused_new.max()), threads, E)
-    # spec: trtllm/norm-factor
-    sm_scale = acc_t(1.0 / (q_scaling * math.sqrt(Dh)))
-    return StepLaunch(
-        rounds_as=rounds_as, acc_t=acc_t, H=H, Hkv=Hkv, Dh=Dh, E=E, new=new, num_context=num_context, window=window,
-        sinks=sinks, quant=quant, rope_style=rope_style, rotary_dim=rotary_dim, rope=rope, table=table,
-        num_tokens=num_tokens, rotate_cached=rotate_cached, write_after=write_after,
-        generation_new=np.where(generation, new, 0),
-        vector_generation=vector_generation, new_in_cache=new_in_cache, pre=pre, pre_grid=pre_grid,
-        register_generation=register, register_splits=register_splits, generation_reason=generation_reason,
-        generation_starts=to_kind(like, np.concatenate([[0], np.cumsum(np.where(generation, new, 0))]).astype(
-            np.int64)),
-        generation_lens=(to_kind(like, np.where(generation, new, 0)), to_kind(like, kvlens)),
-        contiguous_starts=to_kind(like, np.zeros((E, 1), np.int64)),
-        starts_arg=to_kind(like, new_starts), args=args, kvlens=kvlens, rope_on_load=rope_on_load, tiles=tiles,
-        generation_splits=generation_splits, num_splits=num_splits, num_sms=num_sms, multi_block_mode=multi_block_mode,
-        q_geom=(q_scratch, token_starts_arg, np.int64(0), np.int64(H * Dh), np.int64(Dh)),
-        grid=grid, fused_rung=fused_rung, fused_reason=fused_reason, mma_plan=mma_plan,
-        sm_scale=sm_scale, fp8_fmha=fp8_fmha, unfused=unfused, fused=bool(fused_new.any()),
-        lens=(to_kind(like, fused_new), to_kind(like, kvlens)),
-        fused_starts=to_kind(like, np.concatenate([[0], np.cumsum(fused_new)]).astype(np.int64)),
-        kv_templates=_kv_templates(block_offsets=kv_cache_block_offsets, indirection=cache_indirection, table=table,
-                                   k_scratch=k_scratch, v_scratch=v_scratch, tokens_per_block=tokens_per_block,
-                                   window=window, sinks=sinks, like=like, rope=rope, rotate_keys=rotate_cached),
-        paged_kv_cache=paged_kv_cache, use_cache=use_cache, tokens_per_block=tokens_per_block,
-        remove_input_padding=remove_input_padding, do_cross_attention=do_cross_attention,
-        encoder_input_lengths=encoder_input_lengths, position_embedding_type=position_embedding_type,
-        max_distance=max_distance, threads=threads, rung=rung, k_scratch=k_scratch, v_scratch=v_scratch,
-        q_scratch=q_scratch)
+    return dict(tiles=tiles, num_splits=num_splits, grid=grid, fused_rung=fused_rung, fused_reason=fused_reason,
+                mma_plan=mma_plan, fp8_fmha=fp8_fmha, unfused=unfused, fused=bool(fused_new.any()),
+                lens=(to_kind(like, fused_new), to_kind(like, kvlens)),
+                fused_starts=to_kind(like, np.concatenate([[0], np.cumsum(fused_new)]).astype(np.int64)))
 
 
 def _generation_choice(vector_generation, rung, *, num_splits, multi_block_mode, num_sms, new, kvlens,
