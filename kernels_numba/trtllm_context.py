@@ -2,15 +2,14 @@
 (`_attention_mma.make_mma_attention_kernel`), for a float16 query.
 
 The rung-5 loop is the one OpenPPL's prefill runs; TensorRT-LLM's semantics come in through the device functions it
-takes, all of them rung 1's or the generation phase's:
+takes, all of them rung 1's or the generation phase's (`trtllm_common`):
 
-- where key t lives: `trtllm_gpt_attention.make_trt_access`'s row_offsets (the new tokens in the preprocess's
-  scratch, the earlier ones of a chunked context in the cache: contiguous or paged, cyclic with sinks and the paged
-  bubble);
-- how a 16-byte chunk of a row is loaded: `trtllm_generation.make_generation_chunk_load` for cached keys (float16,
-  INT8 or FP8 codes times the cache's scale, not folded: rung 5 rounds every K/V value to float16 for the mma;
-  StreamingLLM's keys rotated at their cache index as they load), plus one 16-byte load of 8 float16 values for the
-  scratch rows, which hold most of a prompt's keys;
+- where key t lives: `make_trt_access`'s row_offsets (the new tokens in the preprocess's scratch, the earlier ones
+  of a chunked context in the cache: contiguous or paged, cyclic with sinks and the paged bubble);
+- how a 16-byte chunk of a row is loaded: `make_generation_chunk_load` for cached keys (float16, INT8 or FP8 codes
+  times the cache's scale, not folded: rung 5 rounds every K/V value to float16 for the mma; StreamingLLM's keys
+  rotated at their cache index as they load), plus one 16-byte load of 8 float16 values for the scratch rows, which
+  hold most of a prompt's keys;
 - the score and the visible keys: `make_trt_score` (causal, window and sinks, the packed or plain custom mask,
   softcap, ALiBi, relative bias), called per (row, key) by the mma kernel on the scaled logit, as rung 1 calls it.
 
@@ -31,8 +30,7 @@ from ._cache import _address
 from ._launch import ceil_div
 from ._numerics import rounder
 from ._vector import VECTOR_BYTES, half_from_bits, load16
-from .trtllm_generation import chunk_elements, make_generation_chunk_load, vector_loads_ok
-from .trtllm_gpt_attention import make_trt_access, make_trt_score
+from .trtllm_common import chunk_elements, make_generation_chunk_load, make_trt_access, make_trt_score, vector_loads_ok
 
 HALVES = VECTOR_BYTES // 2             # float16 values in one 16-byte load of the scratch
 

@@ -12,13 +12,13 @@ semantics come in through the device functions it takes:
   cache_indirection (the prompt from the sequence's first row, later tokens from the beam it names). K and V take
   one walk (one cyclic step and one beam lookup a key) and each its own address: their blocks have offsets of their
   own;
-- how a chunk is loaded (`make_generation_chunk_load`): 16 bytes of float16 / float32 values, or of INT8 / FP8
-  (e4m3) codes. A per-tensor scale is folded out of the loads: a chunk holds the codes as float32 (e4m3 read as
-  the float16 with the same sign, exponent and mantissa bits, which is its value / 256, one shift and mask a
-  value), the scale goes into the logit scale for K and into one multiply of each output row for V
+- how a chunk is loaded (`trtllm_common.make_generation_chunk_load`): 16 bytes of float16 / float32 values, or of
+  INT8 / FP8 (e4m3) codes. A per-tensor scale is folded out of the loads: a chunk holds the codes as float32 (e4m3
+  read as the float16 with the same sign, exponent and mantissa bits, which is its value / 256, one shift and mask
+  a value), the scale goes into the logit scale for K and into one multiply of each output row for V
   (`value_scale`). StreamingLLM's keys are rotated at their cache index as they are loaded, dequantized exactly
   (the rotation rounds to the input dtype, so the scale cannot be taken out of it);
-- the score and the visible keys: `trtllm_gpt_attention.make_trt_score`, the rung-1 kernel's own (causal, window
+- the score and the visible keys: `trtllm_common.make_trt_score`, the rung-1 kernel's own (causal, window
   and sinks, custom mask, softcap, ALiBi, relative bias; logn is applied to Q by the preprocess), over the keys
   the window leaves visible only (`hidden_keys`): the sinks, then the window, so a StreamingLLM sequence far past
   its window walks W keys, not every key it has seen.
@@ -43,7 +43,6 @@ that multi-block mode would not split) and checked per layer (16-byte loads); ot
 
 from __future__ import annotations
 
-import math
 from collections import namedtuple
 from functools import cache
 
@@ -57,23 +56,23 @@ from ._cache import CacheSource, _address
 from ._launch import ceil_div, empty_like_kind, launch, to_kind
 from ._numerics import rounder
 from ._split_k import choose_splits, combine_kernel
-from ._vector import VECTOR_BYTES, float_from_bits, half_from_bits, load16
-from .trtllm_gpt_attention import (
+from ._vector import VECTOR_BYTES
+from .trtllm_common import (
     BEAM,
     FIRST_ROW,
     FP8_KV_CACHE,
-    INT8_KV_CACHE,
     IS_CONTEXT,
     PAST,
     PROMPT,
-    ROPE_GPTJ,
     SEQUENCE,
     TOKEN_START,
+    chunk_elements,
     cyclic_slot,
+    fold_factor,
+    make_generation_chunk_load,
     make_new_token,
-    make_rope,
-    make_trt_access,
     make_trt_score,
+    vector_loads_ok,
 )
 
 # What the generation kernel forms its query rows from: the preprocess's inputs (qkv, bias, the RoPE frequencies and
@@ -81,33 +80,12 @@ from .trtllm_gpt_attention import (
 QuerySource = namedtuple("QuerySource", "qkv bias table inv_freq position_divisor cos_sin cos_sin_long logn logn_on "
                                         "streaming window")
 
-# The e4m3 bits shifted into a float16's place give the e4m3 value / 256 (float16's exponent bias is 8 more): the
-# folded FP8 scale carries the 256, exactly.
-FP8_AS_HALF = 256.0
 NO_PROMPT = 1 << 62                    # a context entry's keys never go through the beam indirection
 
 # Rung 5's decode kernel reads `_cache.CacheSource`'s fields; TensorRT-LLM's sources add the new token's scratch and
 # the per-tensor scale the codes are folded by (times 256 for e4m3; 1 for a float cache).
 DecodeSource = namedtuple("DecodeSource", CacheSource._fields + ("scratch", "fold"))
 CONTIGUOUS_PAGE = 1 << 40              # a contiguous row as one page longer than any sequence (whole 16-key trips)
-
-
-def chunk_elements(cache_itemsize: int) -> int:
-    """Elements in one 16-byte chunk of the cache: 8 float16, 4 float32, 16 INT8 or e4m3 codes."""
-    return VECTOR_BYTES // cache_itemsize
-
-
-def vector_loads_ok(cache_array, head_size: int) -> bool:
-    """Whether every cache row can be read in 16-byte loads: rows are head_size elements apart in both layouts
-    (slots, heads, blocks and rows are multiples of a row), so a row of a whole number of 16-byte chunks and data
-    starting on a 16-byte boundary make every chunk aligned (decided on the host, once per launch)."""
-    itemsize = np.dtype(cache_array.dtype).itemsize
-    return itemsize <= 4 and (head_size * itemsize) % VECTOR_BYTES == 0 and _address(cache_array) % VECTOR_BYTES == 0
-
-
-def fold_factor(quant: int) -> float:
-    """What a folded load leaves out of a cached value besides the per-tensor scale: 256 for e4m3 read as float16."""
-    return FP8_AS_HALF if quant == FP8_KV_CACHE else 1.0
 
 
 @cuda.jit(device=True, inline="always")
@@ -149,7 +127,7 @@ def make_generation_walker(num_kv_heads: int, head_size: int, new_in_cache: bool
 
     @cuda.jit(device=True, inline="always")
     def address(src, row, slot, h):
-        """Element 0 of kv head h at cyclic slot `slot` of cache row `row` (trtllm_gpt_attention's cache_address,
+        """Element 0 of kv head h at cyclic slot `slot` of cache row `row` (trtllm_common's cache_address,
         the block index by a shift: tokens_per_block is a power of two)."""
         if slot >= src.sinks:
             slot += src.bubble                          # paged: the sinks have their blocks to themselves
@@ -234,7 +212,7 @@ def make_generation_walker(num_kv_heads: int, head_size: int, new_in_cache: bool
 
 
 def make_generation_score():
-    """(score, key_range) of the vector kernel: trtllm_gpt_attention's, over walk indices (`hidden_keys`): the
+    """(score, key_range) of the vector kernel: trtllm_common's, over walk indices (`hidden_keys`): the
     range ends `hidden` before the last visible key, and index u past the sinks scores key u + hidden."""
     score, key_range = make_trt_score(np.float32)
 
@@ -252,89 +230,6 @@ def make_generation_score():
         return np.int64(0), hi - hidden                 # lo was the window's first key, or 0 with sinks
 
     return walk_score, walk_range
-
-
-def make_generation_chunk_load(quant: int, elements: int, vector: bool, fold: bool, round_dtype, num_kv_heads: int,
-                               head_size: int, rope_style: int = 0, rotary_dim: int = 0, new_in_cache: bool = False):
-    """Device function load_chunk(src, row, where, d0, regs, at, dims) of the vector kernel: elements d0 ..
-    d0 + elements - 1 of a K or V row (those below dims) into regs[at:], as float32.
-
-    where 0: the new token, from the scratch (unquantized; divided by the folded scale when `fold`; never with
-    new_in_cache, which compiles that path out). Else a cached row: with `vector` one 16-byte load unpacked in
-    registers, else one load per element. `fold` (INT8 / FP8 caches): the codes as float32 (e4m3: value / 256),
-    the caller multiplies by the scale; else each value as the rung-1 kernel loads it (`make_trt_access`: code *
-    scale rounded to float32). StreamingLLM's keys (rope_style != 0, src.rotate) are rotated at their cache index
-    as the rung-1 kernel rotates them: after the vector load, with the pair partner from the same chunk (GPT-J) or
-    from a second vector load rotary_dim / 2 away (GPT-NeoX, when that is a whole number of chunks), else element
-    by element."""
-    _, load = make_trt_access(quant, num_kv_heads, head_size, np.float32, round_dtype, rope_style, rotary_dim)
-    pair_of, rotate = make_rope(rope_style, rotary_dim, round_dtype, np.float32, tables=False)
-    fold = fold and quant != 0
-    factor = np.float32(fold_factor(quant))
-    bits = 8 if quant else 128 // elements             # 16-byte chunks: float16 or float32 values, 8-bit codes
-    per_word = 32 // bits
-    words = elements // per_word
-    field_mask = (1 << bits) - 1
-    nan = np.float32(math.nan)
-    half = rotary_dim // 2
-    rotate_in_registers = vector and rope_style != 0 and (rope_style == ROPE_GPTJ or half % elements == 0)
-
-    @cuda.jit(device=True, inline="always")
-    def code_value(code):
-        """A cached code's value without the per-tensor scale (e4m3: / 256); NaN for e4m3's NaN codes."""
-        c = np.int32(code) & 0xFF
-        if quant == INT8_KV_CACHE:
-            return np.float32(np.int32(c ^ 0x80) - 0x80)     # the byte's two's complement
-        if c & 0x7F == 0x7F:
-            return nan
-        return half_from_bits(np.uint32(((c & 0x80) << 8) | ((c & 0x7F) << 7)))
-
-    @cuda.jit(device=True, inline="always")
-    def unpack(src, loaded, regs, at):
-        """The chunk's 16 loaded bytes (four words) as values in regs[at:]."""
-        for j in range(words):
-            for k in range(per_word):                   # little-endian: element e is the e-th field from bit 0
-                field = (loaded[j] >> (bits * k)) & field_mask
-                if quant == 0:
-                    x = half_from_bits(field) if bits == 16 else float_from_bits(field)
-                elif fold:
-                    x = code_value(field)
-                elif quant == INT8_KV_CACHE:            # the reference's decode: code * scale in float32
-                    x = np.float32(code_value(field) * src.scale)
-                else:
-                    x = np.float32(code_value(field) * factor * src.scale)
-                regs[at + j * per_word + k] = x
-
-    @cuda.jit(device=True, inline="always")
-    def load_chunk(src, row, where, d0, regs, at, dims):
-        if not new_in_cache and where == 0:             # the new token, unquantized
-            inv = np.float32(1.0) / (src.scale * factor) if fold else np.float32(1.0)
-            for e in range(elements):
-                if d0 + e < dims:
-                    x = np.float32(src.scratch[row + d0 + e])
-                    regs[at + e] = x * inv if fold else x
-            return
-        rotated = rope_style != 0 and src.rotate != 0 and d0 < rotary_dim
-        if not vector or (rotated and not rotate_in_registers):
-            for e in range(elements):
-                if d0 + e < dims:
-                    regs[at + e] = code_value(src.cache[row + d0 + e]) if fold else load(src, row, where, d0 + e)
-            return
-        unpack(src, load16(src.cache, row + d0), regs, at)
-        if rotate_in_registers and rotated:
-            partner = cuda.local.array(elements, np.float32)
-            if rope_style == ROPE_GPTJ:                 # pairs (2i, 2i + 1): both in this chunk
-                for e in range(elements):
-                    partner[e] = regs[at + (e ^ 1)]
-            else:                                       # halves: the chunk rotary_dim / 2 away
-                unpack(src, load16(src.cache, row + (d0 + half if d0 < half else d0 - half)), partner, 0)
-            b, slot = (where & 0xFFFFFFFF) - 1, where >> 32
-            for e in range(elements):
-                if d0 + e < rotary_dim:
-                    pair, first, _ = pair_of(d0 + e)
-                    regs[at + e] = rotate(regs[at + e], partner[e], first, src, b, slot, pair)
-
-    return load_chunk
 
 
 def make_query(dtype, num_heads, num_kv_heads, head_size, rotary_dim, rope_style, has_bias):

@@ -40,6 +40,11 @@ have). Multi-block: with few blocks for the SMs, each block walks one of num_spl
 (`split_keys`) and writes (m, l, o); a combine kernel reduces them (`choose_splits` picks the count; `num_splits`
 forces it). bfloat16 (NumPy arrays, in the simulator): computed on float32 copies, rounded to bfloat16 where the
 reference rounds (`_bfloat16_via_float32`).
+
+The modules, one way: `trtllm_common` holds what every kernel shares (the entry table, the cache's sources and
+codes, RoPE, the access and score device functions); `trtllm_context` and `trtllm_generation` build the phases'
+ladder kernels on it; this module, the launcher, holds the preprocess, cross, unfused and rung-1 kernels and calls
+the steps in `run_layer`.
 """
 
 from __future__ import annotations
@@ -54,286 +59,50 @@ from numba import cuda
 from ._attention_core import make_attention_kernel, plan_tiles
 from ._cache import token_head_item
 from ._launch import caller_stream, ceil_div, empty_like_kind, flat, launch, to_kind
-from ._numerics import keep_float32, rounder
+from ._numerics import rounder
 from ._split_k import choose_splits
 from ._split_k import combine_kernel as _combine_kernel
-
-# TensorRT-LLM enum values (tensorrt_llm.functional), as cacheattn.trtllm validates them.
-PADDING, CAUSAL, SLIDING_WINDOW_CAUSAL, BIDIRECTIONAL = 0, 1, 2, 3
-ROPE_GPTJ, ROPE_GPT_NEOX, LONG_ROPE, ALIBI, ALIBI_WITH_SCALE, RELATIVE, YARN = 1, 2, 3, 4, 5, 6, 8
-SCALING_LINEAR, SCALING_DYNAMIC = 1, 2
-CONTEXT = 0
-INT8_KV_CACHE, FP8_KV_CACHE = 64, 128
-FP8_MAX = 448.0
-
-# Per-entry table columns (int64): where the entry's tokens are in qkv/output, its lengths, its cache rows, the
-# m-tile its rows start at in the packed mask, the RoPE cos/sin table it reads (-1: none, 0: rotary_cos_sin,
-# 1: long_rope's long table).
-TOKEN_START, PAST, NEW, FIRST_ROW, BEAM, SEQUENCE, PROMPT, IS_CONTEXT, MASK_TILE, ROPE_TABLE = range(10)
-TABLE_COLUMNS = 10
-
-# Where cached token slots live. Contiguous: row r, slot s at r*s_row + kv*s_kv + h*s_head + s*Dh.
-# Paged: block = offsets[r, kv, s // tokens_per_block] + layer_blocks, at block*s_block + h*s_head + (s % tpb)*Dh.
-KVSource = namedtuple("KVSource", "cache scratch table offsets indirection kv paged tokens_per_block layer_blocks "
-                                  "s_row s_kv s_head s_block window sinks bubble scale "
-                                  "rotate inv_freq position_divisor")
-
-
-# ---- FP8 e4m3 (fn) from the bits: the simulator has no fp8 type, the cache holds the codes as bytes -----------
-
-@cuda.jit(device=True, inline="always")
-def e4m3_encode(x):
-    """float32 -> e4m3fn code (0..255): saturate to +-448, round to nearest even (subnormals too); NaN -> 0x7F."""
-    if x != x:
-        return np.int32(0x7F)
-    sign = np.int32(0x80) if (x < 0 or (x == 0 and math.copysign(1.0, x) < 0)) else np.int32(0)
-    a = min(abs(np.float64(x)), FP8_MAX)
-    if a < 2.0 ** -6:                                   # subnormal: multiples of 2^-9 (8 rounds up to the normal 2^-6)
-        return sign | np.int32(round(a * 512.0))
-    exponent, power = 8, 256.0                          # largest 2^e <= a, e in [-6, 8]
-    while power > a:
-        power *= 0.5
-        exponent -= 1
-    mantissa = np.int32(round((a / power - 1.0) * 8.0))  # exact scaled fraction, round() is half to even
-    if mantissa == 8:                                   # rounded up to the next power of two
-        mantissa = np.int32(0)
-        exponent += 1
-    return sign | np.int32((exponent + 7) << 3) | mantissa
-
-
-@cuda.jit(device=True, inline="always")
-def e4m3_decode(code):
-    """e4m3fn code (0..255) -> its exact value as float32 (0x7F / 0xFF are NaN)."""
-    c = np.int32(code) & 0xFF
-    exponent, mantissa = (c >> 3) & 0xF, c & 7
-    if exponent == 15 and mantissa == 7:
-        value = math.nan                                # signed like the code, as ml_dtypes widens it
-    elif exponent == 0:
-        value = np.float64(mantissa) * 2.0 ** -9
-    else:
-        value = np.float64(8 + mantissa) * 2.0 ** (exponent - 10)
-    return np.float32(-value if c & 0x80 else value)
-
-
-def make_kv_codec(quant: int, acc_t):
-    """(encode(x, inv_scale), decode(code, scale)): the cache's storage of a K/V element and its load as acc_t.
-
-    INT8: sat(rint(float32(x) * (1/s))), load float32(q) * s. FP8: e4m3(sat(float32(x) * (1/s))), load e4m3 * s.
-    Unquantized: the value itself (the cache array's dtype rounds it on store)."""
-
-    @cuda.jit(device=True, inline="always")
-    def encode(x, inv_scale):
-        if quant == INT8_KV_CACHE:
-            q = round(np.float32(np.float32(x) * inv_scale))
-            return np.int32(min(max(q, -128), 127))
-        if quant == FP8_KV_CACHE:
-            return e4m3_encode(np.float32(np.float32(x) * inv_scale))
-        return x
-
-    @cuda.jit(device=True, inline="always")
-    def decode(code, scale):
-        if quant == INT8_KV_CACHE:
-            return acc_t(np.float32(np.float32(code) * scale))
-        if quant == FP8_KV_CACHE:
-            return acc_t(np.float32(e4m3_decode(code) * scale))
-        return acc_t(code)
-
-    return encode, decode
-
-
-# ---- The cache: slots, rows, addresses -----------------------------------------------------------------------
-
-@cuda.jit(device=True, inline="always")
-def cyclic_slot(t, window, sinks):
-    """Slot of token position t: sinks stay put, the rest cycle through the window's W - S slots."""
-    # spec: trtllm/cyclic-cache, trtllm/sink-tokens
-    if t < sinks:
-        return t
-    return sinks + (t - sinks) % (window - sinks)
-
-
-def make_cache_address(head_size: int):
-    @cuda.jit(device=True, inline="always")
-    def cache_address(src, row, slot, h):
-        """Element 0 of kv head h at cache slot `slot` (before the paged bubble) of cache row `row`.
-        Consecutive slots are head_size elements apart in both layouts."""
-        if slot >= src.sinks:
-            slot += src.bubble                          # paged: the sinks have their blocks to themselves
-        if src.paged != 0:
-            block = src.offsets[row, src.kv, slot // src.tokens_per_block] + src.layer_blocks
-            return block * src.s_block + h * src.s_head + (slot % src.tokens_per_block) * head_size
-        return row * src.s_row + src.kv * src.s_kv + h * src.s_head + slot * head_size
-
-    return cache_address
-
-
-def make_rope(rope_style: int, rotary_dim: int, round_dtype, acc_t, tables: bool = True):
-    """(pair_of, rotate): RoPE of one element given its pair partner, the result rounded to the input dtype.
-
-    rotate's `rope` is a namedtuple with the fields table (the entry table), inv_freq (entries, rotary_dim/2 + 1:
-    the frequencies, then the entry's m-scale) and position_divisor, plus cos_sin and cos_sin_long (flat float32)
-    when `tables`: entry b reads cos/sin of pair i at position p from element 2 (p rotary_dim/2 + i) of cos_sin
-    (table[b, ROPE_TABLE] 0) or of cos_sin_long (1: long_rope past its original positions), else (-1, and always
-    without `tables`) computes m_scale (cos, sin)((p / position_divisor) inv_freq[b, i])."""
-    # spec: trtllm/rope
-    HALF = rotary_dim // 2
-
-    @cuda.jit(device=True, inline="always")
-    def pair_of(d):
-        """(frequency index, is the pair's first element, partner element) of element d < rotary_dim."""
-        if rope_style == ROPE_GPTJ:                     # interleaved pairs (2i, 2i + 1)
-            first = d % 2 == 0
-            return d // 2, first, d + 1 if first else d - 1
-        first = d < HALF                                # GPT-NeoX: halves (i, i + rotary_dim / 2)
-        return d % HALF, first, d + HALF if first else d - HALF
-
-    @cuda.jit(device=True, inline="always")
-    def coefficients(rope, b, position, pair):
-        if tables:
-            at = rope.table[b, ROPE_TABLE]
-            if at >= 0:
-                k = 2 * (position * HALF + pair)
-                table = rope.cos_sin if at == 0 else rope.cos_sin_long
-                return acc_t(table[k]), acc_t(table[k + 1])
-        angle = acc_t(np.float64(position) / rope.position_divisor) * acc_t(rope.inv_freq[b, pair])
-        m = acc_t(rope.inv_freq[b, HALF])
-        return acc_t(math.cos(angle)) * m, acc_t(math.sin(angle)) * m
-
-    @cuda.jit(device=True, inline="always")
-    def rotate(x, other, first, rope, b, position, pair):
-        """x rotated with its partner by entry b's coefficients of `pair` at `position`, formed in acc_t."""
-        cos, sin = coefficients(rope, b, position, pair)
-        if first:
-            return round_dtype(x * cos - other * sin)
-        return round_dtype(x * cos + other * sin)
-
-    return pair_of, rotate
-
-
-def make_trt_access(quant: int, num_kv_heads: int, head_size: int, acc_t, round_dtype=keep_float32,
-                    rope_style: int = 0, rotary_dim: int = 0):
-    """Device functions (row_offsets, load) of the core for a TensorRT-LLM K or V source (KVSource).
-
-    row_offsets(src, b, t, h) -> (element index, where): where = 0 for the scratch, else (slot << 32) | (b + 1):
-    the cached key's cyclic slot and entry, which StreamingLLM needs to rotate it at its index in the cache
-    (rope_style != 0 only for StreamingLLM; `src.rotate` says whether this source is K)."""
-    _, decode = make_kv_codec(quant, acc_t)
-    cache_address = make_cache_address(head_size)
-    pair_of, rotate = make_rope(rope_style, rotary_dim, round_dtype, acc_t, tables=False)   # StreamingLLM recomputes
-
-    @cuda.jit(device=True, inline="always")
-    def row_offsets(src, b, t, h):
-        table = src.table
-        past = table[b, PAST]
-        if t >= past:                                   # a new token: its unquantized K/V from the scratch
-            return ((table[b, TOKEN_START] + t - past) * num_kv_heads + h) * head_size, 0
-        row = b
-        slot = cyclic_slot(t, src.window, src.sinks)
-        if table[b, IS_CONTEXT] == 0:
-            # Beam search: the prompt from the sequence's first row, later tokens from the beam the indirection names.
-            row = table[b, FIRST_ROW]
-            if t >= table[b, PROMPT]:
-                row += src.indirection[table[b, SEQUENCE], table[b, BEAM], slot]
-        return cache_address(src, row, slot, h), (slot << 32) | (b + 1)
-
-    @cuda.jit(device=True, inline="always")
-    def load(src, index, where, d):
-        if where == 0:
-            return acc_t(src.scratch[index + d])
-        x = decode(src.cache[index + d], src.scale)
-        if rope_style == 0 or src.rotate == 0 or d >= rotary_dim:
-            return x
-        b, slot = (where & 0xFFFFFFFF) - 1, where >> 32
-        pair, first, partner = pair_of(d)
-        other = decode(src.cache[index + partner], src.scale)
-        return rotate(x, other, first, src, b, slot, pair)
-
-    return row_offsets, load
-
-
-@cuda.jit(device=True, inline="always")
-def t5_bucket(relative_position, num_buckets, max_distance, bidirectional):
-    """T5's bucket of key position - query position, its log math in float32 as the reference's."""
-    # spec: trtllm/rab-implicit
-    bucket = 0
-    if bidirectional != 0:
-        num_buckets //= 2
-        if relative_position > 0:
-            bucket += num_buckets
-        distance = abs(relative_position)
-    else:
-        distance = -min(relative_position, 0)
-    max_exact = num_buckets // 2
-    if distance < max_exact:                            # exact buckets for the near keys
-        return bucket + distance
-    ratio = np.float32(np.float32(distance) / np.float32(max_exact))
-    log_ratio = np.float32(np.float32(math.log(ratio)) / np.float32(math.log(max_distance / max_exact)))
-    large = max_exact + np.int64(np.float32(log_ratio * np.float32(num_buckets - max_exact)))
-    return bucket + min(large, num_buckets - 1)
-
-
-@cuda.jit(device=True, inline="always")
-def packed_mask_bit(packed, first_tile, row, col, words_per_row):
-    """Bit (row, col) of a sequence whose rows start at m-tile first_tile in TensorRT-LLM's packed mask: the word
-    of MMA thread t = warp*32 + lane_row*4 + pair in its 64 x 64 tile, bit 4k + 2 half + low (reference/
-    packed_mask.py has the layout)."""
-    r, c = row % 64, col % 64
-    warp, within = r // 16, r % 16
-    thread = warp * 32 + (within % 8) * 4 + (c % 8) // 2
-    word = (first_tile + row // 64) * (words_per_row // 2) * 128 + (col // 64) * 128 + thread
-    return (packed[word] >> (4 * (c // 8) + 2 * (within // 8) + c % 2)) & 1
-
-
-def make_trt_score(acc_t):
-    """(score, key_range) of the core: custom mask, causal / window / sinks visibility, softcap, then ALiBi or
-    the relative attention bias (a regular (H, L, L) table or implicit T5 buckets) (ScoreArgs)."""
-    NEG_INF = acc_t(-math.inf)
-
-    @cuda.jit(device=True, inline="always")
-    def score(args, qk, b, h, i, j, seqlen, kvlen):
-        p = args.table[b, PAST] + i                     # query i sits at position past + i (bottom-right causal)
-        if args.causal != 0 and j > p:
-            return NEG_INF
-        dense = args.streaming != 0 and args.table[b, IS_CONTEXT] != 0   # StreamingLLM prefill: no window
-        if not dense and j <= p - (args.window - args.sinks) and j >= args.sinks:
-            return NEG_INF                              # out of the window and not a sink
-        if args.packed_words > 0 and args.table[b, IS_CONTEXT] != 0:
-            if packed_mask_bit(args.packed, args.table[b, MASK_TILE], i, j, args.packed_words) == 0:
-                return NEG_INF                          # the context entries' custom mask, packed
-        elif args.mask_cols > 0 and not args.mask[(args.table[b, TOKEN_START] + i) * args.mask_cols + j]:
-            return NEG_INF                              # custom mask: row = query token, True = attend
-        s = qk
-        if args.softcap > 0:                            # after the scaling, before the bias
-            s = args.softcap * math.tanh(s / args.softcap)
-        if args.alibi_on != 0:
-            s = s + acc_t(args.alibi[h]) * acc_t(j - p)
-        if args.relative == 1:                          # regular: relative_attention_bias[h, p, j]
-            s = s + acc_t(args.bias[(h * args.bias_len + p) * args.bias_len + j])
-        elif args.relative == 2:                        # implicit: relative_attention_bias[h, bucket(j - p)]
-            bucket = t5_bucket(j - p, args.bias_len, args.max_distance, args.bidirectional)
-            s = s + acc_t(args.bias[h * args.bias_len + bucket])
-        return s
-
-    @cuda.jit(device=True, inline="always")
-    def key_range(args, b, i_first, i_last, seqlen, kvlen):
-        past = args.table[b, PAST]
-        hi = kvlen
-        if args.causal != 0:
-            hi = min(hi, past + i_last + 1)
-        lo = 0
-        if args.sinks == 0 and args.streaming == 0:     # with sinks the first keys stay in view
-            lo = max(0, past + i_first - args.window + 1)
-        return lo, hi
-
-    return score, key_range
-
-
-ScoreArgs = namedtuple("ScoreArgs", "table alibi alibi_on softcap causal window sinks streaming mask mask_cols "
-                                    "bias relative bias_len max_distance bidirectional packed packed_words")
-
-
-def _acc_type(dtype):
-    return np.float64 if np.dtype(dtype) == np.float64 else np.float32
+from .trtllm_common import (
+    ALIBI,
+    ALIBI_WITH_SCALE,
+    BEAM,
+    BIDIRECTIONAL,
+    CAUSAL,
+    CONTEXT,
+    FIRST_ROW,
+    FP8_KV_CACHE,
+    INT8_KV_CACHE,
+    IS_CONTEXT,
+    LONG_ROPE,
+    MASK_TILE,
+    NEW,
+    PADDING,
+    PAST,
+    PROMPT,
+    RELATIVE,
+    ROPE_GPT_NEOX,
+    ROPE_GPTJ,
+    ROPE_TABLE,
+    SCALING_DYNAMIC,
+    SCALING_LINEAR,
+    SEQUENCE,
+    SLIDING_WINDOW_CAUSAL,
+    TABLE_COLUMNS,
+    TOKEN_START,
+    YARN,
+    KVSource,
+    ScoreArgs,
+    acc_type,
+    cyclic_slot,
+    e4m3_decode,
+    make_cache_address,
+    make_kv_codec,
+    make_new_token,
+    make_trt_access,
+    make_trt_score,
+)
+from .trtllm_context import context_grid, context_kernel_for, context_rung
+from .trtllm_generation import attend_generation, attend_generation_register, register_problem, register_splits
 
 
 @cache
@@ -342,7 +111,7 @@ def _attention_kernel(dtype, num_heads, num_kv_heads, head_size, quant, tiles, r
     """The core for these shapes and tiles (plan_tiles' heads_per_block, q_tile, key_tile); rope_style/rotary_dim
     only for StreamingLLM (cached keys rotated on load); partials: the multi-block kernel writing (m, l, o) per
     split."""
-    acc_t = _acc_type(dtype)
+    acc_t = acc_type(dtype)
     round_dtype = rounder(dtype)
     row_offsets, load = make_trt_access(quant, num_kv_heads, head_size, acc_t, round_dtype, rope_style, rotary_dim)
     score, key_range = make_trt_score(acc_t)
@@ -364,7 +133,7 @@ def _unfused_kernels(dtype, num_heads, num_kv_heads, head_size, quant, rope_styl
     fp8_fmha (use_fp8_context_fmha): Q, K, V enter as e4m3 of x / s (the cache's scale; sm_scale carries s^2),
     the row's exp(score - max) is rounded to e4m3 for P V while its sum (`totals`) stays float32, and the output
     is (P V) * s / sum."""
-    acc_t = _acc_type(dtype)
+    acc_t = acc_type(dtype)
     round_dtype = rounder(dtype)
     row_offsets, load = make_trt_access(quant, num_kv_heads, head_size, acc_t, round_dtype, rope_style, rotary_dim)
     score, _ = make_trt_score(acc_t)
@@ -439,36 +208,6 @@ def _unfused_kernels(dtype, num_heads, num_kv_heads, head_size, quant, rope_styl
     return scores_kernel, softmax_kernel, pv_kernel
 
 
-def make_new_token(dtype, num_heads, num_kv_heads, head_size, rotary_dim, rope_style, has_bias):
-    """(element, rotated) device functions of a new token's Q/K/V element, read from `src.qkv` (a Preprocess, or
-    anything with its fields qkv, bias and the RoPE ones make_rope's rotate reads): the preprocess kernel's, and
-    the generation kernel's, which forms its query rows from qkv itself (trtllm_generation)."""
-    acc_t = _acc_type(dtype)
-    round_dtype = rounder(dtype)
-    pair_of, rotate = make_rope(rope_style, rotary_dim, round_dtype, acc_t)
-    H, HKV, DH = num_heads, num_kv_heads, head_size
-    HEADS = H + 2 * HKV
-
-    @cuda.jit(device=True, inline="always")
-    def element(pre, token, hh, d):
-        """qkv + bias, written in the input dtype (as the preprocessing does), held in acc_t."""
-        x = acc_t(pre.qkv[(token * HEADS + hh) * DH + d])
-        if has_bias:
-            x = round_dtype(x + acc_t(pre.bias[hh * DH + d]))
-        return x
-
-    @cuda.jit(device=True, inline="always")
-    def rotated(pre, b, token, position, hh, d):
-        """Element d of head hh after RoPE at `position` (Q and K heads; V and d >= rotary_dim pass through)."""
-        x = element(pre, token, hh, d)
-        if rope_style == 0 or hh >= H + HKV or d >= rotary_dim:
-            return x
-        pair, first, partner = pair_of(d)
-        return rotate(x, element(pre, token, hh, partner), first, pre, b, position, pair)
-
-    return element, rotated
-
-
 @cache
 def _preprocess_kernel(dtype, num_heads, num_kv_heads, head_size, rotary_dim, rope_style, quant, has_bias):
     """Kernel: bias, dtype rounding, RoPE of one element of a new token's Q/K/V head, then scratch and cache.
@@ -477,7 +216,7 @@ def _preprocess_kernel(dtype, num_heads, num_kv_heads, head_size, rotary_dim, ro
     element reads its pair partner too (both threads of a pair compute the same two inputs). A generation entry
     writes to the scratch only what `pre.generation_scratch` asks for (bit 1: Q, bit 2: K and V): the generation
     kernel of rungs 3 and 4 forms Q from qkv itself, and reads K and V from the cache when it holds them exactly."""
-    acc_t = _acc_type(dtype)
+    acc_t = acc_type(dtype)
     # spec: trtllm/generation-mmha
     round_dtype = rounder(dtype)
     encode, _ = make_kv_codec(quant, acc_t)
@@ -538,7 +277,7 @@ def _cross_kernel(dtype, num_kv_heads, head_size, quant):
     Grid (x: ceil(longest encoder input * 2 Hkv * Dh / threads), y: entries); generation entries have no rows
     in enc_starts, so no thread."""
     # spec: trtllm/cross-attention
-    acc_t = _acc_type(dtype)
+    acc_t = acc_type(dtype)
     round_dtype = rounder(dtype)
     encode, _ = make_kv_codec(quant, acc_t)
     cache_address = make_cache_address(head_size)
@@ -678,28 +417,6 @@ def _kv_sources(templates, *, cache_array, paged, layer_idx, tokens_per_block, s
     return templates[0]._replace(**layer), templates[1]._replace(**layer)
 
 
-def _unfused_context(q_scratch, token_starts, new, kvlens, num_context, k_src, v_src, args, sm_scale, output,
-                     kernel_key, acc_t, threads, stream, fp8_scales=None):
-    """context_fmha_type 0: the context entries' scores in global memory (E, H, max new, max keys), softmax rows,
-    then P V into the output; generation entries have 0 rows here."""
-    E, H, Dh = len(new), kernel_key[1], kernel_key[3]
-    context_new = np.where(np.arange(E) < num_context, new, 0)
-    rows, keys = int(context_new.max()), int(np.max(kvlens[:num_context]))
-    like = q_scratch
-    scores = empty_like_kind(like, (E, H, rows, keys), acc_t)
-    seqlens, kv = to_kind(like, context_new), to_kind(like, kvlens)
-    totals = empty_like_kind(like, (E, H, rows), acc_t)
-    inv_s, s = (np.float32(x) for x in (fp8_scales or (1.0, 1.0)))
-    if fp8_scales:
-        sm_scale = acc_t(float(sm_scale) * float(s) * float(s))   # (q / s).(k / s) * s^2 = q.k
-    scores_kernel, softmax_kernel, pv_kernel = _unfused_kernels(*kernel_key, fp8_scales is not None)
-    launch(scores_kernel, (max(1, ceil_div(rows * H * keys, threads)), E), threads, stream, q_scratch, token_starts,
-           seqlens, kv, k_src, args, sm_scale, inv_s, scores)
-    launch(softmax_kernel, (max(1, ceil_div(rows * H, threads)), E), threads, stream, seqlens, kv, scores, totals)
-    launch(pv_kernel, (max(1, ceil_div(rows * H * Dh, threads)), E), threads, stream, token_starts, seqlens, kv,
-           v_src, scores, totals, acc_t(s), inv_s, flat(output))
-
-
 def _mask_and_bias(attention_mask, attention_packed_mask, relative_attention_bias, position_embedding_type,
                    max_distance, mask_type, like):
     """ScoreArgs fields of the custom mask (mask_cols 0: none) and the relative attention bias (relative 0: none,
@@ -831,11 +548,14 @@ def prepare_step(*, like, window, sequence_length, host_past_key_value_lengths, 
                  use_fp8_context_fmha, context_fmha_type, multi_block_mode, host_sink_token_length, num_splits,
                  num_sms, threads, rung, rounds_as, **unused) -> StepLaunch:
     """The launches' step-wide part for layers whose qkv is shaped, typed and placed like `like` and whose window is
-    `window`: everything but the per-layer inputs (LAYER_INPUTS), computed and uploaded once."""
+    `window`: everything but the per-layer inputs (LAYER_INPUTS), computed and uploaded once. The rows, lengths,
+    RoPE plan and entry table first, then each step's plan in run_layer's order: the generation phase's kernel
+    (`_plan_generation`), the preprocess (`_plan_preprocess`), the scores (`_score_args`), the context phase's
+    launch (`_plan_context`)."""
     H, Hkv, Dh = num_heads, num_kv_heads, hidden_size_per_head
     dtype = np.dtype(like.dtype)
     rounds_as = rounds_as or dtype.name                 # the kernels' keys: the dtype whose roundings they emulate
-    acc_t = _acc_type(dtype)
+    acc_t = acc_type(dtype)
     past = np.asarray(host_past_key_value_lengths, np.int64)
     lengths = np.asarray(sequence_length, np.int64)
     new = lengths - past
@@ -873,40 +593,116 @@ def prepare_step(*, like, window, sequence_length, host_past_key_value_lengths, 
     rotate_cached = bool(streamingllm and rope_style)   # StreamingLLM: cached K rotated at its cache index on load
     # A chunk that wraps the cyclic cache would overwrite keys its own queries read: write after attention.
     write_after = bool(use_cache) and not do_cross_attention and bool(((new > 1) & (lengths > window)).any())
+    kvlens = np.asarray(encoder_input_lengths, np.int64) if do_cross_attention else lengths
+
+    generation = _plan_generation(
+        like, rung=rung, acc_t=acc_t, rotate_cached=rotate_cached, write_after=write_after, num_context=num_context,
+        new=new, kvlens=kvlens, num_splits=num_splits, multi_block_mode=multi_block_mode, num_sms=num_sms,
+        rounds_as=rounds_as, head_size=Dh, num_heads=H, num_kv_heads=Hkv, quant=quant, threads=threads,
+        use_cache=bool(use_cache), cross=bool(do_cross_attention), beam_width=beam_width, sinks=sinks,
+        streaming=bool(streamingllm), window=window)
+    pre, pre_grid = _plan_preprocess(
+        like, table=table, rope=rope, logn_scaling=logn_scaling, scratch=(q_scratch, k_scratch, v_scratch),
+        write_cache=bool(use_cache) and not write_after and not do_cross_attention, streamingllm=streamingllm,
+        generation=generation, new=new, num_heads=H, num_kv_heads=Hkv, head_size=Dh, threads=threads)
+    args = _score_args(like, table=table, acc_t=acc_t, window=window, sinks=sinks, streamingllm=streamingllm,
+                       alibi_slopes=alibi_slopes, attn_logit_softcapping_scale=attn_logit_softcapping_scale,
+                       mask_type=mask_type, do_cross_attention=do_cross_attention, attention_mask=attention_mask,
+                       attention_packed_mask=attention_packed_mask, position_embedding_type=position_embedding_type,
+                       max_distance=max_distance)
+    context = _plan_context(
+        like, rung=rung, rounds_as=rounds_as, acc_t=acc_t, num_heads=H, num_kv_heads=Hkv, head_size=Dh,
+        num_context=num_context, new=new, kvlens=kvlens, threads=threads, num_splits=num_splits,
+        multi_block_mode=multi_block_mode, num_sms=num_sms, context_fmha_type=context_fmha_type,
+        use_fp8_context_fmha=use_fp8_context_fmha, vector_generation=generation["vector_generation"])
+    # spec: trtllm/norm-factor
+    sm_scale = acc_t(1.0 / (q_scaling * math.sqrt(Dh)))
+    return StepLaunch(
+        rounds_as=rounds_as, acc_t=acc_t, H=H, Hkv=Hkv, Dh=Dh, E=E, new=new, num_context=num_context, window=window,
+        sinks=sinks, quant=quant, rope_style=rope_style, rotary_dim=rotary_dim, rope=rope, table=table,
+        num_tokens=num_tokens, rotate_cached=rotate_cached, write_after=write_after, pre=pre, pre_grid=pre_grid,
+        starts_arg=to_kind(like, new_starts), args=args, kvlens=kvlens,
+        rope_on_load=(rope_style, rotary_dim) if rotate_cached else (0, 0), num_sms=num_sms,
+        multi_block_mode=multi_block_mode,
+        q_geom=(q_scratch, to_kind(like, token_starts), np.int64(0), np.int64(H * Dh), np.int64(Dh)),
+        sm_scale=sm_scale,
+        kv_templates=_kv_templates(block_offsets=kv_cache_block_offsets, indirection=cache_indirection, table=table,
+                                   k_scratch=k_scratch, v_scratch=v_scratch, tokens_per_block=tokens_per_block,
+                                   window=window, sinks=sinks, like=like, rope=rope, rotate_keys=rotate_cached),
+        paged_kv_cache=paged_kv_cache, use_cache=use_cache, tokens_per_block=tokens_per_block,
+        remove_input_padding=remove_input_padding, do_cross_attention=do_cross_attention,
+        encoder_input_lengths=encoder_input_lengths, position_embedding_type=position_embedding_type,
+        max_distance=max_distance, threads=threads, rung=rung, k_scratch=k_scratch, v_scratch=v_scratch,
+        q_scratch=q_scratch, **generation, **context)
+
+
+def _plan_generation(like, *, rung, acc_t, rotate_cached, write_after, num_context, new, kvlens, num_splits,
+                     multi_block_mode, num_sms, **facts) -> dict:
+    """The generation phase's part of the step (StepLaunch fields): whether the masked MHA runs on the kernel
+    ladder, on which rung (`_generation_choice`; facts: `trtllm_generation.register_problem`'s), whether the new
+    token is read back from its cache slot, and the lengths and rows its launches take."""
+    E = len(new)
     # Rungs 3 and 4 (trtllm_generation) take the generation entries (float32 accumulation); rung 1 the rest. Their
     # kernel forms Q from qkv itself, and reads the new token's K/V back from the cache slot the preprocess writes
     # when it holds them as the document attends with them (unquantized, after RoPE, written before attention): no
     # scratch for those entries then.
     generation = np.arange(E) >= num_context
-    vector_generation = rung != 1 and acc_t == np.float32 and bool(use_cache) and bool(generation.any())
-    new_in_cache = vector_generation and not quant and not rotate_cached and not write_after
-    kvlens = np.asarray(encoder_input_lengths, np.int64) if do_cross_attention else lengths
+    vector_generation = rung != 1 and acc_t == np.float32 and facts["use_cache"] and bool(generation.any())
+    new_in_cache = vector_generation and not facts["quant"] and not rotate_cached and not write_after
+    generation_new = np.where(generation, new, 0)
     register, register_splits, generation_reason = _generation_choice(
-        vector_generation, rung, rounds_as=rounds_as, head_size=Dh, num_heads=H, num_kv_heads=Hkv, quant=quant,
-        threads=threads, use_cache=bool(use_cache), cross=bool(do_cross_attention), beam_width=beam_width,
-        sinks=sinks, streaming=bool(streamingllm), generation_new=new[num_context:],
-        generation_kvlens=kvlens[num_context:], window=window, num_splits=num_splits,
-        multi_block_mode=multi_block_mode, num_sms=num_sms, new=np.where(generation, new, 0), kvlens=kvlens)
-    placeholder = to_kind(like, np.zeros(1, np.float32))
+        vector_generation, rung, generation_new=new[num_context:], generation_kvlens=kvlens[num_context:],
+        num_splits=num_splits, multi_block_mode=multi_block_mode, num_sms=num_sms, new=generation_new, kvlens=kvlens,
+        **facts)
+    return dict(vector_generation=vector_generation, new_in_cache=new_in_cache, register_generation=register,
+                register_splits=register_splits, generation_reason=generation_reason, generation_new=generation_new,
+                generation_starts=to_kind(like, np.concatenate([[0], np.cumsum(generation_new)]).astype(np.int64)),
+                generation_lens=(to_kind(like, generation_new), to_kind(like, kvlens)),
+                contiguous_starts=to_kind(like, np.zeros((E, 1), np.int64)), generation_splits=num_splits)
+
+
+def _plan_preprocess(like, *, table, rope, logn_scaling, scratch, write_cache, streamingllm, generation, new,
+                     num_heads, num_kv_heads, head_size, threads) -> tuple:
+    """(Preprocess arguments without the layer's arrays, grid) of the preprocess kernel: what it writes where, and
+    for the generation entries what their kernel reads from the scratch (`generation`: _plan_generation's)."""
+    q_scratch, k_scratch, v_scratch = scratch
+    vector_generation, register, new_in_cache = (generation[k] for k in ("vector_generation", "register_generation",
+                                                                         "new_in_cache"))
     pre = Preprocess(qkv=None, bias=None, table=table, inv_freq=rope.inv_freq, position_divisor=rope.position_divisor,
                      cos_sin=rope.cos_sin, cos_sin_long=rope.cos_sin_long,
                      logn=flat(logn_scaling) if logn_scaling is not None else to_kind(like, np.ones(1, np.float32)),
                      logn_on=np.int64(logn_scaling is not None), inv_scale=np.float32(1.0), q_out=q_scratch,
                      k_out=k_scratch, v_out=v_scratch, k_dst=None, v_dst=None, write_scratch=np.int64(1),
-                     write_cache=np.int64(bool(use_cache) and not write_after and not do_cross_attention),
-                     streaming=np.int64(streamingllm),
+                     write_cache=np.int64(write_cache), streaming=np.int64(streamingllm),
                      # bit 1: Q (rung 5 reads it), bit 2: K and V (the new token not in the cache as attended)
                      generation_scratch=np.int64((register | 2 * (not new_in_cache)) if vector_generation else 3))
-    max_new = int(new.max())
-    pre_grid = (max(1, ceil_div(max_new * (H + 2 * Hkv) * Dh, threads)), E)
+    heads = num_heads + 2 * num_kv_heads
+    return pre, (max(1, ceil_div(int(new.max()) * heads * head_size, threads)), len(new))
+
+
+def _score_args(like, *, table, acc_t, window, sinks, streamingllm, alibi_slopes, attn_logit_softcapping_scale,
+                mask_type, do_cross_attention, attention_mask, attention_packed_mask, position_embedding_type,
+                max_distance) -> ScoreArgs:
+    """The score function's arguments for the step (a layer's relative attention bias and cross attention's keys
+    are filled in per layer)."""
+    placeholder = to_kind(like, np.zeros(1, np.float32))
     alibi_on = position_embedding_type in (ALIBI, ALIBI_WITH_SCALE)
-    args = ScoreArgs(table=table, alibi=alibi_slopes if alibi_on else placeholder, alibi_on=np.int64(alibi_on),
+    return ScoreArgs(table=table, alibi=alibi_slopes if alibi_on else placeholder, alibi_on=np.int64(alibi_on),
                      softcap=acc_t(attn_logit_softcapping_scale),
                      causal=np.int64(mask_type in (CAUSAL, SLIDING_WINDOW_CAUSAL) and not do_cross_attention),
                      window=np.int64(window), sinks=np.int64(sinks), streaming=np.int64(streamingllm),
                      **_mask_and_bias(attention_mask, attention_packed_mask, None, position_embedding_type,
                                       max_distance, mask_type, like))
-    rope_on_load = (rope_style, rotary_dim) if rotate_cached else (0, 0)
+
+
+def _plan_context(like, *, rung, rounds_as, acc_t, num_heads, num_kv_heads, head_size, num_context, new, kvlens,
+                  threads, num_splits, multi_block_mode, num_sms, context_fmha_type, use_fp8_context_fmha,
+                  vector_generation) -> dict:
+    """The context phase's part of the step (StepLaunch fields): the unfused path or not, and the fused launch's
+    entries, rung (`trtllm_context.context_rung`), tiles, split count and grid. The fused launch also takes the
+    generation entries that do not run on the kernel ladder (`vector_generation` False)."""
+    H, Hkv, Dh, E = num_heads, num_kv_heads, head_size, len(new)
+    max_new = int(new.max())
     # One kernel for every length past 16 query tokens.
     tiles = plan_tiles(H, Hkv, min(max_new, 16), Dh, Dh, np.dtype(acc_t).itemsize)
     heads_per_block, q_tile, key_tile = tiles
@@ -916,16 +712,14 @@ def prepare_step(*, like, window, sequence_length, host_past_key_value_lengths, 
     num_splits = None if vector_generation else num_splits     # a forced count is the generation kernel's
     if num_splits is None:
         num_splits = choose_splits(q_blocks, int(np.max(kvlens)), key_tile, num_sms) if multi_block_mode else 1
-    token_starts_arg = to_kind(like, token_starts)
     # context_fmha_type 0 (disabled): the context entries take the unfused path, the fused kernel the rest.
     # spec: trtllm/context-unfused, trtllm/fp8-context-fmha
     fp8_fmha = bool(use_fp8_context_fmha) and num_context > 0
     unfused = (context_fmha_type == 0 or fp8_fmha) and num_context > 0
     fused_new = np.where(np.arange(E) < num_context, 0, new) if unfused else new
     if vector_generation:
-        fused_new = np.where(generation, 0, fused_new)
+        fused_new = np.where(np.arange(E) >= num_context, 0, fused_new)
     # The context entries of the fused launch on rung 5 (tensor cores) where it can serve them (trtllm_context).
-    from .trtllm_context import context_grid, context_rung  # here: that module builds on this one
     fused_rung, fused_reason = context_rung(rung=rung, rounds_as=rounds_as, head_size=Dh, threads=threads,
                                             fused_generation=bool((fused_new[num_context:] > 0).any()),
                                             num_splits=generation_splits if not vector_generation else None)
@@ -933,34 +727,10 @@ def prepare_step(*, like, window, sequence_length, host_past_key_value_lengths, 
     if fused_rung == 5:
         num_splits = 1
         mma_plan, grid = context_grid(H, Hkv, Dh, int(fused_new.max()), threads, E)
-    # spec: trtllm/norm-factor
-    sm_scale = acc_t(1.0 / (q_scaling * math.sqrt(Dh)))
-    return StepLaunch(
-        rounds_as=rounds_as, acc_t=acc_t, H=H, Hkv=Hkv, Dh=Dh, E=E, new=new, num_context=num_context, window=window,
-        sinks=sinks, quant=quant, rope_style=rope_style, rotary_dim=rotary_dim, rope=rope, table=table,
-        num_tokens=num_tokens, rotate_cached=rotate_cached, write_after=write_after,
-        generation_new=np.where(generation, new, 0),
-        vector_generation=vector_generation, new_in_cache=new_in_cache, pre=pre, pre_grid=pre_grid,
-        register_generation=register, register_splits=register_splits, generation_reason=generation_reason,
-        generation_starts=to_kind(like, np.concatenate([[0], np.cumsum(np.where(generation, new, 0))]).astype(
-            np.int64)),
-        generation_lens=(to_kind(like, np.where(generation, new, 0)), to_kind(like, kvlens)),
-        contiguous_starts=to_kind(like, np.zeros((E, 1), np.int64)),
-        starts_arg=to_kind(like, new_starts), args=args, kvlens=kvlens, rope_on_load=rope_on_load, tiles=tiles,
-        generation_splits=generation_splits, num_splits=num_splits, num_sms=num_sms, multi_block_mode=multi_block_mode,
-        q_geom=(q_scratch, token_starts_arg, np.int64(0), np.int64(H * Dh), np.int64(Dh)),
-        grid=grid, fused_rung=fused_rung, fused_reason=fused_reason, mma_plan=mma_plan,
-        sm_scale=sm_scale, fp8_fmha=fp8_fmha, unfused=unfused, fused=bool(fused_new.any()),
-        lens=(to_kind(like, fused_new), to_kind(like, kvlens)),
-        fused_starts=to_kind(like, np.concatenate([[0], np.cumsum(fused_new)]).astype(np.int64)),
-        kv_templates=_kv_templates(block_offsets=kv_cache_block_offsets, indirection=cache_indirection, table=table,
-                                   k_scratch=k_scratch, v_scratch=v_scratch, tokens_per_block=tokens_per_block,
-                                   window=window, sinks=sinks, like=like, rope=rope, rotate_keys=rotate_cached),
-        paged_kv_cache=paged_kv_cache, use_cache=use_cache, tokens_per_block=tokens_per_block,
-        remove_input_padding=remove_input_padding, do_cross_attention=do_cross_attention,
-        encoder_input_lengths=encoder_input_lengths, position_embedding_type=position_embedding_type,
-        max_distance=max_distance, threads=threads, rung=rung, k_scratch=k_scratch, v_scratch=v_scratch,
-        q_scratch=q_scratch)
+    return dict(tiles=tiles, num_splits=num_splits, grid=grid, fused_rung=fused_rung, fused_reason=fused_reason,
+                mma_plan=mma_plan, fp8_fmha=fp8_fmha, unfused=unfused, fused=bool(fused_new.any()),
+                lens=(to_kind(like, fused_new), to_kind(like, kvlens)),
+                fused_starts=to_kind(like, np.concatenate([[0], np.cumsum(fused_new)]).astype(np.int64)))
 
 
 def _generation_choice(vector_generation, rung, *, num_splits, multi_block_mode, num_sms, new, kvlens,
@@ -972,7 +742,6 @@ def _generation_choice(vector_generation, rung, *, num_splits, multi_block_mode,
         return False, 1, "no generation entries on the vector rungs"
     if rung not in (None, 5):
         return False, 1, f"rung={rung} asked for"
-    from .trtllm_generation import register_problem, register_splits  # here: that module builds on this one
     why = register_problem(**facts)
     if why is not None:
         return False, 1, f"rung 3/4: {why}"
@@ -988,69 +757,146 @@ def run_layer(s: StepLaunch, *, qkv, past_key_value, kv_cache_pool, layer_idx, q
     """One layer's launches on the step `s` (prepare_step for this qkv's shape, dtype and kind and this layer's
     window): (output, present_key_value), the cache written in place. Per layer only the layer's own arrays enter
     the kernels' arguments; nothing is read back from the device and nothing but the output is allocated (cross
-    attention's encoder scratch apart)."""
-    stream = caller_stream(qkv, past_key_value, kv_cache_pool)
-    H, Hkv, Dh, threads, quant = s.H, s.Hkv, s.Dh, s.threads, s.quant
-    cache_array = (kv_cache_pool if s.paged_kv_cache else past_key_value) if s.use_cache else None
-    k_src, v_src = _kv_sources(s.kv_templates, cache_array=cache_array, paged=s.paged_kv_cache, layer_idx=layer_idx,
-                               tokens_per_block=s.tokens_per_block, sinks=s.sinks,
-                               scale=kv_quant_orig_scale if quant else 1.0, num_kv_heads=Hkv, head_size=Dh)
-    pre = s.pre._replace(qkv=flat(qkv), bias=flat(qkv_bias) if qkv_bias is not None else flat(qkv)[:1],
-                         inv_scale=np.float32(kv_orig_quant_scale if quant else 1.0), k_dst=k_src, v_dst=v_src)
-    preprocess = _preprocess_kernel(s.rounds_as, H, Hkv, Dh, s.rotary_dim, s.rope_style, quant, qkv_bias is not None)
-    launch(preprocess, s.pre_grid, threads, stream, pre, s.starts_arg)
+    attention's encoder scratch apart).
 
-    output = empty_like_kind(qkv, qkv.shape[:-1] + (H * Dh,), np.dtype(qkv.dtype))
+    The steps of TensorRT-LLM's attention plugin, in its order, on the caller's stream: the preprocess (QKV bias,
+    RoPE, the KV cache written), the generation phase's masked multi-head attention (multi-block: split and
+    combined), the context phase (unfused, or the fused context FMHA with its multi-block combine), and the cache
+    write a wrapping chunk leaves until after attention."""
+    stream = caller_stream(qkv, past_key_value, kv_cache_pool)
+    k_src, v_src = _layer_kv_sources(s, past_key_value, kv_cache_pool, layer_idx, kv_quant_orig_scale)
+    pre = s.pre._replace(qkv=flat(qkv), bias=flat(qkv_bias) if qkv_bias is not None else flat(qkv)[:1],
+                         inv_scale=np.float32(kv_orig_quant_scale if s.quant else 1.0), k_dst=k_src, v_dst=v_src)
+    preprocess = _preprocess_kernel(s.rounds_as, s.H, s.Hkv, s.Dh, s.rotary_dim, s.rope_style, s.quant,
+                                    qkv_bias is not None)
+    qkv_preprocessing(s, preprocess, pre, stream)
+    output = empty_like_kind(qkv, qkv.shape[:-1] + (s.H * s.Dh,), np.dtype(qkv.dtype))
     if not s.remove_input_padding:
         output[...] = 0                                 # padding rows are zero, as the reference's
-    table, args = s.table, s.args
+    args, k_src, v_src = _layer_keys(s, qkv, cross_kv, relative_attention_bias, k_src, v_src, kv_orig_quant_scale,
+                                     stream)
+    out_geom = (flat(output), s.q_geom[1], np.int64(0), np.int64(s.H * s.Dh), np.int64(s.Dh))
+    if s.vector_generation:
+        masked_multihead_attention(s, pre, out_geom, k_src, v_src, args, stream, qkv_bias is not None)
+    if s.unfused:
+        unfused_context(s, output, k_src, v_src, args, stream,
+                        (kv_orig_quant_scale, kv_quant_orig_scale) if s.fp8_fmha else None)
+    if s.fused:
+        partials = context_fmha(s, qkv, out_geom, k_src, v_src, args, stream)
+        if partials is not None:
+            multi_block_combine(s, partials, output, stream)
+    if s.write_after:
+        write_cache_after_attention(s, preprocess, pre, stream)
+    present = past_key_value if (s.use_cache and not s.paged_kv_cache) else None
+    return output, present
+
+
+def _layer_kv_sources(s: StepLaunch, past_key_value, kv_cache_pool, layer_idx, kv_quant_orig_scale) -> tuple:
+    """The step's K and V sources over this layer's cache (the contiguous cache, or its layer of the pool)."""
+    cache_array = (kv_cache_pool if s.paged_kv_cache else past_key_value) if s.use_cache else None
+    return _kv_sources(s.kv_templates, cache_array=cache_array, paged=s.paged_kv_cache, layer_idx=layer_idx,
+                       tokens_per_block=s.tokens_per_block, sinks=s.sinks,
+                       scale=kv_quant_orig_scale if s.quant else 1.0, num_kv_heads=s.Hkv, head_size=s.Dh)
+
+
+def qkv_preprocessing(s: StepLaunch, preprocess, pre, stream) -> None:
+    """The preprocess: QKV bias, RoPE and logn, the new tokens' Q/K/V to the scratch and their K/V to the cache
+    (unless a wrapping chunk writes it after attention, `write_cache_after_attention`)."""
+    launch(preprocess, s.pre_grid, s.threads, stream, pre, s.starts_arg)
+
+
+def _layer_keys(s: StepLaunch, qkv, cross_kv, relative_attention_bias, k_src, v_src, kv_orig_quant_scale,
+                stream) -> tuple:
+    """(score arguments, K source, V source) of this layer: its relative attention bias; with cross attention the
+    encoder's keys (the cross kernel copies them to the scratch and the cache), every one in view."""
+    args = s.args
     if relative_attention_bias is not None:
         args = args._replace(**_relative_bias(relative_attention_bias, s.position_embedding_type, s.max_distance))
     if s.do_cross_attention:
-        table, _, k_src, v_src = _cross_keys(qkv, cross_kv, s.encoder_input_lengths, s.num_context, table, k_src,
-                                             v_src, s.rounds_as, Hkv, Dh, quant, kv_orig_quant_scale,
-                                             bool(s.use_cache), threads, stream, s.remove_input_padding)
+        table, _, k_src, v_src = _cross_keys(qkv, cross_kv, s.encoder_input_lengths, s.num_context, s.table, k_src,
+                                             v_src, s.rounds_as, s.Hkv, s.Dh, s.quant, kv_orig_quant_scale,
+                                             bool(s.use_cache), s.threads, stream, s.remove_input_padding)
         args = args._replace(table=table, window=k_src.window)      # the encoder's keys: every one in view
-    out_geom = (flat(output), s.q_geom[1], np.int64(0), np.int64(H * Dh), np.int64(Dh))
-    if s.vector_generation:
-        from .trtllm_generation import attend_generation, attend_generation_register  # that module builds on this
-        if not (s.register_generation and attend_generation_register(
-                s.q_geom, out_geom, s.generation_lens, k_src, v_src, args, s.sm_scale, H, Hkv, Dh, quant,
-                s.new_in_cache, threads, stream, s.contiguous_starts, s.register_splits, s.num_tokens,
-                s.generation_starts)):
-            attend_generation(None if s.rung == 5 else s.rung, s.generation_splits, s.multi_block_mode, s.num_sms,
-                              pre, out_geom, s.generation_new, s.kvlens, k_src, v_src, args, s.sm_scale, s.rounds_as,
-                              H, Hkv, Dh, quant, s.rope_on_load, s.new_in_cache, s.num_tokens, threads, stream,
-                              (s.rotary_dim, s.rope_style, qkv_bias is not None))
-    if s.unfused:
-        _unfused_context(s.q_scratch, s.q_geom[1], s.new, s.kvlens, s.num_context, k_src, v_src, args, s.sm_scale,
-                         output, (s.rounds_as, H, Hkv, Dh, quant, *s.rope_on_load), s.acc_t, threads, stream,
-                         (kv_orig_quant_scale, kv_quant_orig_scale) if s.fp8_fmha else None)
-    if s.fused and s.fused_rung == 5:
-        from .trtllm_context import context_kernel_for
-        kernel = context_kernel_for(k_src, v_src, H, Hkv, Dh, quant, threads, s.mma_plan, s.rope_on_load)
-        launch(kernel, s.grid, threads, stream, s.q_geom, out_geom, *s.lens, k_src, v_src, args,
-               np.float32(s.sm_scale))
-    elif s.fused:
-        kernel = _attention_kernel(s.rounds_as, H, Hkv, Dh, quant, s.tiles, *s.rope_on_load, s.num_splits > 1)
-        if s.num_splits == 1:
-            launch(kernel, s.grid, threads, stream, s.q_geom, out_geom, *s.lens, k_src, v_src, args, s.sm_scale)
-        else:
-            # Multi-block: each split's (m, l, unnormalised o) per row, then one combine pass over the splits.
-            rows = s.num_tokens * H
-            o_part = empty_like_kind(qkv, (s.num_splits * rows * Dh,), s.acc_t)
-            m_part, l_part = (empty_like_kind(qkv, (s.num_splits * rows,), s.acc_t) for _ in range(2))
-            split_geom = (o_part, s.q_geom[1], np.int64(0), np.int64(H * Dh), np.int64(Dh), np.int64(s.num_splits),
-                          np.int64(rows * Dh), np.int64(rows), np.int64(H), m_part, l_part)
-            launch(kernel, s.grid, threads, stream, s.q_geom, split_geom, *s.lens, k_src, v_src, args, s.sm_scale)
-            launch(_combine_kernel(s.rounds_as, H, Dh), s.pre_grid, threads, stream, o_part, m_part, l_part,
-                   np.int64(s.num_splits), s.q_geom[1], s.fused_starts, flat(output))
+    return args, k_src, v_src
 
-    if s.write_after:
-        after = pre._replace(write_scratch=np.int64(0), write_cache=np.int64(1))
-        launch(preprocess, s.pre_grid, threads, stream, after, s.starts_arg)
-    present = past_key_value if (s.use_cache and not s.paged_kv_cache) else None
-    return output, present
+
+def masked_multihead_attention(s: StepLaunch, pre, out_geom, k_src, v_src, args, stream, has_bias: bool) -> None:
+    """The generation phase (the document's masked multi-head attention) on the kernel ladder: rung 5's decode
+    kernel where the step and this layer's arrays allow it, else rung 3's vector kernel, or rung 4's when
+    multi-block splits it (each with its combine, `trtllm_generation`)."""
+    # spec: trtllm/generation-mmha, trtllm/multi-block
+    if s.register_generation and attend_generation_register(
+            s.q_geom, out_geom, s.generation_lens, k_src, v_src, args, s.sm_scale, s.H, s.Hkv, s.Dh, s.quant,
+            s.new_in_cache, s.threads, stream, s.contiguous_starts, s.register_splits, s.num_tokens,
+            s.generation_starts):
+        return
+    attend_generation(None if s.rung == 5 else s.rung, s.generation_splits, s.multi_block_mode, s.num_sms, pre,
+                      out_geom, s.generation_new, s.kvlens, k_src, v_src, args, s.sm_scale, s.rounds_as, s.H, s.Hkv,
+                      s.Dh, s.quant, s.rope_on_load, s.new_in_cache, s.num_tokens, s.threads, stream,
+                      (s.rotary_dim, s.rope_style, has_bias))
+
+
+def unfused_context(s: StepLaunch, output, k_src, v_src, args, stream, fp8_scales=None) -> None:
+    """The context phase with context_fmha_type 0 (and FP8 context FMHA): the context entries' scores in global
+    memory (E, H, max new, max keys), softmax rows, then P V into the output; generation entries have 0 rows here.
+    fp8_scales: the cache's (1 / s, s) for FP8 context FMHA."""
+    E, H, Dh, acc_t, threads = s.E, s.H, s.Dh, s.acc_t, s.threads
+    context_new = np.where(np.arange(E) < s.num_context, s.new, 0)
+    rows, keys = int(context_new.max()), int(np.max(s.kvlens[:s.num_context]))
+    like, token_starts = s.q_scratch, s.q_geom[1]
+    scores = empty_like_kind(like, (E, H, rows, keys), acc_t)
+    seqlens, kv = to_kind(like, context_new), to_kind(like, s.kvlens)
+    totals = empty_like_kind(like, (E, H, rows), acc_t)
+    inv_scale, scale = (np.float32(x) for x in (fp8_scales or (1.0, 1.0)))
+    sm_scale = s.sm_scale
+    if fp8_scales:
+        sm_scale = acc_t(float(sm_scale) * float(scale) * float(scale))   # (q / s).(k / s) * s^2 = q.k
+    scores_kernel, softmax_kernel, pv_kernel = _unfused_kernels(s.rounds_as, H, s.Hkv, Dh, s.quant, *s.rope_on_load,
+                                                                fp8_scales is not None)
+    launch(scores_kernel, (max(1, ceil_div(rows * H * keys, threads)), E), threads, stream, s.q_scratch,
+           token_starts, seqlens, kv, k_src, args, sm_scale, inv_scale, scores)
+    launch(softmax_kernel, (max(1, ceil_div(rows * H, threads)), E), threads, stream, seqlens, kv, scores, totals)
+    launch(pv_kernel, (max(1, ceil_div(rows * H * Dh, threads)), E), threads, stream, token_starts, seqlens, kv,
+           v_src, scores, totals, acc_t(scale), inv_scale, flat(output))
+
+
+def context_fmha(s: StepLaunch, qkv, out_geom, k_src, v_src, args, stream):
+    """The fused context FMHA: the context entries on rung 5 (tensor cores), or on rung 1's tiles with any
+    generation entries the ladder does not take. Returns rung 1's multi-block partials (o, m, l) for
+    `multi_block_combine`, or None when the launch wrote the output itself."""
+    if s.fused_rung == 5:
+        kernel = context_kernel_for(k_src, v_src, s.H, s.Hkv, s.Dh, s.quant, s.threads, s.mma_plan, s.rope_on_load)
+        launch(kernel, s.grid, s.threads, stream, s.q_geom, out_geom, *s.lens, k_src, v_src, args,
+               np.float32(s.sm_scale))
+        return None
+    kernel = _attention_kernel(s.rounds_as, s.H, s.Hkv, s.Dh, s.quant, s.tiles, *s.rope_on_load, s.num_splits > 1)
+    if s.num_splits == 1:
+        launch(kernel, s.grid, s.threads, stream, s.q_geom, out_geom, *s.lens, k_src, v_src, args, s.sm_scale)
+        return None
+    # Multi-block: each split's (m, l, unnormalised o) per row, combined after.
+    rows = s.num_tokens * s.H
+    o_part = empty_like_kind(qkv, (s.num_splits * rows * s.Dh,), s.acc_t)
+    m_part, l_part = (empty_like_kind(qkv, (s.num_splits * rows,), s.acc_t) for _ in range(2))
+    split_geom = (o_part, s.q_geom[1], np.int64(0), np.int64(s.H * s.Dh), np.int64(s.Dh), np.int64(s.num_splits),
+                  np.int64(rows * s.Dh), np.int64(rows), np.int64(s.H), m_part, l_part)
+    launch(kernel, s.grid, s.threads, stream, s.q_geom, split_geom, *s.lens, k_src, v_src, args, s.sm_scale)
+    return o_part, m_part, l_part
+
+
+def multi_block_combine(s: StepLaunch, partials, output, stream) -> None:
+    """Multi-block mode's combine: one pass over the splits' (m, l, o) of each row into the output."""
+    # spec: trtllm/multi-block
+    o_part, m_part, l_part = partials
+    launch(_combine_kernel(s.rounds_as, s.H, s.Dh), s.pre_grid, s.threads, stream, o_part, m_part, l_part,
+           np.int64(s.num_splits), s.q_geom[1], s.fused_starts, flat(output))
+
+
+def write_cache_after_attention(s: StepLaunch, preprocess, pre, stream) -> None:
+    """A chunk that wraps the cyclic cache: the preprocess again, writing the cache only, after attention read
+    the keys the chunk overwrites (read before write, as the reference)."""
+    # spec: trtllm/cyclic-overwrite
+    after = pre._replace(write_scratch=np.int64(0), write_cache=np.int64(1))
+    launch(preprocess, s.pre_grid, s.threads, stream, after, s.starts_arg)
 
 
 def _bfloat16_via_float32(call: dict):

@@ -22,7 +22,7 @@ import cacheattn
 import cacheattn.testing as kit
 from kernels_numba import _dequant as dq
 from kernels_numba._cache import scale_loads
-from kernels_numba.trtllm_gpt_attention import e4m3_decode
+from kernels_numba.trtllm_common import e4m3_decode
 from reference.quant import dequantize, pack_int4
 
 from strategies import PPLCase

@@ -20,7 +20,7 @@ import cacheattn.testing as kit
 from cacheattn import trtllm
 from kernels_numba import _launch
 from kernels_numba._numerics import round_to_bfloat16
-from kernels_numba.trtllm_gpt_attention import e4m3_decode, e4m3_encode
+from kernels_numba.trtllm_common import e4m3_decode, e4m3_encode
 from reference import trtllm_gpt_attention as ref
 
 from helpers import assert_bits_equal, assert_close

@@ -210,7 +210,7 @@ class TrtBenchCase:
 
     def chunk(self, rung: int) -> int:
         """Elements a lane of rungs 3/4 loads at once (16 bytes); rung 1 stages tiles through shared memory."""
-        from kernels_numba.trtllm_generation import chunk_elements
+        from kernels_numba.trtllm_common import chunk_elements
         return chunk_elements(np.dtype(np.float16 if self.cache == "float16" else np.int8).itemsize)
 
     def trt_case(self) -> TrtCase:
