@@ -138,14 +138,22 @@ if SIMULATED:
         raise TypeError(f"{function}: {parameter} must be an array, got {type(array).__name__}")
 
     def _table(root):
+        """{16-byte chunk: pending _Copy} of the root shared array, for the block running now: a copy an earlier
+        block (the simulator runs them one after another in the same shared arrays) left pending is forgotten."""
         entry = _PENDING.get(id(root))
         if entry is None or entry[0] is not root:
             return None
-        # a copy whose thread has ended (a block that never waited) cannot race with anything any more
-        stale = [chunk for chunk, copy in entry[1].items() if not copy.thread.is_alive()]
+        block = getattr(threading.current_thread(), "_manager", None)
+        stale = [chunk for chunk, copy in entry[1].items() if getattr(copy.thread, "_manager", None) is not block]
         for chunk in stale:
             del entry[1][chunk]
         return entry[1]
+
+    def _forget_finished():
+        """Drop the tables whose copies all belong to threads that have ended (so no array outlives its launch)."""
+        for key, (_, table) in list(_PENDING.items()):
+            if not any(copy.thread.is_alive() for copy in table.values()):
+                del _PENDING[key]
 
     def _name(root) -> str:
         """'tile' for `tile = cuda.shared.array(...)` (from the allocation's source line), else a description."""
@@ -231,6 +239,7 @@ if SIMULATED:
         with _LOCK:
             table = _table(root)
             if table is None:
+                _forget_finished()
                 table = {}
                 _PENDING[id(root)] = (root, table)
             chunk = offset // COPY_BYTES
