@@ -41,9 +41,11 @@ The simulator cannot run PTX. Its twins:
   barrier that follows that wait) computes the same under every schedule, the GPU's included. What the eager copy
   would hide is a read too early, so the twin tracks each thread's pending copies by the same group accounting
   as the hardware (commit, wait_group n, wait_all) and raises `PendingCopyError`, naming the array and index,
-  when a kernel reads or writes bytes of a shared array whose copy no wait has completed yet. It checks element
-  accesses through `async_target`'s view (and its slices and dtype views) and ldmatrix's reads; reads through
-  another alias of the memory it cannot see. It also checks each copy's alignment and bounds (the addresses as
+  when a kernel reads or writes bytes of a shared array whose copy no wait has completed yet, whichever thread
+  touches them. It checks element accesses through `async_target`'s view (and its slices and dtype views) and
+  ldmatrix's reads; reads through another alias of the memory it cannot see, nor whether a barrier separates
+  another thread's wait from a read (the simulator's threads interleave freely between barriers, so a missing
+  barrier shows as this error on some runs only). It also checks each copy's alignment and bounds (the addresses as
   the simulator holds them: a launcher must still check a kernel argument's own alignment on the host, as
   `_cache.vector_loads_ok` does).
 - ldmatrix_x4 is warp-collective like `_mma.mma_m16n8k16`'s twin: every lane writes its row's index to a
@@ -197,6 +199,8 @@ if SIMULATED:
             raise TypeError(f"{function}: {array_name} must be a 1-D array (index it by element), got {array.ndim}-D")
         if COPY_BYTES % array.itemsize:
             raise TypeError(f"{function}: {array_name}'s elements ({array.dtype}) must divide 16 bytes")
+        if array.strides[0] != array.itemsize:
+            raise ValueError(f"{function}: {array_name} must be contiguous")
         if not isinstance(index, (int, np.integer)):
             raise TypeError(f"{function}: {index_name} must be an integer, got {type(index).__name__}")
         index, count = int(index), COPY_BYTES // array.itemsize
@@ -208,8 +212,6 @@ if SIMULATED:
             raise ValueError(f"{function}: {array_name}[{index_name}={index}] is not 16-byte aligned (address "
                              f"{(_address(array) + offset) % COPY_BYTES} past a multiple of 16): pick an index that "
                              f"is a multiple of {count} in an aligned array")
-        if array.strides[0] != array.itemsize:
-            raise ValueError(f"{function}: {array_name} must be contiguous")
         return _address(array) + offset - _address(_root(array))
 
     def _thread_state(thread):
@@ -325,7 +327,7 @@ else:
 
     from llvmlite import ir
     from numba import types
-    from numba.cuda.extending import _intrinsic, intrinsic
+    from numba.cuda.extending import _intrinsic, intrinsic  # _intrinsic: `intrinsic` with options (prefer_literal)
 
     from ._vector import element_pointer
 

@@ -284,13 +284,25 @@ def kernel(src, out):
 
 def build(cc):
     return kernel, (types.float16[::1], types.uint32[::1])
+
+
+def runtime_wait(counts):
+    ac.cp_async_wait(counts[0])
+
+
+try:                                  # wait_group encodes its count: a run-time one is refused by name
+    cuda.compile_ptx(runtime_wait, (types.int32[::1],), cc=(8, 0))
+except Exception as refused:
+    assert "cp_async_wait(n): n must be a non-negative compile-time integer constant" in str(refused), refused
+else:
+    raise AssertionError("cp_async_wait compiled with a run-time count")
 """
 
 
 def test_cp_async_and_ldmatrix_compile_to_ldgsts_depbar_and_ldsm():
     """For sm_80 and sm_90: two 16-byte cp.async (LDGSTS ... .128), two commits and wait_all's own (LDGDEPBAR),
     wait_group 1 and 0 (DEPBAR.LE SB0, 1 and 0), one ldmatrix and one ldmatrix.trans (LDSM.16.M88.4,
-    LDSM.16.MT88.4); the shared tile 16-byte aligned."""
+    LDSM.16.MT88.4); the shared tile 16-byte aligned. A run-time wait count does not compile."""
     for cc, result in compile_kernels(COMPILE).items():
         ptx, ops = result["ptx"], result["opcodes"]
         assert ptx.count("cp.async.cg.shared.global") == 2 and ptx.count("cp.async.wait_group 1;") == 1, cc
