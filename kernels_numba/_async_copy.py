@@ -33,6 +33,17 @@ first; with .trans, elements (2 * threadID_in_group, groupID) and (2 * threadID_
         row l % 16, column 8 * (l // 16); ldmatrix_x4_trans returns b0, b1 of columns 0..7 and b0, b1 of
         columns 8..15 (two n-tiles of the mma).
 
+In a kernel (as tests/test_async_copy.py's double-buffered copy does), with the constants as module globals,
+which numba reads as compile-time constants (a module attribute or an expression such as STAGES - 1 it types as
+a run-time integer, which `alignment=` and cp_async_wait refuse):
+
+    ALIGN, SCRATCH, WAIT = SHARED_ALIGNMENT, scratch_shape(WARPS), STAGES - 1
+    tile = async_target(cuda.shared.array(STAGES * TILE, np.float16, alignment=ALIGN))
+    cp_async16(tile, stage * TILE + 8 * t, keys, first + 8 * t)       # issue the next stage's rows
+    cp_async_commit()
+    cp_async_wait(WAIT)                                                # the oldest stage has landed ...
+    cuda.syncthreads()                                                 # ... for every thread's copies
+
 The simulator cannot run PTX. Its twins:
 
 - cp_async16 copies at once. A copy may complete at any moment between its issue and the wait that covers it;

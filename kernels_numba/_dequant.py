@@ -36,9 +36,10 @@ handles a pair:
         the same pairs of value / 256 in two cvt.rn.f16x2.e4m3x2 (sm_89+: one instruction converts two codes,
         byte 0 of its 16-bit source to the low half) and two mul.rn.f16x2 by 2^-8 (exact: every e4m3 value / 256
         is a float16). Bit for bit e4m3x4_to_half2's except the NaN codes: the conversion gives the canonical
-        float16 NaN 0x7fff for both 0x7f and 0xff (sign dropped, as CUDA's cuda_fp8.hpp spells out for its
-        software fallback of the same conversion) and the multiply keeps it, where e4m3x4_to_half2 gives 0x7f80
-        and 0xff80. A NaN either way. 2 cvt + 2 mul + 2 moves per 4 values.
+        float16 NaN 0x7fff for both 0x7f and 0xff, sign dropped (what CUDA's cuda_fp8.hpp gives in its software
+        version of this conversion for GPUs without it; the twin models that, untested on hardware here) and the
+        multiply keeps a NaN, where e4m3x4_to_half2 gives 0x7f80 and 0xff80. A NaN either way. 2 cvt + 2 mul per
+        4 values (ptxas folds the split of the word into the cvt's operands).
     e4m3x4_to_half2_for(cc) -> e4m3x4_to_half2_cvt for a compute capability of (8, 9) or later, else
         e4m3x4_to_half2: what a kernel builder picks for its target (PTX ISA, cvt: .e4m3x2 sources need sm_89).
     scale_half2(word_a, word_b, selector) -> the pair of float16 scales a value pair is multiplied by:
