@@ -32,6 +32,16 @@ handles a pair:
         nonzero) and bit 0 of the sign byte above it at bit 15; and 0xff80ff80 clears the other sign copies,
         shifted into the high half's low mantissa bits. 1 and + 1 add + 1 lop3 + 2 prmt + 2 shl + 2 and per 4
         values (2.25 a value); integer instructions only, so sm_80 too (cvt.rn.f16x2.e4m3x2 needs sm_89).
+    e4m3x4_to_half2_cvt(word) -> (h01, h23)
+        the same pairs of value / 256 in two cvt.rn.f16x2.e4m3x2 (sm_89+: one instruction converts two codes,
+        byte 0 of its 16-bit source to the low half) and two mul.rn.f16x2 by 2^-8 (exact: every e4m3 value / 256
+        is a float16). Bit for bit e4m3x4_to_half2's except the NaN codes: the conversion gives the canonical
+        float16 NaN 0x7fff for both 0x7f and 0xff, sign dropped (what CUDA's cuda_fp8.hpp gives in its software
+        version of this conversion for GPUs without it; the twin models that, untested on hardware here) and the
+        multiply keeps a NaN, where e4m3x4_to_half2 gives 0x7f80 and 0xff80. A NaN either way. 2 cvt + 2 mul per
+        4 values (ptxas folds the split of the word into the cvt's operands).
+    e4m3x4_to_half2_for(cc) -> e4m3x4_to_half2_cvt for a compute capability of (8, 9) or later, else
+        e4m3x4_to_half2: what a kernel builder picks for its target (PTX ISA, cvt: .e4m3x2 sources need sm_89).
     scale_half2(word_a, word_b, selector) -> the pair of float16 scales a value pair is multiplied by:
         one prmt.b32 of two words of scales (selector: which 16-bit half of each).
     permute_bytes(word_a, word_b, selector) -> prmt.b32 itself: result byte i is byte (selector >> 4i) & 7 of
@@ -81,6 +91,9 @@ E4M3_NAN_FLAG = 0x80808080      # the carries, placed above the magnitudes
 E4M3_PAIRS = (0xD1C0, 0xF3E2)
 E4M3_SHIFT = 7                  # flagged byte to bits 7..14 of its half, the sign byte's bit 0 to bit 15
 E4M3_KEEP = 0xFF80FF80          # clears the low sign byte's other copies, shifted into bits 16..22
+E4M3_CVT_SCALE = 0x1C001C00      # float16 2^-8 in both halves: cvt gives the value, the decode wants value / 256
+E4M3_CVT_NAN = 0x7FFF           # the float16 a NaN code converts to (canonical NaN)
+E4M3_CVT_CC = (8, 9)            # the first compute capability with cvt.rn.f16x2.e4m3x2
 INT4_PAIR_ELEMENTS = ((0, 4), (1, 5), (2, 6), (3, 7))       # elements of int4x8_to_half2's four pairs
 INT8_PAIR_ELEMENTS = ((0, 1), (2, 3))
 E4M3_PAIR_ELEMENTS = ((0, 1), (2, 3))
@@ -97,6 +110,8 @@ def pair_selector(half_a: int, half_b: int) -> int:
 
 
 if SIMULATED:
+    import ml_dtypes
+
     def _halves(word):
         """The two float16 of a uint32 word, low half first, as a float16 array."""
         return np.array([int(word) & 0xFFFFFFFF], np.uint32).view(np.float16)
@@ -148,6 +163,18 @@ if SIMULATED:
         flagged = magnitudes | (carries & E4M3_NAN_FLAG)                  # the lop3
         return tuple(np.uint32(((_permute(flagged, codes, sel) << E4M3_SHIFT) & 0xFFFFFFFF) & E4M3_KEEP)
                      for sel in E4M3_PAIRS)
+
+    @cuda.jit(device=True)
+    def e4m3x4_to_half2_cvt(word):
+        """e4m3x4_to_half2 by cvt.rn.f16x2.e4m3x2 (sm_89+): the same pairs; the NaN codes give 0x7fff."""
+        codes = np.array([int(word) & 0xFFFFFFFF], np.uint32).view(np.uint8)
+        with np.errstate(invalid="ignore"):
+            values = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float16)     # the cvt: exact
+        halves = values * _halves(E4M3_CVT_SCALE)[0]                             # the mul.rn.f16x2: exact
+        bits = halves.view(np.uint16).copy()
+        bits[np.isnan(halves)] = E4M3_CVT_NAN
+        words = bits.view(np.uint32)
+        return np.uint32(words[0]), np.uint32(words[1])
 
     @cuda.jit(device=True)
     def scale_half2(word_a, word_b, selector):
@@ -251,6 +278,12 @@ else:
         f"shl.b32 $0, $0, {E4M3_SHIFT}; shl.b32 $1, $1, {E4M3_SHIFT}; "
         f"and.b32 $0, $0, {E4M3_KEEP:#x}; and.b32 $1, $1, {E4M3_KEEP:#x}; }}"))
 
+    _e4m3x4_cvt = _words_asm("_e4m3x4_cvt", 1, 2, (
+        "{ .reg .b16 l, h; .reg .b32 s; "
+        f"mov.b32 {{l, h}}, $2; mov.b32 s, {E4M3_CVT_SCALE:#x}; "
+        "cvt.rn.f16x2.e4m3x2 $0, l; cvt.rn.f16x2.e4m3x2 $1, h; "
+        "mul.rn.f16x2 $0, $0, s; mul.rn.f16x2 $1, $1, s; }"))
+
     _prmt = _words_asm("_prmt", 3, 1, "prmt.b32 $0, $1, $2, $3;")
     _mul = _words_asm("_mul", 2, 1, "mul.rn.f16x2 $0, $1, $2;")
 
@@ -314,6 +347,11 @@ else:
         return _e4m3x4(word)
 
     @cuda.jit(device=True)
+    def e4m3x4_to_half2_cvt(word):
+        """e4m3x4_to_half2 by cvt.rn.f16x2.e4m3x2 (sm_89+): the same pairs; the NaN codes give 0x7fff."""
+        return _e4m3x4_cvt(word)
+
+    @cuda.jit(device=True)
     def scale_half2(word_a, word_b, selector):
         """The float16 pair (half of word_a, half of word_b) that `selector` (pair_selector) picks."""
         return _prmt(word_a, word_b, selector)
@@ -333,3 +371,12 @@ else:
     def half2_floats(pair):
         """The two float16 of `pair` widened to float32, low half first."""
         return _floats(pair)
+
+
+def e4m3x4_to_half2_for(cc):
+    """The e4m3 conversion a kernel compiled for compute capability `cc` (a (major, minor) pair) calls:
+    e4m3x4_to_half2_cvt from (8, 9) on, where cvt.rn.f16x2.e4m3x2 exists; e4m3x4_to_half2 before."""
+    if not (isinstance(cc, tuple) and len(cc) == 2 and all(isinstance(v, int) and v >= 0 for v in cc)):
+        raise ValueError(f"e4m3x4_to_half2_for: cc must be a (major, minor) pair of integers such as (9, 0), "
+                         f"got {cc!r}")
+    return e4m3x4_to_half2_cvt if cc >= E4M3_CVT_CC else e4m3x4_to_half2

@@ -9,6 +9,16 @@ llvmlite's `ir.InlineAsm`:
                          a 16x8 float16 B and a 16x8 float32 C spread over the 32 lanes of a warp
     quad_max2 / quad_sum2(x, y, scratch, warp, lane)
                          max / sum of x and of y over the 4 lanes of a quad (the lanes sharing a C row)
+    pack_bf162(lo, hi)   cvt.rn.bf16x2.f32 (sm_80+): two float32 -> one .bf16x2 register, lo in the low 16 bits,
+                         each rounded to the nearest bfloat16, ties to even
+    bf162_floats(pair) -> (lo, hi)
+                         the two bfloat16 of a register as float32, exactly: a bfloat16 is the high half of a
+                         float32, so a shift and a mask (no conversion instruction)
+    mma_m16n8k16_bf16(...)
+                         mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 (sm_80+): mma_m16n8k16 with bfloat16
+                         A and B registers (from pack_bf162), the same arguments and fragment layout
+                         (PTX ISA, section "Matrix Fragments for mma.m16n8k16 with floating point type" covers
+                         .f16 and .bf16 alike)
 
 Which lane holds which element is fixed by the PTX ISA, section 9.7.14.5.8 "Matrix Fragments for
 mma.m16n8k16 with floating point type"; with groupID = lane >> 2 and threadID_in_group = lane % 4:
@@ -28,7 +38,10 @@ numba's CUDA simulator cannot run PTX, so there each primitive is emulated with 
 semantics: every lane writes its registers to a per-warp row of shared memory, the block meets at a barrier,
 each lane computes its own outputs from the whole warp's registers (the mma: its four C elements as float32
 sums of products of the float16 inputs, which float32 holds exactly), and the block meets again before the
-scratch is reused. As with `_warp.warp_sum`, callers therefore call them the same number of times in every
+scratch is reused (the bfloat16 mma alike: a bfloat16 widens to float32 exactly and the product of two holds
+in float32 too). pack_bf162's twin rounds with ml_dtypes' bfloat16, which rounds to nearest even as the
+instruction does; a NaN stays a NaN (its bits are ml_dtypes' there, the GPU's may differ). As with
+`_warp.warp_sum`, callers therefore call them the same number of times in every
 thread of the block. The summation order inside the mma is the hardware's own on a GPU and numpy's in the
 simulator; both are float32 accumulations of exact products.
 """
@@ -38,6 +51,7 @@ from __future__ import annotations
 import numpy as np
 from numba import config, cuda
 
+from ._vector import float_from_bits
 from ._warp import FULL_MASK, WARP_SIZE
 
 SIMULATED = bool(config.ENABLE_CUDASIM)
@@ -83,21 +97,44 @@ if SIMULATED:
         """lo and hi rounded to float16 (nearest even) in one 32-bit register, lo in the low half."""
         return np.array([lo, hi], np.float16).view(np.uint32)[0]
 
-    @cuda.jit(device=True)
-    def mma_m16n8k16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scratch, warp, lane):
-        """D = A B + C over this warp (see the module docstring); returns this lane's d0..d3."""
+    import ml_dtypes
+
+    def _float16_halves(words):
+        return words.view(np.float16).astype(np.float32)
+
+    def _bfloat16_halves(words):
+        # a bfloat16 is the high 16 bits of the float32 of the same value
+        return (words.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+    def _warp_mma(registers, cs, scratch, warp, lane, halves_of):
         cuda.syncthreads()                          # the previous call's readers are done with scratch
-        for k, register in enumerate((a0, a1, a2, a3, b0, b1)):
+        for k, register in enumerate(registers):
             scratch[warp, lane, k] = register
         cuda.syncthreads()
-        halves = scratch[warp].view(np.float16).astype(np.float32)        # (32, 12): lane, then low half first
+        halves = halves_of(scratch[warp])                                  # (32, 12): lane, then low half first
         a = halves[:, :8].reshape(-1)[_A_INDEX]
         b = halves[:, 8:].reshape(-1)[_B_INDEX]
         d = [np.float32(0.0)] * 4
-        for i, c in enumerate((c0, c1, c2, c3)):
+        for i, c in enumerate(cs):
             row, col = c_position(lane, i)
             d[i] = np.float32(np.dot(a[row], b[:, col]) + np.float32(c))
         return d[0], d[1], d[2], d[3]
+
+    @cuda.jit(device=True)
+    def pack_bf162(lo, hi):
+        """lo and hi (as float32) rounded to bfloat16 (nearest even) in one 32-bit register, lo in the low half."""
+        with np.errstate(over="ignore", invalid="ignore"):          # inf and NaN convert as the GPU's do
+            return np.array([lo, hi], np.float32).astype(ml_dtypes.bfloat16).view(np.uint32)[0]
+
+    @cuda.jit(device=True)
+    def mma_m16n8k16_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scratch, warp, lane):
+        """D = A B + C over this warp with bfloat16 A and B (see the module docstring); this lane's d0..d3."""
+        return _warp_mma((a0, a1, a2, a3, b0, b1), (c0, c1, c2, c3), scratch, warp, lane, _bfloat16_halves)
+
+    @cuda.jit(device=True)
+    def mma_m16n8k16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scratch, warp, lane):
+        """D = A B + C over this warp (see the module docstring); returns this lane's d0..d3."""
+        return _warp_mma((a0, a1, a2, a3, b0, b1), (c0, c1, c2, c3), scratch, warp, lane, _float16_halves)
 
     @cuda.jit(device=True)
     def _quad_values(x, y, scratch, warp, lane):
@@ -136,21 +173,39 @@ else:
         return sig, codegen
 
     @intrinsic
-    def _mma_sync(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        u32, f32 = types.uint32, types.float32
-        sig = types.UniTuple(f32, 4)(u32, u32, u32, u32, u32, u32, f32, f32, f32, f32)
+    def _cvt_bf16x2(typingctx, hi, lo):
+        """cvt.rn.bf16x2.f32 d, hi, lo: the first source goes to the upper half (PTX ISA, cvt)."""
+        sig = types.uint32(types.float32, types.float32)
 
         def codegen(context, builder, sig, args):
-            f, i = ir.FloatType(), ir.IntType(32)
-            fnty = ir.FunctionType(ir.LiteralStructType([f] * 4), [i] * 6 + [f] * 4)
-            # side_effect: a warp-collective instruction must not be moved, merged or dropped by the optimizer.
-            asm = ir.InlineAsm(fnty, "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-                                     "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
-                               "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", side_effect=True)
-            out = builder.call(asm, args)
-            return context.make_tuple(builder, sig.return_type, [builder.extract_value(out, k) for k in range(4)])
+            fnty = ir.FunctionType(ir.IntType(32), [ir.FloatType(), ir.FloatType()])
+            return builder.call(ir.InlineAsm(fnty, "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f"), args)
 
         return sig, codegen
+
+    def _mma_intrinsic(input_type: str):
+        """The intrinsic of mma.sync.aligned.m16n8k16.row.col.f32.<input_type>.<input_type>.f32."""
+        def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+            u32, f32 = types.uint32, types.float32
+            sig = types.UniTuple(f32, 4)(u32, u32, u32, u32, u32, u32, f32, f32, f32, f32)
+
+            def codegen(context, builder, sig, args):
+                f, i = ir.FloatType(), ir.IntType(32)
+                fnty = ir.FunctionType(ir.LiteralStructType([f] * 4), [i] * 6 + [f] * 4)
+                # side_effect: a warp-collective instruction must not be moved, merged or dropped by the optimizer.
+                asm = ir.InlineAsm(fnty, f"mma.sync.aligned.m16n8k16.row.col.f32.{input_type}.{input_type}.f32 "
+                                         "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+                                   "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", side_effect=True)
+                out = builder.call(asm, args)
+                return context.make_tuple(builder, sig.return_type,
+                                          [builder.extract_value(out, k) for k in range(4)])
+
+            return sig, codegen
+
+        mma.__name__ = mma.__qualname__ = f"_mma_sync_{input_type}"
+        return intrinsic(mma)
+
+    _mma_sync, _mma_sync_bf16 = _mma_intrinsic("f16"), _mma_intrinsic("bf16")
 
     # Plain device functions: NVVM inlines them (the kernels' PTX has no calls), and numba-level inlining
     # (inline="always") only lengthens the compile.
@@ -165,6 +220,17 @@ else:
         return _mma_sync(a0, a1, a2, a3, b0, b1, np.float32(c0), np.float32(c1), np.float32(c2), np.float32(c3))
 
     @cuda.jit(device=True)
+    def pack_bf162(lo, hi):
+        """lo and hi (as float32) rounded to bfloat16 (nearest even) in one 32-bit register, lo in the low half."""
+        return _cvt_bf16x2(np.float32(hi), np.float32(lo))
+
+    @cuda.jit(device=True)
+    def mma_m16n8k16_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scratch, warp, lane):
+        """D = A B + C over this warp with bfloat16 A and B; this lane's d0..d3 (scratch unused)."""
+        return _mma_sync_bf16(a0, a1, a2, a3, b0, b1, np.float32(c0), np.float32(c1), np.float32(c2),
+                              np.float32(c3))
+
+    @cuda.jit(device=True)
     def quad_max2(x, y, scratch, warp, lane):
         """(max of x, max of y) over the 4 lanes of this lane's quad: two butterfly shuffles each."""
         x = max(x, cuda.shfl_xor_sync(FULL_MASK, x, 1))
@@ -177,3 +243,9 @@ else:
         x += cuda.shfl_xor_sync(FULL_MASK, x, 1)
         y += cuda.shfl_xor_sync(FULL_MASK, y, 1)
         return x + cuda.shfl_xor_sync(FULL_MASK, x, 2), y + cuda.shfl_xor_sync(FULL_MASK, y, 2)
+
+
+@cuda.jit(device=True)
+def bf162_floats(pair):
+    """The two bfloat16 of `pair` as float32 (exact), low half first: each moved to the high half of a word."""
+    return float_from_bits((pair & 0xFFFF) << 16), float_from_bits(pair & 0xFFFF0000)

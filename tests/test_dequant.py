@@ -6,7 +6,9 @@ arithmetic written from the ISA's definitions, the float16 arithmetic in float64
 
 On a GPU the same names are inline PTX; `python -m kernels_numba.ptx_check --family rung3` compiles and assembles
 them for sm_80 and sm_90, and the rung-3 kernel tests run them. No kernel calls the e4m3 conversion yet, so a
-test here compiles one that does, for both.
+test here compiles one that does, for both. The sm_89+ conversion by cvt.rn.f16x2.e4m3x2 is checked against the
+integer one on every code and compiled for sm_80 (where `e4m3x4_to_half2_for` picks the integer one), sm_89 and
+sm_90, down to the machine code's F2FP.
 """
 
 import functools
@@ -17,6 +19,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from intrinsics_compile import compile_kernels, count
 
 import cacheattn
 import cacheattn.testing as kit
@@ -209,6 +212,82 @@ def test_e4m3_conversion_compiles_for_sm_80_and_sm_90_in_nine_integer_instructio
         ops = [op.split()[0] for op in asm.strip("{} ").split(";") if op.strip()]
         opcodes = Counter(op for op in ops if not op.startswith("."))             # not the .reg declaration
         assert opcodes == {"and.b32": 3, "add.u32": 1, "lop3.b32": 1, "prmt.b32": 2, "shl.b32": 2}, asm
+
+
+def _isa_e4m3_cvt(word):
+    """cvt.rn.f16x2.e4m3x2 of each half of the word (byte 0 of a half to its low float16: the value, exact; a NaN
+    code to the canonical float16 NaN 0x7fff), then mul.rn.f16x2 by 2^-8 (exact; a NaN stays 0x7fff)."""
+    out = []
+    for half in (word & 0xFFFF, word >> 16):
+        halves = []
+        for code in (half & 0xFF, half >> 8):
+            with np.errstate(invalid="ignore"):
+                value = e4m3_decode(code)
+            halves.append(0x7FFF if np.isnan(value) else _isa_pack([value * 2.0**-8, 0.0]) & 0xFFFF)
+        out.append(halves[0] | halves[1] << 16)
+    return out
+
+
+def test_e4m3_cvt_path_is_the_integer_path_bit_for_bit():
+    """e4m3x4_to_half2_cvt (sm_89+) against e4m3x4_to_half2 (sm_80) on every code in every byte position and on
+    random words: the same float16 bits except the two NaN codes, where the integer path keeps the code's sign
+    (0x7f -> 0x7f80, 0xff -> 0xff80) and the conversion gives the canonical NaN (0x7fff for both); NaN either way.
+    And both against the ISA's cvt and mul written apart."""
+    codes, words = _e4m3_words()
+    for code, word in zip(codes, words):
+        cvt = [int(p) for p in dq.e4m3x4_to_half2_cvt(word)]
+        assert cvt == _isa_e4m3_cvt(int(word)), code
+        integer = [int(p) for p in dq.e4m3x4_to_half2(word)]
+        elements = [code[a] for pair in dq.E4M3_PAIR_ELEMENTS for a in pair]
+        cvt_bits = np.array(cvt, np.uint32).view(np.uint16)
+        integer_bits = np.array(integer, np.uint32).view(np.uint16)
+        nan = np.isin(elements, [0x7F, 0xFF])
+        assert np.array_equal(cvt_bits[~nan], integer_bits[~nan]), code
+        assert (cvt_bits[nan] == dq.E4M3_CVT_NAN).all(), code
+        assert np.array_equal(integer_bits[nan], np.where(np.array(elements)[nan] == 0x7F, 0x7F80, 0xFF80)), code
+        assert np.isnan(cvt_bits[nan].view(np.float16)).all() and np.isnan(integer_bits[nan].view(np.float16)).all()
+    assert sum(0x7F in c or 0xFF in c for c in codes) >= 8                       # NaN codes in every position
+
+
+def test_the_e4m3_conversion_is_picked_by_compute_capability():
+    assert dq.e4m3x4_to_half2_for((8, 0)) is dq.e4m3x4_to_half2
+    assert dq.e4m3x4_to_half2_for((8, 6)) is dq.e4m3x4_to_half2
+    for cc in ((8, 9), (9, 0), (10, 0)):
+        assert dq.e4m3x4_to_half2_for(cc) is dq.e4m3x4_to_half2_cvt
+    for bad in ("89", [9, 0], (9,), ("9", "0"), (9, -1)):
+        with pytest.raises(ValueError, match=r"e4m3x4_to_half2_for: cc must be a \(major, minor\) pair"):
+            dq.e4m3x4_to_half2_for(bad)
+
+
+E4M3_FOR_COMPILE = """
+from kernels_numba import _dequant as dq
+
+
+def build(cc):
+    convert = dq.e4m3x4_to_half2_for(cc)
+
+    def kernel(words, out):
+        i = cuda.grid(1)
+        if i < words.size:
+            out[2 * i], out[2 * i + 1] = convert(words[i])
+
+    return kernel, (types.uint32[::1], types.uint32[::1])
+"""
+
+
+def test_e4m3_conversion_for_sm_89_and_later_is_two_f2fp():
+    """The conversion a kernel builder picks: on sm_80 the integer path (two PRMT, no F2FP); on sm_89 and sm_90 two
+    cvt.rn.f16x2.e4m3x2 (F2FP.F16.E4M3.UNPACK_B in the machine code) and two f16x2 multiplies (the 2^-8)."""
+    compiled = compile_kernels(E4M3_FOR_COMPILE, ccs=((8, 0), (8, 9), (9, 0)))
+    ops = compiled["sm_80"]["opcodes"]
+    assert count(ops, "PRMT") == 2 and count(ops, "F2FP") == 0, ops
+    for cc in ("sm_89", "sm_90"):
+        ptx, ops = compiled[cc]["ptx"], compiled[cc]["opcodes"]
+        assert ptx.count("cvt.rn.f16x2.e4m3x2") == 2, cc
+        # ptxas may issue a multiply as an HFMA2 with a -0 addend (on sm_90 one goes to the MMA pipe: HFMA2.MMA)
+        assert count(ops, "F2FP.F16.E4M3.UNPACK_B") == 2, (cc, ops)
+        assert count(ops, "HMUL2") + count(ops, "HFMA2") == 2, (cc, ops)
+        assert count(ops, "PRMT") == 0, (cc, ops)
 
 
 @pytest.mark.parametrize("quant_bit", [8, 4])

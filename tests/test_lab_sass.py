@@ -150,3 +150,27 @@ def test_no_rung_the_plan_chooses_spills():
     spilled = {key: (v["spill_stores"], v["spill_loads"]) for key, v in chosen.items()
                if v["spill_stores"] or v["spill_loads"]}
     assert spilled == {}, spilled
+
+
+# cp.async in ptxas 12.9's sm_80 code: two 16-byte copies, each followed by its commit (LDGDEPBAR), the wait
+# (DEPBAR) and an FFMA that reads the first copy's shared address register.
+CP_ASYNC = """
+        /*00b0*/                   LDGSTS.E.BYPASS.128 [R13], [R4.64] ;
+        /*00c0*/                   LEA.HI R7, P0, R7, R2, RZ, 0x4 ;
+        /*00d0*/                   LDGDEPBAR ;
+        /*00f0*/                   LDGSTS.E.BYPASS.128 [R11], [R4.64+0x200] ;
+        /*0100*/                   LDG.E.64 R20, desc[UR4][R2.64] ;
+        /*0120*/                   LDGDEPBAR ;
+        /*0190*/                   DEPBAR.LE SB0, 0x1 ;
+        /*01a0*/                   FFMA R22, R13, R20, R22 ;
+"""
+
+
+def test_cp_async_loads_are_counted_by_width():
+    """LDGSTS (cp.async) reads as many bytes as its width says; its commit LDGDEPBAR and its wait DEPBAR read none;
+    a listing with them goes through the in-flight count."""
+    assert [sass.load_bytes(op) for op in ("LDGSTS.E.BYPASS.128", "LDGSTS.E.BYPASS.LTC128B.128", "LDGSTS.E.64",
+                                          "LDGSTS.E", "LDGDEPBAR", "DEPBAR.LE")] == [16, 16, 8, 4, 0, 0]
+    got = sass.loads_in_flight(sass.parse_sass(CP_ASYNC))
+    assert got["loads"] == 3
+    assert got["peak"] == 32 * (16 + 16 + 8)

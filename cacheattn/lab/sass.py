@@ -237,8 +237,13 @@ _NO_DESTINATION = ("ST", "RED", "ATOM", "BRA", "BAR", "EXIT", "BSYNC", "BSSY", "
 
 
 def load_bytes(op: str) -> int:
-    """Bytes one lane of a global load reads: .128 16, .64 8, .U16/.S16 2, .U8/.S8 1, else 4 (0: not a load)."""
-    if not op.startswith("LDG"):
+    """Bytes one lane of a global load reads: .128 16, .64 8, .U16/.S16 2, .U8/.S8 1, else 4 (0: not a load).
+    A cp.async (LDGSTS, global to shared) counts by its width the same way; its LDGDEPBAR (the commit) reads
+    nothing."""
+    if op.startswith("LDGSTS"):
+        parts = op.split(".")
+        return 16 if "128" in parts else 8 if "64" in parts else 4
+    if not op.startswith("LDG") or op.startswith("LDGDEPBAR"):
         return 0
     width = mix_class(op)
     return {"LDG.128": 16, "LDG.64": 8, "LDG.32": 4, "LDG.16": 2, "LDG.8": 1}[width]
