@@ -202,7 +202,7 @@ def make_trt_access(quant: int, num_kv_heads: int, head_size: int, acc_t, round_
             row = table[b, FIRST_ROW]
             if t >= table[b, PROMPT]:
                 row += src.indirection[table[b, SEQUENCE], table[b, BEAM], slot]
-        return cache_address(src, row, slot, h), (slot << 32) | (b + 1)
+        return cache_address(src, row, slot, h), (np.int64(slot) << 32) | (b + 1)     # int64 whatever t's type
 
     @cuda.jit(device=True, inline="always")
     def load(src, index, where, d):

@@ -200,6 +200,32 @@ def test_generation_on_rungs_3_and_4(name, rung):
     kit.check_case("gpt_attention", kernels(32, **launch), case)
 
 
+# StreamingLLM around its 2 sinks and window 3: past 1 (a sink still to come), 2 (every sink cached, the window not
+# yet full: no keys hidden, the walk starts at 0), 3 (the window full: one key hidden), 4 (wrapped). The cached sink 1
+# is rotated at its slot 1 as it loads, GPT-J in registers, GPT-NeoX (rotary_dim 2: a pair in one element each)
+# element by element; rung 4 with 2 splits.
+SINKS = TrtCase(contexts=(), generations=((1, 2),), beam_width=1, num_heads=2, num_kv_heads=1, head_size=8,
+                dtype="float16", capacity=3, window=3, sinks=2, streamingllm=True, paged=False, tokens_per_block=1,
+                packed=True, quant=0, fp8_context_fmha=False, position=1, rotary_dim=2, rotary_scale_type=0,
+                rotary_scale=1.0, mask_type=1, softcap=0.0, q_scaling=1.0, relative="regular", qkv_bias=False,
+                num_layers=1, layer_idx=0, seed=0, encoder_lengths=(), context_fmha_type=1)
+
+
+def test_streamingllm_sink_rotated_at_its_slot_before_the_window_fills():
+    """The kit's smallest failing call (past 2 = sinks < W: key 1 was rotated at slot 0 on rung 3), as it found it:
+    the default plan (rung 3), 64 threads."""
+    assert "vector_attention_kernel" in launched(build_trt(SINKS), threads=64)
+    kit.check_case("gpt_attention", kernels(64), SINKS)
+
+
+@pytest.mark.parametrize("launch", [dict(rung=3), dict(rung=4, num_splits=2), dict(rung=1)], ids=["3", "4", "1"])
+@pytest.mark.parametrize("position", [1, 2], ids=["gptj", "neox"])
+def test_streamingllm_around_sinks_and_window(position, launch):
+    """Pasts 1, 2, 3 and 4 as four sequences of one call (a block each)."""
+    case = replace(SINKS, generations=((1, 1), (1, 2), (2, 3), (2, 4)), position=position, seed=position)
+    kit.check_case("gpt_attention", kernels(32, **launch), case)
+
+
 @pytest.mark.spec("trtllm/multi-block")
 @pytest.mark.parametrize("sequences,past,splits", [(4, 4000, 33), (1, 4000, 64), (1, 40, 3), (66, 40, 1)])
 def test_generation_splits_only_when_sms_idle(sequences, past, splits):
