@@ -324,8 +324,8 @@ def ceilings(work: Work, machine: Machine = H100_SXM, *, floor_bytes: float | No
         A negative figure, blocks below 1, or work that gives no term at all.
     """
     for name in ("dram_bytes", "l2_bytes", "shared_wavefronts", "l1_sectors", "mma", "wgmma", "fma_flops", "ex2",
-                 "lsu_instructions", "warp_instructions", "launches", "warp_trips", "chain_hbm", "chain_l2", "chain_near",
-                 "trip_bytes"):
+                 "lsu_instructions", "warp_instructions", "launches", "warp_trips", "chain_hbm", "chain_l2",
+                 "chain_near", "trip_bytes"):
         if getattr(work, name) < 0:
             raise ValueError(f"work.{name}: expected a count of at least 0, got {getattr(work, name)!r}")
     for name in ("blocks", "blocks_per_sm", "warps_per_block"):
