@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 
 class FloorCase(Protocol):
@@ -167,9 +167,9 @@ SHARED_CONFLICTS = ("l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum",
                     "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum")
 
 
-@dataclass(frozen=True)
-class Figure:
-    """One number with what it is: `counted` (off the recording, scaled to the grid) or `derived`."""
+class Figure(NamedTuple):
+    """One number with what it is: `counted` (off the recording, scaled to the grid) or `derived`. (A named
+    tuple: the plan builds a few dozen for every new shape it sees, on the host.)"""
     value: float
     unit: str
     basis: str            # "counted" or "derived"
@@ -179,7 +179,7 @@ class Figure:
         return f"{_fmt(self.value)} {self.unit} ({self.basis}: {self.how})"
 
 
-@dataclass(frozen=True)
+@dataclass
 class Work:
     """What one call does, over every launch of it: the input of `ceilings`.
 
@@ -260,7 +260,7 @@ class Bounds:
     @property
     def limiter(self) -> str:
         """The resource with the largest bound."""
-        return self.ranked[0]
+        return max(self.resources, key=lambda name: self.resources[name].value)
 
     @property
     def bound_us(self) -> float:
@@ -293,6 +293,9 @@ def _total(metrics: dict, names) -> int | None:
     return sum(present) if present else None
 
 
+_AT_LEAST_ONE = frozenset(("blocks", "blocks_per_sm", "warps_per_block"))
+
+
 def busiest_share(blocks: int | None, machine: Machine) -> float:
     """How much more than the average share of the per-SM work the busiest SM runs: ceil(blocks / SMs) x SMs /
     blocks (8 blocks use 8 of 132 SMs: 16.5x; 512 put 4 on some SMs where the average is 3.88)."""
@@ -323,14 +326,10 @@ def ceilings(work: Work, machine: Machine = H100_SXM, *, floor_bytes: float | No
     ValueError
         A negative figure, blocks below 1, or work that gives no term at all.
     """
-    for name in ("dram_bytes", "l2_bytes", "shared_wavefronts", "l1_sectors", "mma", "wgmma", "fma_flops", "ex2",
-                 "lsu_instructions", "warp_instructions", "launches", "warp_trips", "chain_hbm", "chain_l2",
-                 "chain_near", "trip_bytes"):
-        if getattr(work, name) < 0:
-            raise ValueError(f"work.{name}: expected a count of at least 0, got {getattr(work, name)!r}")
-    for name in ("blocks", "blocks_per_sm", "warps_per_block"):
-        if getattr(work, name) is not None and getattr(work, name) < 1:
-            raise ValueError(f"work.{name}: expected at least 1 (or None), got {getattr(work, name)!r}")
+    for name, value in vars(work).items():
+        if value is not None and value < (1 if name in _AT_LEAST_ONE else 0):
+            expected = "at least 1 (or None)" if name in _AT_LEAST_ONE else "a count of at least 0"
+            raise ValueError(f"work.{name}: expected {expected}, got {value!r}")
     out = Bounds(machine)
     m, ghz = machine, machine.clock_hz / 1e9
     busiest = busiest_share(work.blocks, m)

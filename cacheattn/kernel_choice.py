@@ -11,8 +11,8 @@ float32 partials included), its arithmetic (float32 FMA on the CUDA cores, mma.s
 feed it on the tensor cores), its launches (a split adds the combine's), and, where the committed sm_90 SASS has
 its kernel at the call's head_dim and block size (`SASS_WORK`), what its warps issue (every trip of the key loop's
 shortest path, the masked tail included, and what a warp runs once), its exp2 and LSU work, and the chain of
-dependent round trips each trip waits on against the warps an SM holds. A candidate wins on a lower bound, then
-lower terms after it:
+dependent round trips each trip waits on against the warps an SM holds. A candidate wins on a lower bound (rung 5
+on a tie with rung 3); a split, on a lower bound or lower terms after it:
 
 - **rung 3, or rung 4 when splitting pays.** Lane groups with vector loads. When the grid has fewer blocks than
   the GPU has SMs, rung 4 splits every block's keys so each SM gets about two (`kernels_numba._split_k.
@@ -248,15 +248,15 @@ def _plan(shape, rung, num_splits, threads, sms, rungs=LADDER, register_decode=T
                        register_decode)
     cores, why_not_cores = (_cuda_core_rung(shape, threads, sms, split=4 in rungs) if 3 in rungs
                             else (None, "rung 3 not offered"))
-    tensor, why_not_tensor = (_tensor_core_rung(shape, threads, sms) if 5 in rungs
-                              else (None, "rung 5 not offered"))
     if cores is not None and register_decode and 5 in rungs and _register_decode_serves(shape, cores[0].threads):
         # A decode batch: rung 5 runs its register-fed kernel, against rung 3/4 by the whole model.
         (chosen, b), (fast, b5) = cores, _register_decode(shape, cores[0].threads, sms)
-        if _better(b5, b):
+        if _no_worse(b5, b):
             return replace(fast, reason=f"{fast.reason}; rung {chosen.rung}: {_bound_text(b)}")
         return replace(chosen, reason=f"{chosen.reason}; rung 5's decode kernel: {_bound_text(b5)}")
-    if tensor is not None and (cores is None or _better(tensor[1], cores[1])):
+    tensor, why_not_tensor = (_tensor_core_rung(shape, threads, sms) if 5 in rungs
+                              else (None, "rung 5 not offered"))
+    if tensor is not None and (cores is None or _no_worse(tensor[1], cores[1])):
         chosen = tensor[0]
         against = f"; CUDA cores: {_bound_text(cores[1])}" if cores is not None else ""
         return replace(chosen, reason=chosen.reason + against)
@@ -371,17 +371,28 @@ def _call_bounds(shape, sms, rung, threads, blocks, splits=1, step=None, **work)
     fields = dict(dram_bytes=shape.bytes_to_move + partials, launches=2 if splits > 1 else 1,
                   blocks=blocks * splits, warps_per_block=threads // 32, **work)
     table = SASS_WORK.get((rung, phase, shape.quant_bit)) if rung is not None else None
-    if table is not None and step and (shape.head_dim, threads) == SASS_SHAPE and shape.cache_dtype.itemsize <= 2:
+    if table is not None and step and shape.cache_dtype.itemsize <= 2:
         trip, once, ex2, lsu, hbm, near, resident = table
         warps = threads // 32
         keys = _keys_a_block_sees(shape) / splits
         steps = keys / step if phase == "prefill" else math.ceil(keys / step)
         trips = blocks * splits * warps * steps
-        fields.update(warp_instructions=trips * trip + blocks * splits * warps * once, ex2=trips * ex2,
-                      lsu_instructions=trips * lsu, warp_trips=trips, blocks_per_sm=resident,
-                      chain_hbm=hbm if phase == "decode" else 0, chain_l2=0 if phase == "decode" else hbm,
-                      chain_near=near)
-    return model.ceilings(model.Work(**fields), replace(model.H100_SXM, sms=sms))
+        fields.update(warp_trips=trips, chain_hbm=hbm if phase == "decode" else 0,
+                      chain_l2=0 if phase == "decode" else hbm, chain_near=near)
+        if (shape.head_dim, threads) == SASS_SHAPE:
+            fields.update(warp_instructions=trips * trip + blocks * splits * warps * once, ex2=trips * ex2,
+                          lsu_instructions=trips * lsu, blocks_per_sm=resident)
+        else:
+            # At another head_dim or block size the trip's instructions differ, but not the order its loads wait
+            # in: the chain stands, over as many blocks an SM as its warps allow (a lower bound on the wait).
+            fields.update(blocks_per_sm=max(1, 64 // warps))
+    return model.ceilings(model.Work(**fields), _machine(model.H100_SXM, sms))
+
+
+@lru_cache(maxsize=16)
+def _machine(machine, sms):
+    """The H100 model with the device's SM count (cached: the plan runs on the host for every new shape)."""
+    return replace(machine, sms=sms)
 
 
 def _bound_text(b) -> str:
@@ -409,6 +420,14 @@ def _better(a, b) -> bool:
         return sorted((fig.value for name, fig in x.resources.items() if name not in unknown), reverse=True)
     # Where a term is unknown for one, only a strictly lower bound on the known terms decides.
     return terms(a)[0] < terms(b)[0] if unknown else terms(a) < terms(b)
+
+
+def _no_worse(a, b) -> bool:
+    """Whether the faster rung's bounds `a` are at most `b`'s: rung 5 takes a tie with rung 3 (two calls held by the
+    same term, as tiny calls are by their launch), unless a term is unknown for one of them (`_better` then)."""
+    if (_SASS_TERMS & (set(a.resources) | set(b.resources))) - (set(a.resources) & set(b.resources)):
+        return _better(a, b)
+    return a.bound_us <= b.bound_us
 
 
 def _block_sizes(threads):

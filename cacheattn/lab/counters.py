@@ -669,7 +669,7 @@ def rung_summary(result: dict, rung: int) -> str:
             continue
         b, d = r["bounds"], r["derived"]
         conflicts = key_loop_conflicts(r, case_of(label, case["case"]).row_bytes)
-        line = (f"{_short(label):<10} ≥ {b['lower bound µs (derived)']:>7,.1f} µs (bound: {_limits(b)}, "
+        line = (f"{_short(label):<10} ≥ {b['lower bound µs (derived)']:>7,.1f} µs (bound: {_limits(b)}; "
                 f"{b['HBM share at the bound']:.0%} of HBM); DRAM/floor {b['DRAM / floor (derived)']:.3f}; K/V sectors "
                 f"{d['K/V ld sector efficiency']:.0%} used, read {d['K/V reads per block (loaded / must see)']:.2f}x "
                 f"a block; {conflicts}")
@@ -729,7 +729,7 @@ def operators_summary(result: dict) -> str:
             arithmetic = "".join((f"; HMMA {d['HMMA / (FLOPs / 4096)']:.3f}x FLOPs/4096" if d["HMMA / (FLOPs / 4096)"]
                                   else "", f"; ≤ {b['TFLOP/s at most (derived)']:.0f} TFLOP/s (bound)"
                                   if "TFLOP/s at most (derived)" in b else ""))
-            lines.append(f"  rung {rung}: ≥ {b['lower bound µs (derived)']:>7,.1f} µs (bound: {_limits(b)}, "
+            lines.append(f"  rung {rung}: ≥ {b['lower bound µs (derived)']:>7,.1f} µs (bound: {_limits(b)}; "
                          f"{b['HBM share at the bound']:.0%} of HBM); DRAM/floor {b['DRAM / floor (derived)']:.3f}; "
                          f"K/V sectors {_share(d['K/V ld sector efficiency'])} used, read "
                          f"{d['K/V reads per block (loaded / must see)']:.2f}x a block; {conflicts}"
