@@ -685,7 +685,7 @@ def rung_summary(result: dict, rung: int) -> str:
 
 def _limits(b: dict) -> str:
     """'limited by X; then Y, Z' of a written rung's bounds."""
-    then = ", ".join(f"{name} {b[name + ' µs (derived)']:,.1f}" for name in b.get("then", []))
+    then = ", ".join(f"{name} ≥ {b[name + ' µs (derived)']:,.1f}" for name in b.get("then", []))
     return f"{b['limited by']}" + (f"; then {then}" if then else "")
 
 
