@@ -108,6 +108,16 @@ def test_a_listing_the_reader_cannot_use_is_named():
         sass.analyse(variant, ptxas, BRANCHY.replace("EXIT", "NOP"), 128)
 
 
+def test_a_committed_file_the_reader_cannot_use_is_named(tmp_path):
+    broken = tmp_path / "kernel-ladder-sass.json"
+    broken.write_text('{"variants": {"rung3-float16-decode": ')
+    with pytest.raises(ValueError, match="kernel-ladder-sass.json: not the JSON"):
+        sass.committed(broken)
+    broken.write_text('{"tools": {}}')
+    with pytest.raises(ValueError, match="kernel-ladder-sass.json: no 'variants' map"):
+        sass.committed(broken)
+
+
 def test_the_committed_chains():
     """Rung 5's decode kernel waits on the page entry, then K, then V each trip (the K loads are consumed by the S
     mma's before the V loads issue): two HBM round trips and a short one in series, not one."""

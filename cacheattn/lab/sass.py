@@ -10,7 +10,11 @@ spills, static shared memory) and disassembles the cubin with `nvdisasm`. From t
 - the theoretical occupancy on sm_90 by the occupancy calculator's rules (`occupancy`);
 - the key loop: the backward branch whose body holds the most global loads (the loop over keys; inner loops of
   rung 1 sit inside it), and its *static* instruction mix: each instruction of the body counted once, however
-  often it runs (`instruction_mix`).
+  often it runs (`instruction_mix`);
+- for the bounds (`cacheattn.bounds`): the shortest path through one trip of the key loop that still does its
+  memory, shuffle, mma, exp2 and barrier work (`trip_path`, `path_mix`), the shortest path a warp runs once around
+  it (`outside_path`: prologue, the query's loads, merge, epilogue), and the chain of global round trips a trip
+  waits on in series (`dependent_chain`).
 
     python -m cacheattn.lab.sass [--write docs/kernel-ladder-sass.json] [--rung 3] [--cache int8] [--operator trtllm]
 
@@ -743,8 +747,16 @@ COMMITTED = ROOT / "docs" / "kernel-ladder-sass.json"
 def committed(path=COMMITTED) -> dict:
     """The figures `python -m cacheattn.lab.sass --write docs/kernel-ladder-sass.json` wrote: tools, target, shapes
     and variants (key -> figures); the ladder page reads them (tests/test_lab_sass.py checks them against a
-    fresh compile)."""
-    return json.loads(Path(path).read_text())
+    fresh compile). ValueError naming the file when it is not such a JSON document."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{Path(path).name}: not the JSON `python -m cacheattn.lab.sass --write` writes ({exc}); "
+                         f"write it again") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("variants"), dict):
+        raise ValueError(f"{Path(path).name}: no 'variants' map; write it again with python -m cacheattn.lab.sass "
+                         f"--write")
+    return data
 
 
 def show_loop(result: dict) -> str:
