@@ -256,7 +256,10 @@ def _plan(shape, rung, num_splits, threads, sms, rungs=LADDER, register_decode=T
         return replace(chosen, reason=f"{chosen.reason}; rung 5's decode kernel: {_bound_text(b5)}")
     tensor, why_not_tensor = (_tensor_core_rung(shape, threads, sms) if 5 in rungs
                               else (None, "rung 5 not offered"))
-    if tensor is not None and (cores is None or _no_worse(tensor[1], cores[1])):
+    # Rung 5's staged kernel takes a prefill tie; a decode (its machine code read from the prefill's) only on a
+    # strictly lower bound.
+    if tensor is not None and (cores is None or (_no_worse(tensor[1], cores[1]) if shape.max_query_len > 1
+                                                 else tensor[1].bound_us < cores[1].bound_us)):
         chosen = tensor[0]
         against = f"; CUDA cores: {_bound_text(cores[1])}" if cores is not None else ""
         return replace(chosen, reason=chosen.reason + against)
@@ -355,12 +358,13 @@ def _keys_a_block_sees(shape) -> float:
     return pairs / q
 
 
-def _call_bounds(shape, sms, rung, threads, blocks, splits=1, step=None, **work):
+def _call_bounds(shape, sms, rung, threads, blocks, splits=1, step=None, kernel_phase=None, **work):
     """The whole bound model (`cacheattn.bounds.ceilings`) for one candidate: the call's bytes (and, split, its
     float32 partials written and read back by the combine), `work` (fma_flops, or mma and shared wavefronts), its
     launches (the combine's too), and where the committed SASS has the kernel at this shape, what its warps issue
     and the latency chain of their trips, on an H100 SXM with `sms` multiprocessors over `blocks` x `splits`
-    blocks. `step`: the keys a block takes a step (a warp a trip each)."""
+    blocks. `step`: the keys a block takes a step (a warp a trip each); `kernel_phase`: the phase whose kernel runs
+    the call, where it is not the call's own (rung 5's staged kernel on a decode is its prefill kernel)."""
     from cacheattn import bounds as model
 
     phase = "decode" if shape.max_query_len <= 1 else "prefill"
@@ -370,7 +374,7 @@ def _call_bounds(shape, sms, rung, threads, blocks, splits=1, step=None, **work)
         partials = 2 * splits * rows * (shape.head_dim * 4 + 8)
     fields = dict(dram_bytes=shape.bytes_to_move + partials, launches=2 if splits > 1 else 1,
                   blocks=blocks * splits, warps_per_block=threads // 32, **work)
-    table = SASS_WORK.get((rung, phase, shape.quant_bit)) if rung is not None else None
+    table = SASS_WORK.get((rung, kernel_phase or phase, shape.quant_bit)) if rung is not None else None
     if table is not None and step and shape.cache_dtype.itemsize <= 2:
         trip, once, ex2, lsu, hbm, near, resident = table
         warps = threads // 32
@@ -529,8 +533,8 @@ def _tensor_core_rung(shape, threads, sms):
         blocks = max(1, math.ceil(rows / (positions * row_tiles)) * (shape.num_heads // heads_per_block) * shape.batch)
         # An mma tile computes 16 rows whatever it holds: decode fills heads_per_block of them.
         mma = shape.flops / MMA_FLOPS * MMA_ROWS / (heads_per_block * min(positions, rows))
-        # Its SASS (the prefill kernel's) read for prefill only: a decode through this kernel stages as prefill.
-        b = _call_bounds(shape, sms, 5 if rows > 1 else None, t, blocks, step=KEY_TILE * (t // 32 // row_tiles),
+        # The staged kernel's SASS is the prefill kernel's, a decode through it included (the same key loop).
+        b = _call_bounds(shape, sms, 5, t, blocks, step=KEY_TILE * (t // 32 // row_tiles), kernel_phase="prefill",
                          mma=mma, shared_wavefronts=mma * MMA_WAVEFRONTS.get(shape.quant_bit, MMA_WAVEFRONTS_DEFAULT))
         return (KernelPlan(5, 1, t, f"tensor cores{_fewer(shape, t, threads)} on {blocks} blocks: {_kind(b)}-bound, "
                                     f"{_bound_text(b)}"), b), None

@@ -372,7 +372,7 @@ def bound_figures(b: bounds.Bounds, case: BenchCase, key: str | None, why: str |
     if case.new_tokens > 1:
         out["TFLOP/s at most (derived)"] = round(case.flops / (b.bound_us * 1e-6) / 1e12, 1)
     out.update({f"{name} µs (derived)": round(b.resources[name].value, 1) for name in b.ranked})
-    for name in ("trip chain", "in flight / needed", "waves"):
+    for name in ("trip chain", "in flight B/SM", "in flight / needed", "waves"):
         if name in b.figures:
             out[f"{name} ({b.figures[name].unit or 'count'})"] = round(b.figures[name].value, 3)
     out["SASS"] = key if key is not None else f"none: {why}; issue, MUFU, latency and wave terms from counts only"
