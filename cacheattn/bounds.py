@@ -9,7 +9,7 @@ every resource:
     L2          bytes served by L2 (global loads beyond the DRAM bytes) / L2 bandwidth
     shared      shared-memory wavefronts / (1 a clock per SM)                          } on the busiest SM:
     L1          global sectors / (4 a clock per SM)                                    } ceil(blocks / SMs) of
-    tensor      mma.sync m16n8k16 / (mma.sync's measured rate a clock per SM)          } the grid's blocks, at
+    tensor      mma.sync m16n8k16 / (mma.sync's rate, below wgmma's, a clock per SM)    } the grid's blocks, at
     wgmma       wgmma work in m16n8k16 units / (1 a clock per SM)                      } the clock NVIDIA's
     FMA         float32 FLOPs / (2 x 128 lanes a clock per SM)                         } tensor peak assumes
     MUFU        MUFU.EX2 warp instructions / (16 lanes = half a warp a clock per SM)   }
