@@ -1,29 +1,42 @@
-"""Lower bounds on a kernel's time from counted figures: what each resource of an H100 SXM needs, never a timing.
+"""Lower bounds on a kernel call's time from counted work: what each resource of an H100 SXM needs, never a timing.
 
-A launch counted in the simulator (`cacheattn.lab.record`, Nsight Compute's metric names) on a few blocks of the
-real block shape gives per-block figures; the full grid has `scale` times as many blocks doing the same work, so
-its figures are the counted ones times `scale`. Each resource then needs at least
+The model takes one call's work (`Work`: the bytes it moves from DRAM and from L2, its shared-memory wavefronts and
+L1 sectors, its mma, exp2 and FMA work, its LSU and total warp instructions, its launches and grid, and the chain of
+dependent global round trips one warp's key-loop trip waits on) and a `Machine`, and `ceilings` returns a time for
+every resource:
 
-    DRAM            (dram__bytes_read.sum + dram__bytes_write.sum) x scale / HBM bandwidth
-    shared memory   (shared wavefronts, loads + stores) x scale / (1 wavefront per clock per SM x SMs x clock)
-    L1 (global)     (global sectors, loads + stores) x scale / (4 sectors per clock per SM x SMs x clock)
-    issue           warp instructions (from the SASS loop) / (4 schedulers x SMs x clock), when given
-    tensor cores    mma.m16n8k16 count / (1 per clock per SM x SMs x clock), when given
+    DRAM        DRAM bytes / achievable HBM bandwidth
+    L2          bytes served by L2 (global loads beyond the DRAM bytes) / L2 bandwidth
+    shared      shared-memory wavefronts / (1 a clock per SM)                          } on the busiest SM:
+    L1          global sectors / (4 a clock per SM)                                    } ceil(blocks / SMs) of
+    tensor      mma.sync m16n8k16 / (mma.sync's rate, below wgmma's, a clock per SM)    } the grid's blocks, at
+    wgmma       wgmma work in m16n8k16 units / (1 a clock per SM)                      } the clock NVIDIA's
+    FMA         float32 FLOPs / (2 x 128 lanes a clock per SM)                         } tensor peak assumes
+    MUFU        MUFU.EX2 warp instructions / (16 lanes = half a warp a clock per SM)   }
+    LSU         LDS / STS / SHFL warp instructions / (1 a clock per SM)                }
+    issue       every warp instruction of the call / (4 schedulers a clock per SM)     }
+    launch      kernel launches x the least a launch costs
+    latency     Little's law: warp trips x one trip's chain of dependent round trips x their latency, over the
+                warps the busy SMs hold at once (average bytes in flight, not the peak)
+    waves       the busiest SM's waves of resident blocks x one block's serial chain (the partial last wave)
 
-and the kernel cannot run faster than the largest of them. Every shared, L1, issue or tensor bound assumes every
-unit runs at its peak and the work spreads over the SMs as evenly as the grid allows (given the block count, the
-busiest SM runs ceil(blocks / SMs) blocks: 8 blocks keep 124 SMs idle): a lower bound, reached by no real kernel.
-DRAM bytes as the recorder counts them assume an L2 that holds the working set, so every byte comes from DRAM once.
+The call cannot run faster than the largest (`Bounds.bound_us`, `Bounds.limiter`); `Bounds.ranked` lists the rest in
+order. Each term is a lower bound: every unit at its rate, the work of a term spread as evenly as the grid allows,
+every count the least the call can do (the SASS path the lab counts is the shortest through each loop trip that
+still does the trip's memory, mma, exp and barrier work). Each rate in `Machine` says where it comes from
+(`Machine.sources`); where a figure could not be verified the comment says so and the rate errs high, so the term
+stays a lower bound.
 
-Figures are labelled `counted` (read off the recording, times the grid scale) or `derived` (computed from counted
-figures and the machine model); none is a measurement of time.
+`bounds(metrics, ...)` is the same model fed from the lab's recordings (Nsight Compute's metric names); `ceilings`
+takes plain statistics, so kernels the lab does not record (a published kernel's SASS statistics) go through the
+same terms. Figures are labelled `counted` (read off a recording, times the grid scale) or `derived`.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 
 class FloorCase(Protocol):
@@ -37,49 +50,107 @@ class FloorCase(Protocol):
 
 @dataclass(frozen=True)
 class Machine:
-    """Peak rates of one GPU, the unit each bound divides by."""
+    """The rates of one GPU that each bound divides by; `sources` says where each comes from."""
     name: str
     sms: int
-    hbm_bytes_per_s: float
-    clock_hz: float
+    clock_hz: float                       # the SM clock every per-clock rate runs at
+    hbm_peak_bytes_per_s: float           # the datasheet's HBM bandwidth
+    hbm_bytes_per_s: float                # what a streaming kernel reaches of it: the DRAM term's rate
+    l2_bytes_per_s: float                 # L2 to the SMs, all of them together
     shared_wavefronts_per_clock: int      # per SM
     l1_sectors_per_clock: int             # per SM, 32-byte sectors
     issue_per_clock: int                  # warp instructions per SM per clock (one per scheduler)
-    mma_per_clock: float                  # mma.m16n8k16 (4096 FLOPs) per SM per clock, dense float16
-    fma_per_clock: int                    # float32 FMA (2 FLOPs) per SM per clock on the CUDA cores
+    mma_per_clock: float                  # mma.sync m16n8k16 (4096 FLOPs) per SM per clock, float16 into float32
+    wgmma_per_clock: float                # the same work issued as wgmma (the datasheet's dense peak)
+    fma_per_clock: int                    # float32 FMA lanes (2 FLOPs each) per SM per clock
+    ex2_per_clock: int                    # MUFU.EX2 lanes per SM per clock
+    lsu_per_clock: float                  # LDS / STS / SHFL warp instructions per SM per clock (MIO issue)
+    hbm_latency_s: float                  # a load that misses L2, unloaded
+    l2_latency_s: float                   # a load that hits L2, unloaded
+    near_latency_s: float                 # a load an earlier load's line may serve: an L1 hit
+    launch_s: float                       # the least one kernel launch of a call costs
+    sources: dict = field(default_factory=dict, compare=False, hash=False)
 
 
 H100_SXM = Machine(
     name="H100 SXM5",
-    # 132 SMs: NVIDIA H100 Tensor Core GPU datasheet and the Hopper architecture whitepaper (SXM5 product: 132 SMs
-    # of the full GH100's 144).
+    # 132 SMs: NVIDIA H100 Tensor Core GPU datasheet; Hopper architecture whitepaper (SXM5: 132 of GH100's 144).
     sms=132,
-    # 3.35 TB/s of HBM3: NVIDIA H100 Tensor Core GPU datasheet, "GPU memory bandwidth", H100 SXM.
-    hbm_bytes_per_s=3.35e12,
-    # 1.98 GHz: the H100 SXM5's maximum SM clock (nvidia-smi -q, "Max Clocks: SM 1980 MHz"); every per-clock bound
-    # uses it, so the bounds are the fastest the clock allows.
-    clock_hz=1.98e9,
-    # Shared memory serves one 128-byte wavefront (32 banks x 4 bytes) per clock per SM: CUDA C++ Programming
-    # Guide, "Shared Memory" of compute capability 5.x and later (32 banks, 32 bits per bank per clock).
+    # 1.83 GHz: the datasheet's 989.4 dense float16 TFLOP/s is 132 SMs x 4,096 FLOPs a clock x 1.83 GHz, the clock
+    # NVIDIA's peak assumes under load; the 1.98 GHz maximum (nvidia-smi "Max Clocks") is not held by a busy SM, so
+    # bounds at 1.98 GHz were ~8% too fast.
+    clock_hz=1.83e9,
+    # 3.35 TB/s of HBM3: datasheet, "GPU memory bandwidth", H100 SXM.
+    hbm_peak_bytes_per_s=3.35e12,
+    # What a kernel can reach: copy / STREAM-style kernels on H100 SXM are reported at about 3.0-3.1 TB/s (~90-93%
+    # of 3.35; Luo et al., arXiv 2501.12084, benchmark Hopper's global-memory throughput; their exact figure was not
+    # verified here). 3.1 TB/s, the high end, so the DRAM term stays a lower bound.
+    hbm_bytes_per_s=3.1e12,
+    # L2 to the SMs: microbenchmarks (Chips and Cheese, "Nvidia's H100: Funny L2, and Tons of Bandwidth", on the
+    # 114-SM PCIe card; Luo et al., arXiv 2402.13499) put it at several TB/s; no SXM figure was verified here, so
+    # 12 TB/s, above every reported one, keeps the term a lower bound.
+    l2_bytes_per_s=12e12,
+    # One 128-byte wavefront (32 banks x 4 bytes) per clock per SM: CUDA C++ Programming Guide, "Shared Memory".
     shared_wavefronts_per_clock=1,
-    # L1 moves 128 bytes (4 sectors) per clock per SM, the same data path as shared memory (Hopper tuning guide:
-    # L1 and shared memory are one unit); 132 x 128 B x 1.98 GHz = 33 TB/s.
+    # L1 moves 128 bytes (4 sectors) per clock per SM, the same data path as shared memory (Hopper tuning guide).
     l1_sectors_per_clock=4,
-    # Four warp schedulers per SM, each issuing one warp instruction per clock: Hopper architecture whitepaper
-    # (SM: four processing blocks, each with its own warp scheduler and dispatch unit).
+    # Four warp schedulers per SM, one warp instruction each per clock: Hopper architecture whitepaper.
     issue_per_clock=4,
-    # Dense float16 with float32 accumulation: 989.4 TFLOP/s at 1.83 GHz over 132 SMs (datasheet) = 4096 FLOPs per
-    # clock per SM, one m16n8k16 (16 x 8 x 16 x 2 FLOPs). mma.sync on Hopper reaches less than the wgmma rate.
-    mma_per_clock=1.0,
-    # 128 float32 lanes per SM (four processing blocks of 32: Hopper architecture whitepaper), an FMA each per
-    # clock: 132 x 128 x 2 FLOPs x 1.98 GHz = 66.9 TFLOP/s, the datasheet's 67 for the SXM5.
+    # mma.sync is not wgmma: on Hopper the legacy warp-level mma reaches well under the warpgroup wgmma's rate (Luo
+    # et al., arXiv 2402.13499, "Tensor Core" section, measure mma against wgmma on an H800; FlashAttention-3
+    # reports mma.sync kernels near 35-40% of the H100 peak). Their table's figure was not verified here: two
+    # thirds of the dense peak (~660 TFLOP/s), above what they report for mma, keeps the tensor term a bound.
+    mma_per_clock=2 / 3,
+    # wgmma: the datasheet's 989.4 dense TFLOP/s = 4,096 FLOPs (one m16n8k16) per clock per SM at 1.83 GHz.
+    wgmma_per_clock=1.0,
+    # 128 float32 lanes per SM (four processing blocks of 32): Hopper architecture whitepaper.
     fma_per_clock=128,
+    # 16 exp2 results per clock per SM: CUDA C++ Programming Guide, "Arithmetic Instructions" throughput table
+    # (compute capability 9.0, 32-bit exp2/log2/sin/cos), half a warp instruction a clock.
+    ex2_per_clock=16,
+    # Shared loads / stores and shuffles go through the MIO queue: 32 shuffle results per clock per SM (the
+    # programming guide's throughput table, "warp shuffle"), one warp instruction a clock per SM.
+    lsu_per_clock=1.0,
+    # 690 SM clocks at 1.98 GHz = 348 ns: "Main Memory" latency of a pointer-chasing microbenchmark on a GH200
+    # (Hopper with HBM3; markdewing/AI_kernels on GitHub, latency/README.md). Unloaded: queues add to it under
+    # load, so it is a lower bound on each round trip. Luo et al. (arXiv 2402.13499) measure global-memory latency
+    # on an H800 of the same order; their figure was not verified here.
+    hbm_latency_s=690 / 1.98e9,
+    # 281 clocks at 1.98 GHz = 142 ns: the same source's L2 hit.
+    l2_latency_s=281 / 1.98e9,
+    # 30 clocks at 1.98 GHz = 15 ns: a round trip that an earlier load's line may serve from L1, charged at less
+    # than the L1 hit latencies Hopper microbenchmarks report (Luo et al., arXiv 2402.13499: a few tens of clocks;
+    # not verified here).
+    near_latency_s=30 / 1.98e9,
+    # A kernel launch costs a few µs (NVIDIA technical blog, "Getting Started with CUDA Graphs": a few µs per
+    # short kernel launched back to back in a stream); not measured here on an H100, so 2 µs, the low end.
+    launch_s=2e-6,
+    sources={
+        "sms": "NVIDIA H100 Tensor Core GPU datasheet (SXM5: 132 SMs)",
+        "clock_hz": "datasheet: 989.4 dense FP16 TFLOP/s = 132 SMs x 4096 FLOP/clk x 1.83 GHz",
+        "hbm_peak_bytes_per_s": "datasheet: 3.35 TB/s HBM3 (H100 SXM)",
+        "hbm_bytes_per_s": "copy/STREAM kernels reach ~90-93% of 3.35 TB/s on H100 SXM (Luo et al., arXiv "
+                           "2501.12084, global-memory throughput; figure not verified here): 3.1 TB/s, the high end",
+        "l2_bytes_per_s": "L2 bandwidth microbenchmarks (Chips and Cheese, H100 PCIe; Luo et al., arXiv 2402.13499) "
+                          "report several TB/s; no SXM figure verified: 12 TB/s, above all reported",
+        "shared_wavefronts_per_clock": "CUDA C++ Programming Guide, Shared Memory: 32 banks x 4 B per clock",
+        "l1_sectors_per_clock": "Hopper tuning guide: L1 and shared memory one 128 B/clk data path",
+        "issue_per_clock": "Hopper whitepaper: 4 warp schedulers per SM, 1 instruction/clk each",
+        "mma_per_clock": "mma.sync below wgmma on Hopper (Luo et al., arXiv 2402.13499, tensor cores; "
+                         "FlashAttention-3); table figure not verified here: 2/3 of the dense peak, an upper end",
+        "wgmma_per_clock": "datasheet dense FP16 peak: one m16n8k16 per clock per SM at 1.83 GHz",
+        "fma_per_clock": "Hopper whitepaper: 128 FP32 lanes per SM",
+        "ex2_per_clock": "CUDA C++ Programming Guide throughput table, cc 9.0: 16 exp2 per clock per SM",
+        "lsu_per_clock": "CUDA C++ Programming Guide throughput table, cc 9.0: 32 shuffle results per clock per SM",
+        "hbm_latency_s": "690 clocks at 1.98 GHz, GH200 pointer chase (markdewing/AI_kernels latency/README.md), "
+                         "unloaded; Luo et al. (arXiv 2402.13499) figure not verified here",
+        "l2_latency_s": "281 clocks at 1.98 GHz, L2 hit, the same pointer chase",
+        "near_latency_s": "30 clocks at 1.98 GHz, below the L1 hit latencies reported for Hopper (Luo et al., "
+                          "arXiv 2402.13499; not verified here)",
+        "launch_s": "a few µs per launch (NVIDIA blog, Getting Started with CUDA Graphs); 2 µs, the low end, "
+                    "not measured here",
+    },
 )
-
-# A load that misses L2 waits this many SM clocks for HBM before its data arrive: 690 clocks, the "Main Memory"
-# latency a pointer-chasing microbenchmark measured on a GH200 (the Hopper GPU with HBM3; markdewing/AI_kernels on
-# GitHub, latency/README.md, which also lists 281 clocks for L2). Unloaded latency: under load, queues add to it.
-HBM_LATENCY_CLOCKS = 690
 
 # ----------------------------------------------------------------------------------------------------------- bounds
 
@@ -96,9 +167,9 @@ SHARED_CONFLICTS = ("l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum",
                     "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum")
 
 
-@dataclass(frozen=True)
-class Figure:
-    """One number with what it is: `counted` (off the recording, scaled to the grid) or `derived`."""
+class Figure(NamedTuple):
+    """One number with what it is: `counted` (off the recording, scaled to the grid) or `derived`. (A named
+    tuple: the plan builds a few dozen for every new shape it sees, on the host.)"""
     value: float
     unit: str
     basis: str            # "counted" or "derived"
@@ -109,11 +180,82 @@ class Figure:
 
 
 @dataclass
+class Work:
+    """What one call does, over every launch of it: the input of `ceilings`.
+
+    Every field is a total for the call (all launches, the full grid) unless it says otherwise; a field left at 0
+    (or None) leaves its term out.
+
+    Attributes
+    ----------
+    dram_bytes : float
+        Bytes read from and written to DRAM (each byte once: an L2 that holds what the call re-reads).
+    l2_bytes : float
+        Global-load bytes served by L2 rather than DRAM (what the loads asked for beyond the DRAM bytes: a prefill's
+        K/V read again by every query tile).
+    shared_wavefronts, l1_sectors : float
+        Shared-memory wavefronts (loads + stores) and global sectors through L1 (loads + stores).
+    mma : float
+        mma.sync m16n8k16 instructions (4,096 FLOPs each) at mma.sync's rate; `wgmma`: the same unit of work issued
+        as wgmma, at the dense peak.
+    fma_flops : float
+        FLOPs run as float32 FMA on the CUDA cores.
+    ex2 : float
+        MUFU.EX2 warp instructions.
+    lsu_instructions : float
+        LDS, STS (and LDSM) and SHFL warp instructions: the MIO queue's issue.
+    warp_instructions : float
+        Every warp instruction the call issues (every trip of every loop, what runs once per warp, every launch).
+    launches : int
+        Kernel launches of the call.
+    blocks : int or None
+        Blocks of the call's main launch, each an equal share of the per-SM work: the per-SM terms charge the
+        busiest SM, which runs ceil(blocks / SMs) of them. None: the work spreads evenly over every SM.
+    blocks_per_sm : int or None
+        Blocks an SM holds at once (registers, shared memory, threads: `cacheattn.lab.sass.occupancy`), for the
+        latency and wave terms; `warps_per_block` their warps.
+    warp_trips : float
+        Key-loop trips of every warp of the main launch together (the masked tail included).
+    chain_hbm, chain_l2, chain_near : float
+        Dependent global round trips one warp's trip waits on in series (a load whose address needs an earlier
+        load's value, or that issues behind an instruction waiting on one), charged at HBM's latency (16-byte K/V
+        loads), at L2's (the same loads where the call's K/V come mostly from L2: a prefill's re-reads) and at an
+        L1 hit's (narrower loads: page entries, indices, scales).
+    trip_bytes : float
+        Bytes one warp's trip loads (for the average bytes in flight shown beside the latency term).
+    """
+    dram_bytes: float = 0.0
+    l2_bytes: float = 0.0
+    shared_wavefronts: float = 0.0
+    l1_sectors: float = 0.0
+    mma: float = 0.0
+    wgmma: float = 0.0
+    fma_flops: float = 0.0
+    ex2: float = 0.0
+    lsu_instructions: float = 0.0
+    warp_instructions: float = 0.0
+    launches: int = 0
+    blocks: int | None = None
+    blocks_per_sm: int | None = None
+    warps_per_block: int | None = None
+    warp_trips: float = 0.0
+    chain_hbm: float = 0.0
+    chain_l2: float = 0.0
+    chain_near: float = 0.0
+    trip_bytes: float = 0.0
+
+
+@dataclass
 class Bounds:
-    """Per-resource lower bounds on time (µs) of one launch over the full grid, and the figures behind them."""
+    """Per-resource lower bounds on time (µs) of one call, and the figures behind them."""
     machine: Machine
     resources: dict = field(default_factory=dict)     # name -> Figure in µs (derived)
     figures: dict = field(default_factory=dict)       # name -> Figure (counted or derived)
+
+    @property
+    def ranked(self) -> list:
+        """The resources' names, largest bound first."""
+        return sorted(self.resources, key=lambda name: -self.resources[name].value)
 
     @property
     def limiter(self) -> str:
@@ -122,21 +264,22 @@ class Bounds:
 
     @property
     def bound_us(self) -> float:
-        """The kernel cannot run faster than this (derived, a lower bound on time)."""
+        """The call cannot run faster than this (derived, a lower bound on time)."""
         return self.resources[self.limiter].value
 
     @property
     def hbm_share(self) -> float:
-        """Share of the HBM bandwidth the kernel would use running at its bound: the operator's bytes (the floor,
-        when a case was given, else the DRAM bytes counted) over the bound time, over the bandwidth."""
+        """Share of the datasheet's HBM bandwidth the call would use running at its bound: the operator's bytes (the
+        floor, when a case was given, else the DRAM bytes) over the bound time, over the bandwidth."""
         moved = self.figures["floor bytes"].value if "floor bytes" in self.figures else self.figures["DRAM bytes"].value
-        return moved / (self.bound_us * 1e-6) / self.machine.hbm_bytes_per_s
+        return moved / (self.bound_us * 1e-6) / self.machine.hbm_peak_bytes_per_s
 
     def summary(self) -> str:
-        """'cannot run faster than X µs (limited by R), Y% of HBM bandwidth', then each resource and figure."""
-        lines = [f"cannot run faster than {self.bound_us:.2f} µs (lower bound, derived; limited by {self.limiter}), "
-                 f"{self.hbm_share:.0%} of HBM bandwidth on {self.machine.name}"]
-        lines += [f"  {name:<14} ≥ {fig}" for name, fig in self.resources.items()]
+        """'cannot run faster than X µs (limited by R; then S, T)', then each resource and figure."""
+        then = ", ".join(self.ranked[1:3])
+        lines = [f"cannot run faster than {self.bound_us:.2f} µs (lower bound, derived; limited by {self.limiter}"
+                 f"{'; then ' + then if then else ''}), {self.hbm_share:.0%} of HBM bandwidth on {self.machine.name}"]
+        lines += [f"  {name:<14} ≥ {self.resources[name]}" for name in self.ranked]
         lines += [f"  {name:<22} {fig}" for name, fig in self.figures.items()]
         return "\n".join(lines)
 
@@ -150,132 +293,190 @@ def _total(metrics: dict, names) -> int | None:
     return sum(present) if present else None
 
 
-def bounds(metrics: dict, scale: float = 1.0, *, case: FloorCase | None = None,
-           warp_instructions: float | None = None, mma: float | None = None, fma_flops: float | None = None,
-           blocks: int | None = None, machine: Machine = H100_SXM) -> Bounds:
-    """Lower bounds on the time of the full grid from figures counted on a scaled-down launch.
+_AT_LEAST_ONE = frozenset(("blocks", "blocks_per_sm", "warps_per_block"))
+
+
+def busiest_share(blocks: int | None, machine: Machine) -> float:
+    """How much more than the average share of the per-SM work the busiest SM runs: ceil(blocks / SMs) x SMs /
+    blocks (8 blocks use 8 of 132 SMs: 16.5x; 512 put 4 on some SMs where the average is 3.88)."""
+    return 1.0 if blocks is None else math.ceil(blocks / machine.sms) * machine.sms / blocks
+
+
+def ceilings(work: Work, machine: Machine = H100_SXM, *, floor_bytes: float | None = None,
+             label: str = "") -> Bounds:
+    """Every term of the bound model for one call's `work` on `machine` (see the module docstring for the terms).
 
     Parameters
     ----------
-    metrics : dict
-        Nsight Compute metric name -> count, as `cacheattn.lab.record()` gives them (`rec.metrics`): DRAM bytes
-        read / written, global load / store sectors, shared wavefronts and bank conflicts; a missing metric leaves
-        its resource out.
-    scale : float
-        Blocks of the full grid per block counted (the per-block figures scale with the grid).
-    case : FloorCase, optional
-        The bench case (`cacheattn.lab.cases.BenchCase`): adds the floor (the bytes the operator must move) and
-        DRAM bytes ÷ floor.
-    warp_instructions : float, optional
-        Warp instructions the full grid issues, for the issue bound; already at full scale. From the SASS key loop
-        (`cacheattn.lab.sass`) its length times the trips of every warp is an estimate, not a bound: a static count
-        includes instructions a branch skips and counts an inner loop's body once.
-    mma : float, optional
-        mma.m16n8k16 instructions of the full grid, for the tensor-core bound; already at full scale.
-    fma_flops : float, optional
-        FLOPs the full grid runs as float32 FMA on the CUDA cores (a kernel without mma: the operator's FLOPs), for
-        the FMA bound. Derived from the operator, not counted: the simulator counts memory, not arithmetic.
-    blocks : int, optional
-        Blocks of the full grid, each doing an equal share of the work. The per-SM bounds (shared, L1, issue,
-        tensor) then charge the busiest SM, which runs ceil(blocks / SMs) of them: 8 blocks use 8 of 132 SMs,
-        512 blocks put 4 on some SMs where the average is 3.88. Without it the work spreads evenly over all SMs.
+    work : Work
+        The call's work in plain statistics (counted by the lab, or read off another kernel's SASS and launch).
     machine : Machine
-        Peak rates (H100_SXM).
+        The rates (`H100_SXM`).
+    floor_bytes : float, optional
+        The bytes the operator must move (K/V once, Q, O), for `Bounds.hbm_share` and DRAM / floor; `label` names it.
 
     Returns
     -------
     Bounds
-        `.resources` (µs each), `.limiter`, `.bound_us`, `.hbm_share`, `.figures`, `.summary()`.
+        `.resources` (µs each, with its rate and the rate's source), `.ranked`, `.limiter`, `.bound_us`,
+        `.hbm_share`, `.figures`, `.summary()`.
+
+    Raises
+    ------
+    ValueError
+        A negative figure, blocks below 1, or work that gives no term at all.
+    """
+    for name, value in vars(work).items():
+        if value is not None and value < (1 if name in _AT_LEAST_ONE else 0):
+            expected = "at least 1 (or None)" if name in _AT_LEAST_ONE else "a count of at least 0"
+            raise ValueError(f"work.{name}: expected {expected}, got {value!r}")
+    out = Bounds(machine)
+    m, ghz = machine, machine.clock_hz / 1e9
+    busiest = busiest_share(work.blocks, m)
+    per_clock = m.sms * m.clock_hz / busiest           # SM clocks a second the busiest SM stands for
+    if work.blocks is not None:
+        out.figures["busiest SM"] = Figure(busiest, "x", "derived", f"ceil({work.blocks} blocks / {m.sms} SMs) over "
+                                                                    f"the average share")
+    src = m.sources
+
+    def per_sm(name, amount, rate, what, source):
+        if amount:
+            out.resources[name] = Figure(amount / (rate * per_clock) * 1e6, "µs", "derived",
+                                         f"{what} / ({rate:g} a clock x {m.sms} SMs x {ghz:g} GHz); {source}")
+
+    if work.dram_bytes or floor_bytes is not None:
+        out.figures["DRAM bytes"] = Figure(work.dram_bytes, "B", "counted", "read + write")
+        out.resources["DRAM"] = Figure(work.dram_bytes / m.hbm_bytes_per_s * 1e6, "µs", "derived",
+                                       f"DRAM bytes / {m.hbm_bytes_per_s / 1e12:g} TB/s; "
+                                       f"{src.get('hbm_bytes_per_s', '')}")
+    if floor_bytes is not None:
+        out.figures["floor bytes"] = Figure(floor_bytes, "B", "derived", f"{label}: K/V once, Q, O")
+        out.figures["DRAM / floor"] = Figure(work.dram_bytes / floor_bytes, "x", "derived", "1.00 is the floor")
+    if work.l2_bytes:
+        out.figures["L2 bytes"] = Figure(work.l2_bytes, "B", "counted", "global loads beyond the DRAM bytes")
+        out.resources["L2"] = Figure(work.l2_bytes / m.l2_bytes_per_s * 1e6, "µs", "derived",
+                                     f"L2 bytes / {m.l2_bytes_per_s / 1e12:g} TB/s; {src.get('l2_bytes_per_s', '')}")
+    per_sm("shared", work.shared_wavefronts, m.shared_wavefronts_per_clock, "wavefronts",
+           src.get("shared_wavefronts_per_clock", ""))
+    per_sm("L1", work.l1_sectors, m.l1_sectors_per_clock, "sectors", src.get("l1_sectors_per_clock", ""))
+    per_sm("tensor", work.mma, m.mma_per_clock, "mma.sync m16n8k16", src.get("mma_per_clock", ""))
+    per_sm("wgmma", work.wgmma, m.wgmma_per_clock, "wgmma (m16n8k16 units)", src.get("wgmma_per_clock", ""))
+    per_sm("FMA", work.fma_flops, 2 * m.fma_per_clock, "FLOPs", src.get("fma_per_clock", ""))
+    per_sm("MUFU", work.ex2, m.ex2_per_clock / 32, "MUFU.EX2 warp instructions", src.get("ex2_per_clock", ""))
+    per_sm("LSU", work.lsu_instructions, m.lsu_per_clock, "LDS/STS/SHFL warp instructions",
+           src.get("lsu_per_clock", ""))
+    per_sm("issue", work.warp_instructions, m.issue_per_clock, "warp instructions", src.get("issue_per_clock", ""))
+    if work.launches:
+        out.resources["launch"] = Figure(work.launches * m.launch_s * 1e6, "µs", "derived",
+                                         f"{work.launches} launches x {m.launch_s * 1e6:g} µs; "
+                                         f"{src.get('launch_s', '')}")
+    trip_s = work.chain_hbm * m.hbm_latency_s + work.chain_l2 * m.l2_latency_s + work.chain_near * m.near_latency_s
+    if work.warp_trips and trip_s and work.blocks and work.blocks_per_sm and work.warps_per_block:
+        on_busiest = math.ceil(work.blocks / m.sms)
+        warps_held = min(work.blocks_per_sm, on_busiest) * work.warps_per_block
+        busy = min(m.sms, work.blocks)
+        out.figures["trip chain"] = Figure(trip_s * 1e9, "ns", "derived",
+                                           f"{work.chain_hbm:g} HBM x {m.hbm_latency_s * 1e9:.0f} ns + "
+                                           f"{work.chain_l2:g} L2 x {m.l2_latency_s * 1e9:.0f} ns + "
+                                           f"{work.chain_near:g} near x {m.near_latency_s * 1e9:.0f} ns")
+        if work.trip_bytes:
+            in_flight = work.trip_bytes / trip_s * m.hbm_latency_s * warps_held
+            needed = m.hbm_bytes_per_s * m.hbm_latency_s / m.sms
+            out.figures["in flight B/SM"] = Figure(in_flight, "B", "derived",
+                                                   f"average: {work.trip_bytes:g} B a trip over its chain x "
+                                                   f"{warps_held} warps")
+            out.figures["in flight / needed"] = Figure(in_flight / needed, "x", "derived",
+                                                       "1.00 hides HBM's latency")
+        out.resources["latency"] = Figure(work.warp_trips * trip_s / (busy * warps_held) * 1e6, "µs", "derived",
+                                          f"{work.warp_trips:,.0f} warp trips x {trip_s * 1e9:.0f} ns / ({busy} "
+                                          f"SMs x {warps_held} warps held); {src.get('hbm_latency_s', '')}")
+        # The partial last wave: the busiest SM's blocks in waves of blocks_per_sm, each a block's serial chain.
+        waves = math.ceil(on_busiest / work.blocks_per_sm)
+        per_warp = work.warp_trips / (work.blocks * work.warps_per_block)
+        out.figures["waves"] = Figure(waves, "", "derived", f"ceil({on_busiest} blocks / {work.blocks_per_sm} "
+                                                           f"resident) on the busiest SM")
+        out.resources["waves"] = Figure(waves * per_warp * trip_s * 1e6, "µs", "derived",
+                                        f"{waves} waves x {per_warp:,.1f} trips a warp x {trip_s * 1e9:.0f} ns")
+    if not out.resources:
+        raise ValueError(f"work: no term has work to bound, got {work!r}")
+    return out
+
+
+def bounds(metrics: dict, scale: float = 1.0, *, case: FloorCase | None = None,
+           warp_instructions: float | None = None, mma: float | None = None, fma_flops: float | None = None,
+           blocks: int | None = None, machine: Machine = H100_SXM, **work) -> Bounds:
+    """`ceilings` fed from figures counted on a scaled-down launch (`cacheattn.lab.record()`'s metrics).
+
+    Parameters
+    ----------
+    metrics : dict
+        Nsight Compute metric name -> count (`rec.metrics`): DRAM bytes read / written, global load / store
+        sectors, shared wavefronts and bank conflicts; a missing metric leaves its resource out.
+    scale : float
+        Blocks of the full grid per block counted (the per-block figures scale with the grid).
+    case : FloorCase, optional
+        The bench case: adds the floor (the bytes the operator must move) and DRAM bytes ÷ floor.
+    warp_instructions, mma, fma_flops, blocks
+        As `Work`'s fields, already at full scale.
+    machine : Machine
+        The rates (H100_SXM).
+    **work
+        Any other `Work` field (l2_bytes, ex2, lsu_instructions, launches, blocks_per_sm, ...), at full scale.
+
+    Returns
+    -------
+    Bounds
     """
     if scale <= 0:
         raise ValueError(f"scale: expected the positive ratio of full-grid blocks to counted blocks, got {scale!r}")
     if blocks is not None and blocks < 1:
         raise ValueError(f"blocks: expected the full grid's block count, at least 1, got {blocks!r}")
-    out = Bounds(machine)
-    # The rate of the SMs the busiest one stands for: SMs x clock, over its extra share of the blocks.
-    busiest = 1.0 if blocks is None else math.ceil(blocks / machine.sms) * machine.sms / blocks
-    per_clock = machine.sms * machine.clock_hz / busiest
-    if blocks is not None:
-        out.figures["busiest SM"] = Figure(busiest, "x", "derived", f"ceil({blocks} blocks / {machine.sms} SMs) "
-                                                                      f"over the average share")
-    scaled = f"counted x {scale:g}" if scale != 1 else "counted"
-
     dram = _total(metrics, (DRAM_READ, DRAM_WRITE))
-    if dram is not None:
-        dram *= scale
-        out.figures["DRAM bytes"] = Figure(dram, "B", "counted", f"{scaled}, read + write")
-        out.resources["DRAM"] = Figure(dram / machine.hbm_bytes_per_s * 1e6, "µs", "derived",
-                                       f"DRAM bytes / {machine.hbm_bytes_per_s / 1e12:g} TB/s")
-    if case is not None:
-        out.figures["floor bytes"] = Figure(case.floor_bytes, "B", "derived", f"{case.label}: K/V once, Q, O")
-        if dram is not None:
-            out.figures["DRAM / floor"] = Figure(dram / case.floor_bytes, "x", "derived", "1.00 is the floor")
-
     wavefronts = _total(metrics, SHARED_WAVEFRONTS)
+    sectors = _total(metrics, GLOBAL_SECTORS)
+    if dram is None and wavefronts is None and sectors is None and not (warp_instructions or mma or fma_flops
+                                                                        or work):
+        raise ValueError("metrics: none of the DRAM, shared-memory or global-sector metrics is present, and no "
+                         f"warp_instructions, mma or fma_flops was given; got {sorted(metrics)}")
+    load = Work(dram_bytes=(dram or 0) * scale, shared_wavefronts=(wavefronts or 0) * scale,
+                l1_sectors=(sectors or 0) * scale, mma=mma or 0.0, fma_flops=fma_flops or 0.0,
+                warp_instructions=warp_instructions or 0.0, blocks=blocks, **work)
+    out = ceilings(load, machine, floor_bytes=None if case is None else case.floor_bytes,
+                   label="" if case is None else case.label)
+    scaled = f"counted x {scale:g}" if scale != 1 else "counted"
+    if dram is not None:
+        out.figures["DRAM bytes"] = Figure(dram * scale, "B", "counted", f"{scaled}, read + write")
+    elif "DRAM" in out.resources and case is not None and not load.dram_bytes:
+        del out.resources["DRAM"]                     # a floor was given but no DRAM bytes were counted
     if wavefronts is not None:
-        wavefronts *= scale
-        out.figures["shared wavefronts"] = Figure(wavefronts, "", "counted", f"{scaled}, loads + stores")
-        out.resources["shared"] = Figure(wavefronts / (machine.shared_wavefronts_per_clock * per_clock) * 1e6, "µs",
-                                         "derived", f"wavefronts / ({machine.shared_wavefronts_per_clock} per clock "
-                                                    f"x {machine.sms} SMs x {machine.clock_hz / 1e9:g} GHz)")
+        out.figures["shared wavefronts"] = Figure(wavefronts * scale, "", "counted", f"{scaled}, loads + stores")
         conflicts = _total(metrics, SHARED_CONFLICTS)
         if conflicts is not None:
             out.figures["bank conflicts"] = Figure(conflicts * scale, "", "counted", f"{scaled}, loads + stores")
-
-    sectors = _total(metrics, GLOBAL_SECTORS)
     if sectors is not None:
-        sectors *= scale
-        out.figures["global sectors"] = Figure(sectors, "", "counted", f"{scaled}, through L1, loads + stores")
-        out.resources["L1"] = Figure(sectors / (machine.l1_sectors_per_clock * per_clock) * 1e6, "µs", "derived",
-                                     f"sectors / ({machine.l1_sectors_per_clock} per clock x {machine.sms} SMs x "
-                                     f"{machine.clock_hz / 1e9:g} GHz)")
+        out.figures["global sectors"] = Figure(sectors * scale, "", "counted", f"{scaled}, through L1, loads + stores")
     if GLOBAL_LOAD_BYTES in metrics and metrics.get(GLOBAL_LOAD_SECTORS):
         out.figures["sector efficiency"] = Figure(metrics[GLOBAL_LOAD_BYTES] / (32 * metrics[GLOBAL_LOAD_SECTORS]),
                                                   "", "derived", "bytes the lanes asked for / (32 x load sectors)")
-    if warp_instructions is not None:
-        out.figures["warp instructions"] = Figure(warp_instructions, "", "derived", "as given, from the SASS")
-        out.resources["issue"] = Figure(warp_instructions / (machine.issue_per_clock * per_clock) * 1e6, "µs",
-                                        "derived", f"warp instructions / ({machine.issue_per_clock} per clock x "
-                                                   f"{machine.sms} SMs x {machine.clock_hz / 1e9:g} GHz)")
-    if mma is not None:
-        out.figures["mma"] = Figure(mma, "", "derived", "mma.m16n8k16 of the full grid")
-        out.resources["tensor"] = Figure(mma / (machine.mma_per_clock * per_clock) * 1e6, "µs", "derived",
-                                         f"mma / ({machine.mma_per_clock:g} per clock x {machine.sms} SMs x "
-                                         f"{machine.clock_hz / 1e9:g} GHz)")
-    if fma_flops is not None:
-        out.figures["FMA FLOPs"] = Figure(fma_flops, "", "derived", "the operator's FLOPs, on the CUDA cores")
-        out.resources["FMA"] = Figure(fma_flops / (2 * machine.fma_per_clock * per_clock) * 1e6, "µs", "derived",
-                                      f"FLOPs / (2 x {machine.fma_per_clock} per clock x {machine.sms} SMs x "
-                                      f"{machine.clock_hz / 1e9:g} GHz)")
     if not out.resources:
-        raise ValueError("metrics: none of the DRAM, shared-memory or global-sector metrics is present, and no "
-                         f"warp_instructions, mma or fma_flops was given; got {sorted(metrics)}")
+        raise ValueError(f"metrics: nothing to bound in {sorted(metrics)}")
     return out
 
 
-def latency_bound(dram_bytes: float, in_flight_per_warp: float, warps_per_sm: int, *, blocks: int | None = None,
-                  latency_clocks: float = HBM_LATENCY_CLOCKS, machine: Machine = H100_SXM) -> dict:
-    """Little's law for the loads: HBM delivers its bandwidth only while every SM keeps bandwidth x latency / SMs
-    bytes of loads in flight. A warp has at most `in_flight_per_warp` bytes issued and not yet waited on (from the
-    SASS key loop, `cacheattn.lab.sass.loads_in_flight`), and an SM holds `warps_per_sm` of them (the occupancy), so
-    the SMs that hold blocks move at most in-flight bytes / latency each, and the DRAM bytes take at least
-
-        DRAM bytes / (in flight per SM x busy SMs / latency)
-
-    A lower bound like the throughput bounds (every warp at its peak in flight all the time, the latency unloaded);
-    the kernel cannot beat the larger of it and the DRAM bound. `blocks`: the grid's blocks, when fewer SMs than all
-    hold one. Returns Figures (derived): needed and held bytes per SM, their ratio, and the bound in µs."""
-    if in_flight_per_warp <= 0 or warps_per_sm <= 0:
-        raise ValueError(f"in_flight_per_warp, warps_per_sm: expected positive figures, got {in_flight_per_warp!r}, "
-                         f"{warps_per_sm!r}")
-    latency_s = latency_clocks / machine.clock_hz
-    needed = machine.hbm_bytes_per_s * latency_s / machine.sms
-    held = in_flight_per_warp * warps_per_sm
-    busy = machine.sms if blocks is None else min(machine.sms, blocks)
-    rate = min(machine.hbm_bytes_per_s, held * busy / latency_s)
-    return {"needed B/SM": Figure(needed, "B", "derived", f"{machine.hbm_bytes_per_s / 1e12:g} TB/s x "
-                                                          f"{latency_clocks:g} clocks / {machine.sms} SMs"),
-            "in flight B/SM": Figure(held, "B", "derived", f"{in_flight_per_warp:g} B a warp x {warps_per_sm} warps"),
-            "in flight / needed": Figure(held / needed, "x", "derived", "1.00 hides the latency"),
-            "latency": Figure(dram_bytes / rate * 1e6, "µs", "derived", "DRAM bytes / min(HBM bandwidth, "
-                                                                       "in flight x SMs / latency)")}
+def latency_bound(warp_trips: float, chain_hbm: float, chain_near: float = 0.0, *, chain_l2: float = 0.0,
+                  blocks: int, blocks_per_sm: int, warps_per_block: int, trip_bytes: float = 0.0,
+                  machine: Machine = H100_SXM) -> dict:
+    """The latency and wave terms alone (`ceilings`), from the chain of dependent global round trips one warp's
+    key-loop trip waits on (`cacheattn.lab.sass.dependent_chain`): Little's law with the *average* bytes a warp
+    has in flight (a trip's bytes over its chain), not the most it ever has. Returns Figures (derived): latency
+    and waves in µs, the trip's chain in ns and, given `trip_bytes`, the average bytes in flight per SM against
+    what HBM needs."""
+    if chain_hbm + chain_l2 + chain_near <= 0 or warp_trips <= 0:
+        raise ValueError(f"warp_trips, chain_hbm + chain_l2 + chain_near: expected positive figures, got "
+                         f"{warp_trips!r}, {chain_hbm!r} + {chain_l2!r} + {chain_near!r}")
+    out = ceilings(Work(warp_trips=warp_trips, chain_hbm=chain_hbm, chain_l2=chain_l2, chain_near=chain_near,
+                        blocks=blocks,
+                        blocks_per_sm=blocks_per_sm, warps_per_block=warps_per_block, trip_bytes=trip_bytes),
+                   machine)
+    return {**{name: out.resources[name] for name in ("latency", "waves")},
+            **{name: fig for name, fig in out.figures.items() if name != "busiest SM"}}

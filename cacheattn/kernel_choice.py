@@ -5,23 +5,30 @@ heads, head_dim, the query and cache formats) and `plan` returns a `KernelPlan`:
 the block size and a one-line reason. Like FlashInfer's `plan()` and TensorRT-LLM's dispatch heuristics it looks
 at shapes only, never at the data, so a server can make it once per batch step; it is cached per shape.
 
-The choice, among the rungs of docs/kernel-ladder.md that can serve the call:
+The choice, among the rungs of docs/kernel-ladder.md that can serve the call, by the whole bound model
+(`cacheattn.bounds.ceilings`, an H100 SXM with the device's SM count): every candidate's DRAM bytes (a split's
+float32 partials included), its arithmetic (float32 FMA on the CUDA cores, mma.sync and the shared wavefronts that
+feed it on the tensor cores), its launches (a split adds the combine's), and, where the committed sm_90 SASS has
+its kernel at the call's head_dim and block size (`SASS_WORK`), what its warps issue (every trip of the key loop's
+shortest path, the masked tail included, and what a warp runs once), its exp2 and LSU work, and the chain of
+dependent round trips each trip waits on against the warps an SM holds. A candidate wins on a lower bound (rung 5
+on a tie with rung 3); a split, on a lower bound or lower terms after it:
 
-- **rung 3, or rung 4 when SMs would idle.** Lane groups with vector loads reach the DRAM bound in decode. When
-  the grid has fewer blocks than the GPU has SMs, rung 4 splits every block's keys so each SM gets about two
-  (`kernels_numba._split_k.choose_splits`, TensorRT-LLM's multi-block mode);
-- **rung 5 when the tensor cores are faster.** The bound model (`cacheattn.bounds`, an H100 SXM with the
-  device's SM count) bounds both: rungs 3/4 by DRAM bytes and float32 FMA on the CUDA cores, rung 5 by DRAM bytes,
-  mma.sync and the shared-memory wavefronts that feed it, each per-SM resource charged to the busiest SM of its
-  grid. Rung 5 wins only where its bound is lower: prefill with a float16 query, or decode with a GQA group wide
-  enough to be compute-bound. A memory-bound call ties at its DRAM time and keeps rung 3/4, whose split-K fills
-  the SMs that rung 5's grid would leave idle;
+- **rung 3, or rung 4 when splitting pays.** Lane groups with vector loads. When the grid has fewer blocks than
+  the GPU has SMs, rung 4 splits every block's keys so each SM gets about two (`kernels_numba._split_k.
+  choose_splits`, TensorRT-LLM's multi-block mode), but only where the split's bound, partials and combine launch
+  included, is lower than the unsplit one's;
+- **rung 5's decode kernel for a decode batch** (the GQA group on tensor cores fed from registers), split the same
+  way, where its bound is lower than rung 3/4's: the same bytes with a fraction of the instructions and a shorter
+  chain of waits;
+- **rung 5 when the tensor cores are faster**: a prefill with a float16 query. A candidate whose SASS terms are
+  not known (a kernel not compiled at this shape) wins only on a strictly lower bound of the terms known for both;
 - **rung 1 as the fallback** where neither can run: block sizes that are not whole warps, or a head_dim whose rows
   do not fit those kernels' shared memory at the block size asked for. Rung 2 is never chosen: rung 3 serves every
   call rung 2 can, with fewer instructions a key.
 
-Figures in the reasons are lower bounds derived from shapes (never timings); with ragged batches they are taken at
-the longest lengths, so they bound a call from above as well.
+Figures in the reasons are lower bounds derived from shapes (never timings), printed as bounds ("≥ 43.7 µs
+(bound: DRAM; then ...)"); with ragged batches they are taken at the longest lengths.
 """
 
 from __future__ import annotations
@@ -265,8 +272,8 @@ def choose_kernel(shape: AttentionShape, *, rung: int | None = None, num_splits:
     >>> long = choose_kernel(one, sms=132)
     >>> long.rung, long.num_splits, long.threads
     (5, 33, 128)
-    >>> long.reason.split("; ")[:2]
-    ['8 blocks for 132 SMs: 33 splits make 264', 'memory-bound, DRAM ≥ 40.1 µs, FMA ≥ 8.0 µs']
+    >>> long.reason[:long.reason.index(")") + 1]
+    '8 blocks for 132 SMs: 33 splits make 264; memory-bound, ≥ 43.7 µs (bound: DRAM; then latency ≥ 11.4, waves ≥ 11.4)'
     """
     if sms is None:
         from kernels_numba._split_k import sm_count
@@ -292,18 +299,23 @@ def _plan(shape, rung, num_splits, threads, sms, rungs=LADDER, register_decode=T
                        register_decode)
     cores, why_not_cores = (_cuda_core_rung(shape, threads, sms, split=4 in rungs) if 3 in rungs
                             else (None, "rung 3 not offered"))
+    if cores is not None and register_decode and 5 in rungs and _register_decode_serves(shape, cores[0].threads):
+        # A decode batch: rung 5 runs its register-fed kernel, against rung 3/4 by the whole model.
+        (chosen, b), (fast, b5) = cores, _register_decode(shape, cores[0].threads, sms)
+        if _no_worse(b5, b):
+            return replace(fast, reason=f"{fast.reason}; rung {chosen.rung}: {_bound_text(b)}")
+        return replace(chosen, reason=f"{chosen.reason}; rung 5's decode kernel: {_bound_text(b5)}")
     tensor, why_not_tensor = (_tensor_core_rung(shape, threads, sms) if 5 in rungs
                               else (None, "rung 5 not offered"))
-    if tensor is not None and (cores is None or tensor[1].bound_us < cores[1].bound_us):
+    # Rung 5's staged kernel takes a prefill tie; a decode (its machine code read from the prefill's) only on a
+    # strictly lower bound.
+    if tensor is not None and (cores is None or (_no_worse(tensor[1], cores[1]) if shape.max_query_len > 1
+                                                 else tensor[1].bound_us < cores[1].bound_us)):
         chosen = tensor[0]
-        against = f"; CUDA cores: {_us(cores[1], cores[1].limiter)}" if cores is not None else ""
+        against = f"; CUDA cores: {_bound_text(cores[1])}" if cores is not None else ""
         return replace(chosen, reason=chosen.reason + against)
     if cores is not None:
         chosen, b = cores
-        if register_decode and 5 in rungs and _register_decode_serves(shape, chosen.threads):
-            splits = _decode_splits(shape, chosen.threads, sms) if chosen.rung == 4 else 1
-            return replace(chosen, rung=5, num_splits=splits,
-                           reason=f"{chosen.reason}; {_register_decode_reason(shape)}")
         if b.limiter != "DRAM" and why_not_tensor:
             chosen = replace(chosen, reason=f"{chosen.reason}; no tensor cores: {why_not_tensor}")
         return chosen
@@ -372,19 +384,105 @@ def _splits(shape, blocks, step, sms):
     return choose_splits(blocks, shape.max_kv_len, step, sms)
 
 
-def _bounds(shape, sms, blocks, **work):
-    """The bound model's lower bounds (`cacheattn.bounds`) for the call's bytes and `work` (fma_flops, or mma and
-    shared wavefronts) on an H100 SXM with `sms` multiprocessors, over a grid of `blocks` blocks."""
-    from cacheattn import bounds as lab
+# What one warp of a rung's kernel issues and waits on, read from the committed sm_90 SASS at head_dim 128 and 128
+# threads (docs/kernel-ladder-sass.json, which tests/test_kernel_choice.py holds these to): (rung, phase, quant_bit)
+# -> (instructions of a key-loop trip on its shortest path, instructions a warp runs once, MUFU.EX2 a trip,
+# LDS/STS/SHFL a trip, HBM round trips a trip waits on in series, short ones, blocks an SM holds). Rung 4 is rung 3
+# writing partials; rung 5's decode is its register-fed kernel.
+SASS_WORK = {
+    (3, "decode", 0): (496, 1246, 2, 29, 1, 4, 4), (3, "decode", 8): (836, 1969, 2, 21, 2, 2, 2),
+    (3, "decode", 4): (831, 1968, 2, 21, 0, 5, 2), (4, "decode", 0): (490, 1318, 2, 29, 1, 4, 3),
+    (4, "decode", 8): (836, 2080, 2, 21, 1, 4, 2), (4, "decode", 4): (831, 2081, 2, 21, 0, 5, 2),
+    (5, "decode", 0): (311, 1491, 5, 2, 2, 1, 3), (5, "decode", 8): (545, 1817, 5, 4, 2, 1, 3),
+    (5, "decode", 4): (514, 1746, 5, 2, 1, 2, 3), (3, "prefill", 0): (691, 1793, 2, 41, 1, 4, 2),
+    (5, "prefill", 0): (1361, 3623, 10, 80, 3, 19, 2), (5, "prefill", 8): (1764, 3598, 10, 92, 3, 19, 2),
+    (5, "prefill", 4): (2417, 2182, 10, 148, 3, 19, 2),
+}
+SASS_SHAPE = (128, 128)        # (head_dim, threads) the table was read at
 
-    metrics = {lab.DRAM_READ: shape.bytes_to_move}
-    if "wavefronts" in work:
-        metrics[lab.SHARED_WAVEFRONTS[0]] = work.pop("wavefronts")
-    return lab.bounds(metrics, blocks=blocks, machine=replace(lab.H100_SXM, sms=sms), **work)
+
+def _keys_a_block_sees(shape) -> float:
+    """Keys one block of a sequence walks, on average over its query tiles: the visible (query, key) pairs of the
+    longest sequence over its query rows (decode: every key)."""
+    q, kv = max(shape.max_query_len, 1), shape.max_kv_len
+    pairs = q * (kv - q) + q * (q + 1) // 2 if shape.causal and q <= kv else q * kv
+    return pairs / q
 
 
-def _us(bounds, name):
-    return f"{name} ≥ {bounds.resources[name].value:,.1f} µs"
+def _call_bounds(shape, sms, rung, threads, blocks, splits=1, step=None, kernel_phase=None, **work):
+    """The whole bound model (`cacheattn.bounds.ceilings`) for one candidate: the call's bytes (and, split, its
+    float32 partials written and read back by the combine), `work` (fma_flops, or mma and shared wavefronts), its
+    launches (the combine's too), and where the committed SASS has the kernel at this shape, what its warps issue
+    and the latency chain of their trips, on an H100 SXM with `sms` multiprocessors over `blocks` x `splits`
+    blocks. `step`: the keys a block takes a step (a warp a trip each); `kernel_phase`: the phase whose kernel runs
+    the call, where it is not the call's own (rung 5's staged kernel on a decode is its prefill kernel)."""
+    from cacheattn import bounds as model
+
+    phase = "decode" if shape.max_query_len <= 1 else "prefill"
+    partials = 0
+    if splits > 1:           # each split's output row, max and sum in float32, written and read back
+        rows = shape.batch * max(shape.max_query_len, 1) * shape.num_heads
+        partials = 2 * splits * rows * (shape.head_dim * 4 + 8)
+    fields = dict(dram_bytes=shape.bytes_to_move + partials, launches=2 if splits > 1 else 1,
+                  blocks=blocks * splits, warps_per_block=threads // 32, **work)
+    table = SASS_WORK.get((rung, kernel_phase or phase, shape.quant_bit)) if rung is not None else None
+    if table is not None and step and shape.cache_dtype.itemsize <= 2:
+        trip, once, ex2, lsu, hbm, near, resident = table
+        warps = threads // 32
+        keys = _keys_a_block_sees(shape) / splits
+        steps = keys / step if phase == "prefill" else math.ceil(keys / step)
+        trips = blocks * splits * warps * steps
+        fields.update(warp_trips=trips, chain_hbm=hbm if phase == "decode" else 0,
+                      chain_l2=0 if phase == "decode" else hbm, chain_near=near)
+        if (shape.head_dim, threads) == SASS_SHAPE:
+            fields.update(warp_instructions=trips * trip + blocks * splits * warps * once, ex2=trips * ex2,
+                          lsu_instructions=trips * lsu, blocks_per_sm=resident)
+        else:
+            # At another head_dim or block size the trip's instructions differ, but not the order its loads wait
+            # in: the chain stands, over as many blocks an SM as its warps allow (a lower bound on the wait).
+            fields.update(blocks_per_sm=max(1, 64 // warps))
+    return model.ceilings(model.Work(**fields), _machine(model.H100_SXM, sms))
+
+
+@lru_cache(maxsize=16)
+def _machine(machine, sms):
+    """The H100 model with the device's SM count (cached: the plan runs on the host for every new shape)."""
+    return replace(machine, sms=sms)
+
+
+def _bound_text(b) -> str:
+    """'≥ X µs (bound: limited by R; then S ≥ y, T ≥ z)'."""
+    then = ", ".join(f"{name} ≥ {b.resources[name].value:,.1f}" for name in b.ranked[1:3])
+    return f"≥ {b.bound_us:,.1f} µs (bound: {b.limiter}; then {then})" if then else f"≥ {b.bound_us:,.1f} µs " \
+        f"(bound: {b.limiter})"
+
+
+def _kind(b) -> str:
+    return {"DRAM": "memory", "L2": "memory", "L1": "memory", "latency": "latency", "waves": "latency",
+            "launch": "launch"}.get(b.limiter, "compute")
+
+
+_SASS_TERMS = {"issue", "MUFU", "LSU", "latency", "waves"}
+
+
+def _better(a, b) -> bool:
+    """Whether bounds `a` beat `b`: a lower bound, or the same bound and lower terms after it. A term read from
+    machine code that one candidate lacks (no SASS of its kernel at this shape) is left out of both, so a kernel
+    is never preferred for what the model does not know of it."""
+    unknown = (_SASS_TERMS & (set(a.resources) | set(b.resources))) - (set(a.resources) & set(b.resources))
+
+    def terms(x):
+        return sorted((fig.value for name, fig in x.resources.items() if name not in unknown), reverse=True)
+    # Where a term is unknown for one, only a strictly lower bound on the known terms decides.
+    return terms(a)[0] < terms(b)[0] if unknown else terms(a) < terms(b)
+
+
+def _no_worse(a, b) -> bool:
+    """Whether the faster rung's bounds `a` are at most `b`'s: rung 5 takes a tie with rung 3 (two calls held by the
+    same term, as tiny calls are by their launch), unless a term is unknown for one of them (`_better` then)."""
+    if (_SASS_TERMS & (set(a.resources) | set(b.resources))) - (set(a.resources) & set(b.resources)):
+        return _better(a, b)
+    return a.bound_us <= b.bound_us
 
 
 def _block_sizes(threads):
@@ -398,8 +496,8 @@ def _fewer(shape, t, threads):
 
 
 def _cuda_core_rung(shape, threads, sms, split=True):
-    """((plan, bounds), None) for rung 3, or 4 when rung 3's grid leaves SMs idle (and `split` offers it); (None,
-    why not)."""
+    """((plan, bounds), None) for rung 3, or 4 when splitting rung 3's keys over more blocks lowers the whole
+    model's bound (and `split` offers it); (None, why not)."""
     if threads is not None and threads % 32:
         return None, f"rungs 2-5 need whole warps, threads is {threads}"
     why = ""
@@ -409,23 +507,28 @@ def _cuda_core_rung(shape, threads, sms, split=True):
         except ValueError as e:
             why = why or f"rung 3: {e}"
             continue
+        unsplit = _call_bounds(shape, sms, 3, t, blocks, step=step, fma_flops=shape.flops)
         splits = _splits(shape, blocks, step, sms) if split else 1
-        b = _bounds(shape, sms, blocks * splits, fma_flops=shape.flops)
-        figures = f"{'memory' if b.limiter == 'DRAM' else 'compute'}-bound, {_us(b, 'DRAM')}, {_us(b, 'FMA')}"
+        b = unsplit
+        if splits > 1:
+            parted = _call_bounds(shape, sms, 4, t, blocks, splits, step=step, fma_flops=shape.flops)
+            if _better(parted, unsplit):
+                b = parted
+            else:
+                splits = -splits                       # offered, but the partials and the combine cost more
+        figures = f"{_kind(b)}-bound, {_bound_text(b)}"
         if splits > 1:
             reason = f"{blocks} blocks for {sms} SMs: {splits} splits make {blocks * splits}"
+        elif splits < -1:
+            reason = (f"{blocks} blocks for {sms} SMs, unsplit: {-splits} splits' partials and combine launch "
+                      f"cost more than they buy")
+            splits = 1
         else:
             reason = (f"{blocks} blocks fill {sms} SMs" if blocks >= sms else f"{blocks} blocks, too few keys to split"
                       if split else f"{blocks} blocks, unsplit: rung 4 (split-K) not offered")
         return (KernelPlan(4 if splits > 1 else 3, splits, t, f"{reason}{_fewer(shape, t, threads)}; {figures}"),
                 b), None
     return None, why
-
-
-# Warp instructions the key loop issues a key (a trip's static SASS over its keys), rung 3 against rung 5's
-# register-fed decode kernel, at the headline decode (head_dim 128, 32 query / 8 kv heads, 128 threads, sm_90):
-# from docs/kernel-ladder-sass.json, which tests/test_kernel_choice.py holds them to.
-DECODE_INSTRUCTIONS_PER_KEY = {0: (147.0, 19.9), 8: (120.0, 34.5), 4: (119.2, 32.6)}
 
 
 def _register_decode_serves(shape, threads) -> bool:
@@ -440,16 +543,30 @@ def _register_decode_serves(shape, threads) -> bool:
         cache_dtype=shape.cache_dtype, threads=threads) is None
 
 
-def _register_decode_reason(shape) -> str:
-    rung3, rung5 = DECODE_INSTRUCTIONS_PER_KEY[shape.quant_bit]
-    return (f"rung 5's decode kernel: the GQA group on tensor cores fed from registers, the same bytes in about "
-            f"{rung5:.0f} instructions a key against rung 3's {rung3:.0f} (sm_90 SASS at head_dim 128)")
+def _register_decode(shape, threads, sms, allow_split=True):
+    """(plan, bounds) of rung 5's register-fed decode kernel, split as rung 4 where that lowers its bound."""
+    from kernels_numba._attention_gqa_mma import decode_grid
+
+    blocks, step = decode_grid(shape.num_heads, shape.num_kv_heads, shape.batch, threads)
+    mma = shape.flops / MMA_FLOPS * MMA_ROWS / max(1, shape.num_heads // shape.num_kv_heads)
+    b = _call_bounds(shape, sms, 5, threads, blocks, step=step, mma=mma)
+    splits = _splits(shape, blocks, step, sms) if allow_split else 1
+    reason = f"{blocks} blocks fill {sms} SMs" if blocks >= sms else f"{blocks} blocks for {sms} SMs, unsplit"
+    if splits > 1:
+        parted = _call_bounds(shape, sms, 5, threads, blocks, splits, step=step, mma=mma)
+        if _better(parted, b):
+            b, reason = parted, f"{blocks} blocks for {sms} SMs: {splits} splits make {blocks * splits}"
+        else:
+            reason += f": {splits} splits' partials and combine launch cost more than they buy"
+            splits = 1
+    return KernelPlan(5, splits, threads, f"{reason}; {_kind(b)}-bound, {_bound_text(b)}; rung 5's decode kernel: "
+                                          f"the GQA group on tensor cores fed from registers"), b
 
 
 def _tensor_core_rung(shape, threads, sms):
     """((plan, bounds), None) for rung 5, or (None, why not). Without a block size asked for, fewer warps where
     rung 5's tiles do not fit the shared memory at 128 threads."""
-    from kernels_numba._attention_mma import check_fits, plan_mma_rows
+    from kernels_numba._attention_mma import KEY_TILE, check_fits, plan_mma_rows
 
     if shape.query_dtype != np.float16:
         return None, f"rung 5 takes a float16 query, got {shape.query_dtype.name}"
@@ -467,8 +584,9 @@ def _tensor_core_rung(shape, threads, sms):
         blocks = max(1, math.ceil(rows / (positions * row_tiles)) * (shape.num_heads // heads_per_block) * shape.batch)
         # An mma tile computes 16 rows whatever it holds: decode fills heads_per_block of them.
         mma = shape.flops / MMA_FLOPS * MMA_ROWS / (heads_per_block * min(positions, rows))
-        b = _bounds(shape, sms, blocks, mma=mma,
-                    wavefronts=mma * MMA_WAVEFRONTS.get(shape.quant_bit, MMA_WAVEFRONTS_DEFAULT))
-        return (KernelPlan(5, 1, t, f"tensor cores{_fewer(shape, t, threads)}: {_us(b, b.limiter)} on {blocks} "
-                                    f"blocks"), b), None
+        # The staged kernel's SASS is the prefill kernel's, a decode through it included (the same key loop).
+        b = _call_bounds(shape, sms, 5, t, blocks, step=KEY_TILE * (t // 32 // row_tiles), kernel_phase="prefill",
+                         mma=mma, shared_wavefronts=mma * MMA_WAVEFRONTS.get(shape.quant_bit, MMA_WAVEFRONTS_DEFAULT))
+        return (KernelPlan(5, 1, t, f"tensor cores{_fewer(shape, t, threads)} on {blocks} blocks: {_kind(b)}-bound, "
+                                    f"{_bound_text(b)}"), b), None
     return None, f"rung 5: {why}"

@@ -1,16 +1,26 @@
-"""cacheattn.bounds on hand-made metric dicts whose figures are worked out by hand in the comments."""
+"""cacheattn.bounds on hand-made figures whose bounds are worked out by hand in the comments."""
+
+import dataclasses
 
 import pytest
 
-from cacheattn.bounds import H100_SXM, bounds
+from cacheattn.bounds import H100_SXM, Work, bounds, ceilings, latency_bound
 from cacheattn.lab.cases import LAB_CASES, BenchCase
 
 DECODE_F16, DECODE_I8, DECODE_I4, LONG, PREFILL = LAB_CASES
-CLOCKS = 132 * 1.98e9            # SM clocks per second over the whole H100 SXM: 2.6136e11
+CLOCKS = 132 * 1.83e9            # SM clocks per second over the whole H100 SXM: 2.4156e11
 
 
-def test_the_machine_is_the_issues_h100_sxm():
-    assert (H100_SXM.sms, H100_SXM.hbm_bytes_per_s, H100_SXM.clock_hz) == (132, 3.35e12, 1.98e9)
+def test_the_machine_and_where_each_rate_comes_from():
+    m = H100_SXM
+    assert (m.sms, m.hbm_peak_bytes_per_s, m.hbm_bytes_per_s, m.clock_hz) == (132, 3.35e12, 3.1e12, 1.83e9)
+    # the datasheet's dense float16 peak is wgmma's rate at this clock: 132 x 4096 x 1.83e9 = 989.4 TFLOP/s
+    assert m.sms * 4096 * m.wgmma_per_clock * m.clock_hz == pytest.approx(989.4e12, rel=1e-4)
+    assert m.mma_per_clock < m.wgmma_per_clock                       # mma.sync is charged below wgmma
+    assert m.hbm_bytes_per_s < m.hbm_peak_bytes_per_s
+    rates = [f.name for f in dataclasses.fields(m) if f.name not in ("name", "sources")]
+    assert sorted(m.sources) == sorted(rates)
+    assert all(len(text) > 20 for text in m.sources.values())
 
 
 def test_bytes_the_decode_cases_must_move():
@@ -21,69 +31,95 @@ def test_bytes_the_decode_cases_must_move():
     # int8: 128 bytes of values + 16 float16 scales (quant_group 8) = 160 a row; int4: 64 + 32 = 96.
     assert (DECODE_F16.row_bytes, DECODE_I8.row_bytes, DECODE_I4.row_bytes) == (256, 160, 96)
     assert DECODE_F16.must_move["kv"] / DECODE_I8.must_move["kv"] == pytest.approx(1.6)
-    assert DECODE_F16.must_move["kv"] / DECODE_I4.must_move["kv"] == pytest.approx(8 / 3)
-    # B = 1, 32768 cached + 1: 2 x 32769 x 8 x 256 = 134,221,824 of K/V; Q and O 32 x 128 x 2 = 8,192 each.
     assert LONG.floor_bytes == 134_221_824 + 2 * 8_192
 
 
-def test_prefill_flops_and_mma_bound():
-    # Causal 4096 x 4096: 4096 x 4097 / 2 = 8,390,656 visible pairs, 4 x 128 FLOPs each per head, 32 heads:
-    # 137,472,507,904 FLOPs = 33,562,624 mma.m16n8k16 of 4096 FLOPs, at one per clock per SM 33,562,624 / 2.6136e11.
+def test_prefill_flops_and_the_mma_sync_bound():
+    # Causal 4096 x 4096: 8,390,656 visible pairs x 4 x 128 FLOPs x 32 heads = 137,472,507,904 FLOPs =
+    # 33,562,624 m16n8k16. mma.sync at 2/3 a clock per SM: 33,562,624 / (2/3 x 2.4156e11) = 208.41 µs; issued as
+    # wgmma (1 a clock) the same work would take 138.94 µs.
     assert PREFILL.flops == 137_472_507_904
     mma = PREFILL.flops // 4096
-    assert mma == 33_562_624
     b = bounds({}, mma=mma, case=PREFILL)
     assert b.limiter == "tensor"
-    assert b.bound_us == pytest.approx(128.4153, rel=1e-6)
+    assert b.bound_us == pytest.approx(208.4124, rel=1e-5)
+    assert ceilings(Work(wgmma=mma)).bound_us == pytest.approx(138.9416, rel=1e-5)
 
 
 def test_a_decode_launch_at_the_floor():
-    # Two blocks of rung 3's 512 (B 64 x 8 kv groups) counted: each reads 4097 keys x (K + V) x 256 bytes =
-    # 2,097,664 bytes and 4 query rows (1,024 bytes), writes 4 output rows (1,024). Scaled by 256 the grid moves
-    # exactly the floor, 1,075,052,544 bytes: 320.911 µs at 3.35 TB/s, 100% of the bandwidth.
+    # Two blocks of rung 3's 512 counted, scaled by 256: exactly the floor, 1,075,052,544 bytes, over the
+    # achievable 3.1 TB/s: 346.791 µs, which uses 1,075,052,544 / 346.791 µs / 3.35 TB/s = 92.5% of the datasheet's.
     metrics = {"dram__bytes_read.sum": 2 * (2_097_664 + 1_024), "dram__bytes_write.sum": 2 * 1_024}
     b = bounds(metrics, scale=256, case=DECODE_F16)
     assert b.figures["DRAM bytes"].value == 1_075_052_544
     assert b.figures["DRAM / floor"].value == pytest.approx(1.0)
-    assert b.limiter == "DRAM"
-    assert b.bound_us == pytest.approx(320.9112, rel=1e-6)
-    assert b.hbm_share == pytest.approx(1.0)
-    assert "cannot run faster than 320.91 µs" in b.summary() and "100% of HBM bandwidth" in b.summary()
+    assert (b.limiter, b.bound_us) == ("DRAM", pytest.approx(346.7911, rel=1e-6))
+    assert b.hbm_share == pytest.approx(3.1 / 3.35)
+    assert "cannot run faster than 346.79 µs" in b.summary()
 
 
-def test_every_resource_and_the_largest():
-    metrics = {
-        # 3,350,000 bytes x 1000 = 3.35e9 bytes: 1000 µs at 3.35 TB/s.
-        "dram__bytes_read.sum": 3_000_000, "dram__bytes_write.sum": 350_000,
-        # 130,680 wavefronts x 1000 / (1 per clock x 2.6136e11) = 500 µs; 40,000 conflicts x 1000.
-        "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum": 100_000,
-        "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum": 30_680,
-        "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum": 40_000,
-        # 261,360 sectors x 1000 / (4 per clock x 2.6136e11) = 250 µs.
-        "l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum": 261_000,
-        "l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum": 360,
-        # Half of each loaded sector was asked for: 261,000 x 32 / 2 bytes.
-        "smsp__sass_data_bytes_mem_global_op_ld.sum": 4_176_000,
-    }
-    # 1.04544e8 warp instructions / (4 per clock x 2.6136e11) = 100 µs.
-    b = bounds(metrics, scale=1000, warp_instructions=1.04544e8)
+def test_every_term_of_a_call_and_the_order():
+    w = Work(dram_bytes=3.1e9,                       # 1000 µs at 3.1 TB/s
+             l2_bytes=5.4e9,                         # 450 µs at 12 TB/s
+             shared_wavefronts=1.2078e8,             # 500 µs at 1 a clock: 1.2078e8 / 2.4156e11
+             l1_sectors=2.4156e8,                    # 250 µs at 4 a clock
+             mma=1.6104e7,                           # 100 µs at 2/3 a clock
+             fma_flops=2 * 128 * 2.4156e7,           # 100 µs
+             ex2=1.2078e7,                           # 100 µs at half a warp instruction a clock
+             lsu_instructions=4.8312e7,              # 200 µs at 1 a clock
+             warp_instructions=5.7974e8,             # 600 µs at 4 a clock
+             launches=3)                             # 6 µs at 2 µs each
+    b = ceilings(w)
     us = {name: fig.value for name, fig in b.resources.items()}
-    assert us == pytest.approx({"DRAM": 1000.0, "shared": 500.0, "L1": 250.0, "issue": 100.0})
-    assert (b.limiter, b.bound_us) == ("DRAM", pytest.approx(1000.0))
-    assert b.hbm_share == pytest.approx(1.0)           # no case: the DRAM bytes counted over the bound
-    assert b.figures["bank conflicts"].value == 40_000_000
-    assert b.figures["sector efficiency"].value == pytest.approx(0.5)
-    assert all(fig.basis == "derived" for fig in b.resources.values())
-    assert b.figures["DRAM bytes"].basis == "counted" and b.figures["sector efficiency"].basis == "derived"
+    assert us == pytest.approx({"DRAM": 1000, "L2": 450, "shared": 500, "L1": 250, "tensor": 100, "FMA": 100,
+                                "MUFU": 100, "LSU": 200, "issue": 600, "launch": 6}, rel=1e-4)
+    assert b.ranked[:4] == ["DRAM", "issue", "shared", "L2"]
+    assert (b.limiter, b.bound_us) == ("DRAM", pytest.approx(1000))
+    # each term names its rate's source
+    assert "3.1 TB/s" in b.resources["DRAM"].how and "Luo et al." in b.resources["DRAM"].how
+    assert "2 µs" in b.resources["launch"].how
 
 
-def test_a_shared_memory_bound_kernel_uses_part_of_the_bandwidth():
-    # 261,360,000 wavefronts (scale 1) take 1000 µs; 335,000,000 DRAM bytes take 100 µs: the kernel cannot run
-    # faster than 1000 µs and then pulls 335 MB in 1 ms, 10% of 3.35 TB/s.
-    metrics = {"l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum": 261_360_000, "dram__bytes_read.sum": 335_000_000}
-    b = bounds(metrics)
-    assert b.limiter == "shared" and b.bound_us == pytest.approx(1000.0)
-    assert b.hbm_share == pytest.approx(0.10)
+def test_latency_is_littles_law_on_the_average_in_flight_and_waves_quantize():
+    # 512 blocks of 4 warps, 3 resident a SM; 65 trips a warp, each waiting on 2 HBM round trips (690 / 1.98 GHz
+    # = 348.48 ns) and 1 L1 hit (30 / 1.98 GHz = 15.15 ns): 712.12 ns a trip. Busy SMs 132, each holding
+    # min(3, ceil(512 / 132) = 4) x 4 = 12 warps: 133,120 trips x 712.12 ns / (132 x 12) = 59.85 µs. The busiest
+    # SM runs its 4 blocks in ceil(4 / 3) = 2 waves of 65 trips: 2 x 65 x 712.12 ns = 92.58 µs.
+    trip = 2 * 690 / 1.98e9 + 30 / 1.98e9
+    w = Work(warp_trips=512 * 4 * 65, chain_hbm=2, chain_near=1, blocks=512, blocks_per_sm=3, warps_per_block=4,
+             trip_bytes=8448)
+    b = ceilings(w)
+    assert b.resources["latency"].value == pytest.approx(133_120 * trip / (132 * 12) * 1e6)
+    assert b.resources["waves"].value == pytest.approx(2 * 65 * trip * 1e6)
+    assert b.figures["waves"].value == 2
+    # average bytes in flight per SM, in HBM-latency terms: 8448 B over a 712 ns trip x 348 ns x 12 warps
+    assert b.figures["in flight B/SM"].value == pytest.approx(8448 / trip * 690 / 1.98e9 * 12)
+    same = latency_bound(512 * 4 * 65, 2, 1, blocks=512, blocks_per_sm=3, warps_per_block=4, trip_bytes=8448)
+    assert same["latency"].value == pytest.approx(b.resources["latency"].value)
+    # 8 blocks of one resident wave: 8 busy SMs
+    few = ceilings(dataclasses.replace(w, blocks=8, warp_trips=8 * 4 * 65))
+    assert few.resources["latency"].value == pytest.approx(8 * 4 * 65 * trip / (8 * 4) * 1e6)
+    with pytest.raises(ValueError, match="warp_trips"):
+        latency_bound(0, 2, 1, blocks=8, blocks_per_sm=1, warps_per_block=4)
+
+
+def test_few_blocks_leave_sms_idle():
+    # 2.4156e8 sectors take 250 µs over 132 SMs; on 8 blocks only 8 SMs work: 16.5x; 512 blocks put 4 on the
+    # busiest SM where the average is 3.879: 1.03125x. DRAM is shared by all SMs.
+    metrics = {"l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum": 2.4156e8, "dram__bytes_read.sum": 3.1e6}
+    spread = bounds(metrics)
+    assert spread.resources["L1"].value == pytest.approx(250.0)
+    assert bounds(metrics, blocks=8).resources["L1"].value == pytest.approx(250.0 * 16.5)
+    assert bounds(metrics, blocks=8).resources["DRAM"].value == pytest.approx(spread.resources["DRAM"].value)
+    assert bounds(metrics, blocks=512).resources["L1"].value == pytest.approx(250.0 * 1.03125)
+    with pytest.raises(ValueError, match="blocks"):
+        bounds(metrics, blocks=0)
+
+
+def test_cuda_core_rungs_are_held_to_the_fma_rate():
+    b = bounds({"dram__bytes_read.sum": PREFILL.floor_bytes}, case=PREFILL, fma_flops=PREFILL.flops)
+    assert b.resources["FMA"].value == pytest.approx(PREFILL.flops / (256 * CLOCKS) * 1e6)
+    assert b.limiter == "FMA" and b.resources["FMA"].basis == "derived"
 
 
 def test_bad_input_is_named():
@@ -91,30 +127,11 @@ def test_bad_input_is_named():
         bounds({"dram__bytes_read.sum": 1}, scale=0)
     with pytest.raises(ValueError, match="metrics"):
         bounds({"unrelated": 3})
+    with pytest.raises(ValueError, match="work.dram_bytes"):
+        ceilings(Work(dram_bytes=-1))
+    with pytest.raises(ValueError, match="work.blocks_per_sm"):
+        ceilings(Work(dram_bytes=1, blocks_per_sm=0))
+    with pytest.raises(ValueError, match="work"):
+        ceilings(Work())
     with pytest.raises(ValueError, match="quant_bit"):
         _ = BenchCase("bad", batch=1, context=1, new_tokens=1, quant_bit=3).row_bytes
-
-
-def test_few_blocks_leave_sms_idle():
-    # 261,360 sectors take 250 µs spread over 132 SMs (test_every_resource_and_the_largest, scale 1000 there). On 8
-    # blocks only 8 SMs work: 132 / 8 = 16.5 x longer. 512 blocks put ceil(512 / 132) = 4 on the busiest SM where
-    # the average is 3.879: 4 x 132 / 512 = 1.03125 x. DRAM is shared by all SMs: no change.
-    metrics = {"l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum": 261_360_000, "dram__bytes_read.sum": 3_350_000}
-    spread = bounds(metrics)
-    assert spread.resources["L1"].value == pytest.approx(250.0)
-    few = bounds(metrics, blocks=8)
-    assert few.resources["L1"].value == pytest.approx(250.0 * 16.5)
-    assert few.resources["DRAM"].value == pytest.approx(spread.resources["DRAM"].value)
-    assert bounds(metrics, blocks=512).resources["L1"].value == pytest.approx(250.0 * 1.03125)
-    assert bounds(metrics, blocks=264).resources["L1"].value == pytest.approx(250.0)
-    with pytest.raises(ValueError, match="blocks"):
-        bounds(metrics, blocks=0)
-
-
-def test_cuda_core_rungs_are_held_to_the_fma_rate():
-    # 128 float32 lanes x 2 FLOPs per clock per SM: the 4k prefill's 137,472,507,904 FLOPs / (256 x 2.6136e11) =
-    # 2054.6 µs on the CUDA cores, 16x the tensor cores' 128.4 µs (test_prefill_flops_and_mma_bound).
-    b = bounds({"dram__bytes_read.sum": PREFILL.floor_bytes}, case=PREFILL, fma_flops=PREFILL.flops)
-    assert b.resources["FMA"].value == pytest.approx(PREFILL.flops / (256 * CLOCKS) * 1e6)
-    assert b.resources["FMA"].value == pytest.approx(2054.6, rel=1e-4)
-    assert b.limiter == "FMA" and b.resources["FMA"].basis == "derived"

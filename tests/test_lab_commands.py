@@ -94,14 +94,14 @@ def test_rederive_makes_a_written_files_derivations_again_without_counting(tmp_p
     stale = json.loads(json.dumps(committed))
     shown = stale["cases"][counters.plans()[0].case.label]["rungs"]["3"]
     shown["derived"]["K/V ld sector efficiency"] = 0.5
-    del shown["bounds"]["issue µs (SASS estimate)"]
+    del shown["bounds"]["issue µs (derived)"]
     shown["bounds"]["lower bound µs (derived)"] = 1.0
     path = tmp_path / "counts.json"
     path.write_text(json.dumps(stale))
     monkeypatch.setattr(counters, "_count", lambda job: pytest.fail("--rederive counted a launch"))
     assert main(["lab", "--rederive", str(path)]) == 0
     assert json.loads(path.read_text()) == committed      # the committed file is current (test_lab_counters)
-    assert "issue µs (SASS estimate)" in capsys.readouterr().out          # and printed the tables
+    assert "issue µs (derived)" in capsys.readouterr().out          # and printed the tables
 
 
 def test_update_puts_recounted_rungs_in_place_of_a_written_files(tmp_path, capsys, monkeypatch):

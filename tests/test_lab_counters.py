@@ -71,33 +71,63 @@ def test_the_committed_counts_are_current(case_index, rung):
     assert now == shown["counted"][0], stale
     # ... and the derivations from the committed full-launch figures are today's.
     assert counters.derived(shown["full"], plan, shown["derived"]["splits"]) == shown["derived"], stale
-    bound = counters.bound_figures(counters.lower_bounds(shown["full"], plan), plan.case)
-    assert {k: v for k, v in shown["bounds"].items() if "estimate" not in k} == bound, stale
+    b, key, why = counters.lower_bounds(shown, plan, rung, threads)
+    assert shown["bounds"] == counters.bound_figures(b, plan.case, key, why), stale
 
 
-def test_the_issue_estimate_is_the_key_loop_once_per_trip_of_every_warp():
-    # Rung 3, float16, head_dim 128: 16 lanes share a key (16 chunks of 8 halves), two lane groups a warp, each
-    # taking a tile of 2 keys: 4 keys a trip. 512 blocks see 4097 keys each: 512 x 4097 / 4 trips of the committed
-    # loop body, at 4 warp instructions per
-    # clock per SM, the busiest SM running ceil(512 / 132) = 4 blocks where the average is 3.879.
-    from cacheattn.lab import sass
+def test_every_committed_bound_is_the_models_largest_term():
+    """Every case and rung of docs/kernel-ladder-counts.json (OpenPPL's, every operator's), recomputed from its
+    committed counts and the committed SASS through cacheattn.bounds: the bound written is the model's, and the
+    largest of the terms written beside it; where the SASS has the kernel, its issue, MUFU, latency and wave terms
+    are there."""
+    result = counters.committed()
+    assert result["machine"]["clock_hz"] == 1.83e9 and "sources" in result["machine"]
+    plans = {p.case.label: p for p in counters.plans()}
+    checked = 0
+    for label, case in counters.every_case(result):
+        for rung, shown in case["rungs"].items():
+            b, key, why = counters.lower_bounds(shown, plans[label], int(rung), case["threads"])
+            written = shown["bounds"]
+            assert written == counters.bound_figures(b, plans[label].case, key, why), (label, rung)
+            terms = {k: v for k, v in written.items()
+                     if k.endswith(" µs (derived)") and k != "lower bound µs (derived)"}
+            assert written["lower bound µs (derived)"] == max(terms.values()), (label, rung)
+            assert terms[f"{written['limited by']} µs (derived)"] == written["lower bound µs (derived)"]
+            if key is not None:
+                assert {"issue µs (derived)", "latency µs (derived)", "waves µs (derived)",
+                        "launch µs (derived)"} <= set(terms), (label, rung)
+            checked += 1
+    assert checked == sum(len(case["rungs"]) for _, case in counters.every_case(result)) >= 40
+
+
+def test_the_warp_trips_count_the_masked_tail():
+    # Rung 5's decode kernel at the headline decode: 512 blocks see 4097 keys each, 4 warps a step of 16 keys each:
+    # ceil(4097 / 64) = 65 trips a warp (the last one has 1 key), not 64.02: 512 x 4 x 65 warp trips.
     plan = counters.plans()[0]
     full = {"kv_must_see": 512 * 4097 * 2 * plan.case.row_bytes, "attention blocks": 512}
-    body = sass.committed()["variants"]["rung3-float16-decode"]["key_loop"]["mix"]["total"]
-    expected = 512 * 4097 / 4 * body / (4 * 132 * 1.98e9 * 512 / (4 * 132)) * 1e6
-    assert counters.issue_estimate(full, plan, 3, 128) == pytest.approx(expected)
-    # Rung 2: a warp per key, four times the trips, of a body of its own.
-    body2 = sass.committed()["variants"]["rung2-float16-decode"]["key_loop"]["mix"]["total"]
-    assert counters.issue_estimate(full, plan, 2, 128) == pytest.approx(expected * 4 * body2 / body)
-    # Rung 3's page walks run at most once a trip while a page holds a block's 16 keys; not with pages of 8.
-    assert sass.committed()["variants"]["rung3-float16-decode"]["key_loop"]["walk_loops"] > 0
-    small_pages = replace(plan, case=replace(plan.case, page_size=8))
-    assert counters.issue_estimate(full, small_pages, 3, 128) is None
-    # Rung 5's decode kernel: a warp's trip of 16 keys (whole trips need pages of a multiple of 16 keys).
-    body5 = sass.committed()["variants"]["rung5-float16-decode"]["key_loop"]["mix"]["total"]
-    assert counters.issue_estimate(full, plan, 5, 128) == pytest.approx(expected * 4 / 16 * body5 / body)
-    assert counters.issue_estimate(full, replace(plan, case=replace(plan.case, page_size=24)), 5, 128) is None
-    # No estimate where the loop has inner loops that load (rung 1), for prefill or for other shapes than the SASS's.
-    assert counters.issue_estimate(full, plan, 1, 128) is None
-    assert counters.issue_estimate(full, plan, 3, 256) is None
-    assert counters.issue_estimate(full, counters.plans()[4], 3, 128) is None
+    assert counters.warp_trips(full, plan, 5, 128) == 512 * 4 * 65
+    # Rung 3: a block step of 16 keys (4 warps x 2 lane groups x 2 keys), every warp a trip per step.
+    assert counters.warp_trips(full, plan, 3, 128) == 512 * 4 * 257
+    # Rung 2: a warp per key.
+    assert counters.warp_trips(full, plan, 2, 128) == 512 * 4 * 1025
+
+
+def test_a_case_without_machine_code_is_named_and_a_broken_file_refused():
+    from cacheattn.lab import sass
+    plans = {p.case.label: p for p in counters.plans()}
+    onnx = next(p for label, p in plans.items() if label.startswith("onnx"))
+    with pytest.raises(counters.SassMissing, match="onnx decode B64 past4096 fp16 rung 3"):
+        counters.sass_variant(onnx.case, 3, 128)
+    decode = counters.plans()[0].case
+    machine = sass.committed()
+    with pytest.raises(counters.SassMissing, match="head_dim 128, 128 threads, not 128, 256"):
+        counters.sass_variant(decode, 3, 256, machine)
+    broken = {**machine, "variants": {**machine["variants"], "rung3-float16-decode": {
+        k: v for k, v in machine["variants"]["rung3-float16-decode"].items() if k != "once_per_warp"}}}
+    with pytest.raises(ValueError, match="kernel-ladder-sass.json: variant 'rung3-float16-decode'.*once_per_warp"):
+        counters.sass_variant(decode, 3, 128, broken)
+    with pytest.raises(ValueError, match="kernel-ladder-sass.json.*sm_80"):
+        counters.sass_variant(decode, 3, 128, {**machine, "target": "sm_80"})
+    # the written rung says why its SASS terms are missing
+    shown = counters.committed()["operators"][onnx.case.label]["rungs"]["3"]["bounds"]
+    assert shown["SASS"].startswith("none: onnx decode B64 past4096 fp16 rung 3")

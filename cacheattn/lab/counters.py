@@ -245,83 +245,144 @@ def derived(full: dict, plan: Plan, splits: int) -> dict:
             "splits": splits}
 
 
-def lower_bounds(full: dict, plan: Plan) -> bounds.Bounds:
-    """The full launch's per-resource lower bounds (derived), its work spread over the SMs by its blocks."""
-    metrics = {name: full[name] for name in recorder.METRICS}
-    metrics[bounds.GLOBAL_LOAD_BYTES] = full["global_ld_bytes_requested"]
-    # A rung without mma runs the operator's multiply-adds as float32 FMA on the CUDA cores.
-    return bounds.bounds(metrics, case=plan.case, mma=full[HMMA] or None,
-                         fma_flops=None if full[HMMA] else plan.case.flops, blocks=round(full["attention blocks"]))
+class SassMissing(ValueError):
+    """A case and rung whose kernel has no committed SASS variant (docs/kernel-ladder-sass.json) at its shape: the
+    terms read from machine code (issue, LSU, MUFU, latency, waves) cannot be bounded."""
 
 
 def sass_key(case, rung: int) -> str | None:
-    """The committed SASS variant (docs/kernel-ladder-sass.json) of `case`'s decode kernel at `rung`: OpenPPL's
-    launch, or TensorRT-LLM's generation step; None for the other operators (their kernels are not compiled
-    there)."""
-    prefix = {BenchCase: "", TrtBenchCase: "trtllm-"}.get(type(case))
-    return None if prefix is None else f"{prefix}rung{rung}-{case.cache}-decode"
+    """The committed SASS variant (docs/kernel-ladder-sass.json) of the kernel `case`'s call runs at `rung`:
+    OpenPPL's launch (decode, or prefill for a prompt), TensorRT-LLM's generation step (its rung 4 runs rung 3's
+    loop, writing split-K partials); None for the kernels not compiled there (ONNX's, FasterTransformer's,
+    TensorRT-LLM's context step)."""
+    if type(case) is BenchCase:
+        return f"rung{rung}-{case.cache}-{'prefill' if case.new_tokens > 1 else 'decode'}"
+    if type(case) is TrtBenchCase:
+        return f"trtllm-rung{3 if rung == 4 else rung}-{case.cache}-decode"
+    return None
 
 
-def issue_estimate(full: dict, plan: Plan, rung: int, threads: int) -> float | None:
-    """Microseconds the busiest SM needs to issue the key loop's warp instructions: the loop body of the committed
-    SASS (docs/kernel-ladder-sass.json, decode at head_dim 128, 128 threads) once per trip of every warp. An
-    estimate, not a bound: the static body holds the instructions of branches a trip skips, so it over-counts
-    those; it leaves out what runs outside the loop. For rungs 2 to 5 in decode, whose loop holds no inner loop
-    but page walks, each counted once: a walk runs at most once a trip while a page holds a block's step of keys
-    (rung 5: its register-fed decode kernel, a warp's trip of 16 keys)."""
-    case, machine = plan.case, sass.committed()
-    shapes = machine["shapes"]
-    variant = machine["variants"].get(sass_key(case, rung))
-    if (plan.prefill or rung not in (2, 3, 4, 5) or variant is None
-            or variant["key_loop"]["inner_loops"] > variant["key_loop"].get("walk_loops", 0)
-            or (case.head_dim, threads) != (shapes["head_dim"], shapes["threads"])):
-        return None
-    warps = threads // 32
-    if rung == 2:
-        keys_per_trip = 1                              # a warp per key
-    elif rung == 5:                                    # a warp's trip of keys
-        if variant["kernel"] != "gqa_decode_attention_kernel" or case.page_size % DECODE_TRIP:
-            return None
-        keys_per_trip = DECODE_TRIP
-    else:                                              # a tile of keys per lane group
-        step = keys_per_step(case.head_dim, case_chunk(case, rung), warps)
-        if case.cache_mode == 1 and case.page_size < step:
-            return None                                # a walk may run more than once a trip
-        keys_per_trip = step // warps
-    trips = full["kv_must_see"] / (2 * case.row_bytes) / keys_per_trip
-    issue = bounds.bounds({}, warp_instructions=trips * variant["key_loop"]["mix"]["total"],
-                          blocks=round(full["attention blocks"]))
-    return issue.resources["issue"].value
+def sass_variant(case, rung: int, threads: int, machine: dict | None = None) -> dict:
+    """The committed SASS figures of `case`'s kernel at `rung` (`sass_key`), checked: the variant is there, at the
+    case's head_dim and block size, with the key-loop paths the bounds read. SassMissing naming the case and the
+    file otherwise (never a bound from part of them)."""
+    machine = machine or sass.committed()
+    if machine.get("target") != "sm_90":
+        raise ValueError(f"{sass.COMMITTED.name}: compiled for {machine.get('target')!r}; the bounds model an H100 "
+                         f"(sm_90): write it again with python -m cacheattn.lab.sass --write")
+    key = sass_key(case, rung)
+    where = f"{case.label} rung {rung}"
+    if key is None:
+        raise SassMissing(f"{where}: no SASS of this operator's kernel in {sass.COMMITTED.name}")
+    variant = machine.get("variants", {}).get(key)
+    if variant is None:
+        raise SassMissing(f"{where}: {sass.COMMITTED.name} has no variant {key!r}")
+    shapes = machine.get("shapes", {})
+    if (case.head_dim, threads) != (shapes.get("head_dim"), shapes.get("threads")):
+        raise SassMissing(f"{where}: {sass.COMMITTED.name} is compiled at head_dim {shapes.get('head_dim')}, "
+                          f"{shapes.get('threads')} threads, not {case.head_dim}, {threads}")
+    loop = variant.get("key_loop", {})
+    missing = [name for name in ("trip", "chain") if name not in loop] + (
+        [] if "once_per_warp" in variant else ["once_per_warp"]) + (
+        [] if "blocks_per_sm" in variant.get("occupancy", {}) else ["occupancy"])
+    if missing:
+        raise ValueError(f"{sass.COMMITTED.name}: variant {key!r} ({where}) lacks {', '.join(missing)}: write it "
+                         f"again with python -m cacheattn.lab.sass --write")
+    return variant
 
 
-def latency_figures(full: dict, plan: Plan, rung: int, threads: int) -> dict | None:
-    """Little's law for the key loop's loads (`bounds.latency_bound`): the most bytes a warp of the committed SASS
-    has in flight at once (`sass.loads_in_flight`, decode at head_dim 128, 128 threads) x the warps an SM holds
-    (`sass.occupancy`), against what HBM needs per SM, and the time that leaves the DRAM bytes. An estimate, like
-    the issue row, never taken as the limit: the bytes in flight come from one pass over the static loop body, the
-    latency is an unloaded microbenchmark's. None where the committed SASS has no such variant or another shape (as
-    `issue_estimate`)."""
-    case, machine = plan.case, sass.committed()
-    shapes = machine["shapes"]
-    variant = machine["variants"].get(sass_key(case, rung))
-    if (plan.prefill or rung not in (2, 3, 4, 5) or variant is None or "in_flight" not in variant["key_loop"]
-            or (case.head_dim, threads) != (shapes["head_dim"], shapes["threads"])):
-        return None
-    figures = bounds.latency_bound(full[recorder.DRAM_READ] + full[recorder.DRAM_WRITE],
-                                   variant["key_loop"]["in_flight"]["peak"], variant["occupancy"]["warps_per_sm"],
-                                   blocks=round(full["attention blocks"]))
-    return {"loads in flight / needed (SASS estimate)": round(figures["in flight / needed"].value, 3),
-            "latency µs (Little's law estimate)": round(figures["latency"].value, 1)}
+def warp_trips(full: dict, plan: Plan, rung: int, threads: int) -> float:
+    """Key-loop trips of every warp of the attention launch together, the masked tail trips included: each warp
+    takes a trip per block step however few keys the last step has left (for a prefill, whose blocks see
+    different key counts, the keys over the step, a lower bound)."""
+    case, warps = plan.case, threads // 32
+    blocks = full["attention blocks"]
+    keys = full["kv_must_see"] / (2 * case.row_bytes) / blocks          # keys a block sees, on average
+    if rung == 1:
+        from kernels_numba._attention_core import plan_tiles
+        rows = case.new_tokens
+        step, per_step = plan_tiles(case.num_heads, case.num_kv_heads, rows, case.head_dim, case.head_dim)[2], warps
+    elif rung == 2:
+        step, per_step = warps, warps                                   # a warp per key
+    elif rung in (3, 4):
+        step, per_step = keys_per_step(case.head_dim, case_chunk(case, rung), warps), warps
+    elif not plan.prefill:                                              # the register-fed decode kernel
+        step, per_step = DECODE_TRIP * warps, warps
+    else:
+        from kernels_numba._attention_mma import KEY_TILE, plan_mma_rows
+        row_tiles = plan_mma_rows(case.num_heads, case.num_kv_heads, case.new_tokens, warps, case.head_dim)[2]
+        step, per_step = KEY_TILE * (warps // row_tiles), warps
+    steps = keys / step if plan.prefill else math.ceil(keys / step - 1e-9)
+    return blocks * steps * per_step
 
 
-def bound_figures(b: bounds.Bounds, case: BenchCase) -> dict:
+def call_work(shown: dict, plan: Plan, rung: int, threads: int) -> tuple:
+    """(bounds.Work, SASS key or None, why not) of one rung's call: the counted figures (DRAM, L2, shared, L1,
+    mma or FMA, the call's launches) and, where the committed SASS has the kernel, what a warp issues (every trip
+    of the shortest path through the key loop, the masked tail included, plus what runs once per warp), its
+    MUFU and LSU work, and the chain of dependent round trips of a trip."""
+    full, case = shown["full"], plan.case
+    dram = full[recorder.DRAM_READ] + full[recorder.DRAM_WRITE]
+    # Global loads the lanes asked for beyond the DRAM bytes: re-reads served by L2 (a prefill's K/V, read by
+    # every query tile).
+    l2 = max(0.0, full["global_ld_bytes_requested"] - full[recorder.DRAM_READ])
+    shared_requests = full["shared_ld_requests"] + full["shared_st_requests"]
+    counted_instructions = (full[bounds.GLOBAL_LOAD_REQUESTS] + full["l1tex__t_requests_pipe_lsu_mem_global_op_st.sum"]
+                            + shared_requests + full[HMMA] + full["barriers"])
+    work = dict(dram_bytes=dram, l2_bytes=l2,
+                shared_wavefronts=full[recorder.WAVEFRONTS_LD] + full[recorder.WAVEFRONTS_ST],
+                l1_sectors=full[recorder.SECTORS_LD] + full["l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum"],
+                mma=full[HMMA], fma_flops=0.0 if full[HMMA] else case.flops, lsu_instructions=shared_requests,
+                warp_instructions=counted_instructions, launches=round(shown["counted"][-1]["launches"]),
+                blocks=round(full["attention blocks"]), warps_per_block=threads // 32)
+    try:
+        variant = sass_variant(case, rung, threads)
+    except SassMissing as exc:
+        return bounds.Work(**work), None, str(exc)
+    trips = warp_trips(full, plan, rung, threads)
+    warps = full["attention blocks"] * (threads // 32)
+    trip, once, chain = variant["key_loop"]["trip"], variant["once_per_warp"], variant["key_loop"]["chain"]
+    issued = trips * trip["total"] + warps * once["total"]
+    work.update(warp_instructions=max(issued, counted_instructions),
+                ex2=trips * trip["EX2"] + warps * once["EX2"],
+                lsu_instructions=shared_requests + trips * trip["SHFL"] + warps * once["SHFL"],
+                blocks_per_sm=variant["occupancy"]["blocks_per_sm"], warp_trips=trips, chain_near=chain["near"],
+                trip_bytes=chain["trip_bytes"])
+    # A K/V load waits on HBM where the call reads its K/V from DRAM once; where most of what it loads was loaded
+    # before (a prefill's query tiles re-read the same keys), the wait is an L2 hit's.
+    work["chain_l2" if l2 > dram else "chain_hbm"] = chain["hbm"]
+    return bounds.Work(**work), sass_key(case, rung), None
+
+
+def lower_bounds(shown: dict, plan: Plan, rung: int, threads: int = THREADS) -> tuple:
+    """(Bounds, SASS key or None, why not) of one rung's call from its full-launch figures (`call_work`)."""
+    work, key, why = call_work(shown, plan, rung, threads)
+    b = bounds.ceilings(work, bounds.H100_SXM, floor_bytes=plan.case.floor_bytes, label=plan.case.label)
+    return b, key, why
+
+
+def bound_figures(b: bounds.Bounds, case: BenchCase, key: str | None, why: str | None) -> dict:
+    """What the written result keeps of a rung's bounds: the bound, the term that sets it and the next two, every
+    term (µs), the figures behind the SASS terms, and where they come from."""
     out = {"DRAM / floor (derived)": round(b.figures["DRAM / floor"].value, 3),
            "lower bound µs (derived)": round(b.bound_us, 1),
            "limited by": b.limiter,
+           "then": b.ranked[1:3],
            "HBM share at the bound": round(b.hbm_share, 3)}
     if case.new_tokens > 1:
-        out["TFLOP/s at the bound (derived)"] = round(case.flops / (b.bound_us * 1e-6) / 1e12, 1)
-    out.update({f"{name} µs (derived)": round(fig.value, 1) for name, fig in b.resources.items()})
+        out["TFLOP/s at most (derived)"] = round(case.flops / (b.bound_us * 1e-6) / 1e12, 1)
+    out.update({f"{name} µs (derived)": round(b.resources[name].value, 1) for name in b.ranked})
+    for name in ("trip chain", "in flight B/SM", "in flight / needed", "waves"):
+        if name in b.figures:
+            out[f"{name} ({b.figures[name].unit or 'count'})"] = round(b.figures[name].value, 3)
+    out["SASS"] = key if key is not None else f"none: {why}; issue, MUFU, latency and wave terms from counts only"
+    # The names pages written against the earlier model read (now the model's terms, bounds like the others).
+    if key is not None:
+        out["issue µs (SASS estimate)"] = out["issue µs (derived)"]
+        out["latency µs (Little's law estimate)"] = out["latency µs (derived)"]
+        out["loads in flight / needed (SASS estimate)"] = round(b.figures["in flight / needed"].value, 3)
+    if case.new_tokens > 1:
+        out["TFLOP/s at the bound (derived)"] = out["TFLOP/s at most (derived)"]
     return out
 
 
@@ -387,7 +448,7 @@ def assemble(plan: Plan, work: list, counted: list, threads: int = THREADS) -> d
         splits = plan.splits(rung, threads)
         result["rungs"][str(rung)] = {
             "points": list(lengths), "counted": points, "full": {k: round(v, 1) for k, v in full.items()},
-            **derivations(full, plan, rung, threads, splits)}
+            **derivations(full, points, plan, rung, threads, splits)}
     return result
 
 
@@ -401,25 +462,22 @@ def default_call(plan: Plan, threads: int = THREADS) -> dict:
     return {**chosen, "counted as": str(chosen["rung"]) if same else None}
 
 
-def derivations(full: dict, plan: Plan, rung: int, threads: int, splits: int) -> dict:
-    """A rung's derived ratios and bounds from its full-launch figures (no counting)."""
-    out = {"derived": derived(full, plan, splits), "bounds": bound_figures(lower_bounds(full, plan), plan.case)}
-    issue = issue_estimate(full, plan, rung, threads)
-    if issue is not None:
-        out["bounds"]["issue µs (SASS estimate)"] = round(issue, 1)
-    out["bounds"].update(latency_figures(full, plan, rung, threads) or {})
-    return out
+def derivations(full: dict, counted: list, plan: Plan, rung: int, threads: int, splits: int) -> dict:
+    """A rung's derived ratios and bounds from its full-launch figures and its counted points (no counting)."""
+    b, key, why = lower_bounds({"full": full, "counted": counted}, plan, rung, threads)
+    return {"derived": derived(full, plan, splits), "bounds": bound_figures(b, plan.case, key, why)}
 
 
 def rederive(result: dict) -> dict:
     """`result` (what `ladder` returned) with every derivation made again from its full-launch figures: after a
     change to the bound model or to the committed SASS that moves no count."""
     by_label = {p.case.label: p for p in plans() + plans(quick=True)}
+    result["machine"], result["note"] = asdict(bounds.H100_SXM), NOTE
     for label, case in every_case(result):
         case["operator"] = by_label[label].case.operator
         case["default"] = default_call(by_label[label], case["threads"])
         for rung, shown in case["rungs"].items():
-            shown.update(derivations(shown["full"], by_label[label], int(rung), case["threads"],
+            shown.update(derivations(shown["full"], shown["counted"], by_label[label], int(rung), case["threads"],
                                      shown["derived"]["splits"]))
     return result
 
@@ -435,6 +493,12 @@ def every_case(result: dict):
     return [item for key in ("cases", "operators") for item in result.get(key, {}).items()]
 
 
+NOTE = ("counted in numba's CUDA simulator on cut-down launches and scaled to the full grid (see "
+        "cacheattn/lab/counters.py); DRAM bytes count every distinct sector of a launch once (an L2 that holds the "
+        "working set); the bounds are derived lower bounds on time, never timings: the largest of every term of "
+        "cacheattn.bounds (machine.sources cites each rate), the SASS terms read from docs/kernel-ladder-sass.json")
+
+
 def selected_plans(quick: bool = False, cases=None) -> list[Plan]:
     """The plans `ladder` counts: every bench case's, or those whose labels `cases` names."""
     return [p for p in plans(quick) if cases is None or p.case.label in cases]
@@ -448,11 +512,7 @@ def ladder(quick: bool = False, threads: int = THREADS, jobs: int = 1, cases=Non
     work = {p.case.label: plan_jobs(p, threads, rungs) for p in selected}
     every = [job for jobs_ in work.values() for job in jobs_]
     counted = iter(count_jobs(every, jobs, on_count))        # one pool for every case's launches
-    result = {"machine": asdict(bounds.H100_SXM),
-              "note": "counted in numba's CUDA simulator on cut-down launches and scaled to the full grid (see "
-                      "cacheattn/lab/counters.py); DRAM bytes count every distinct sector of a launch once (an L2 "
-                      "that holds the working set); the bounds are derived lower bounds on time, never timings",
-              "cases": {}}
+    result = {"machine": asdict(bounds.H100_SXM), "note": NOTE, "cases": {}}
     for p in selected:
         shown = assemble(p, work[p.case.label], [next(counted) for _ in work[p.case.label]], threads)
         result.setdefault(section(p.case), {})[p.case.label] = shown
@@ -484,6 +544,8 @@ def _cell(value) -> str:
         return "-"
     if isinstance(value, str):
         return value
+    if isinstance(value, list):
+        return ", ".join(map(str, value))
     if isinstance(value, float) and value.is_integer() and abs(value) >= 1000:
         value = int(value)
     return f"{value:,}" if isinstance(value, int) else f"{value:.3g}"
@@ -525,14 +587,14 @@ def print_ladder(result: dict) -> None:
         print_case(label, case)
     _console.say("Counted in numba's CUDA simulator on cut-down launches, never timed: one kv head with its query "
                  "heads (4 in GQA, 1 in multi-head attention), at the lengths named, fitted along the sequence and "
-                 "scaled across the grid "
-                 "(cacheattn/lab/counters.py says how). DRAM bytes: every distinct 32-byte sector of a launch once "
-                 "(an L2 that holds the working set). Rows marked derived are lower bounds on the full launch's "
-                 f"time on an {bounds.H100_SXM.name} (its peak rates, the busiest SM's share of the blocks), never "
-                 "timings. The issue row is an estimate, not a bound: the key loop's static SASS body once per trip "
-                 "of every warp. The latency row, an estimate too, is Little's law: the loads a warp of the SASS key "
-                 "loop has in flight at most, times the warps an SM holds, against HBM's bandwidth x its latency per "
-                 "SM.")
+                 "scaled across the grid (cacheattn/lab/counters.py says how). DRAM bytes: every distinct 32-byte "
+                 "sector of a launch once (an L2 that holds the working set). Rows marked derived are lower bounds on "
+                 f"the call's time on an {bounds.H100_SXM.name} (cacheattn.bounds: each resource at its cited rate, "
+                 "the busiest SM's share of the blocks), never timings; the bound is the largest. The issue, MUFU, "
+                 "latency and wave rows read the committed SASS (docs/kernel-ladder-sass.json): every trip of the "
+                 "shortest path through the key loop that does its memory, mma, exp and barrier work, the masked "
+                 "tail included, plus what a warp runs once; the chain of dependent round trips of a trip at HBM's "
+                 "unloaded latency, over the warps an SM holds.")
 
 
 # The command line's names of the bench cases.
@@ -607,7 +669,7 @@ def rung_summary(result: dict, rung: int) -> str:
             continue
         b, d = r["bounds"], r["derived"]
         conflicts = key_loop_conflicts(r, case_of(label, case["case"]).row_bytes)
-        line = (f"{_short(label):<10} ≥ {b['lower bound µs (derived)']:>7,.1f} µs ({b['limited by']}, "
+        line = (f"{_short(label):<10} ≥ {b['lower bound µs (derived)']:>7,.1f} µs (bound: {_limits(b)}; "
                 f"{b['HBM share at the bound']:.0%} of HBM); DRAM/floor {b['DRAM / floor (derived)']:.3f}; K/V sectors "
                 f"{d['K/V ld sector efficiency']:.0%} used, read {d['K/V reads per block (loaded / must see)']:.2f}x "
                 f"a block; {conflicts}")
@@ -615,12 +677,16 @@ def rung_summary(result: dict, rung: int) -> str:
             line += f"; {d['splits']} splits, {d['blocks (attention)']} blocks"
         if d["HMMA / (FLOPs / 4096)"]:
             line += f"; HMMA {d['HMMA / (FLOPs / 4096)']:.2f}x FLOPs/4096"
-        if "issue µs (SASS estimate)" in b:
-            line += f"; issue ≈ {b['issue µs (SASS estimate)']:,.0f} µs (SASS estimate)"
-        if "TFLOP/s at the bound (derived)" in b:
-            line += f"; {b['TFLOP/s at the bound (derived)']:.0f} TFLOP/s"
+        if "TFLOP/s at most (derived)" in b:
+            line += f"; ≤ {b['TFLOP/s at most (derived)']:.0f} TFLOP/s (bound)"
         lines.append(line)
     return "\n".join(lines)
+
+
+def _limits(b: dict) -> str:
+    """'limited by X; then Y, Z' of a written rung's bounds."""
+    then = ", ".join(f"{name} ≥ {b[name + ' µs (derived)']:,.1f}" for name in b.get("then", []))
+    return f"{b['limited by']}" + (f"; then {then}" if then else "")
 
 
 def key_loop_conflicts(shown: dict, row_bytes: int) -> str:
@@ -661,9 +727,9 @@ def operators_summary(result: dict) -> str:
             mark = "  default" if default["counted as"] == rung else ""
             # A prefill is held by its arithmetic: its tensor-core work against the FLOPs, and the rate at its bound.
             arithmetic = "".join((f"; HMMA {d['HMMA / (FLOPs / 4096)']:.3f}x FLOPs/4096" if d["HMMA / (FLOPs / 4096)"]
-                                  else "", f"; {b['TFLOP/s at the bound (derived)']:.0f} TFLOP/s"
-                                  if "TFLOP/s at the bound (derived)" in b else ""))
-            lines.append(f"  rung {rung}: ≥ {b['lower bound µs (derived)']:>7,.1f} µs ({b['limited by']}, "
+                                  else "", f"; ≤ {b['TFLOP/s at most (derived)']:.0f} TFLOP/s (bound)"
+                                  if "TFLOP/s at most (derived)" in b else ""))
+            lines.append(f"  rung {rung}: ≥ {b['lower bound µs (derived)']:>7,.1f} µs (bound: {_limits(b)}; "
                          f"{b['HBM share at the bound']:.0%} of HBM); DRAM/floor {b['DRAM / floor (derived)']:.3f}; "
                          f"K/V sectors {_share(d['K/V ld sector efficiency'])} used, read "
                          f"{d['K/V reads per block (loaded / must see)']:.2f}x a block; {conflicts}"

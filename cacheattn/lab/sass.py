@@ -10,7 +10,11 @@ spills, static shared memory) and disassembles the cubin with `nvdisasm`. From t
 - the theoretical occupancy on sm_90 by the occupancy calculator's rules (`occupancy`);
 - the key loop: the backward branch whose body holds the most global loads (the loop over keys; inner loops of
   rung 1 sit inside it), and its *static* instruction mix: each instruction of the body counted once, however
-  often it runs (`instruction_mix`).
+  often it runs (`instruction_mix`);
+- for the bounds (`cacheattn.bounds`): the shortest path through one trip of the key loop that still does its
+  memory, shuffle, mma, exp2 and barrier work (`trip_path`, `path_mix`), the shortest path a warp runs once around
+  it (`outside_path`: prologue, the query's loads, merge, epilogue), and the chain of global round trips a trip
+  waits on in series (`dependent_chain`).
 
     python -m cacheattn.lab.sass [--write docs/kernel-ladder-sass.json] [--rung 3] [--cache int8] [--operator trtllm]
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -83,7 +88,8 @@ TRT_CACHES = ("float16", "int8", "fp8")               # TensorRT-LLM's KV cache 
 # writing split-K partials) and on rung 5's decode kernel, its default at the headline decode.
 VARIANTS = tuple([Variant(rung, cache) for rung in range(1, 6) for cache in CACHES]
                  + [Variant(5, cache, "prefill") for cache in CACHES]
-                 + [Variant(rung, cache, operator="trtllm") for rung in (3, 5) for cache in TRT_CACHES])
+                 + [Variant(rung, "float16", "prefill") for rung in range(1, 5)]
+                 + [Variant(rung, cache, operator="trtllm") for rung in (1, 3, 5) for cache in TRT_CACHES])
 
 
 class ToolMissing(RuntimeError):
@@ -312,6 +318,208 @@ def _short(text: str) -> str:
     return re.sub(r"\s+", " ", text)[:96]
 
 
+# ------------------------------------------------------------------------------ paths and chains (for the bounds)
+
+# The work a trip (or a warp's whole run) must do: the shortest path the bounds count still runs these.
+_MUST = ("LDG", "LD.", "STG", "ST.", "LDS", "STS", "HMMA", "MUFU.EX2", "BAR", "SHFL")
+# Instructions that never fall through to the next one.
+_NO_FALLTHROUGH = ("EXIT", "RET")
+
+
+def _global_load_bytes(op: str) -> int:
+    """Bytes a lane of a global load reads (LDG, or a generic LD the compiler could not prove global), else 0."""
+    if op.startswith("LDG"):
+        return load_bytes(op)
+    if op.startswith("LD.") or op == "LD":
+        return load_bytes("LDG" + op[2:])
+    return 0
+
+
+def _must(op: str) -> bool:
+    return op.startswith(_MUST) and not op.startswith(("LDSM", "LDC", "LDL", "STL"))
+
+
+def _successors(instructions, i, first, last) -> list:
+    """Forward successors of instruction i inside [first, last]: its fall-through, unless it is an unconditional
+    branch, an EXIT or a RET, and a forward branch's target (back edges, the loops' repeats, are left out)."""
+    where = _label_index(instructions)
+    _, text, _ = instructions[i]
+    op, predicated = opcode(text), text.startswith("@")
+    out = []
+    # BRA.DIV (taken only when the warp has diverged) falls through like a predicated branch
+    unconditional = (op == "BRA" or op.startswith(_NO_FALLTHROUGH)) and not predicated
+    if not unconditional and i + 1 <= last:
+        out.append(i + 1)
+    if op.startswith("BRA"):
+        target = _TARGET.search(text)
+        j = where.get(target.group(1)) if target else None
+        if j is not None and i < j <= last and j >= first:
+            out.append(j)
+    return out
+
+
+_LABELS: dict = {}
+
+
+def _label_index(instructions) -> dict:
+    key = id(instructions)
+    if key not in _LABELS:
+        _LABELS.clear()
+        _LABELS[key] = {label: i for i, (_, _, labels) in enumerate(instructions) for label in labels}
+    return _LABELS[key]
+
+
+def _distances(instructions, start, first, last) -> dict:
+    """Fewest instructions from `start` (counted) to each instruction reachable forward within [first, last]
+    (each counted too): the path's length up to and including it."""
+    dist = {start: 1}
+    for i in range(start, last + 1):
+        if i not in dist:
+            continue
+        for j in _successors(instructions, i, first, last):
+            if dist.get(j, math.inf) > dist[i] + 1:
+                dist[j] = dist[i] + 1
+    return dist
+
+
+def _path(instructions, start, first, last, ends) -> list:
+    """The instructions of the shortest forward path from `start` to one of `ends` that still runs the trip's
+    must-do work: every memory, shuffle, mma, exp2 and barrier instruction in address order that the path so far
+    can reach (of two alternatives, the first; a later one no longer reachable is left out). Inner loops count
+    once. Returns instruction indices in order."""
+    must = [i for i in range(start, last + 1) if _must(opcode(instructions[i][1]))]
+    path, at = [], start
+    for target in [m for m in must if m != start] + [None]:
+        dist = _distances(instructions, at, first, last)
+        if target is None:
+            reachable = [e for e in ends if e in dist]
+            if not reachable:
+                raise ValueError(f"no path from /*{instructions[at][0]:04x}*/ to the end of the span")
+            target = min(reachable, key=dist.get)
+        elif target not in dist or not any(e in _distances(instructions, target, first, last) for e in ends):
+            continue
+        # walk back along the distances from target to at
+        segment, j = [target], target
+        while j != at:
+            j = next(p for p in range(at, j) if j in _successors(instructions, p, first, last)
+                     and dist.get(p, math.inf) == dist[j] - 1)
+            segment.append(j)
+        path += segment[::-1][1:] if path else segment[::-1]
+        at = target
+    return path
+
+
+def path_mix(instructions, path) -> dict:
+    """Classes on a path: total, LDG (global loads, generic LD included), global load bytes a warp, STG, LDS, STS,
+    SHFL, HMMA, MUFU.EX2, BAR, CALL (calls to the compiler's helpers, such as 64-bit division, whose bodies the
+    path does not count)."""
+    out = dict(total=len(path), LDG=0, load_bytes=0, STG=0, LDS=0, STS=0, SHFL=0, HMMA=0, EX2=0, BAR=0, CALL=0)
+    for i in path:
+        op = opcode(instructions[i][1])
+        size = _global_load_bytes(op)
+        if size:
+            out["LDG"] += 1
+            out["load_bytes"] += 32 * size
+        head = op.split(".")[0]
+        if head in ("STG", "LDS", "STS", "SHFL", "HMMA", "BAR", "CALL"):
+            out[head] += 1
+        elif op.startswith("ST.") and not op.startswith("STL"):
+            out["STG"] += 1
+        elif op.startswith("MUFU.EX2"):
+            out["EX2"] += 1
+    return out
+
+
+def _most_work_path(instructions, start, first, last, ends) -> list:
+    """The forward path from `start` to one of `ends` with the most must-do instructions, the shortest of those."""
+    best, previous = {start: (-int(_must(opcode(instructions[start][1]))), 1)}, {}
+    for i in range(start, last + 1):
+        if i not in best:
+            continue
+        for j in _successors(instructions, i, first, last):
+            cost = (best[i][0] - int(_must(opcode(instructions[j][1]))), best[i][1] + 1)
+            if j not in best or cost < best[j]:
+                best[j], previous[j] = cost, i
+    end = min((e for e in ends if e in best), key=best.get)
+    path = [end]
+    while path[-1] != start:
+        path.append(previous[path[-1]])
+    return path[::-1]
+
+
+def trip_path(instructions, span) -> list:
+    """The shortest path through one trip of the loop `span` (its head to its closing branch) that still does the
+    trip's must-do work: of two ways to choose it (`_path`, the first of alternatives; the path with the most
+    must-do instructions), the shorter. Inner loops count once."""
+    first, last = span
+    return min(_path(instructions, first, first, last, [last]),
+               _most_work_path(instructions, first, first, last, [last]), key=len)
+
+
+def outside_path(instructions, span) -> list:
+    """The shortest path of a warp from the kernel's entry to its EXIT that passes the loop `span` (counted as
+    none of its own instructions) and runs the must-do work before and after it: the prologue, the query's
+    loads, the merge and the epilogue, what runs once per warp."""
+    first, last = span
+    exits = [i for i, (_, text, _) in enumerate(instructions) if opcode(text).startswith("EXIT")]
+    after = [e for e in exits if e > last]
+    if not after:
+        raise ValueError("no EXIT after the key loop")
+    before = _path(instructions, 0, 0, first, [first])[:-1] if first else []
+    end = max(after)
+    return before + _path(instructions, last + 1, last + 1, end, after)
+
+
+def _reads_writes(text: str):
+    words = text.split()
+    if words and words[0].startswith("@"):
+        words = words[1:]
+    if not words:
+        return "", set(), set()
+    op, operands = words[0], " ".join(words[1:])
+    head = operands.split(",")[0] if "," in operands else operands
+    writes = set() if op.startswith(_NO_DESTINATION) else _registers(head)
+    reads = _registers(operands[len(head):] if writes else operands)
+    return op, reads, writes
+
+
+def dependent_chain(instructions, path, hbm_weight: float = 690.0, near_weight: float = 30.0,
+                    passes: int = 3) -> dict:
+    """The global round trips one warp waits on in series per trip of a loop whose trip runs `path`.
+
+    The warp issues in order: an instruction that reads (or overwrites) a register a load has not yet filled
+    waits for it, so every later instruction issues after that load's round trip; a load's data arrive one round
+    trip after it issues. Walking the path `passes` times (the registers a trip leaves in flight carry into the
+    next, as a software-pipelined loop's do), the last pass's advance of the issue point is the trip's chain. A
+    16-byte load (a lane's piece of K or V, 512 fresh bytes a warp) is a round trip to HBM; a narrower one (a
+    page-table entry, an index, a scale, or a narrow K/V piece whose line a neighbouring load may have brought) is
+    charged as an L1 hit, the least any load waits; the weights order them (clocks). Returns hbm and near (the
+    round trips of the chain), trip_bytes (global load bytes a warp's trip asks for) and loads."""
+    def later(a, b):
+        return a if a[0] * hbm_weight + a[1] * near_weight >= b[0] * hbm_weight + b[1] * near_weight else b
+
+    ready, issue, marks = {}, (0, 0), []
+    for _ in range(passes):
+        for i in path:
+            op, reads, writes = _reads_writes(instructions[i][1])
+            for reg in reads | writes:
+                if reg in ready:
+                    issue = later(issue, ready[reg])
+            size = _global_load_bytes(op)
+            if size:
+                done = (issue[0] + 1, issue[1]) if size >= 16 else (issue[0], issue[1] + 1)
+                first = min(writes) if writes else 0
+                for reg in range(first, first + max(1, size // 4)):
+                    ready[reg] = done
+            else:
+                for reg in writes:
+                    ready.pop(reg, None)
+        marks.append(issue)
+    (h0, l0), (h1, l1) = marks[-2], marks[-1]
+    mix = path_mix(instructions, path)
+    return dict(hbm=h1 - h0, near=l1 - l0, trip_bytes=mix["load_bytes"], loads=mix["LDG"])
+
+
 # --------------------------------------------------------------------------------------------------------- occupancy
 
 def occupancy(registers: int, shared_static: int, shared_dynamic: int, threads: int, sm=SM90) -> dict:
@@ -431,6 +639,10 @@ def analyse(variant: Variant, ptxas_text: str, sass_text: str, threads: int) -> 
     body = instructions[span[0]:span[1] + 1]
     inner = [(a, b) for a, b in loops(instructions) if span[0] <= a and b <= span[1] and (a, b) != span]
     walks = page_walks(instructions, inner)
+    try:
+        trip, once = trip_path(instructions, span), outside_path(instructions, span)
+    except (ValueError, StopIteration) as exc:
+        raise ValueError(f"{variant.key}: the SASS paths could not be read ({exc})") from exc
     return dict(rung=variant.rung, cache=variant.cache, phase=variant.phase, kernel=variant.kernel,
                 threads=threads, **resources, shared_dynamic=0,         # numba's kernels declare static arrays only
                 spill_bytes=resources["spill_stores"],                 # bytes a thread spills (and reloads)
@@ -438,7 +650,9 @@ def analyse(variant: Variant, ptxas_text: str, sass_text: str, threads: int) -> 
                 instructions=len(instructions), loops=len(loops(instructions)),
                 key_loop=dict(first=body[0][0], last=body[-1][0], inner_loops=len(inner), walk_loops=len(walks),
                               mix=instruction_mix(body), in_flight=loads_in_flight(body),
-                              excerpt=excerpt(instructions, span)))
+                              trip=path_mix(instructions, trip), chain=dependent_chain(instructions, trip),
+                              excerpt=excerpt(instructions, span)),
+                once_per_warp=path_mix(instructions, once))
 
 
 # ------------------------------------------------------------------------------------------------------------ cache
@@ -538,8 +752,16 @@ COMMITTED = ROOT / "docs" / "kernel-ladder-sass.json"
 def committed(path=COMMITTED) -> dict:
     """The figures `python -m cacheattn.lab.sass --write docs/kernel-ladder-sass.json` wrote: tools, target, shapes
     and variants (key -> figures); the ladder page reads them (tests/test_lab_sass.py checks them against a
-    fresh compile)."""
-    return json.loads(Path(path).read_text())
+    fresh compile). ValueError naming the file when it is not such a JSON document."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{Path(path).name}: not the JSON `python -m cacheattn.lab.sass --write` writes ({exc}); "
+                         f"write it again") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("variants"), dict):
+        raise ValueError(f"{Path(path).name}: no 'variants' map; write it again with python -m cacheattn.lab.sass "
+                         f"--write")
+    return data
 
 
 def show_loop(result: dict) -> str:
