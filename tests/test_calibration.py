@@ -4,7 +4,6 @@ import copy
 import json
 import math
 import re
-from types import SimpleNamespace
 
 import pytest
 
@@ -147,24 +146,42 @@ def test_committed_file_with_a_broken_entry_raises(tmp_path):
         calibration.check([], "broken")
 
 
-def test_terms_take_the_machine():
-    """A richer Machine replaces the rates: twice the clock halves every per-SM term, and a Machine's own
-    mufu_per_clock / dram_fraction win over the defaults."""
+def test_terms_go_through_the_bound_model_and_take_its_machine():
+    """The terms are `cacheattn.bounds.ceilings` of the kernel's work: twice the clock halves every per-SM term,
+    another HBM rate moves the DRAM term alone, and the stored bound follows the machine it was derived on."""
+    from dataclasses import replace
+
+    from cacheattn import bounds
+
     entry = KERNELS["fa2_fwd_hdim128"]
     base = calibration.default_machine()
-    fields = {name: getattr(base, name) for name in base.__dataclass_fields__}
-    fast = SimpleNamespace(**dict(fields, clock_hz=2 * base.clock_hz, mufu_per_clock=32, dram_fraction=0.5))
-    was, now = calibration.terms(entry, base), calibration.terms(entry, fast)
-    for term in ("tensor", "shared", "issue", "FMA"):
-        assert math.isclose(now[term][0], was[term][0] / 2), term
-    assert math.isclose(now["MUFU"][0], was["MUFU"][0] / 4)
-    assert math.isclose(now["DRAM"][0], was["DRAM"][0] * 2)
-    # mma.sync's own rate and an L2 rate, once a Machine has them
-    assert "L2" not in was
-    richer = SimpleNamespace(**dict(fields, mma_sync_per_clock=base.mma_per_clock / 2, l2_bytes_per_s=5e12))
-    found = calibration.terms(entry, richer)
-    assert math.isclose(found["tensor"][0], was["tensor"][0] * 2)
-    assert math.isclose(found["L2"][0], entry["l2_bytes"]["value"] / 5e12 * 1e6)
+    assert calibration.terms(entry) == {name: (fig.value, fig.how) for name, fig in
+                                        bounds.ceilings(calibration.work(entry), base).resources.items()}
+    was = calibration.terms(entry, base)
+    fast = calibration.terms(entry, replace(base, clock_hz=2 * base.clock_hz))
+    for term in ("tensor", "shared", "issue", "FMA", "MUFU", "LSU"):
+        assert math.isclose(fast[term][0], was[term][0] / 2), term
+    slow_hbm = calibration.terms(entry, replace(base, hbm_bytes_per_s=base.hbm_bytes_per_s / 2))
+    assert math.isclose(slow_hbm["DRAM"][0], was["DRAM"][0] * 2)
+    assert slow_hbm["tensor"] == was["tensor"]
+    # FlashAttention-2 re-reads K and V from L2 (every query block), and its trips wait on HBM one tile apart
+    assert was["L2"][0] > 0 and was["latency"][0] > 0
+
+
+def test_the_ladder_data_carries_the_calibration_list():
+    """docs/kernel-ladder-counts.json's `calibration`: every kernel with its source, shape, published time and this
+    model's bound, as `python -m cacheattn.lab.calibration --update` writes it; published kernels sit within the
+    model's aim, 0.5 to 1.0 of the published time (a lower bound above a measurement would be a wrong model)."""
+    from cacheattn.lab import counters
+
+    listed = counters.committed()["calibration"]
+    assert listed == calibration.entries(DATA)
+    published = [e for e in listed if e["published_us"]]
+    assert len(published) >= 2
+    for e in listed:
+        assert e["kernel"] and e["source"]["code"] and e["shape"]
+    for e in published:
+        assert 0.5 <= e["bound / published"] <= 1.0, e["key"]
 
 
 SASS = """

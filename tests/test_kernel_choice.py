@@ -7,6 +7,7 @@ picks, its launches recorded and its output held to a float64 evaluation by the 
 
 import functools
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st

@@ -22,7 +22,6 @@ time to something no term charges for (latency, dependencies, a pipe slower than
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
 import re
@@ -30,46 +29,16 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from .. import bounds
 from . import sass
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "docs" / "calibration-sass.json"
 
 
-def _bounds_module():
-    """The bound model's module, where it lives now: `cacheattn.bounds` (its new home) or `cacheattn.lab.bounds`."""
-    for name in ("cacheattn.bounds", "cacheattn.lab.bounds"):
-        try:
-            return importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:
-                raise
-    raise ModuleNotFoundError("cacheattn.bounds (or cacheattn.lab.bounds): the bound model is missing")
-
-
 def default_machine():
-    """The bound model's H100 SXM (`H100_SXM`)."""
-    return _bounds_module().H100_SXM
-
-
-# Rates the terms need that the bound model's `Machine` may not carry yet; a Machine attribute of the same name wins,
-# so a richer Machine replaces these without a change here.
-EXTRA_RATES = dict(
-    # Achievable share of the HBM bandwidth: 1.0, the datasheet's 3.35 TB/s, so the DRAM term stays a lower bound.
-    dram_fraction=1.0,
-    # mma.sync's m16n8k16 per clock per SM: None falls back to Machine.mma_per_clock, the dense rate the datasheet
-    # implies for wgmma, which mma.sync does not reach on Hopper; a Machine with its measured rate replaces it.
-    mma_sync_per_clock=None,
-    # L2 bytes per second: None leaves the L2 term out until the Machine carries a cited figure.
-    l2_bytes_per_s=None,
-    # MUFU (ex2, rcp, lg2, ...) results per clock per SM on compute capability 9.0: 16 (CUDA C++ Programming Guide,
-    # "Arithmetic Instructions" throughput table: 32-bit reciprocal, base-2 exponential and logarithm, sine, cosine).
-    mufu_per_clock=16,
-)
-
-
-def _rate(machine, name):
-    return getattr(machine, name, EXTRA_RATES.get(name))
+    """The bound model's H100 SXM (`cacheattn.bounds.H100_SXM`)."""
+    return bounds.H100_SXM
 
 
 # --------------------------------------------------------------------------------------- statistics from the SASS
@@ -255,57 +224,48 @@ def check(entry: dict, name: str = "?") -> None:
         raise ValueError(f"calibration entry {name!r}: published_us.value must be positive or null")
 
 
-def terms(entry: dict, machine=None) -> dict:
-    """{term: (µs, formula)} of one kernel from its statistics, on `machine` (the bound model's H100_SXM by default;
-    any object with its fields, plus optional EXTRA_RATES names). Per-SM terms charge the busiest SM, which runs
-    ceil(blocks / SMs) blocks, as the bound model does. Counts from the main loop are per warp a trip; a trip may skip
-    `skipped_per_trip` instructions (a prefetch the last trip leaves out, a page-table refresh most trips skip), so the
-    issue term counts instructions - skipped: a lower bound. Prologue and epilogue are left out of the issue, MUFU and
-    FMA terms (each is one trip's worth at most) but their HMMA count (a peeled first trip) is in the tensor term."""
+def work(entry: dict) -> bounds.Work:
+    """The call's work (`cacheattn.bounds.Work`) from one kernel's statistics: the main loop's counts per warp a
+    trip times its trips and the grid's warps, plus what each warp runs outside it once (prologue, the peeled first
+    tile, epilogue). A trip may skip `skipped_per_trip` instructions (a prefetch the last trip leaves out), so the
+    issue counts instructions - skipped: a lower bound. The latency chain is the main loop's dependent global round
+    trips over how many trips ahead its copies are issued (`trips_ahead`: cp.async one or two tiles ahead hides
+    that much of HBM's latency)."""
     check(entry)
-    m = machine or default_machine()
-    launch, loop, out_mix = entry["launch"], entry["main_loop"], entry["outside_main_loop"]["mix"]
-    blocks, warps = launch["blocks"], math.ceil(launch["threads"] / 32)
+    launch, loop, outside = entry["launch"], entry["main_loop"], entry["outside_main_loop"]
+    warps = math.ceil(launch["threads"] / 32)
+    warp_count = launch["blocks"] * warps
     trips = loop["trips_per_block"]
-    busiest = math.ceil(blocks / m.sms) * m.sms / blocks
-    per_clock = m.sms * m.clock_hz / busiest / 1e6         # SM-clocks per µs, the busiest SM's share
-    clock = f"{m.sms} SMs x {m.clock_hz / 1e9:g} GHz / {busiest:.4g} (busiest SM)"
-    grid = f"{blocks} blocks x {warps} warps"
-    out = {}
-    dram = entry["dram_bytes"]["value"]
-    rate = m.hbm_bytes_per_s * _rate(m, "dram_fraction")
-    out["DRAM"] = (dram / rate * 1e6, f"{dram:,.0f} B ({entry['dram_bytes']['how']}) / ({rate / 1e12:g} TB/s)")
-    hmma = blocks * warps * (loop["mix"]["HMMA"] * trips + out_mix["HMMA"])
-    if hmma:
-        mma = _rate(m, "mma_sync_per_clock") or m.mma_per_clock
-        out["tensor"] = (hmma / (mma * per_clock),
-                         f"HMMA.16816 {grid} x ({loop['mix']['HMMA']} x {trips} trips + {out_mix['HMMA']}) = "
-                         f"{hmma:,.0f} / ({mma:g} per clock x {clock})")
-    l2_rate = _rate(m, "l2_bytes_per_s")
-    if l2_rate and "l2_bytes" in entry:
-        moved = entry["l2_bytes"]["value"]
-        out["L2"] = (moved / l2_rate * 1e6, f"{moved:,.0f} B ({entry['l2_bytes']['how']}) / ({l2_rate / 1e12:g} TB/s)")
-    fronts = blocks * warps * loop["wavefronts"] * trips
-    if fronts:
-        out["shared"] = (fronts / (m.shared_wavefronts_per_clock * per_clock),
-                         f"wavefronts {grid} x {loop['wavefronts']} x {trips} trips = {fronts:,.0f} / "
-                         f"({m.shared_wavefronts_per_clock} per clock x {clock})")
-    issued = blocks * warps * (loop["instructions"] - loop["skipped_per_trip"]) * trips
-    out["issue"] = (issued / (m.issue_per_clock * per_clock),
-                    f"warp instructions {grid} x ({loop['instructions']} - {loop['skipped_per_trip']} skippable) x "
-                    f"{trips} trips = {issued:,.0f} / ({m.issue_per_clock} per clock x {clock})")
-    ex2 = blocks * warps * loop["mix"]["MUFU.EX2"] * trips
-    if ex2:
-        mufu = _rate(m, "mufu_per_clock")
-        out["MUFU"] = (ex2 * 32 / (mufu * per_clock),
-                       f"MUFU.EX2 {grid} x {loop['mix']['MUFU.EX2']} x {trips} trips x 32 lanes = {ex2 * 32:,.0f} / "
-                       f"({mufu} per clock x {clock})")
-    fma = blocks * warps * loop["mix"]["FMA pipe"] * trips
-    if fma:
-        out["FMA"] = (fma * 32 / (m.fma_per_clock * per_clock),
-                      f"FP32-pipe {grid} x {loop['mix']['FMA pipe']} x {trips} trips x 32 lanes = {fma * 32:,.0f} / "
-                      f"({m.fma_per_clock} per clock x {clock})")
-    return out
+
+    def each_warp(in_loop, once=0):
+        return warp_count * (in_loop * trips + once)
+
+    lsu = ("LDS", "STS", "SHFL", "LDSM")
+    mix, out_mix = loop["mix"], outside["mix"]
+    return bounds.Work(
+        dram_bytes=entry["dram_bytes"]["value"],
+        l2_bytes=entry["l2_bytes"]["value"] if "l2_bytes" in entry else 0.0,
+        shared_wavefronts=each_warp(loop["wavefronts"]),
+        mma=each_warp(mix["HMMA"], out_mix["HMMA"]),
+        fma_flops=2 * 32 * each_warp(mix["FMA pipe"]),
+        ex2=each_warp(mix["MUFU.EX2"], out_mix["MUFU.EX2"]),
+        lsu_instructions=each_warp(sum(mix.get(k, 0) for k in lsu), sum(out_mix.get(k, 0) for k in lsu)),
+        warp_instructions=each_warp(loop["instructions"] - loop["skipped_per_trip"], outside["instructions"]),
+        launches=launch.get("launches", 1),
+        blocks=launch["blocks"], blocks_per_sm=entry["occupancy"]["blocks_per_sm"], warps_per_block=warps,
+        warp_trips=each_warp(1), chain_hbm=loop["dependent_global_loads"] / loop.get("trips_ahead", 1),
+        trip_bytes=16 * 32 * (mix.get("LDGSTS", 0) + mix.get("LDG.128", 0)))
+
+
+def ceilings(entry: dict, machine=None) -> bounds.Bounds:
+    """Every term of the bound model (`cacheattn.bounds.ceilings`) for one kernel's statistics."""
+    return bounds.ceilings(work(entry), machine or default_machine())
+
+
+def terms(entry: dict, machine=None) -> dict:
+    """{term: (µs, formula)} of one kernel, the bound model's terms on `machine` (H100_SXM by default)."""
+    found = ceilings(entry, machine)
+    return {name: (fig.value, fig.how) for name, fig in found.resources.items()}
 
 
 def bound(entry: dict, machine=None) -> tuple[float, str]:
@@ -313,6 +273,33 @@ def bound(entry: dict, machine=None) -> tuple[float, str]:
     found = terms(entry, machine)
     name = max(found, key=lambda k: found[k][0])
     return found[name][0], name
+
+
+def rebound(data: dict, machine=None) -> dict:
+    """`data` with each kernel's `bound_us` (to 1 ns) and `binding_term` recomputed through the bound model."""
+    for entry in data["kernels"].values():
+        value, name = bound(entry, machine)
+        entry["bound_us"], entry["binding_term"] = round(value, 3), name
+    return data
+
+
+def entries(data: dict | None = None, machine=None) -> list[dict]:
+    """The calibration list of docs/kernel-ladder-counts.json: for each outside kernel its name, source (code and
+    published figure), shape, the published time, this model's bound, their ratio and the terms that bind."""
+    data = committed() if data is None else data
+    out = []
+    for key, entry in data["kernels"].items():
+        found = ceilings(entry, machine)
+        published = entry["published_us"]["value"]
+        source = entry["source"]
+        out.append({"key": key, "kernel": entry["kernel"],
+                    "source": {"code": f"{source['repo']} at {source['commit']}",
+                               "published": entry["published"].get("what", ""),
+                               "citation": source.get("citation", "")},
+                    "shape": entry["shape"], "published_us": published, "bound_us": round(found.bound_us, 3),
+                    "bound / published": round(found.bound_us / published, 3) if published else None,
+                    "limited by": found.ranked[:3]})
+    return out
 
 
 def committed(path=COMMITTED) -> dict:
@@ -381,6 +368,8 @@ def main(argv=None) -> int:
     parser.add_argument("--terms", action="store_true", help="print every term with its formula")
     parser.add_argument("--derive", metavar="OUT", help="read the build script's OUT folder (needs --write)")
     parser.add_argument("--write", metavar="JSON", help="write the derived statistics here")
+    parser.add_argument("--update", action="store_true", help="recompute every bound through the bound model into "
+                        "the statistics and into docs/kernel-ladder-counts.json's calibration list")
     args = parser.parse_args(argv)
     if args.derive:
         if not args.write:
@@ -390,13 +379,17 @@ def main(argv=None) -> int:
         if not meta:
             parser.error(f"{args.write}: no kernel metadata (source, shape, launch, published) to derive into")
         existing["kernels"] = derive_all(args.derive, meta)
-        for entry in existing["kernels"].values():
-            entry["bound_us"], entry["binding_term"] = (round(v, 3) if isinstance(v, float) else v
-                                                        for v in bound(entry))
-        Path(args.write).write_text(json.dumps(existing, indent=1, ensure_ascii=False) + "\n")
-        data = existing
+        data = rebound(existing)
+        Path(args.write).write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
     else:
         data = committed(args.json)
+    if args.update:
+        data = rebound(data)
+        Path(args.json).write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+        from . import counters
+        ladder = counters.committed()
+        ladder["calibration"] = entries(data)
+        counters.write_json(counters.COMMITTED, ladder)
     print(table(data))
     if args.terms:
         print(show_terms(data))

@@ -631,6 +631,10 @@ def main(quick: bool = False, cases=None, rungs=None, jobs: int | None = None, w
 
 
 def write_json(path: Path, result: dict) -> None:
+    """Write a run, with the bound model held against outside kernels (`calibration.entries`) beside it."""
+    from . import calibration
+
+    result = {**result, "calibration": calibration.entries()}
     path.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n")
 
 
