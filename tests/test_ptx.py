@@ -8,8 +8,9 @@ compiles one representative per code path (`python -m kernels_numba.ptx_check --
 Compiles cost seconds each, so the suite compiles every family for sm_90 (the Hopper GPUs this project is
 measured on) alone: nothing in the kernels is architecture-specific (rung 5's inline-PTX mma.sync and the
 float16-pair instructions need sm_80 or later and are the same text on both; a family fails unless every compile
-that needs them contains them). `python -m kernels_numba.ptx_check` (both architectures, every family) is the
-whole check, and CACHEATTN_EXAMPLES >= 2 adds sm_80 for every family here.
+that needs them contains them). CI's deep tier (.ci/run) runs `python -m kernels_numba.ptx_check` for sm_80 and
+sm_90 over every variant of the smaller families and a spread of FasterTransformer's and TensorRT-LLM's cross
+products (`--full --stride`); CACHEATTN_EXAMPLES >= 2 adds sm_80 for every family here.
 """
 
 import os
@@ -47,3 +48,18 @@ def test_ft_head_sizes_match_the_public_face():
     from kernels_numba.ptx_check import FT_HEAD_SIZES
 
     assert FT_HEAD_SIZES == HEAD_SIZES
+
+
+def test_a_stride_keeps_every_kernel_and_spreads_over_its_variants():
+    from types import SimpleNamespace
+
+    from kernels_numba.ptx_check import spread
+
+    def launch(name, variant):
+        kernel = SimpleNamespace(py_func=SimpleNamespace(__qualname__=name))
+        return (f"{name} {variant}", kernel, ())
+
+    launches = [launch("attention", v) for v in range(10)] + [launch("combine", v) for v in range(3)]
+    labels = [label for label, _, _ in spread(launches, 4)]
+    assert labels == ["attention 0", "attention 4", "attention 8", "combine 0"]
+    assert spread(launches, 1) == launches
