@@ -88,16 +88,8 @@ def wavefronts(instructions) -> int:
     return total
 
 
-_REGISTER = re.compile(r"\bR(\d+)(\.64)?")
-_NO_DESTINATION = ("ST", "RED", "ATOM", "LDGSTS", "LDGDEPBAR", "DEPBAR", "BRA", "BAR", "EXIT", "BSSY", "BSYNC",
-                   "WARPSYNC", "CALL", "RET", "NOP")
-
-
-def _registers(operands: str) -> set:
-    out = set()
-    for number, pair in _REGISTER.findall(operands):
-        out.update((int(number), int(number) + 1) if pair else (int(number),))
-    return out
+# cp.async (LDGSTS) writes shared memory, not a register, and its commit and wait write none either.
+_NO_DESTINATION = sass._NO_DESTINATION + ("LDGSTS", "LDGDEPBAR", "DEPBAR")
 
 
 def dependent_global_loads(instructions) -> int:
@@ -116,8 +108,8 @@ def dependent_global_loads(instructions) -> int:
             continue
         op, operands = words[0], " ".join(words[1:])
         head = operands.split(",")[0]
-        writes = set() if op.startswith(_NO_DESTINATION) else _registers(head)
-        reads = _registers(operands[len(head):] if writes else operands)
+        writes = set() if op.startswith(_NO_DESTINATION) else sass._registers(head)
+        reads = sass._registers(operands[len(head):] if writes else operands)
         level = max((depth.get(r, 0) for r in reads), default=0)
         if op.startswith(("LDS", "LDSM")):
             level = max(level, shared)
