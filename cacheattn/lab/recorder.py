@@ -726,10 +726,11 @@ _DOCS_BLOCK = re.compile(r"(.*\.md):(\d+)$")
 def _emulating_codes():
     """Code of the simulator twins that stand in for registers (warp shuffles, mma.sync): their shared
     scratch is not memory on a GPU, and their barriers are not barriers there."""
-    from kernels_numba import _mma, _warp
-    twins = [_warp.xor_reduce, _warp.xor_reduce_many, _warp.transpose_sum, _warp.lane_values, _mma.mma_m16n8k16,
-             _mma._quad_values]
-    return [twin.py_func.__code__ for twin in twins if hasattr(twin, "py_func")]
+    from kernels_numba import _async_copy, _mma, _warp
+    twins = [_warp.xor_reduce, _warp.xor_reduce_many, _warp.transpose_sum, _warp.lane_values,
+             getattr(_mma, "_warp_mma", None), _mma._quad_values, getattr(_async_copy, "_ldmatrix", None)]
+    return [getattr(twin, "py_func", twin).__code__ for twin in twins if hasattr(getattr(twin, "py_func", twin),
+                                                                                   "__code__")]
 
 
 def _atomic_codes(kernelapi):
@@ -773,7 +774,8 @@ def record():
     for code in _emulating_codes():
         rec._codes[code] = _EMULATED
     from kernels_numba import _mma
-    rec._mma_code = getattr(_mma.mma_m16n8k16, "py_func", _mma.mma_m16n8k16).__code__
+    # The mma twins (float16 and bfloat16) meet at their two barriers in one shared warp-collective step.
+    rec._mma_code = getattr(_mma._warp_mma, "py_func", _mma._warp_mma).__code__
     for code in _transparent_codes():
         rec._codes[code] = _TRANSPARENT
     for code in _atomic_codes(kernelapi):
