@@ -134,3 +134,69 @@ def update(path: Path, on_block=None) -> int:
 
 def pages(root: Path) -> list[Path]:
     return sorted((root / "docs").glob("*.md"))
+
+
+# Helpers the rung pages call to show code: a function as a GPU compiles it, and a diff of chosen regions.
+
+def _defs(tree, name, simulated=False):
+    """(node, under the simulator's branch) of every top-level or if-nested def/assignment named `name`."""
+    import ast
+
+    found = []
+
+    def visit(body, in_simulated):
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name:
+                found.append((node, in_simulated))
+            elif isinstance(node, ast.If):
+                is_switch = isinstance(node.test, ast.Name) and node.test.id == "SIMULATED"
+                visit(node.body, in_simulated or is_switch)
+                visit(node.orelse, in_simulated)
+    visit(tree.body, False)
+    return found
+
+
+def definition(module, name: str) -> str:
+    """The source of the def `name` in `module` as a GPU compiles it: where the module defines it twice, under
+    `if SIMULATED:` (NumPy stand-ins for the simulator) and `else:`, the `else:` one. Dedented, its decorators
+    included, headed by a comment naming the file and line."""
+    import ast
+    import inspect
+    import textwrap
+
+    text = inspect.getsource(module)
+    found = _defs(ast.parse(text), name)
+    if not found:
+        raise ValueError(f"name: {module.__name__} defines no function {name!r}")
+    node = next((node for node, simulated in found if not simulated), found[0][0])
+    first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+    body = textwrap.dedent("\n".join(text.splitlines()[first - 1:node.end_lineno]))
+    where = module.__name__.replace(".", "/") + ".py"
+    return f"# {where}:{first}\n{body}"
+
+
+def region(text: str, start: str, end: str) -> list[str]:
+    """The lines of `text` from the first holding `start` through the first line after it holding `end`."""
+    lines = text.splitlines()
+    first = next((k for k, line in enumerate(lines) if start in line), None)
+    if first is None:
+        raise ValueError(f"start: no line holds {start!r}")
+    last = next((k for k in range(first, len(lines)) if end in lines[k]), None)
+    if last is None:
+        raise ValueError(f"end: no line after {start!r} holds {end!r}")
+    return lines[first:last + 1]
+
+
+def curated_diff(old: str, new: str, *regions) -> str:
+    """A diff of chosen regions of two sources, not of the whole files: each region is
+    (label, (old start, old end), (new start, new end)), the markers as `region` takes them. Each region's diff is
+    headed `@@ label @@` and keeps the lines both sides share as context."""
+    import difflib
+
+    shown = []
+    for label, (old_start, old_end), (new_start, new_end) in regions:
+        a, b = region(old, old_start, old_end), region(new, new_start, new_end)
+        lines = difflib.unified_diff(a, b, lineterm="", n=max(len(a), len(b)))
+        shown.append(f"@@ {label} @@")
+        shown.extend(line for line in lines if not line.startswith(("---", "+++", "@@")))
+    return "\n".join(shown)
