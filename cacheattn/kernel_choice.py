@@ -301,7 +301,7 @@ def _plan(shape, rung, num_splits, threads, sms, rungs=LADDER, register_decode=T
     cores, why_not_cores = (_cuda_core_rung(shape, answers[VECTOR], threads, sms, split=4 in rungs) if 3 in rungs
                             else (None, "rung 3 not offered"))
     decode = answers.get(DECODE, (None, ""))[0]
-    if cores is not None and decode is not None and shape.decode_sequences == shape.batch:
+    if cores is not None and decode is not None:
         # A decode batch: rung 5 runs its register-fed kernel, against rung 3/4 by the whole model.
         (chosen, b), (fast, b5) = cores, _register_decode(shape, decode, sms)
         if _no_worse(b5, b):
@@ -379,11 +379,15 @@ def _ask(shape, kernel, threads):
 def _answers(shape, threads, rungs, register_decode) -> dict:
     """Each offered candidate's answer, asked once a block size: {kernel: (its RungFit at the first block size of
     `_block_sizes` it fits, or None; the first refusal's text)}. Rung 1 runs any block size (the one asked for, or
-    128); rung 5's decode kernel is asked at the block size rung 3 takes, the call it would take over, and only
-    where the operator's rung 5 has it."""
+    128). Rung 5's decode kernel is asked for a decode batch where the operator's rung 5 has it, at the block size
+    rung 3 takes (the call it would take over); where it serves, it is rung 5's candidate, and the staged kernel
+    is not asked."""
     answers = {}
     for kernel in CANDIDATES:
-        if kernel[0] not in rungs or kernel == DECODE and not register_decode:
+        if kernel[0] not in rungs or kernel == DECODE and not (register_decode and
+                                                               shape.decode_sequences == shape.batch):
+            continue
+        if kernel == STAGED and answers.get(DECODE, (None, ""))[0] is not None:
             continue
         if kernel == DECODE:
             cores = answers.get(VECTOR, (None, ""))[0]

@@ -34,8 +34,6 @@ import math
 import numpy as np
 from numba import cuda
 
-from ._fit import RungFit
-
 SHARED_BYTES = 48 * 1024   # static shared memory a block may declare
 
 
@@ -239,6 +237,8 @@ def fit(shape, threads: int):
     """Rung 1's answer for a call (`_fit.RungFit`): `plan_tiles`'s block, its grid as the launchers size it, its
     key tile a step. Any block size runs (the loops stride by it); a head_dim whose tiles do not fit the shared
     memory gives fits=False and the planner's ValueError text."""
+    from ._fit import RungFit  # here, not above: the pages quote the kernel modules by line
+
     rows = max(shape.max_query_len, 1)
     try:
         heads_per_block, q_tile, key_tile = plan_tiles(shape.num_heads, shape.num_kv_heads, rows, shape.head_dim,
