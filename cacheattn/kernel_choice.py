@@ -27,6 +27,11 @@ on a tie with rung 3); a split, on a lower bound or lower terms after it:
   do not fit those kernels' shared memory at the block size asked for. Rung 2 is never chosen: rung 3 serves every
   call rung 2 can, with fewer instructions a key.
 
+Each candidate is asked once for a call (and block size) what it makes of it: its kernel module's `fit`
+(`kernels_numba._fit.RungFit`: the grid, the block's rows, the keys a block takes a step, its shared memory, and
+whether it fits or the launcher's refusal), computed by the planning functions its launcher calls; the comparison
+builds each answer's bound model from it, and a rung asked for is refused with its answer's message.
+
 Figures in the reasons are lower bounds derived from shapes (never timings), printed as bounds ("≥ 43.7 µs
 (bound: DRAM; then ...)"); with ragged batches they are taken at the longest lengths.
 """

@@ -51,7 +51,8 @@ class RungFit:
         Why not, empty when it fits: the ValueError text the launcher raises (naming `threads` or `head_dim`), or
         for the decode kernel why its launcher stages rung 5 instead.
     blocks : int
-        The grid (query tiles x head groups x sequences), before any split of the keys; at least 1.
+        The grid (query tiles x head groups x sequences), before any split of the keys: at least 1, but 0 on the
+        decode kernel for a call of no sequences (a block a GQA group of each).
     heads_per_block : int
         Query heads of one block (of one GQA group).
     positions : int
