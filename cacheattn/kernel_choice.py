@@ -27,6 +27,11 @@ on a tie with rung 3); a split, on a lower bound or lower terms after it:
   do not fit those kernels' shared memory at the block size asked for. Rung 2 is never chosen: rung 3 serves every
   call rung 2 can, with fewer instructions a key.
 
+Each candidate is asked once for a call (and block size) what it makes of it: its kernel module's `fit`
+(`kernels_numba._fit.RungFit`: the grid, the block's rows, the keys a block takes a step, its shared memory, and
+whether it fits or the launcher's refusal), computed by the planning functions its launcher calls; the comparison
+builds each answer's bound model from it, and a rung asked for is refused with its answer's message.
+
 Figures in the reasons are lower bounds derived from shapes (never timings), printed as bounds ("≥ 43.7 µs
 (bound: DRAM; then ...)"); with ragged batches they are taken at the longest lengths.
 """
@@ -35,7 +40,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from functools import cache, lru_cache, partial
 
 import numpy as np
 
@@ -297,15 +302,17 @@ def _plan(shape, rung, num_splits, threads, sms, rungs=LADDER, register_decode=T
     if rung is not None:
         return _forced(shape, rung, num_splits, threads or DEFAULT_THREADS, sms, f"rung={rung} asked for",
                        register_decode)
-    cores, why_not_cores = (_cuda_core_rung(shape, threads, sms, split=4 in rungs) if 3 in rungs
+    answers = _answers(shape, threads, rungs, register_decode)
+    cores, why_not_cores = (_cuda_core_rung(shape, answers[VECTOR], threads, sms, split=4 in rungs) if 3 in rungs
                             else (None, "rung 3 not offered"))
-    if cores is not None and register_decode and 5 in rungs and _register_decode_serves(shape, cores[0].threads):
+    decode = answers.get(DECODE, (None, ""))[0]
+    if cores is not None and decode is not None:
         # A decode batch: rung 5 runs its register-fed kernel, against rung 3/4 by the whole model.
-        (chosen, b), (fast, b5) = cores, _register_decode(shape, cores[0].threads, sms)
+        (chosen, b), (fast, b5) = cores, _register_decode(shape, decode, sms)
         if _no_worse(b5, b):
             return replace(fast, reason=f"{fast.reason}; rung {chosen.rung}: {_bound_text(b)}")
         return replace(chosen, reason=f"{chosen.reason}; rung 5's decode kernel: {_bound_text(b5)}")
-    tensor, why_not_tensor = (_tensor_core_rung(shape, threads, sms) if 5 in rungs
+    tensor, why_not_tensor = (_tensor_core_rung(shape, answers[STAGED], threads, sms) if 5 in rungs
                               else (None, "rung 5 not offered"))
     # Rung 5's staged kernel takes a prefill tie; a decode (its machine code read from the prefill's) only on a
     # strictly lower bound.
@@ -319,64 +326,90 @@ def _plan(shape, rung, num_splits, threads, sms, rungs=LADDER, register_decode=T
         if b.limiter != "DRAM" and why_not_tensor:
             chosen = replace(chosen, reason=f"{chosen.reason}; no tensor cores: {why_not_tensor}")
         return chosen
-    from kernels_numba._attention_core import plan_tiles
-
     # Rung 1 plans its tiles for any block size; a head_dim it cannot hold raises here, as it always has.
-    plan_tiles(shape.num_heads, shape.num_kv_heads, max(shape.max_query_len, 1), shape.head_dim, shape.head_dim)
+    if answers[TILES][0] is None:
+        raise ValueError(answers[TILES][1])
     return KernelPlan(1, 1, threads or DEFAULT_THREADS, f"fallback to shared-memory tiles: {why_not_cores}")
 
 
 def _forced(shape, rung, num_splits, threads, sms, why, register_decode=True):
-    """The rung asked for, checked as its launcher will check it, with rung 4's split count (and that of rung 5's
-    decode kernel, which splits as rung 4 does)."""
+    """The rung asked for, checked as its launcher will check it (its kernel's answer: whole warps, rung 5's float16
+    query, a head_dim that fits), with rung 4's split count (and that of rung 5's decode kernel, which splits as
+    rung 4 does)."""
     from kernels_numba._split_k import MAX_SPLITS
-    from kernels_numba.ppl_dynamic_multi_head_attention import block_plan
 
     check_int("rung", rung, low=1, high=5)
     if num_splits is not None:
         check_int("num_splits", num_splits, low=1, high=MAX_SPLITS)
-    if rung >= 2 and threads % 32:
-        raise ValueError(f"threads: expected a multiple of 32 for rung {rung} (whole warps), got {threads}")
-    if rung == 5 and shape.query_dtype != np.float16:
-        raise ValueError(f"rung: 5 (tensor cores, mma.sync on float16) needs a float16 query, "
-                         f"got {shape.query_dtype.name}")
-    block_plan(rung, shape.num_heads, shape.num_kv_heads, max(shape.max_query_len, 1), shape.head_dim, threads,
-               _chunk(shape, rung) if rung in (3, 4) else None)
-    if rung == 5 and register_decode and _register_decode_serves(shape, threads):
-        splits = num_splits or _decode_splits(shape, threads, sms)
-        return KernelPlan(5, splits, threads, why if splits == 1 else f"{why}: the decode kernel, {splits} splits")
+    fit = _ask(shape, FORCED[rung], threads)
+    if not fit.fits:
+        raise ValueError(fit.why_not)
+    if rung == 5 and register_decode and shape.decode_sequences == shape.batch:
+        decode = _ask(shape, DECODE, threads)
+        if decode.fits:
+            splits = num_splits or _splits(shape, decode.blocks, decode.keys_per_step, sms)
+            return KernelPlan(5, splits, threads, why if splits == 1 else f"{why}: the decode kernel, {splits} splits")
     if num_splits is not None and num_splits > 1 and rung != 4:
         raise ValueError(f"num_splits: rung {rung} does not split this call's keys (rung 4 does, and rung 5's decode "
                          f"kernel on a float16 decode batch), got num_splits={num_splits}")
     if rung != 4:
         return KernelPlan(rung, 1, threads, why)
-    blocks, step = _vector_grid(shape, threads)
-    splits = num_splits or _splits(shape, blocks, step, sms)
-    return KernelPlan(4, splits, threads, f"{why}: {splits} splits of {blocks} blocks")
+    splits = num_splits or _splits(shape, fit.blocks, fit.keys_per_step, sms)
+    return KernelPlan(4, splits, threads, f"{why}: {splits} splits of {fit.blocks} blocks")
 
 
-def _chunk(shape, rung):
-    from kernels_numba._cache import chunk_elements
-    return chunk_elements(shape.quant_bit, shape.cache_dtype, rung)
+# The kernels the plan asks about, (rung, variant) as their `kernels_numba._fit.RungFit` names them. Rung 4 is rung
+# 3's kernel writing split-K partials: the plan splits rung 3's answer, and asks (4, "vector") only for a rung 4
+# asked for (its refusals name rung 4). Rung 2 is never chosen (rung 3 serves its calls), only asked for.
+TILES, WARP, VECTOR, SPLIT, STAGED, DECODE = (1, "tiles"), (2, "warp"), (3, "vector"), (4, "vector"), \
+    (5, "staged"), (5, "decode")
+FORCED = {1: TILES, 2: WARP, 3: VECTOR, 4: SPLIT, 5: STAGED}
+CANDIDATES = (VECTOR, DECODE, STAGED, TILES)     # what the plan compares, in the order it asks
 
 
-def _vector_grid(shape, threads):
-    """Rung 3's blocks and the keys a block takes per step (ValueError naming head_dim when its rows do not
-    fit the shared memory)."""
-    from kernels_numba._attention_vector import keys_per_step, plan_vector_rows
+@cache
+def rung_fits() -> dict:
+    """{(rung, variant): fit(shape, threads) -> RungFit}: each kernel's own answer, next to its launcher
+    (`kernels_numba._fit`)."""
+    from kernels_numba import _attention_core, _attention_gqa_mma, _attention_mma, _attention_vector, _attention_warp
 
-    warps, chunk, rows = threads // 32, _chunk(shape, 3), max(shape.max_query_len, 1)
-    heads_per_block, q_tile = plan_vector_rows(shape.num_heads, shape.num_kv_heads, rows, shape.head_dim, chunk,
-                                               warps)
-    blocks = math.ceil(rows / q_tile) * (shape.num_heads // heads_per_block) * shape.batch
-    return max(blocks, 1), keys_per_step(shape.head_dim, chunk, warps)
+    return {TILES: _attention_core.fit, WARP: _attention_warp.fit, VECTOR: _attention_vector.fit,
+            SPLIT: partial(_attention_vector.fit, rung=4), STAGED: _attention_mma.fit, DECODE: _attention_gqa_mma.fit}
 
 
-def _decode_splits(shape, threads, sms):
-    """The split count of rung 5's decode kernel: a GQA group a block, a warp's trip of 16 keys a step."""
-    from kernels_numba._attention_gqa_mma import decode_grid
+def _ask(shape, kernel, threads):
+    return rung_fits()[kernel](shape, threads)
 
-    return _splits(shape, *decode_grid(shape.num_heads, shape.num_kv_heads, shape.batch, threads), sms)
+
+def _answers(shape, threads, rungs, register_decode) -> dict:
+    """Each offered candidate's answer, asked once a block size: {kernel: (its RungFit at the first block size of
+    `_block_sizes` it fits, or None; the first refusal's text)}. Rung 1 runs any block size (the one asked for, or
+    128). Rung 5's decode kernel is asked for a decode batch where the operator's rung 5 has it, at the block size
+    rung 3 takes (the call it would take over); where it serves, it is rung 5's candidate, and the staged kernel
+    is not asked."""
+    answers = {}
+    for kernel in CANDIDATES:
+        if kernel[0] not in rungs or kernel == DECODE and not (register_decode and
+                                                               shape.decode_sequences == shape.batch):
+            continue
+        if kernel == STAGED and answers.get(DECODE, (None, ""))[0] is not None:
+            continue
+        if kernel == DECODE:
+            cores = answers.get(VECTOR, (None, ""))[0]
+            if cores is None:
+                continue
+            sizes = (cores.threads,)
+        else:
+            sizes = (threads or DEFAULT_THREADS,) if kernel == TILES else _block_sizes(threads)
+        fit, first = None, ""
+        for t in sizes:
+            asked = _ask(shape, kernel, t)
+            if asked.fits:
+                fit = asked
+                break
+            first = first or asked.why_not
+        answers[kernel] = (fit, first)
+    return answers
 
 
 def _splits(shape, blocks, step, sms):
@@ -495,62 +528,45 @@ def _fewer(shape, t, threads):
         threads or DEFAULT_THREADS) else ""
 
 
-def _cuda_core_rung(shape, threads, sms, split=True):
+def _cuda_core_rung(shape, answer, threads, sms, split=True):
     """((plan, bounds), None) for rung 3, or 4 when splitting rung 3's keys over more blocks lowers the whole
-    model's bound (and `split` offers it); (None, why not)."""
+    model's bound (and `split` offers it); (None, why not). `answer`: rung 3's (RungFit or None, first refusal)."""
     if threads is not None and threads % 32:
         return None, f"rungs 2-5 need whole warps, threads is {threads}"
-    why = ""
-    for t in _block_sizes(threads):
-        try:
-            blocks, step = _vector_grid(shape, t)
-        except ValueError as e:
-            why = why or f"rung 3: {e}"
-            continue
-        unsplit = _call_bounds(shape, sms, 3, t, blocks, step=step, fma_flops=shape.flops)
-        splits = _splits(shape, blocks, step, sms) if split else 1
-        b = unsplit
-        if splits > 1:
-            parted = _call_bounds(shape, sms, 4, t, blocks, splits, step=step, fma_flops=shape.flops)
-            if _better(parted, unsplit):
-                b = parted
-            else:
-                splits = -splits                       # offered, but the partials and the combine cost more
-        figures = f"{_kind(b)}-bound, {_bound_text(b)}"
-        if splits > 1:
-            reason = f"{blocks} blocks for {sms} SMs: {splits} splits make {blocks * splits}"
-        elif splits < -1:
-            reason = (f"{blocks} blocks for {sms} SMs, unsplit: {-splits} splits' partials and combine launch "
-                      f"cost more than they buy")
-            splits = 1
+    fit, why = answer
+    if fit is None:
+        return None, f"rung 3: {why}"
+    t, blocks, step = fit.threads, fit.blocks, fit.keys_per_step
+    unsplit = _call_bounds(shape, sms, 3, t, blocks, step=step, fma_flops=shape.flops)
+    splits = _splits(shape, blocks, step, sms) if split else 1
+    b = unsplit
+    if splits > 1:
+        parted = _call_bounds(shape, sms, 4, t, blocks, splits, step=step, fma_flops=shape.flops)
+        if _better(parted, unsplit):
+            b = parted
         else:
-            reason = (f"{blocks} blocks fill {sms} SMs" if blocks >= sms else f"{blocks} blocks, too few keys to split"
-                      if split else f"{blocks} blocks, unsplit: rung 4 (split-K) not offered")
-        return (KernelPlan(4 if splits > 1 else 3, splits, t, f"{reason}{_fewer(shape, t, threads)}; {figures}"),
-                b), None
-    return None, why
+            splits = -splits                       # offered, but the partials and the combine cost more
+    figures = f"{_kind(b)}-bound, {_bound_text(b)}"
+    if splits > 1:
+        reason = f"{blocks} blocks for {sms} SMs: {splits} splits make {blocks * splits}"
+    elif splits < -1:
+        reason = (f"{blocks} blocks for {sms} SMs, unsplit: {-splits} splits' partials and combine launch "
+                  f"cost more than they buy")
+        splits = 1
+    else:
+        reason = (f"{blocks} blocks fill {sms} SMs" if blocks >= sms else f"{blocks} blocks, too few keys to split"
+                  if split else f"{blocks} blocks, unsplit: rung 4 (split-K) not offered")
+    return (KernelPlan(4 if splits > 1 else 3, splits, t, f"{reason}{_fewer(shape, t, threads)}; {figures}"),
+            b), None
 
 
-def _register_decode_serves(shape, threads) -> bool:
-    """Whether rung 5's register-fed decode kernel takes a call of this shape at `threads` (whole warps: rung 3's
-    block size): the kernel's own shape conditions; the launcher checks the arrays' alignment too and otherwise
-    stages rung 5 as for prefill."""
-    from kernels_numba._attention_gqa_mma import decode_shape_problem
-
-    return shape.decode_sequences == shape.batch and decode_shape_problem(
-        query_dtype=shape.query_dtype, max_seqlen=shape.max_query_len, head_dim=shape.head_dim,
-        num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads, quant_bit=shape.quant_bit,
-        cache_dtype=shape.cache_dtype, threads=threads) is None
-
-
-def _register_decode(shape, threads, sms, allow_split=True):
-    """(plan, bounds) of rung 5's register-fed decode kernel, split as rung 4 where that lowers its bound."""
-    from kernels_numba._attention_gqa_mma import decode_grid
-
-    blocks, step = decode_grid(shape.num_heads, shape.num_kv_heads, shape.batch, threads)
+def _register_decode(shape, fit, sms):
+    """(plan, bounds) of rung 5's register-fed decode kernel, from its answer `fit`, split as rung 4 where that
+    lowers its bound."""
+    threads, blocks, step = fit.threads, fit.blocks, fit.keys_per_step
     mma = shape.flops / MMA_FLOPS * MMA_ROWS / max(1, shape.num_heads // shape.num_kv_heads)
     b = _call_bounds(shape, sms, 5, threads, blocks, step=step, mma=mma)
-    splits = _splits(shape, blocks, step, sms) if allow_split else 1
+    splits = _splits(shape, blocks, step, sms)
     reason = f"{blocks} blocks fill {sms} SMs" if blocks >= sms else f"{blocks} blocks for {sms} SMs, unsplit"
     if splits > 1:
         parted = _call_bounds(shape, sms, 5, threads, blocks, splits, step=step, mma=mma)
@@ -563,30 +579,22 @@ def _register_decode(shape, threads, sms, allow_split=True):
                                           f"the GQA group on tensor cores fed from registers"), b
 
 
-def _tensor_core_rung(shape, threads, sms):
-    """((plan, bounds), None) for rung 5, or (None, why not). Without a block size asked for, fewer warps where
-    rung 5's tiles do not fit the shared memory at 128 threads."""
-    from kernels_numba._attention_mma import KEY_TILE, check_fits, plan_mma_rows
-
+def _tensor_core_rung(shape, answer, threads, sms):
+    """((plan, bounds), None) for rung 5, or (None, why not). `answer`: rung 5's staged kernel's (RungFit at the
+    first block size that fits, fewer warps where its tiles do not fit the shared memory at 128 threads, or None;
+    first refusal)."""
     if shape.query_dtype != np.float16:
         return None, f"rung 5 takes a float16 query, got {shape.query_dtype.name}"
     if threads is not None and threads % 32:
         return None, f"rung 5 needs whole warps, threads is {threads}"
-    rows, why = max(shape.max_query_len, 1), ""
-    for t in _block_sizes(threads):
-        try:
-            check_fits(shape.head_dim, t // 32)
-        except ValueError as e:
-            why = why or str(e)
-            continue
-        heads_per_block, positions, row_tiles = plan_mma_rows(shape.num_heads, shape.num_kv_heads, rows, t // 32,
-                                                              shape.head_dim)
-        blocks = max(1, math.ceil(rows / (positions * row_tiles)) * (shape.num_heads // heads_per_block) * shape.batch)
-        # An mma tile computes 16 rows whatever it holds: decode fills heads_per_block of them.
-        mma = shape.flops / MMA_FLOPS * MMA_ROWS / (heads_per_block * min(positions, rows))
-        # The staged kernel's SASS is the prefill kernel's, a decode through it included (the same key loop).
-        b = _call_bounds(shape, sms, 5, t, blocks, step=KEY_TILE * (t // 32 // row_tiles), kernel_phase="prefill",
-                         mma=mma, shared_wavefronts=mma * MMA_WAVEFRONTS.get(shape.quant_bit, MMA_WAVEFRONTS_DEFAULT))
-        return (KernelPlan(5, 1, t, f"tensor cores{_fewer(shape, t, threads)} on {blocks} blocks: {_kind(b)}-bound, "
-                                    f"{_bound_text(b)}"), b), None
-    return None, f"rung 5: {why}"
+    fit, why = answer
+    if fit is None:
+        return None, f"rung 5: {why}"
+    rows, t, blocks = max(shape.max_query_len, 1), fit.threads, fit.blocks
+    # An mma tile computes 16 rows whatever it holds: decode fills heads_per_block of them.
+    mma = shape.flops / MMA_FLOPS * MMA_ROWS / (fit.heads_per_block * min(fit.positions // fit.row_tiles, rows))
+    # The staged kernel's SASS is the prefill kernel's, a decode through it included (the same key loop).
+    b = _call_bounds(shape, sms, 5, t, blocks, step=fit.keys_per_step, kernel_phase="prefill",
+                     mma=mma, shared_wavefronts=mma * MMA_WAVEFRONTS.get(shape.quant_bit, MMA_WAVEFRONTS_DEFAULT))
+    return (KernelPlan(5, 1, t, f"tensor cores{_fewer(shape, t, threads)} on {blocks} blocks: {_kind(b)}-bound, "
+                                f"{_bound_text(b)}"), b), None

@@ -231,3 +231,21 @@ def make_attention_kernel(row_offsets, load, score, key_range, *, head_dim_k: in
                 out[b * o_sb + (o_starts[b] + i) * o_si + (h0 + r % HPB) * o_sh + d] = value
 
     return attention_kernel
+
+
+def fit(shape, threads: int):
+    """Rung 1's answer for a call (`_fit.RungFit`): `plan_tiles`'s block, its grid as the launchers size it, its
+    key tile a step. Any block size runs (the loops stride by it); a head_dim whose tiles do not fit the shared
+    memory gives fits=False and the planner's ValueError text."""
+    from ._fit import RungFit  # here, not above: the pages quote the kernel modules by line
+
+    rows = max(shape.max_query_len, 1)
+    try:
+        heads_per_block, q_tile, key_tile = plan_tiles(shape.num_heads, shape.num_kv_heads, rows, shape.head_dim,
+                                                       shape.head_dim)
+    except ValueError as e:
+        return RungFit(1, "tiles", threads, False, str(e))
+    blocks = math.ceil(rows / q_tile) * (shape.num_heads // heads_per_block) * shape.batch
+    return RungFit(1, "tiles", threads, True, blocks=max(blocks, 1), heads_per_block=heads_per_block,
+                   positions=q_tile, keys_per_step=key_tile,
+                   shared_bytes=shared_bytes(heads_per_block * q_tile, key_tile, shape.head_dim, shape.head_dim))

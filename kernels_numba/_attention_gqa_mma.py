@@ -753,3 +753,22 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                             out[at + o_dim(quad, c, vt)] = x * v_src.fold if PER_TENSOR else x
 
     return gqa_decode_attention_kernel
+
+
+def fit(shape, threads: int):
+    """Rung 5's answer for a decode call on this kernel (`_fit.RungFit`, variant "decode"): `decode_grid`'s blocks
+    and keys a step, a GQA group's `heads_per_block` heads a block, the merge's shared memory; fits=False with
+    why its launcher stages rung 5 instead (`decode_shape_problem`: what can be known before any array exists),
+    or the refusal of a block size that is not whole warps."""
+    from ._fit import RungFit, whole_warps
+
+    refused = whole_warps(5, "decode", threads)
+    if refused:
+        return refused
+    blocks, step = decode_grid(shape.num_heads, shape.num_kv_heads, shape.batch, threads)
+    heads = heads_per_block(shape.num_heads, shape.num_kv_heads)
+    why = decode_shape_problem(query_dtype=shape.query_dtype, max_seqlen=shape.max_query_len,
+                               head_dim=shape.head_dim, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
+                               quant_bit=shape.quant_bit, cache_dtype=shape.cache_dtype, threads=threads)
+    return RungFit(5, "decode", threads, why is None, why or "", blocks=blocks, heads_per_block=heads, positions=1,
+                   keys_per_step=step, shared_bytes=shared_bytes(shape.head_dim, threads // WARP_SIZE, heads))

@@ -424,3 +424,30 @@ def make_mma_attention_kernel(row_offsets, load_chunk, score, key_range, *, head
                                 out[at + d] = o[vt, 2 * r + c] / total if total > 0.0 else f32(0.0)
 
     return mma_attention_kernel
+
+
+def fit(shape, threads: int):
+    """Rung 5's answer for a call on this kernel (`_fit.RungFit`, variant "staged"): `check_fits` and
+    `plan_mma_rows` at `threads // 32` warps, as the launchers call them, the grid they size, KEY_TILE keys a warp
+    of a row tile a step. fits=False with the launcher's ValueError text for a block size that is not whole warps,
+    a query that is not float16 (mma.sync multiplies float16), or a head_dim whose tiles do not fit the shared
+    memory at this many warps."""
+    from ._fit import RungFit, whole_warps
+
+    refused = whole_warps(5, "staged", threads)
+    if refused:
+        return refused
+    if np.dtype(shape.query_dtype) != np.float16:
+        return RungFit(5, "staged", threads, False, f"rung: 5 (tensor cores, mma.sync on float16) needs a float16 "
+                                                    f"query, got {np.dtype(shape.query_dtype).name}")
+    rows, warps = max(shape.max_query_len, 1), threads // WARP_SIZE
+    try:
+        check_fits(shape.head_dim, warps)
+    except ValueError as e:
+        return RungFit(5, "staged", threads, False, str(e))
+    heads_per_block, positions, row_tiles = plan_mma_rows(shape.num_heads, shape.num_kv_heads, rows, warps,
+                                                          shape.head_dim)
+    blocks = math.ceil(rows / (positions * row_tiles)) * (shape.num_heads // heads_per_block) * shape.batch
+    return RungFit(5, "staged", threads, True, blocks=max(blocks, 1), heads_per_block=heads_per_block,
+                   positions=positions * row_tiles, row_tiles=row_tiles, keys_per_step=KEY_TILE * (warps // row_tiles),
+                   shared_bytes=shared_bytes(shape.head_dim, shape.head_dim, warps, row_tiles))

@@ -443,3 +443,28 @@ def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, h
         write_rows(warp_max, warp_sum, warp_out, out_geom, b, split, i0, h0, seqlen)
 
     return vector_attention_kernel
+
+
+def fit(shape, threads: int, rung: int = 3):
+    """Rung 3's answer for a call (`_fit.RungFit`), rung 4's too (the same grid; the plan splits its blocks' keys
+    from it): `plan_vector_rows`'s block in the cache's chunks at `threads // 32` warps, its grid as the launchers
+    size it, `keys_per_step`. fits=False with the launcher's ValueError text for a block size that is not whole
+    warps (named as `rung`'s) or a head_dim whose rows do not fit the shared memory."""
+    from ._attention_warp import merge_bytes
+    from ._cache import chunk_elements
+    from ._fit import RungFit, whole_warps
+
+    refused = whole_warps(rung, "vector", threads)
+    if refused:
+        return refused
+    rows, warps = max(shape.max_query_len, 1), threads // WARP_SIZE
+    chunk = chunk_elements(shape.quant_bit, shape.cache_dtype, rung)
+    try:
+        heads_per_block, q_tile = plan_vector_rows(shape.num_heads, shape.num_kv_heads, rows, shape.head_dim, chunk,
+                                                   warps)
+    except ValueError as e:
+        return RungFit(rung, "vector", threads, False, str(e))
+    blocks = math.ceil(rows / q_tile) * (shape.num_heads // heads_per_block) * shape.batch
+    return RungFit(rung, "vector", threads, True, blocks=max(blocks, 1), heads_per_block=heads_per_block,
+                   positions=q_tile, keys_per_step=keys_per_step(shape.head_dim, chunk, warps),
+                   shared_bytes=merge_bytes(heads_per_block * q_tile, shape.head_dim, warps))

@@ -43,7 +43,7 @@ def plan_warp_rows(num_heads: int, num_kv_heads: int, max_seqlen: int, head_dim_
 
     def fits():
         rows = heads_per_block * q_tile
-        return elem_bytes * warps * (WARP_SIZE + rows * (head_dim_v + 2)) <= SHARED_BYTES
+        return merge_bytes(rows, head_dim_v, warps, elem_bytes) <= SHARED_BYTES
 
     while q_tile > 1 and not fits():
         q_tile //= 2
@@ -236,3 +236,29 @@ def make_row_writer(*, heads_per_block: int, q_tile: int, head_dim_v: int, warps
                     out[at] = value / (total + EPS) if total > 0.0 else acc_t(0.0)
 
     return write_rows
+
+
+def merge_bytes(rows: int, head_dim_v: int, warps: int, elem_bytes: int = 4) -> int:
+    """Shared memory of a block's merge across warps: per warp a reduction scratch, each row's max, sum and
+    output."""
+    return elem_bytes * warps * (WARP_SIZE + rows * (head_dim_v + 2))
+
+
+def fit(shape, threads: int):
+    """Rung 2's answer for a call (`_fit.RungFit`): `plan_warp_rows`'s block at `threads // 32` warps, its grid as
+    the launchers size it, a key a warp a step. fits=False with the launcher's ValueError text for a block size
+    that is not whole warps or a head_dim whose merge buffers do not fit the shared memory."""
+    from ._fit import RungFit, whole_warps
+
+    refused = whole_warps(2, "warp", threads)
+    if refused:
+        return refused
+    rows, warps = max(shape.max_query_len, 1), threads // WARP_SIZE
+    try:
+        heads_per_block, q_tile = plan_warp_rows(shape.num_heads, shape.num_kv_heads, rows, shape.head_dim, warps)
+    except ValueError as e:
+        return RungFit(2, "warp", threads, False, str(e))
+    blocks = math.ceil(rows / q_tile) * (shape.num_heads // heads_per_block) * shape.batch
+    return RungFit(2, "warp", threads, True, blocks=max(blocks, 1), heads_per_block=heads_per_block,
+                   positions=q_tile, keys_per_step=warps,
+                   shared_bytes=merge_bytes(heads_per_block * q_tile, shape.head_dim, warps))

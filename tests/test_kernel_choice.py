@@ -5,6 +5,7 @@ serve still served), then the default call itself on the kernels: one small prob
 picks, its launches recorded and its output held to a float64 evaluation by the conformance kit.
 """
 
+import collections
 import functools
 
 import numpy as np
@@ -18,7 +19,7 @@ import kernels_numba.ppl_dynamic_multi_head_attention as ppl_kernels
 from cacheattn.kernel_choice import AttentionShape, KernelPlan, choose_kernel
 from cacheattn.lab import counters
 from cacheattn.lab.cases import LAB_CASES
-from kernels_numba import _launch
+from kernels_numba import _fit, _launch
 from kernels_numba._attention_core import plan_tiles
 from kernels_numba._cache import chunk_elements
 from kernels_numba.ppl_dynamic_multi_head_attention import block_plan
@@ -380,3 +381,120 @@ def test_a_kernel_plan_prints_its_rung_split_count_and_reason():
     assert "\n" not in text
     assert text.startswith(f"KernelPlan(rung={chosen.rung}, num_splits={chosen.num_splits}, threads=128, reason=")
     assert repr(chosen.reason) in text and "33 splits make 264" in chosen.reason
+
+
+# Each rung's own answer for a call (`kernels_numba._fit.RungFit`), at the headline decode: 64 requests at 4097
+# keys, 32/8 heads at head_dim 128, a float16 cache, 128 threads.
+HEADLINE = dict(batch=64, max_query_len=1, max_kv_len=4097, num_heads=32, num_kv_heads=8, head_dim=128,
+                query_dtype="float16", decode_sequences=64)
+
+
+def test_rung_1_answers_its_tiles_grid_and_shared_memory():
+    from kernels_numba import _attention_core
+
+    fit = _attention_core.fit(AttentionShape(**HEADLINE), 128)
+    # A whole GQA group of 4 heads a block, one position, 32 keys a tile: 8 groups x 64 requests.
+    assert (fit.rung, fit.fits, fit.blocks, fit.heads_per_block, fit.positions, fit.keys_per_step) == (
+        1, True, 512, 4, 1, 32)
+    assert fit.shared_bytes == 4 * (32 * 256 + 4 * (128 + 32 + 128 + 3)) + 8 * 4 * 32 <= _attention_core.SHARED_BYTES
+    # Any block size runs rung 1's tile loops.
+    assert _attention_core.fit(AttentionShape(**HEADLINE), 48).fits
+    wide = AttentionShape(**{**HEADLINE, "head_dim": 704})
+    with pytest.raises(ValueError) as raised:
+        plan_tiles(32, 8, 1, 704, 704)
+    assert _attention_core.fit(wide, 128) == _fit.RungFit(1, "tiles", 128, False, str(raised.value))
+    assert str(raised.value).startswith("head_dim: 704/704")
+
+
+def test_rungs_3_and_4_answer_the_vector_grid_and_keys_a_step():
+    from kernels_numba import _attention_vector
+
+    fit = _attention_vector.fit(AttentionShape(**HEADLINE), 128)
+    # float16 rows in 16-byte chunks: 16 lanes a key, 2 keys a lane group's tile, 2 groups a warp, 4 warps.
+    assert (fit.rung, fit.fits, fit.blocks, fit.heads_per_block, fit.positions, fit.keys_per_step) == (
+        3, True, 512, 4, 1, 16)
+    assert fit.shared_bytes == 4 * 4 * (32 + 4 * 130)
+    # int4 in 8-byte chunks: 8 lanes a key, so a warp takes twice the keys a step.
+    int4 = AttentionShape(**HEADLINE, quant_bit=4, quant_group=128)
+    assert _attention_vector.fit(int4, 128).keys_per_step == 32
+    # Rung 4 is the same grid, its refusals named as its own.
+    assert _attention_vector.fit(AttentionShape(**HEADLINE), 48, rung=4) == _fit.RungFit(
+        4, "vector", 48, False, "threads: expected a multiple of 32 for rung 4 (whole warps), got 48")
+    wide = AttentionShape(**{**HEADLINE, "head_dim": 4096})
+    with pytest.raises(ValueError) as raised:
+        block_plan(3, 32, 8, 1, 4096, 128, chunk_elements(0, np.float16, 3))
+    refused = _attention_vector.fit(wide, 128)
+    assert (refused.fits, refused.why_not) == (False, str(raised.value))
+    assert refused.why_not.startswith("head_dim: 4096")
+
+
+def test_rung_5_staged_answers_its_row_tiles_and_refuses_as_its_launcher():
+    from kernels_numba import _attention_mma
+
+    fit = _attention_mma.fit(AttentionShape(**HEADLINE), 128)
+    # 4 heads x 4 positions fill an mma tile's 16 rows; a decode holds one row tile, its 4 warps split the keys.
+    assert (fit.rung, fit.variant, fit.fits, fit.blocks, fit.heads_per_block, fit.row_tiles, fit.keys_per_step) == (
+        5, "staged", True, 512, 4, 1, 64)
+    prefill = _attention_mma.fit(shape(), 128)
+    assert (prefill.row_tiles, prefill.positions, prefill.blocks) == (4, 16, 2048 // 16 * 8)
+    assert prefill.shared_bytes <= _attention_mma.SHARED_BYTES
+    # head_dim 320 fits 64 threads, not 128: the launcher's message.
+    with pytest.raises(ValueError) as raised:
+        block_plan(5, 32, 8, 2048, 320, 128)
+    assert _attention_mma.fit(shape(head_dim=320), 128) == _fit.RungFit(5, "staged", 128, False, str(raised.value))
+    assert _attention_mma.fit(shape(head_dim=320), 64).fits
+    assert _attention_mma.fit(shape(query_dtype="float32"), 128).why_not.startswith("rung: 5")
+
+
+def test_rung_5_decode_answers_its_grid_or_why_it_stages():
+    from kernels_numba import _attention_gqa_mma
+
+    fit = _attention_gqa_mma.fit(AttentionShape(**HEADLINE), 128)
+    # A block a GQA group of a request, each of 4 warps a trip of 16 keys a step.
+    assert (fit.rung, fit.variant, fit.fits, fit.blocks, fit.heads_per_block, fit.keys_per_step) == (
+        5, "decode", True, 512, 4, 64)
+    assert 0 < fit.shared_bytes <= _attention_gqa_mma.SHARED_BYTES
+    staged = _attention_gqa_mma.fit(AttentionShape(**{**HEADLINE, "head_dim": 96}), 128)
+    assert (staged.fits, staged.why_not) == (False, "head_dim 96 is not one of (32, 64, 128)")
+    assert not _attention_gqa_mma.fit(shape(), 128).fits
+
+
+def test_rung_2_answers_when_asked_for():
+    from kernels_numba import _attention_warp
+
+    fit = _attention_warp.fit(AttentionShape(**HEADLINE), 128)
+    assert (fit.fits, fit.blocks, fit.heads_per_block, fit.keys_per_step) == (True, 512, 4, 4)
+    assert _attention_warp.fit(AttentionShape(**HEADLINE), 48).why_not.startswith("threads: ")
+
+
+def test_the_plan_asks_each_offered_rung_once_a_new_shape(monkeypatch):
+    """choose_kernel asks each candidate kernel for its answer once per new shape (at a block size every kernel
+    fits), and a cached shape asks none; a kernel not offered is not asked, nor rung 5's staged kernel where its
+    decode kernel serves the call."""
+    from cacheattn import kernel_choice
+
+    asked = collections.Counter()
+    for kernel, fit in list(kernel_choice.rung_fits().items()):
+        def counted(s, threads, kernel=kernel, fit=fit):
+            asked[kernel] += 1
+            return fit(s, threads)
+        monkeypatch.setitem(kernel_choice.rung_fits(), kernel, counted)
+    kernel_choice._plan.cache_clear()
+    decode = AttentionShape(**HEADLINE)
+    assert choose_kernel(decode, sms=132).rung == 5
+    assert asked == {(3, "vector"): 1, (5, "decode"): 1, (1, "tiles"): 1}
+    choose_kernel(decode, sms=132)
+    assert sum(asked.values()) == 3
+    asked.clear()
+    assert choose_kernel(shape(), sms=132).rung == 5
+    assert asked == {(3, "vector"): 1, (5, "staged"): 1, (1, "tiles"): 1}
+    asked.clear()
+    assert choose_kernel(decode, sms=132, register_decode=False).rung == 3
+    assert asked == {(3, "vector"): 1, (5, "staged"): 1, (1, "tiles"): 1}
+    asked.clear()
+    assert choose_kernel(shape(), sms=132, rungs=(1, 3, 4)).rung == 3
+    assert asked == {(3, "vector"): 1, (1, "tiles"): 1}
+    asked.clear()
+    # A rung asked for: its own kernel, and rung 5's decode kernel on a decode batch.
+    assert choose_kernel(decode, sms=132, rung=5).rung == 5
+    assert asked == {(5, "staged"): 1, (5, "decode"): 1}
