@@ -102,15 +102,9 @@ def dependent_global_loads(instructions) -> int:
     kernels it is K and V, read for arithmetic, never for an address."""
     depth, shared, longest = {}, 0, 0
     for _, text, _ in instructions:
-        words = text.split()
-        if words and words[0].startswith("@"):
-            words = words[1:]
-        if not words:
+        op, reads, writes = sass._reads_writes(text, _NO_DESTINATION)
+        if not op:
             continue
-        op, operands = words[0], " ".join(words[1:])
-        head = operands.split(",")[0]
-        writes = set() if op.startswith(_NO_DESTINATION) else sass._registers(head)
-        reads = sass._registers(operands[len(head):] if writes else operands)
         level = max((depth.get(r, 0) for r in reads), default=0)
         if op.startswith(("LDS", "LDSM")):
             level = max(level, shared)

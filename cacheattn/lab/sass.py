@@ -263,6 +263,21 @@ def _registers(operand_text: str) -> set:
     return out
 
 
+def _reads_writes(text: str, no_destination=_NO_DESTINATION):
+    """(opcode, registers read, registers written) of one instruction, its predicate left out; an opcode in
+    `no_destination` writes none (its first operand is an address or a target)."""
+    words = text.split()
+    if words and words[0].startswith("@"):
+        words = words[1:]
+    if not words:
+        return "", set(), set()
+    op, operands = words[0], " ".join(words[1:])
+    head = operands.split(",")[0] if "," in operands else operands
+    writes = set() if op.startswith(no_destination) else _registers(head)
+    reads = _registers(operands[len(head):] if writes else operands)
+    return op, reads, writes
+
+
 def loads_in_flight(instructions) -> dict:
     """How many bytes of global loads one warp has issued and not yet used, walking the key loop once in program
     order: a load's destination registers (4 for .128, 2 for .64) are in flight from its issue until the first
@@ -272,15 +287,9 @@ def loads_in_flight(instructions) -> dict:
     outstanding = {}                                # load index -> (registers, bytes for the warp)
     first_use, peak, loads = None, 0, 0
     for index, (_, text, _) in enumerate(instructions):
-        words = text.split()
-        if words and words[0].startswith("@"):
-            words = words[1:]
-        if not words:
+        op, reads, writes = _reads_writes(text)
+        if not op:
             continue
-        op, operands = words[0], " ".join(words[1:])
-        head = operands.split(",")[0] if "," in operands else operands
-        writes = set() if op.startswith(_NO_DESTINATION) else _registers(head)
-        reads = _registers(operands[len(head):] if writes else operands)
         touched = reads | writes
         waited = [k for k, (regs, _) in outstanding.items() if regs & touched]
         if waited:
@@ -468,19 +477,6 @@ def outside_path(instructions, span) -> list:
     before = _path(instructions, 0, 0, first, [first])[:-1] if first else []
     end = max(after)
     return before + _path(instructions, last + 1, last + 1, end, after)
-
-
-def _reads_writes(text: str):
-    words = text.split()
-    if words and words[0].startswith("@"):
-        words = words[1:]
-    if not words:
-        return "", set(), set()
-    op, operands = words[0], " ".join(words[1:])
-    head = operands.split(",")[0] if "," in operands else operands
-    writes = set() if op.startswith(_NO_DESTINATION) else _registers(head)
-    reads = _registers(operands[len(head):] if writes else operands)
-    return op, reads, writes
 
 
 def dependent_chain(instructions, path, hbm_weight: float = 690.0, near_weight: float = 30.0,
