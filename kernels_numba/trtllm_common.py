@@ -178,6 +178,21 @@ def make_rope(rope_style: int, rotary_dim: int, round_dtype, acc_t, tables: bool
     return pair_of, rotate
 
 
+# A cached key's `where`: its cyclic slot and entry in one int64 (entry + 1, so that 0 stays the scratch's mark),
+# which StreamingLLM needs to rotate the key at its index in the cache. int64 before the shift whatever the slot's
+# type: a sink's slot is its walk index, which the simulator keeps as numpy's int32 of the thread indices, and a
+# shift of an int32 by 32 would drop it.
+@cuda.jit(device=True, inline="always")
+def cached_place(slot, b):
+    return (np.int64(slot) << 32) | (b + 1)
+
+
+@cuda.jit(device=True, inline="always")
+def entry_and_slot(where):
+    """(entry, cyclic slot) of a cached key's `where` (`cached_place`)."""
+    return (where & 0xFFFFFFFF) - 1, where >> 32
+
+
 def make_trt_access(quant: int, num_kv_heads: int, head_size: int, acc_t, round_dtype=keep_float32,
                     rope_style: int = 0, rotary_dim: int = 0):
     """Device functions (row_offsets, load) of the core for a TensorRT-LLM K or V source (KVSource).
@@ -202,7 +217,7 @@ def make_trt_access(quant: int, num_kv_heads: int, head_size: int, acc_t, round_
             row = table[b, FIRST_ROW]
             if t >= table[b, PROMPT]:
                 row += src.indirection[table[b, SEQUENCE], table[b, BEAM], slot]
-        return cache_address(src, row, slot, h), (np.int64(slot) << 32) | (b + 1)     # int64 whatever t's type
+        return cache_address(src, row, slot, h), cached_place(slot, b)
 
     @cuda.jit(device=True, inline="always")
     def load(src, index, where, d):
@@ -211,7 +226,7 @@ def make_trt_access(quant: int, num_kv_heads: int, head_size: int, acc_t, round_
         x = decode(src.cache[index + d], src.scale)
         if rope_style == 0 or src.rotate == 0 or d >= rotary_dim:
             return x
-        b, slot = (where & 0xFFFFFFFF) - 1, where >> 32
+        b, slot = entry_and_slot(where)
         pair, first, partner = pair_of(d)
         other = decode(src.cache[index + partner], src.scale)
         return rotate(x, other, first, src, b, slot, pair)
@@ -438,7 +453,7 @@ def make_generation_chunk_load(quant: int, elements: int, vector: bool, fold: bo
                     partner[e] = regs[at + (e ^ 1)]
             else:                                       # halves: the chunk rotary_dim / 2 away
                 unpack(src, load16(src.cache, row + (d0 + half if d0 < half else d0 - half)), partner, 0)
-            b, slot = (where & 0xFFFFFFFF) - 1, where >> 32
+            b, slot = entry_and_slot(where)
             for e in range(elements):
                 if d0 + e < rotary_dim:
                     pair, first, _ = pair_of(d0 + e)

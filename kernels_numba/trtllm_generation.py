@@ -66,6 +66,7 @@ from .trtllm_common import (
     PROMPT,
     SEQUENCE,
     TOKEN_START,
+    cached_place,
     chunk_elements,
     cyclic_slot,
     fold_factor,
@@ -159,9 +160,7 @@ def make_generation_walker(num_kv_heads: int, head_size: int, new_in_cache: bool
         if t >= src.sinks:
             t += hidden
         slot = slot_after(src, u0, slot0, j, hidden)
-        # int64 before the shift: a sink's slot is its walk index, which the simulator keeps as numpy's int32 of the
-        # thread indices (a shift by 32 would drop it, and the key be rotated at slot 0)
-        where = (np.int64(slot) << 32) | (b + 1)
+        where = cached_place(slot, b)
         if t >= past:                                   # the new token: its own row's slot, or the scratch
             if new_in_cache:
                 return np.int64(b), slot, where, np.int64(0)
