@@ -1,8 +1,8 @@
 """Which rung of the kernel ladder runs an attention call: the plan, made on the host from what the call is.
 
 An operator describes its call in neutral terms (`AttentionShape`: sequences, the longest query and key ranges,
-heads, head_dim, the query and cache formats) and `plan` returns a `KernelPlan`: the rung, rung 4's split count,
-the block size and a one-line reason. Like FlashInfer's `plan()` and TensorRT-LLM's dispatch heuristics it looks
+heads, head_dim, the query and cache formats) and `choose_kernel` returns a `KernelPlan`: the rung, rung 4's split
+count, the block size and a one-line reason. Like FlashInfer's `plan()` and TensorRT-LLM's dispatch heuristics it looks
 at shapes only, never at the data, so a server can make it once per batch step; it is cached per shape.
 
 The choice, among the rungs of docs/kernel-ladder.md that can serve the call, by the whole bound model
@@ -222,8 +222,8 @@ class KernelPlan:
 
 
 def choose_kernel(shape: AttentionShape, *, rung: int | None = None, num_splits: int | None = None,
-         threads: int | None = None, sms: int | None = None, rungs: tuple = LADDER,
-         register_decode: bool = True) -> KernelPlan:
+                  threads: int | None = None, sms: int | None = None, rungs: tuple = LADDER,
+                  register_decode: bool = True) -> KernelPlan:
     """The kernel plan for a call of this shape.
 
     Parameters
