@@ -729,8 +729,8 @@ def _emulating_codes():
     from kernels_numba import _async_copy, _mma, _warp
     twins = [_warp.xor_reduce, _warp.xor_reduce_many, _warp.transpose_sum, _warp.lane_values,
              getattr(_mma, "_warp_mma", None), _mma._quad_values, getattr(_async_copy, "_ldmatrix", None)]
-    return [getattr(twin, "py_func", twin).__code__ for twin in twins if hasattr(getattr(twin, "py_func", twin),
-                                                                                   "__code__")]
+    # A twin missing from this build (no simulator: the intrinsics stand in) is None; a jitted one has its py_func.
+    return [getattr(twin, "py_func", twin).__code__ for twin in twins if twin is not None]
 
 
 def _atomic_codes(kernelapi):
