@@ -142,7 +142,7 @@ def main_loop(instructions) -> tuple[int, int]:
 
 def _register_loads_only(instructions):
     """`instructions` without cp.async (LDGSTS, and its LDGDEPBAR): it writes shared memory, not registers, so no
-    register waits on it (its wait is DEPBAR), and `sass.load_bytes` knows only LDG widths."""
+    register waits on it (its wait is DEPBAR), which `sass.loads_in_flight`, following registers, would miss."""
     return [ins for ins in instructions if not sass.opcode(ins[1]).startswith(("LDGSTS", "LDGDEPBAR"))]
 
 
