@@ -34,6 +34,13 @@ from cacheattn.testing.strategies import onnx_cases, ppl_cases, static_cases  # 
 _SCALE = int(os.environ.get("CACHEATTN_EXAMPLES", "1"))
 REFERENCE = 40 * _SCALE
 KERNEL = 8 * _SCALE
+# The deep tier's switch: a test too heavy for the quick tier's 8 minutes is decorated @deep_only (runs in .ci/run).
+DEEP = _SCALE >= 2
+
+
+def deep_only(test):
+    import pytest
+    return pytest.mark.skipif(not DEEP, reason="the deep tier: CACHEATTN_EXAMPLES=2 or more (.ci/run)")(test)
 
 
 # ---- FasterTransformer
