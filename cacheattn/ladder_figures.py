@@ -459,7 +459,7 @@ def ladder_terms(run: dict, labels=LADDER_CASES) -> str:
         values = [us for terms in shown.values() for _, us in terms] + [floor_us]
         lo, hi = 10 ** math.floor(math.log10(min(values))), 10 ** math.ceil(math.log10(max(values)))
 
-        def x(us):
+        def x(us, lo=lo, hi=hi):
             return round(left + width * math.log10(us / lo) / math.log10(hi / lo), 1)
 
         svg.text(4, y + 12, f"{label}: floor ≥ {floor_us:,.1f} µs", bold=True)
