@@ -427,6 +427,68 @@ def _by_bank(banks) -> dict:
     return out
 
 
+# ------------------------------------------------------------------------------------------- the whole ladder
+LADDER_CASES = ("decode B64 ctx4096 paged fp16", "prefill B1 4096 tokens fp16")   # the headline decode, 4k prefill
+IDEAS = {"1": "a shared K/V tile", "2": "a warp per key", "3": "16-byte chunks", "4": "split-K",
+         "5": "tensor cores"}
+# One colour per resource, the same in both panels, so a rung that changes what binds it changes colour.
+TERM_COLOURS = {"DRAM": "#4e79a7", "issue": "#f28e2b", "shared": "#e15759", "latency": "#b07aa1",
+                "waves": "#76b7b2", "LSU": "#59a14f", "FMA": "#edc948"}
+NEXT_TERMS = 2
+
+
+def ladder_terms(run: dict, labels=LADDER_CASES) -> str:
+    """Each rung's binding term and the next NEXT_TERMS terms of its lower bound (`bounds['limited by']`, then
+    `bounds['then']`) on each of `labels`' bench cases of a lab run (docs/kernel-ladder-counts.json), as bars on
+    a log scale of µs, with the case's floor (`figures.case_floor_us`) as a line. Derived from counts, never
+    timed."""
+    from .figures import case_floor_us
+
+    svg, left, width, bar, gap = Svg(), 214, 440, 11, 2
+    svg.text(4, 14, "What bounds each rung, and what would bind next: lower bounds on an H100 SXM (derived from "
+                    "counts, not timed)", bold=True)
+    svg.text(4, 30, "per rung: the binding term (dark, bold) and the next two (pale); log scale; "
+                    "dashed: the case's floor")
+    y = 46
+    for label in labels:
+        case = run["cases"][label]
+        floor_us = case_floor_us(case["case"])
+        shown = {rung: [(b["limited by"], b[f"{b['limited by']} µs (derived)"])]
+                 + [(t, b[f"{t} µs (derived)"]) for t in b["then"][:NEXT_TERMS]]
+                 for rung, b in ((rung, r["bounds"]) for rung, r in case["rungs"].items())}
+        values = [us for terms in shown.values() for _, us in terms] + [floor_us]
+        lo, hi = 10 ** math.floor(math.log10(min(values))), 10 ** math.ceil(math.log10(max(values)))
+
+        def x(us, lo=lo, hi=hi):
+            return round(left + width * math.log10(us / lo) / math.log10(hi / lo), 1)
+
+        svg.text(4, y + 12, f"{label}: floor ≥ {floor_us:,.1f} µs", bold=True)
+        y += 20
+        top, under = y, len(svg.items)          # the decades' lines go under the bars
+        for rung, terms in shown.items():
+            svg.text(4, y + bar + 6, f"rung {rung}: {IDEAS.get(rung, '')}")
+            for k, (term, us) in enumerate(terms):
+                colour = TERM_COLOURS.get(term, "#bab0ac")
+                svg.cell(left, y, max(1.0, x(us) - left), bar, colour if k == 0 else _lighter(colour),
+                         figure="ladder-terms", case=label, rung=rung, rank=k, term=term, us=us)
+                svg.text(x(us) + 4, y + bar - 2, f"{term} ≥ {us:,.1f} µs" + (" (bound)" if k == 0 else ""),
+                         bold=k == 0)
+                y += bar + gap
+            y += 6
+        decade, grid = lo, Svg()
+        while decade <= hi:
+            grid.plain_line(x(decade), top - 2, x(decade), y, GRID)
+            svg.text(x(decade), y + 12, f"{decade:g} µs" if decade < 1000 else f"{decade / 1000:g} ms",
+                     anchor="middle")
+            decade *= 10
+        svg.items[under:under] = grid.items
+        svg.plain_line(x(floor_us), top - 4, x(floor_us), y, "#333", 1.5)
+        svg.items[-1] = svg.items[-1].replace("/>", f" stroke-dasharray='4 3' data-figure='ladder-floor' "
+                                                    f"data-case='{label}' data-us='{floor_us}'/>")
+        y += 30
+    return svg.render()
+
+
 def figures() -> dict[str, str]:
     """{file name: SVG text} of the rung pages' pictures."""
     return {"rung-1-banks.svg": rung1_banks(), "rung-2-butterfly.svg": rung2_butterfly(),

@@ -4,6 +4,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import numpy as np
+import pytest
 from numba import cuda
 
 from cacheattn import figures
@@ -238,3 +239,32 @@ def test_rung5_fragments_are_the_ptx_layout_and_s_is_p_lane_for_lane():
     # and the lab, counting the kernel itself on this shape, saw no shared-store bank conflicts
     rung5 = counters.committed()["cases"]["decode B64 ctx4096 paged fp16"]["rungs"]["5"]
     assert all(run["l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum"] == 0 for run in rung5["counted"])
+
+
+def test_ladder_terms_are_each_rungs_committed_bound_and_its_next_terms():
+    from cacheattn import ladder_figures
+    from cacheattn.lab import counters
+    from cacheattn.lab.cases import LAB_CASES
+
+    run = counters.committed()
+    svg = ladder_figures.ladder_terms(run)
+    bars = [dict(el.attrib) for el in ET.fromstring(svg).iter() if el.attrib.get("data-figure") == "ladder-terms"]
+    for label in ladder_figures.LADDER_CASES:
+        for rung, counted in run["cases"][label]["rungs"].items():
+            b = counted["bounds"]
+            mine = sorted((c for c in bars if c["data-case"] == label and c["data-rung"] == rung),
+                          key=lambda c: int(c["data-rank"]))
+            # the binding term first, at the rung's lower bound, then the model's next terms in its order
+            assert [c["data-term"] for c in mine] == [b["limited by"], *b["then"][:ladder_figures.NEXT_TERMS]]
+            assert float(mine[0]["data-us"]) == b["lower bound µs (derived)"]
+            widths = [float(c["width"]) for c in mine]
+            assert widths == sorted(widths, reverse=True)          # a larger bound draws a longer bar
+    # the headline decode's floor: K/V once, Q and O over the achievable 3.1 TB/s
+    floor = {c["case"]: float(c["us"]) for c in _cells(svg, "ladder-floor")}
+    assert floor[LAB_CASES[0].label] == pytest.approx(LAB_CASES[0].floor_bytes / 3.1e12 * 1e6)
+    # where the rungs differ the picture does: the decode binds rung 2 by issue, rung 3 by DRAM
+    binding = {(c["data-case"], c["data-rung"]): c["data-term"] for c in bars if c["data-rank"] == "0"}
+    decode = ladder_figures.LADDER_CASES[0]
+    assert binding[decode, "2"] == "issue" and binding[decode, "3"] == "DRAM"
+    page = (Path(__file__).resolve().parents[1] / "docs" / "kernel-ladder.md").read_text()
+    assert "](figures/ladder-terms.svg)" in page.split("```")[0], "kernel-ladder.md: the picture before any code"
