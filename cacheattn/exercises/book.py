@@ -223,14 +223,15 @@ def _partials_reference(x):
     scores, values = x["scores"].astype(np.float64), x["values"].astype(np.float64)
     splits, (heads, keys) = x["partial_max"].shape[0], scores.shape
     per = -(-keys // splits)                            # keys a split, rounded up: the last splits may be empty
-    m, l, o = np.full((splits, heads), -np.inf), np.zeros((splits, heads)), np.zeros((splits, heads, HEAD_DIM))
+    m, total = np.full((splits, heads), -np.inf), np.zeros((splits, heads))
+    o = np.zeros((splits, heads, HEAD_DIM))
     for c in range(splits):
         lo, hi = c * per, min(keys, (c + 1) * per)
         if lo < hi:                                     # an empty split keeps (-inf, 0, 0)
             m[c] = scores[:, lo:hi].max(axis=1)
             p = np.exp(scores[:, lo:hi] - m[c][:, None])                  # (heads, hi - lo)
-            l[c], o[c] = p.sum(axis=1), p @ values[lo:hi]
-    return {"partial_out": o, "partial_max": m, "partial_sum": l}
+            total[c], o[c] = p.sum(axis=1), p @ values[lo:hi]
+    return {"partial_out": o, "partial_max": m, "partial_sum": total}
 
 
 # --- 10. an mma fragment's position
