@@ -202,6 +202,11 @@ def test_bad_use_of_check_is_a_clear_error():
         exercises.check(10, solutions.copy_head)
     with pytest.raises(TypeError, match="exercise 10 takes a plain Python function.*got NoneType"):
         exercises.check(10, None)
+    for seed in ("x", 1.5, -1, True):
+        with pytest.raises(TypeError, match="seed must be a non-negative int"):
+            exercises.check(11, solutions.warp_scores, seed=seed)
+    with pytest.raises(TypeError, match="seed must be a non-negative int.*got 1.5"):
+        exercises.inputs(12, seed=1.5)
     with pytest.raises(ValueError, match="sizes must be ints at least"):
         exercises.inputs(1, tokens=0)
     with pytest.raises(ValueError, match="sizes of exercise 1 are"):

@@ -109,10 +109,17 @@ def _exercise(n) -> Exercise:
     return EXERCISES[int(n)]
 
 
+def _seed(seed) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise TypeError(f"seed must be a non-negative int, the seed of the inputs' random numbers; got {seed!r}")
+    return int(seed)
+
+
 def inputs(n: int, seed: int = 0, **sizes) -> dict:
     """Exercise n's inputs (outputs included, as NaN) at its default sizes, or the `sizes` given; `check` prints
     the sizes of a failing input, and this call makes it again."""
     exercise = _exercise(n)
+    seed = _seed(seed)
     unknown = set(sizes) - set(exercise.sizes)
     if unknown:
         raise ValueError(f"sizes of exercise {n} are {list(exercise.sizes)}; got {sorted(unknown)}")
@@ -360,8 +367,10 @@ def check(n: int, kernel, *, seed: int = 0) -> Result:
     Never raises on a wrong kernel: one that raises, takes another exercise's parameters or fails to launch gets a
     "right" FAIL naming the line, and "fast" and "safe" say "not run" where there was nothing to judge. Raises
     ValueError for an unknown n, TypeError for something that is not a numba.cuda.jit kernel (a plain function,
-    None; exercise 10: something that is not a plain function), RuntimeError outside the simulator."""
+    None; exercise 10: something that is not a plain function) or a seed that is not a non-negative int,
+    RuntimeError outside the simulator."""
     exercise = _exercise(n)
+    seed = _seed(seed)
     if exercise.function:
         return _check_function(exercise, kernel)
     why = _not_a_kernel(kernel)
