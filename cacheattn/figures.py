@@ -45,6 +45,39 @@ def causal_masks(seqlen: int = 3, kvlen: int = 7) -> tuple[str, str]:
     return bottom_right, top_left
 
 
+def causal_ranges(seqlen: int = 4, kvlen: int = 10, window: int = 5, sinks: int = 2) -> str:
+    """The keys a step's new tokens see, side by side: causal (bottom-right: new token i is at position
+    kvlen - seqlen + i), then with a sliding window, then with sink tokens in the window; TensorRT-LLM's rule
+    (`reference.trtllm_gpt_attention.visible_keys`). Keys in the future are white; keys in the past the window
+    leaves out are grey."""
+    from reference.trtllm_gpt_attention import CAUSAL, SLIDING_WINDOW_CAUSAL, visible_keys
+
+    positions = np.arange(kvlen - seqlen, kvlen)
+    panels = [("causal", visible_keys(positions, kvlen, mask_type=CAUSAL, window=kvlen, sinks=0, dense=True)),
+              (f"window {window}", visible_keys(positions, kvlen, mask_type=SLIDING_WINDOW_CAUSAL, window=window,
+                                                sinks=0, dense=False)),
+              (f"window {window}, {sinks} sinks", visible_keys(positions, kvlen, mask_type=SLIDING_WINDOW_CAUSAL,
+                                                               window=window, sinks=sinks, dense=False))]
+    svg, top, label_w, gap = Svg(), 68, 62, 36
+    svg.text(4, 14, f"{seqlen} new tokens after {kvlen - seqlen} cached ones: the keys each sees", bold=True)
+    for n, (title, visible) in enumerate(panels):
+        left = label_w + n * (label_w + kvlen * CELL + gap)
+        svg.text(left, top - 30, title, bold=True)
+        svg.text(left - 6, top - 6, "key j", anchor="end")
+        for j in range(kvlen):
+            svg.text(left + j * CELL + CELL / 2, top - 6, j, anchor="middle")
+        for i, row in enumerate(visible):
+            p = int(positions[i])
+            svg.text(left - 6, top + i * CELL + CELL / 2 + 4, f"p={p}", anchor="end")
+            for j, seen in enumerate(row):
+                fill = (SINK if j < sinks and "sinks" in title else PALETTE[0]) if seen else \
+                    HIDDEN if j <= p else EMPTY
+                svg.rect(left + j * CELL, top + i * CELL, CELL, CELL, fill, seen=int(seen))
+    svg.text(4, top + seqlen * CELL + 20, "blue: seen; brown: a sink, seen; grey: past, outside the window; "
+             "white: future", fill="#555")
+    return svg.render()
+
+
 def page_table(cachestarts: np.ndarray, kvlens, page_size: int, max_t: int) -> str:
     """Each request's logical pages (top) and where its page table puts them among the cache's MaxT slots
     (bottom); entries are token offsets into MaxT, as in OpenPPL's cache_mode 1."""
@@ -241,7 +274,8 @@ def figures() -> dict[str, str]:
     bottom_right, top_left = causal_masks()
     out = {"causal-bottom-right.svg": bottom_right, "causal-top-left.svg": top_left,
            "page-table.svg": page_table(np.array([[12, 0], [24, -1], [4, 28]]), (6, 3, 7), 4, 32),
-           "cyclic-sinks.svg": cyclic_cache(), "multi-block-splits.svg": multi_block_splits()}
+           "cyclic-sinks.svg": cyclic_cache(), "multi-block-splits.svg": multi_block_splits(),
+           "causal-ranges.svg": causal_ranges()}
     extents = dict(L=1, KV=2, T=3, H=2, D=2)
     for layout, axes in DYNAMIC_LAYOUTS.items():
         out[f"ppl-layout-{layout}.svg"] = memory_order(

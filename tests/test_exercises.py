@@ -18,7 +18,8 @@ pytestmark = pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") != "1",
                                 reason="the checks count in numba's CUDA simulator")
 
 KERNELS = {1: "copy_head", 2: "tile_scores", 3: "online_softmax", 4: "gather_pages", 5: "dequantize_int8",
-           6: "gqa_values", 7: "combine_splits", 8: "warp_sum", 9: "unpack_halves"}
+           6: "gqa_values", 7: "combine_splits", 8: "warp_sum", 9: "unpack_halves", 11: "warp_scores",
+           12: "split_partials"}
 # The planted slow or unsafe kernels of each exercise, the verdict each must fail, a word of the fix it must name,
 # and whether it is right all the same (exercise 8's unsafe kernel races, so its outputs vary from run to run;
 # exercise 9's reads a row past the end, which NumPy refuses: wrong too).
@@ -29,11 +30,14 @@ PLANTED = [(1, "_slow", "fast", "lane pick the dimension", True), (2, "_slow", "
            (6, "_slow", "fast", "each value row once", True), (7, "_slow", "fast", "running maximum", True),
            (8, "_slow", "fast", "cuda.shfl_xor_sync(0xFFFFFFFF, v, offset)", True),
            (8, "_unsafe", "safe", "race on buf", None), (9, "_slow", "fast", "one load16(k[t], 8 * j)", True),
-           (9, "_unsafe", "safe", "out_of_bounds on k at mistakes.py", False)]
+           (9, "_unsafe", "safe", "out_of_bounds on k at mistakes.py", False),
+           (11, "_slow", "fast", "lane pick the dimension d of key j", True),
+           (11, "_unsafe", "safe", "race on buf", None), (12, "_slow", "fast", "read each score once", True),
+           (12, "_unsafe", "safe", "out_of_bounds on scores at mistakes.py", False)]
 
 
-def test_ten_exercises_each_with_skeleton_solution_and_plants():
-    assert sorted(exercises.EXERCISES) == list(range(1, 11))
+def test_twelve_exercises_each_with_skeleton_solution_and_plants():
+    assert sorted(exercises.EXERCISES) == list(range(1, 13))
     for n, name in {**KERNELS, 10: "c_position"}.items():
         assert exercises.EXERCISES[n].skeleton is getattr(skeletons, name)
         assert f"Exercise {n}" in exercises.show(n) and "def " + name in exercises.show(n)
@@ -185,7 +189,7 @@ def test_a_shuffle_not_every_lane_reaches_is_a_verdict(monkeypatch):
 
 def test_bad_use_of_check_is_a_clear_error():
     with pytest.raises(ValueError, match="n must be one of the exercises"):
-        exercises.check(11, solutions.copy_head)
+        exercises.check(13, solutions.copy_head)
     with pytest.raises(TypeError, match="n must be an exercise number"):
         exercises.check("1", solutions.copy_head)
     with pytest.raises(TypeError, match="kernel must be a numba.cuda.jit kernel.*decorate it with @cuda.jit"):
@@ -198,6 +202,11 @@ def test_bad_use_of_check_is_a_clear_error():
         exercises.check(10, solutions.copy_head)
     with pytest.raises(TypeError, match="exercise 10 takes a plain Python function.*got NoneType"):
         exercises.check(10, None)
+    for seed in ("x", 1.5, -1, True):
+        with pytest.raises(TypeError, match="seed must be a non-negative int"):
+            exercises.check(11, solutions.warp_scores, seed=seed)
+    with pytest.raises(TypeError, match="seed must be a non-negative int.*got 1.5"):
+        exercises.inputs(12, seed=1.5)
     with pytest.raises(ValueError, match="sizes must be ints at least"):
         exercises.inputs(1, tokens=0)
     with pytest.raises(ValueError, match="sizes of exercise 1 are"):
@@ -259,3 +268,46 @@ def test_first_kernel_matches_the_operator_and_counts_its_flaw():
     assert counts[32] > 0 and counts[33] == 0
     with pytest.raises(ValueError, match="head_dim must be 32"):
         first_kernel.run(first_kernel.decode_attention, args[0][..., :16], *args[1:])
+
+
+def test_the_rung_exercises_answer_other_kernels_with_verdicts():
+    # Another exercise's kernel with other parameters: not launched, and said so.
+    result = exercises.check(12, solutions.warp_scores)
+    assert "is it another exercise's kernel?" in result.right.message and "(q, k, scores)" in result.right.message
+    assert result.fast.status == result.safe.status == "not run"
+    # Exercise 2's tile kernel has exercise 11's parameters: it launches, and its 32-row tile fails at 40 keys.
+    result = exercises.check(11, solutions.tile_scores)
+    assert result.right.status == "FAIL" and "raised IndexError at solutions.py:" in result.right.message
+    assert result.fast.status == "not run" and not result.passed
+    # Exercise 11's kernel is right for exercise 2, but has no tile whose conflicts exercise 2 counts.
+    result = exercises.check(2, solutions.warp_scores)
+    assert result.right.passed and result.safe.passed
+    assert result.fast.status == "FAIL" and "nothing to count" in result.fast.message
+    # Not kernels at all: a clear TypeError before anything runs.
+    with pytest.raises(TypeError, match="exercise 12's parameters .scores, values, partial_out.*got str"):
+        exercises.check(12, "split_partials")
+    with pytest.raises(TypeError, match="decorate it with @cuda.jit"):
+        exercises.check(11, solutions.warp_scores.py_func)
+
+
+def test_a_rung_exercise_kernel_that_fails_at_launch_is_a_verdict():
+    @cuda.jit
+    def split_partials(scores, values, partial_out, partial_max, partial_sum):
+        c, h = cuda.blockIdx.x, cuda.blockIdx.y
+        partial_max[c, h] = cuda.no_such_function(scores[h, 0])
+
+    result = exercises.check(12, split_partials)
+    assert "raised AttributeError at test_exercises.py:" in result.right.message
+    assert result.fast.status == result.safe.status == "not run" and "0 of 3 verdicts pass" in str(result)
+
+
+def test_an_empty_splits_maximum_agrees_only_with_minus_infinity():
+    exercise = exercises.EXERCISES[12]
+    x = exercises.inputs(12)                                 # 10 keys in 8 splits of 2: splits 5, 6 and 7 are empty
+    expected = exercise.reference(x)
+    assert np.isneginf(expected["partial_max"][5:]).all() and (expected["partial_sum"][5:] == 0).all()
+    for name in exercise.outputs:
+        x[name][...] = expected[name]
+    assert exercises._difference(exercise, x) is None
+    x["partial_max"][6, 1] = 0                               # an empty split that claims a maximum
+    assert exercises._difference(exercise, x).startswith("partial_max[6, 1] is 0, the reference -inf")

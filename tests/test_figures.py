@@ -268,3 +268,16 @@ def test_ladder_terms_are_each_rungs_committed_bound_and_its_next_terms():
     assert binding[decode, "2"] == "issue" and binding[decode, "3"] == "DRAM"
     page = (Path(__file__).resolve().parents[1] / "docs" / "kernel-ladder.md").read_text()
     assert "](figures/ladder-terms.svg)" in page.split("```")[0], "kernel-ladder.md: the picture before any code"
+
+
+def test_causal_ranges_colour_the_keys_visible_keys_lets_each_new_token_see():
+    from reference.trtllm_gpt_attention import SLIDING_WINDOW_CAUSAL, visible_keys
+
+    svg = figures.causal_ranges(seqlen=3, kvlen=7, window=4, sinks=1)
+    cells = [int(c.get("data-seen")) for c in ET.fromstring(svg).iter("{http://www.w3.org/2000/svg}rect")]
+    assert len(cells) == 3 * 3 * 7
+    # causal: 5 + 6 + 7 keys; the window of 4 keeps 4 a row; 1 sink + the last 3 keeps 4 a row too
+    assert [sum(cells[k * 21:(k + 1) * 21]) for k in range(3)] == [18, 12, 12]
+    sinks = visible_keys(np.arange(4, 7), 7, mask_type=SLIDING_WINDOW_CAUSAL, window=4, sinks=1, dense=False)
+    assert cells[42:] == sinks.astype(int).ravel().tolist()
+    assert svg.count(f"fill='{figures.SINK}'") == 3 and svg.count(f"fill='{figures.EMPTY}'") == 3 * 3

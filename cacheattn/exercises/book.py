@@ -4,6 +4,7 @@ float64 reference its outputs must match, how its kernel is launched, and the co
 Every exercise's kernel works on head_dim 32, one dimension a lane of one warp, so that the counts are easy to
 check by hand: 32 float32 lanes side by side are 128 bytes, 4 sectors; 32 int8 lanes are one sector. Exercise 9
 reads rows of 64 float16, 8 a lane (16 bytes); exercise 10 is a plain Python function, checked for right only.
+Exercises 11 and 12 are the rung pages' own: rung 1 to rung 2 (a warp per key) and rung 4 (split-K partials).
 """
 
 from __future__ import annotations
@@ -197,6 +198,42 @@ def _make_halves(s, rng):
     return {"k": _normal(rng, s["tokens"], 64, dtype=np.float16), "out": _nan(s["tokens"], 64)}
 
 
+# --- 11. a warp per key
+def _make_keys(s, rng):
+    return {"q": _normal(rng, HEAD_DIM), "k": _normal(rng, s["keys"], HEAD_DIM), "scores": _nan(s["keys"])}
+
+
+def _shared_traffic_reading(array):
+    # The shared-memory requests and barriers of a kernel that reads `array`: a kernel with neither is not fast
+    # for having read nothing (None), but one that reads the array through registers alone counts 0.
+    requests = _array_figure(array, "ld_requests")
+    return lambda rec: None if requests(rec) is None else (
+        rec.extra["shared_ld_requests"] + rec.extra["shared_st_requests"] + rec.extra["barriers"])
+
+
+# --- 12. split-K partials
+def _make_partials(s, rng):
+    splits, heads, keys = s["splits"], s["heads"], s["keys"]
+    return {"scores": _normal(rng, heads, keys) * np.float32(3), "values": _normal(rng, keys, HEAD_DIM),
+            "partial_out": _nan(splits, heads, HEAD_DIM), "partial_max": _nan(splits, heads),
+            "partial_sum": _nan(splits, heads)}
+
+
+def _partials_reference(x):
+    scores, values = x["scores"].astype(np.float64), x["values"].astype(np.float64)
+    splits, (heads, keys) = x["partial_max"].shape[0], scores.shape
+    per = -(-keys // splits)                            # keys a split, rounded up: the last splits may be empty
+    m, total = np.full((splits, heads), -np.inf), np.zeros((splits, heads))
+    o = np.zeros((splits, heads, HEAD_DIM))
+    for c in range(splits):
+        lo, hi = c * per, min(keys, (c + 1) * per)
+        if lo < hi:                                     # an empty split keeps (-inf, 0, 0)
+            m[c] = scores[:, lo:hi].max(axis=1)
+            p = np.exp(scores[:, lo:hi] - m[c][:, None])                  # (heads, hi - lo)
+            total[c], o[c] = p.sum(axis=1), p @ values[lo:hi]
+    return {"partial_out": o, "partial_max": m, "partial_sum": total}
+
+
 # --- 10. an mma fragment's position
 def _fragment_reference(x):
     from kernels_numba import _mma
@@ -335,4 +372,36 @@ EXERCISES = {e.number: e for e in (
         "lane 0..31; e 0..3",
         "the PTX ISA's fragment layout for mma.m16n8k16 (section 9.7.14.5.8), as kernels_numba._mma.c_position "
         "has it", function=True),
+    Exercise(
+        11, "A warp per key", "Rung 2's idea: instead of a thread walking a whole key out of a shared tile, the warp "
+        "takes the key, a lane a dimension, in one coalesced load, and a shuffle butterfly sums the 32 products in "
+        "registers: no tile, so no bank to conflict in and no barrier.",
+        "scores[j] = sum_d q[d] k[j, d] for every key j, the warp on one key at a time.",
+        skeletons.warp_scores, "1 block of 32 threads",
+        {"keys": 40}, {"keys": 1}, _make_keys, ("scores",),
+        lambda x: {"scores": x["k"].astype(np.float64) @ x["q"].astype(np.float64)},
+        lambda x: 1, ("q", "k", "scores"),
+        (Target("sectors per load request of k", _sectors_per_load("k"), lambda s: 4,
+                "let the lane pick the dimension d of key j: the key's 32 floats side by side are 4 sectors"),
+         Target("shared-memory requests and barriers", _shared_traffic_reading("k"), lambda s: 0,
+                "keep the products in registers and sum them with cuda.shfl_xor_sync (exercise 8)")),
+        "q float32 (32,); k float32 (keys, 32); scores float32 (keys,)",
+        "scores = k @ q"),
+    Exercise(
+        12, "Split-K partials", "Rung 4's idea: split c of a sequence's keys goes to a block of its own, "
+        "ceil(keys / splits) keys a split, so the last splits may get fewer or none. Each block writes its online-"
+        "softmax state (m, l, O) unnormalised, and an empty split writes (-inf, 0, 0), which a combine weighs 0.",
+        "For split c of head h's keys: partial_max[c, h] = m, partial_sum[c, h] = sum exp(s - m), "
+        "partial_out[c, h] = sum exp(s - m) values[t], in one pass over the split's scores.",
+        skeletons.split_partials, "a block of 32 threads per (split, head): grid (splits, heads)",
+        {"keys": 10, "splits": 8, "heads": 2}, {"keys": 1, "splits": 1, "heads": 1}, _make_partials,
+        ("partial_out", "partial_max", "partial_sum"), _partials_reference,
+        lambda x: x["partial_max"].shape, ("scores", "values", "partial_out", "partial_max", "partial_sum"),
+        (Target("load requests of scores", _array_figure("scores", "ld_requests"), lambda s: s["heads"] * s["keys"],
+                "read each score once (exercise 3's running maximum): a split's keys are read by its block alone, "
+                "so the heads x keys scores need as many requests"),),
+        "scores float32 (heads, keys), standard normal x 3; values float32 (keys, 32); partial_out float32 "
+        "(splits, heads, 32); partial_max, partial_sum float32 (splits, heads)",
+        "split c takes keys [c per, min(keys, (c + 1) per)) with per = ceil(keys / splits); m its largest score "
+        "(-inf when empty), l and O its sums against m (0 when empty)"),
 )}

@@ -1,6 +1,6 @@
-"""Planted mistakes, one wrong and one slow or unsafe kernel per exercise (exercises 8 and 9: one of each; exercise
-10, a plain function: only a wrong one): what the checks say about them is what the exercises pages show and what
-the tests hold `check` to."""
+"""Planted mistakes, one wrong and one slow or unsafe kernel per exercise (exercises 8, 9, 11 and 12: one of each;
+exercise 10, a plain function: only a wrong one): what the checks say about them is what the exercises pages show
+and what the tests hold `check` to."""
 
 import math
 
@@ -295,3 +295,116 @@ def unpack_halves_unsafe(k, out):
 def c_position_wrong(lane, e):
     group, thread = lane // 4, lane % 4
     return group + 8 * (e % 2), 2 * thread + e // 2     # c1 is the next column, not eight rows down
+
+
+# --- exercise 11
+@cuda.jit
+def warp_scores_wrong(q, k, scores):
+    lane = cuda.threadIdx.x
+    for j in range(k.shape[0]):
+        v = q[lane] * k[j, lane]
+        offset = 16
+        while offset > 1:                           # stops before the neighbours: pairs of lanes left unsummed
+            v += cuda.shfl_xor_sync(0xFFFFFFFF, v, offset)
+            offset //= 2
+        if lane == 0:
+            scores[j] = v
+
+
+@cuda.jit
+def warp_scores_slow(q, k, scores):
+    lane = cuda.threadIdx.x
+    keys = k.shape[0]
+    for j in range(lane, keys, 32):                 # a thread per key: a request's lanes read 32 rows, 128 bytes apart
+        s = float32(0)
+        for d in range(32):
+            s += q[d] * k[j, d]
+        scores[j] = s
+
+
+@cuda.jit
+def warp_scores_unsafe(q, k, scores):
+    lane = cuda.threadIdx.x
+    buf = cuda.shared.array(32, float32)
+    for j in range(k.shape[0]):
+        buf[lane] = q[lane] * k[j, lane]
+        if lane == 0:                               # no barrier: lane 0 sums words other lanes may not have written
+            s = float32(0)
+            for d in range(32):
+                s += buf[d]
+            scores[j] = s
+
+
+# --- exercise 12
+@cuda.jit
+def split_partials_wrong(scores, values, partial_out, partial_max, partial_sum):
+    c, h = cuda.blockIdx.x, cuda.blockIdx.y
+    lane = cuda.threadIdx.x
+    splits, keys = partial_max.shape[0], scores.shape[1]
+    per = keys // splits                            # rounded down: the keys past splits x per belong to no split
+    lo, hi = c * per, (c + 1) * per
+    m = float32(-math.inf)
+    total = float32(0)
+    acc = float32(0)
+    for t in range(lo, hi):
+        s = scores[h, t]
+        if s > m:
+            rescale = math.exp(m - s)
+            total *= rescale
+            acc *= rescale
+            m = s
+        p = math.exp(s - m)
+        total += p
+        acc += p * values[t, lane]
+    partial_out[c, h, lane] = acc
+    if lane == 0:
+        partial_max[c, h] = m
+        partial_sum[c, h] = total
+
+
+@cuda.jit
+def split_partials_slow(scores, values, partial_out, partial_max, partial_sum):
+    c, h = cuda.blockIdx.x, cuda.blockIdx.y
+    lane = cuda.threadIdx.x
+    splits, keys = partial_max.shape[0], scores.shape[1]
+    per = (keys + splits - 1) // splits
+    lo, hi = c * per, min(keys, (c + 1) * per)
+    m = float32(-math.inf)
+    for t in range(lo, hi):                         # a first pass for the maximum: every score read twice
+        m = max(m, scores[h, t])
+    total = float32(0)
+    acc = float32(0)
+    for t in range(lo, hi):
+        p = math.exp(scores[h, t] - m)
+        total += p
+        acc += p * values[t, lane]
+    partial_out[c, h, lane] = acc
+    if lane == 0:
+        partial_max[c, h] = m
+        partial_sum[c, h] = total
+
+
+@cuda.jit
+def split_partials_unsafe(scores, values, partial_out, partial_max, partial_sum):
+    c, h = cuda.blockIdx.x, cuda.blockIdx.y
+    lane = cuda.threadIdx.x
+    splits, keys = partial_max.shape[0], scores.shape[1]
+    per = (keys + splits - 1) // splits
+    lo, hi = c * per, (c + 1) * per                 # not clipped to the keys: the last splits read past the row
+    m = float32(-math.inf)
+    total = float32(0)
+    acc = float32(0)
+    for t in range(lo, hi):
+        s = scores[h, t]
+        if s > m:
+            rescale = math.exp(m - s)
+            total *= rescale
+            acc *= rescale
+            m = s
+        p = math.exp(s - m)
+        total += p
+        acc += p * values[t, lane]
+    partial_out[c, h, lane] = acc
+    if lane == 0:
+        partial_max[c, h] = m
+        partial_sum[c, h] = total

@@ -141,3 +141,43 @@ def c_position(lane, e):
     group, thread = lane // 4, lane % 4         # the ISA's groupID and threadID_in_group
     # Fill in: rows group and group + 8, two neighbouring columns a thread; e = 0, 1 first, then 2, 3.
     return 0, 0
+
+
+@cuda.jit
+def warp_scores(q, k, scores):
+    """Exercise 11, a warp per key. scores[j] = sum_d q[d] k[j, d] for every key j: the warp takes one key at a time,
+    lane d its dimension d, and sums the 32 products in registers (exercise 8's butterfly); no shared tile.
+    Launch: 1 block of 32 threads."""
+    lane = cuda.threadIdx.x
+    for j in range(k.shape[0]):
+        part = float32(0)
+        # Fill in: lane `lane`'s product for key j, summed over the warp; one lane writes scores[j].
+
+
+@cuda.jit
+def split_partials(scores, values, partial_out, partial_max, partial_sum):
+    """Exercise 12, split-K partials. Block (c, h) takes split c of head h's keys: ceil(keys / splits) keys a split,
+    so the last splits may get fewer, or none. It writes its online-softmax state over those keys, unnormalised:
+    partial_max[c, h] = m, partial_sum[c, h] = l = sum exp(s - m), partial_out[c, h, lane] = sum exp(s - m) v[lane];
+    an empty split writes (-inf, 0, 0). Launch: a block of 32 threads per (split, head); head_dim 32."""
+    c, h = cuda.blockIdx.x, cuda.blockIdx.y
+    lane = cuda.threadIdx.x
+    splits, keys = partial_max.shape[0], scores.shape[1]
+    lo, hi = 0, 0           # Fill in: split c's keys [lo, hi), ceil(keys / splits) a split, none past the last key.
+    m = float32(-math.inf)
+    total = float32(0)
+    acc = float32(0)
+    for t in range(lo, hi):
+        s = scores[h, t]
+        if s > m:                                   # exercise 3's running maximum
+            rescale = math.exp(m - s)
+            total *= rescale
+            acc *= rescale
+            m = s
+        p = math.exp(s - m)
+        total += p
+        acc += p * values[t, lane]
+    partial_out[c, h, lane] = acc
+    if lane == 0:
+        partial_max[c, h] = m
+        partial_sum[c, h] = total

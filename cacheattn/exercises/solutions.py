@@ -138,3 +138,42 @@ def unpack_halves(k, out):
 def c_position(lane, e):
     group, thread = lane // 4, lane % 4
     return group + 8 * (e // 2), 2 * thread + e % 2     # c0, c1 in row group; c2, c3 eight rows down
+
+
+@cuda.jit
+def warp_scores(q, k, scores):
+    lane = cuda.threadIdx.x
+    for j in range(k.shape[0]):
+        v = q[lane] * k[j, lane]                    # lane d reads dimension d: key j's 128 bytes in one request
+        offset = 16
+        while offset >= 1:                          # exercise 8's butterfly: the dot product in every lane
+            v += cuda.shfl_xor_sync(0xFFFFFFFF, v, offset)
+            offset //= 2
+        if lane == 0:
+            scores[j] = v
+
+
+@cuda.jit
+def split_partials(scores, values, partial_out, partial_max, partial_sum):
+    c, h = cuda.blockIdx.x, cuda.blockIdx.y
+    lane = cuda.threadIdx.x
+    splits, keys = partial_max.shape[0], scores.shape[1]
+    per = (keys + splits - 1) // splits             # rounded up, so that splits x per covers every key
+    lo, hi = c * per, min(keys, (c + 1) * per)      # past the last key: hi <= lo, an empty range
+    m = float32(-math.inf)
+    total = float32(0)
+    acc = float32(0)
+    for t in range(lo, hi):
+        s = scores[h, t]
+        if s > m:
+            rescale = math.exp(m - s)
+            total *= rescale
+            acc *= rescale
+            m = s
+        p = math.exp(s - m)
+        total += p
+        acc += p * values[t, lane]
+    partial_out[c, h, lane] = acc                   # an empty split: (-inf, 0, 0), which a combine weighs 0
+    if lane == 0:
+        partial_max[c, h] = m
+        partial_sum[c, h] = total
