@@ -8,13 +8,15 @@ NUMBA_ENABLE_CUDASIM, as `kernels_numba.ptx_check` does), assembles it for sm_90
 spills, static shared memory) and disassembles the cubin with `nvdisasm`. From those it derives
 
 - the theoretical occupancy on sm_90 by the occupancy calculator's rules (`occupancy`);
-- the key loop: the backward branch whose body holds the most global loads (the loop over keys; inner loops of
-  rung 1 sit inside it), and its *static* instruction mix: each instruction of the body counted once, however
-  often it runs (`instruction_mix`);
-- for the bounds (`cacheattn.bounds`): the shortest path through one trip of the key loop that still does its
-  memory, shuffle, mma, exp2 and barrier work (`trip_path`, `path_mix`), the shortest path a warp runs once around
-  it (`outside_path`: prologue, the query's loads, merge, epilogue), and the chain of global round trips a trip
-  waits on in series (`dependent_chain`).
+- the key loop: the loop region (rotated loops joined, `regions`) whose body holds the most global loads, LDG and
+  cp.async alike (the loop over keys; inner loops of rung 1 sit inside it), and its *static* instruction mix: each
+  instruction of the body counted once, however often it runs (`instruction_mix`);
+- for the bounds (`cacheattn.bounds`): the path through one trip of the key loop that does the most of its
+  required work (mma, exp2, barriers, shuffles, shared and global stores, its widest global loads) in the fewest
+  instructions (`trip_path`, `path_mix`; an inner loop whose trips the kernel's shape fixes counted that often,
+  `inner_trips`), the same around it for what a warp runs once (`outside_path`: prologue, the query's loads, merge,
+  epilogue), and the chain of global round trips a trip waits on in series, cp.async copies until the DEPBAR
+  that retires them (`dependent_chain`). The outside kernels of `cacheattn.lab.calibration` are read the same way.
 
     python -m cacheattn.lab.sass [--write docs/kernel-ladder-sass.json] [--rung 3] [--cache int8] [--operator trtllm]
 
@@ -27,7 +29,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import re
 import shutil
