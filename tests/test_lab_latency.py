@@ -209,3 +209,30 @@ def test_the_committed_inner_trips():
     assert all(t["trips"] == 1 for key in ("rung5-int8-prefill", "rung5-int4-prefill")
                for t in variants[key]["key_loop"]["inner_trips"])
     assert variants["rung5-float16-decode"]["key_loop"]["inner_trips"] == []
+
+
+def test_the_staging_loops_trips_are_read_and_checked():
+    """Rung 5's prefill staging loops: n - tid read from the SASS (256 for K, 128 for V at the headline shape,
+    float16), the trips of the last warp from the shape; a count the shape does not give is refused."""
+    listing = """
+.L_x_1:
+        /*0000*/                   IADD3 R5, P1, -R0, 0x100, RZ ;
+.L_x_2:
+        /*0010*/                   LDG.E.128 R16, desc[UR4][R4.64] ;
+        /*0020*/                   STS.128 [R6], R16 ;
+        /*0030*/               @P1 BRA `(.L_x_2) ;
+        /*0040*/                   IADD3 R7, P1, -R0, 0x80, RZ ;
+.L_x_3:
+        /*0050*/                   LDG.E.128 R16, desc[UR4][R4.64] ;
+        /*0060*/                   STS.128 [R6], R16 ;
+        /*0070*/               @P1 BRA `(.L_x_3) ;
+        /*0080*/                   HMMA.16816.F32 R20, R16, R18, R20 ;
+        /*0090*/               @P0 BRA `(.L_x_1) ;
+        /*00a0*/                   EXIT ;
+"""
+    code, prefill = sass.parse_sass(listing), sass.Variant(5, "float16", "prefill")
+    got = sass.inner_trips(prefill, code, (0, 9))
+    assert [(t["first"], t["last"], t["trips"]) for t in got] == [(1, 3, 2), (5, 7, 1)]
+    assert sass.inner_trips(sass.Variant(5, "float16"), code, (0, 9)) == []          # decode stages nothing
+    with pytest.raises(ValueError, match="V staging loop /\\*0050\\*/: expected its count from 128 - tid"):
+        sass.inner_trips(prefill, sass.parse_sass(listing.replace("-R0, 0x80", "-R0, 0x40")), (0, 9))

@@ -702,11 +702,12 @@ def inner_trips(variant: Variant, instructions, span) -> list:
     """Inner loops of the key loop whose trips a warp runs at least a known number of times, each {first, last (the
     loop's indices), trips, how}. Rung 5's prefill stages K, then V, through shared memory in loops over the
     block's chunks, `for at in range(tid, n, threads)` (n = keys x chunks for K, keys / 2 x chunks for V, fixed by
-    the kernel's shape: `_attention_mma.stage_shape`, `_cache.chunk_elements`); the SASS keeps n - tid over the
-    step threads as a run-time count, since tid is, so the count comes from the shape: a warp runs as many trips as
-    its first lane, and the last warp, first lane threads - 32, the fewest, ceil((n - threads + 32) / threads). The
-    two are the key loop's inner loops that load and store to shared memory, K's first. Other inner loops (rung 1's
-    tile loops, page walks) count once: a lower bound."""
+    the kernel's shape: `_attention_mma.stage_shape`, `_cache.chunk_elements`). The SASS computes the loop's count
+    from n - tid (`IADD3 Rc, P, -Rtid, n, RZ`, the last such before the loop's head, in the key loop), so n is read
+    there and checked against the shape's; tid is known only at run time, so a warp runs as many trips as its first
+    lane, and the last warp, first lane threads - 32, the fewest: ceil((n - threads + 32) / threads). The two are
+    the key loop's inner loops that load and store to shared memory, K's first. Other inner loops (rung 1's tile
+    loops, page walks) count once: a lower bound. ValueError when the SASS's n is not the shape's."""
     if variant.rung != 5 or variant.phase != "prefill":
         return []
     import numpy as np
@@ -726,12 +727,21 @@ def inner_trips(variant: Variant, instructions, span) -> list:
         raise ValueError(f"{variant.key}: expected the K and V staging loops in the key loop, found {len(staging)}")
     out = []
     for (a, b), (name, n) in zip(sorted(staging), (("K", keys * chunks), ("V", keys // 2 * chunks))):
+        read = next((k for k in range(a - 1, span[0] - 1, -1) if _RANGE_BOUND.search(instructions[k][1])), None)
+        if read is None or int(_RANGE_BOUND.search(instructions[read][1]).group(1), 16) != n:
+            found = "none" if read is None else instructions[read][1]
+            raise ValueError(f"{variant.key}: {name} staging loop /*{instructions[a][0]:04x}*/: expected its count "
+                             f"from {n} - tid in the SASS, found {found}")
         trips = max(1, -(-(n - THREADS + 32) // THREADS))
         out.append(dict(first=a, last=b, trips=trips,
                         how=f"{name} staging: range(tid, {n}, {THREADS}), {keys} keys x {chunks} chunks"
-                            f"{' / 2' if name == 'V' else ''}; the last warp's ceil(({n} - {THREADS - 32}) / "
-                            f"{THREADS}) = {trips}"))
+                            f"{' / 2' if name == 'V' else ''} (n - tid at /*{instructions[read][0]:04x}*/); the last "
+                            f"warp's ceil(({n} - {THREADS - 32}) / {THREADS}) = {trips}"))
     return out
+
+
+# n - tid, the count of a `range(tid, n, step)` loop before it is divided by the step (64 bits: the carry in P).
+_RANGE_BOUND = re.compile(r"^IADD3 R\d+, P\d, -R\d+, (0x[0-9a-f]+), RZ$")
 
 
 def analyse(variant: Variant, ptxas_text: str, sass_text: str, threads: int) -> dict:
