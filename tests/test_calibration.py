@@ -208,7 +208,7 @@ def test_rotated_loops_merge_and_counts():
     instructions = calibration.sass.parse_sass(SASS)
     assert sorted(calibration.sass.loops(instructions)) == [(1, 7), (3, 11)]
     assert calibration.regions(instructions) == [(1, 11)]
-    assert calibration.main_loop(instructions) == (1, 11)
+    assert calibration.sass.key_loop(instructions) == (1, 11)     # the ladder's reader, rotated loops joined
     body = instructions[1:12]
     # ldmatrix x4 4, x2 2, LDS.64 2, STS 1, cp.async 16 B a lane 4
     assert calibration.wavefronts(body) == 4 + 2 + 2 + 1 + 4
@@ -224,7 +224,7 @@ def test_rotated_loops_merge_and_counts():
         assert entry["main_loop"]["instructions"] + entry["outside_main_loop"]["instructions"] == \
             entry["total_instructions"], key
     with pytest.raises(ValueError, match="no loop with a global load"):
-        calibration.main_loop(instructions[:1])
+        calibration.sass.key_loop(instructions[:1])
 
 
 def test_derive_from_the_tools_output():
@@ -244,8 +244,7 @@ def test_derive_from_the_tools_output():
         calibration.derive(ptxas, "", meta)
 
 
-def test_dependent_global_loads():
-    chained = calibration.sass.parse_sass("""
+CHAINED = """
         /*0000*/                   LDG.E R2, desc[UR4][R4.64] ;
         /*0010*/                   IMAD R6, R2, 0x100, RZ ;
         /*0020*/                   STS [R8], R6 ;
@@ -253,15 +252,30 @@ def test_dependent_global_loads():
         /*0040*/                   LDS R10, [R8] ;
         /*0050*/                   IADD3 R12, P0, R10, R14, RZ ;
         /*0060*/                   LDGSTS.E.BYPASS.LTC128B.128 [R16], desc[UR4][R12.64] ;
-        /*0070*/                   LDG.E.128 R20, desc[UR4][R14.64] ;
-""")
-    assert calibration.dependent_global_loads(chained) == 2       # page index -> shared -> address of the tile
-    assert calibration.dependent_global_loads(chained[6:]) == 1   # loads at computed addresses only
-    assert calibration.dependent_global_loads(chained[1:6]) == 0
-    # the committed kernels: only the paged decode computes an address from a loaded value (its page table)
-    assert {k: e["main_loop"]["dependent_global_loads"] for k, e in KERNELS.items()} == {
-        "fa2_fwd_hdim128": 1, "fi_decode_hdim128_gqa4": 2, "fi_single_decode_hdim128_gqa8": 1,
-        "fi_decode_hdim128_gqa8": 2}
+        /*0070*/                   LDGDEPBAR ;
+        /*0080*/                   DEPBAR.LE SB0, 0x0 ;
+        /*0090*/                   LDSM.16.M88.4 R20, [R16] ;
+"""
+
+
+def test_the_chain_through_shared_memory_and_cp_async():
+    """The calibration reads its kernels' chains with the ladder's reader (`sass.dependent_chain`): a page index
+    (a narrow load) stored to shared memory and read back for a tile's address, whose cp.async copy the DEPBAR
+    waits for: a near round trip, then an HBM one, each trip. Waiting with one group left in flight (a copy
+    issued a trip ahead) leaves the near one alone; with no DEPBAR nothing waits on the copy."""
+    code = calibration.sass.parse_sass(CHAINED)
+    every = range(len(code))
+    assert calibration.sass.dependent_chain(code, every) == dict(hbm=1, near=1, trip_bytes=32 * 20, loads=2)
+    ahead = calibration.sass.parse_sass(CHAINED.replace("SB0, 0x0", "SB0, 0x1"))
+    got = calibration.sass.dependent_chain(ahead, every)
+    assert (got["hbm"], got["near"]) == (0, 1)
+    unwaited = calibration.sass.parse_sass(CHAINED.replace("DEPBAR.LE SB0, 0x0", "NOP"))
+    assert calibration.sass.dependent_chain(unwaited, every)["hbm"] == 0
+    # the committed kernels: FlashAttention-2 waits on its K tile and its V tile, each copied half a trip ahead,
+    # in series; FlashInfer's decode waits on one group a trip, its page-table read hidden two stages ahead
+    assert {k: (e["main_loop"]["chain"]["hbm"], e["main_loop"]["chain"]["near"]) for k, e in KERNELS.items()} == {
+        "fa2_fwd_hdim128": (2, 0), "fi_decode_hdim128_gqa4": (1, 0), "fi_single_decode_hdim128_gqa8": (1, 0),
+        "fi_decode_hdim128_gqa8": (1, 0)}
 
 
 def test_cli_prints_the_table(capsys):

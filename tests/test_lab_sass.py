@@ -175,3 +175,47 @@ def test_cp_async_loads_are_counted_by_width():
     got = sass.loads_in_flight(sass.parse_sass(CP_ASYNC))
     assert got["loads"] == 3
     assert got["peak"] == 32 * (16 + 16 + 8)
+
+
+# A rotated loop (two conditional back edges whose spans cross, FlashAttention-2's form) and an out-of-line block
+# after it whose unconditional branch returns into it (a diverged warp's shuffle): the first two join, the last
+# stays apart.
+ROTATED = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_1:
+        /*0010*/                   LDGSTS.E.BYPASS.LTC128B.128 [R2], desc[UR4][R4.64] ;
+.L_x_2:
+        /*0020*/                   LDGDEPBAR ;
+        /*0030*/              @P0 BRA `(.L_x_1) ;
+.L_x_3:
+        /*0040*/                   DEPBAR.LE SB0, 0x1 ;
+        /*0050*/              @P1 BRA `(.L_x_2) ;
+        /*0060*/              @P2 BRA `(.L_x_4) ;
+        /*0070*/                   EXIT ;
+.L_x_4:
+        /*0080*/                   LDG.E R6, desc[UR4][R4.64] ;
+        /*0090*/                   BRA `(.L_x_3) ;
+"""
+
+
+def test_rotated_loops_join_and_out_of_line_returns_do_not():
+    code = sass.parse_sass(ROTATED)
+    assert sorted(sass.loops(code)) == [(1, 3), (2, 5), (4, 9)]
+    assert sass.regions(code) == [(1, 5), (4, 9)]
+    # both regions load once; the rotated loop, the shorter, is the key loop
+    assert sass.key_loop(code) == (1, 5)
+
+
+def test_cp_async_is_in_flight_until_the_depbar_that_retires_its_group():
+    """LDGSTS names no register the warp waits on: its copy is in flight until DEPBAR.LE N leaves N groups."""
+    code = sass.parse_sass("""
+        /*0000*/                   LDGSTS.E.BYPASS.128 [R13], [R4.64] ;
+        /*0010*/                   LDGDEPBAR ;
+        /*0020*/                   LDGSTS.E.BYPASS.128 [R11], [R4.64+0x200] ;
+        /*0030*/                   LDGDEPBAR ;
+        /*0040*/                   DEPBAR.LE SB0, 0x1 ;
+        /*0050*/                   LDS R8, [R13] ;
+        /*0060*/                   DEPBAR.LE SB0, 0x0 ;
+""")
+    assert sass.loads_in_flight(code) == dict(first_use=32 * 32, peak=32 * 32, loads=2)
+    assert [sass._groups_kept(text) for _, text, _ in code] == [None, None, None, None, 1, None, 0]

@@ -89,71 +89,22 @@ def wavefronts(instructions) -> int:
     return total
 
 
-# cp.async (LDGSTS) writes shared memory, not a register, and its commit and wait write none either.
-_NO_DESTINATION = sass._NO_DESTINATION + ("LDGSTS", "LDGDEPBAR", "DEPBAR")
-
-
-def dependent_global_loads(instructions) -> int:
-    """The longest chain of global loads (LDG, cp.async's LDGSTS) in one pass over `instructions` where each load's
-    address depends on the one before: 1 when every load's address comes from arithmetic alone, 2 when an address is
-    computed from a loaded value (a page index), and so on; 0 without global loads. Values are followed through
-    registers and through shared memory, taken as one location: an STS of a loaded value taints every later LDS /
-    LDSM, which can overstate a chain. What cp.async itself copies into shared memory is not followed: in these
-    kernels it is K and V, read for arithmetic, never for an address."""
-    depth, shared, longest = {}, 0, 0
-    for _, text, _ in instructions:
-        op, reads, writes = sass._reads_writes(text, _NO_DESTINATION)
-        if not op:
-            continue
-        level = max((depth.get(r, 0) for r in reads), default=0)
-        if op.startswith(("LDS", "LDSM")):
-            level = max(level, shared)
-        if op.startswith("LDG") and not op.startswith("LDGDEPBAR"):
-            level += 1
-            longest = max(longest, level)
-        elif op.startswith("STS"):
-            shared = max(shared, level)
-        for r in writes:
-            depth[r] = level
-    return longest
-
-
 def regions(instructions) -> list[tuple[int, int]]:
-    """Loops as the code runs them: `sass.loops` spans merged where they overlap (a compiler that rotates a loop
-    leaves two backward branches whose spans cross, as FlashAttention-2's main loop does), outermost first."""
-    out = []
-    for first, last in sorted(sass.loops(instructions)):
-        if out and first <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], last))
-        else:
-            out.append((first, last))
-    return out
-
-
-def main_loop(instructions) -> tuple[int, int]:
-    """The merged loop region holding the most global loads (LDG and cp.async's LDGSTS): the loop over keys."""
-    def loads(span):
-        return sum(sass.opcode(t).startswith(("LDG", "LDGSTS")) for _, t, _ in instructions[span[0]:span[1] + 1])
-    found = [span for span in regions(instructions) if loads(span)]
-    if not found:
-        raise ValueError("no loop with a global load in this SASS")
-    return max(found, key=loads)
-
-
-def _register_loads_only(instructions):
-    """`instructions` without cp.async (LDGSTS, and its LDGDEPBAR): it writes shared memory, not registers, so no
-    register waits on it (its wait is DEPBAR), which `sass.loads_in_flight`, following registers, would miss."""
-    return [ins for ins in instructions if not sass.opcode(ins[1]).startswith(("LDGSTS", "LDGDEPBAR"))]
+    """Loops as the code runs them (`sass.regions`: rotated loops joined)."""
+    return sass.regions(instructions)
 
 
 def derive(ptxas_text: str, sass_text: str, meta: dict) -> dict:
     """The statistics of one kernel from ptxas -v's output and nvdisasm's listing, merged into `meta` (its source,
-    shape, launch, published figure, and `main_loop`: trips a block makes and the instructions a trip may skip)."""
+    shape, launch, published figure, and `main_loop`: trips a block makes and the instructions a trip may skip),
+    read as the ladder's kernels are: the main loop is `sass.key_loop` (rotated loops joined), its chain of
+    dependent round trips `sass.dependent_chain` over the loop's body in address order (cp.async copies in
+    flight until the DEPBAR that retires their group, so a copy issued trips ahead is waited on trips later)."""
     resources = sass.parse_ptxas(ptxas_text)
     instructions = sass.parse_sass(sass_text)
     if not instructions:
         raise ValueError(f"{meta['kernel']}: nvdisasm printed no instructions")
-    first, last = main_loop(instructions)
+    first, last = sass.key_loop(instructions)
     body = instructions[first:last + 1]
     outside = instructions[:first] + instructions[last + 1:]
     launch = meta["launch"]
@@ -165,10 +116,11 @@ def derive(ptxas_text: str, sass_text: str, meta: dict) -> dict:
     out["total_instructions"] = len(instructions)
     out["loops"] = [dict(first=f"{instructions[a][0]:04x}", last=f"{instructions[b][0]:04x}",
                          instructions=b - a + 1) for a, b in regions(instructions)]
-    out["main_loop"] = dict(meta["main_loop"], first=f"{body[0][0]:04x}", last=f"{body[-1][0]:04x}",
+    facts = {k: v for k, v in meta["main_loop"].items() if k not in _DERIVED_LOOP_FIELDS}
+    out["main_loop"] = dict(facts, first=f"{body[0][0]:04x}", last=f"{body[-1][0]:04x}",
                             instructions=len(body), mix=mix(body), wavefronts=wavefronts(body),
-                            dependent_global_loads=dependent_global_loads(body),
-                            in_flight=sass.loads_in_flight(_register_loads_only(body)))
+                            chain=sass.dependent_chain(instructions, range(first, last + 1)),
+                            in_flight=sass.loads_in_flight(body))
     out["outside_main_loop"] = dict(instructions=len(outside), mix=mix(outside), wavefronts=wavefronts(outside))
     return out
 
@@ -179,7 +131,8 @@ REQUIRED = {
     "": ("kernel", "source", "shape", "published", "published_us", "compiler", "launch", "resources", "occupancy",
          "main_loop", "outside_main_loop", "dram_bytes"),
     "launch": ("threads", "blocks", "dynamic_shared"),
-    "main_loop": ("instructions", "trips_per_block", "skipped_per_trip", "mix", "wavefronts"),
+    "main_loop": ("instructions", "trips_per_block", "skipped_per_trip", "mix", "wavefronts", "chain"),
+    "main_loop.chain": ("hbm", "near", "trip_bytes"),
     "main_loop.mix": ("HMMA", "MUFU.EX2", "FMA pipe", "total"),
     "outside_main_loop": ("instructions", "mix"),
     "outside_main_loop.mix": ("HMMA",),
@@ -215,9 +168,9 @@ def work(entry: dict) -> bounds.Work:
     """The call's work (`cacheattn.bounds.Work`) from one kernel's statistics: the main loop's counts per warp a
     trip times its trips and the grid's warps, plus what each warp runs outside it once (prologue, the peeled first
     tile, epilogue). A trip may skip `skipped_per_trip` instructions (a prefetch the last trip leaves out), so the
-    issue counts instructions - skipped: a lower bound. The latency chain is the main loop's dependent global round
-    trips over how many trips ahead its copies are issued (`trips_ahead`: cp.async one or two tiles ahead hides
-    that much of HBM's latency)."""
+    issue counts instructions - skipped: a lower bound. The latency chain is the main loop's (`sass.dependent_chain`:
+    the round trips a trip waits on in series, where a cp.async copy issued trips ahead is waited on by a later
+    trip's DEPBAR, so the source's `trips_ahead` is read from the code, not divided by)."""
     check(entry)
     launch, loop, outside = entry["launch"], entry["main_loop"], entry["outside_main_loop"]
     warps = math.ceil(launch["threads"] / 32)
@@ -240,8 +193,8 @@ def work(entry: dict) -> bounds.Work:
         warp_instructions=each_warp(loop["instructions"] - loop["skipped_per_trip"], outside["instructions"]),
         launches=launch.get("launches", 1),
         blocks=launch["blocks"], blocks_per_sm=entry["occupancy"]["blocks_per_sm"], warps_per_block=warps,
-        warp_trips=each_warp(1), chain_hbm=loop["dependent_global_loads"] / loop.get("trips_ahead", 1),
-        trip_bytes=16 * 32 * (mix.get("LDGSTS", 0) + mix.get("LDG.128", 0)))
+        warp_trips=each_warp(1), chain_hbm=loop["chain"]["hbm"], chain_near=loop["chain"]["near"],
+        trip_bytes=loop["chain"]["trip_bytes"])
 
 
 def ceilings(entry: dict, machine=None) -> bounds.Bounds:
@@ -383,6 +336,9 @@ def main(argv=None) -> int:
     return 0
 
 
+# What derive recomputes in main_loop (and drops when an older reader wrote a field no longer derived).
+_DERIVED_LOOP_FIELDS = ("first", "last", "instructions", "mix", "wavefronts", "chain", "in_flight",
+                        "dependent_global_loads")
 # What --derive keeps of an entry (the hand-written facts); the rest is recomputed from the tools' output.
 _META_FIELDS = ("kernel", "source", "shape", "published", "published_us", "compiler", "launch", "dram_bytes",
                 "l2_bytes", "main_loop", "load_chain", "notes")

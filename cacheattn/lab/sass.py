@@ -8,13 +8,15 @@ NUMBA_ENABLE_CUDASIM, as `kernels_numba.ptx_check` does), assembles it for sm_90
 spills, static shared memory) and disassembles the cubin with `nvdisasm`. From those it derives
 
 - the theoretical occupancy on sm_90 by the occupancy calculator's rules (`occupancy`);
-- the key loop: the backward branch whose body holds the most global loads (the loop over keys; inner loops of
-  rung 1 sit inside it), and its *static* instruction mix: each instruction of the body counted once, however
-  often it runs (`instruction_mix`);
-- for the bounds (`cacheattn.bounds`): the shortest path through one trip of the key loop that still does its
-  memory, shuffle, mma, exp2 and barrier work (`trip_path`, `path_mix`), the shortest path a warp runs once around
-  it (`outside_path`: prologue, the query's loads, merge, epilogue), and the chain of global round trips a trip
-  waits on in series (`dependent_chain`).
+- the key loop: the loop region (rotated loops joined, `regions`) whose body holds the most global loads, LDG and
+  cp.async alike (the loop over keys; inner loops of rung 1 sit inside it), and its *static* instruction mix: each
+  instruction of the body counted once, however often it runs (`instruction_mix`);
+- for the bounds (`cacheattn.bounds`): the path through one trip of the key loop that does the most of its
+  required work (mma, exp2, barriers, shuffles, shared and global stores, its widest global loads) in the fewest
+  instructions (`trip_path`, `path_mix`; an inner loop whose trips the kernel's shape fixes counted that often,
+  `inner_trips`), the same around it for what a warp runs once (`outside_path`: prologue, the query's loads, merge,
+  epilogue), and the chain of global round trips a trip waits on in series, cp.async copies until the DEPBAR
+  that retires them (`dependent_chain`). The outside kernels of `cacheattn.lab.calibration` are read the same way.
 
     python -m cacheattn.lab.sass [--write docs/kernel-ladder-sass.json] [--rung 3] [--cache int8] [--operator trtllm]
 
@@ -27,7 +29,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import re
 import shutil
@@ -218,16 +219,41 @@ def instruction_mix(instructions) -> dict:
     return mix
 
 
+def regions(instructions) -> list[tuple[int, int]]:
+    """Loops as the code runs them: `loops` spans joined where they cross (a compiler that rotates a loop leaves two
+    conditional backward branches whose spans overlap without one holding the other, as FlashAttention-2's main
+    loop does); a loop nested inside another stays a loop of its own, and so does the span of an unconditional
+    backward branch (the way back from an out-of-line block, such as a diverged warp's shuffle, into the loop).
+    In address order."""
+    def closes(span):                       # a loop's closing branch is conditional
+        return instructions[span[1]][1].startswith("@")
+
+    out = []
+    for first, last in sorted(loops(instructions), key=lambda span: (span[0], -span[1])):
+        crossing = [k for k, (a, b) in enumerate(out) if a < first <= b < last and closes((a, b))
+                    and closes((first, last))]
+        if crossing:
+            k = crossing[0]
+            out[k] = (out[k][0], last)
+        else:
+            out.append((first, last))
+    return sorted(set(out))
+
+
+def _global_loads(instructions, span) -> int:
+    """Global loads in `span`: LDG and cp.async's LDGSTS (not its commit, LDGDEPBAR)."""
+    return sum(load_bytes(opcode(text)) > 0 for _, text, _ in instructions[span[0]:span[1] + 1])
+
+
 def key_loop(instructions) -> tuple[int, int]:
-    """(first, last) of the key loop: the loop whose body holds the most global loads, the innermost of equals
-    (the loop over keys loads K and V; rung 1's tile loads sit in inner loops that the key loop encloses, and it
-    has more loads than any one of them). ValueError when the code has no loop with a global load."""
-    def loads(span):
-        return sum(opcode(text).startswith("LDG") for _, text, _ in instructions[span[0]:span[1] + 1])
-    candidates = [span for span in loops(instructions) if loads(span) > 0]
+    """(first, last) of the key loop: the loop region (`regions`: rotated loops joined) whose body holds the most
+    global loads, LDG and cp.async alike, the innermost of equals (the loop over keys loads K and V; rung 1's tile
+    loads sit in inner loops that the key loop encloses, and it has more loads than any one of them). ValueError
+    when the code has no loop with a global load."""
+    candidates = [span for span in regions(instructions) if _global_loads(instructions, span) > 0]
     if not candidates:
         raise ValueError("no loop with a global load in this SASS: is it an attention kernel?")
-    return max(candidates, key=lambda span: (loads(span), -(span[1] - span[0])))
+    return max(candidates, key=lambda span: (_global_loads(instructions, span), -(span[1] - span[0])))
 
 
 def page_walks(instructions, spans) -> list[tuple[int, int]]:
@@ -239,7 +265,9 @@ def page_walks(instructions, spans) -> list[tuple[int, int]]:
 
 
 _REGISTER = re.compile(r"\bR(\d+)(\.64)?")
-_NO_DESTINATION = ("ST", "RED", "ATOM", "BRA", "BAR", "EXIT", "BSYNC", "BSSY", "WARPSYNC", "CALL", "RET", "NOP")
+# cp.async (LDGSTS) writes shared memory, not a register; its commit (LDGDEPBAR) and wait (DEPBAR) write none.
+_NO_DESTINATION = ("ST", "RED", "ATOM", "BRA", "BAR", "EXIT", "BSYNC", "BSSY", "WARPSYNC", "CALL", "RET", "NOP",
+                   "LDGSTS", "LDGDEPBAR", "DEPBAR")
 
 
 def load_bytes(op: str) -> int:
@@ -278,20 +306,58 @@ def _reads_writes(text: str, no_destination=_NO_DESTINATION):
     return op, reads, writes
 
 
+def _groups_kept(text: str):
+    """How many cp.async groups a DEPBAR leaves in flight ('DEPBAR.LE SB0, 0x1' -> 1: it waits for every committed
+    group but the newest one), or None when the instruction is no DEPBAR."""
+    op = opcode(text)
+    if not op.startswith("DEPBAR"):
+        return None
+    found = re.search(r"SB\d+\s*,\s*(0x[0-9a-f]+|\d+)", text)
+    return int(found.group(1), 0) if found else 0
+
+
+class _CpAsync:
+    """cp.async's groups as a warp sees them: LDGSTS copies join the open group, LDGDEPBAR commits it, DEPBAR.LE N
+    waits until at most N committed groups are left. A copy writes shared memory, not a register, so nothing
+    waits on it through the scoreboard: it is in flight from its issue until the DEPBAR that retires its group."""
+
+    def __init__(self):
+        self.open, self.committed = [], []
+
+    def issue(self, item):
+        self.open.append(item)
+
+    def step(self, text) -> list:
+        """Feed one instruction; returns the copies its wait retires (empty for anything but a DEPBAR)."""
+        if opcode(text).startswith("LDGDEPBAR"):
+            if self.open:
+                self.committed.append(self.open)
+            self.open = []
+            return []
+        kept = _groups_kept(text)
+        if kept is None or len(self.committed) <= kept:
+            return []
+        done = [item for group in self.committed[:len(self.committed) - kept] for item in group]
+        self.committed = self.committed[len(self.committed) - kept:]
+        return done
+
+
 def loads_in_flight(instructions) -> dict:
     """How many bytes of global loads one warp has issued and not yet used, walking the key loop once in program
     order: a load's destination registers (4 for .128, 2 for .64) are in flight from its issue until the first
-    instruction that reads or overwrites one of them, where the warp waits for it (the scoreboard). Returns
-    first_use (bytes a warp has in flight when it first waits on a load of the trip) and peak (the most at once),
-    both for the 32 lanes of a warp, and the loads counted."""
+    instruction that reads or overwrites one of them, where the warp waits for it (the scoreboard); a cp.async copy
+    (LDGSTS) until the DEPBAR that waits for its group (`_CpAsync`). Returns first_use (bytes a warp has in flight
+    when it first waits on a load of the trip) and peak (the most at once), both for the 32 lanes of a warp, and
+    the loads counted."""
     outstanding = {}                                # load index -> (registers, bytes for the warp)
+    copies = _CpAsync()
     first_use, peak, loads = None, 0, 0
     for index, (_, text, _) in enumerate(instructions):
         op, reads, writes = _reads_writes(text)
         if not op:
             continue
         touched = reads | writes
-        waited = [k for k, (regs, _) in outstanding.items() if regs & touched]
+        waited = [k for k, (regs, _) in outstanding.items() if regs & touched] + copies.step(text)
         if waited:
             held = sum(size for _, size in outstanding.values())
             peak = max(peak, held)
@@ -301,9 +367,12 @@ def loads_in_flight(instructions) -> dict:
         size = load_bytes(op)
         if size:
             loads += 1
-            first = min(writes) if writes else 0
-            count = max(1, size // 4)
-            outstanding[index] = (set(range(first, first + count)), 32 * size)
+            if op.startswith("LDGSTS"):
+                outstanding[index] = (set(), 32 * size)
+                copies.issue(index)
+            else:
+                first = min(writes) if writes else 0
+                outstanding[index] = (set(range(first, first + max(1, size // 4))), 32 * size)
             peak = max(peak, sum(size for _, size in outstanding.values()))
     return dict(first_use=first_use or 0, peak=peak, loads=loads)
 
@@ -329,14 +398,15 @@ def _short(text: str) -> str:
 
 # ------------------------------------------------------------------------------ paths and chains (for the bounds)
 
-# The work a trip (or a warp's whole run) must do: the shortest path the bounds count still runs these.
-_MUST = ("LDG", "LD.", "STG", "ST.", "LDS", "STS", "HMMA", "MUFU.EX2", "BAR", "SHFL")
+# The work a trip (or a warp's whole run) must do, global loads apart (`_required`).
+_MUST = ("STG", "ST.", "LDS", "STS", "HMMA", "MUFU.EX2", "BAR", "SHFL")
 # Instructions that never fall through to the next one.
 _NO_FALLTHROUGH = ("EXIT", "RET")
 
 
 def _global_load_bytes(op: str) -> int:
-    """Bytes a lane of a global load reads (LDG, or a generic LD the compiler could not prove global), else 0."""
+    """Bytes a lane of a global load reads (LDG, cp.async's LDGSTS, or a generic LD the compiler could not prove
+    global), else 0."""
     if op.startswith("LDG"):
         return load_bytes(op)
     if op.startswith("LD.") or op == "LD":
@@ -345,7 +415,20 @@ def _global_load_bytes(op: str) -> int:
 
 
 def _must(op: str) -> bool:
-    return op.startswith(_MUST) and not op.startswith(("LDSM", "LDC", "LDL", "STL"))
+    return op.startswith(_MUST) and not op.startswith(("LDSM", "STL"))
+
+
+def _required(instructions, first, last) -> list:
+    """The work of each instruction of [first, last] as the lower bound's path weighs it: 2, required work (the
+    mma, exp2, barriers, shuffles, shared loads and stores, global stores, and the span's widest global loads: its
+    K/V pieces); 1, a narrower global load (a page entry, a scale, or a slow path's byte loads beside the vector
+    ones); 0, anything else."""
+    widest = max((_global_load_bytes(opcode(text)) for _, text, _ in instructions[first:last + 1]), default=0)
+    out = []
+    for _, text, _ in instructions[first:last + 1]:
+        op, size = opcode(text), _global_load_bytes(opcode(text))
+        out.append(2 if _must(op) or (widest > 0 and size == widest) else 1 if size else 0)
+    return out
 
 
 def _successors(instructions, i, first, last) -> list:
@@ -378,44 +461,36 @@ def _label_index(instructions) -> dict:
     return _LABELS[key]
 
 
-def _distances(instructions, start, first, last) -> dict:
-    """Fewest instructions from `start` (counted) to each instruction reachable forward within [first, last]
-    (each counted too): the path's length up to and including it."""
-    dist = {start: 1}
+def _path(instructions, start, first, last, ends) -> list:
+    """The lower bound's path from `start` to one of `ends` within [first, last], forward edges only (an inner
+    loop's body once). The rule: of all paths, those with the most required work (`_required`: as many mma, exp2,
+    barriers, shuffles, shared accesses, global stores and widest global loads as any path has), of those the
+    ones with the most narrower global loads (a full trip reads its page entries and scales too), and of those
+    the one with the fewest instructions. So a slow path of byte loads beside the vector loads, or a masked tail
+    that skips the loads, is never taken for its brevity, and where two ways do the same work the shorter one is.
+    Exact: the forward edges make a DAG whose instruction order is a topological order, so one pass keeps, for
+    each instruction, the best path reaching it by that ordering. Returns instruction indices in order;
+    ValueError when no end is reachable."""
+    work = _required(instructions, first, last)
+
+    def cost(i, before=(0, 0, 0)):         # (-required, -narrow loads, instructions): smaller is better
+        return (before[0] - (work[i - first] == 2), before[1] - (work[i - first] == 1), before[2] + 1)
+
+    best, previous = {start: cost(start)}, {}
     for i in range(start, last + 1):
-        if i not in dist:
+        if i not in best:
             continue
         for j in _successors(instructions, i, first, last):
-            if dist.get(j, math.inf) > dist[i] + 1:
-                dist[j] = dist[i] + 1
-    return dist
-
-
-def _path(instructions, start, first, last, ends) -> list:
-    """The instructions of the shortest forward path from `start` to one of `ends` that still runs the trip's
-    must-do work: every memory, shuffle, mma, exp2 and barrier instruction in address order that the path so far
-    can reach (of two alternatives, the first; a later one no longer reachable is left out). Inner loops count
-    once. Returns instruction indices in order."""
-    must = [i for i in range(start, last + 1) if _must(opcode(instructions[i][1]))]
-    path, at = [], start
-    for target in [m for m in must if m != start] + [None]:
-        dist = _distances(instructions, at, first, last)
-        if target is None:
-            reachable = [e for e in ends if e in dist]
-            if not reachable:
-                raise ValueError(f"no path from /*{instructions[at][0]:04x}*/ to the end of the span")
-            target = min(reachable, key=dist.get)
-        elif target not in dist or not any(e in _distances(instructions, target, first, last) for e in ends):
-            continue
-        # walk back along the distances from target to at
-        segment, j = [target], target
-        while j != at:
-            j = next(p for p in range(at, j) if j in _successors(instructions, p, first, last)
-                     and dist.get(p, math.inf) == dist[j] - 1)
-            segment.append(j)
-        path += segment[::-1][1:] if path else segment[::-1]
-        at = target
-    return path
+            found = cost(j, best[i])
+            if j not in best or found < best[j]:
+                best[j], previous[j] = found, i
+    reachable = [e for e in ends if e in best]
+    if not reachable:
+        raise ValueError(f"no path from /*{instructions[start][0]:04x}*/ to the end of the span")
+    path = [min(reachable, key=best.get)]
+    while path[-1] != start:
+        path.append(previous[path[-1]])
+    return path[::-1]
 
 
 def path_mix(instructions, path) -> dict:
@@ -439,30 +514,19 @@ def path_mix(instructions, path) -> dict:
     return out
 
 
-def _most_work_path(instructions, start, first, last, ends) -> list:
-    """The forward path from `start` to one of `ends` with the most must-do instructions, the shortest of those."""
-    best, previous = {start: (-int(_must(opcode(instructions[start][1]))), 1)}, {}
-    for i in range(start, last + 1):
-        if i not in best:
-            continue
-        for j in _successors(instructions, i, first, last):
-            cost = (best[i][0] - int(_must(opcode(instructions[j][1]))), best[i][1] + 1)
-            if j not in best or cost < best[j]:
-                best[j], previous[j] = cost, i
-    end = min((e for e in ends if e in best), key=best.get)
-    path = [end]
-    while path[-1] != start:
-        path.append(previous[path[-1]])
-    return path[::-1]
-
-
-def trip_path(instructions, span) -> list:
-    """The shortest path through one trip of the loop `span` (its head to its closing branch) that still does the
-    trip's must-do work: of two ways to choose it (`_path`, the first of alternatives; the path with the most
-    must-do instructions), the shorter. Inner loops count once."""
+def trip_path(instructions, span, inner_trips=None) -> list:
+    """The lower bound's path through one trip of the loop `span` (its head to its closing branch, `_path`): the
+    most required work any path does, in the fewest instructions. An inner loop's body runs once, unless
+    `inner_trips` gives {(first, last): trips} for it, where the path's pass through that body is repeated `trips`
+    times (the count a warp runs at least: `inner_trips`)."""
     first, last = span
-    return min(_path(instructions, first, first, last, [last]),
-               _most_work_path(instructions, first, first, last, [last]), key=len)
+    path = _path(instructions, first, first, last, [last])
+    for (a, b), trips in sorted((inner_trips or {}).items()):
+        inside = [k for k, i in enumerate(path) if a <= i <= b]
+        if trips > 1 and inside:
+            body = path[inside[0]:inside[-1] + 1]
+            path = path[:inside[0]] + body * trips + path[inside[-1] + 1:]
+    return path
 
 
 def outside_path(instructions, span) -> list:
@@ -489,21 +553,30 @@ def dependent_chain(instructions, path, hbm_weight: float = 690.0, near_weight: 
     next, as a software-pipelined loop's do), the last pass's advance of the issue point is the trip's chain. A
     16-byte load (a lane's piece of K or V, 512 fresh bytes a warp) is a round trip to HBM; a narrower one (a
     page-table entry, an index, a scale, or a narrow K/V piece whose line a neighbouring load may have brought) is
-    charged as an L1 hit, the least any load waits; the weights order them (clocks). Returns hbm and near (the
+    charged as an L1 hit, the least any load waits; the weights order them (clocks). A cp.async copy (LDGSTS) is
+    waited on by the DEPBAR that retires its group (`_CpAsync`), so a copy issued a trip ahead is waited on a trip
+    later; an address computed from a loaded value that went through shared memory waits for the store that put it
+    there (the warp issues in order). Returns hbm and near (the
     round trips of the chain), trip_bytes (global load bytes a warp's trip asks for) and loads."""
     def later(a, b):
         return a if a[0] * hbm_weight + a[1] * near_weight >= b[0] * hbm_weight + b[1] * near_weight else b
 
-    ready, issue, marks = {}, (0, 0), []
+    ready, issue, marks, copies = {}, (0, 0), [], _CpAsync()
     for _ in range(passes):
         for i in path:
-            op, reads, writes = _reads_writes(instructions[i][1])
+            text = instructions[i][1]
+            op, reads, writes = _reads_writes(text)
             for reg in reads | writes:
                 if reg in ready:
                     issue = later(issue, ready[reg])
+            for done in copies.step(text):          # a DEPBAR waits for the cp.async groups it retires
+                issue = later(issue, done)
             size = _global_load_bytes(op)
             if size:
                 done = (issue[0] + 1, issue[1]) if size >= 16 else (issue[0], issue[1] + 1)
+                if op.startswith("LDGSTS"):
+                    copies.issue(done)
+                    continue
                 first = min(writes) if writes else 0
                 for reg in range(first, first + max(1, size // 4)):
                     ready[reg] = done
@@ -625,6 +698,52 @@ def _compile(variant: Variant) -> dict:
     return dict(ptxas=assembled.stdout + assembled.stderr, sass=disassembled.stdout, threads=threads)
 
 
+def inner_trips(variant: Variant, instructions, span) -> list:
+    """Inner loops of the key loop whose trips a warp runs at least a known number of times, each {first, last (the
+    loop's indices), trips, how}. Rung 5's prefill stages K, then V, through shared memory in loops over the
+    block's chunks, `for at in range(tid, n, threads)` (n = keys x chunks for K, keys / 2 x chunks for V, fixed by
+    the kernel's shape: `_attention_mma.stage_shape`, `_cache.chunk_elements`). The SASS computes the loop's count
+    from n - tid (`IADD3 Rc, P, -Rtid, n, RZ`, the last such before the loop's head, in the key loop), so n is read
+    there and checked against the shape's; tid is known only at run time, so a warp runs as many trips as its first
+    lane, and the last warp, first lane threads - 32, the fewest: ceil((n - threads + 32) / threads). The two are
+    the key loop's inner loops that load and store to shared memory, K's first. Other inner loops (rung 1's tile
+    loops, page walks) count once: a lower bound. ValueError when the SASS's n is not the shape's."""
+    if variant.rung != 5 or variant.phase != "prefill":
+        return []
+    import numpy as np
+
+    from kernels_numba._attention_mma import plan_mma_rows, stage_shape
+    from kernels_numba._cache import chunk_elements
+    warps = THREADS // 32
+    row_tiles = plan_mma_rows(NUM_HEADS, NUM_KV_HEADS, PREFILL_ROWS, warps, HEAD_DIM)[2]
+    keys, words = stage_shape(HEAD_DIM, HEAD_DIM, warps, row_tiles)
+    quant_bit = CACHES[variant.cache]
+    chunk = chunk_elements(quant_bit, np.int8 if quant_bit else np.float16, 5)
+    chunks = -(-2 * words // chunk)
+    staging = [(a, b) for a, b in loops(instructions) if span[0] <= a and b <= span[1] and (a, b) != span
+               and any(opcode(t).startswith("LDG") for _, t, _ in instructions[a:b + 1])
+               and any(opcode(t).startswith("STS") for _, t, _ in instructions[a:b + 1])]
+    if len(staging) != 2:
+        raise ValueError(f"{variant.key}: expected the K and V staging loops in the key loop, found {len(staging)}")
+    out = []
+    for (a, b), (name, n) in zip(sorted(staging), (("K", keys * chunks), ("V", keys // 2 * chunks))):
+        read = next((k for k in range(a - 1, span[0] - 1, -1) if _RANGE_BOUND.search(instructions[k][1])), None)
+        if read is None or int(_RANGE_BOUND.search(instructions[read][1]).group(1), 16) != n:
+            found = "none" if read is None else instructions[read][1]
+            raise ValueError(f"{variant.key}: {name} staging loop /*{instructions[a][0]:04x}*/: expected its count "
+                             f"from {n} - tid in the SASS, found {found}")
+        trips = max(1, -(-(n - THREADS + 32) // THREADS))
+        out.append(dict(first=a, last=b, trips=trips,
+                        how=f"{name} staging: range(tid, {n}, {THREADS}), {keys} keys x {chunks} chunks"
+                            f"{' / 2' if name == 'V' else ''} (n - tid at /*{instructions[read][0]:04x}*/); the last "
+                            f"warp's ceil(({n} - {THREADS - 32}) / {THREADS}) = {trips}"))
+    return out
+
+
+# n - tid, the count of a `range(tid, n, step)` loop before it is divided by the step (64 bits: the carry in P).
+_RANGE_BOUND = re.compile(r"^IADD3 R\d+, P\d, -R\d+, (0x[0-9a-f]+), RZ$")
+
+
 def analyse(variant: Variant, ptxas_text: str, sass_text: str, threads: int) -> dict:
     """The figures of one variant from ptxas -v's output and nvdisasm's listing (no tool runs here)."""
     resources = parse_ptxas(ptxas_text)
@@ -635,8 +754,10 @@ def analyse(variant: Variant, ptxas_text: str, sass_text: str, threads: int) -> 
     body = instructions[span[0]:span[1] + 1]
     inner = [(a, b) for a, b in loops(instructions) if span[0] <= a and b <= span[1] and (a, b) != span]
     walks = page_walks(instructions, inner)
+    trips = inner_trips(variant, instructions, span)
     try:
-        trip, once = trip_path(instructions, span), outside_path(instructions, span)
+        trip = trip_path(instructions, span, {(t["first"], t["last"]): t["trips"] for t in trips})
+        once = outside_path(instructions, span)
     except (ValueError, StopIteration) as exc:
         raise ValueError(f"{variant.key}: the SASS paths could not be read ({exc})") from exc
     return dict(rung=variant.rung, cache=variant.cache, phase=variant.phase, kernel=variant.kernel,
@@ -645,6 +766,8 @@ def analyse(variant: Variant, ptxas_text: str, sass_text: str, threads: int) -> 
                 occupancy=occupancy(resources["registers"], resources["shared"], 0, threads),
                 instructions=len(instructions), loops=len(loops(instructions)),
                 key_loop=dict(first=body[0][0], last=body[-1][0], inner_loops=len(inner), walk_loops=len(walks),
+                              inner_trips=[dict(t, first=instructions[t["first"]][0], last=instructions[t["last"]][0])
+                                           for t in trips],
                               mix=instruction_mix(body), in_flight=loads_in_flight(body),
                               trip=path_mix(instructions, trip), chain=dependent_chain(instructions, trip),
                               excerpt=excerpt(instructions, span)),
