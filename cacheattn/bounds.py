@@ -35,8 +35,9 @@ same terms. Figures are labelled `counted` (read off a recording, times the grid
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 
 class FloorCase(Protocol):
@@ -167,13 +168,35 @@ SHARED_CONFLICTS = ("l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum",
                     "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum")
 
 
-class Figure(NamedTuple):
-    """One number with what it is: `counted` (off the recording, scaled to the grid) or `derived`. (A named
-    tuple: the plan builds a few dozen for every new shape it sees, on the host.)"""
-    value: float
-    unit: str
-    basis: str            # "counted" or "derived"
-    how: str
+class Figure:
+    """One number with what it is: `counted` (off the recording, scaled to the grid) or `derived`, and `how` it was
+    made. `how` may be a format string followed by its arguments, formatted the first time it is read: the plan
+    builds a few dozen Figures for every new shape it sees, on the host, and reads only their values."""
+    __slots__ = ("value", "unit", "basis", "_how", "_args")
+
+    def __init__(self, value: float, unit: str, basis: str, how: str, *args):
+        self.value, self.unit, self.basis, self._how, self._args = value, unit, basis, how, args
+
+    @property
+    def how(self) -> str:
+        if self._args:
+            self._how, self._args = self._how.format(*self._args), ()
+        return self._how
+
+    def _fields(self):
+        return self.value, self.unit, self.basis, self.how
+
+    def __eq__(self, other):
+        return self._fields() == other._fields() if isinstance(other, Figure) else NotImplemented
+
+    def __hash__(self):
+        return hash(self._fields())
+
+    def __iter__(self):
+        return iter(self._fields())
+
+    def __repr__(self):
+        return f"Figure(value={self.value!r}, unit={self.unit!r}, basis={self.basis!r}, how={self.how!r})"
 
     def __str__(self):
         return f"{_fmt(self.value)} {self.unit} ({self.basis}: {self.how})"
@@ -251,16 +274,31 @@ class Bounds:
     machine: Machine
     resources: dict = field(default_factory=dict)     # name -> Figure in µs (derived)
     figures: dict = field(default_factory=dict)       # name -> Figure (counted or derived)
+    # The resources as last ranked, their names largest bound first, and the largest: made again only when a term
+    # is added, removed or replaced (the plan reads them several times a candidate).
+    _order: tuple = field(default=(None, [], None), init=False, repr=False, compare=False)
+
+    def _ranking(self) -> tuple:
+        terms = tuple(self.resources.items())
+        if terms != self._order[0]:
+            def value(name):
+                return self.resources[name].value
+            self._order = (terms, sorted(self.resources, key=lambda name: -value(name)),
+                           max(self.resources, key=value) if terms else None)
+        return self._order
 
     @property
     def ranked(self) -> list:
         """The resources' names, largest bound first."""
-        return sorted(self.resources, key=lambda name: -self.resources[name].value)
+        return list(self._ranking()[1])
 
     @property
     def limiter(self) -> str:
         """The resource with the largest bound."""
-        return max(self.resources, key=lambda name: self.resources[name].value)
+        limiter = self._ranking()[2]
+        if limiter is None:
+            raise ValueError("resources: no resource has a bound")
+        return limiter
 
     @property
     def bound_us(self) -> float:
@@ -294,6 +332,19 @@ def _total(metrics: dict, names) -> int | None:
 
 
 _AT_LEAST_ONE = frozenset(("blocks", "blocks_per_sm", "warps_per_block"))
+# Read in one step each (`ceilings` checks every field on every call, the plan's included).
+_AT_LEAST_ONE_FIELDS = operator.attrgetter(*sorted(_AT_LEAST_ONE))
+_COUNTS = operator.attrgetter(*(name for name in Work.__dataclass_fields__ if name not in _AT_LEAST_ONE))
+# The per-SM terms, in their order: (resource, Work field, Machine rate, times, per, what the rate counts); the
+# rate is times x the Machine's figure / per, and its source is the Machine's source of that figure.
+_PER_SM = (("shared", "shared_wavefronts", "shared_wavefronts_per_clock", 1, 1, "wavefronts"),
+           ("L1", "l1_sectors", "l1_sectors_per_clock", 1, 1, "sectors"),
+           ("tensor", "mma", "mma_per_clock", 1, 1, "mma.sync m16n8k16"),
+           ("wgmma", "wgmma", "wgmma_per_clock", 1, 1, "wgmma (m16n8k16 units)"),
+           ("FMA", "fma_flops", "fma_per_clock", 2, 1, "FLOPs"),                # 2 FLOPs a lane
+           ("MUFU", "ex2", "ex2_per_clock", 1, 32, "MUFU.EX2 warp instructions"),   # lanes to warp instructions
+           ("LSU", "lsu_instructions", "lsu_per_clock", 1, 1, "LDS/STS/SHFL warp instructions"),
+           ("issue", "warp_instructions", "issue_per_clock", 1, 1, "warp instructions"))
 
 
 def busiest_share(blocks: int | None, machine: Machine) -> float:
@@ -326,77 +377,74 @@ def ceilings(work: Work, machine: Machine = H100_SXM, *, floor_bytes: float | No
     ValueError
         A negative figure, blocks below 1, or work that gives no term at all.
     """
-    for name, value in vars(work).items():
-        if value is not None and value < (1 if name in _AT_LEAST_ONE else 0):
-            expected = "at least 1 (or None)" if name in _AT_LEAST_ONE else "a count of at least 0"
-            raise ValueError(f"work.{name}: expected {expected}, got {value!r}")
+    try:                # every field at once; field by field only to name the one at fault
+        checked = min(_COUNTS(work)) >= 0 and all(value is None or value >= 1 for value in _AT_LEAST_ONE_FIELDS(work))
+    except TypeError:   # a count left None
+        checked = False
+    if not checked:
+        for name, value in vars(work).items():
+            if value is not None and value < (1 if name in _AT_LEAST_ONE else 0):
+                expected = "at least 1 (or None)" if name in _AT_LEAST_ONE else "a count of at least 0"
+                raise ValueError(f"work.{name}: expected {expected}, got {value!r}")
     out = Bounds(machine)
     m, ghz = machine, machine.clock_hz / 1e9
     busiest = busiest_share(work.blocks, m)
     per_clock = m.sms * m.clock_hz / busiest           # SM clocks a second the busiest SM stands for
     if work.blocks is not None:
-        out.figures["busiest SM"] = Figure(busiest, "x", "derived", f"ceil({work.blocks} blocks / {m.sms} SMs) over "
-                                                                    f"the average share")
+        out.figures["busiest SM"] = Figure(busiest, "x", "derived", "ceil({} blocks / {} SMs) over the average share",
+                                           work.blocks, m.sms)
     src = m.sources
-
-    def per_sm(name, amount, rate, what, source):
-        if amount:
-            out.resources[name] = Figure(amount / (rate * per_clock) * 1e6, "µs", "derived",
-                                         f"{what} / ({rate:g} a clock x {m.sms} SMs x {ghz:g} GHz); {source}")
-
     if work.dram_bytes or floor_bytes is not None:
         out.figures["DRAM bytes"] = Figure(work.dram_bytes, "B", "counted", "read + write")
         out.resources["DRAM"] = Figure(work.dram_bytes / m.hbm_bytes_per_s * 1e6, "µs", "derived",
-                                       f"DRAM bytes / {m.hbm_bytes_per_s / 1e12:g} TB/s; "
-                                       f"{src.get('hbm_bytes_per_s', '')}")
+                                       "DRAM bytes / {:g} TB/s; {}", m.hbm_bytes_per_s / 1e12,
+                                       src.get("hbm_bytes_per_s", ""))
     if floor_bytes is not None:
-        out.figures["floor bytes"] = Figure(floor_bytes, "B", "derived", f"{label}: K/V once, Q, O")
+        out.figures["floor bytes"] = Figure(floor_bytes, "B", "derived", "{}: K/V once, Q, O", label)
         out.figures["DRAM / floor"] = Figure(work.dram_bytes / floor_bytes, "x", "derived", "1.00 is the floor")
     if work.l2_bytes:
         out.figures["L2 bytes"] = Figure(work.l2_bytes, "B", "counted", "global loads beyond the DRAM bytes")
         out.resources["L2"] = Figure(work.l2_bytes / m.l2_bytes_per_s * 1e6, "µs", "derived",
-                                     f"L2 bytes / {m.l2_bytes_per_s / 1e12:g} TB/s; {src.get('l2_bytes_per_s', '')}")
-    per_sm("shared", work.shared_wavefronts, m.shared_wavefronts_per_clock, "wavefronts",
-           src.get("shared_wavefronts_per_clock", ""))
-    per_sm("L1", work.l1_sectors, m.l1_sectors_per_clock, "sectors", src.get("l1_sectors_per_clock", ""))
-    per_sm("tensor", work.mma, m.mma_per_clock, "mma.sync m16n8k16", src.get("mma_per_clock", ""))
-    per_sm("wgmma", work.wgmma, m.wgmma_per_clock, "wgmma (m16n8k16 units)", src.get("wgmma_per_clock", ""))
-    per_sm("FMA", work.fma_flops, 2 * m.fma_per_clock, "FLOPs", src.get("fma_per_clock", ""))
-    per_sm("MUFU", work.ex2, m.ex2_per_clock / 32, "MUFU.EX2 warp instructions", src.get("ex2_per_clock", ""))
-    per_sm("LSU", work.lsu_instructions, m.lsu_per_clock, "LDS/STS/SHFL warp instructions",
-           src.get("lsu_per_clock", ""))
-    per_sm("issue", work.warp_instructions, m.issue_per_clock, "warp instructions", src.get("issue_per_clock", ""))
+                                     "L2 bytes / {:g} TB/s; {}", m.l2_bytes_per_s / 1e12, src.get("l2_bytes_per_s", ""))
+    for name, field_, rate_field, times, per, what in _PER_SM:
+        amount = getattr(work, field_)
+        if amount:
+            rate = times * getattr(m, rate_field) / per
+            out.resources[name] = Figure(amount / (rate * per_clock) * 1e6, "µs", "derived",
+                                         "{} / ({:g} a clock x {} SMs x {:g} GHz); {}", what, rate, m.sms, ghz,
+                                         src.get(rate_field, ""))
     if work.launches:
         out.resources["launch"] = Figure(work.launches * m.launch_s * 1e6, "µs", "derived",
-                                         f"{work.launches} launches x {m.launch_s * 1e6:g} µs; "
-                                         f"{src.get('launch_s', '')}")
+                                         "{} launches x {:g} µs; {}", work.launches, m.launch_s * 1e6,
+                                         src.get("launch_s", ""))
     trip_s = work.chain_hbm * m.hbm_latency_s + work.chain_l2 * m.l2_latency_s + work.chain_near * m.near_latency_s
     if work.warp_trips and trip_s and work.blocks and work.blocks_per_sm and work.warps_per_block:
         on_busiest = math.ceil(work.blocks / m.sms)
         warps_held = min(work.blocks_per_sm, on_busiest) * work.warps_per_block
         busy = min(m.sms, work.blocks)
         out.figures["trip chain"] = Figure(trip_s * 1e9, "ns", "derived",
-                                           f"{work.chain_hbm:g} HBM x {m.hbm_latency_s * 1e9:.0f} ns + "
-                                           f"{work.chain_l2:g} L2 x {m.l2_latency_s * 1e9:.0f} ns + "
-                                           f"{work.chain_near:g} near x {m.near_latency_s * 1e9:.0f} ns")
+                                           "{:g} HBM x {:.0f} ns + {:g} L2 x {:.0f} ns + {:g} near x {:.0f} ns",
+                                           work.chain_hbm, m.hbm_latency_s * 1e9, work.chain_l2, m.l2_latency_s * 1e9,
+                                           work.chain_near, m.near_latency_s * 1e9)
         if work.trip_bytes:
             in_flight = work.trip_bytes / trip_s * m.hbm_latency_s * warps_held
             needed = m.hbm_bytes_per_s * m.hbm_latency_s / m.sms
             out.figures["in flight B/SM"] = Figure(in_flight, "B", "derived",
-                                                   f"average: {work.trip_bytes:g} B a trip over its chain x "
-                                                   f"{warps_held} warps")
+                                                   "average: {:g} B a trip over its chain x {} warps",
+                                                   work.trip_bytes, warps_held)
             out.figures["in flight / needed"] = Figure(in_flight / needed, "x", "derived",
                                                        "1.00 hides HBM's latency")
         out.resources["latency"] = Figure(work.warp_trips * trip_s / (busy * warps_held) * 1e6, "µs", "derived",
-                                          f"{work.warp_trips:,.0f} warp trips x {trip_s * 1e9:.0f} ns / ({busy} "
-                                          f"SMs x {warps_held} warps held); {src.get('hbm_latency_s', '')}")
+                                          "{:,.0f} warp trips x {:.0f} ns / ({} SMs x {} warps held); {}",
+                                          work.warp_trips, trip_s * 1e9, busy, warps_held,
+                                          src.get("hbm_latency_s", ""))
         # The partial last wave: the busiest SM's blocks in waves of blocks_per_sm, each a block's serial chain.
         waves = math.ceil(on_busiest / work.blocks_per_sm)
         per_warp = work.warp_trips / (work.blocks * work.warps_per_block)
-        out.figures["waves"] = Figure(waves, "", "derived", f"ceil({on_busiest} blocks / {work.blocks_per_sm} "
-                                                           f"resident) on the busiest SM")
+        out.figures["waves"] = Figure(waves, "", "derived", "ceil({} blocks / {} resident) on the busiest SM",
+                                      on_busiest, work.blocks_per_sm)
         out.resources["waves"] = Figure(waves * per_warp * trip_s * 1e6, "µs", "derived",
-                                        f"{waves} waves x {per_warp:,.1f} trips a warp x {trip_s * 1e9:.0f} ns")
+                                        "{} waves x {:,.1f} trips a warp x {:.0f} ns", waves, per_warp, trip_s * 1e9)
     if not out.resources:
         raise ValueError(f"work: no term has work to bound, got {work!r}")
     return out

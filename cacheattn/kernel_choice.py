@@ -326,9 +326,11 @@ def _plan(shape, rung, num_splits, threads, sms, rungs=LADDER, register_decode=T
         if b.limiter != "DRAM" and why_not_tensor:
             chosen = replace(chosen, reason=f"{chosen.reason}; no tensor cores: {why_not_tensor}")
         return chosen
-    # Rung 1 plans its tiles for any block size; a head_dim it cannot hold raises here, as it always has.
-    if answers[TILES][0] is None:
-        raise ValueError(answers[TILES][1])
+    # Rung 1 plans its tiles for any block size (the one asked for, or 128), asked only now that no faster rung
+    # serves; a head_dim it cannot hold raises here, as it always has.
+    tiles = _ask(shape, TILES, threads or DEFAULT_THREADS)
+    if not tiles.fits:
+        raise ValueError(tiles.why_not)
     return KernelPlan(1, 1, threads or DEFAULT_THREADS, f"fallback to shared-memory tiles: {why_not_cores}")
 
 
@@ -364,7 +366,7 @@ def _forced(shape, rung, num_splits, threads, sms, why, register_decode=True):
 TILES, WARP, VECTOR, SPLIT, STAGED, DECODE = (1, "tiles"), (2, "warp"), (3, "vector"), (4, "vector"), \
     (5, "staged"), (5, "decode")
 FORCED = {1: TILES, 2: WARP, 3: VECTOR, 4: SPLIT, 5: STAGED}
-CANDIDATES = (VECTOR, DECODE, STAGED, TILES)     # what the plan compares, in the order it asks
+CANDIDATES = (VECTOR, DECODE, STAGED)     # what the plan compares, in the order it asks; rung 1 only when none serves
 
 
 @cache
@@ -383,10 +385,9 @@ def _ask(shape, kernel, threads):
 
 def _answers(shape, threads, rungs, register_decode) -> dict:
     """Each offered candidate's answer, asked once a block size: {kernel: (its RungFit at the first block size of
-    `_block_sizes` it fits, or None; the first refusal's text)}. Rung 1 runs any block size (the one asked for, or
-    128). Rung 5's decode kernel is asked for a decode batch where the operator's rung 5 has it, at the block size
-    rung 3 takes (the call it would take over); where it serves, it is rung 5's candidate, and the staged kernel
-    is not asked."""
+    `_block_sizes` it fits, or None; the first refusal's text)}. Rung 1, the fallback, is not asked here. Rung 5's
+    decode kernel is asked for a decode batch where the operator's rung 5 has it, at the block size rung 3 takes
+    (the call it would take over); where it serves, it is rung 5's candidate, and the staged kernel is not asked."""
     answers = {}
     for kernel in CANDIDATES:
         if kernel[0] not in rungs or kernel == DECODE and not (register_decode and
@@ -400,7 +401,7 @@ def _answers(shape, threads, rungs, register_decode) -> dict:
                 continue
             sizes = (cores.threads,)
         else:
-            sizes = (threads or DEFAULT_THREADS,) if kernel == TILES else _block_sizes(threads)
+            sizes = _block_sizes(threads)
         fit, first = None, ""
         for t in sizes:
             asked = _ask(shape, kernel, t)

@@ -470,7 +470,7 @@ def test_rung_2_answers_when_asked_for():
 def test_the_plan_asks_each_offered_rung_once_a_new_shape(monkeypatch):
     """choose_kernel asks each candidate kernel for its answer once per new shape (at a block size every kernel
     fits), and a cached shape asks none; a kernel not offered is not asked, nor rung 5's staged kernel where its
-    decode kernel serves the call."""
+    decode kernel serves the call, nor rung 1 where a faster rung serves it."""
     from cacheattn import kernel_choice
 
     asked = collections.Counter()
@@ -482,18 +482,22 @@ def test_the_plan_asks_each_offered_rung_once_a_new_shape(monkeypatch):
     kernel_choice._plan.cache_clear()
     decode = AttentionShape(**HEADLINE)
     assert choose_kernel(decode, sms=132).rung == 5
-    assert asked == {(3, "vector"): 1, (5, "decode"): 1, (1, "tiles"): 1}
+    assert asked == {(3, "vector"): 1, (5, "decode"): 1}
     choose_kernel(decode, sms=132)
-    assert sum(asked.values()) == 3
+    assert sum(asked.values()) == 2
     asked.clear()
     assert choose_kernel(shape(), sms=132).rung == 5
-    assert asked == {(3, "vector"): 1, (5, "staged"): 1, (1, "tiles"): 1}
+    assert asked == {(3, "vector"): 1, (5, "staged"): 1}
     asked.clear()
     assert choose_kernel(decode, sms=132, register_decode=False).rung == 3
-    assert asked == {(3, "vector"): 1, (5, "staged"): 1, (1, "tiles"): 1}
+    assert asked == {(3, "vector"): 1, (5, "staged"): 1}
     asked.clear()
     assert choose_kernel(shape(), sms=132, rungs=(1, 3, 4)).rung == 3
-    assert asked == {(3, "vector"): 1, (1, "tiles"): 1}
+    assert asked == {(3, "vector"): 1}
+    asked.clear()
+    # The fallback: no rung of whole warps serves 48 threads, so rung 1 is asked too.
+    assert choose_kernel(decode, sms=132, threads=48).rung == 1
+    assert asked == {(3, "vector"): 1, (5, "staged"): 1, (1, "tiles"): 1}
     asked.clear()
     # A rung asked for: its own kernel, and rung 5's decode kernel on a decode batch.
     assert choose_kernel(decode, sms=132, rung=5).rung == 5
