@@ -39,6 +39,7 @@ Figures in the reasons are lower bounds derived from shapes (never timings), pri
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, replace
 from functools import cache, lru_cache, partial
 
@@ -379,8 +380,23 @@ def rung_fits() -> dict:
             SPLIT: partial(_attention_vector.fit, rung=4), STAGED: _attention_mma.fit, DECODE: _attention_gqa_mma.fit}
 
 
+@cache
+def _call_facts() -> tuple:
+    """(the facts of a shape a fit reads, as a tuple; the named tuple a fit is handed): `kernels_numba._fit`'s."""
+    from kernels_numba._fit import CALL_FACTS, CallFacts
+
+    return operator.attrgetter(*CALL_FACTS), CallFacts
+
+
 def _ask(shape, kernel, threads):
-    return rung_fits()[kernel](shape, threads)
+    return _answer(rung_fits()[kernel], threads, _call_facts()[0](shape))
+
+
+@lru_cache(maxsize=1024)
+def _answer(fit, threads, facts):
+    """A kernel's answer at a block size, asked once for each set of the facts a fit reads: a server's decode steps,
+    a key longer each, ask no kernel again, and a new batch size asks each once."""
+    return fit(_call_facts()[1](*facts), threads)
 
 
 def _answers(shape, threads, rungs, register_decode) -> dict:
