@@ -73,6 +73,9 @@ class Machine:
     sources: dict = field(default_factory=dict, compare=False, hash=False)
 
 
+# H100 SXM5 microbenchmarks at 1.98 GHz, CUDA 12.8: https://github.com/ahmadsharif1/cuda_study (README.md).
+CUDA_STUDY = "ahmadsharif1/cuda_study README.md"
+
 H100_SXM = Machine(
     name="H100 SXM5",
     # 132 SMs: NVIDIA H100 Tensor Core GPU datasheet; Hopper architecture whitepaper (SXM5: 132 of GH100's 144).
@@ -84,12 +87,16 @@ H100_SXM = Machine(
     # 3.35 TB/s of HBM3: datasheet, "GPU memory bandwidth", H100 SXM.
     hbm_peak_bytes_per_s=3.35e12,
     # What a kernel can reach: copy / STREAM-style kernels on H100 SXM are reported at about 3.0-3.1 TB/s (~90-93%
-    # of 3.35; Luo et al., arXiv 2501.12084, benchmark Hopper's global-memory throughput; their exact figure was not
-    # verified here). 3.1 TB/s, the high end, so the DRAM term stays a lower bound.
+    # of 3.35; Luo et al., arXiv 2501.12084, benchmark Hopper's global-memory throughput; their table could not be
+    # read here). The one H100 SXM5 copy measured that could be read reached less: 1.99 TB/s on 132 SMs, 2.03 TB/s
+    # on 528 blocks (256 MB, read + write counted; ahmadsharif1/cuda_study on GitHub, README.md, "3b. HBM
+    # Bandwidth Scaling"). 3.1 TB/s, above both, so the DRAM term stays a lower bound.
     hbm_bytes_per_s=3.1e12,
     # L2 to the SMs: microbenchmarks (Chips and Cheese, "Nvidia's H100: Funny L2, and Tons of Bandwidth", on the
-    # 114-SM PCIe card; Luo et al., arXiv 2402.13499) put it at several TB/s; no SXM figure was verified here, so
-    # 12 TB/s, above every reported one, keeps the term a lower bound.
+    # 114-SM PCIe card; Luo et al., arXiv 2402.13499) put it at several TB/s (their tables could not be read here).
+    # On an H100 SXM5, a copy through L2 (__ldcg / __stcg, 16 MB resident) measured 3.2 TB/s on 132 SMs and 3.6
+    # TB/s on 528 blocks (ahmadsharif1/cuda_study on GitHub, README.md, "3c. L2 Bandwidth Scaling"). 12 TB/s, well
+    # above every figure found, keeps the term a lower bound.
     l2_bytes_per_s=12e12,
     # One 128-byte wavefront (32 banks x 4 bytes) per clock per SM: CUDA C++ Programming Guide, "Shared Memory".
     shared_wavefronts_per_clock=1,
@@ -99,8 +106,9 @@ H100_SXM = Machine(
     issue_per_clock=4,
     # mma.sync is not wgmma: on Hopper the legacy warp-level mma reaches well under the warpgroup wgmma's rate (Luo
     # et al., arXiv 2402.13499, "Tensor Core" section, measure mma against wgmma on an H800; FlashAttention-3
-    # reports mma.sync kernels near 35-40% of the H100 peak). Their table's figure was not verified here: two
-    # thirds of the dense peak (~660 TFLOP/s), above what they report for mma, keeps the tensor term a bound.
+    # reports mma.sync kernels near 35-40% of the H100 peak). No figure for mma.sync alone could be read here (their
+    # table included): two thirds of the dense peak (~660 TFLOP/s), above those reports, keeps the tensor term a
+    # bound, but unverified.
     mma_per_clock=2 / 3,
     # wgmma: the datasheet's 989.4 dense TFLOP/s = 4,096 FLOPs (one m16n8k16) per clock per SM at 1.83 GHz.
     wgmma_per_clock=1.0,
@@ -112,16 +120,18 @@ H100_SXM = Machine(
     # Shared loads / stores and shuffles go through the MIO queue: 32 shuffle results per clock per SM (the
     # programming guide's throughput table, "warp shuffle"), one warp instruction a clock per SM.
     lsu_per_clock=1.0,
-    # 690 SM clocks at 1.98 GHz = 348 ns: "Main Memory" latency of a pointer-chasing microbenchmark on a GH200
-    # (Hopper with HBM3; markdewing/AI_kernels on GitHub, latency/README.md). Unloaded: queues add to it under
-    # load, so it is a lower bound on each round trip. Luo et al. (arXiv 2402.13499) measure global-memory latency
-    # on an H800 of the same order; their figure was not verified here.
-    hbm_latency_s=690 / 1.98e9,
-    # 281 clocks at 1.98 GHz = 142 ns: the same source's L2 hit.
-    l2_latency_s=281 / 1.98e9,
+    # 570 SM clocks at 1.98 GHz = 288 ns: an H100 SXM5 pointer chase through 256 MB, one thread, lines 128 bytes
+    # apart, L2 flushed first: 570.5 clocks, 288.1 ns (ahmadsharif1/cuda_study on GitHub, README.md, "3a. Memory
+    # Latency"). A GH200 pointer chase reports 690 clocks (markdewing/AI_kernels on GitHub, latency/README.md);
+    # the lower figure is taken, so the term errs to a faster machine. Unloaded: queues add to it under load, so
+    # it is a lower bound on each round trip. Luo et al. (arXiv 2402.13499) measure an H800's; not read here.
+    hbm_latency_s=570 / 1.98e9,
+    # 259 clocks at 1.98 GHz = 131 ns: the same H100 SXM5 source's L2 hit (4 MB through __ldcg: 259.9 clocks,
+    # 131.3 ns), below the GH200 source's 281 clocks.
+    l2_latency_s=259 / 1.98e9,
     # 30 clocks at 1.98 GHz = 15 ns: a round trip that an earlier load's line may serve from L1, charged at less
-    # than the L1 hit latencies Hopper microbenchmarks report (Luo et al., arXiv 2402.13499: a few tens of clocks;
-    # not verified here).
+    # than the L1 hit the same H100 SXM5 source measures (40.2 clocks, 20.3 ns; shared memory 28.6 clocks) and the
+    # few tens of clocks other Hopper microbenchmarks report.
     near_latency_s=30 / 1.98e9,
     # A kernel launch costs a few µs (NVIDIA technical blog, "Getting Started with CUDA Graphs": a few µs per
     # short kernel launched back to back in a stream); not measured here on an H100, so 2 µs, the low end.
@@ -131,23 +141,23 @@ H100_SXM = Machine(
         "clock_hz": "datasheet: 989.4 dense FP16 TFLOP/s = 132 SMs x 4096 FLOP/clk x 1.83 GHz",
         "hbm_peak_bytes_per_s": "datasheet: 3.35 TB/s HBM3 (H100 SXM)",
         "hbm_bytes_per_s": "copy/STREAM kernels reach ~90-93% of 3.35 TB/s on H100 SXM (Luo et al., arXiv "
-                           "2501.12084, global-memory throughput; figure not verified here): 3.1 TB/s, the high end",
-        "l2_bytes_per_s": "L2 bandwidth microbenchmarks (Chips and Cheese, H100 PCIe; Luo et al., arXiv 2402.13499) "
-                          "report several TB/s; no SXM figure verified: 12 TB/s, above all reported",
+                           "2501.12084; table not read here); an H100 SXM5 copy measured 2.0 TB/s "
+                           f"({CUDA_STUDY}, 3b): 3.1 TB/s, above both",
+        "l2_bytes_per_s": f"an H100 SXM5 copy through L2 measured 3.6 TB/s ({CUDA_STUDY}, 3c; Chips and Cheese, H100 "
+                          "PCIe, and Luo et al., arXiv 2402.13499, not read here): 12 TB/s, well above",
         "shared_wavefronts_per_clock": "CUDA C++ Programming Guide, Shared Memory: 32 banks x 4 B per clock",
         "l1_sectors_per_clock": "Hopper tuning guide: L1 and shared memory one 128 B/clk data path",
         "issue_per_clock": "Hopper whitepaper: 4 warp schedulers per SM, 1 instruction/clk each",
         "mma_per_clock": "mma.sync below wgmma on Hopper (Luo et al., arXiv 2402.13499, tensor cores; "
-                         "FlashAttention-3); table figure not verified here: 2/3 of the dense peak, an upper end",
+                         "FlashAttention-3); no mma.sync figure could be read: 2/3 of the dense peak, an upper end",
         "wgmma_per_clock": "datasheet dense FP16 peak: one m16n8k16 per clock per SM at 1.83 GHz",
         "fma_per_clock": "Hopper whitepaper: 128 FP32 lanes per SM",
         "ex2_per_clock": "CUDA C++ Programming Guide throughput table, cc 9.0: 16 exp2 per clock per SM",
         "lsu_per_clock": "CUDA C++ Programming Guide throughput table, cc 9.0: 32 shuffle results per clock per SM",
-        "hbm_latency_s": "690 clocks at 1.98 GHz, GH200 pointer chase (markdewing/AI_kernels latency/README.md), "
-                         "unloaded; Luo et al. (arXiv 2402.13499) figure not verified here",
-        "l2_latency_s": "281 clocks at 1.98 GHz, L2 hit, the same pointer chase",
-        "near_latency_s": "30 clocks at 1.98 GHz, below the L1 hit latencies reported for Hopper (Luo et al., "
-                          "arXiv 2402.13499; not verified here)",
+        "hbm_latency_s": f"570 clocks at 1.98 GHz, H100 SXM5 pointer chase ({CUDA_STUDY}, 3a: 570.5), unloaded; "
+                         "below a GH200's 690 (markdewing/AI_kernels latency/README.md)",
+        "l2_latency_s": f"259 clocks at 1.98 GHz, L2 hit, the same H100 SXM5 pointer chase ({CUDA_STUDY}, 3a: 259.9)",
+        "near_latency_s": f"30 clocks at 1.98 GHz, below the H100 SXM5 L1 hit of 40.2 clocks ({CUDA_STUDY}, 3a)",
         "launch_s": "a few µs per launch (NVIDIA blog, Getting Started with CUDA Graphs); 2 µs, the low end, "
                     "not measured here",
     },

@@ -279,7 +279,7 @@ def choose_kernel(shape: AttentionShape, *, rung: int | None = None, num_splits:
     >>> long.rung, long.num_splits, long.threads
     (5, 33, 128)
     >>> long.reason[:long.reason.index(")") + 1]
-    '8 blocks for 132 SMs: 33 splits make 264; memory-bound, ≥ 43.7 µs (bound: DRAM; then latency ≥ 11.4, waves ≥ 11.4)'
+    '8 blocks for 132 SMs: 33 splits make 264; memory-bound, ≥ 43.7 µs (bound: DRAM; then latency ≥ 9.5, waves ≥ 9.5)'
     """
     if sms is None:
         from kernels_numba._split_k import sm_count
