@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from cacheattn.bounds import H100_SXM, Work, bounds, ceilings, latency_bound
+from cacheattn.bounds import H100_SXM, Figure, Work, bounds, ceilings, latency_bound
 from cacheattn.lab.cases import LAB_CASES, BenchCase
 
 DECODE_F16, DECODE_I8, DECODE_I4, LONG, PREFILL = LAB_CASES
@@ -135,3 +135,27 @@ def test_bad_input_is_named():
         ceilings(Work())
     with pytest.raises(ValueError, match="quant_bit"):
         _ = BenchCase("bad", batch=1, context=1, new_tokens=1, quant_bit=3).row_bytes
+
+
+def test_a_figures_text_is_made_once_when_read():
+    class Counted:
+        made = 0
+
+        def __format__(self, spec):
+            Counted.made += 1
+            return format(2.5, spec)
+
+    fig = Figure(1.0, "µs", "derived", "{:g} a clock; {}", Counted(), "source")
+    assert Counted.made == 0                        # the plan builds Figures it never prints
+    assert fig.how == "2.5 a clock; source" and str(fig) == "1 µs (derived: 2.5 a clock; source)"
+    assert Counted.made == 1
+    assert fig == Figure(1.0, "µs", "derived", "2.5 a clock; source")
+
+
+def test_the_ranking_follows_the_terms_as_they_change():
+    b = ceilings(Work(dram_bytes=3.1e9, launches=3))                  # DRAM 1000 µs, launch 6 µs
+    assert (b.limiter, b.ranked) == ("DRAM", ["DRAM", "launch"])
+    b.resources["launch"] = Figure(2000.0, "µs", "derived", "replaced")
+    assert (b.limiter, b.ranked, b.bound_us) == ("launch", ["launch", "DRAM"], 2000.0)
+    del b.resources["launch"]
+    assert (b.limiter, b.ranked) == ("DRAM", ["DRAM"])
