@@ -30,7 +30,10 @@ on a tie with rung 3); a split, on a lower bound or lower terms after it:
 Each candidate is asked once for a call (and block size) what it makes of it: its kernel module's `fit`
 (`kernels_numba._fit.RungFit`: the grid, the block's rows, the keys a block takes a step, its shared memory, and
 whether it fits or the launcher's refusal), computed by the planning functions its launcher calls; the comparison
-builds each answer's bound model from it, and a rung asked for is refused with its answer's message.
+builds each answer's bound model from it, and a rung asked for is refused with its answer's message. A fit reads
+only the call's sequences, longest query, heads, head_dim, dtypes and quantization (`kernels_numba._fit.CALL_FACTS`,
+all it is handed), so its answer is kept for them: a server's next decode step, a key longer, asks no kernel again.
+Rung 1 is asked only where no faster rung serves the call.
 
 Figures in the reasons are lower bounds derived from shapes (never timings), printed as bounds ("≥ 43.7 µs
 (bound: DRAM; then ...)"); with ragged batches they are taken at the longest lengths.
