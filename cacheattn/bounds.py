@@ -74,7 +74,7 @@ class Machine:
 
 
 # H100 SXM5 microbenchmarks at 1.98 GHz, CUDA 12.8: https://github.com/ahmadsharif1/cuda_study (README.md).
-CUDA_STUDY = "ahmadsharif1/cuda_study README.md"
+_CUDA_STUDY = "ahmadsharif1/cuda_study README.md"
 
 H100_SXM = Machine(
     name="H100 SXM5",
@@ -124,7 +124,8 @@ H100_SXM = Machine(
     # apart, L2 flushed first: 570.5 clocks, 288.1 ns (ahmadsharif1/cuda_study on GitHub, README.md, "3a. Memory
     # Latency"). A GH200 pointer chase reports 690 clocks (markdewing/AI_kernels on GitHub, latency/README.md);
     # the lower figure is taken, so the term errs to a faster machine. Unloaded: queues add to it under load, so
-    # it is a lower bound on each round trip. Luo et al. (arXiv 2402.13499) measure an H800's; not read here.
+    # it is a lower bound on each round trip. Luo et al. (arXiv 2402.13499) measure an H800's; their table could
+    # not be read here.
     hbm_latency_s=570 / 1.98e9,
     # 259 clocks at 1.98 GHz = 131 ns: the same H100 SXM5 source's L2 hit (4 MB through __ldcg: 259.9 clocks,
     # 131.3 ns), below the GH200 source's 281 clocks.
@@ -142,8 +143,8 @@ H100_SXM = Machine(
         "hbm_peak_bytes_per_s": "datasheet: 3.35 TB/s HBM3 (H100 SXM)",
         "hbm_bytes_per_s": "copy/STREAM kernels reach ~90-93% of 3.35 TB/s on H100 SXM (Luo et al., arXiv "
                            "2501.12084; table not read here); an H100 SXM5 copy measured 2.0 TB/s "
-                           f"({CUDA_STUDY}, 3b): 3.1 TB/s, above both",
-        "l2_bytes_per_s": f"an H100 SXM5 copy through L2 measured 3.6 TB/s ({CUDA_STUDY}, 3c; Chips and Cheese, H100 "
+                           f"({_CUDA_STUDY}, 3b): 3.1 TB/s, above both",
+        "l2_bytes_per_s": f"an H100 SXM5 copy through L2 measured 3.6 TB/s ({_CUDA_STUDY}, 3c; Chips and Cheese, H100 "
                           "PCIe, and Luo et al., arXiv 2402.13499, not read here): 12 TB/s, well above",
         "shared_wavefronts_per_clock": "CUDA C++ Programming Guide, Shared Memory: 32 banks x 4 B per clock",
         "l1_sectors_per_clock": "Hopper tuning guide: L1 and shared memory one 128 B/clk data path",
@@ -154,10 +155,10 @@ H100_SXM = Machine(
         "fma_per_clock": "Hopper whitepaper: 128 FP32 lanes per SM",
         "ex2_per_clock": "CUDA C++ Programming Guide throughput table, cc 9.0: 16 exp2 per clock per SM",
         "lsu_per_clock": "CUDA C++ Programming Guide throughput table, cc 9.0: 32 shuffle results per clock per SM",
-        "hbm_latency_s": f"570 clocks at 1.98 GHz, H100 SXM5 pointer chase ({CUDA_STUDY}, 3a: 570.5), unloaded; "
+        "hbm_latency_s": f"570 clocks at 1.98 GHz, H100 SXM5 pointer chase ({_CUDA_STUDY}, 3a: 570.5), unloaded; "
                          "below a GH200's 690 (markdewing/AI_kernels latency/README.md)",
-        "l2_latency_s": f"259 clocks at 1.98 GHz, L2 hit, the same H100 SXM5 pointer chase ({CUDA_STUDY}, 3a: 259.9)",
-        "near_latency_s": f"30 clocks at 1.98 GHz, below the H100 SXM5 L1 hit of 40.2 clocks ({CUDA_STUDY}, 3a)",
+        "l2_latency_s": f"259 clocks at 1.98 GHz, L2 hit, the same H100 SXM5 pointer chase ({_CUDA_STUDY}, 3a: 259.9)",
+        "near_latency_s": f"30 clocks at 1.98 GHz, below the H100 SXM5 L1 hit of 40.2 clocks ({_CUDA_STUDY}, 3a)",
         "launch_s": "a few µs per launch (NVIDIA blog, Getting Started with CUDA Graphs); 2 µs, the low end, "
                     "not measured here",
     },
