@@ -35,8 +35,9 @@ same terms. Figures are labelled `counted` (read off a recording, times the grid
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 
 class FloorCase(Protocol):
@@ -72,6 +73,9 @@ class Machine:
     sources: dict = field(default_factory=dict, compare=False, hash=False)
 
 
+# H100 SXM5 microbenchmarks at 1.98 GHz, CUDA 12.8: https://github.com/ahmadsharif1/cuda_study (README.md).
+_CUDA_STUDY = "ahmadsharif1/cuda_study README.md"
+
 H100_SXM = Machine(
     name="H100 SXM5",
     # 132 SMs: NVIDIA H100 Tensor Core GPU datasheet; Hopper architecture whitepaper (SXM5: 132 of GH100's 144).
@@ -83,12 +87,16 @@ H100_SXM = Machine(
     # 3.35 TB/s of HBM3: datasheet, "GPU memory bandwidth", H100 SXM.
     hbm_peak_bytes_per_s=3.35e12,
     # What a kernel can reach: copy / STREAM-style kernels on H100 SXM are reported at about 3.0-3.1 TB/s (~90-93%
-    # of 3.35; Luo et al., arXiv 2501.12084, benchmark Hopper's global-memory throughput; their exact figure was not
-    # verified here). 3.1 TB/s, the high end, so the DRAM term stays a lower bound.
+    # of 3.35; Luo et al., arXiv 2501.12084, benchmark Hopper's global-memory throughput; their table could not be
+    # read here). The one H100 SXM5 copy measured that could be read reached less: 1.99 TB/s on 132 SMs, 2.03 TB/s
+    # on 528 blocks (256 MB, read + write counted; ahmadsharif1/cuda_study on GitHub, README.md, "3b. HBM
+    # Bandwidth Scaling"). 3.1 TB/s, above both, so the DRAM term stays a lower bound.
     hbm_bytes_per_s=3.1e12,
     # L2 to the SMs: microbenchmarks (Chips and Cheese, "Nvidia's H100: Funny L2, and Tons of Bandwidth", on the
-    # 114-SM PCIe card; Luo et al., arXiv 2402.13499) put it at several TB/s; no SXM figure was verified here, so
-    # 12 TB/s, above every reported one, keeps the term a lower bound.
+    # 114-SM PCIe card; Luo et al., arXiv 2402.13499) put it at several TB/s (their tables could not be read here).
+    # On an H100 SXM5, a copy through L2 (__ldcg / __stcg, 16 MB resident) measured 3.2 TB/s on 132 SMs and 3.6
+    # TB/s on 528 blocks (ahmadsharif1/cuda_study on GitHub, README.md, "3c. L2 Bandwidth Scaling"). 12 TB/s, well
+    # above every figure found, keeps the term a lower bound.
     l2_bytes_per_s=12e12,
     # One 128-byte wavefront (32 banks x 4 bytes) per clock per SM: CUDA C++ Programming Guide, "Shared Memory".
     shared_wavefronts_per_clock=1,
@@ -98,8 +106,9 @@ H100_SXM = Machine(
     issue_per_clock=4,
     # mma.sync is not wgmma: on Hopper the legacy warp-level mma reaches well under the warpgroup wgmma's rate (Luo
     # et al., arXiv 2402.13499, "Tensor Core" section, measure mma against wgmma on an H800; FlashAttention-3
-    # reports mma.sync kernels near 35-40% of the H100 peak). Their table's figure was not verified here: two
-    # thirds of the dense peak (~660 TFLOP/s), above what they report for mma, keeps the tensor term a bound.
+    # reports mma.sync kernels near 35-40% of the H100 peak). No figure for mma.sync alone could be read here (their
+    # table included): two thirds of the dense peak (~660 TFLOP/s), above those reports, keeps the tensor term a
+    # bound, but unverified.
     mma_per_clock=2 / 3,
     # wgmma: the datasheet's 989.4 dense TFLOP/s = 4,096 FLOPs (one m16n8k16) per clock per SM at 1.83 GHz.
     wgmma_per_clock=1.0,
@@ -111,16 +120,19 @@ H100_SXM = Machine(
     # Shared loads / stores and shuffles go through the MIO queue: 32 shuffle results per clock per SM (the
     # programming guide's throughput table, "warp shuffle"), one warp instruction a clock per SM.
     lsu_per_clock=1.0,
-    # 690 SM clocks at 1.98 GHz = 348 ns: "Main Memory" latency of a pointer-chasing microbenchmark on a GH200
-    # (Hopper with HBM3; markdewing/AI_kernels on GitHub, latency/README.md). Unloaded: queues add to it under
-    # load, so it is a lower bound on each round trip. Luo et al. (arXiv 2402.13499) measure global-memory latency
-    # on an H800 of the same order; their figure was not verified here.
-    hbm_latency_s=690 / 1.98e9,
-    # 281 clocks at 1.98 GHz = 142 ns: the same source's L2 hit.
-    l2_latency_s=281 / 1.98e9,
+    # 570 SM clocks at 1.98 GHz = 288 ns: an H100 SXM5 pointer chase through 256 MB, one thread, lines 128 bytes
+    # apart, L2 flushed first: 570.5 clocks, 288.1 ns (ahmadsharif1/cuda_study on GitHub, README.md, "3a. Memory
+    # Latency"). A GH200 pointer chase reports 690 clocks (markdewing/AI_kernels on GitHub, latency/README.md);
+    # the lower figure is taken, so the term errs to a faster machine. Unloaded: queues add to it under load, so
+    # it is a lower bound on each round trip. Luo et al. (arXiv 2402.13499) measure an H800's; their table could
+    # not be read here.
+    hbm_latency_s=570 / 1.98e9,
+    # 259 clocks at 1.98 GHz = 131 ns: the same H100 SXM5 source's L2 hit (4 MB through __ldcg: 259.9 clocks,
+    # 131.3 ns), below the GH200 source's 281 clocks.
+    l2_latency_s=259 / 1.98e9,
     # 30 clocks at 1.98 GHz = 15 ns: a round trip that an earlier load's line may serve from L1, charged at less
-    # than the L1 hit latencies Hopper microbenchmarks report (Luo et al., arXiv 2402.13499: a few tens of clocks;
-    # not verified here).
+    # than the L1 hit the same H100 SXM5 source measures (40.2 clocks, 20.3 ns; shared memory 28.6 clocks) and the
+    # few tens of clocks other Hopper microbenchmarks report.
     near_latency_s=30 / 1.98e9,
     # A kernel launch costs a few µs (NVIDIA technical blog, "Getting Started with CUDA Graphs": a few µs per
     # short kernel launched back to back in a stream); not measured here on an H100, so 2 µs, the low end.
@@ -130,23 +142,23 @@ H100_SXM = Machine(
         "clock_hz": "datasheet: 989.4 dense FP16 TFLOP/s = 132 SMs x 4096 FLOP/clk x 1.83 GHz",
         "hbm_peak_bytes_per_s": "datasheet: 3.35 TB/s HBM3 (H100 SXM)",
         "hbm_bytes_per_s": "copy/STREAM kernels reach ~90-93% of 3.35 TB/s on H100 SXM (Luo et al., arXiv "
-                           "2501.12084, global-memory throughput; figure not verified here): 3.1 TB/s, the high end",
-        "l2_bytes_per_s": "L2 bandwidth microbenchmarks (Chips and Cheese, H100 PCIe; Luo et al., arXiv 2402.13499) "
-                          "report several TB/s; no SXM figure verified: 12 TB/s, above all reported",
+                           "2501.12084; table not read here); an H100 SXM5 copy measured 2.0 TB/s "
+                           f"({_CUDA_STUDY}, 3b): 3.1 TB/s, above both",
+        "l2_bytes_per_s": f"an H100 SXM5 copy through L2 measured 3.6 TB/s ({_CUDA_STUDY}, 3c; Chips and Cheese, H100 "
+                          "PCIe, and Luo et al., arXiv 2402.13499, not read here): 12 TB/s, well above",
         "shared_wavefronts_per_clock": "CUDA C++ Programming Guide, Shared Memory: 32 banks x 4 B per clock",
         "l1_sectors_per_clock": "Hopper tuning guide: L1 and shared memory one 128 B/clk data path",
         "issue_per_clock": "Hopper whitepaper: 4 warp schedulers per SM, 1 instruction/clk each",
         "mma_per_clock": "mma.sync below wgmma on Hopper (Luo et al., arXiv 2402.13499, tensor cores; "
-                         "FlashAttention-3); table figure not verified here: 2/3 of the dense peak, an upper end",
+                         "FlashAttention-3); no mma.sync figure could be read: 2/3 of the dense peak, an upper end",
         "wgmma_per_clock": "datasheet dense FP16 peak: one m16n8k16 per clock per SM at 1.83 GHz",
         "fma_per_clock": "Hopper whitepaper: 128 FP32 lanes per SM",
         "ex2_per_clock": "CUDA C++ Programming Guide throughput table, cc 9.0: 16 exp2 per clock per SM",
         "lsu_per_clock": "CUDA C++ Programming Guide throughput table, cc 9.0: 32 shuffle results per clock per SM",
-        "hbm_latency_s": "690 clocks at 1.98 GHz, GH200 pointer chase (markdewing/AI_kernels latency/README.md), "
-                         "unloaded; Luo et al. (arXiv 2402.13499) figure not verified here",
-        "l2_latency_s": "281 clocks at 1.98 GHz, L2 hit, the same pointer chase",
-        "near_latency_s": "30 clocks at 1.98 GHz, below the L1 hit latencies reported for Hopper (Luo et al., "
-                          "arXiv 2402.13499; not verified here)",
+        "hbm_latency_s": f"570 clocks at 1.98 GHz, H100 SXM5 pointer chase ({_CUDA_STUDY}, 3a: 570.5), unloaded; "
+                         "below a GH200's 690 (markdewing/AI_kernels latency/README.md)",
+        "l2_latency_s": f"259 clocks at 1.98 GHz, L2 hit, the same H100 SXM5 pointer chase ({_CUDA_STUDY}, 3a: 259.9)",
+        "near_latency_s": f"30 clocks at 1.98 GHz, below the H100 SXM5 L1 hit of 40.2 clocks ({_CUDA_STUDY}, 3a)",
         "launch_s": "a few µs per launch (NVIDIA blog, Getting Started with CUDA Graphs); 2 µs, the low end, "
                     "not measured here",
     },
@@ -167,13 +179,35 @@ SHARED_CONFLICTS = ("l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum",
                     "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum")
 
 
-class Figure(NamedTuple):
-    """One number with what it is: `counted` (off the recording, scaled to the grid) or `derived`. (A named
-    tuple: the plan builds a few dozen for every new shape it sees, on the host.)"""
-    value: float
-    unit: str
-    basis: str            # "counted" or "derived"
-    how: str
+class Figure:
+    """One number with what it is: `counted` (off the recording, scaled to the grid) or `derived`, and `how` it was
+    made. `how` may be a format string followed by its arguments, formatted the first time it is read: the plan
+    builds a few dozen Figures for every new shape it sees, on the host, and reads only their values."""
+    __slots__ = ("value", "unit", "basis", "_how", "_args")
+
+    def __init__(self, value: float, unit: str, basis: str, how: str, *args):
+        self.value, self.unit, self.basis, self._how, self._args = value, unit, basis, how, args
+
+    @property
+    def how(self) -> str:
+        if self._args:
+            self._how, self._args = self._how.format(*self._args), ()
+        return self._how
+
+    def _fields(self):
+        return self.value, self.unit, self.basis, self.how
+
+    def __eq__(self, other):
+        return self._fields() == other._fields() if isinstance(other, Figure) else NotImplemented
+
+    def __hash__(self):
+        return hash(self._fields())
+
+    def __iter__(self):
+        return iter(self._fields())
+
+    def __repr__(self):
+        return f"Figure(value={self.value!r}, unit={self.unit!r}, basis={self.basis!r}, how={self.how!r})"
 
     def __str__(self):
         return f"{_fmt(self.value)} {self.unit} ({self.basis}: {self.how})"
@@ -251,16 +285,31 @@ class Bounds:
     machine: Machine
     resources: dict = field(default_factory=dict)     # name -> Figure in µs (derived)
     figures: dict = field(default_factory=dict)       # name -> Figure (counted or derived)
+    # The resources as last ranked, their names largest bound first, and the largest: made again only when a term
+    # is added, removed or replaced (the plan reads them several times a candidate).
+    _order: tuple = field(default=(None, [], None), init=False, repr=False, compare=False)
+
+    def _ranking(self) -> tuple:
+        terms = tuple(self.resources.items())
+        if terms != self._order[0]:
+            def value(name):
+                return self.resources[name].value
+            self._order = (terms, sorted(self.resources, key=lambda name: -value(name)),
+                           max(self.resources, key=value) if terms else None)
+        return self._order
 
     @property
     def ranked(self) -> list:
         """The resources' names, largest bound first."""
-        return sorted(self.resources, key=lambda name: -self.resources[name].value)
+        return list(self._ranking()[1])
 
     @property
     def limiter(self) -> str:
         """The resource with the largest bound."""
-        return max(self.resources, key=lambda name: self.resources[name].value)
+        limiter = self._ranking()[2]
+        if limiter is None:
+            raise ValueError("resources: no resource has a bound")
+        return limiter
 
     @property
     def bound_us(self) -> float:
@@ -294,6 +343,19 @@ def _total(metrics: dict, names) -> int | None:
 
 
 _AT_LEAST_ONE = frozenset(("blocks", "blocks_per_sm", "warps_per_block"))
+# Read in one step each (`ceilings` checks every field on every call, the plan's included).
+_AT_LEAST_ONE_FIELDS = operator.attrgetter(*sorted(_AT_LEAST_ONE))
+_COUNTS = operator.attrgetter(*(name for name in Work.__dataclass_fields__ if name not in _AT_LEAST_ONE))
+# The per-SM terms, in their order: (resource, Work field, Machine rate, times, per, what the rate counts); the
+# rate is times x the Machine's figure / per, and its source is the Machine's source of that figure.
+_PER_SM = (("shared", "shared_wavefronts", "shared_wavefronts_per_clock", 1, 1, "wavefronts"),
+           ("L1", "l1_sectors", "l1_sectors_per_clock", 1, 1, "sectors"),
+           ("tensor", "mma", "mma_per_clock", 1, 1, "mma.sync m16n8k16"),
+           ("wgmma", "wgmma", "wgmma_per_clock", 1, 1, "wgmma (m16n8k16 units)"),
+           ("FMA", "fma_flops", "fma_per_clock", 2, 1, "FLOPs"),                # 2 FLOPs a lane
+           ("MUFU", "ex2", "ex2_per_clock", 1, 32, "MUFU.EX2 warp instructions"),   # lanes to warp instructions
+           ("LSU", "lsu_instructions", "lsu_per_clock", 1, 1, "LDS/STS/SHFL warp instructions"),
+           ("issue", "warp_instructions", "issue_per_clock", 1, 1, "warp instructions"))
 
 
 def busiest_share(blocks: int | None, machine: Machine) -> float:
@@ -326,77 +388,74 @@ def ceilings(work: Work, machine: Machine = H100_SXM, *, floor_bytes: float | No
     ValueError
         A negative figure, blocks below 1, or work that gives no term at all.
     """
-    for name, value in vars(work).items():
-        if value is not None and value < (1 if name in _AT_LEAST_ONE else 0):
-            expected = "at least 1 (or None)" if name in _AT_LEAST_ONE else "a count of at least 0"
-            raise ValueError(f"work.{name}: expected {expected}, got {value!r}")
+    try:                # every field at once; field by field only to name the one at fault
+        checked = min(_COUNTS(work)) >= 0 and all(value is None or value >= 1 for value in _AT_LEAST_ONE_FIELDS(work))
+    except TypeError:   # a count left None
+        checked = False
+    if not checked:
+        for name, value in vars(work).items():
+            if value is not None and value < (1 if name in _AT_LEAST_ONE else 0):
+                expected = "at least 1 (or None)" if name in _AT_LEAST_ONE else "a count of at least 0"
+                raise ValueError(f"work.{name}: expected {expected}, got {value!r}")
     out = Bounds(machine)
     m, ghz = machine, machine.clock_hz / 1e9
     busiest = busiest_share(work.blocks, m)
     per_clock = m.sms * m.clock_hz / busiest           # SM clocks a second the busiest SM stands for
     if work.blocks is not None:
-        out.figures["busiest SM"] = Figure(busiest, "x", "derived", f"ceil({work.blocks} blocks / {m.sms} SMs) over "
-                                                                    f"the average share")
+        out.figures["busiest SM"] = Figure(busiest, "x", "derived", "ceil({} blocks / {} SMs) over the average share",
+                                           work.blocks, m.sms)
     src = m.sources
-
-    def per_sm(name, amount, rate, what, source):
-        if amount:
-            out.resources[name] = Figure(amount / (rate * per_clock) * 1e6, "µs", "derived",
-                                         f"{what} / ({rate:g} a clock x {m.sms} SMs x {ghz:g} GHz); {source}")
-
     if work.dram_bytes or floor_bytes is not None:
         out.figures["DRAM bytes"] = Figure(work.dram_bytes, "B", "counted", "read + write")
         out.resources["DRAM"] = Figure(work.dram_bytes / m.hbm_bytes_per_s * 1e6, "µs", "derived",
-                                       f"DRAM bytes / {m.hbm_bytes_per_s / 1e12:g} TB/s; "
-                                       f"{src.get('hbm_bytes_per_s', '')}")
+                                       "DRAM bytes / {:g} TB/s; {}", m.hbm_bytes_per_s / 1e12,
+                                       src.get("hbm_bytes_per_s", ""))
     if floor_bytes is not None:
-        out.figures["floor bytes"] = Figure(floor_bytes, "B", "derived", f"{label}: K/V once, Q, O")
+        out.figures["floor bytes"] = Figure(floor_bytes, "B", "derived", "{}: K/V once, Q, O", label)
         out.figures["DRAM / floor"] = Figure(work.dram_bytes / floor_bytes, "x", "derived", "1.00 is the floor")
     if work.l2_bytes:
         out.figures["L2 bytes"] = Figure(work.l2_bytes, "B", "counted", "global loads beyond the DRAM bytes")
         out.resources["L2"] = Figure(work.l2_bytes / m.l2_bytes_per_s * 1e6, "µs", "derived",
-                                     f"L2 bytes / {m.l2_bytes_per_s / 1e12:g} TB/s; {src.get('l2_bytes_per_s', '')}")
-    per_sm("shared", work.shared_wavefronts, m.shared_wavefronts_per_clock, "wavefronts",
-           src.get("shared_wavefronts_per_clock", ""))
-    per_sm("L1", work.l1_sectors, m.l1_sectors_per_clock, "sectors", src.get("l1_sectors_per_clock", ""))
-    per_sm("tensor", work.mma, m.mma_per_clock, "mma.sync m16n8k16", src.get("mma_per_clock", ""))
-    per_sm("wgmma", work.wgmma, m.wgmma_per_clock, "wgmma (m16n8k16 units)", src.get("wgmma_per_clock", ""))
-    per_sm("FMA", work.fma_flops, 2 * m.fma_per_clock, "FLOPs", src.get("fma_per_clock", ""))
-    per_sm("MUFU", work.ex2, m.ex2_per_clock / 32, "MUFU.EX2 warp instructions", src.get("ex2_per_clock", ""))
-    per_sm("LSU", work.lsu_instructions, m.lsu_per_clock, "LDS/STS/SHFL warp instructions",
-           src.get("lsu_per_clock", ""))
-    per_sm("issue", work.warp_instructions, m.issue_per_clock, "warp instructions", src.get("issue_per_clock", ""))
+                                     "L2 bytes / {:g} TB/s; {}", m.l2_bytes_per_s / 1e12, src.get("l2_bytes_per_s", ""))
+    for name, field_, rate_field, times, per, what in _PER_SM:
+        amount = getattr(work, field_)
+        if amount:
+            rate = times * getattr(m, rate_field) / per
+            out.resources[name] = Figure(amount / (rate * per_clock) * 1e6, "µs", "derived",
+                                         "{} / ({:g} a clock x {} SMs x {:g} GHz); {}", what, rate, m.sms, ghz,
+                                         src.get(rate_field, ""))
     if work.launches:
         out.resources["launch"] = Figure(work.launches * m.launch_s * 1e6, "µs", "derived",
-                                         f"{work.launches} launches x {m.launch_s * 1e6:g} µs; "
-                                         f"{src.get('launch_s', '')}")
+                                         "{} launches x {:g} µs; {}", work.launches, m.launch_s * 1e6,
+                                         src.get("launch_s", ""))
     trip_s = work.chain_hbm * m.hbm_latency_s + work.chain_l2 * m.l2_latency_s + work.chain_near * m.near_latency_s
     if work.warp_trips and trip_s and work.blocks and work.blocks_per_sm and work.warps_per_block:
         on_busiest = math.ceil(work.blocks / m.sms)
         warps_held = min(work.blocks_per_sm, on_busiest) * work.warps_per_block
         busy = min(m.sms, work.blocks)
         out.figures["trip chain"] = Figure(trip_s * 1e9, "ns", "derived",
-                                           f"{work.chain_hbm:g} HBM x {m.hbm_latency_s * 1e9:.0f} ns + "
-                                           f"{work.chain_l2:g} L2 x {m.l2_latency_s * 1e9:.0f} ns + "
-                                           f"{work.chain_near:g} near x {m.near_latency_s * 1e9:.0f} ns")
+                                           "{:g} HBM x {:.0f} ns + {:g} L2 x {:.0f} ns + {:g} near x {:.0f} ns",
+                                           work.chain_hbm, m.hbm_latency_s * 1e9, work.chain_l2, m.l2_latency_s * 1e9,
+                                           work.chain_near, m.near_latency_s * 1e9)
         if work.trip_bytes:
             in_flight = work.trip_bytes / trip_s * m.hbm_latency_s * warps_held
             needed = m.hbm_bytes_per_s * m.hbm_latency_s / m.sms
             out.figures["in flight B/SM"] = Figure(in_flight, "B", "derived",
-                                                   f"average: {work.trip_bytes:g} B a trip over its chain x "
-                                                   f"{warps_held} warps")
+                                                   "average: {:g} B a trip over its chain x {} warps",
+                                                   work.trip_bytes, warps_held)
             out.figures["in flight / needed"] = Figure(in_flight / needed, "x", "derived",
                                                        "1.00 hides HBM's latency")
         out.resources["latency"] = Figure(work.warp_trips * trip_s / (busy * warps_held) * 1e6, "µs", "derived",
-                                          f"{work.warp_trips:,.0f} warp trips x {trip_s * 1e9:.0f} ns / ({busy} "
-                                          f"SMs x {warps_held} warps held); {src.get('hbm_latency_s', '')}")
+                                          "{:,.0f} warp trips x {:.0f} ns / ({} SMs x {} warps held); {}",
+                                          work.warp_trips, trip_s * 1e9, busy, warps_held,
+                                          src.get("hbm_latency_s", ""))
         # The partial last wave: the busiest SM's blocks in waves of blocks_per_sm, each a block's serial chain.
         waves = math.ceil(on_busiest / work.blocks_per_sm)
         per_warp = work.warp_trips / (work.blocks * work.warps_per_block)
-        out.figures["waves"] = Figure(waves, "", "derived", f"ceil({on_busiest} blocks / {work.blocks_per_sm} "
-                                                           f"resident) on the busiest SM")
+        out.figures["waves"] = Figure(waves, "", "derived", "ceil({} blocks / {} resident) on the busiest SM",
+                                      on_busiest, work.blocks_per_sm)
         out.resources["waves"] = Figure(waves * per_warp * trip_s * 1e6, "µs", "derived",
-                                        f"{waves} waves x {per_warp:,.1f} trips a warp x {trip_s * 1e9:.0f} ns")
+                                        "{} waves x {:,.1f} trips a warp x {:.0f} ns", waves, per_warp, trip_s * 1e9)
     if not out.resources:
         raise ValueError(f"work: no term has work to bound, got {work!r}")
     return out

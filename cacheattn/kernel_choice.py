@@ -30,7 +30,10 @@ on a tie with rung 3); a split, on a lower bound or lower terms after it:
 Each candidate is asked once for a call (and block size) what it makes of it: its kernel module's `fit`
 (`kernels_numba._fit.RungFit`: the grid, the block's rows, the keys a block takes a step, its shared memory, and
 whether it fits or the launcher's refusal), computed by the planning functions its launcher calls; the comparison
-builds each answer's bound model from it, and a rung asked for is refused with its answer's message.
+builds each answer's bound model from it, and a rung asked for is refused with its answer's message. A fit reads
+only the call's sequences, longest query, heads, head_dim, dtypes and quantization (`kernels_numba._fit.CALL_FACTS`,
+all it is handed), so its answer is kept for them: a server's next decode step, a key longer, asks no kernel again.
+Rung 1 is asked only where no faster rung serves the call.
 
 Figures in the reasons are lower bounds derived from shapes (never timings), printed as bounds ("≥ 43.7 µs
 (bound: DRAM; then ...)"); with ragged batches they are taken at the longest lengths.
@@ -39,6 +42,7 @@ Figures in the reasons are lower bounds derived from shapes (never timings), pri
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, replace
 from functools import cache, lru_cache, partial
 
@@ -278,7 +282,7 @@ def choose_kernel(shape: AttentionShape, *, rung: int | None = None, num_splits:
     >>> long.rung, long.num_splits, long.threads
     (5, 33, 128)
     >>> long.reason[:long.reason.index(")") + 1]
-    '8 blocks for 132 SMs: 33 splits make 264; memory-bound, ≥ 43.7 µs (bound: DRAM; then latency ≥ 11.4, waves ≥ 11.4)'
+    '8 blocks for 132 SMs: 33 splits make 264; memory-bound, ≥ 43.7 µs (bound: DRAM; then latency ≥ 9.5, waves ≥ 9.5)'
     """
     if sms is None:
         from kernels_numba._split_k import sm_count
@@ -326,9 +330,11 @@ def _plan(shape, rung, num_splits, threads, sms, rungs=LADDER, register_decode=T
         if b.limiter != "DRAM" and why_not_tensor:
             chosen = replace(chosen, reason=f"{chosen.reason}; no tensor cores: {why_not_tensor}")
         return chosen
-    # Rung 1 plans its tiles for any block size; a head_dim it cannot hold raises here, as it always has.
-    if answers[TILES][0] is None:
-        raise ValueError(answers[TILES][1])
+    # Rung 1 plans its tiles for any block size (the one asked for, or 128), asked only now that no faster rung
+    # serves; a head_dim it cannot hold raises here, as it always has.
+    tiles = _ask(shape, TILES, threads or DEFAULT_THREADS)
+    if not tiles.fits:
+        raise ValueError(tiles.why_not)
     return KernelPlan(1, 1, threads or DEFAULT_THREADS, f"fallback to shared-memory tiles: {why_not_cores}")
 
 
@@ -364,7 +370,7 @@ def _forced(shape, rung, num_splits, threads, sms, why, register_decode=True):
 TILES, WARP, VECTOR, SPLIT, STAGED, DECODE = (1, "tiles"), (2, "warp"), (3, "vector"), (4, "vector"), \
     (5, "staged"), (5, "decode")
 FORCED = {1: TILES, 2: WARP, 3: VECTOR, 4: SPLIT, 5: STAGED}
-CANDIDATES = (VECTOR, DECODE, STAGED, TILES)     # what the plan compares, in the order it asks
+CANDIDATES = (VECTOR, DECODE, STAGED)     # what the plan compares, in the order it asks; rung 1 only when none serves
 
 
 @cache
@@ -377,16 +383,30 @@ def rung_fits() -> dict:
             SPLIT: partial(_attention_vector.fit, rung=4), STAGED: _attention_mma.fit, DECODE: _attention_gqa_mma.fit}
 
 
+@cache
+def _call_facts() -> tuple:
+    """(the facts of a shape a fit reads, as a tuple; the named tuple a fit is handed): `kernels_numba._fit`'s."""
+    from kernels_numba._fit import CALL_FACTS, CallFacts
+
+    return operator.attrgetter(*CALL_FACTS), CallFacts
+
+
 def _ask(shape, kernel, threads):
-    return rung_fits()[kernel](shape, threads)
+    return _answer(rung_fits()[kernel], threads, _call_facts()[0](shape))
+
+
+@lru_cache(maxsize=1024)
+def _answer(fit, threads, facts):
+    """A kernel's answer at a block size, asked once for each set of the facts a fit reads: a server's decode steps,
+    a key longer each, ask no kernel again, and a new batch size asks each once."""
+    return fit(_call_facts()[1](*facts), threads)
 
 
 def _answers(shape, threads, rungs, register_decode) -> dict:
     """Each offered candidate's answer, asked once a block size: {kernel: (its RungFit at the first block size of
-    `_block_sizes` it fits, or None; the first refusal's text)}. Rung 1 runs any block size (the one asked for, or
-    128). Rung 5's decode kernel is asked for a decode batch where the operator's rung 5 has it, at the block size
-    rung 3 takes (the call it would take over); where it serves, it is rung 5's candidate, and the staged kernel
-    is not asked."""
+    `_block_sizes` it fits, or None; the first refusal's text)}. Rung 1, the fallback, is not asked here. Rung 5's
+    decode kernel is asked for a decode batch where the operator's rung 5 has it, at the block size rung 3 takes
+    (the call it would take over); where it serves, it is rung 5's candidate, and the staged kernel is not asked."""
     answers = {}
     for kernel in CANDIDATES:
         if kernel[0] not in rungs or kernel == DECODE and not (register_decode and
@@ -400,7 +420,7 @@ def _answers(shape, threads, rungs, register_decode) -> dict:
                 continue
             sizes = (cores.threads,)
         else:
-            sizes = (threads or DEFAULT_THREADS,) if kernel == TILES else _block_sizes(threads)
+            sizes = _block_sizes(threads)
         fit, first = None, ""
         for t in sizes:
             asked = _ask(shape, kernel, t)

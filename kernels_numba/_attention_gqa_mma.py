@@ -65,6 +65,7 @@ vector loads, K and V on one page table.
 from __future__ import annotations
 
 import math
+from functools import cache
 
 import numpy as np
 from numba import config, cuda
@@ -160,6 +161,7 @@ def v_dim(quant_bit: int, head_dim: int, column: int, tile: int) -> int:
     return lane_dim(head_dim // 8, quant_bit, 8, column, tile)
 
 
+@cache         # the plan asks it for every new batch size (`fit`); the answer depends on these ints alone
 def heads_per_block(num_heads: int, num_kv_heads: int) -> int:
     """Query heads of a block: the largest divisor of the GQA group that fits the 16 rows of an A tile."""
     group = num_heads // num_kv_heads
@@ -183,6 +185,7 @@ def merge_shape(head_dim: int, warps: int, heads: int) -> tuple:
     return max(1, warps - 1), _rows(heads) * (2 + 2 * (head_dim // MMA_N)), WARP_SIZE
 
 
+@cache         # the plan asks it for every new batch size (`fit`); the answer depends on these ints alone
 def shared_bytes(head_dim: int, warps: int, heads: int) -> int:
     """Shared memory of a block: the merge slots and the simulator's scratch (4-byte words)."""
     return 4 * sum(math.prod(s) for s in (merge_shape(head_dim, warps, heads), *scratch_shapes(warps)))

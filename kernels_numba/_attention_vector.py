@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from collections import namedtuple
+from functools import cache, lru_cache
 
 import numpy as np
 from numba import cuda
@@ -86,11 +87,13 @@ def keys_per_tile(head_dim: int, chunk: int) -> int:
     return _pow2(keys + 1) // 2 if keys >= 1 else 1       # a power of 2, at least 1
 
 
+@cache         # the plan asks it for every new batch size (`fit`); the answer depends on these ints alone
 def keys_per_step(head_dim: int, chunk: int, warps: int) -> int:
     """Keys a block takes at once: a tile of keys per lane group of every warp."""
     return warps * (WARP_SIZE // lanes_per_key(ceil_div(head_dim, chunk))) * keys_per_tile(head_dim, chunk)
 
 
+@lru_cache(maxsize=1024)     # the plan asks it for every new batch size (`fit`); it depends on these ints alone
 def plan_vector_rows(num_heads: int, num_kv_heads: int, max_seqlen: int, head_dim: int, chunk: int, warps: int):
     """(heads_per_block, q_tile) as `plan_warp_rows`, with at most `max_rows` rows, so the loop keeps a lane's
     slices of q and the output in registers."""

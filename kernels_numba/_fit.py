@@ -15,6 +15,7 @@ the bound model (`cacheattn.kernel_choice.SASS_WORK`).
 
 from __future__ import annotations
 
+from collections import namedtuple
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,6 +31,12 @@ class CallShape(Protocol):
     query_dtype: object
     cache_dtype: object
     quant_bit: int
+
+
+# The facts a fit reads, CallShape's in its order: the plan asks each kernel once for each set of them and hands the
+# fit just these (`CallFacts`), so that an answer cannot depend on anything else of the call (its key count).
+CALL_FACTS = tuple(CallShape.__annotations__)
+CallFacts = namedtuple("CallFacts", CALL_FACTS)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ picks, its launches recorded and its output held to a float64 evaluation by the 
 
 import collections
 import functools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -470,7 +471,8 @@ def test_rung_2_answers_when_asked_for():
 def test_the_plan_asks_each_offered_rung_once_a_new_shape(monkeypatch):
     """choose_kernel asks each candidate kernel for its answer once per new shape (at a block size every kernel
     fits), and a cached shape asks none; a kernel not offered is not asked, nor rung 5's staged kernel where its
-    decode kernel serves the call."""
+    decode kernel serves the call, nor rung 1 where a faster rung serves it. The answers are kept per the facts a
+    fit reads: a shape one key longer asks no kernel again."""
     from cacheattn import kernel_choice
 
     asked = collections.Counter()
@@ -479,22 +481,26 @@ def test_the_plan_asks_each_offered_rung_once_a_new_shape(monkeypatch):
             asked[kernel] += 1
             return fit(s, threads)
         monkeypatch.setitem(kernel_choice.rung_fits(), kernel, counted)
-    kernel_choice._plan.cache_clear()
+
+    def asks(facts, rung_=None, **options):
+        """{kernel: times asked} for a plan of `facts` with no plan and no answer kept."""
+        kernel_choice._plan.cache_clear()
+        kernel_choice._answer.cache_clear()
+        asked.clear()
+        chosen = choose_kernel(facts, sms=132, **options)
+        assert rung_ is None or chosen.rung == rung_
+        return dict(asked)
+
     decode = AttentionShape(**HEADLINE)
-    assert choose_kernel(decode, sms=132).rung == 5
-    assert asked == {(3, "vector"): 1, (5, "decode"): 1, (1, "tiles"): 1}
+    assert asks(decode, 5) == {(3, "vector"): 1, (5, "decode"): 1}
     choose_kernel(decode, sms=132)
-    assert sum(asked.values()) == 3
-    asked.clear()
-    assert choose_kernel(shape(), sms=132).rung == 5
-    assert asked == {(3, "vector"): 1, (5, "staged"): 1, (1, "tiles"): 1}
-    asked.clear()
-    assert choose_kernel(decode, sms=132, register_decode=False).rung == 3
-    assert asked == {(3, "vector"): 1, (5, "staged"): 1, (1, "tiles"): 1}
-    asked.clear()
-    assert choose_kernel(shape(), sms=132, rungs=(1, 3, 4)).rung == 3
-    assert asked == {(3, "vector"): 1, (1, "tiles"): 1}
-    asked.clear()
+    choose_kernel(replace(decode, max_kv_len=decode.max_kv_len + 1), sms=132)
+    assert sum(asked.values()) == 2
+    assert asks(shape(), 5) == {(3, "vector"): 1, (5, "staged"): 1}
+    assert asks(decode, 3, register_decode=False) == {(3, "vector"): 1, (5, "staged"): 1}
+    assert asks(shape(), 3, rungs=(1, 3, 4)) == {(3, "vector"): 1}
+    # The fallback: no rung of whole warps serves 48 threads, so rung 1 is asked too.
+    assert asks(decode, 1, threads=48) == {(3, "vector"): 1, (5, "staged"): 1, (1, "tiles"): 1}
     # A rung asked for: its own kernel, and rung 5's decode kernel on a decode batch.
-    assert choose_kernel(decode, sms=132, rung=5).rung == 5
-    assert asked == {(5, "staged"): 1, (5, "decode"): 1}
+    assert asks(decode, 5, rung=5) == {(5, "staged"): 1, (5, "decode"): 1}
+    kernel_choice._answer.cache_clear()

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from cacheattn.bounds import H100_SXM, Work, bounds, ceilings, latency_bound
+from cacheattn.bounds import H100_SXM, Figure, Work, bounds, ceilings, latency_bound
 from cacheattn.lab.cases import LAB_CASES, BenchCase
 
 DECODE_F16, DECODE_I8, DECODE_I4, LONG, PREFILL = LAB_CASES
@@ -81,19 +81,19 @@ def test_every_term_of_a_call_and_the_order():
 
 
 def test_latency_is_littles_law_on_the_average_in_flight_and_waves_quantize():
-    # 512 blocks of 4 warps, 3 resident a SM; 65 trips a warp, each waiting on 2 HBM round trips (690 / 1.98 GHz
-    # = 348.48 ns) and 1 L1 hit (30 / 1.98 GHz = 15.15 ns): 712.12 ns a trip. Busy SMs 132, each holding
-    # min(3, ceil(512 / 132) = 4) x 4 = 12 warps: 133,120 trips x 712.12 ns / (132 x 12) = 59.85 µs. The busiest
-    # SM runs its 4 blocks in ceil(4 / 3) = 2 waves of 65 trips: 2 x 65 x 712.12 ns = 92.58 µs.
-    trip = 2 * 690 / 1.98e9 + 30 / 1.98e9
+    # 512 blocks of 4 warps, 3 resident a SM; 65 trips a warp, each waiting on 2 HBM round trips (570 / 1.98 GHz
+    # = 287.88 ns) and 1 L1 hit (30 / 1.98 GHz = 15.15 ns): 590.91 ns a trip. Busy SMs 132, each holding
+    # min(3, ceil(512 / 132) = 4) x 4 = 12 warps: 133,120 trips x 590.91 ns / (132 x 12) = 49.66 µs. The busiest
+    # SM runs its 4 blocks in ceil(4 / 3) = 2 waves of 65 trips: 2 x 65 x 590.91 ns = 76.82 µs.
+    trip = 2 * 570 / 1.98e9 + 30 / 1.98e9
     w = Work(warp_trips=512 * 4 * 65, chain_hbm=2, chain_near=1, blocks=512, blocks_per_sm=3, warps_per_block=4,
              trip_bytes=8448)
     b = ceilings(w)
     assert b.resources["latency"].value == pytest.approx(133_120 * trip / (132 * 12) * 1e6)
     assert b.resources["waves"].value == pytest.approx(2 * 65 * trip * 1e6)
     assert b.figures["waves"].value == 2
-    # average bytes in flight per SM, in HBM-latency terms: 8448 B over a 712 ns trip x 348 ns x 12 warps
-    assert b.figures["in flight B/SM"].value == pytest.approx(8448 / trip * 690 / 1.98e9 * 12)
+    # average bytes in flight per SM, in HBM-latency terms: 8448 B over a 591 ns trip x 288 ns x 12 warps
+    assert b.figures["in flight B/SM"].value == pytest.approx(8448 / trip * 570 / 1.98e9 * 12)
     same = latency_bound(512 * 4 * 65, 2, 1, blocks=512, blocks_per_sm=3, warps_per_block=4, trip_bytes=8448)
     assert same["latency"].value == pytest.approx(b.resources["latency"].value)
     # 8 blocks of one resident wave: 8 busy SMs
@@ -135,3 +135,27 @@ def test_bad_input_is_named():
         ceilings(Work())
     with pytest.raises(ValueError, match="quant_bit"):
         _ = BenchCase("bad", batch=1, context=1, new_tokens=1, quant_bit=3).row_bytes
+
+
+def test_a_figures_text_is_made_once_when_read():
+    class Counted:
+        made = 0
+
+        def __format__(self, spec):
+            Counted.made += 1
+            return format(2.5, spec)
+
+    fig = Figure(1.0, "µs", "derived", "{:g} a clock; {}", Counted(), "source")
+    assert Counted.made == 0                        # the plan builds Figures it never prints
+    assert fig.how == "2.5 a clock; source" and str(fig) == "1 µs (derived: 2.5 a clock; source)"
+    assert Counted.made == 1
+    assert fig == Figure(1.0, "µs", "derived", "2.5 a clock; source")
+
+
+def test_the_ranking_follows_the_terms_as_they_change():
+    b = ceilings(Work(dram_bytes=3.1e9, launches=3))                  # DRAM 1000 µs, launch 6 µs
+    assert (b.limiter, b.ranked) == ("DRAM", ["DRAM", "launch"])
+    b.resources["launch"] = Figure(2000.0, "µs", "derived", "replaced")
+    assert (b.limiter, b.ranked, b.bound_us) == ("launch", ["launch", "DRAM"], 2000.0)
+    del b.resources["launch"]
+    assert (b.limiter, b.ranked) == ("DRAM", ["DRAM"])
