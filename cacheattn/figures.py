@@ -222,26 +222,12 @@ def bench_plot(result: dict) -> str:
     return svg.render()
 
 
-def case_floor_us(case: dict) -> float:
-    """The floor under a bench case (its fields as a lab run records them), in µs on an H100 SXM: what any kernel
-    needs, the bytes at the achievable bandwidth, and a prefill's FLOPs at the tensor cores' dense peak (wgmma's;
-    the ladder's mma.sync is charged less in the rungs' bounds). Derived, never timed."""
-    from . import bounds
-    from .lab import cases
-
-    machine, bench = bounds.H100_SXM, cases.BenchCase(**case)
-    floor_us = bench.floor_bytes / machine.hbm_bytes_per_s * 1e6
-    if bench.new_tokens > 1:
-        floor_us = max(floor_us, bench.flops / 4096 / (machine.wgmma_per_clock * machine.sms * machine.clock_hz) * 1e6)
-    return floor_us
-
-
 def bounds_plot(result: dict) -> str:
     """A `python -m cacheattn lab` run (docs/kernel-ladder-counts.json) drawn as the bench plot is: per bench case,
     one bar per rung, the floor's time (the bytes the case must move over the HBM bandwidth, or its FLOPs over the
     tensor cores) as a share of the rung's lower bound, so 100% is a rung that can reach the floor. Derived from
     counts, never timed."""
-    from . import bounds
+    from . import bounds, ladder_figures
 
     machine = bounds.H100_SXM
     svg, left, full, bar = Svg(), 260, 300, 12
@@ -249,7 +235,7 @@ def bounds_plot(result: dict) -> str:
              bold=True)
     y = 30
     for label, case in result["cases"].items():
-        floor_us = case_floor_us(case["case"])
+        floor_us = ladder_figures.case_floor_us(case["case"])
         svg.text(4, y + 12, f"{label}: floor {floor_us:,.1f} µs", bold=True)
         y += 18
         for k, (rung, figures_rung) in enumerate(case["rungs"].items()):

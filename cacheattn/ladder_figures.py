@@ -437,12 +437,25 @@ TERM_COLOURS = {"DRAM": "#4e79a7", "issue": "#f28e2b", "shared": "#e15759", "lat
 NEXT_TERMS = 2
 
 
+def case_floor_us(case: dict) -> float:
+    """The floor under a bench case (its fields as a lab run records them), in µs on an H100 SXM: what any kernel
+    needs, the bytes at the achievable bandwidth, and a prefill's FLOPs at the tensor cores' dense peak (wgmma's;
+    the ladder's mma.sync is charged less in the rungs' bounds). Derived, never timed."""
+    from . import bounds
+    from .lab import cases
+
+    machine, bench = bounds.H100_SXM, cases.BenchCase(**case)
+    floor_us = bench.floor_bytes / machine.hbm_bytes_per_s * 1e6
+    if bench.new_tokens > 1:
+        floor_us = max(floor_us, bench.flops / 4096 / (machine.wgmma_per_clock * machine.sms * machine.clock_hz) * 1e6)
+    return floor_us
+
+
 def ladder_terms(run: dict, labels=LADDER_CASES) -> str:
     """Each rung's binding term and the next NEXT_TERMS terms of its lower bound (`bounds['limited by']`, then
     `bounds['then']`) on each of `labels`' bench cases of a lab run (docs/kernel-ladder-counts.json), as bars on
-    a log scale of µs, with the case's floor (`figures.case_floor_us`) as a line. Derived from counts, never
+    a log scale of µs, with the case's floor (`case_floor_us`) as a line. Derived from counts, never
     timed."""
-    from .figures import case_floor_us
 
     svg, left, width, bar, gap = Svg(), 214, 440, 11, 2
     svg.text(4, 14, "What bounds each rung, and what would bind next: lower bounds on an H100 SXM (derived from "
