@@ -559,18 +559,21 @@ def default_call(plan: Plan, threads: int = THREADS) -> dict:
     return {**chosen, "counted as": str(chosen["rung"]) if same else None}
 
 
-def derivations(full: dict, counted: list, plan: Plan, rung: int, threads: int, splits: int) -> dict:
+def derivations(full: dict, counted: list, plan: Plan, rung: int, threads: int, splits: int,
+                others: dict | None = None) -> dict:
     """A rung's derived ratios and bounds from its full-launch figures and its counted points (no counting), and
-    the grids of its call's other launches (`other_launches`: recorded, not run), which the bounds read."""
-    others = other_launches(plan, rung, threads)
+    the grids of its call's other launches, which the bounds read: `others` as written with the counts, else read
+    off the launchers (`other_launches`: recorded, not run). Like the counts, they move only with a launcher."""
+    others = other_launches(plan, rung, threads) if others is None else others
     b, key, why = lower_bounds({"full": full, "counted": counted, "other launches": others}, plan, rung, threads)
     return {"derived": derived(full, plan, splits), "other launches": others,
             "bounds": bound_figures(b, plan.case, key, why)}
 
 
 def rederive(result: dict) -> dict:
-    """`result` (what `ladder` returned) with every derivation made again from its full-launch figures: after a
-    change to the bound model or to the committed SASS that moves no count."""
+    """`result` (what `ladder` returned) with every derivation made again from its full-launch figures (and the
+    grids of the other launches written beside them; read off the launchers where a rung has none): after a change
+    to the bound model or to the committed SASS that moves no count."""
     by_label = {p.case.label: p for p in plans() + plans(quick=True)}
     result["machine"], result["note"] = asdict(bounds.H100_SXM), NOTE
     for label, case in every_case(result):
@@ -578,7 +581,7 @@ def rederive(result: dict) -> dict:
         case["default"] = default_call(by_label[label], case["threads"])
         for rung, shown in case["rungs"].items():
             shown.update(derivations(shown["full"], shown["counted"], by_label[label], int(rung), case["threads"],
-                                     shown["derived"]["splits"]))
+                                     shown["derived"]["splits"], shown.get("other launches")))
     return result
 
 
