@@ -61,14 +61,16 @@ def test_lab_counts_every_rung_and_bounds_the_full_decode(capsys):
     assert all(row["default"] == row["rung_5"] for row in table["rows"])
     assert any("default call: rung 5, 1 split(s), 128 threads (512 blocks fill 132 SMs" in note
                for note in document["notes"])
-    # The full launch's lower bounds (derived): rung 1's 32-way column walk makes shared memory its limiter; the
-    # later rungs are held by DRAM, whose figure (fitted from 64 and 128 keys to 4097, x 256 blocks) stays within
-    # 1% of the bytes the operator must move.
-    assert rows["limited by"]["rung_1"] == "shared"
+    # The full launch's lower bounds (derived): rung 1's 32-way column walk makes shared memory its limiter; at
+    # head_dim 64 rungs 2-4 issue more instructions than the DRAM time covers, and rung 5 is held by DRAM, whose
+    # figure (fitted from 64 and 128 keys to 4097, x 256 blocks) stays within 1% of the bytes the operator must
+    # move. Every rung has the terms read from its SASS (the quick run's head_dim-64 variants).
+    assert [rows["limited by"][rung] for rung in rungs] == ["shared", "issue", "issue", "issue", "DRAM"]
     for rung in rungs[1:]:
-        assert rows["limited by"][rung] == "DRAM"
         assert 1.0 <= rows["DRAM / floor (derived)"][rung] <= 1.01
-        assert rows["lower bound µs (derived)"][rung] == rows["DRAM µs (derived)"][rung]
+        assert rows["lower bound µs (derived)"][rung] >= rows["DRAM µs (derived)"][rung]
+        assert rows["latency µs (derived)"][rung] > 0 and rows["waves µs (derived)"][rung] > 0
+    assert rows["lower bound µs (derived)"]["rung_5"] == rows["DRAM µs (derived)"]["rung_5"]
     assert rows["lower bound µs (derived)"]["rung_1"] > rows["lower bound µs (derived)"]["rung_2"]
     assert all(rows["findings (race, uninitialized, out of bounds)"][r] == 0 for r in rungs)
     assert any("Counted in numba's CUDA simulator" in note and "never timed" in note for note in document["notes"])

@@ -1,6 +1,7 @@
 """How `python -m cacheattn lab` gets the full launch's figures from cut-down launches (cacheattn/lab/counters.py):
 the fit along the sequence must predict a launch it did not count, and rung 4 must split as its launcher would."""
 
+import math
 import os
 from dataclasses import replace
 
@@ -71,6 +72,7 @@ def test_the_committed_counts_are_current(case_index, rung):
     assert now == shown["counted"][0], stale
     # ... and the derivations from the committed full-launch figures are today's.
     assert counters.derived(shown["full"], plan, shown["derived"]["splits"]) == shown["derived"], stale
+    assert counters.other_launches(plan, rung, threads) == shown["other launches"], stale
     b, key, why = counters.lower_bounds(shown, plan, rung, threads)
     assert shown["bounds"] == counters.bound_figures(b, plan.case, key, why), stale
 
@@ -78,8 +80,8 @@ def test_the_committed_counts_are_current(case_index, rung):
 def test_every_committed_bound_is_the_models_largest_term():
     """Every case and rung of docs/kernel-ladder-counts.json (OpenPPL's, every operator's), recomputed from its
     committed counts and the committed SASS through cacheattn.bounds: the bound written is the model's, and the
-    largest of the terms written beside it; where the SASS has the kernel, its issue, MUFU, latency and wave terms
-    are there."""
+    largest of the terms written beside it; every one has the issue, latency and wave terms of its kernel's SASS,
+    and names the SASS of each other launch its call makes."""
     result = counters.committed()
     assert result["machine"]["clock_hz"] == 1.83e9 and "sources" in result["machine"]
     plans = {p.case.label: p for p in counters.plans()}
@@ -93,9 +95,13 @@ def test_every_committed_bound_is_the_models_largest_term():
                      if k.endswith(" µs (derived)") and k != "lower bound µs (derived)"}
             assert written["lower bound µs (derived)"] == max(terms.values()), (label, rung)
             assert terms[f"{written['limited by']} µs (derived)"] == written["lower bound µs (derived)"]
-            if key is not None:
-                assert {"issue µs (derived)", "latency µs (derived)", "waves µs (derived)",
-                        "launch µs (derived)"} <= set(terms), (label, rung)
+            assert {"issue µs (derived)", "latency µs (derived)", "waves µs (derived)",
+                    "launch µs (derived)"} <= set(terms), (label, rung)
+            # the attention's variant, then one for each kernel of the call's other launches
+            others, case_ = shown["other launches"], plans[label].case
+            assert written["SASS"] == key == " + ".join(
+                [counters.sass_key(case_, int(rung))] + [counters.other_key(case_, k) for k in others]), (label, rung)
+            assert bool(others) == (shown["counted"][-1]["launches"] > 1), (label, rung)
             checked += 1
     assert checked == sum(len(case["rungs"]) for _, case in counters.every_case(result)) >= 40
 
@@ -116,10 +122,14 @@ def test_a_case_without_machine_code_is_named_and_a_broken_file_refused():
     from cacheattn.lab import sass
     plans = {p.case.label: p for p in counters.plans()}
     onnx = next(p for label, p in plans.items() if label.startswith("onnx"))
-    with pytest.raises(counters.SassMissing, match="onnx decode B64 past4096 fp16 rung 3"):
-        counters.sass_variant(onnx.case, 3, 128)
-    decode = counters.plans()[0].case
     machine = sass.committed()
+    assert counters.sass_variant(onnx.case, 3, 128, machine)["kernel"] == "vector_attention_kernel"
+    without = {**machine, "variants": {k: v for k, v in machine["variants"].items() if not k.startswith("onnx-")}}
+    with pytest.raises(counters.SassMissing, match="onnx decode B64 past4096 fp16 rung 3.*'onnx-rung3-float16-decode'"):
+        counters.sass_variant(onnx.case, 3, 128, without)
+    with pytest.raises(counters.SassMissing, match=r"rung 1 \(copy_kernel\).*'onnx-rung1-float16-decode\+copy_kernel'"):
+        counters.sass_variant(onnx.case, 1, 128, without, kernel="copy_kernel")
+    decode = counters.plans()[0].case
     with pytest.raises(counters.SassMissing, match="head_dim 128, 128 threads, not 128, 256"):
         counters.sass_variant(decode, 3, 256, machine)
     broken = {**machine, "variants": {**machine["variants"], "rung3-float16-decode": {
@@ -128,6 +138,36 @@ def test_a_case_without_machine_code_is_named_and_a_broken_file_refused():
         counters.sass_variant(decode, 3, 128, broken)
     with pytest.raises(ValueError, match="kernel-ladder-sass.json.*sm_80"):
         counters.sass_variant(decode, 3, 128, {**machine, "target": "sm_80"})
-    # the written rung says why its SASS terms are missing
-    shown = counters.committed()["operators"][onnx.case.label]["rungs"]["3"]["bounds"]
-    assert shown["SASS"].startswith("none: onnx decode B64 past4096 fp16 rung 3")
+    # no SASS, no bound: never one from part of the terms
+    shown = counters.committed()["operators"][onnx.case.label]["rungs"]["3"]
+    with pytest.raises(counters.SassMissing, match="onnx decode B64 past4096 fp16 rung 3"):
+        counters.lower_bounds(shown, onnx, 3, 256)
+
+
+def test_the_other_launches_grids_and_their_issue():
+    # The calls' launches besides the attention, their grids at the full launch: OpenPPL's store, a block a
+    # request (64); TensorRT-LLM's preprocess, a block per head of Q, K and V a token (64 x 48); ONNX's rung-1
+    # present copy, an element a thread, K and V: 2 x 64 requests x 4097 x 8 heads x 128 / 128 threads; the split
+    # B = 1 decode's combine, 32 heads x 128 outputs / 128 threads for its one request.
+    plans = {p.case.label: p for p in counters.plans()}
+    assert counters.other_launches(plans["decode B64 ctx4096 paged fp16"], 3) == {"store_kernel": 64}
+    assert counters.other_launches(plans["trtllm generation B64 ctx4096 paged fp16"], 5) == \
+        {"preprocess_kernel": 64 * 48}
+    assert counters.other_launches(plans["onnx decode B64 past4096 fp16"], 1) == {"copy_kernel": 2 * 64 * 4097 * 8}
+    assert counters.other_launches(plans["onnx decode B64 past4096 fp16"], 3) == {}
+    assert counters.other_launches(plans["decode B1 ctx32768 paged fp16"], 4) == {"store_kernel": 1,
+                                                                                 "combine_kernel": 32}
+    # Each adds its warps x what a warp of it runs at least to the issue term (serial launches add).
+    plan = plans["onnx decode B64 past4096 fp16"]
+    shown = counters.committed()["operators"][plan.case.label]["rungs"]["1"]
+    work, keys, _ = counters.call_work(shown, plan, 1, 128)
+    assert keys == "onnx-rung1-float16-decode + onnx-rung1-float16-decode+copy_kernel"
+    copy = counters.sass_variant(plan.case, 1, 128, kernel="copy_kernel")["once_per_warp"]["total"]
+    attention = counters.sass_variant(plan.case, 1, 128)
+    trips = counters.warp_trips(shown["full"], plan, 1, 128)
+    def share(blocks):            # the busiest SM's share of a launch's blocks over the average
+        return 132 * math.ceil(blocks / 132) / blocks
+
+    blocks, copies = shown["full"]["attention blocks"], 2 * 64 * 4097 * 8
+    alone = trips * attention["key_loop"]["trip"]["total"] + 4 * blocks * attention["once_per_warp"]["total"]
+    assert work.warp_instructions == pytest.approx(alone + copies * 4 * copy * share(copies) / share(blocks))

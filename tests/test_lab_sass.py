@@ -121,12 +121,31 @@ def test_missing_tools_are_named(monkeypatch, tmp_path):
 
 def test_variant_keys_round_trip():
     # OpenPPL's 5 rungs x 3 caches in decode, rung 5's prefill x 3 caches and rungs 1-4's float16 prefill;
-    # TensorRT-LLM's rungs 1, 3 and 5 with its 3 caches.
-    assert all(sass.parse_key(v.key) == v for v in sass.VARIANTS) and len(sass.VARIANTS) == 31
+    # TensorRT-LLM's rungs 1, 3 and 5 with its 3 caches; its context step's rungs 1 and 5; ONNX's and
+    # FasterTransformer's rungs 1, 3 and 4; the quick run's 5 rungs at head_dim 64. The calls' other launches: 5
+    # cache stores, a combine, 4 preprocesses, ONNX's copy, FasterTransformer's query bias.
+    assert len(sass.VARIANTS) == 31 + 2 + 3 + 3 + 5 and len(sass.OTHER_VARIANTS) == 5 + 1 + 4 + 1 + 1
+    assert all(sass.parse_key(v.key) == v for v in sass.VARIANTS + sass.OTHER_VARIANTS)
     assert sass.parse_key("trtllm-rung3-fp8-decode") == sass.Variant(3, "fp8", operator="trtllm")
-    for bad in ("rung3-fp8-decode", "trtllm-rung3-int4-decode"):      # each operator's own cache formats
+    assert sass.parse_key("ft-rung3-float16-decode-d64") == sass.Variant(3, "float16", operator="ft", head_dim=64)
+    assert sass.parse_key("rung3-int4-decode+store_kernel") == sass.Variant(3, "int4", part="store_kernel")
+    for bad in ("rung3-fp8-decode", "trtllm-rung3-int4-decode", "onnx-rung3-int8-decode"):  # each operator's caches
         with pytest.raises(ValueError, match="variant"):
             sass.parse_key(bad)
+
+
+def test_the_other_operators_variants_compile_what_their_cases_launch():
+    """ONNX's, FasterTransformer's and TensorRT-LLM's context variants record the bench case's own call (no
+    compile here): the kernel of the variant's rung, at the case's head_dim, and the call's other launches."""
+    for key, kernel in (("onnx-rung3-float16-decode", "vector_attention_kernel"),
+                        ("ft-rung1-float16-decode-d64", "attention_kernel"),
+                        ("trtllm-rung5-float16-prefill", "mma_attention_kernel"),
+                        ("onnx-rung1-float16-decode+copy_kernel", "copy_kernel"),
+                        ("ft-rung3-float16-decode-d64+query_bias_kernel", "query_bias_kernel")):
+        recorded, _, threads = sass._record_launch(sass.parse_key(key))
+        assert (recorded.py_func.__name__, threads) == (kernel, 128), key
+    with pytest.raises(ValueError, match="head_dim 64, not 128"):
+        sass._record_launch(sass.Variant(3, "float16", operator="ft"))
 
 
 def test_committed_figures_are_current(tmp_path, monkeypatch):
@@ -138,7 +157,7 @@ def test_committed_figures_are_current(tmp_path, monkeypatch):
     fresh = sass.machine_code([variant], use_cache=False)[variant.key]
     assert fresh == committed["variants"][variant.key], "regenerate docs/kernel-ladder-sass.json"
     assert committed["tools"]["ptxas"] == sass.tool_versions()["ptxas"]
-    assert set(committed["variants"]) == {v.key for v in sass.VARIANTS}
+    assert set(committed["variants"]) == {v.key for v in sass.VARIANTS + sass.OTHER_VARIANTS}
 
 
 def test_no_rung_the_plan_chooses_spills():
@@ -146,8 +165,11 @@ def test_no_rung_the_plan_chooses_spills():
     registers: no spill stores or loads in the committed sm_90 machine code. A kernel change that spills shows
     here once the file is regenerated (`python -m cacheattn.lab.sass --write docs/kernel-ladder-sass.json`)."""
     variants = json.loads(COMMITTED.read_text())["variants"]
-    chosen = {key: v for key, v in variants.items() if v["rung"] >= 3}
-    assert len(chosen) == 20                     # OpenPPL 9 decode + 5 prefill, TensorRT-LLM 6
+    # the attention kernels of rungs 3-5, and every other launch of a call
+    chosen = {key: v for key, v in variants.items() if v["rung"] >= 3 or "+" in key}
+    # OpenPPL 9 decode + 5 prefill + 3 at head_dim 64, TensorRT-LLM 6 + 1 context, ONNX 2, FasterTransformer 2;
+    # 12 other launches
+    assert len(chosen) == 28 + 12
     spilled = {key: (v["spill_stores"], v["spill_loads"]) for key, v in chosen.items()
                if v["spill_stores"] or v["spill_loads"]}
     assert spilled == {}, spilled

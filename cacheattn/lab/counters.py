@@ -29,7 +29,11 @@ Every call is the whole operator (OpenPPL's `multi_head_cache_attention`: the ca
 query bias, then attention), recorded by `lab.record()`, at each rung its call offers (`case.rungs`), and each case
 records what the operator's default call (no rung asked for) runs for the full launch (`default_call`: OpenPPL
 `cacheattn.choose_kernel`'s choice), whose counts are that rung's column. The bounds (`bounds.bounds`) are derived
-from the full launch's figures: lower bounds on time, never timings. Every launch of a run goes to one pool of `jobs`
+from the full launch's figures: lower bounds on time, never timings. Every case and rung needs the committed SASS
+of each kernel its call launches (`sass_key`, `other_key`): the attention's gives the issue, MUFU, latency and
+wave terms, and each other launch adds its own issue time (its grid, read off the launcher, times what one of its
+warps runs at least: launches in series add); a kernel without SASS is SassMissing, never a bound from part of
+the terms. Every launch of a run goes to one pool of `jobs`
 processes, the longest first (`job_cost`).
 """
 
@@ -42,6 +46,7 @@ import os
 import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +56,7 @@ from kernels_numba._attention_vector import keys_per_step
 
 from .. import _console, bounds
 from . import recorder, sass
-from .cases import ALL_LAB_CASES, LAB_CASES, BenchCase, TrtBenchCase
+from .cases import ALL_LAB_CASES, LAB_CASES, BenchCase, FTBenchCase, OnnxBenchCase, TrtBenchCase, TrtContextBenchCase
 
 RUNGS = (1, 2, 3, 4, 5)
 THREADS = 128
@@ -138,7 +143,8 @@ def plans(quick: bool = False) -> list[Plan]:
     alone, head_dim 64, short contexts."""
     # Decode points: multiples of every rung's keys per block step (rung 5: 4 warps x 16 keys; rung 1: 32).
     if quick:
-        decode = replace(LAB_CASES[0], head_dim=64, label=f"{LAB_CASES[0].label} head_dim 64")
+        decode = replace(LAB_CASES[0], head_dim=sass.QUICK_HEAD_DIM,
+                         label=f"{LAB_CASES[0].label} head_dim {sass.QUICK_HEAD_DIM}")
         return [Plan(decode, cut_down(decode), (64, 128))]
     out = []
     for case in ALL_LAB_CASES:
@@ -250,45 +256,124 @@ class SassMissing(ValueError):
     terms read from machine code (issue, LSU, MUFU, latency, waves) cannot be bounded."""
 
 
-def sass_key(case, rung: int) -> str | None:
+OPERATORS = {BenchCase: "ppl", TrtBenchCase: "trtllm", TrtContextBenchCase: "trtllm", OnnxBenchCase: "onnx",
+             FTBenchCase: "ft"}        # the SASS variants' name of each bench case's operator
+
+
+def _operator(case) -> str:
+    operator = OPERATORS.get(type(case))
+    if operator is None:
+        raise SassMissing(f"{case.label}: {type(case).__name__} is no bench case the SASS variants cover")
+    return operator
+
+
+def sass_key(case, rung: int) -> str:
     """The committed SASS variant (docs/kernel-ladder-sass.json) of the kernel `case`'s call runs at `rung`:
     OpenPPL's launch (decode, or prefill for a prompt), TensorRT-LLM's generation step (its rung 4 runs rung 3's
-    loop, writing split-K partials); None for the kernels not compiled there (ONNX's, FasterTransformer's,
-    TensorRT-LLM's context step)."""
-    if type(case) is BenchCase:
-        return f"rung{rung}-{case.cache}-{'prefill' if case.new_tokens > 1 else 'decode'}"
-    if type(case) is TrtBenchCase:
-        return f"trtllm-rung{3 if rung == 4 else rung}-{case.cache}-decode"
-    return None
+    loop, writing split-K partials) and context step, ONNX's decode, FasterTransformer's cross attention (each
+    compiled as its bench case launches it); a head_dim other than the headline's names its own variant (the lab's
+    quick run, FasterTransformer's 64)."""
+    operator = _operator(case)
+    if type(case) is TrtBenchCase and rung == 4:
+        rung = 3
+    return sass.Variant(rung, case.cache, "prefill" if case.new_tokens > 1 else "decode", operator,
+                        case.head_dim).key
 
 
-def sass_variant(case, rung: int, threads: int, machine: dict | None = None) -> dict:
-    """The committed SASS figures of `case`'s kernel at `rung` (`sass_key`), checked: the variant is there, at the
-    case's head_dim and block size, with the key-loop paths the bounds read. SassMissing naming the case and the
-    file otherwise (never a bound from part of them)."""
+def other_key(case, kernel: str) -> str:
+    """The committed SASS variant of `kernel`, a launch of `case`'s call other than its attention (the cache store,
+    a copy, TensorRT-LLM's preprocess, the split-K combine): the `sass.OTHER_VARIANTS` entry of the case's
+    operator, phase and head_dim with that kernel (and its cache format, but for the combine, which reads float16
+    partials). SassMissing when there is none."""
+    operator, phase = _operator(case), "prefill" if case.new_tokens > 1 else "decode"
+    for variant in sass.OTHER_VARIANTS:
+        if (variant.operator, variant.phase, variant.head_dim, variant.part) == (operator, phase, case.head_dim,
+                                                                                kernel) \
+                and (variant.cache == case.cache or kernel == "combine_kernel"):
+            return variant.key
+    raise SassMissing(f"{case.label}: no SASS variant of its {kernel} launch in sass.OTHER_VARIANTS")
+
+
+def sass_variant(case, rung: int, threads: int, machine: dict | None = None, kernel: str | None = None) -> dict:
+    """The committed SASS figures of `case`'s kernel at `rung` (`sass_key`), or of `kernel`, one of its call's
+    other launches (`other_key`), checked: the variant is there, at the case's head_dim and block size, with the
+    paths the bounds read (the key loop's trip and chain, what a warp runs once, the occupancy; an other launch:
+    what its warp runs). SassMissing naming the case and the file otherwise (never a bound from part of them)."""
     machine = machine or sass.committed()
     if machine.get("target") != "sm_90":
         raise ValueError(f"{sass.COMMITTED.name}: compiled for {machine.get('target')!r}; the bounds model an H100 "
                          f"(sm_90): write it again with python -m cacheattn.lab.sass --write")
-    key = sass_key(case, rung)
-    where = f"{case.label} rung {rung}"
-    if key is None:
-        raise SassMissing(f"{where}: no SASS of this operator's kernel in {sass.COMMITTED.name}")
+    key = sass_key(case, rung) if kernel is None else other_key(case, kernel)
+    where = f"{case.label} rung {rung}" + ("" if kernel is None else f" ({kernel})")
     variant = machine.get("variants", {}).get(key)
     if variant is None:
-        raise SassMissing(f"{where}: {sass.COMMITTED.name} has no variant {key!r}")
+        raise SassMissing(f"{where}: {sass.COMMITTED.name} has no variant {key!r}: write it again with python -m "
+                          f"cacheattn.lab.sass --write")
+    # each variant says its own shape; a file written before they did, the headline shapes for all
     shapes = machine.get("shapes", {})
-    if (case.head_dim, threads) != (shapes.get("head_dim"), shapes.get("threads")):
-        raise SassMissing(f"{where}: {sass.COMMITTED.name} is compiled at head_dim {shapes.get('head_dim')}, "
-                          f"{shapes.get('threads')} threads, not {case.head_dim}, {threads}")
+    compiled = (variant.get("head_dim", shapes.get("head_dim")), variant.get("threads", shapes.get("threads")))
+    if (case.head_dim, threads) != compiled:
+        raise SassMissing(f"{where}: {sass.COMMITTED.name} compiles {key!r} at head_dim {compiled[0]}, "
+                          f"{compiled[1]} threads, not {case.head_dim}, {threads}")
     loop = variant.get("key_loop", {})
-    missing = [name for name in ("trip", "chain") if name not in loop] + (
+    missing = [name for name in ("trip", "chain") if kernel is None and name not in loop] + (
         [] if "once_per_warp" in variant else ["once_per_warp"]) + (
         [] if "blocks_per_sm" in variant.get("occupancy", {}) else ["occupancy"])
     if missing:
         raise ValueError(f"{sass.COMMITTED.name}: variant {key!r} ({where}) lacks {', '.join(missing)}: write it "
                          f"again with python -m cacheattn.lab.sass --write")
     return variant
+
+
+def _launch_grids(call) -> list[tuple]:
+    """(kernel name, blocks) of every launch `call()` makes, in order, recorded and never run: each launcher
+    module's `launch` is swapped for one that notes the grid."""
+    import importlib
+    import pkgutil
+    from contextlib import ExitStack
+    from unittest import mock
+
+    import kernels_numba
+    from kernels_numba import _launch
+
+    seen = []
+
+    def note(kernel, grid, threads, stream, *args):
+        name = getattr(kernel, "py_func", getattr(kernel, "fn", kernel)).__name__
+        seen.append((name, math.prod(grid) if isinstance(grid, tuple) else int(grid)))
+
+    modules = [importlib.import_module(f"kernels_numba.{info.name}")
+               for info in pkgutil.iter_modules(kernels_numba.__path__) if not info.ispkg]
+    original = _launch.launch
+    with ExitStack() as stack:
+        stack.enter_context(_launch.recorded_launches())          # outputs allocated as zeros, nothing runs
+        for module in modules:
+            if getattr(module, "launch", None) is original:
+                stack.enter_context(mock.patch.object(module, "launch", note))
+        call()
+    return seen
+
+
+def other_launches(plan: Plan, rung: int, threads: int = THREADS) -> dict:
+    """{kernel: blocks of the full launch} of the call's launches other than its attention (the cache store, a
+    copy, TensorRT-LLM's preprocess, the split-K combine). Their grids come from the launchers themselves: the
+    call is recorded (never run) with the full case's heads and head_dim, at the counted requests and at each
+    counted length, fitted along the sequence as the counts are and scaled by the requests (the grids of these
+    launches hold the heads whole, so only the requests scale)."""
+    lengths = plan.points_for(rung)
+    per_length = []
+    for length in lengths:
+        case = replace(plan.at(length), num_heads=plan.case.num_heads, num_kv_heads=plan.case.num_kv_heads,
+                       head_dim=plan.case.head_dim)
+        blocks = {}
+        for name, count in _launch_grids(partial(case.call, rung, threads, plan.splits(rung, threads))):
+            if "attention" not in name:
+                blocks[name] = blocks.get(name, 0) + count
+        per_length.append(blocks)
+    names = dict.fromkeys(name for blocks in per_length for name in blocks)
+    scale = plan.case.batch / plan.counted.batch
+    return {name: round(fit(lengths, [blocks.get(name, 0) for blocks in per_length], plan.full_length) * scale)
+            for name in names}
 
 
 def warp_trips(full: dict, plan: Plan, rung: int, threads: int) -> float:
@@ -317,10 +402,12 @@ def warp_trips(full: dict, plan: Plan, rung: int, threads: int) -> float:
 
 
 def call_work(shown: dict, plan: Plan, rung: int, threads: int) -> tuple:
-    """(bounds.Work, SASS key or None, why not) of one rung's call: the counted figures (DRAM, L2, shared, L1,
-    mma or FMA, the call's launches) and, where the committed SASS has the kernel, what a warp issues (every trip
-    of the shortest path through the key loop, the masked tail included, plus what runs once per warp), its
-    MUFU and LSU work, and the chain of dependent round trips of a trip."""
+    """(bounds.Work, SASS keys, None) of one rung's call: the counted figures (DRAM, L2, shared, L1, mma or FMA, the
+    call's launches) and, from the committed SASS of its kernel, what a warp issues (every trip of the shortest
+    path through the key loop, the masked tail included, plus what runs once per warp; and what every warp of the
+    call's other launches runs at least, `other_launches`), its MUFU and LSU work, and the chain of dependent
+    round trips of a trip. The keys: the attention's variant, then each other launch's, joined by " + ".
+    SassMissing when the SASS lacks one of the call's kernels (never a bound from part of the terms)."""
     full, case = shown["full"], plan.case
     dram = full[recorder.DRAM_READ] + full[recorder.DRAM_WRITE]
     # Global loads the lanes asked for beyond the DRAM bytes: re-reads served by L2 (a prefill's K/V, read by
@@ -335,14 +422,24 @@ def call_work(shown: dict, plan: Plan, rung: int, threads: int) -> tuple:
                 mma=full[HMMA], fma_flops=0.0 if full[HMMA] else case.flops, lsu_instructions=shared_requests,
                 warp_instructions=counted_instructions, launches=round(shown["counted"][-1]["launches"]),
                 blocks=round(full["attention blocks"]), warps_per_block=threads // 32)
-    try:
-        variant = sass_variant(case, rung, threads)
-    except SassMissing as exc:
-        return bounds.Work(**work), None, str(exc)
+    # No SASS, no bound: SassMissing rather than a bound without its issue, latency and wave terms.
+    variant = sass_variant(case, rung, threads)
     trips = warp_trips(full, plan, rung, threads)
     warps = full["attention blocks"] * (threads // 32)
     trip, once, chain = variant["key_loop"]["trip"], variant["once_per_warp"], variant["key_loop"]["chain"]
     issued = trips * trip["total"] + warps * once["total"]
+    # The call's other launches run before or after the attention, in series on one stream: each one's issue time
+    # (its warps x what one warp runs at least, on its own busiest SM) adds to the attention's. The term charges
+    # the attention's busiest SM, so each is weighed by its busiest share over the attention's. Their DRAM bytes
+    # are in the counts already (the recorder counts every launch of the call).
+    main_share = bounds.busiest_share(work["blocks"], bounds.H100_SXM)
+    keys = [sass_key(case, rung)]
+    others = shown["other launches"] if "other launches" in shown else other_launches(plan, rung, threads)
+    for kernel, blocks in others.items():
+        other = sass_variant(case, rung, threads, kernel=kernel)
+        keys.append(other_key(case, kernel))
+        issued += (blocks * (threads // 32) * other["once_per_warp"]["total"]
+                   * bounds.busiest_share(blocks, bounds.H100_SXM) / main_share)
     work.update(warp_instructions=max(issued, counted_instructions),
                 ex2=trips * trip["EX2"] + warps * once["EX2"],
                 lsu_instructions=shared_requests + trips * trip["SHFL"] + warps * once["SHFL"],
@@ -351,11 +448,11 @@ def call_work(shown: dict, plan: Plan, rung: int, threads: int) -> tuple:
     # A K/V load waits on HBM where the call reads its K/V from DRAM once; where most of what it loads was loaded
     # before (a prefill's query tiles re-read the same keys), the wait is an L2 hit's.
     work["chain_l2" if l2 > dram else "chain_hbm"] = chain["hbm"]
-    return bounds.Work(**work), sass_key(case, rung), None
+    return bounds.Work(**work), " + ".join(keys), None
 
 
 def lower_bounds(shown: dict, plan: Plan, rung: int, threads: int = THREADS) -> tuple:
-    """(Bounds, SASS key or None, why not) of one rung's call from its full-launch figures (`call_work`)."""
+    """(Bounds, SASS keys, None) of one rung's call from its full-launch figures (`call_work`)."""
     work, key, why = call_work(shown, plan, rung, threads)
     b = bounds.ceilings(work, bounds.H100_SXM, floor_bytes=plan.case.floor_bytes, label=plan.case.label)
     return b, key, why
@@ -462,15 +559,21 @@ def default_call(plan: Plan, threads: int = THREADS) -> dict:
     return {**chosen, "counted as": str(chosen["rung"]) if same else None}
 
 
-def derivations(full: dict, counted: list, plan: Plan, rung: int, threads: int, splits: int) -> dict:
-    """A rung's derived ratios and bounds from its full-launch figures and its counted points (no counting)."""
-    b, key, why = lower_bounds({"full": full, "counted": counted}, plan, rung, threads)
-    return {"derived": derived(full, plan, splits), "bounds": bound_figures(b, plan.case, key, why)}
+def derivations(full: dict, counted: list, plan: Plan, rung: int, threads: int, splits: int,
+                others: dict | None = None) -> dict:
+    """A rung's derived ratios and bounds from its full-launch figures and its counted points (no counting), and
+    the grids of its call's other launches, which the bounds read: `others` as written with the counts, else read
+    off the launchers (`other_launches`: recorded, not run). Like the counts, they move only with a launcher."""
+    others = other_launches(plan, rung, threads) if others is None else others
+    b, key, why = lower_bounds({"full": full, "counted": counted, "other launches": others}, plan, rung, threads)
+    return {"derived": derived(full, plan, splits), "other launches": others,
+            "bounds": bound_figures(b, plan.case, key, why)}
 
 
 def rederive(result: dict) -> dict:
-    """`result` (what `ladder` returned) with every derivation made again from its full-launch figures: after a
-    change to the bound model or to the committed SASS that moves no count."""
+    """`result` (what `ladder` returned) with every derivation made again from its full-launch figures (and the
+    grids of the other launches written beside them; read off the launchers where a rung has none): after a change
+    to the bound model or to the committed SASS that moves no count."""
     by_label = {p.case.label: p for p in plans() + plans(quick=True)}
     result["machine"], result["note"] = asdict(bounds.H100_SXM), NOTE
     for label, case in every_case(result):
@@ -478,7 +581,7 @@ def rederive(result: dict) -> dict:
         case["default"] = default_call(by_label[label], case["threads"])
         for rung, shown in case["rungs"].items():
             shown.update(derivations(shown["full"], shown["counted"], by_label[label], int(rung), case["threads"],
-                                     shown["derived"]["splits"]))
+                                     shown["derived"]["splits"], shown.get("other launches")))
     return result
 
 
@@ -593,8 +696,9 @@ def print_ladder(result: dict) -> None:
                  "the busiest SM's share of the blocks), never timings; the bound is the largest. The issue, MUFU, "
                  "latency and wave rows read the committed SASS (docs/kernel-ladder-sass.json): every trip of the "
                  "shortest path through the key loop that does its memory, mma, exp and barrier work, the masked "
-                 "tail included, plus what a warp runs once; the chain of dependent round trips of a trip at HBM's "
-                 "unloaded latency, over the warps an SM holds.")
+                 "tail included, plus what a warp runs once, plus what every warp of the call's other launches "
+                 "runs at least; the chain of dependent round trips of a trip at HBM's unloaded latency, over the "
+                 "warps an SM holds.")
 
 
 # The command line's names of the bench cases.

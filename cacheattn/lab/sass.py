@@ -2,10 +2,14 @@
 
 For each rung (docs/kernel-ladder.md) and cache format at the headline shapes (32 query / 8 kv heads, head_dim 128,
 quant_group 8 with float16 scales, a float16 query, 128 threads a block as the launchers use by default), this
-records the OpenPPL launch the launcher makes (and TensorRT-LLM's generation step on rung 3, with its float16,
-INT8 and FP8 caches), compiles the kernel to PTX (`cuda.compile_ptx`, in a process without
-NUMBA_ENABLE_CUDASIM, as `kernels_numba.ptx_check` does), assembles it for sm_90 with `ptxas -v` (registers,
-spills, static shared memory) and disassembles the cubin with `nvdisasm`. From those it derives
+records the OpenPPL launch the launcher makes (and TensorRT-LLM's generation step on rungs 1, 3 and 5, with its
+float16, INT8 and FP8 caches; the other operators' bench cases as their own calls launch them: TensorRT-LLM's
+context step, ONNX's decode, FasterTransformer's cross attention at its head_dim 64; the lab's quick decode at
+head_dim 64), compiles the kernel to PTX (`cuda.compile_ptx`, in a process without NUMBA_ENABLE_CUDASIM, as
+`kernels_numba.ptx_check` does), assembles it for sm_90 with `ptxas -v` (registers, spills, static shared memory)
+and disassembles the cubin with `nvdisasm`. The calls' other launches (`OTHER_VARIANTS`: the cache store, ONNX's
+present copy, TensorRT-LLM's preprocess, FasterTransformer's query bias, the split-K combine) are compiled the same
+way, for what one of their warps runs at least (`whole_path`). From those it derives
 
 - the theoretical occupancy on sm_90 by the occupancy calculator's rules (`occupancy`);
 - the key loop: the loop region (rotated loops joined, `regions`) whose body holds the most global loads, LDG and
@@ -18,7 +22,7 @@ spills, static shared memory) and disassembles the cubin with `nvdisasm`. From t
   epilogue), and the chain of global round trips a trip waits on in series, cp.async copies until the DEPBAR
   that retires them (`dependent_chain`). The outside kernels of `cacheattn.lab.calibration` are read the same way.
 
-    python -m cacheattn.lab.sass [--write docs/kernel-ladder-sass.json] [--rung 3] [--cache int8] [--operator trtllm]
+    python -m cacheattn.lab.sass [--write docs/kernel-ladder-sass.json] [--rung 3] [--cache int8] [--operator onnx]
 
 The tools' output is cached on disk, keyed by the kernels' sources, the variant and the tools' versions, so a second
 call costs a file read and the parsing. Everything here is counted from the compiler's output, never timed.
@@ -66,31 +70,62 @@ MIX_CLASSES = ("LDG.8", "LDG.16", "LDG.32", "LDG.64", "LDG.128", "STG", "LDS", "
 
 @dataclass(frozen=True)
 class Variant:
-    """One kernel of the ladder at the headline shapes: rung 1-5, cache format, decode (one query position) or
-    prefill (PREFILL_ROWS positions, rung 5's case); OpenPPL's launch, or TensorRT-LLM's generation step
-    (`operator` "trtllm": its own vector kernel, with its caches, TRT_CACHES)."""
+    """One kernel of the ladder: rung 1-5, cache format, decode (one query position) or prefill (PREFILL_ROWS
+    positions, rung 5's case), at the headline shapes unless `head_dim` says otherwise; OpenPPL's launch
+    (`operator` "ppl"), TensorRT-LLM's generation step ("trtllm", decode: its own vector kernel, with its caches,
+    TRT_CACHES) or its context step ("trtllm", prefill), ONNX's decode with past ("onnx") or FasterTransformer's
+    cross-attention step ("ft"), the last three as the lab's bench case of that operator launches them
+    (`cases.OPERATOR_CASES`: their heads and head_dim)."""
     rung: int
     cache: str
     phase: str = "decode"
     operator: str = "ppl"
+    head_dim: int = HEAD_DIM
+    part: str = ""              # another launch of the call than its attention: that kernel's name
 
     @property
     def key(self) -> str:
-        return f"{'' if self.operator == 'ppl' else self.operator + '-'}rung{self.rung}-{self.cache}-{self.phase}"
+        prefix = "" if self.operator == "ppl" else self.operator + "-"
+        suffix = "" if self.head_dim == HEAD_DIM else f"-d{self.head_dim}"
+        return f"{prefix}rung{self.rung}-{self.cache}-{self.phase}{suffix}{'+' + self.part if self.part else ''}"
 
     @property
     def kernel(self) -> str:
         """The name of the kernel the launcher runs for this variant."""
-        return PHASE_KERNELS.get((self.rung, self.phase), RUNG_KERNELS[self.rung])
+        return self.part or PHASE_KERNELS.get((self.rung, self.phase), RUNG_KERNELS[self.rung])
 
 
 TRT_CACHES = ("float16", "int8", "fp8")               # TensorRT-LLM's KV cache formats (one per-tensor scale)
+# Each operator's cache formats (ONNX and FasterTransformer: the float16 tensors of their bench cases).
+OPERATOR_CACHES = {"ppl": tuple(CACHES), "trtllm": TRT_CACHES, "onnx": ("float16",), "ft": ("float16",)}
+# The operators' bench cases whose launches compile as they run them (the rest record OpenPPL's launcher or
+# TensorRT-LLM's generation at the headline shapes): variant operator and phase -> the case's name in `cases`.
+CASE_VARIANTS = {("trtllm", "prefill"): "TRT_CONTEXT", ("onnx", "decode"): "ONNX_DECODE", ("ft", "decode"): "FT_CROSS"}
+QUICK_HEAD_DIM = 64           # the lab's quick run (`counters.plans(quick=True)`): the float16 decode at head_dim 64
 # Every rung and cache of OpenPPL's launch; TensorRT-LLM's generation on rung 3 (its rung 4 is the same loop
-# writing split-K partials) and on rung 5's decode kernel, its default at the headline decode.
+# writing split-K partials) and on rung 5's decode kernel, its default at the headline decode; every rung the lab
+# counts of the other operators' bench cases (TensorRT-LLM's context step, ONNX, FasterTransformer at its
+# head_dim 64); the quick run's float16 decode at head_dim 64.
 VARIANTS = tuple([Variant(rung, cache) for rung in range(1, 6) for cache in CACHES]
                  + [Variant(5, cache, "prefill") for cache in CACHES]
                  + [Variant(rung, "float16", "prefill") for rung in range(1, 5)]
-                 + [Variant(rung, cache, operator="trtllm") for rung in (1, 3, 5) for cache in TRT_CACHES])
+                 + [Variant(rung, cache, operator="trtllm") for rung in (1, 3, 5) for cache in TRT_CACHES]
+                 + [Variant(rung, "float16", "prefill", "trtllm") for rung in (1, 5)]
+                 + [Variant(rung, "float16", operator="onnx") for rung in (1, 3, 4)]
+                 + [Variant(rung, "float16", operator="ft", head_dim=64) for rung in (1, 3, 4)]
+                 + [Variant(rung, "float16", head_dim=QUICK_HEAD_DIM) for rung in range(1, 6)])
+# The calls' other launches, each compiled from the call at one rung that makes it (the kernel is the same at
+# every rung): OpenPPL's cache store (per cache format, the decode's and the prefill's) and its split-K combine
+# (rungs 4 and 5 share it), TensorRT-LLM's preprocess (generation per cache format, context), ONNX's present copy
+# (rung 1), FasterTransformer's query bias.
+OTHER_VARIANTS = tuple([Variant(3, cache, part="store_kernel") for cache in CACHES]
+                       + [Variant(3, "float16", "prefill", part="store_kernel"),
+                          Variant(3, "float16", head_dim=QUICK_HEAD_DIM, part="store_kernel"),
+                          Variant(4, "float16", part="combine_kernel")]
+                       + [Variant(3, cache, operator="trtllm", part="preprocess_kernel") for cache in TRT_CACHES]
+                       + [Variant(5, "float16", "prefill", "trtllm", part="preprocess_kernel"),
+                          Variant(1, "float16", operator="onnx", part="copy_kernel"),
+                          Variant(3, "float16", operator="ft", head_dim=64, part="query_bias_kernel")])
 
 
 class ToolMissing(RuntimeError):
@@ -621,22 +656,25 @@ def _record_launch(variant: Variant):
     from kernels_numba import _launch
     from kernels_numba.ppl_multi_head_cache_attention import multi_head_cache_attention
 
+    if (variant.operator, variant.phase) in CASE_VARIANTS:
+        return _record_case_launch(variant)
     if variant.operator == "trtllm":
         return _record_trtllm_launch(variant)
 
     quant_bit = CACHES[variant.cache]
+    head_dim = variant.head_dim
     seqlen = 1 if variant.phase == "decode" else PREFILL_ROWS
     batch, kvlen, page = 2, seqlen + 2, 32
-    stored = HEAD_DIM // 2 if quant_bit == 4 else HEAD_DIM
+    stored = head_dim // 2 if quant_bit == 4 else head_dim
     cache = np.zeros((2 * page, 1, 2, NUM_KV_HEADS, stored), np.int8 if quant_bit else np.float16)
-    scale = np.ones((2 * page, 1, 2, NUM_KV_HEADS, HEAD_DIM // QUANT_GROUP), np.float16) if quant_bit else None
-    query = np.ones((batch * seqlen, NUM_HEADS, HEAD_DIM), np.float16)
-    current = np.ones((batch * seqlen, NUM_KV_HEADS, HEAD_DIM), np.float16)
+    scale = np.ones((2 * page, 1, 2, NUM_KV_HEADS, head_dim // QUANT_GROUP), np.float16) if quant_bit else None
+    query = np.ones((batch * seqlen, NUM_HEADS, head_dim), np.float16)
+    current = np.ones((batch * seqlen, NUM_KV_HEADS, head_dim), np.float16)
     with _launch.recorded_launches() as launches:
         multi_head_cache_attention(
             query, current, current, np.arange(batch + 1) * seqlen, np.arange(batch + 1) * kvlen,
             np.array([[0], [page]]), np.full(batch, 2), batch if seqlen == 1 else 0, seqlen, kvlen, cache, scale, None,
-            num_heads=NUM_HEADS, head_dim=HEAD_DIM, is_causal=True, num_kv_heads=NUM_KV_HEADS, quant_bit=quant_bit,
+            num_heads=NUM_HEADS, head_dim=head_dim, is_causal=True, num_kv_heads=NUM_KV_HEADS, quant_bit=quant_bit,
             quant_group=QUANT_GROUP, cache_mode=1, page_size=page, cache_axes="T L KV H D", rung=variant.rung,
             threads=THREADS, num_splits=2 if variant.rung == 4 else None)
     return _the_launch(variant, launches)
@@ -648,6 +686,44 @@ def _the_launch(variant: Variant, launches) -> tuple:
     if not found:
         raise RuntimeError(f"{variant.key}: the launcher made no {variant.kernel} launch")
     return (*found[0], THREADS)
+
+
+def bench_case(variant: Variant):
+    """The lab's bench case whose launch `variant` compiles (`CASE_VARIANTS`), or None (OpenPPL's launch and
+    TensorRT-LLM's generation step are recorded at the headline shapes)."""
+    from . import cases
+    name = CASE_VARIANTS.get((variant.operator, variant.phase))
+    return None if name is None else getattr(cases, name)
+
+
+def _record_case_launch(variant: Variant):
+    """`_record_launch` for the other operators' bench cases: the case's own call (`case.call`: the operator's
+    validation, its plan, its launcher) at the variant's rung, with the heads and head_dim of the full case and the
+    split count its full launch runs, over a short sequence (2 requests of 16 keys; a prompt of PREFILL_ROWS
+    tokens). The kernels are specialised by heads, head_dim, block size and splits, not by batch or length, so the
+    kernel compiled is the one the full launch runs. Launches are recorded, never run: no GPU is asked for."""
+    from dataclasses import replace
+    from unittest import mock
+
+    from numba import cuda
+
+    from kernels_numba import _launch
+
+    case = bench_case(variant)
+    if case.head_dim != variant.head_dim:
+        raise ValueError(f"{variant.key}: the bench case {case.label!r} has head_dim {case.head_dim}, not "
+                         f"{variant.head_dim}")
+    if variant.phase == "prefill":
+        small = replace(case, new_tokens=PREFILL_ROWS)
+    elif hasattr(case, "with_keys"):
+        small = replace(case.with_keys(16), batch=2)
+    else:
+        small = replace(case, batch=2, context=15)
+    # The public call checks that the numba backend has a GPU (or the simulator) before it plans; this process
+    # has neither and runs nothing: the launches are only recorded.
+    with mock.patch.object(cuda, "is_available", lambda: True), _launch.recorded_launches() as launches:
+        small.call(variant.rung, THREADS, case.splits(variant.rung, THREADS))
+    return _the_launch(variant, launches)
 
 
 def _record_trtllm_launch(variant: Variant):
@@ -750,6 +826,8 @@ def analyse(variant: Variant, ptxas_text: str, sass_text: str, threads: int) -> 
     instructions = parse_sass(sass_text)
     if not instructions:
         raise ValueError(f"{variant.key}: nvdisasm printed no instructions")
+    if variant.part:
+        return analyse_other(variant, resources, instructions, threads)
     span = key_loop(instructions)
     body = instructions[span[0]:span[1] + 1]
     inner = [(a, b) for a, b in loops(instructions) if span[0] <= a and b <= span[1] and (a, b) != span]
@@ -760,7 +838,10 @@ def analyse(variant: Variant, ptxas_text: str, sass_text: str, threads: int) -> 
         once = outside_path(instructions, span)
     except (ValueError, StopIteration) as exc:
         raise ValueError(f"{variant.key}: the SASS paths could not be read ({exc})") from exc
+    case = bench_case(variant)
+    heads = (NUM_HEADS, NUM_KV_HEADS) if case is None else (case.num_heads, case.num_kv_heads)
     return dict(rung=variant.rung, cache=variant.cache, phase=variant.phase, kernel=variant.kernel,
+                operator=variant.operator, head_dim=variant.head_dim, num_heads=heads[0], num_kv_heads=heads[1],
                 threads=threads, **resources, shared_dynamic=0,         # numba's kernels declare static arrays only
                 spill_bytes=resources["spill_stores"],                 # bytes a thread spills (and reloads)
                 occupancy=occupancy(resources["registers"], resources["shared"], 0, threads),
@@ -772,6 +853,32 @@ def analyse(variant: Variant, ptxas_text: str, sass_text: str, threads: int) -> 
                               trip=path_mix(instructions, trip), chain=dependent_chain(instructions, trip),
                               excerpt=excerpt(instructions, span)),
                 once_per_warp=path_mix(instructions, once))
+
+
+def whole_path(instructions) -> list:
+    """The shortest path of a warp from the kernel's entry to an EXIT that still runs the must-do work it can reach
+    (memory, shuffle, mma, exp2, barriers; a loop's body counted once): the least a warp of a launch issues."""
+    exits = [i for i, (_, text, _) in enumerate(instructions) if opcode(text).startswith("EXIT")]
+    if not exits:
+        raise ValueError("no EXIT in this SASS")
+    return _path(instructions, 0, 0, max(exits), exits)
+
+
+def analyse_other(variant: Variant, resources: dict, instructions, threads: int) -> dict:
+    """The figures of one of a call's other launches (a cache store, a copy, a preprocess, a split-K combine):
+    its resources and occupancy, and what one warp issues at least (`whole_path`), for the issue term."""
+    try:
+        path = whole_path(instructions)
+    except (ValueError, StopIteration) as exc:
+        raise ValueError(f"{variant.key}: the SASS path could not be read ({exc})") from exc
+    case = bench_case(variant)
+    heads = (NUM_HEADS, NUM_KV_HEADS) if case is None else (case.num_heads, case.num_kv_heads)
+    return dict(rung=variant.rung, cache=variant.cache, phase=variant.phase, kernel=variant.kernel,
+                operator=variant.operator, head_dim=variant.head_dim, num_heads=heads[0], num_kv_heads=heads[1],
+                threads=threads, **resources, shared_dynamic=0, spill_bytes=resources["spill_stores"],
+                occupancy=occupancy(resources["registers"], resources["shared"], 0, threads),
+                instructions=len(instructions), loops=len(loops(instructions)),
+                once_per_warp=path_mix(instructions, path))
 
 
 # ------------------------------------------------------------------------------------------------------------ cache
@@ -786,7 +893,11 @@ def _fingerprint(variant: Variant) -> str:
     digest = hashlib.sha256()
     for path in sorted((ROOT / "kernels_numba").glob("*.py")):
         digest.update(path.read_bytes())
-    recipe = (_record_launch, _record_trtllm_launch, _the_launch, _compile)
+    if bench_case(variant) is not None:
+        # which kernel such a variant compiles is the operator's choice: its module, the plan, the case
+        for path in sorted((ROOT / "cacheattn").glob("*.py")) + [ROOT / "cacheattn" / "lab" / "cases.py"]:
+            digest.update(path.read_bytes())
+    recipe = (_record_launch, _record_trtllm_launch, _record_case_launch, bench_case, _the_launch, _compile)
     digest.update("".join(inspect.getsource(f) for f in recipe).encode())
     for name in ("numba-cuda", "numba", "nvidia-cuda-nvcc-cu12", "nvidia-cuda-nvdisasm"):
         try:
@@ -803,7 +914,7 @@ def cache_dir() -> Path:
     return Path(base) / "sass"
 
 
-def machine_code(variants=VARIANTS, *, use_cache: bool = True) -> dict:
+def machine_code(variants=VARIANTS + OTHER_VARIANTS, *, use_cache: bool = True) -> dict:
     """{variant.key: figures} for `variants` (see `analyse` for the fields). The tools' output is cached on disk;
     what is missing is compiled in one subprocess without NUMBA_ENABLE_CUDASIM (the simulator cannot compile).
     ToolMissing when ptxas or nvdisasm is absent; RuntimeError with the subprocess's output when a compile fails."""
@@ -838,15 +949,22 @@ def machine_code(variants=VARIANTS, *, use_cache: bool = True) -> dict:
 
 
 def parse_key(key: str) -> Variant:
-    """Variant from its key 'rung3-int8-decode'."""
-    m = re.fullmatch(r"(trtllm-)?rung(\d)-(\w+)-(decode|prefill)", key)
-    if m is None or m.group(3) not in (TRT_CACHES if m.group(1) else CACHES):
-        raise ValueError(f"variant: expected [trtllm-]rung<N>-<{'|'.join(CACHES)}>-<decode|prefill> (TensorRT-LLM's "
-                         f"caches: {'|'.join(TRT_CACHES)}), got {key!r}")
-    return Variant(int(m.group(2)), m.group(3), m.group(4), "trtllm" if m.group(1) else "ppl")
+    """Variant from its key 'rung3-int8-decode', 'trtllm-rung5-float16-prefill', 'ft-rung3-float16-decode-d64',
+    'rung3-int8-decode+store_kernel'."""
+    m = re.fullmatch(r"(?:(trtllm|onnx|ft)-)?rung(\d)-(\w+?)-(decode|prefill)(?:-d(\d+))?(?:\+(\w+))?", key)
+    operator = (m.group(1) or "ppl") if m else None
+    if m is None or m.group(3) not in OPERATOR_CACHES[operator]:
+        formats = "; ".join(f"{name}: {'|'.join(caches)}" for name, caches in OPERATOR_CACHES.items())
+        raise ValueError(f"variant: expected [trtllm-|onnx-|ft-]rung<N>-<cache>-<decode|prefill>[-d<head_dim>]"
+                         f"[+<kernel>] "
+                         f"(each operator's caches: {formats}), got {key!r}")
+    return Variant(int(m.group(2)), m.group(3), m.group(4), operator, int(m.group(5) or HEAD_DIM), m.group(6) or "")
 
 
 # ----------------------------------------------------------------------------------------------------------- report
+
+LAUNCH_NAMES = {"ppl": "OpenPPL", "trtllm": "TensorRT-LLM", "onnx": "ONNX", "ft": "FasterTransformer"}
+
 
 def table(results: dict) -> str:
     """A markdown table: one row per variant, resources and the key loop's static instruction mix."""
@@ -854,10 +972,14 @@ def table(results: dict) -> str:
            "LDS | STS | SHFL | BAR | FFMA | HFMA2 | HMMA | MUFU.EX2 | loop instr. |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for key, r in results.items():
+        if "key_loop" not in r:                  # a call's other launch: no key loop to show
+            continue
         mix = r["key_loop"]["mix"]
         loads = "/".join(str(mix[f"LDG.{w}"]) for w in (8, 16, 32, 64, 128))
         occ = r["occupancy"]
-        launch = "TensorRT-LLM" if key.startswith("trtllm-") else "OpenPPL"
+        variant = parse_key(key)
+        launch = LAUNCH_NAMES[variant.operator] + ("" if variant.head_dim == HEAD_DIM else
+                                                   f" (head_dim {variant.head_dim})")
         cells = [launch, r["rung"], r["cache"], r["phase"], r["registers"], r["spill_bytes"], r["shared"],
                  f"{occ['blocks_per_sm']} ({occ['limited_by']})", f"{occ['occupancy']:.0%}", loads,
                  *(mix[name] for name in ("LDS", "STS", "SHFL", "BAR", "FFMA", "HFMA2", "HMMA", "MUFU.EX2", "total"))]
@@ -900,10 +1022,12 @@ def show_loop(result: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rung", nargs="+", type=int, choices=range(1, 6), help="only these rungs")
-    parser.add_argument("--cache", nargs="+", choices=tuple(dict.fromkeys((*CACHES, *TRT_CACHES))),
+    parser.add_argument("--cache", nargs="+", choices=tuple(dict.fromkeys(c for cs in OPERATOR_CACHES.values()
+                                                                           for c in cs)),
                         help="only these cache formats")
-    parser.add_argument("--operator", nargs="+", choices=("ppl", "trtllm"),
-                        help="only these operators' launches (OpenPPL's, TensorRT-LLM's generation)")
+    parser.add_argument("--operator", nargs="+", choices=tuple(OPERATOR_CACHES),
+                        help="only these operators' launches (OpenPPL's, TensorRT-LLM's generation and context "
+                             "steps, ONNX's, FasterTransformer's)")
     parser.add_argument("--write", metavar="JSON", help="write the figures (and tool versions) to this file, e.g. "
                                                         "docs/kernel-ladder-sass.json")
     parser.add_argument("--no-cache", action="store_true", help="compile again even when cached")
@@ -917,7 +1041,7 @@ def main(argv=None) -> int:
         for key in args.variants:
             Path(args.compile_to, f"{key}.json").write_text(json.dumps(_compile(parse_key(key))))
         return 0
-    variants = [v for v in VARIANTS if (not args.rung or v.rung in args.rung)
+    variants = [v for v in VARIANTS + OTHER_VARIANTS if (not args.rung or v.rung in args.rung)
                 and (not args.cache or v.cache in args.cache) and (not args.operator or v.operator in args.operator)]
     try:
         results = machine_code(variants, use_cache=not args.no_cache)
