@@ -120,10 +120,10 @@ class AttentionShape:
     causal: bool = False
     keys_apart: bool = False
 
-    # The dtypes the kernels take: a float16 or float32 query (bfloat16 runs as float32, float64 on rung 1 without
-    # a plan), a cache of the query's float dtype or of int8 codes.
-    QUERY_DTYPES = ("float16", "float32")
-    CACHE_DTYPES = ("float16", "float32", "int8")
+    # The dtypes the kernels take: a float16, bfloat16 or float32 query (bfloat16 as its bits, 2 bytes an element,
+    # computed in float32; float64 on rung 1 without a plan), a cache of the query's float dtype or of int8 codes.
+    QUERY_DTYPES = ("float16", "bfloat16", "float32")
+    CACHE_DTYPES = ("float16", "bfloat16", "float32", "int8")
 
     def __post_init__(self):
         # Zero batch, query or key lengths describe an empty step, which the operators may plan.
@@ -189,6 +189,9 @@ class AttentionShape:
 
 def _dtype_field(name: str, value, accepted: tuple) -> np.dtype:
     """An AttentionShape dtype field as a NumPy dtype, one of `accepted` (TypeError naming the field)."""
+    if isinstance(value, str) and value == "bfloat16":
+        import ml_dtypes
+        value = ml_dtypes.bfloat16          # NumPy knows the name only once ml_dtypes is imported
     try:
         dtype = np.dtype(value)
     except TypeError:

@@ -21,7 +21,16 @@ from reference import trtllm_gpt_attention as ref
 
 from . import _arrays as arrays
 from ._plans import asked_text, bind_step, phase_line, plan_signature
-from ._validate import check_choice, check_int, check_launch, check_shape, dtype_mismatch, dtype_of
+from ._validate import (
+    bits_hint,
+    check_bfloat16_arch,
+    check_choice,
+    check_int,
+    check_launch,
+    check_shape,
+    dtype_mismatch,
+    dtype_of,
+)
 
 FLOATS = ("float16", "bfloat16", "float32", "float64")
 
@@ -216,7 +225,7 @@ def _float_tensor(name, x, like=None):
     if not hasattr(x, "dtype") or not hasattr(x, "shape"):
         raise TypeError(f"{name}: expected an array, got {type(x).__name__}")
     if dtype_of(x).name not in FLOATS:
-        raise TypeError(f"{name}: expected dtype in {FLOATS}, got {dtype_of(x).name}")
+        raise TypeError(f"{name}: expected dtype in {FLOATS}, got {dtype_of(x).name}{bits_hint(x, FLOATS)}")
     if like is not None and dtype_of(x) != dtype_of(like):
         raise dtype_mismatch(name, x, "qkv", like, allowed=FLOATS)
 
