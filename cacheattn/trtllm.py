@@ -1404,6 +1404,7 @@ class GptAttentionPlan:
             raise ValueError(f"rung: 5 (tensor cores, mma.sync on float16) needs a float16 qkv, got "
                              f"{dtype_of(qkv).name}")
         if engine != "reference":
+            check_bfloat16_arch("qkv", qkv, arrays.compute_capability())
             return self._run_kernels({**checked, **{k: arrays.as_kernel_array(x) for k, x in data.items()}})
 
         def call(host):
@@ -1411,19 +1412,20 @@ class GptAttentionPlan:
         return arrays.run_reference(data, ("past_key_value", "kv_cache_pool"), call)
 
     def _run_kernels(self, call: dict) -> tuple:
-        kernels = arrays.kernels()
+        launches = arrays.kernels().trtllm_gpt_attention
+        given = call
+        if dtype_of(call["qkv"]).name == "bfloat16":      # the kernels take bfloat16 as its bits
+            call = launches.bfloat16_call(call)
         qkv = call["qkv"]
-        if dtype_of(qkv).name == "bfloat16":            # the simulator's float32 route: the one-call launcher's own
-            return kernels.gpt_attention(**call, **self._launch)
         window = int(call["host_max_attention_window_sizes"][0])
         key = (type(qkv), dtype_of(qkv), tuple(qkv.shape), window)
-        launches = kernels.trtllm_gpt_attention
         step = self._prepared.get(key)
         if step is None:
             step = self._prepared[key] = launches.prepare_step(
-                like=qkv, window=window, num_sms=None, rounds_as=None, **self._launch,
-                **{k: v for k, v in call.items() if k not in LAYER_INPUTS})
-        return launches.run_layer(step, **{name: call[name] for name in LAYER_INPUTS})
+                like=qkv, window=window, num_sms=None, rounds_as=call.get("rounds_as"), **self._launch,
+                **{k: v for k, v in call.items() if k not in LAYER_INPUTS and k != "rounds_as"})
+        result = launches.run_layer(step, **{name: call[name] for name in LAYER_INPUTS})
+        return launches.bfloat16_results(given, *result) if call is not given else result
 
 
 def _phase_choice(s, phase: str) -> tuple:
@@ -1446,7 +1448,8 @@ def _phase_choice(s, phase: str) -> tuple:
 
     rung = None if s.rung == 5 else s.rung
     splits = step_splits(rung, s.generation_splits, s.multi_block_mode, s.num_sms, s.generation_new, s.kvlens,
-                         s.window, s.H, s.Hkv, s.Dh, 1 if s.quant else np.dtype(s.rounds_as).itemsize, s.threads)
+                         s.window, s.H, s.Hkv, s.Dh, 1 if s.quant else 2 if s.rounds_as == "bfloat16" else np.dtype(s.rounds_as).itemsize,
+                         s.threads)
     chosen = 4 if splits > 1 or rung == 4 else 3
     why = (f"rung={s.rung} asked for" if s.rung in (3, 4) else
            f"rung 5's decode kernel does not serve it: {s.generation_reason.removeprefix('rung 3/4: ')}")
