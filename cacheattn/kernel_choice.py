@@ -75,10 +75,10 @@ class AttentionShape:
     head_dim : int
         Elements of one head's query, key and value.
     query_dtype : dtype-like
-        float16 or float32.
+        float16, bfloat16 (the kernels read its bits and compute in float32; rung 5 takes float16) or float32.
     cache_dtype : dtype-like or None
-        How keys and values are stored: float16, float32, or int8 for quantized caches (int4 packs two values in
-        a byte); None means `query_dtype`.
+        How keys and values are stored: float16, bfloat16, float32, or int8 for quantized caches (int4 packs two
+        values in a byte); None means `query_dtype`.
     quant_bit : int
         0 (not quantized), 8 or 4.
     quant_group : int
