@@ -1447,9 +1447,9 @@ def _phase_choice(s, phase: str) -> tuple:
     from kernels_numba.trtllm_generation import step_splits
 
     rung = None if s.rung == 5 else s.rung
+    itemsize = 1 if s.quant else 2 if s.rounds_as == "bfloat16" else np.dtype(s.rounds_as).itemsize
     splits = step_splits(rung, s.generation_splits, s.multi_block_mode, s.num_sms, s.generation_new, s.kvlens,
-                         s.window, s.H, s.Hkv, s.Dh, 1 if s.quant else 2 if s.rounds_as == "bfloat16" else np.dtype(s.rounds_as).itemsize,
-                         s.threads)
+                         s.window, s.H, s.Hkv, s.Dh, itemsize, s.threads)
     chosen = 4 if splits > 1 or rung == 4 else 3
     why = (f"rung={s.rung} asked for" if s.rung in (3, 4) else
            f"rung 5's decode kernel does not serve it: {s.generation_reason.removeprefix('rung 3/4: ')}")

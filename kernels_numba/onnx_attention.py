@@ -54,8 +54,8 @@ from ._split_k import choose_splits, combine_kernel
 from ._vector import VECTOR_BYTES, float_from_bits, half_from_bits, load16
 
 # What ONNX's score needs besides q.k: the mask read in place (element (b, h, i, j) at b*m_sb + h*m_sh + i*m_si + j,
-# strides 0 on broadcast axes, mask_cols columns, mask_kind 0 none / 1 bool / 2 float / 3 bfloat16 bits), causal and window bounds,
-# the alignment inputs (past_len, nonpad_kv_seqlen), softcap, and the query row starts (b * q_seq).
+# strides 0 on broadcast axes, mask_cols columns, mask_kind 0 none / 1 bool / 2 float / 3 bfloat16 bits), causal and
+# window bounds, the alignment inputs (past_len, nonpad_kv_seqlen), softcap, and the query row starts (b * q_seq).
 OnnxScoreArgs = namedtuple("OnnxScoreArgs", "mask m_sb m_sh m_si mask_cols mask_kind is_causal left right past_len "
                                             "nonpad has_nonpad softcap row_starts")
 

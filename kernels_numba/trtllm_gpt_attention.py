@@ -165,7 +165,8 @@ def _unfused_kernels(dtype, num_heads, num_kv_heads, head_size, quant, rope_styl
         q_row = ((token_starts[b] + i) * H + h) * DH
         dot = acc_t(0.0)
         for d in range(DH):
-            dot += fmha_input(acc_t(widen(q[q_row + d])), inv_scale) * fmha_input(load(k_src, index, where, d), inv_scale)
+            q_d = acc_t(widen(q[q_row + d]))
+            dot += fmha_input(q_d, inv_scale) * fmha_input(load(k_src, index, where, d), inv_scale)
         scores[b, h, i, j] = score(args, dot * sm_scale, b, h, i, j, seqlens[b], kvlens[b])
 
     @cuda.jit
@@ -696,7 +697,8 @@ def _score_args(like, *, table, acc_t, window, sinks, streamingllm, alibi_slopes
     are filled in per layer)."""
     placeholder = to_kind(like, np.zeros(1, np.float32))
     alibi_on = position_embedding_type in (ALIBI, ALIBI_WITH_SCALE)
-    return ScoreArgs(table=table, alibi=widened_slopes(alibi_slopes) if alibi_on else placeholder, alibi_on=np.int64(alibi_on),
+    return ScoreArgs(table=table, alibi=widened_slopes(alibi_slopes) if alibi_on else placeholder,
+                     alibi_on=np.int64(alibi_on),
                      softcap=acc_t(attn_logit_softcapping_scale),
                      causal=np.int64(mask_type in (CAUSAL, SLIDING_WINDOW_CAUSAL) and not do_cross_attention),
                      window=np.int64(window), sinks=np.int64(sinks), streaming=np.int64(streamingllm),
