@@ -203,7 +203,8 @@ def onnx_attention(Q: Tensor, K: Tensor, V: Tensor, attn_mask: Tensor | None = N
     ----------
     Q : Tensor
         `(batch, q_num_heads, q_seq, head_size)`, or 3-D `(batch, q_seq, q_num_heads * head_size)`;
-        float16, float32, float64 or bfloat16 (ml_dtypes).
+        float16, float32, float64 or bfloat16 (NumPy: ml_dtypes'; GPU: a torch bfloat16 tensor, or
+        `cacheattn.bfloat16(bits)` around a uint16 CuPy array).
     K : Tensor
         `(batch, kv_num_heads, kv_seq, head_size)` or 3-D `(batch, kv_seq, kv_num_heads * head_size)`,
         the dtype and rank of `Q`.
@@ -274,7 +275,8 @@ def onnx_attention(Q: Tensor, K: Tensor, V: Tensor, attn_mask: Tensor | None = N
         range (`is_causal` other than 0/1/False/True; a NaN or infinite `scale` or `softcap`), an opset 25
         attribute at opset 24.
     TypeError
-        A dtype outside the four floats, mismatched dtypes, a float `nonpad_kv_seqlen`.
+        A dtype outside the four floats (a uint16 array names `cacheattn.bfloat16`), mismatched dtypes (float16
+        beside bfloat16 too), a float `nonpad_kv_seqlen`; a bfloat16 call on the kernels of a GPU below sm_80.
 
     Notes
     -----

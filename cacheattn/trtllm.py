@@ -1049,7 +1049,8 @@ def gpt_attention(
     Parameters
     ----------
     qkv : array (T, (H + 2 Hkv) Dh) packed, or (E, max_seqlen, (H + 2 Hkv) Dh) padded
-        `[Q | K | V]` along the last axis; float16, bfloat16, float32 or float64. Required.
+        `[Q | K | V]` along the last axis; float16, bfloat16, float32 or float64 (bfloat16 on a GPU: a torch tensor, or
+        `cacheattn.bfloat16(bits)` around a uint16 CuPy array; the kernels need sm_80 for it). Required.
     past_key_value : array (>= E, 2, Hkv, max_seqlen, Dh) or None
         The contiguous cache (paged_kv_cache False): qkv's dtype, int8 or float8_e4m3fn; written in place and
         returned as present_key_value. None with a paged cache or use_cache False (refused otherwise: the call
