@@ -91,5 +91,11 @@ def element_io(dtype):
     return (to_float64 if _name(dtype) == "float64" else to_float32), keep_float32
 
 
+def bits_io(dtype):
+    """(widen, narrow) for a tensor of bfloat16 bits, (None, None) otherwise: the kernel builders' hooks, which keep
+    their own conversions (and so the other dtypes' code as it was) when given None."""
+    return element_io(dtype) if _name(dtype) == BFLOAT16_BITS else (None, None)
+
+
 def _name(dtype) -> str:
     return dtype if isinstance(dtype, str) and dtype == BFLOAT16_BITS else np.dtype(dtype).name

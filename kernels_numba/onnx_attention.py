@@ -49,18 +49,21 @@ from ._launch import (
     launch,
     to_kind,
 )
-from ._numerics import BFLOAT16_BITS, element_io, keep_float32, to_float64, widen_bfloat16
+from ._numerics import BFLOAT16_BITS, bits_io, element_io, keep_float32, to_float64, widen_bfloat16
 from ._split_k import choose_splits, combine_kernel
 from ._vector import VECTOR_BYTES, float_from_bits, half_from_bits, load16
 
 # What ONNX's score needs besides q.k: the mask read in place (element (b, h, i, j) at b*m_sb + h*m_sh + i*m_si + j,
-# strides 0 on broadcast axes, mask_cols columns, mask_kind 0 none / 1 bool / 2 float / 3 bfloat16 bits), causal and
-# window bounds, the alignment inputs (past_len, nonpad_kv_seqlen), softcap, and the query row starts (b * q_seq).
+# strides 0 on broadcast axes, mask_cols columns, mask_kind 0 none / 1 bool / 2 float: Q's dtype, bfloat16 as its bits),
+# causal and window bounds, the alignment inputs (past_len, nonpad_kv_seqlen), softcap, and the query row starts
+# (b * q_seq).
 OnnxScoreArgs = namedtuple("OnnxScoreArgs", "mask m_sb m_sh m_si mask_cols mask_kind is_causal left right past_len "
                                             "nonpad has_nonpad softcap row_starts")
 
 
-def make_onnx_score(acc_t):
+def make_onnx_score(acc_t, bfloat16: bool = False):
+    """(score, key_range, bias, capped) device functions over OnnxScoreArgs; bfloat16: a float mask holds bfloat16
+    bits (decided when the kernel is built, so the other dtypes' code is what it was)."""
     NEG_INF = acc_t(-math.inf)
 
     @cuda.jit(device=True, inline="always")
@@ -90,7 +93,9 @@ def make_onnx_score(acc_t):
             return NEG_INF
         # Widen first: testing a float16 value's truth directly is IR that NVVM rejects.
         raw = args.mask[b * args.m_sb + h * args.m_sh + i * args.m_si + j]
-        if args.mask_kind == 3:
+        if bfloat16:                                        # a bool mask, or a float one as bfloat16 bits
+            if args.mask_kind == 1:
+                return acc_t(0.0) if raw != 0 else NEG_INF
             return acc_t(widen_bfloat16(raw))
         m = acc_t(raw)
         if args.mask_kind == 1:                             # bool: True = attend
@@ -160,9 +165,9 @@ def _host_type(kind):
 @cache
 def _attention_kernel(dtype, head_dim, v_head_dim, q_heads, kv_heads, q_len):
     acc_t = _acc_type(dtype)
-    widen, narrow = element_io(dtype)
+    widen, narrow = bits_io(dtype)
     row_offsets, load = make_cache_access(0, 1, keep_float32, keep_float32, acc_t, element=widen)
-    score, key_range, _, _ = make_onnx_score(acc_t)
+    score, key_range, _, _ = make_onnx_score(acc_t, dtype == BFLOAT16_BITS)
     heads_per_block, q_tile, key_tile = plan_tiles(q_heads, kv_heads, q_len, head_dim, v_head_dim,
                                                    elem_bytes=np.dtype(acc_t).itemsize)
     kernel = make_attention_kernel(row_offsets, load, score, key_range, head_dim_k=head_dim, head_dim_v=v_head_dim,
@@ -268,8 +273,8 @@ def _vector_kernel(dtype, head_dim, v_dim, q_heads, kv_heads, q_len, threads, ve
     """Rung 3's kernel (rung 4's split kernel with partials) for float16 / float32 inputs or bfloat16 bits."""
     itemsize = _itemsize(dtype)
     bfloat16 = dtype == BFLOAT16_BITS
-    narrow = element_io(dtype)[1]
-    score, key_range, _, _ = make_onnx_score(np.float32)
+    narrow = bits_io(dtype)[1]
+    score, key_range, _, _ = make_onnx_score(np.float32, bfloat16)
     heads_per_block, q_tile, _ = vector_rows(q_heads, kv_heads, q_len, head_dim, v_dim, itemsize, threads)
     chunk_load = make_onnx_chunk_load(VECTOR_BYTES // itemsize, vector, bfloat16)
     kernel = make_vector_attention_kernel(_kv_row, chunk_load, score,
@@ -350,7 +355,7 @@ def _qk_kernels(dtype, head_dim, mode):
     acc_t = _acc_type(dtype)
     widen, narrow = element_io(dtype)
     row_offsets, load = make_cache_access(0, 1, keep_float32, keep_float32, acc_t, element=widen)
-    _, _, bias, capped = make_onnx_score(acc_t)
+    _, _, bias, capped = make_onnx_score(acc_t, dtype == BFLOAT16_BITS)
     NEG_INF = acc_t(-math.inf)
 
     @cuda.jit
@@ -451,7 +456,7 @@ def _mask_args(attn_mask, like):
         return (to_kind(like, np.zeros(1, np.float32)), *(np.int64(0),) * 4, np.int64(0))
     shape = (1,) * (4 - attn_mask.ndim) + tuple(int(s) for s in attn_mask.shape)
     s_b, s_h, s_i, _ = (0 if extent == 1 else stride for extent, stride in zip(shape, element_strides(shape)))
-    kind = 1 if np.dtype(attn_mask.dtype) == np.bool_ else 3 if _kind(attn_mask) == BFLOAT16_BITS else 2
+    kind = 1 if np.dtype(attn_mask.dtype) == np.bool_ else 2
     return (flat(attn_mask), np.int64(s_b), np.int64(s_h), np.int64(s_i), np.int64(shape[-1]), np.int64(kind))
 
 

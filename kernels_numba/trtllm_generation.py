@@ -54,7 +54,7 @@ from ._attention_gqa_mma import heads_per_block as decode_heads
 from ._attention_vector import KVWalker, keys_per_step, make_vector_attention_kernel, plan_vector_rows
 from ._cache import CacheSource, _address
 from ._launch import ceil_div, empty_like_kind, launch, to_kind
-from ._numerics import BFLOAT16_BITS, element_io, rounder
+from ._numerics import BFLOAT16_BITS, bits_io, rounder
 from ._split_k import choose_splits, combine_kernel
 from ._vector import VECTOR_BYTES
 from .trtllm_common import (
@@ -302,7 +302,7 @@ def generation_kernel(dtype, num_heads, num_kv_heads, head_size, quant, cache_it
                                           partials=partials, walker=walker,
                                           value_scale=make_value_scale(quant) if fold else None,
                                           query=make_query(dtype, num_heads, num_kv_heads, head_size, *query_rope),
-                                          narrow_out=element_io(dtype)[1])
+                                          narrow_out=bits_io(dtype)[1])
     return kernel, heads_per_block, fold
 
 

@@ -61,7 +61,7 @@ from numba import cuda
 from ._attention_core import make_attention_kernel, plan_tiles
 from ._cache import token_head_item
 from ._launch import bfloat16_bits, bfloat16_like, caller_stream, ceil_div, empty_like_kind, flat, launch, to_kind
-from ._numerics import BFLOAT16_BITS, element_io, rounder
+from ._numerics import BFLOAT16_BITS, bits_io, element_io, rounder
 from ._split_k import choose_splits
 from ._split_k import combine_kernel as _combine_kernel
 from .trtllm_common import (
@@ -115,7 +115,7 @@ def _attention_kernel(dtype, num_heads, num_kv_heads, head_size, quant, tiles, r
     split."""
     acc_t = acc_type(dtype)
     round_dtype = rounder(dtype)
-    widen, narrow = element_io(dtype)
+    widen, narrow = bits_io(dtype)
     row_offsets, load = make_trt_access(quant, num_kv_heads, head_size, acc_t, round_dtype, rope_style, rotary_dim)
     score, key_range = make_trt_score(acc_t, dtype == BFLOAT16_BITS)
     heads_per_block, q_tile, key_tile = tiles
