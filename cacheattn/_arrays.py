@@ -19,9 +19,73 @@ def kernels():
 
 
 def to_kind(like, host_array):
-    """host_array moved to the array kind of `like` (NumPy stays NumPy)."""
+    """host_array moved to the array kind of `like` (NumPy stays NumPy; bfloat16 to a GPU: a BFloat16Array)."""
     from kernels_numba._launch import to_kind
+    if not isinstance(like, np.ndarray) and host_array.dtype.name == "bfloat16":
+        bits = like.bits if isinstance(like, BFloat16Array) else like
+        return BFloat16Array(to_kind(bits, host_array.view(np.uint16)))
     return to_kind(like, host_array)
+
+
+# ------------------------------------------------------------------------------------------- bfloat16 on a GPU
+# CuPy has no bfloat16 dtype, so a GPU bfloat16 tensor travels as its bits (a uint16 array) in a small wrapper
+# that says what the bits mean: validation reads its dtype (bfloat16) and shape, the kernels read its bits.
+
+class BFloat16Array:
+    """A GPU tensor of bfloat16 values held as their bits: a uint16 (or int16) CuPy / CUDA-array-interface array.
+
+    Build one with `cacheattn.bfloat16(bits)`; torch CUDA bfloat16 tensors become one by themselves. `dtype` is
+    ml_dtypes' bfloat16, `bits` the uint16 array (no copy), `get()` a NumPy (ml_dtypes) copy. The operators return
+    their bfloat16 outputs as this type when the inputs were."""
+
+    def __init__(self, bits):
+        dtype = np.dtype(bits.dtype)
+        if dtype not in (np.uint16, np.int16):
+            raise TypeError(f"bits: expected the bfloat16 bits as a uint16 or int16 GPU array, got dtype {dtype}")
+        if not hasattr(bits, "__cuda_array_interface__"):
+            raise TypeError(f"bits: expected a GPU array (CuPy or __cuda_array_interface__), got "
+                            f"{type(bits).__name__}; a NumPy bfloat16 array is an ml_dtypes.bfloat16 array")
+        self.bits = bits.view(np.uint16) if dtype == np.int16 else bits
+
+    @property
+    def dtype(self):
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+
+    shape = property(lambda self: tuple(self.bits.shape))
+    ndim = property(lambda self: self.bits.ndim)
+    size = property(lambda self: self.bits.size)
+    strides = property(lambda self: self.bits.strides)
+    flags = property(lambda self: getattr(self.bits, "flags", None))
+    __cuda_array_interface__ = property(lambda self: self.bits.__cuda_array_interface__)
+
+    def reshape(self, *shape):
+        return BFloat16Array(self.bits.reshape(*shape))
+
+    def get(self) -> np.ndarray:
+        """A NumPy (ml_dtypes.bfloat16) copy on the host."""
+        import ml_dtypes
+        host = self.bits.get() if hasattr(self.bits, "get") else self.bits.copy_to_host()
+        return host.view(ml_dtypes.bfloat16)
+
+    def __repr__(self) -> str:
+        return f"BFloat16Array(shape={self.shape}, bits={type(self.bits).__module__}.{type(self.bits).__name__})"
+
+
+def bfloat16(bits) -> BFloat16Array:
+    """A GPU bfloat16 tensor from its bits, for the operators: CuPy has no bfloat16 dtype, so pass a uint16 (or
+    int16) CuPy array of bfloat16 bits wrapped by this (no copy). The outputs of the call come back as
+    `BFloat16Array` too (`.bits`, `.get()`). torch CUDA bfloat16 tensors need no wrapping; NumPy bfloat16 is
+    ml_dtypes.bfloat16.
+
+    Examples
+    --------
+    >>> import numpy as np, ml_dtypes
+    >>> x = np.array([1.0, -2.5, 3.140625], ml_dtypes.bfloat16)
+    >>> x.view(np.uint16)            # the bits cacheattn.bfloat16 takes, as a uint16 GPU array
+    array([16256, 49184, 16457], dtype=uint16)
+    """
+    return BFloat16Array(bits)
 
 
 def is_device_array(x) -> bool:
@@ -38,6 +102,14 @@ def as_kernel_array(x):
         return x
     import cupy
     return cupy.from_dlpack(x)
+
+
+def compute_capability():
+    """(major, minor) of the current GPU, or None under the simulator (it emulates every instruction)."""
+    from numba import config, cuda
+    if config.ENABLE_CUDASIM:
+        return None
+    return tuple(cuda.get_current_device().compute_capability)
 
 
 def resolve_backend(backend: str, data: dict) -> str:
@@ -70,7 +142,7 @@ def to_host(x):
         return x
     if not is_device_array(x):
         return np.asarray(x)
-    if hasattr(x, "get"):
+    if isinstance(x, BFloat16Array) or hasattr(x, "get"):
         return x.get()
     if hasattr(x, "copy_to_host"):
         return x.copy_to_host()
@@ -101,6 +173,8 @@ def copy_into(dst, host_src) -> None:
     """Write a host result back into a caller's in-out tensor of any kind (cache, scale)."""
     if isinstance(dst, np.ndarray):
         dst[...] = host_src
+    elif isinstance(dst, BFloat16Array):
+        copy_into(dst.bits, np.ascontiguousarray(host_src).view(np.uint16))
     elif hasattr(dst, "copy_to_device"):
         dst.copy_to_device(host_src)
     else:
@@ -139,10 +213,12 @@ def is_torch(x) -> bool:
 def _torch_to_native(x):
     """A torch tensor as the array the rest of cacheattn speaks: NumPy on the CPU, CuPy on a GPU; no copy."""
     x = x.detach()
+    import torch
     if x.device.type == "cuda":
         import cupy
+        if x.dtype == torch.bfloat16:      # CuPy has no bfloat16: its bits, as an int16 tensor (same storage)
+            return BFloat16Array(cupy.from_dlpack(x.view(torch.int16)))
         return cupy.from_dlpack(x)
-    import torch
     if x.dtype == torch.bfloat16:          # NumPy has no bfloat16: reinterpret the bits as ml_dtypes' type
         import ml_dtypes
         return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
@@ -178,6 +254,8 @@ def _native_to_torch(x, device):
         if x.dtype.name == "bfloat16":
             return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).view(torch.bfloat16).to(device)
         return torch.from_numpy(np.ascontiguousarray(x)).to(device)
+    if isinstance(x, BFloat16Array):
+        return torch.from_dlpack(x.bits.view(np.int16)).view(torch.bfloat16)
     if is_device_array(x):
         return torch.from_dlpack(x)
     return x

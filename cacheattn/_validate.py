@@ -65,7 +65,30 @@ def check_launch(rung, threads, num_splits, *, rungs: tuple, split_rungs: tuple 
 
 def check_dtype(name: str, x, allowed) -> None:
     if dtype_of(x).name not in allowed:
-        raise TypeError(f"{name}: expected dtype in {tuple(allowed)}, got {dtype_of(x).name}")
+        raise TypeError(f"{name}: expected dtype in {tuple(allowed)}, got {dtype_of(x).name}{bits_hint(x, allowed)}")
+
+
+def bits_hint(x, allowed) -> str:
+    """What to add to a dtype error for a 16-bit integer tensor where bfloat16 is allowed: CuPy has no bfloat16, so
+    its bits come as uint16, and cacheattn.bfloat16 says what they are."""
+    if "bfloat16" in allowed and dtype_of(x).name in ("uint16", "int16"):
+        return "; for bfloat16 bits on a GPU (CuPy has no bfloat16) pass cacheattn.bfloat16(x)"
+    return ""
+
+
+BFLOAT16_ARCH = (8, 0)      # cvt.rn.bf16x2.f32, which rounds the kernels' bfloat16 results, is sm_80+
+
+
+def check_bfloat16_arch(name: str, x, compute_capability) -> None:
+    """A bfloat16 `x` headed for the kernels needs a GPU of compute capability 8.0 or newer; compute_capability is
+    the current GPU's (major, minor), or None in the simulator (no architecture to check)."""
+    if dtype_of(x).name != "bfloat16" or compute_capability is None:
+        return
+    if tuple(compute_capability) < BFLOAT16_ARCH:
+        major, minor = compute_capability
+        raise TypeError(f"{name}: bfloat16 on the kernels needs a GPU of compute capability 8.0 (sm_80) or newer, "
+                        f"this one is {major}.{minor} (sm_{major}{minor}); pass float16 or float32, or "
+                        "backend='reference'")
 
 
 def check_same_dtype(name: str, x, other_name: str, other, *, allowed=None, why: str = "") -> None:

@@ -79,10 +79,10 @@ class AttentionShape:
     head_dim : int
         Elements of one head's query, key and value.
     query_dtype : dtype-like
-        float16 or float32.
+        float16, bfloat16 (the kernels read its bits and compute in float32; rung 5 takes float16) or float32.
     cache_dtype : dtype-like or None
-        How keys and values are stored: float16, float32, or int8 for quantized caches (int4 packs two values in
-        a byte); None means `query_dtype`.
+        How keys and values are stored: float16, bfloat16, float32, or int8 for quantized caches (int4 packs two
+        values in a byte); None means `query_dtype`.
     quant_bit : int
         0 (not quantized), 8 or 4.
     quant_group : int
@@ -124,10 +124,10 @@ class AttentionShape:
     causal: bool = False
     keys_apart: bool = False
 
-    # The dtypes the kernels take: a float16 or float32 query (bfloat16 runs as float32, float64 on rung 1 without
-    # a plan), a cache of the query's float dtype or of int8 codes.
-    QUERY_DTYPES = ("float16", "float32")
-    CACHE_DTYPES = ("float16", "float32", "int8")
+    # The dtypes the kernels take: a float16, bfloat16 or float32 query (bfloat16 as its bits, 2 bytes an element,
+    # computed in float32; float64 on rung 1 without a plan), a cache of the query's float dtype or of int8 codes.
+    QUERY_DTYPES = ("float16", "bfloat16", "float32")
+    CACHE_DTYPES = ("float16", "bfloat16", "float32", "int8")
 
     def __post_init__(self):
         # Zero batch, query or key lengths describe an empty step, which the operators may plan.
@@ -193,6 +193,9 @@ class AttentionShape:
 
 def _dtype_field(name: str, value, accepted: tuple) -> np.dtype:
     """An AttentionShape dtype field as a NumPy dtype, one of `accepted` (TypeError naming the field)."""
+    if isinstance(value, str) and value == "bfloat16":
+        import ml_dtypes
+        value = ml_dtypes.bfloat16          # NumPy knows the name only once ml_dtypes is imported
     try:
         dtype = np.dtype(value)
     except TypeError:

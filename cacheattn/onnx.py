@@ -15,7 +15,16 @@ import reference
 
 from . import _arrays as arrays
 from ._types import IndexTensor, Tensor
-from ._validate import check_choice, check_flag, check_int, check_launch, check_shape, dtype_mismatch
+from ._validate import (
+    bits_hint,
+    check_bfloat16_arch,
+    check_choice,
+    check_flag,
+    check_int,
+    check_launch,
+    check_shape,
+    dtype_mismatch,
+)
 from .kernel_choice import AttentionShape, KernelPlan
 from .kernel_choice import choose_kernel as plan_kernels
 
@@ -53,7 +62,7 @@ def _dtype_name(x) -> str:
 
 def _check_float(name, x, like=None):
     if _dtype_name(x) not in T1:
-        raise TypeError(f"{name}: expected dtype in {T1}, got {_dtype_name(x)}")
+        raise TypeError(f"{name}: expected dtype in {T1}, got {_dtype_name(x)}{bits_hint(x, T1)}")
     if like is not None and np.dtype(x.dtype) != np.dtype(like[1].dtype):
         raise dtype_mismatch(name, x, like[0], like[1], allowed=T1)
 
@@ -194,7 +203,8 @@ def onnx_attention(Q: Tensor, K: Tensor, V: Tensor, attn_mask: Tensor | None = N
     ----------
     Q : Tensor
         `(batch, q_num_heads, q_seq, head_size)`, or 3-D `(batch, q_seq, q_num_heads * head_size)`;
-        float16, float32, float64 or bfloat16 (ml_dtypes).
+        float16, float32, float64 or bfloat16 (NumPy: ml_dtypes'; GPU: a torch bfloat16 tensor, or
+        `cacheattn.bfloat16(bits)` around a uint16 CuPy array).
     K : Tensor
         `(batch, kv_num_heads, kv_seq, head_size)` or 3-D `(batch, kv_seq, kv_num_heads * head_size)`,
         the dtype and rank of `Q`.
@@ -265,7 +275,8 @@ def onnx_attention(Q: Tensor, K: Tensor, V: Tensor, attn_mask: Tensor | None = N
         range (`is_causal` other than 0/1/False/True; a NaN or infinite `scale` or `softcap`), an opset 25
         attribute at opset 24.
     TypeError
-        A dtype outside the four floats, mismatched dtypes, a float `nonpad_kv_seqlen`.
+        A dtype outside the four floats (a uint16 array names `cacheattn.bfloat16`), mismatched dtypes (float16
+        beside bfloat16 too), a float `nonpad_kv_seqlen`; a bfloat16 call on the kernels of a GPU below sm_80.
 
     Notes
     -----
@@ -298,6 +309,7 @@ def onnx_attention(Q: Tensor, K: Tensor, V: Tensor, attn_mask: Tensor | None = N
     if rung == 5 and _dtype_name(Q) != "float16":
         raise ValueError(f"rung: 5 (tensor cores, mma.sync on float16) needs a float16 Q, got {_dtype_name(Q)}")
     if engine != "reference":
+        check_bfloat16_arch("Q", Q, arrays.compute_capability())
         launch = kernel_plan(Q, K, V, past_key, q_num_heads=q_num_heads, kv_num_heads=kv_num_heads,
                              is_causal=attrs["is_causal"], rung=rung, num_splits=num_splits, threads=threads)
     if engine == "reference":
@@ -344,8 +356,7 @@ def kernel_plan(Q, K, V, past_key=None, *, q_num_heads=None, kv_num_heads=None, 
     if _dtype_name(Q) == "float64" and rung in (None, 1):
         return KernelPlan(1, 1, threads or 128, "fallback to shared-memory tiles: rungs 3 and 4 accumulate in "
                                                 "float32, Q is float64" if rung is None else "rung=1 asked for")
-    # bfloat16 runs as float32 (numba has no bfloat16 arithmetic): its rows are float32 rows on the kernels.
-    dtype = np.float32 if _dtype_name(Q) == "bfloat16" else np.dtype(Q.dtype)
+    dtype = np.dtype(Q.dtype)          # bfloat16 too: the kernels read its bits, 2 bytes an element
     batch = int(Q.shape[0])
     shape = AttentionShape(batch=batch, max_query_len=q_len, max_kv_len=total, num_heads=q_heads,
                            num_kv_heads=kv_heads, head_dim=max(head_size, v_size), query_dtype=dtype,

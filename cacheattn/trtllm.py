@@ -21,7 +21,16 @@ from reference import trtllm_gpt_attention as ref
 
 from . import _arrays as arrays
 from ._plans import asked_text, bind_step, phase_line, plan_signature
-from ._validate import check_choice, check_int, check_launch, check_shape, dtype_mismatch, dtype_of
+from ._validate import (
+    bits_hint,
+    check_bfloat16_arch,
+    check_choice,
+    check_int,
+    check_launch,
+    check_shape,
+    dtype_mismatch,
+    dtype_of,
+)
 
 FLOATS = ("float16", "bfloat16", "float32", "float64")
 
@@ -216,7 +225,7 @@ def _float_tensor(name, x, like=None):
     if not hasattr(x, "dtype") or not hasattr(x, "shape"):
         raise TypeError(f"{name}: expected an array, got {type(x).__name__}")
     if dtype_of(x).name not in FLOATS:
-        raise TypeError(f"{name}: expected dtype in {FLOATS}, got {dtype_of(x).name}")
+        raise TypeError(f"{name}: expected dtype in {FLOATS}, got {dtype_of(x).name}{bits_hint(x, FLOATS)}")
     if like is not None and dtype_of(x) != dtype_of(like):
         raise dtype_mismatch(name, x, "qkv", like, allowed=FLOATS)
 
@@ -1040,7 +1049,8 @@ def gpt_attention(
     Parameters
     ----------
     qkv : array (T, (H + 2 Hkv) Dh) packed, or (E, max_seqlen, (H + 2 Hkv) Dh) padded
-        `[Q | K | V]` along the last axis; float16, bfloat16, float32 or float64. Required.
+        `[Q | K | V]` along the last axis; float16, bfloat16, float32 or float64 (bfloat16 on a GPU: a torch tensor, or
+        `cacheattn.bfloat16(bits)` around a uint16 CuPy array; the kernels need sm_80 for it). Required.
     past_key_value : array (>= E, 2, Hkv, max_seqlen, Dh) or None
         The contiguous cache (paged_kv_cache False): qkv's dtype, int8 or float8_e4m3fn; written in place and
         returned as present_key_value. None with a paged cache or use_cache False (refused otherwise: the call
@@ -1395,6 +1405,7 @@ class GptAttentionPlan:
             raise ValueError(f"rung: 5 (tensor cores, mma.sync on float16) needs a float16 qkv, got "
                              f"{dtype_of(qkv).name}")
         if engine != "reference":
+            check_bfloat16_arch("qkv", qkv, arrays.compute_capability())
             return self._run_kernels({**checked, **{k: arrays.as_kernel_array(x) for k, x in data.items()}})
 
         def call(host):
@@ -1402,19 +1413,20 @@ class GptAttentionPlan:
         return arrays.run_reference(data, ("past_key_value", "kv_cache_pool"), call)
 
     def _run_kernels(self, call: dict) -> tuple:
-        kernels = arrays.kernels()
+        launches = arrays.kernels().trtllm_gpt_attention
+        given = call
+        if dtype_of(call["qkv"]).name == "bfloat16":      # the kernels take bfloat16 as its bits
+            call = launches.bfloat16_call(call)
         qkv = call["qkv"]
-        if dtype_of(qkv).name == "bfloat16":            # the simulator's float32 route: the one-call launcher's own
-            return kernels.gpt_attention(**call, **self._launch)
         window = int(call["host_max_attention_window_sizes"][0])
         key = (type(qkv), dtype_of(qkv), tuple(qkv.shape), window)
-        launches = kernels.trtllm_gpt_attention
         step = self._prepared.get(key)
         if step is None:
             step = self._prepared[key] = launches.prepare_step(
-                like=qkv, window=window, num_sms=None, rounds_as=None, **self._launch,
-                **{k: v for k, v in call.items() if k not in LAYER_INPUTS})
-        return launches.run_layer(step, **{name: call[name] for name in LAYER_INPUTS})
+                like=qkv, window=window, num_sms=None, rounds_as=call.get("rounds_as"), **self._launch,
+                **{k: v for k, v in call.items() if k not in LAYER_INPUTS and k != "rounds_as"})
+        result = launches.run_layer(step, **{name: call[name] for name in LAYER_INPUTS})
+        return launches.bfloat16_results(given, *result) if call is not given else result
 
 
 def _phase_choice(s, phase: str) -> tuple:
@@ -1436,8 +1448,9 @@ def _phase_choice(s, phase: str) -> tuple:
     from kernels_numba.trtllm_generation import step_splits
 
     rung = None if s.rung == 5 else s.rung
+    itemsize = 1 if s.quant else 2 if s.rounds_as == "bfloat16" else np.dtype(s.rounds_as).itemsize
     splits = step_splits(rung, s.generation_splits, s.multi_block_mode, s.num_sms, s.generation_new, s.kvlens,
-                         s.window, s.H, s.Hkv, s.Dh, 1 if s.quant else np.dtype(s.rounds_as).itemsize, s.threads)
+                         s.window, s.H, s.Hkv, s.Dh, itemsize, s.threads)
     chosen = 4 if splits > 1 or rung == 4 else 3
     why = (f"rung={s.rung} asked for" if s.rung in (3, 4) else
            f"rung 5's decode kernel does not serve it: {s.generation_reason.removeprefix('rung 3/4: ')}")

@@ -84,9 +84,14 @@ def split_keys(split, num_splits, kvlen, key_tile):
 split_keys_device = cuda.jit(device=True, inline="always")(split_keys)
 
 
+@cuda.jit(device=True, inline="always")
+def _as_is(x):
+    return x
+
+
 def make_attention_kernel(row_offsets, load, score, key_range, *, head_dim_k: int, head_dim_v: int,
                           heads_per_block: int, q_tile: int, key_tile: int, group: int, acc_dtype=np.float32,
-                          sum_epsilon: float = 0.0, partials: bool = False):
+                          sum_epsilon: float = 0.0, partials: bool = False, widen_q=None, narrow_out=None):
     """Build the kernel. Launch grid (ceil(max_seqlen / q_tile), num_heads / heads_per_block, B).
 
     sum_epsilon: the final division is acc / (l + sum_epsilon) (FasterTransformer's 1 / (sum + 1e-6));
@@ -96,12 +101,16 @@ def make_attention_kernel(row_offsets, load, score, key_range, *, head_dim_k: in
     z // num_splits's keys (`split_keys`: whole key tiles, so no two blocks load one) and writes each row's
     unnormalised acc at element offset split * split_stride of out, its max m and sum l at split * split_rows +
     (starts[b] + i) * num_heads + h of m_out / l_out (a split with no visible key writes m = -inf, l = 0, o = 0);
-    a combine kernel finishes the softmax."""
+    a combine kernel finishes the softmax.
+    widen_q(x) / narrow_out(x): a query element as acc_dtype, an output value as the store writes it
+    (`_numerics.element_io`; None: a plain conversion, the store's own)."""
     HPB, DK, DV, KT = heads_per_block, head_dim_k, head_dim_v, key_tile
     ROWS = HPB * q_tile
     acc_t = np.float64 if np.dtype(acc_dtype) == np.float64 else np.float32
     NEG_INF = acc_t(-math.inf)
     EPS = acc_t(sum_epsilon)
+    widen_q = widen_q or acc_t
+    narrow_out = narrow_out or _as_is
 
     @cuda.jit
     def attention_kernel(q_geom, out_geom, seqlens, kvlens, k_src, v_src, score_args, sm_scale):
@@ -136,7 +145,7 @@ def make_attention_kernel(row_offsets, load, score, key_range, *, head_dim_k: in
             i = i0 + r // HPB
             q_s[r, d] = 0.0
             if i < seqlen:
-                q_s[r, d] = acc_t(q[b * q_sb + (q_starts[b] + i) * q_si + (h0 + r % HPB) * q_sh + d])
+                q_s[r, d] = widen_q(q[b * q_sb + (q_starts[b] + i) * q_si + (h0 + r % HPB) * q_sh + d])
         for e in range(tid, ROWS * DV, nthreads):
             acc_rows[e // DV, e % DV] = 0.0
         for r in range(tid, ROWS, nthreads):
@@ -228,7 +237,7 @@ def make_attention_kernel(row_offsets, load, score, key_range, *, head_dim_k: in
             if i < seqlen:
                 total = row_sum[r] + EPS
                 value = acc_rows[r, d] / total if total > 0.0 else acc_t(0.0)
-                out[b * o_sb + (o_starts[b] + i) * o_si + (h0 + r % HPB) * o_sh + d] = value
+                out[b * o_sb + (o_starts[b] + i) * o_si + (h0 + r % HPB) * o_sh + d] = narrow_out(value)
 
     return attention_kernel
 

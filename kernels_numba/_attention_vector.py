@@ -198,7 +198,8 @@ PAGE_WALKER = KVWalker(_page_begin, _page_at, _page_advance)
 
 def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, head_dim_k: int, head_dim_v: int,
                                  chunk: int, heads_per_block: int, q_tile: int, group: int, warps: int,
-                                 partials: bool = False, walker=None, value_scale=None, query=None, sum_epsilon=0.0):
+                                 partials: bool = False, walker=None, value_scale=None, query=None, sum_epsilon=0.0,
+                                 narrow_out=None):
     """Build the kernel. Launch grid (ceil(max_seqlen / q_tile), num_heads / heads_per_block, B, times num_splits
     with partials), 32 * warps threads; arguments as `_attention_core.make_attention_kernel`'s kernel.
     load_chunk(src, row, sc_row, d0, regs, at, dims) fills regs[at:at + chunk] with elements d0.. of a row.
@@ -214,7 +215,8 @@ def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, h
     folded out of the loads: load_chunk then returns the stored codes of V, times 1 / factor for a value kept
     unscaled); None: no factor.
     query(q_geom, b, i, h, d) -> element d of query i, head h (None: q_geom is a flat query and its geometry, as
-    `_attention_warp.query_element` reads it). sum_epsilon: rows end as acc / (l + sum_epsilon)."""
+    `_attention_warp.query_element` reads it). sum_epsilon: rows end as acc / (l + sum_epsilon). narrow_out(x): a
+    final value as the store writes it (bfloat16 bits: `_numerics.narrow_bfloat16`; None: the store's conversion)."""
     walk_begin, walk_at, walk_advance = walker if isinstance(walker, KVWalker) else \
         each_source(walker) if walker is not None else PAGE_WALKER
     # A loader that can split its loads from its unpacking (`_cache.ChunkPrefetch`) gets every load of a step (the
@@ -247,7 +249,7 @@ def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, h
     start_rows = make_row_starter(heads_per_block=HPB, q_tile=q_tile, head_dim_k=DK, chunk=E, lanes=LANES,
                                   q_per_lane=KR, out_per_lane=VR, query=query)
     write_rows = make_row_writer(heads_per_block=HPB, q_tile=q_tile, head_dim_v=DV, warps=WARPS,
-                                 partials=partials, sum_epsilon=sum_epsilon)
+                                 partials=partials, sum_epsilon=sum_epsilon, narrow_out=narrow_out)
 
     @cuda.jit(device=True, inline="always")
     def from_lanes(out, count, stride, values, gathered, scratch, warp, lane, first_lane):

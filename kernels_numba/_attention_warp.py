@@ -162,6 +162,11 @@ def add_key(row_max, row_sum, acc, r, s, v_reg, count):
 
 
 @cuda.jit(device=True, inline="always")
+def _as_is(x):
+    return x
+
+
+@cuda.jit(device=True, inline="always")
 def query_element(q_geom, b, i, h, d):
     """Element d of query i, head h of sequence b in a flat query with geometry (data, starts, s_b, s_i, s_h)."""
     q, q_starts, q_sb, q_si, q_sh = q_geom
@@ -197,15 +202,17 @@ def make_row_starter(*, heads_per_block: int, q_tile: int, head_dim_k: int, chun
 
 
 def make_row_writer(*, heads_per_block: int, q_tile: int, head_dim_v: int, warps: int, acc_dtype=np.float32,
-                    partials: bool = False, sum_epsilon: float = 0.0):
+                    partials: bool = False, sum_epsilon: float = 0.0, narrow_out=None):
     """Device function write_rows(warp_max, warp_sum, warp_out, out_geom, b, split, i0, h0, seqlen), called by
     every thread after a barrier: merges the warps' states of each row with the multi-block rule and writes
     acc / (L + sum_epsilon); with partials (out_geom as in `_attention_core.make_attention_kernel`'s docstring)
-    the split's unnormalised acc, M and L for a combine kernel."""
+    the split's unnormalised acc, M and L for a combine kernel. narrow_out(x): a final value as the store writes
+    it (`_numerics.element_io`; None: the store's own conversion)."""
     HPB, DV, THREADS = heads_per_block, head_dim_v, warps * WARP_SIZE
     ROWS = heads_per_block * q_tile
     acc_t = np.float64 if np.dtype(acc_dtype) == np.float64 else np.float32
     NEG_INF, EPS = acc_t(-math.inf), acc_t(sum_epsilon)
+    narrow_out = narrow_out or _as_is
 
     @cuda.jit(device=True, inline="always")
     def write_rows(warp_max, warp_sum, warp_out, out_geom, b, split, i0, h0, seqlen):
@@ -233,7 +240,7 @@ def make_row_writer(*, heads_per_block: int, q_tile: int, head_dim_v: int, warps
                         m_out[row] = top
                         l_out[row] = total
                 else:
-                    out[at] = value / (total + EPS) if total > 0.0 else acc_t(0.0)
+                    out[at] = narrow_out(value / (total + EPS) if total > 0.0 else acc_t(0.0))
 
     return write_rows
 

@@ -179,13 +179,16 @@ def page_walk(page_index, offset, step, page):
     return page_index, offset
 
 
-def make_cache_access(quant_bit: int, quant_group: int, round_scale, round_value, value_type=np.float32):
+def make_cache_access(quant_bit: int, quant_group: int, round_scale, round_value, value_type=np.float32,
+                      element=None):
     """Device functions (row_offsets, load) for a cache of the given quantization.
 
     load returns element d as the document's dequantized tensor holds it: q * scale rounded to the
     scale dtype (round_scale), then to the output dtype T1 (round_value), as a float32 (value_type:
-    float64 for an unquantized float64 tensor).
+    float64 for an unquantized float64 tensor). element(x): an unquantized element as that float (None:
+    value_type(x); `_numerics.widen_bfloat16` for a tensor of bfloat16 bits).
     """
+    element = element or value_type
 
     @cuda.jit(device=True, inline="always")
     # spec: ppl-mhca/offset-mode, ppl-mhca/paged-mode, ppl-mhca/layouts
@@ -198,7 +201,7 @@ def make_cache_access(quant_bit: int, quant_group: int, round_scale, round_value
     def load(src, row, sc_row, d):
         data, scales = src.data, src.scales
         if quant_bit == 0:
-            return round_value(value_type(data[row + d]))
+            return round_value(element(data[row + d]))
         if quant_bit == 8:
             q = np.int32(data[row + d])
         else:

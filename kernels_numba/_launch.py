@@ -95,8 +95,17 @@ def is_host(array) -> bool:
     return isinstance(array, np.ndarray)
 
 
+BFLOAT16_NAN_BITS = 0x7FC0     # a bfloat16 NaN: the poison of a new tensor of bfloat16 bits
+
+
 def empty_like_kind(like, shape, dtype):
-    """An uninitialised array of `like`'s kind: NumPy for NumPy (simulator), else CuPy or a numba device array."""
+    """An uninitialised array of `like`'s kind: NumPy for NumPy (simulator), else CuPy or a numba device array.
+    dtype "bfloat16": a tensor of bfloat16 bits (uint16), poisoned with a bfloat16 NaN."""
+    if isinstance(dtype, str) and dtype == "bfloat16":
+        out = empty_like_kind(like, shape, np.uint16) if _poison is None else _unpoisoned(like, shape, np.uint16)
+        if _poison is not None:
+            out[...] = BFLOAT16_NAN_BITS
+        return out
     if _guards is not None:
         out = _guarded_output(like, shape, dtype)
     elif _recorder is not None and _poison is None and is_host(like):
@@ -118,6 +127,32 @@ def empty_like_kind(like, shape, dtype):
         # the host (bfloat16's rounding) would read leftover memory, NaN bit patterns included. Zeros are defined.
         out[...] = 0
     return out
+
+
+def _unpoisoned(like, shape, dtype):
+    global _poison
+    previous, _poison = _poison, None
+    try:
+        return empty_like_kind(like, shape, dtype)
+    finally:
+        _poison = previous
+
+
+def bfloat16_bits(x):
+    """The bits (uint16, no copy) of a bfloat16 tensor: an ml_dtypes NumPy array's view, or the `bits` a GPU
+    tensor carries (`cacheattn.bfloat16`; CuPy has no bfloat16 dtype)."""
+    if isinstance(x, np.ndarray):
+        return x.view(np.uint16)
+    return x.bits
+
+
+def bfloat16_like(like, bits):
+    """bfloat16 bits (uint16) as a bfloat16 tensor of `like`'s kind: NumPy's ml_dtypes view, or `like`'s own
+    wrapper type around a GPU array of bits."""
+    if isinstance(bits, np.ndarray):
+        import ml_dtypes
+        return bits.view(ml_dtypes.bfloat16)
+    return type(like)(bits)
 
 
 def _guarded_output(like, shape, dtype):

@@ -16,6 +16,7 @@ from numba import cuda
 
 from ._cache import token_head_item
 from ._launch import ceil_div
+from ._numerics import element_io, to_float64
 
 MAX_SPLITS = 64
 
@@ -24,8 +25,10 @@ MAX_SPLITS = 64
 def combine_kernel(dtype, num_heads, head_size, sum_epsilon=0.0):
     """Kernel: the multi-block reduction of the splits' (m, l, o): M = max m_c, L = sum e^(m_c - M) l_c + sum_epsilon,
     out = sum e^(m_c - M) o_c / L (0 for a row no split saw). One thread per output element; grid
-    (x: ceil(max new tokens * H * Dh / threads), y: entries)."""
-    acc_t = np.float64 if np.dtype(dtype) == np.float64 else np.float32
+    (x: ceil(max new tokens * H * Dh / threads), y: entries). dtype: out's, or "bfloat16" for an out of bfloat16
+    bits (`_numerics.element_io`)."""
+    widen, narrow = element_io(dtype)
+    acc_t = np.float64 if widen is to_float64 else np.float32
     H, DH = num_heads, head_size
     NEG_INF, EPS = acc_t(-math.inf), acc_t(sum_epsilon)
 
@@ -47,7 +50,7 @@ def combine_kernel(dtype, num_heads, head_size, sum_epsilon=0.0):
                     weight = math.exp(m - big_m)
                     total += weight * l_part[c * rows + row]
                     value += weight * o_part[(c * rows + row) * DH + d]
-        out[row * DH + d] = value / total if total > 0 else acc_t(0.0)
+        out[row * DH + d] = narrow(value / total if total > 0 else acc_t(0.0))
 
     return combine_kernel
 

@@ -18,8 +18,10 @@ qk_matmul_output needs the whole score matrix, so it has its own kernel, run onl
 Rungs 3 and 4 (`_attention_vector`): lane groups per key with 16-byte vector loads where every row of both
 sources is aligned (else one load per element), the same score and key range as rung 1; rung 4 splits each
 block's keys and `_split_k.combine_kernel` finishes. They accumulate in float32, so float64 runs on rung 1.
-bfloat16: numba has no bfloat16 arithmetic (nor does the simulator), so bfloat16 NumPy inputs are
-widened to float32 on the host, computed in float32, and the outputs rounded back to bfloat16.
+bfloat16: numba has no bfloat16 arithmetic (nor does the simulator), so the kernels take a bfloat16 tensor as its
+bits (uint16: an ml_dtypes array's view, or the `bits` of a `cacheattn.bfloat16` GPU tensor), widen each element
+with a shift (exact) and compute in float32, and store each result rounded to nearest even
+(`_numerics.element_io`); rungs 1, 3 and 4 and the qk_matmul_output kernels, no float32 copy of any input.
 """
 
 from __future__ import annotations
@@ -35,19 +37,33 @@ from ._attention_core import make_attention_kernel, plan_tiles
 from ._attention_mma import make_mma_attention_kernel, plan_mma_rows
 from ._attention_vector import keys_per_step, make_vector_attention_kernel, plan_vector_rows
 from ._cache import _address, cache_source, make_cache_access, token_head_item
-from ._launch import OFFSET_PAGE, caller_stream, ceil_div, element_strides, empty_like_kind, flat, launch, to_kind
-from ._numerics import keep_float32
+from ._launch import (
+    OFFSET_PAGE,
+    bfloat16_bits,
+    bfloat16_like,
+    caller_stream,
+    ceil_div,
+    element_strides,
+    empty_like_kind,
+    flat,
+    launch,
+    to_kind,
+)
+from ._numerics import BFLOAT16_BITS, bits_io, element_io, keep_float32, to_float64, widen_bfloat16
 from ._split_k import choose_splits, combine_kernel
 from ._vector import VECTOR_BYTES, float_from_bits, half_from_bits, load16
 
 # What ONNX's score needs besides q.k: the mask read in place (element (b, h, i, j) at b*m_sb + h*m_sh + i*m_si + j,
-# strides 0 on broadcast axes, mask_cols columns, mask_kind 0 none / 1 bool / 2 float), causal and window bounds,
-# the alignment inputs (past_len, nonpad_kv_seqlen), softcap, and the query row starts (b * q_seq).
+# strides 0 on broadcast axes, mask_cols columns, mask_kind 0 none / 1 bool / 2 float: Q's dtype, bfloat16 as its bits),
+# causal and window bounds, the alignment inputs (past_len, nonpad_kv_seqlen), softcap, and the query row starts
+# (b * q_seq).
 OnnxScoreArgs = namedtuple("OnnxScoreArgs", "mask m_sb m_sh m_si mask_cols mask_kind is_causal left right past_len "
                                             "nonpad has_nonpad softcap row_starts")
 
 
-def make_onnx_score(acc_t):
+def make_onnx_score(acc_t, bfloat16: bool = False):
+    """(score, key_range, bias, capped) device functions over OnnxScoreArgs; bfloat16: a float mask holds bfloat16
+    bits (decided when the kernel is built, so the other dtypes' code is what it was)."""
     NEG_INF = acc_t(-math.inf)
 
     @cuda.jit(device=True, inline="always")
@@ -76,7 +92,12 @@ def make_onnx_score(acc_t):
         if j >= args.mask_cols:                             # a shorter mask is padded with False / -inf
             return NEG_INF
         # Widen first: testing a float16 value's truth directly is IR that NVVM rejects.
-        m = acc_t(args.mask[b * args.m_sb + h * args.m_sh + i * args.m_si + j])
+        raw = args.mask[b * args.m_sb + h * args.m_sh + i * args.m_si + j]
+        if bfloat16:                                        # a bool mask, or a float one as bfloat16 bits
+            if args.mask_kind == 1:
+                return acc_t(0.0) if raw != 0 else NEG_INF
+            return acc_t(widen_bfloat16(raw))
+        m = acc_t(raw)
         if args.mask_kind == 1:                             # bool: True = attend
             return acc_t(0.0) if m != 0 else NEG_INF
         return m
@@ -114,19 +135,44 @@ def make_onnx_score(acc_t):
 
 
 def _acc_type(dtype):
-    return np.float64 if np.dtype(dtype) == np.float64 else np.float32
+    """float64 for float64 elements, else float32; dtype a NumPy dtype or "bfloat16" (bits)."""
+    return np.float64 if element_io(dtype)[0] is to_float64 else np.float32
+
+
+def _kind(x) -> str:
+    """The kernels' key for x's elements: "bfloat16" for bfloat16 bits (uint16), else its dtype's str."""
+    return BFLOAT16_BITS if np.dtype(x.dtype) == np.uint16 else np.dtype(x.dtype).str
+
+
+def _itemsize(dtype) -> int:
+    return 2 if dtype == BFLOAT16_BITS else np.dtype(dtype).itemsize
+
+
+def _alloc_dtype(x):
+    """What a new tensor of x's elements is allocated as: "bfloat16" (bits, poisoned as a bfloat16 NaN) for
+    bfloat16 bits, else x's dtype (`_launch.empty_like_kind`)."""
+    return BFLOAT16_BITS if _kind(x) == BFLOAT16_BITS else x.dtype
+
+
+def _host_type(kind):
+    """The scalar type a host value of these elements has (bfloat16's from ml_dtypes)."""
+    if kind == BFLOAT16_BITS:
+        import ml_dtypes
+        return ml_dtypes.bfloat16
+    return np.dtype(kind).type
 
 
 @cache
 def _attention_kernel(dtype, head_dim, v_head_dim, q_heads, kv_heads, q_len):
     acc_t = _acc_type(dtype)
-    row_offsets, load = make_cache_access(0, 1, keep_float32, keep_float32, acc_t)
-    score, key_range, _, _ = make_onnx_score(acc_t)
+    widen, narrow = bits_io(dtype)
+    row_offsets, load = make_cache_access(0, 1, keep_float32, keep_float32, acc_t, element=widen)
+    score, key_range, _, _ = make_onnx_score(acc_t, dtype == BFLOAT16_BITS)
     heads_per_block, q_tile, key_tile = plan_tiles(q_heads, kv_heads, q_len, head_dim, v_head_dim,
                                                    elem_bytes=np.dtype(acc_t).itemsize)
     kernel = make_attention_kernel(row_offsets, load, score, key_range, head_dim_k=head_dim, head_dim_v=v_head_dim,
                                    heads_per_block=heads_per_block, q_tile=q_tile, key_tile=key_tile,
-                                   group=q_heads // kv_heads, acc_dtype=acc_t)
+                                   group=q_heads // kv_heads, acc_dtype=acc_t, widen_q=widen, narrow_out=narrow)
     return kernel, heads_per_block, q_tile
 
 
@@ -175,11 +221,12 @@ def _kv_row(src, b, t, h):
 KV_WALKER = (_kv_begin, _kv_at, _kv_advance)
 
 
-def make_onnx_chunk_load(elements: int, vector: bool):
+def make_onnx_chunk_load(elements: int, vector: bool, bfloat16: bool = False):
     """load_chunk(src, row, code, d0, regs, at, dims) of the vector kernel over an OnnxKV: elements d0 ..
     d0 + elements - 1 (those below dims) of a row of `past` (code bit 0 clear) or `new` (set) into regs[at:], as
     float32 (what rung 1 loads: no rounding), and stored unchanged into present where the code says (`_kv_at`).
-    vector: one 16-byte load (8 float16 or 4 float32 values) unpacked in registers, stored as 4 words."""
+    vector: one 16-byte load (8 float16 or 4 float32 values) unpacked in registers, stored as 4 words.
+    bfloat16: the tensors hold bfloat16 bits, widened by a shift."""
     bits = 128 // elements
     per_word = 32 // bits
     field_mask = (1 << bits) - 1
@@ -192,7 +239,7 @@ def make_onnx_chunk_load(elements: int, vector: bool):
             for e in range(elements):
                 if d0 + e < dims:
                     value = data[row + d0 + e]
-                    regs[at + e] = np.float32(value)
+                    regs[at + e] = widen_bfloat16(value) if bfloat16 else np.float32(value)
                     if target >= 0:
                         src.present[target + d0 + e] = value
             return
@@ -204,7 +251,12 @@ def make_onnx_chunk_load(elements: int, vector: bool):
         for j in range(VECTOR_BYTES // 4):
             for k in range(per_word):               # little-endian: element e is the e-th field from bit 0
                 field = (loaded[j] >> (bits * k)) & field_mask
-                regs[at + j * per_word + k] = half_from_bits(field) if bits == 16 else float_from_bits(field)
+                if bits == 32:
+                    regs[at + j * per_word + k] = float_from_bits(field)
+                elif bfloat16:
+                    regs[at + j * per_word + k] = widen_bfloat16(field)
+                else:
+                    regs[at + j * per_word + k] = half_from_bits(field)
 
     return load_chunk
 
@@ -218,16 +270,27 @@ def vector_rows(q_heads, kv_heads, q_len, head_dim, v_dim, itemsize, threads):
 
 @cache
 def _vector_kernel(dtype, head_dim, v_dim, q_heads, kv_heads, q_len, threads, vector, partials=False):
-    """Rung 3's kernel (rung 4's split kernel with partials) for float16 / float32 inputs."""
-    itemsize = np.dtype(dtype).itemsize
-    score, key_range, _, _ = make_onnx_score(np.float32)
+    """Rung 3's kernel (rung 4's split kernel with partials) for float16 / float32 inputs or bfloat16 bits."""
+    itemsize = _itemsize(dtype)
+    bfloat16 = dtype == BFLOAT16_BITS
+    narrow = bits_io(dtype)[1]
+    score, key_range, _, _ = make_onnx_score(np.float32, bfloat16)
     heads_per_block, q_tile, _ = vector_rows(q_heads, kv_heads, q_len, head_dim, v_dim, itemsize, threads)
-    kernel = make_vector_attention_kernel(_kv_row, make_onnx_chunk_load(VECTOR_BYTES // itemsize, vector), score,
+    chunk_load = make_onnx_chunk_load(VECTOR_BYTES // itemsize, vector, bfloat16)
+    kernel = make_vector_attention_kernel(_kv_row, chunk_load, score,
                                           key_range, head_dim_k=head_dim, head_dim_v=v_dim,
                                           chunk=VECTOR_BYTES // itemsize, heads_per_block=heads_per_block,
                                           q_tile=q_tile, group=q_heads // kv_heads, warps=threads // 32,
-                                          partials=partials, walker=KV_WALKER)
+                                          partials=partials, walker=KV_WALKER,
+                                          query=_bfloat16_query if bfloat16 else None, narrow_out=narrow)
     return kernel, heads_per_block, q_tile
+
+
+@cuda.jit(device=True, inline="always")
+def _bfloat16_query(q_geom, b, i, h, d):
+    """Element d of query i, head h, widened from bfloat16 bits (the vector kernel's `query`)."""
+    q, q_starts, q_sb, q_si, q_sh = q_geom
+    return widen_bfloat16(q[b * q_sb + (q_starts[b] + i) * q_si + h * q_sh + d])
 
 
 @cache
@@ -290,8 +353,9 @@ def _qk_kernels(dtype, head_dim, mode):
     mode 0: q.k*scale, 1: softcapped, 2: + bias (modes 3 too); then, for mode 3 only, one thread per row
     turns its row into softmax probabilities in place (a row with no visible key gives zeros)."""
     acc_t = _acc_type(dtype)
-    row_offsets, load = make_cache_access(0, 1, keep_float32, keep_float32, acc_t)
-    _, _, bias, capped = make_onnx_score(acc_t)
+    widen, narrow = element_io(dtype)
+    row_offsets, load = make_cache_access(0, 1, keep_float32, keep_float32, acc_t, element=widen)
+    _, _, bias, capped = make_onnx_score(acc_t, dtype == BFLOAT16_BITS)
     NEG_INF = acc_t(-math.inf)
 
     @cuda.jit
@@ -304,13 +368,13 @@ def _qk_kernels(dtype, head_dim, mode):
         q_row = b * q_sb + i * q_si + h * q_sh
         dot = acc_t(0.0)
         for d in range(head_dim):
-            dot += acc_t(q[q_row + d]) * load(k_src, row, sc_row, d)
+            dot += acc_t(widen(q[q_row + d])) * load(k_src, row, sc_row, d)
         s = dot * sm_scale
         if mode >= 1:
             s = capped(args, s)
         if mode >= 2:
             s = s + bias(args, b, h, i, t, seqlen, kvlen)
-        out[b, h, i, t] = s
+        out[b, h, i, t] = narrow(s)
 
     @cuda.jit
     def softmax_rows_kernel(starts, kvlen, out):
@@ -319,13 +383,14 @@ def _qk_kernels(dtype, head_dim, mode):
             return
         row_max = NEG_INF
         for t in range(kvlen):
-            row_max = max(row_max, acc_t(out[b, h, i, t]))
+            row_max = max(row_max, acc_t(widen(out[b, h, i, t])))
         total = acc_t(0.0)
         if row_max != NEG_INF:
             for t in range(kvlen):
-                total += math.exp(acc_t(out[b, h, i, t]) - row_max)
+                total += math.exp(acc_t(widen(out[b, h, i, t])) - row_max)
         for t in range(kvlen):
-            out[b, h, i, t] = math.exp(acc_t(out[b, h, i, t]) - row_max) / total if total > 0 else acc_t(0.0)
+            s = acc_t(widen(out[b, h, i, t]))
+            out[b, h, i, t] = narrow(math.exp(s - row_max) / total if total > 0 else acc_t(0.0))
 
     return scores_kernel, softmax_rows_kernel
 
@@ -333,7 +398,8 @@ def _qk_kernels(dtype, head_dim, mode):
 @cache
 def _copy_kernel(dtype):
     """Kernel: present[b, h, t, :] = past[b, h, t, :] for t < past_len, else K[b, t - past_len, h, :]."""
-    row_offsets, load = make_cache_access(0, 1, keep_float32, keep_float32, _acc_type(dtype))
+    widen, narrow = element_io(dtype)
+    row_offsets, load = make_cache_access(0, 1, keep_float32, keep_float32, _acc_type(dtype), element=widen)
 
     @cuda.jit
     def copy_kernel(past_src, new_src, past_len, starts, num_heads, head_dim, present):
@@ -342,7 +408,7 @@ def _copy_kernel(dtype):
             return
         src, t_src = (past_src, t) if t < past_len else (new_src, t - past_len)
         row, sc_row = row_offsets(src, b, t_src, h)
-        present[b, h, t, d] = load(src, row, sc_row, d)
+        present[b, h, t, d] = narrow(load(src, row, sc_row, d))     # bfloat16 round-trips exactly
 
     return copy_kernel
 
@@ -374,12 +440,12 @@ def _present(new, past, heads, batch, like, threads, stream):
     past_len = 0 if past is None else past.shape[2]
     new_len = new.shape[1] if new.ndim == 3 else new.shape[2]
     total = past_len + new_len
-    present = empty_like_kind(like, (batch, heads, total, size), new.dtype)
+    present = empty_like_kind(like, (batch, heads, total, size), _alloc_dtype(new))
     new_src = _source(new, heads, batch, like)
     past_src = new_src if past is None else _source(past, heads, batch, like)
     starts = to_kind(like, np.arange(batch + 1, dtype=np.int64) * total)
     grid = (max(1, ceil_div(total * heads * size, threads)), batch)
-    launch(_copy_kernel(np.dtype(new.dtype).str), grid, threads, stream, past_src, new_src, np.int64(past_len),
+    launch(_copy_kernel(_kind(new)), grid, threads, stream, past_src, new_src, np.int64(past_len),
            starts, heads, size, present)
     return present, _source(present, heads, batch, like)
 
@@ -409,15 +475,20 @@ def onnx_attention(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonp
                  qk_matmul_output_mode=qk_matmul_output_mode, scale=scale, softcap=softcap,
                  left_window_size=left_window_size, right_window_size=right_window_size,
                  return_qk_matmul_output=return_qk_matmul_output, threads=threads, rung=rung, num_splits=num_splits)
-    if np.dtype(Q.dtype).name == "bfloat16":
-        return _bfloat16_via_float32(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, **attrs)
-    return _attention(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, **attrs)
+    if np.dtype(Q.dtype).name != "bfloat16":
+        return _attention(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, **attrs)
+    # bfloat16: every float tensor as its bits (a bool mask as it is), the outputs back as Q's kind of bfloat16
+    bits = [x if x is None or np.dtype(x.dtype) == np.bool_ else bfloat16_bits(x)
+            for x in (Q, K, V, attn_mask, past_key, past_value)]
+    outs = _attention(*bits, nonpad_kv_seqlen, **attrs)
+    return tuple(None if o is None else bfloat16_like(Q, o) for o in outs)
 
 
 def _attention(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, *, is_causal, kv_num_heads, q_num_heads,
                qk_matmul_output_mode, scale, softcap, left_window_size, right_window_size, return_qk_matmul_output,
                threads, rung, num_splits):
     stream = caller_stream(Q, K)
+    kind = _kind(Q)
     four_d = Q.ndim == 4
     batch = Q.shape[0]
     q_heads = Q.shape[1] if four_d else q_num_heads
@@ -435,8 +506,8 @@ def _attention(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, *, is
     if rung in (3, 4) and (past_key is not None or not four_d) and every_key_read and \
             _one_block_per_group(Q, q_heads, kv_heads, q_len, head_dim, v_dim, threads):
         # every key is loaded by the one block of its GQA group: the attention kernel writes present
-        present_key = empty_like_kind(Q, (batch, kv_heads, total, head_dim), K.dtype)
-        present_value = empty_like_kind(Q, (batch, kv_heads, total, v_dim), V.dtype)
+        present_key = empty_like_kind(Q, (batch, kv_heads, total, head_dim), _alloc_dtype(K))
+        present_value = empty_like_kind(Q, (batch, kv_heads, total, v_dim), _alloc_dtype(V))
         k_src, v_src = (_source(x, kv_heads, batch, Q) for x in (present_key, present_value))
         written = (present_key, present_value)
     else:
@@ -444,17 +515,17 @@ def _attention(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, *, is
         present_value, v_src = _present(V, past_value, kv_heads, batch, Q, threads, stream)
         written = (None, None)
 
-    root = np.dtype(Q.dtype).type(math.sqrt(1 / math.sqrt(head_dim) if scale is None else scale))
-    sm_scale = _acc_type(Q.dtype)(float(root) ** 2)     # sqrt(scale), held in Q's dtype, on each side
+    root = _host_type(kind)(math.sqrt(1 / math.sqrt(head_dim) if scale is None else scale))
+    sm_scale = _acc_type(kind)(float(root) ** 2)     # sqrt(scale), held in Q's dtype, on each side
     nonpad = nonpad_kv_seqlen if nonpad_kv_seqlen is not None else to_kind(Q, np.zeros(batch, np.int64))
     starts = to_kind(Q, np.arange(batch + 1, dtype=np.int64) * q_len)
     args = OnnxScoreArgs(*_mask_args(attn_mask, Q), is_causal=np.int64(is_causal), left=np.int64(left_window_size),
                          right=np.int64(right_window_size), past_len=np.int64(past_len), nonpad=nonpad,
-                         has_nonpad=np.int64(nonpad_kv_seqlen is not None), softcap=_acc_type(Q.dtype)(softcap),
+                         has_nonpad=np.int64(nonpad_kv_seqlen is not None), softcap=_acc_type(kind)(softcap),
                          row_starts=starts)
 
     y_shape = (batch, q_heads, q_len, v_dim) if four_d else (batch, q_len, q_heads * v_dim)
-    Y = empty_like_kind(Q, y_shape, Q.dtype)
+    Y = empty_like_kind(Q, y_shape, _alloc_dtype(Q))
     zero_starts = to_kind(Q, np.zeros(batch, np.int64))
     lens = to_kind(Q, np.full(batch, q_len, np.int64)), to_kind(Q, np.full(batch, total, np.int64))
     q_geom, y_geom = (flat(Q), zero_starts, *_q_geometry(Q, q_heads)), (flat(Y), zero_starts, *_q_geometry(Y, q_heads))
@@ -468,15 +539,15 @@ def _attention(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, *, is
         _attend_vector(rung, num_splits, Q, K, V, past_key, past_value, written, Y, q_geom, y_geom, lens, args,
                        sm_scale, q_heads, kv_heads, head_dim, v_dim, total, threads, stream)
     else:
-        kernel, heads_per_block, q_tile = _attention_kernel(np.dtype(Q.dtype).str, head_dim, v_dim, q_heads,
+        kernel, heads_per_block, q_tile = _attention_kernel(kind, head_dim, v_dim, q_heads,
                                                             kv_heads, min(q_len, 16))   # one kernel past 16
         grid = (max(1, ceil_div(q_len, q_tile)), q_heads // heads_per_block, batch)
         launch(kernel, grid, threads, stream, q_geom, y_geom, *lens, k_src, v_src, args, sm_scale)
 
     qk = None
     if return_qk_matmul_output:
-        qk = empty_like_kind(Q, (batch, q_heads, q_len, total), Q.dtype)
-        scores_kernel, softmax_rows_kernel = _qk_kernels(np.dtype(Q.dtype).str, head_dim, qk_matmul_output_mode)
+        qk = empty_like_kind(Q, (batch, q_heads, q_len, total), _alloc_dtype(Q))
+        scores_kernel, softmax_rows_kernel = _qk_kernels(kind, head_dim, qk_matmul_output_mode)
         grid = (max(1, ceil_div(q_len * q_heads * total, threads)), batch)
         launch(scores_kernel, grid, threads, stream, (flat(Q), *_q_geometry(Q, q_heads)), k_src,
                np.int64(q_heads // kv_heads), np.int64(q_len), np.int64(total), args, sm_scale, qk)
@@ -502,7 +573,7 @@ def _attend_vector(rung, num_splits, Q, K, V, past_key, past_value, present, Y, 
     batch, q_len = Q.shape[0], (Q.shape[2] if Q.ndim == 4 else Q.shape[1])
     k_kv, v_kv, vector = _walked_sources(K, V, past_key, past_value, kv_heads, head_dim, v_dim, present)
     itemsize = np.dtype(Q.dtype).itemsize
-    key = (np.dtype(Q.dtype).str, head_dim, v_dim, q_heads, kv_heads, min(q_len, 16), threads, vector)
+    key = (_kind(Q), head_dim, v_dim, q_heads, kv_heads, min(q_len, 16), threads, vector)
     heads_per_block, q_tile, step = vector_rows(q_heads, kv_heads, min(q_len, 16), head_dim, v_dim, itemsize, threads)
     grid = (max(1, ceil_div(q_len, q_tile)), q_heads // heads_per_block, batch)
     splits = 1
@@ -523,24 +594,5 @@ def _attend_vector(rung, num_splits, Q, K, V, past_key, past_value, present, Y, 
                   i64(rows), i64(q_heads), m_part, l_part)
     kernel, _, _ = _vector_kernel(*key, partials=True)
     launch(kernel, grid[:2] + (batch * splits,), threads, stream, q_geom, split_geom, *inputs)
-    launch(combine_kernel(np.dtype(Q.dtype).str, q_heads, v_dim), (max(1, ceil_div(q_len * q_heads * v_dim, threads)),
+    launch(combine_kernel(_kind(Q), q_heads, v_dim), (max(1, ceil_div(q_len * q_heads * v_dim, threads)),
            batch), threads, stream, o_part, m_part, l_part, i64(splits), token_starts, token_starts, flat(Y))
-
-
-def _bfloat16_via_float32(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, **attrs):
-    """bfloat16 NumPy inputs: compute in float32, round the outputs back to bfloat16."""
-    if not isinstance(Q, np.ndarray):
-        raise TypeError("Q: bfloat16 runs on the kernels only from NumPy arrays (simulator); numba has no "
-                        "bfloat16 arithmetic. Pass float16/float32 GPU arrays, or backend='reference'.")
-    bf16 = Q.dtype
-
-    def widen(x):
-        return None if x is None else x if x.dtype == np.bool_ else x.astype(np.float32)
-
-    # sqrt(scale) is held in Q's dtype on each side, as the reference does: round it to bfloat16 first.
-    head_dim = Q.shape[-1] if Q.ndim == 4 else Q.shape[-1] // attrs["q_num_heads"]
-    scale = 1 / math.sqrt(head_dim) if attrs["scale"] is None else attrs["scale"]
-    attrs["scale"] = float(np.asarray(math.sqrt(scale)).astype(bf16)) ** 2
-    outs = _attention(widen(Q), widen(K), widen(V), widen(attn_mask), widen(past_key), widen(past_value),
-                      nonpad_kv_seqlen, **attrs)
-    return tuple(None if o is None else o.astype(bf16) for o in outs)

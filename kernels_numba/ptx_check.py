@@ -89,12 +89,15 @@ def _ppl_launches(full: bool, rung: int = 1, representatives=PPL_REPRESENTATIVES
 
 # One qk_matmul_output mode per dtype: mode 3 compiles every stage (softcap, bias, softmax rows), mode 0 the
 # plain product; each dtype's loads and accumulator type once.
-ONNX_REPRESENTATIVES = ((np.float16, 3), (np.float32, 2), (np.float64, 0))
+ONNX_REPRESENTATIVES = ((np.float16, 3), (np.float32, 2), (np.float64, 0), ("bfloat16", 3))
 
 
 def _onnx_launches(full: bool):
     """(label, kernel, args) for the ONNX kernels: 3-D with past and mask and 4-D with nonpad and windows, with
-    the qk_matmul_output kernels; float16/32/64 x every mode when full, else ONNX_REPRESENTATIVES."""
+    the qk_matmul_output kernels; float16/32/64 x every mode when full, else ONNX_REPRESENTATIVES (bfloat16 among
+    them: every kernel on its bits, BFLOAT16_BITS)."""
+    import ml_dtypes  # noqa: F401  (registers the "bfloat16" dtype name of a representative)
+
     from . import _launch
     from .onnx_attention import onnx_attention
 
@@ -112,7 +115,7 @@ def _onnx_launches(full: bool):
             q4, k4 = q.reshape(2, 3, 4, 8).transpose(0, 2, 1, 3).copy(), past
             onnx_attention(q4, k4, k4, np.zeros((2, 1, 3, 4), dtype), nonpad_kv_seqlen=np.array([3, 5]),
                            left_window_size=2, right_window_size=0)
-        label = f"onnx {np.dtype(dtype).name} qk mode {mode}"
+        label = f"onnx {np.dtype(dtype).name} qk mode {mode}" + _bits_marker(dtype)
         out += [(label, kernel, args) for kernel, args in launches]
     # Rungs 3 and 4 (float16 / float32; float64 stays on rung 1): decode with past 3-D in 16-byte loads, 4-D at head
     # size 12 in element loads, a 3-D prefill with a window; rung 4's split decode and its combine. Every variant
@@ -123,7 +126,7 @@ def _onnx_launches(full: bool):
     if full:
         calls = [(what, rung, dtype) for what, rung in (("decode 3-D", 3), ("decode 4-D head 12", 3), ("prefill", 3),
                                                         ("decode 3-D", 4)) for dtype in (np.float16, np.float32)]
-        calls.append(("prefill", 5, np.float16))
+        calls += [("prefill", 5, np.float16), ("decode 3-D", 3, "bfloat16"), ("decode 3-D", 4, "bfloat16")]
     for what, rung, dtype in calls:
         past = rng.standard_normal((2, 2, 5, 12 if "4-D" in what else 8)).astype(dtype)
         q_len, splits = (3 if what == "prefill" else 1), (2 if rung == 4 else None)
@@ -141,7 +144,7 @@ def _onnx_launches(full: bool):
         marker = f" {VECTOR_LOAD}" if "4-D" not in what else ""
         fast = ("vector_attention_kernel", "mma_attention_kernel")
         out += [(f"onnx rung {rung} {what} {np.dtype(dtype).name}" + (marker if kernel.py_func.__name__ in fast
-                 else ""), kernel, args) for kernel, args in launches
+                 else "") + _bits_marker(dtype), kernel, args) for kernel, args in launches
                 if kernel.py_func.__name__ in fast + ("combine_kernel",)]
     return out
 
@@ -285,7 +288,7 @@ def _trtllm_launches(full: bool):
             gpt_attention(**call, num_splits=3 if "multi-block" in extras else None,
                           rung=1 if "rung1" in extras else None)
         label = (f"trtllm {'+'.join(sorted(extras)) or 'self'} {np.dtype(dtype).name} quant {quant} pos {position}"
-                 f"{' paged' if paged else ''}")
+                 f"{' paged' if paged else ''}{_bits_marker(dtype)}")
         # The generation entries' vector kernel (rungs 3 and 4): rows of 16-byte multiples at Dh 16 in every format.
         # The context phase's mma kernel (rung 5) reads the scratch in 16-byte loads too.
         vector = ("vector_attention_kernel", "mma_attention_kernel")
@@ -391,7 +394,14 @@ def _rung5_launches(full: bool):
 MMA_PTX = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
 # The decode kernel also pairs two keys' V values with one prmt a register before unpacking them.
 REQUIRED_PTX = {"mma_attention_kernel": (MMA_PTX,), "gqa_decode_attention_kernel": (MMA_PTX, "prmt.b32")}
-PTX_MARKERS = {VECTOR_LOAD: "ld.global.nc.v4.u32", VECTOR_LOAD_INT4: "ld.global.nc.v2.u32"}
+# Every kernel of a bfloat16 call stores bfloat16 bits rounded by cvt.rn.bf16x2.f32 (`_numerics.narrow_bfloat16`).
+BFLOAT16_BITS = "[bfloat16 bits]"
+PTX_MARKERS = {VECTOR_LOAD: "ld.global.nc.v4.u32", VECTOR_LOAD_INT4: "ld.global.nc.v2.u32",
+               BFLOAT16_BITS: "cvt.rn.bf16x2.f32"}
+
+
+def _bits_marker(dtype) -> str:
+    return f" {BFLOAT16_BITS}" if isinstance(dtype, str) and dtype == "bfloat16" else ""
 
 
 # A quantized cache's vector loads turn codes into float16 pairs by magic numbers and scale them with one f16x2

@@ -23,7 +23,7 @@ import numpy as np
 from numba import cuda
 
 from ._cache import _address
-from ._numerics import keep_float32, rounder
+from ._numerics import keep_float32, narrow_bfloat16, round_to_bfloat16, rounder, widen_bfloat16
 from ._vector import VECTOR_BYTES, float_from_bits, half_from_bits, load16
 
 # TensorRT-LLM enum values (tensorrt_llm.functional), as cacheattn.trtllm validates them.
@@ -83,11 +83,12 @@ def e4m3_decode(code):
     return np.float32(-value if c & 0x80 else value)
 
 
-def make_kv_codec(quant: int, acc_t):
+def make_kv_codec(quant: int, acc_t, bits: bool = False):
     """(encode(x, inv_scale), decode(code, scale)): the cache's storage of a K/V element and its load as acc_t.
 
     INT8: sat(rint(float32(x) * (1/s))), load float32(q) * s. FP8: e4m3(sat(float32(x) * (1/s))), load e4m3 * s.
-    Unquantized: the value itself (the cache array's dtype rounds it on store)."""
+    Unquantized: the value itself (the cache array's dtype rounds it on store); bits: a cache of bfloat16 bits,
+    stored rounded to nearest even and widened by a shift."""
 
     @cuda.jit(device=True, inline="always")
     def encode(x, inv_scale):
@@ -96,6 +97,8 @@ def make_kv_codec(quant: int, acc_t):
             return np.int32(min(max(q, -128), 127))
         if quant == FP8_KV_CACHE:
             return e4m3_encode(np.float32(np.float32(x) * inv_scale))
+        if bits:
+            return narrow_bfloat16(x)
         return x
 
     @cuda.jit(device=True, inline="always")
@@ -104,6 +107,8 @@ def make_kv_codec(quant: int, acc_t):
             return acc_t(np.float32(np.float32(code) * scale))
         if quant == FP8_KV_CACHE:
             return acc_t(np.float32(e4m3_decode(code) * scale))
+        if bits:
+            return acc_t(widen_bfloat16(code))
         return acc_t(code)
 
     return encode, decode
@@ -199,8 +204,10 @@ def make_trt_access(quant: int, num_kv_heads: int, head_size: int, acc_t, round_
 
     row_offsets(src, b, t, h) -> (element index, where): where = 0 for the scratch, else (slot << 32) | (b + 1):
     the cached key's cyclic slot and entry, which StreamingLLM needs to rotate it at its index in the cache
-    (rope_style != 0 only for StreamingLLM; `src.rotate` says whether this source is K)."""
-    _, decode = make_kv_codec(quant, acc_t)
+    (rope_style != 0 only for StreamingLLM; `src.rotate` says whether this source is K). round_dtype bfloat16's:
+    the scratch and cache hold bfloat16 bits."""
+    bits = round_dtype is round_to_bfloat16
+    _, decode = make_kv_codec(quant, acc_t, bits)
     cache_address = make_cache_address(head_size)
     pair_of, rotate = make_rope(rope_style, rotary_dim, round_dtype, acc_t, tables=False)   # StreamingLLM recomputes
 
@@ -222,7 +229,7 @@ def make_trt_access(quant: int, num_kv_heads: int, head_size: int, acc_t, round_
     @cuda.jit(device=True, inline="always")
     def load(src, index, where, d):
         if where == 0:
-            return acc_t(src.scratch[index + d])
+            return acc_t(widen_bfloat16(src.scratch[index + d])) if bits else acc_t(src.scratch[index + d])
         x = decode(src.cache[index + d], src.scale)
         if rope_style == 0 or src.rotate == 0 or d >= rotary_dim:
             return x
@@ -267,10 +274,15 @@ def packed_mask_bit(packed, first_tile, row, col, words_per_row):
     return (packed[word] >> (4 * (c // 8) + 2 * (within // 8) + c % 2)) & 1
 
 
-def make_trt_score(acc_t):
+def make_trt_score(acc_t, bits: bool = False):
     """(score, key_range) of the core: custom mask, causal / window / sinks visibility, softcap, then ALiBi or
-    the relative attention bias (a regular (H, L, L) table or implicit T5 buckets) (ScoreArgs)."""
+    the relative attention bias (a regular (H, L, L) table or implicit T5 buckets) (ScoreArgs); bits: the bias
+    holds bfloat16 bits (qkv's dtype)."""
     NEG_INF = acc_t(-math.inf)
+
+    @cuda.jit(device=True, inline="always")
+    def bias_value(x):
+        return acc_t(widen_bfloat16(x)) if bits else acc_t(x)
 
     @cuda.jit(device=True, inline="always")
     def score(args, qk, b, h, i, j, seqlen, kvlen):
@@ -291,10 +303,10 @@ def make_trt_score(acc_t):
         if args.alibi_on != 0:
             s = s + acc_t(args.alibi[h]) * acc_t(j - p)
         if args.relative == 1:                          # regular: relative_attention_bias[h, p, j]
-            s = s + acc_t(args.bias[(h * args.bias_len + p) * args.bias_len + j])
+            s = s + bias_value(args.bias[(h * args.bias_len + p) * args.bias_len + j])
         elif args.relative == 2:                        # implicit: relative_attention_bias[h, bucket(j - p)]
             bucket = t5_bucket(j - p, args.bias_len, args.max_distance, args.bidirectional)
-            s = s + acc_t(args.bias[h * args.bias_len + bucket])
+            s = s + bias_value(args.bias[h * args.bias_len + bucket])
         return s
 
     @cuda.jit(device=True, inline="always")
@@ -316,8 +328,9 @@ ScoreArgs = namedtuple("ScoreArgs", "table alibi alibi_on softcap causal window 
 
 
 def acc_type(dtype):
-    """The kernels' accumulator: float64 for a float64 call, else float32."""
-    return np.float64 if np.dtype(dtype) == np.float64 else np.float32
+    """The kernels' accumulator: float64 for a float64 call, else float32 ("bfloat16": its bits)."""
+    return np.float32 if isinstance(dtype, str) and dtype == "bfloat16" else \
+        np.float64 if np.dtype(dtype) == np.float64 else np.float32
 
 
 
@@ -329,6 +342,7 @@ def make_new_token(dtype, num_heads, num_kv_heads, head_size, rotary_dim, rope_s
     the generation kernel's, which forms its query rows from qkv itself (trtllm_generation)."""
     acc_t = acc_type(dtype)
     round_dtype = rounder(dtype)
+    widen = widen_bfloat16 if round_dtype is round_to_bfloat16 else acc_t     # bfloat16: qkv and bias as bits
     pair_of, rotate = make_rope(rope_style, rotary_dim, round_dtype, acc_t)
     H, HKV, DH = num_heads, num_kv_heads, head_size
     HEADS = H + 2 * HKV
@@ -336,9 +350,9 @@ def make_new_token(dtype, num_heads, num_kv_heads, head_size, rotary_dim, rope_s
     @cuda.jit(device=True, inline="always")
     def element(pre, token, hh, d):
         """qkv + bias, written in the input dtype (as the preprocessing does), held in acc_t."""
-        x = acc_t(pre.qkv[(token * HEADS + hh) * DH + d])
+        x = acc_t(widen(pre.qkv[(token * HEADS + hh) * DH + d]))
         if has_bias:
-            x = round_dtype(x + acc_t(pre.bias[hh * DH + d]))
+            x = round_dtype(x + acc_t(widen(pre.bias[hh * DH + d])))
         return x
 
     @cuda.jit(device=True, inline="always")
@@ -391,7 +405,9 @@ def make_generation_chunk_load(quant: int, elements: int, vector: bool, fold: bo
     scale rounded to float32). StreamingLLM's keys (rope_style != 0, src.rotate) are rotated at their cache index
     as the rung-1 kernel rotates them: after the vector load, with the pair partner from the same chunk (GPT-J) or
     from a second vector load rotary_dim / 2 away (GPT-NeoX, when that is a whole number of chunks), else element
-    by element."""
+    by element. round_dtype bfloat16's: the scratch and an unquantized cache hold bfloat16 bits (widened by a
+    shift)."""
+    bf16 = round_dtype is round_to_bfloat16
     _, load = make_trt_access(quant, num_kv_heads, head_size, np.float32, round_dtype, rope_style, rotary_dim)
     pair_of, rotate = make_rope(rope_style, rotary_dim, round_dtype, np.float32, tables=False)
     fold = fold and quant != 0
@@ -421,7 +437,8 @@ def make_generation_chunk_load(quant: int, elements: int, vector: bool, fold: bo
             for k in range(per_word):                   # little-endian: element e is the e-th field from bit 0
                 field = (loaded[j] >> (bits * k)) & field_mask
                 if quant == 0:
-                    x = half_from_bits(field) if bits == 16 else float_from_bits(field)
+                    x = float_from_bits(field) if bits == 32 else widen_bfloat16(field) if bf16 else \
+                        half_from_bits(field)
                 elif fold:
                     x = code_value(field)
                 elif quant == INT8_KV_CACHE:            # the reference's decode: code * scale in float32
@@ -436,7 +453,7 @@ def make_generation_chunk_load(quant: int, elements: int, vector: bool, fold: bo
             inv = np.float32(1.0) / (src.scale * factor) if fold else np.float32(1.0)
             for e in range(elements):
                 if d0 + e < dims:
-                    x = np.float32(src.scratch[row + d0 + e])
+                    x = widen_bfloat16(src.scratch[row + d0 + e]) if bf16 else np.float32(src.scratch[row + d0 + e])
                     regs[at + e] = x * inv if fold else x
             return
         rotated = rope_style != 0 and src.rotate != 0 and d0 < rotary_dim

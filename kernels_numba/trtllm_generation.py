@@ -54,7 +54,7 @@ from ._attention_gqa_mma import heads_per_block as decode_heads
 from ._attention_vector import KVWalker, keys_per_step, make_vector_attention_kernel, plan_vector_rows
 from ._cache import CacheSource, _address
 from ._launch import ceil_div, empty_like_kind, launch, to_kind
-from ._numerics import rounder
+from ._numerics import BFLOAT16_BITS, bits_io, rounder
 from ._split_k import choose_splits, combine_kernel
 from ._vector import VECTOR_BYTES
 from .trtllm_common import (
@@ -212,10 +212,11 @@ def make_generation_walker(num_kv_heads: int, head_size: int, new_in_cache: bool
     return row_offsets, KVWalker(begin_both, at_both, advance_both)
 
 
-def make_generation_score():
+def make_generation_score(bits: bool = False):
     """(score, key_range) of the vector kernel: trtllm_common's, over walk indices (`hidden_keys`): the
-    range ends `hidden` before the last visible key, and index u past the sinks scores key u + hidden."""
-    score, key_range = make_trt_score(np.float32)
+    range ends `hidden` before the last visible key, and index u past the sinks scores key u + hidden. bits: the
+    relative attention bias holds bfloat16 bits."""
+    score, key_range = make_trt_score(np.float32, bits)
 
     @cuda.jit(device=True, inline="always")
     def walk_score(args, qk, b, h, i, u, seqlen, kvlen):
@@ -294,13 +295,14 @@ def generation_kernel(dtype, num_heads, num_kv_heads, head_size, quant, cache_it
     row_offsets, walker = make_generation_walker(num_kv_heads, head_size, new_in_cache)
     load_chunk = make_generation_chunk_load(quant, chunk, vector, fold, round_dtype, num_kv_heads, head_size,
                                             rope_style, rotary_dim, new_in_cache)
-    score, key_range = make_generation_score()
+    score, key_range = make_generation_score(dtype == BFLOAT16_BITS)
     kernel = make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, head_dim_k=head_size,
                                           head_dim_v=head_size, chunk=chunk, heads_per_block=heads_per_block,
                                           q_tile=q_tile, group=num_heads // num_kv_heads, warps=threads // 32,
                                           partials=partials, walker=walker,
                                           value_scale=make_value_scale(quant) if fold else None,
-                                          query=make_query(dtype, num_heads, num_kv_heads, head_size, *query_rope))
+                                          query=make_query(dtype, num_heads, num_kv_heads, head_size, *query_rope),
+                                          narrow_out=bits_io(dtype)[1])
     return kernel, heads_per_block, fold
 
 

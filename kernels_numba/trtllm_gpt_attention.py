@@ -38,8 +38,10 @@ The cache sources and score arguments are namedtuples read by field name. FP8 co
 path (it needs each row's final max before rounding the probabilities to e4m3, which the online softmax does not
 have). Multi-block: with few blocks for the SMs, each block walks one of num_splits ranges of whole key tiles
 (`split_keys`) and writes (m, l, o); a combine kernel reduces them (`choose_splits` picks the count; `num_splits`
-forces it). bfloat16 (NumPy arrays, in the simulator): computed on float32 copies, rounded to bfloat16 where the
-reference rounds (`_bfloat16_via_float32`).
+forces it). bfloat16: the tensors of qkv's dtype (qkv, qkv_bias, the cache, cross_kv, relative_attention_bias,
+the scratch and the output) are their bits (uint16), each element widened by a shift and every result stored
+rounded to nearest even; rounds_as="bfloat16" keys the kernels, which round to bfloat16 where the reference rounds
+to the input dtype (`bfloat16_call`). No float32 copy of any of them.
 
 The modules, one way: `trtllm_common` holds what every kernel shares (the entry table, the cache's sources and
 codes, RoPE, the access and score device functions); `trtllm_context` and `trtllm_generation` build the phases'
@@ -58,8 +60,8 @@ from numba import cuda
 
 from ._attention_core import make_attention_kernel, plan_tiles
 from ._cache import token_head_item
-from ._launch import caller_stream, ceil_div, empty_like_kind, flat, launch, to_kind
-from ._numerics import rounder
+from ._launch import bfloat16_bits, bfloat16_like, caller_stream, ceil_div, empty_like_kind, flat, launch, to_kind
+from ._numerics import BFLOAT16_BITS, bits_io, element_io, rounder
 from ._split_k import choose_splits
 from ._split_k import combine_kernel as _combine_kernel
 from .trtllm_common import (
@@ -113,12 +115,14 @@ def _attention_kernel(dtype, num_heads, num_kv_heads, head_size, quant, tiles, r
     split."""
     acc_t = acc_type(dtype)
     round_dtype = rounder(dtype)
+    widen, narrow = bits_io(dtype)
     row_offsets, load = make_trt_access(quant, num_kv_heads, head_size, acc_t, round_dtype, rope_style, rotary_dim)
-    score, key_range = make_trt_score(acc_t)
+    score, key_range = make_trt_score(acc_t, dtype == BFLOAT16_BITS)
     heads_per_block, q_tile, key_tile = tiles
     return make_attention_kernel(row_offsets, load, score, key_range, head_dim_k=head_size, head_dim_v=head_size,
                                  heads_per_block=heads_per_block, q_tile=q_tile, key_tile=key_tile,
-                                 group=num_heads // num_kv_heads, acc_dtype=acc_t, partials=partials)
+                                 group=num_heads // num_kv_heads, acc_dtype=acc_t, partials=partials,
+                                 widen_q=widen, narrow_out=narrow)
 
 
 @cache
@@ -135,8 +139,9 @@ def _unfused_kernels(dtype, num_heads, num_kv_heads, head_size, quant, rope_styl
     is (P V) * s / sum."""
     acc_t = acc_type(dtype)
     round_dtype = rounder(dtype)
+    widen, narrow = element_io(dtype)
     row_offsets, load = make_trt_access(quant, num_kv_heads, head_size, acc_t, round_dtype, rope_style, rotary_dim)
-    score, _ = make_trt_score(acc_t)
+    score, _ = make_trt_score(acc_t, dtype == BFLOAT16_BITS)
     H, DH, GROUP = num_heads, head_size, num_heads // num_kv_heads
     NEG_INF = acc_t(-math.inf)
     to_e4m3, _ = make_kv_codec(FP8_KV_CACHE, acc_t)
@@ -160,7 +165,8 @@ def _unfused_kernels(dtype, num_heads, num_kv_heads, head_size, quant, rope_styl
         q_row = ((token_starts[b] + i) * H + h) * DH
         dot = acc_t(0.0)
         for d in range(DH):
-            dot += fmha_input(acc_t(q[q_row + d]), inv_scale) * fmha_input(load(k_src, index, where, d), inv_scale)
+            q_d = acc_t(widen(q[q_row + d]))
+            dot += fmha_input(q_d, inv_scale) * fmha_input(load(k_src, index, where, d), inv_scale)
         scores[b, h, i, j] = score(args, dot * sm_scale, b, h, i, j, seqlens[b], kvlens[b])
 
     @cuda.jit
@@ -203,7 +209,7 @@ def _unfused_kernels(dtype, num_heads, num_kv_heads, head_size, quant, rope_styl
         if fp8_fmha:
             row_sum = totals[b, h, i]
             total = total * scale / row_sum if row_sum > 0 else acc_t(0.0)
-        out[((token_starts[b] + i) * H + h) * DH + d] = total
+        out[((token_starts[b] + i) * H + h) * DH + d] = narrow(total)
 
     return scores_kernel, softmax_kernel, pv_kernel
 
@@ -219,7 +225,8 @@ def _preprocess_kernel(dtype, num_heads, num_kv_heads, head_size, rotary_dim, ro
     acc_t = acc_type(dtype)
     # spec: trtllm/generation-mmha
     round_dtype = rounder(dtype)
-    encode, _ = make_kv_codec(quant, acc_t)
+    narrow = element_io(dtype)[1]
+    encode, _ = make_kv_codec(quant, acc_t, dtype == BFLOAT16_BITS)
     cache_address = make_cache_address(head_size)
     element, rotated = make_new_token(dtype, num_heads, num_kv_heads, head_size, rotary_dim, rope_style, has_bias)
     H, HKV, DH = num_heads, num_kv_heads, head_size
@@ -253,17 +260,17 @@ def _preprocess_kernel(dtype, num_heads, num_kv_heads, head_size, rotary_dim, ro
             if pre.logn_on != 0:                        # Qwen's logn attention: Q scaled at its absolute position
                 y = round_dtype(y * acc_t(pre.logn[position]))
             if scratch:
-                pre.q_out[(token * H + hh) * DH + d] = y
+                pre.q_out[(token * H + hh) * DH + d] = narrow(y)
         elif hh < H + HKV:
             g = hh - H
             if kv_scratch:
-                pre.k_out[(token * HKV + g) * DH + d] = y
+                pre.k_out[(token * HKV + g) * DH + d] = narrow(y)
             if pre.write_cache != 0:               # StreamingLLM caches K before RoPE
                 store(pre.k_dst, pre, b, position, g, d, element(pre, token, hh, d) if pre.streaming != 0 else y)
         else:
             g = hh - H - HKV
             if kv_scratch:
-                pre.v_out[(token * HKV + g) * DH + d] = y
+                pre.v_out[(token * HKV + g) * DH + d] = narrow(y)
             if pre.write_cache != 0:
                 store(pre.v_dst, pre, b, position, g, d, y)
 
@@ -279,13 +286,14 @@ def _cross_kernel(dtype, num_kv_heads, head_size, quant):
     # spec: trtllm/cross-attention
     acc_t = acc_type(dtype)
     round_dtype = rounder(dtype)
-    encode, _ = make_kv_codec(quant, acc_t)
+    widen, narrow = element_io(dtype)
+    encode, _ = make_kv_codec(quant, acc_t, dtype == BFLOAT16_BITS)
     cache_address = make_cache_address(head_size)
     HKV, DH = num_kv_heads, head_size
 
     @cuda.jit(device=True, inline="always")
     def copy(out, dst, b, token, t, g, d, x, inv_scale, write_cache):
-        out[(token * HKV + g) * DH + d] = x
+        out[(token * HKV + g) * DH + d] = narrow(x)
         if write_cache != 0:
             dst.cache[cache_address(dst, b, t, g) + d] = encode(x, inv_scale)
 
@@ -296,7 +304,7 @@ def _cross_kernel(dtype, num_kv_heads, head_size, quant):
             return
         token = enc_starts[b] + t                       # the scratch row (context entries' encoder tokens, packed)
         source = src_starts[b] + t                      # cross_kv (encoder tokens, [K heads | V heads], Dh)
-        x = round_dtype(acc_t(cross_kv[(source * 2 * HKV + item) * DH + d]))
+        x = round_dtype(acc_t(widen(cross_kv[(source * 2 * HKV + item) * DH + d])))
         if item < HKV:
             copy(k_out, k_dst, b, token, t, item, d, x, inv_scale, write_cache)
         else:
@@ -457,8 +465,8 @@ def _cross_keys(qkv, cross_kv, encoder_input_lengths, num_context, table, k_src,
     # Entry b's encoder tokens in cross_kv: packed like the scratch, or padded at row b of (E, L_max, 2 Hkv Dh).
     src_starts = enc_starts[:-1] if remove_input_padding else np.arange(E, dtype=np.int64) * cross_kv.shape[1]
     rows = max(1, int(enc_starts[-1]))
-    k_scratch = empty_like_kind(qkv, (rows * Hkv * Dh,), k_src.scratch.dtype)
-    v_scratch = empty_like_kind(qkv, (rows * Hkv * Dh,), k_src.scratch.dtype)
+    k_scratch = empty_like_kind(qkv, (rows * Hkv * Dh,), _allocated(rounds_as, k_src.scratch.dtype))
+    v_scratch = empty_like_kind(qkv, (rows * Hkv * Dh,), _allocated(rounds_as, k_src.scratch.dtype))
     unbounded = np.int64(1 << 40)
     k_src = k_src._replace(scratch=k_scratch, window=unbounded)
     v_src = v_src._replace(scratch=v_scratch, window=unbounded)
@@ -507,7 +515,7 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     softmax, P V) as TensorRT-LLM's unfused context attention; both compute the same. multi_block_mode lets
     `choose_splits` split each block's keys over several blocks when the grid is smaller than num_sms (default:
     the GPU's, 132 without one); num_splits forces a count (1: never split). bfloat16: see _bfloat16_via_float32
-    (rounds_as is its internal argument).
+    (rounds_as is its internal argument: "bfloat16" when the arrays are bfloat16 bits).
 
     rung: the kernel of the ladder for the generation entries (docs/kernel-ladder.md). 1: the tiled core above; 3:
     the vector kernel (`trtllm_generation`), never split; 4: the vector kernel split over num_splits blocks
@@ -519,9 +527,10 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
 
     It is exactly `run_layer(prepare_step(...), ...)`: a plan (cacheattn.GptAttentionPlan) keeps the step and
     calls run_layer once per layer."""
-    if np.dtype(qkv.dtype).name == "bfloat16":
-        return _bfloat16_via_float32(locals())
     call = locals()
+    if np.dtype(qkv.dtype).name == "bfloat16":
+        bits = bfloat16_call(call)
+        return bfloat16_results(call, *gpt_attention(**bits))
     layer = {name: call[name] for name in LAYER_INPUTS}
     step = {name: value for name, value in call.items() if name not in LAYER_INPUTS}
     window = int(host_max_attention_window_sizes[layer_idx % len(host_max_attention_window_sizes)])  # list repeats
@@ -587,9 +596,10 @@ def prepare_step(*, like, window, sequence_length, host_past_key_value_lengths, 
                                       token_starts, rope.table_at))
     # Every Q, K, V value the preprocess writes is rounded to the input dtype already: the scratch holds them in it.
     # The layers of a step run one after another on the stream, so they share the scratch.
-    q_scratch = empty_like_kind(like, (num_tokens * H * Dh,), dtype)
-    k_scratch = empty_like_kind(like, (num_tokens * Hkv * Dh,), dtype)
-    v_scratch = empty_like_kind(like, (num_tokens * Hkv * Dh,), dtype)
+    held = _allocated(rounds_as, dtype)
+    q_scratch = empty_like_kind(like, (num_tokens * H * Dh,), held)
+    k_scratch = empty_like_kind(like, (num_tokens * Hkv * Dh,), held)
+    v_scratch = empty_like_kind(like, (num_tokens * Hkv * Dh,), held)
     rotate_cached = bool(streamingllm and rope_style)   # StreamingLLM: cached K rotated at its cache index on load
     # A chunk that wraps the cyclic cache would overwrite keys its own queries read: write after attention.
     write_after = bool(use_cache) and not do_cross_attention and bool(((new > 1) & (lengths > window)).any())
@@ -687,7 +697,8 @@ def _score_args(like, *, table, acc_t, window, sinks, streamingllm, alibi_slopes
     are filled in per layer)."""
     placeholder = to_kind(like, np.zeros(1, np.float32))
     alibi_on = position_embedding_type in (ALIBI, ALIBI_WITH_SCALE)
-    return ScoreArgs(table=table, alibi=alibi_slopes if alibi_on else placeholder, alibi_on=np.int64(alibi_on),
+    return ScoreArgs(table=table, alibi=widened_slopes(alibi_slopes) if alibi_on else placeholder,
+                     alibi_on=np.int64(alibi_on),
                      softcap=acc_t(attn_logit_softcapping_scale),
                      causal=np.int64(mask_type in (CAUSAL, SLIDING_WINDOW_CAUSAL) and not do_cross_attention),
                      window=np.int64(window), sinks=np.int64(sinks), streaming=np.int64(streamingllm),
@@ -770,7 +781,7 @@ def run_layer(s: StepLaunch, *, qkv, past_key_value, kv_cache_pool, layer_idx, q
     preprocess = _preprocess_kernel(s.rounds_as, s.H, s.Hkv, s.Dh, s.rotary_dim, s.rope_style, s.quant,
                                     qkv_bias is not None)
     qkv_preprocessing(s, preprocess, pre, stream)
-    output = empty_like_kind(qkv, qkv.shape[:-1] + (s.H * s.Dh,), np.dtype(qkv.dtype))
+    output = empty_like_kind(qkv, qkv.shape[:-1] + (s.H * s.Dh,), _allocated(s.rounds_as, qkv.dtype))
     if not s.remove_input_padding:
         output[...] = 0                                 # padding rows are zero, as the reference's
     args, k_src, v_src = _layer_keys(s, qkv, cross_kv, relative_attention_bias, k_src, v_src, kv_orig_quant_scale,
@@ -899,24 +910,31 @@ def write_cache_after_attention(s: StepLaunch, preprocess, pre, stream) -> None:
     launch(preprocess, s.pre_grid, s.threads, stream, after, s.starts_arg)
 
 
-def _bfloat16_via_float32(call: dict):
-    """bfloat16 NumPy arrays (numba has no bfloat16 arithmetic): every bfloat16 array is widened to float32 and the
-    kernels run with rounds_as="bfloat16", rounding to bfloat16 (`round_to_bfloat16`) exactly where the reference
-    rounds to the input dtype: qkv + bias, RoPE'd Q and K, so the K/V the cache stores or quantizes are bfloat16
-    values. The output is rounded to bfloat16 once, from float32, as the reference's; a bfloat16 cache gets back
-    only the elements the kernels wrote (each already a bfloat16 value), so every other byte keeps its bits."""
-    qkv = call["qkv"]
-    if not isinstance(qkv, np.ndarray):
-        raise TypeError("qkv: bfloat16 runs on the kernels only from NumPy arrays (simulator); numba has no "
-                        "bfloat16 arithmetic. Pass float16/float32 GPU arrays, or backend='reference'.")
-    bf16 = qkv.dtype
-    wide = {name: x.astype(np.float32) for name, x in call.items()
-            if isinstance(x, np.ndarray) and x.dtype == bf16}
-    output, _ = gpt_attention(**{**call, **wide, "rounds_as": "bfloat16"})
-    for name in ("past_key_value", "kv_cache_pool"):
-        if name in wide:
-            cache = call[name]
-            written = wide[name].view(np.uint32) != cache.astype(np.float32).view(np.uint32)
-            cache[written] = wide[name][written].astype(bf16)
-    present = call["past_key_value"] if (call["use_cache"] and not call["paged_kv_cache"]) else None
-    return output.astype(bf16), present
+def _allocated(rounds_as, dtype):
+    """What a new tensor of the call's dtype is allocated as: "bfloat16" (bits, `empty_like_kind`) or dtype."""
+    return BFLOAT16_BITS if rounds_as == BFLOAT16_BITS else np.dtype(dtype)
+
+
+BITS_INPUTS = ("qkv", "qkv_bias", "past_key_value", "kv_cache_pool", "cross_kv", "relative_attention_bias")
+
+
+def bfloat16_call(call: dict) -> dict:
+    """The call for the kernels when qkv is bfloat16 (numba has no bfloat16 arithmetic): every tensor of qkv's
+    dtype as its bits (uint16, no copy: the cache is written in place through them), rounds_as="bfloat16"."""
+    bits = {name: bfloat16_bits(call[name]) for name in BITS_INPUTS
+            if call.get(name) is not None and np.dtype(call[name].dtype).name == "bfloat16"}
+    return {**call, **bits, "rounds_as": BFLOAT16_BITS}
+
+
+def widened_slopes(slopes):
+    """alibi_slopes (H values, any float dtype) as float32 when bfloat16, widened by a shift (exact): the score reads
+    them as floats; else as given."""
+    if slopes is None or np.dtype(slopes.dtype).name != "bfloat16":
+        return slopes
+    return (bfloat16_bits(slopes).astype(np.uint32) << 16).view(np.float32)
+
+
+def bfloat16_results(call: dict, output, present):
+    """(output, present_key_value) of a bfloat16 call: the output as qkv's kind of bfloat16, present the caller's
+    own cache (written in place through its bits)."""
+    return bfloat16_like(call["qkv"], output), (None if present is None else call["past_key_value"])

@@ -340,9 +340,10 @@ BAD_SHAPES = [
      r"expected <= max_kv_len \(10: a sequence's keys are its cached tokens plus its new ones\), got 50; swapped\? "
      r"Pass keys_apart=True where the keys are given apart from the queries \(cross attention\)$"),
     (dict(query_dtype="banana"), TypeError, "query_dtype",
-     r"expected one of \('float16', 'float32'\) \(a name or NumPy dtype\), got 'banana'$"),
+     r"expected one of \('float16', 'bfloat16', 'float32'\) \(a name or NumPy dtype\), got 'banana'$"),
     (dict(query_dtype="float64"), TypeError, "query_dtype", r"expected one of .*, got float64$"),
-    (dict(cache_dtype="bool"), TypeError, "cache_dtype", r"expected one of \('float16', 'float32', 'int8'\)"),
+    (dict(cache_dtype="bool"), TypeError, "cache_dtype",
+     r"expected one of \('float16', 'bfloat16', 'float32', 'int8'\)"),
     (dict(quant_bit=8), ValueError, "quant_group", r"expected a divisor of head_dim \(64\) for quant_bit 8"),
     (dict(quant_bit=8, quant_group=6), ValueError, "quant_group", r"expected a divisor of head_dim .*, got 6$"),
     (dict(quant_bit=4, quant_group=1), ValueError, "quant_group", r"expected an even group for quant_bit 4"),
@@ -504,3 +505,16 @@ def test_the_plan_asks_each_offered_rung_once_a_new_shape(monkeypatch):
     # A rung asked for: its own kernel, and rung 5's decode kernel on a decode batch.
     assert asks(decode, 5, rung=5) == {(5, "staged"): 1, (5, "decode"): 1}
     kernel_choice._answer.cache_clear()
+
+
+def test_bfloat16_plans_as_two_byte_elements():
+    """The kernels read bfloat16 as its bits: a bfloat16 query moves the bytes of a float16 one and plans as it does
+    on rungs 1 to 4, and rung 5 says it takes float16."""
+    heads = dict(batch=2, max_query_len=1, max_kv_len=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+                 decode_sequences=2)
+    bf16, f16 = AttentionShape(**heads, query_dtype="bfloat16"), AttentionShape(**heads, query_dtype="float16")
+    assert bf16.query_dtype.name == "bfloat16" and bf16.bytes_to_move == f16.bytes_to_move
+    assert choose_kernel(bf16, rungs=(1, 3, 4)) == choose_kernel(f16, rungs=(1, 3, 4))
+    assert choose_kernel(bf16).rung != 5
+    with pytest.raises(ValueError, match=r"^rung: 5 .* needs a float16 query, got bfloat16"):
+        choose_kernel(bf16, rung=5)

@@ -3,6 +3,7 @@ the plan's default, against a float64 evaluation; which kernels launch; the rung
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 import cacheattn
@@ -11,6 +12,7 @@ from cacheattn.onnx import kernel_plan
 from kernels_numba import _launch
 
 from helpers import assert_bits_equal, assert_close
+from strategies import deep_only
 
 BASE = OnnxCase(batch=2, q_heads=4, kv_heads=2, q_len=1, kv_len=1, past_len=1, head_size=16, v_head_size=16,
                 three_d=False, dtype="float16", mask="none", mask_shape=(), is_causal=0, nonpad=None, softcap=0.0,
@@ -148,3 +150,68 @@ def test_float64_refuses_rungs_3_and_4():
     case = replace(BASE, dtype="float64")
     with pytest.raises(ValueError, match="rung"):
         cacheattn.onnx_attention(**build_onnx(case), **case.attrs(), rung=3)
+
+
+# ---- bfloat16: the kernels read its bits and round their results back, no float32 copy of any input -------------
+
+BF16_DECODE = replace(BASE, batch=1, dtype="bfloat16", three_d=True, mask="float", mask_shape=(4, 1, 7), is_causal=1,
+                      softcap=2.0, past_len=5, kv_len=2, seed=11)
+BF16_PREFILL = replace(PREFILL, dtype="bfloat16", three_d=False, mask="float", mask_shape=(2, 1, 3, 8),
+                       qk_matmul_output_mode=3, seed=12)
+
+
+def _check_bfloat16(case, **launch):
+    """Y (and qk_matmul_output on rung 1) within bfloat16's tolerance of the float64 evaluation, present bit for
+    bit, every output bfloat16; the kernels were handed bits (uint16), never a float32 copy of a bfloat16 input."""
+    inputs = build_onnx(case)
+    with _launch.recorded_launches() as launches:
+        cacheattn.onnx_attention(**inputs, **case.attrs(), backend="numba", threads=32, **launch)
+    arrays = [a for _, args in launches for a in _flat_args(args) if hasattr(a, "dtype")]
+    sizes = {x.size for x in inputs.values() if x is not None and x.dtype.name == "bfloat16"}
+    assert not [a for a in arrays if a.dtype == np.float32 and a.size in sizes], \
+        "a float32 tensor the size of a bfloat16 input (a copy) was launched on"
+    assert any(a.dtype == np.uint16 for a in arrays)
+    qk = launch.get("rung") == 1
+    got = cacheattn.onnx_attention(**inputs, **case.attrs(), backend="numba", threads=32,
+                                   return_qk_matmul_output=qk, **launch)
+    want = float64_onnx(inputs, case)
+    assert all(x.dtype.name == "bfloat16" for x in got if x is not None)
+    assert_close("Y", got.Y, want[0], case.dtype)
+    if qk:
+        assert_close("qk_matmul_output", got.qk_matmul_output, want[3], case.dtype)
+    for label, got_present, want_present in (("present_key", got.present_key, want[1]),
+                                             ("present_value", got.present_value, want[2])):
+        assert_bits_equal(label, got_present, want_present.astype(got.Y.dtype))
+
+
+def _flat_args(args):
+    for a in args:
+        if isinstance(a, tuple):
+            yield from _flat_args(a)
+        else:
+            yield a
+
+
+@pytest.mark.spec("onnx/cache-inside", "onnx/mask-kinds", "onnx/softcap")
+def test_bfloat16_decode_on_rung_3():
+    """A 3-D decode with a bfloat16 float mask (some -inf), causal, softcap, past 5 + 2 new keys."""
+    _check_bfloat16(BF16_DECODE, rung=3)
+
+
+@deep_only
+@pytest.mark.parametrize("launch", [dict(rung=4, num_splits=3), dict(rung=1)], ids=["rung 4, 3 splits", "rung 1"])
+def test_bfloat16_decode_on_rungs_1_and_4(launch):
+    _check_bfloat16(BF16_DECODE, **launch)
+
+
+@pytest.mark.spec("onnx/qk-output-modes")
+def test_bfloat16_prefill_on_rung_1():
+    """A 4-D GQA prefill (3 queries, past 5, causal) with a float mask; qk_matmul_output after softmax (mode 3): the
+    plan's choice for a bfloat16 prefill is rung 1 (rung 5 takes float16)."""
+    _check_bfloat16(BF16_PREFILL, rung=1)
+    inputs = build_onnx(BF16_PREFILL)
+    plan = kernel_plan(inputs["Q"], inputs["K"], inputs["V"], inputs["past_key"])
+    assert plan.rung == 1 and "prefill" in plan.reason, plan
+    decode = build_onnx(BF16_DECODE)
+    plan = kernel_plan(decode["Q"], decode["K"], decode["V"], decode["past_key"], q_num_heads=4, kv_num_heads=2)
+    assert plan.rung in (3, 4), plan

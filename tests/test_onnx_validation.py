@@ -87,3 +87,90 @@ def test_is_causal_takes_python_and_numpy_bools(backend):
         np.testing.assert_array_equal(got, cacheattn.onnx_attention(q, k, v, is_causal=same_as, backend=backend).Y)
     unmasked = cacheattn.onnx_attention(q, k, v, is_causal=False).Y
     assert not np.allclose(cacheattn.onnx_attention(q, k, v, is_causal=True).Y, unmasked)
+
+
+# ---- bfloat16: how it is passed, and where it cannot run ------------------------------------------------------------
+
+def _bf16_call(dtype="bfloat16"):
+    import ml_dtypes
+    rng = np.random.default_rng(0)
+    Q = rng.standard_normal((1, 2, 1, 8)).astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+    K = rng.standard_normal((1, 2, 3, 8)).astype(Q.dtype)
+    return dict(Q=Q, K=K, V=K.copy())
+
+
+def test_mixed_float16_and_bfloat16_names_both():
+    """A float16 K beside a bfloat16 Q: a TypeError naming K and Q, with both ways to agree."""
+    call = _bf16_call()
+    call["K"] = call["K"].astype(np.float16)
+    for backend in ("reference", "numba"):
+        with pytest.raises(TypeError, match=r"^K: expected Q's dtype bfloat16, got float16: the call follows Q; "
+                                            r"pass both as float16 or both as bfloat16"):
+            cacheattn.onnx_attention(**call, backend=backend)
+
+
+def test_bfloat16_below_sm_80_is_refused(monkeypatch):
+    """The kernels round bfloat16 with cvt.rn.bf16x2.f32 (sm_80): on an older GPU (faked here) the call names Q and
+    the architecture before any launch; sm_80 takes it."""
+    import cacheattn._arrays as arrays
+    monkeypatch.setattr(arrays, "compute_capability", lambda: (7, 5))
+    with _launch.recorded_launches() as launches:
+        with pytest.raises(TypeError, match=r"^Q: bfloat16 on the kernels needs a GPU of compute capability 8.0 "
+                                            r"\(sm_80\) or newer, this one is 7.5 \(sm_75\)"):
+            cacheattn.onnx_attention(**_bf16_call(), backend="numba")
+        assert not launches
+        cacheattn.onnx_attention(**_bf16_call("float16"), backend="numba")     # float16 runs on sm_75
+        cacheattn.onnx_attention(**_bf16_call(), backend="reference")          # so does the reference
+        monkeypatch.setattr(arrays, "compute_capability", lambda: (8, 0))
+        cacheattn.onnx_attention(**_bf16_call(), backend="numba")
+    assert launches
+
+
+def test_uint16_names_the_bfloat16_wrapper():
+    """CuPy has no bfloat16: a uint16 array is refused with the way to say it holds bfloat16 bits."""
+    call = _bf16_call()
+    call["Q"] = call["Q"].view(np.uint16)
+    with pytest.raises(TypeError, match=r"^Q: expected dtype in .*got uint16; for bfloat16 bits on a GPU .*"
+                                        r"cacheattn\.bfloat16\(x\)"):
+        cacheattn.onnx_attention(**call)
+
+
+class _FakeGpuArray:
+    """What BFloat16Array needs of a GPU array (a NumPy array behind a CUDA array interface)."""
+
+    def __init__(self, host):
+        self.host = host
+        self.dtype, self.shape, self.ndim, self.size, self.strides = (host.dtype, host.shape, host.ndim, host.size,
+                                                                      host.strides)
+        self.flags = host.flags
+        self.__cuda_array_interface__ = dict(shape=host.shape, typestr=host.dtype.str, data=(0, False), version=3)
+
+    def view(self, dtype):
+        return _FakeGpuArray(self.host.view(dtype))
+
+    def reshape(self, *shape):
+        return _FakeGpuArray(self.host.reshape(*shape))
+
+    def get(self):
+        return self.host.copy()
+
+
+def test_bfloat16_wraps_gpu_bits():
+    """cacheattn.bfloat16 takes uint16 or int16 GPU bits: a bfloat16 dtype and the bits' shape for validation, the
+    bits for the kernels, a NumPy bfloat16 copy from get(); float32 or NumPy arrays are refused."""
+    import ml_dtypes
+    host = np.array([[1.0, -2.5, 3.140625]], ml_dtypes.bfloat16)
+    x = cacheattn.bfloat16(_FakeGpuArray(host.view(np.int16)))
+    assert isinstance(x, cacheattn.BFloat16Array) and x.dtype == host.dtype and x.shape == (1, 3) and x.ndim == 2
+    assert x.bits.dtype == np.uint16 and x.__cuda_array_interface__["typestr"] == "<u2"
+    np.testing.assert_array_equal(x.get().view(np.uint16), host.view(np.uint16))
+    assert x.reshape(3).shape == (3,)
+    with pytest.raises(TypeError, match=r"^bits: expected the bfloat16 bits as a uint16 or int16 GPU array"):
+        cacheattn.bfloat16(_FakeGpuArray(host.astype(np.float32)))
+    with pytest.raises(TypeError, match=r"^bits: expected a GPU array"):
+        cacheattn.bfloat16(host.view(np.uint16))
+    # validation reads the wrapper like any bfloat16 tensor: a float16 K beside it names both
+    Q = cacheattn.bfloat16(_FakeGpuArray(np.zeros((1, 2, 1, 8), np.uint16)))
+    K = _FakeGpuArray(np.zeros((1, 2, 3, 8), np.float16))
+    with pytest.raises(TypeError, match=r"^K: expected Q's dtype bfloat16, got float16"):
+        cacheattn.onnx_attention(Q, K, K)

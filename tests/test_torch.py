@@ -143,3 +143,23 @@ def test_multi_head_cache_attention_cuda_tensors_run_the_kernels_in_place():
     assert_close("attn_output", got.cpu().numpy(), want, PPL.dtype)
     assert_bits_equal("cache", tensors["cache"].cpu().numpy(), want_cache)        # written in place (DLPack view)
     assert_bits_equal("scale", tensors["scale"].cpu().numpy(), want_scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.spec("onnx/types")
+def test_onnx_attention_cuda_bfloat16_tensors_run_the_kernels_on_their_bits():
+    """torch CUDA bfloat16 tensors (CuPy has no bfloat16) reach the kernels as their bits and come back as
+    bfloat16 tensors on the device: Y within bfloat16's tolerance, the present tensors bit for bit."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device here")
+    case = OnnxCase(batch=2, q_heads=4, kv_heads=2, q_len=1, kv_len=1, past_len=5, head_size=16, v_head_size=16,
+                    three_d=False, dtype="bfloat16", mask="float", mask_shape=(2, 1, 1, 6), is_causal=1, nonpad=None,
+                    softcap=0.0, scale=None, left_window_size=-1, right_window_size=-1, qk_matmul_output_mode=0,
+                    seed=8)
+    inputs = build_onnx(case)
+    tensors = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in as_torch(inputs).items()}
+    got = cacheattn.onnx_attention(**tensors, **case.attrs())
+    assert got.Y.dtype == torch.bfloat16 and got.Y.device == tensors["Q"].device
+    want = float64_onnx(inputs, case)
+    assert_close("Y", as_numpy(got.Y.cpu()), want[0], case.dtype)
+    assert_bits_equal("present_key", as_numpy(got.present_key.cpu()), want[1].astype(onnx_dtype("bfloat16")))

@@ -307,7 +307,7 @@ def test_round_to_bfloat16_matches_ml_dtypes():
     assert np.isnan(got[np.isnan(x)]).all()
 
 
-# ---- bfloat16: float32 copies, rounded to bfloat16 where the reference rounds ---------------------------------------
+# ---- bfloat16: its bits in the kernels, rounded to bfloat16 where the reference rounds -----------------------------
 
 SMALL = replace(BASE, contexts=((0, 3),), generations=((2, 3),), beam_width=1, num_heads=2, num_kv_heads=1,
                 dtype="bfloat16", qkv_bias=True)
@@ -409,16 +409,26 @@ def test_unfused_context_matches_fused(name):
     assert_bits_equal("cache, fused", fused_after[cache_name(args)], after[cache_name(args)])
 
 
-def test_recorded_launches_leave_defined_outputs_for_the_bfloat16_rounding():
-    """The PTX check records launches without running them; the bfloat16 launcher still rounds its float32 output
-    on the host, which must then hold zeros, not leftover memory (NaN patterns warned 'invalid value in cast')."""
-    import warnings
+def test_bfloat16_launches_take_bits_only():
+    """A bfloat16 call hands the kernels bits: qkv, its bias, the cache and the scratch as uint16, never a float32
+    copy of one (launches recorded, nothing runs); the recorded output is defined (zeros, what the PTX check
+    leaves), not leftover memory."""
     args = build_trt(replace(SMALL, dtype="bfloat16"))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with _launch.poisoned_outputs(None), _launch.recorded_launches() as launches:   # the suite poisons
-            output, _ = cacheattn.gpt_attention(**args, backend="numba")
-    assert launches and not output.astype(np.float32).any()
+    with _launch.poisoned_outputs(None), _launch.recorded_launches() as launches:   # the suite poisons
+        output, _ = cacheattn.gpt_attention(**args, backend="numba")
+    arrays = [a for _, launched in launches for a in _leaves(launched) if isinstance(a, np.ndarray)]
+    sizes = {x.size for x in args.values() if isinstance(x, np.ndarray) and x.dtype.name == "bfloat16"}
+    assert not [a for a in arrays if a.dtype == np.float32 and a.size in sizes], "a float32 copy was launched on"
+    assert {a.size for a in arrays if a.dtype == np.uint16} >= sizes
+    assert output.dtype.name == "bfloat16" and not output.astype(np.float32).any()
+
+
+def _leaves(args):
+    for a in args:
+        if isinstance(a, tuple):                        # namedtuples of sources and arguments too
+            yield from _leaves(a)
+        else:
+            yield a
 
 
 # ---- host_max_attention_window_sizes shorter than the layers: repeated ------------------------------------------

@@ -590,3 +590,31 @@ def test_the_plan_prints_each_phases_choice():
                               "tiles: rung 5 takes a float16 query, got float32")
     assert generation == "  generation (float32 qkv (7, 80), window 8): rung 4, 2 splits: vector loads: rung=4 asked " \
                          "for; its keys split 2 ways (multi-block)"
+
+
+# ---- bfloat16: mixed with float16, and below sm_80 -------------------------------------------------------------------
+
+BF16 = replace(BASE, dtype="bfloat16", qkv_bias=True)
+
+
+def test_mixed_float16_and_bfloat16_names_both():
+    """A float16 qkv_bias beside a bfloat16 qkv: a TypeError naming qkv_bias and qkv."""
+    args = build_trt(BF16)
+    args["qkv_bias"] = args["qkv_bias"].astype(np.float16)
+    for backend in ("reference", "numba"):
+        with pytest.raises(TypeError, match=r"^qkv_bias: expected qkv's dtype bfloat16, got float16"):
+            cacheattn.gpt_attention(**args, backend=backend)
+
+
+def test_bfloat16_below_sm_80_is_refused(monkeypatch):
+    """On a GPU older than sm_80 (faked) a bfloat16 call names qkv and the architecture before any launch."""
+    import cacheattn._arrays as arrays
+    monkeypatch.setattr(arrays, "compute_capability", lambda: (7, 0))
+    with _launch.recorded_launches() as launches:
+        with pytest.raises(TypeError, match=r"^qkv: bfloat16 on the kernels needs a GPU of compute capability 8.0 "
+                                            r"\(sm_80\) or newer, this one is 7.0 \(sm_70\)"):
+            cacheattn.gpt_attention(**build_trt(BF16), backend="numba")
+        assert not launches
+        monkeypatch.setattr(arrays, "compute_capability", lambda: (9, 0))
+        cacheattn.gpt_attention(**build_trt(BF16), backend="numba")
+    assert launches

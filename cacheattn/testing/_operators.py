@@ -254,7 +254,8 @@ def _onnx_expect(request: OnnxRequest, inputs, attrs):
 
 ONNX_ATTENTION = Operator(
     name="onnx_attention", function=cacheattn.onnx_attention, features=ONNX_FEATURES,
-    dtypes=("float16", "float32", "float64"), strategy=_onnx_strategy, uses=_onnx_uses, problem=_onnx_problem,
+    dtypes=("float16", "bfloat16", "float32", "float64"), strategy=_onnx_strategy, uses=_onnx_uses,
+    problem=_onnx_problem,
     expect=_onnx_expect, outputs=("Y", "present_key", "present_value", "qk_matmul_output"),
     case_imports=("OnnxCase",))
 

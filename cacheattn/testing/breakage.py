@@ -222,6 +222,23 @@ def cast(name: str, dtype, other=None) -> Callable:
     return value
 
 
+def other_half(name: str) -> Callable:
+    """call[name] in the other of the 16-bit floats: bfloat16 for float16, float16 for anything else."""
+    def value(call):
+        import ml_dtypes
+        x = required(call, name)
+        return x.astype(ml_dtypes.bfloat16 if x.dtype == np.float16 else np.float16)
+    return value
+
+
+def bfloat16_bits(name: str) -> Callable:
+    """call[name] as uint16 (bfloat16's bits, as a caller without cacheattn.bfloat16 would pass them)."""
+    def value(call):
+        x = required(call, name)
+        return x.astype(np.float32).view(np.uint32).astype(np.uint16)
+    return value
+
+
 def other_float(name: str) -> Callable:
     """call[name] in the other of float16 / float32 (float32 for anything else)."""
     def value(call):
@@ -565,7 +582,9 @@ def three_d(call: Call) -> bool:
 ONNX_ATTENTION = [
     broken("Q", "5-D", sets(Q=lambda c: required(c, "Q").reshape((1,) * (5 - c["Q"].ndim) + c["Q"].shape))),
     broken("Q", "int32", sets(Q=cast("Q", np.int32))),
+    broken("Q", "uint16 (bfloat16 bits, unwrapped)", sets(Q=bfloat16_bits("Q"))),
     broken("K", "another float dtype", sets(K=cast("K", np.float64, np.float32))),
+    broken("K", "the other 16-bit float (float16 / bfloat16)", sets(K=other_half("K")), "Q"),
     broken("V", "another float dtype", sets(V=cast("V", np.float64, np.float32))),
     broken("K", "one batch more", sets(K=grow("K", 0))),
     broken("V", "one batch more", sets(V=grow("V", 0))),
@@ -817,6 +836,9 @@ GPT_ATTENTION = [
     broken("past_key_value", "int8 without kv_cache_quant_mode", sets(past_key_value=cast("past_key_value", np.int8)),
            when=lambda c: trt_contiguous(c) and not kv_quantized(c)),
     broken("qkv_bias", "one short", sets(qkv_bias=lambda c: np.zeros(c["qkv"].shape[-1] - 1, c["qkv"].dtype))),
+    broken("qkv_bias", "the other 16-bit float (float16 / bfloat16)", sets(qkv_bias=other_half("qkv_bias")), "qkv",
+           when=present("qkv_bias")),
+    broken("qkv", "uint16 (bfloat16 bits, unwrapped)", sets(qkv=bfloat16_bits("qkv"))),
     broken("alibi_slopes", "a head short", sets(alibi_slopes=shrink("alibi_slopes", 0)), when=present("alibi_slopes")),
     broken("relative_attention_bias", "a head short",
            sets(relative_attention_bias=shrink("relative_attention_bias", 0)),
