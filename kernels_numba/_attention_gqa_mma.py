@@ -73,7 +73,7 @@ from ._attention_core import SHARED_BYTES
 from ._dequant import (
     INTERLEAVE_BYTES,
     INTERLEAVE_HALVES,
-    e4m3x4_to_half2,
+    e4m3x4_to_half2_target,
     half2_floats,
     int4x8_to_half2,
     int8x4_to_half2,
@@ -324,7 +324,7 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
     SCALED = bool(quant_bit) and not per_tensor      # group scales loaded beside the codes and multiplied in
     if (per_tensor or e4m3) and quant_bit != 8:
         raise ValueError(f"quant_bit: a per-tensor or e4m3 cache holds 8-bit codes, got {quant_bit}")
-    to_half2 = e4m3x4_to_half2 if e4m3 else int8x4_to_half2
+    to_half2 = e4m3x4_to_half2_target if e4m3 else int8x4_to_half2   # cvt where the target has it
     ITEM = 2 if quant_bit == 0 else 1                # bytes of a data element (int4: a byte holds two codes)
     K_DIMS, V_DIMS = D // 4, D // 8                  # dims of a row a lane loads: K (per quad), V (per grp)
     K_BYTES, V_BYTES = K_DIMS * BITS // 8, V_DIMS * BITS // 8
