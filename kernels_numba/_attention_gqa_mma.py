@@ -86,7 +86,7 @@ from ._dequant import (
 )
 from ._mma import MMA_K, MMA_M, MMA_N, mma_m16n8k16, pack_half2, quad_max2, quad_sum2, scratch_shapes
 from ._vector import load8, load16
-from ._warp import WARP_SIZE, lane_values
+from ._warp import WARP_SIZE, lane_values, warp_any
 
 LOG2_E = 1.4426950408889634   # scores are kept in base 2: exp(x) = 2 ** (x log2 e), one ex2 each
 KEY_TILE = 16                 # keys a warp takes a trip: two n8 tiles of S, one k16 step of P·V
@@ -520,11 +520,13 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                     tile_max[r] = max(tile_max[r], x)
         top0, top1 = quad_max2(tile_max[0], tile_max[1], quad_scratch, warp, lane)
         tile_max[0], tile_max[1] = top0, top1
+        rescale = False
         for r in range(R):
             new_max = max(row_max[r], tile_max[r])
             alpha = f32(1.0)
             if new_max != NEG_INF:                   # all hidden so far: nothing to rescale, p = 0
                 alpha = exp2(row_max[r] - new_max)
+            rescale = rescale or new_max != row_max[r]
             part = f32(0.0)
             for nt in range(2):
                 for c in range(2):
@@ -535,9 +537,15 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                     part += p
             row_sum[r] = row_sum[r] * alpha + part
             row_max[r] = new_max
-            for vt in range(V_TILES):
-                o[vt, 2 * r] *= alpha
-                o[vt, 2 * r + 1] *= alpha
+            tile_max[r] = alpha
+        # O's rescale only when some row's max moved: after the first trips of a long sequence it rarely does, and
+        # a branch on the warp's vote skips the 2 D / 8 multiplies of every lane together (where it is taken, the
+        # lanes whose max stayed multiply by 1, exactly)
+        if warp_any(rescale, quad_scratch, warp, lane):
+            for r in range(R):
+                for vt in range(V_TILES):
+                    o[vt, 2 * r] *= tile_max[r]
+                    o[vt, 2 * r + 1] *= tile_max[r]
         # 4. P as the A fragment of P·V (rows grp + 8 zero unless the block has them)
         p0, p2 = pack_half2(s[0, 0], s[0, 1]), pack_half2(s[1, 0], s[1, 1])
         p1, p3 = ZERO, ZERO
