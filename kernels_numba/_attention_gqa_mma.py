@@ -320,6 +320,7 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
         raise ValueError(f"head_dim: {D} is not one the tensor-core decode kernel takes ({HEAD_DIMS})")
     K_STEPS, V_TILES = D // MMA_K, D // MMA_N
     R = _rows(HPB)                                   # C rows a lane keeps: grp (and grp + 8)
+    TRANSPOSED = R == 1                              # scores as Sᵀ = K Qᵀ: the heads fit the mma's 8 columns
     BITS = quant_bit or 16
     SCALED = bool(quant_bit) and not per_tensor      # group scales loaded beside the codes and multiplied in
     if (per_tensor or e4m3) and quant_bit != 8:
@@ -428,12 +429,12 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
         rows: (b, h0, lo, hi, seqlen, kvlen); srcs: (k_src, v_src); kvs: this lane's element / scale indices of
         slot 0 (K data, K scales, V data, V scales), then the same plus its first key's rows (K: grp, V: 2q);
         walk: int64 (page index, offset, key it is at); acc: (row_max, row_sum, o, qa);
-        regs: (s, tile_max, kw, ksc, vw, vsc, kb, vb, swap)."""
+        regs: (s, tile_max, kw, ksc, vw, vsc, kb, vb, swap, moved)."""
         b, h0, lo, hi, seqlen, kvlen = rows
         k_src, v_src = srcs
         k_row, k_sc, v_row, v_sc, k_lane, k_sc_lane, v_lane, v_sc_lane = kvs
         row_max, row_sum, o, qa = acc
-        s, tile_max, kw, ksc, vw, vsc, kb, vb, swap = regs
+        s, tile_max, kw, ksc, vw, vsc, kb, vb, swap, moved = regs
         mma_scratch, quad_scratch = scratch
         grp, quad = lane // 4, lane % 4
         sm_log2 = sm_scale * f32(LOG2_E)            # scores and row maxima in base 2
@@ -487,16 +488,41 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                 load_v(v_src.data, at, vw, (n - 2) * V_WORDS)
                 if SCALED:
                     load_v_scales(v_src.scales, sc_at, vsc, (n - 2) * VS_WORDS)
-        # 2. S = Q Kᵀ: two n8 tiles (keys t0 + grp.., t0 + 8 + grp..), D / 16 mma each
+        # 2. the scores: s[nt, 2 r + c] = S[head grp + 8 r, key t0 + 8 nt + 2 quad + c]
         key_fragments(kw, ksc, kb)
-        for nt in range(2):
-            for e in range(4):
-                s[nt, e] = 0.0
-        for ks in range(K_STEPS):
+        if TRANSPOSED:
+            # Sᵀ = K Qᵀ, D / 16 mma: the trip's 16 keys fill the A rows (the lane's keys grp, grp + 8, the K
+            # registers it loaded), the group's heads the 8 columns (B: Q's row grp, the registers of A fragments).
+            c0 = c1 = c2 = c3 = f32(0.0)
+            for ks in range(K_STEPS):
+                c0, c1, c2, c3 = mma_m16n8k16(kb[0, ks, 0], kb[1, ks, 0], kb[0, ks, 1], kb[1, ks, 1], qa[ks, 0],
+                                              qa[ks, 2], c0, c1, c2, c3, mma_scratch, warp, lane)
+            # Lane (g, q) holds Sᵀ of keys g, g + 8 (c0, c1; c2, c3) at heads 2q, 2q + 1; head h's keys 2q + j,
+            # 2q + j + 8 are at lane 4 (2q + j) + h / 2, column h % 2. Two rounds of two shuffles: in round i, lane
+            # (g, q) reads lane 4 (2q + j) + g / 2 with j = i ^ (g % 2), which sends its column i ^ (its g % 2),
+            # the very column g % 2 the reader needs (each sender has readers of both columns, one a round).
+            odd = grp % 2
+            for i in range(2):
+                j = i ^ odd
+                src = 4 * (2 * quad + j) + grp // 2
+                lane_values(moved, 1, c1 if j == 1 else c0, quad_scratch, warp, lane, src, 0)
+                low = moved[0]
+                lane_values(moved, 1, c3 if j == 1 else c2, quad_scratch, warp, lane, src, 0)
+                high = moved[0]
+                if j == 0:
+                    s[0, 0], s[1, 0] = low, high
+                else:
+                    s[0, 1], s[1, 1] = low, high
+        else:
+            # S = Q Kᵀ: two n8 tiles (keys t0 + grp.., t0 + 8 + grp..), D / 16 mma each; rows 8.. hold heads 8..
             for nt in range(2):
-                s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3] = mma_m16n8k16(
-                    qa[ks, 0], qa[ks, 1], qa[ks, 2], qa[ks, 3], kb[nt, ks, 0], kb[nt, ks, 1],
-                    s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3], mma_scratch, warp, lane)
+                for e in range(4):
+                    s[nt, e] = 0.0
+            for ks in range(K_STEPS):
+                for nt in range(2):
+                    s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3] = mma_m16n8k16(
+                        qa[ks, 0], qa[ks, 1], qa[ks, 2], qa[ks, 3], kb[nt, ks, 0], kb[nt, ks, 1],
+                        s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3], mma_scratch, warp, lane)
         # 3. scores and the online softmax; element e of a C tile: row grp + 8 * (e // 2), key 2q + e % 2. Without
         #    a mask or ALiBi a decode score is q.k / sqrt(D) (causality hides no key of the one query), and a row
         #    past the group's heads needs no mask: its scores never meet a real row's (a row's max is its quad's).
@@ -680,7 +706,7 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
         regs = (cuda.local.array((2, 4), f32), cuda.local.array(2, f32), cuda.local.array(KW_SIZE, np.uint32),
                 cuda.local.array(KSC_SIZE, np.uint32), cuda.local.array(VW_SIZE, np.uint32),
                 cuda.local.array(VSC_SIZE, np.uint32), cuda.local.array((2, K_STEPS, 2), np.uint32),
-                cuda.local.array((2, V_TILES), np.uint32), cuda.local.array(1, np.int32))
+                cuda.local.array((2, V_TILES), np.uint32), cuda.local.array(1, np.int32), cuda.local.array(1, f32))
         acc = (row_max, row_sum, o, qa)
 
         lo, hi = key_range(score_args, b, 0, 0, seqlen, kvlen)
