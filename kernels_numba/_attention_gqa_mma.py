@@ -42,11 +42,20 @@ sectors (two chunks of two groups: int8 at D = 128, groups of 8) each lane loads
 in one 8-byte load, the quad a whole sector, and trades one with its neighbour lane. Q's A fragments (built once)
 take K's dims, loaded in 16-byte loads of the query row.
 
+A group of at most 8 heads computes its scores transposed, Sᵀ = K Qᵀ: the trip's 16 keys fill the mma's rows
+(A: the K registers a lane loaded, keys grp and grp + 8 at the same reduction indices), the heads its 8 columns
+(B: Q's row grp, two registers a k-step), so the scores take D / 16 mma instead of D / 8 and Q needs no zero rows.
+Lane (g, q) then holds keys g, g + 8 of heads 2q, 2q + 1; four shuffles hand each head's keys to the lanes of its
+row (`trip`), where the layout below continues unchanged. FP8 (e4m3) codes convert by cvt.rn.f16x2.e4m3x2 where
+the compile's target has it, by integer instructions on sm_80 (`_dequant.e4m3x4_to_half2_target`).
+
 Softmax runs on the C fragments as in the prefill kernel (a row's maximum over a trip by `quad_max2`), once a
 trip, in base 2 (scores times log2(e) / sqrt(D), one ex2.approx an exponential): P, packed to float16, is the A
-fragment of P·V. Rows 8 .. 15 of a group of at most 8 heads are empty: the kernel drops their softmax, their O
-accumulators and Q's registers at compile time. Without a mask or ALiBi (a compile-time choice) a decode score is
-q.k / sqrt(D): the one query sees every key, so the operator's score function is not called.
+fragment of P·V. O is rescaled only when some lane's row maximum moved (a branch on the warp's vote, which after
+the first trips of a long sequence is rarely taken). Rows 8 .. 15 of a group of at most 8 heads are empty: the
+kernel drops their softmax, their O accumulators and Q's registers at compile time. Without a mask or ALiBi (a
+compile-time choice) a decode score is q.k / sqrt(D): the one query sees every key, so the operator's score
+function is not called.
 
 Keys: the block's key range starts at a multiple of 16, warp w takes trips w, w + warps, ... Every round of trips
 but the last holds whole tiles below the last key, so its loads need no bounds: a trip in one page (the page
@@ -506,13 +515,13 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                 j = i ^ odd
                 src = 4 * (2 * quad + j) + grp // 2
                 lane_values(moved, 1, c1 if j == 1 else c0, quad_scratch, warp, lane, src, 0)
-                low = moved[0]
+                key_lo = moved[0]
                 lane_values(moved, 1, c3 if j == 1 else c2, quad_scratch, warp, lane, src, 0)
-                high = moved[0]
+                key_hi = moved[0]
                 if j == 0:
-                    s[0, 0], s[1, 0] = low, high
+                    s[0, 0], s[1, 0] = key_lo, key_hi
                 else:
-                    s[0, 1], s[1, 1] = low, high
+                    s[0, 1], s[1, 1] = key_lo, key_hi
         else:
             # S = Q Kᵀ: two n8 tiles (keys t0 + grp.., t0 + 8 + grp..), D / 16 mma each; rows 8.. hold heads 8..
             for nt in range(2):
