@@ -42,11 +42,20 @@ sectors (two chunks of two groups: int8 at D = 128, groups of 8) each lane loads
 in one 8-byte load, the quad a whole sector, and trades one with its neighbour lane. Q's A fragments (built once)
 take K's dims, loaded in 16-byte loads of the query row.
 
+A group of at most 8 heads computes its scores transposed, Sᵀ = K Qᵀ: the trip's 16 keys fill the mma's rows
+(A: the K registers a lane loaded, keys grp and grp + 8 at the same reduction indices), the heads its 8 columns
+(B: Q's row grp, two registers a k-step), so the scores take D / 16 mma instead of D / 8 and Q needs no zero rows.
+Lane (g, q) then holds keys g, g + 8 of heads 2q, 2q + 1; four shuffles hand each head's keys to the lanes of its
+row (`trip`), where the layout below continues unchanged. FP8 (e4m3) codes convert by cvt.rn.f16x2.e4m3x2 where
+the compile's target has it, by integer instructions on sm_80 (`_dequant.e4m3x4_to_half2_target`).
+
 Softmax runs on the C fragments as in the prefill kernel (a row's maximum over a trip by `quad_max2`), once a
 trip, in base 2 (scores times log2(e) / sqrt(D), one ex2.approx an exponential): P, packed to float16, is the A
-fragment of P·V. Rows 8 .. 15 of a group of at most 8 heads are empty: the kernel drops their softmax, their O
-accumulators and Q's registers at compile time. Without a mask or ALiBi (a compile-time choice) a decode score is
-q.k / sqrt(D): the one query sees every key, so the operator's score function is not called.
+fragment of P·V. O is rescaled only when some lane's row maximum moved (a branch on the warp's vote, which after
+the first trips of a long sequence is rarely taken). Rows 8 .. 15 of a group of at most 8 heads are empty: the
+kernel drops their softmax, their O accumulators and Q's registers at compile time. Without a mask or ALiBi (a
+compile-time choice) a decode score is q.k / sqrt(D): the one query sees every key, so the operator's score
+function is not called.
 
 Keys: the block's key range starts at a multiple of 16, warp w takes trips w, w + warps, ... Every round of trips
 but the last holds whole tiles below the last key, so its loads need no bounds: a trip in one page (the page
@@ -74,7 +83,7 @@ from ._attention_core import SHARED_BYTES
 from ._dequant import (
     INTERLEAVE_BYTES,
     INTERLEAVE_HALVES,
-    e4m3x4_to_half2,
+    e4m3x4_to_half2_target,
     half2_floats,
     int4x8_to_half2,
     int8x4_to_half2,
@@ -87,7 +96,7 @@ from ._dequant import (
 )
 from ._mma import MMA_K, MMA_M, MMA_N, mma_m16n8k16, pack_half2, quad_max2, quad_sum2, scratch_shapes
 from ._vector import load8, load16
-from ._warp import WARP_SIZE, lane_values
+from ._warp import WARP_SIZE, lane_values, warp_any
 
 LOG2_E = 1.4426950408889634   # scores are kept in base 2: exp(x) = 2 ** (x log2 e), one ex2 each
 KEY_TILE = 16                 # keys a warp takes a trip: two n8 tiles of S, one k16 step of P·V
@@ -323,11 +332,12 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
         raise ValueError(f"head_dim: {D} is not one the tensor-core decode kernel takes ({HEAD_DIMS})")
     K_STEPS, V_TILES = D // MMA_K, D // MMA_N
     R = _rows(HPB)                                   # C rows a lane keeps: grp (and grp + 8)
+    TRANSPOSED = R == 1                              # scores as Sᵀ = K Qᵀ: the heads fit the mma's 8 columns
     BITS = quant_bit or 16
     SCALED = bool(quant_bit) and not per_tensor      # group scales loaded beside the codes and multiplied in
     if (per_tensor or e4m3) and quant_bit != 8:
         raise ValueError(f"quant_bit: a per-tensor or e4m3 cache holds 8-bit codes, got {quant_bit}")
-    to_half2 = e4m3x4_to_half2 if e4m3 else int8x4_to_half2
+    to_half2 = e4m3x4_to_half2_target if e4m3 else int8x4_to_half2   # cvt where the target has it
     ITEM = 2 if quant_bit == 0 else 1                # bytes of a data element (int4: a byte holds two codes)
     K_DIMS, V_DIMS = D // 4, D // 8                  # dims of a row a lane loads: K (per quad), V (per grp)
     K_BYTES, V_BYTES = K_DIMS * BITS // 8, V_DIMS * BITS // 8
@@ -431,12 +441,12 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
         rows: (b, h0, lo, hi, seqlen, kvlen); srcs: (k_src, v_src); kvs: this lane's element / scale indices of
         slot 0 (K data, K scales, V data, V scales), then the same plus its first key's rows (K: grp, V: 2q);
         walk: int64 (page index, offset, key it is at); acc: (row_max, row_sum, o, qa);
-        regs: (s, tile_max, kw, ksc, vw, vsc, kb, vb, swap)."""
+        regs: (s, tile_max, kw, ksc, vw, vsc, kb, vb, swap, moved)."""
         b, h0, lo, hi, seqlen, kvlen = rows
         k_src, v_src = srcs
         k_row, k_sc, v_row, v_sc, k_lane, k_sc_lane, v_lane, v_sc_lane = kvs
         row_max, row_sum, o, qa = acc
-        s, tile_max, kw, ksc, vw, vsc, kb, vb, swap = regs
+        s, tile_max, kw, ksc, vw, vsc, kb, vb, swap, moved = regs
         mma_scratch, quad_scratch = scratch
         grp, quad = lane // 4, lane % 4
         sm_log2 = sm_scale * f32(LOG2_E)            # scores and row maxima in base 2
@@ -490,16 +500,41 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                 load_v(v_src.data, at, vw, (n - 2) * V_WORDS)
                 if SCALED:
                     load_v_scales(v_src.scales, sc_at, vsc, (n - 2) * VS_WORDS)
-        # 2. S = Q Kᵀ: two n8 tiles (keys t0 + grp.., t0 + 8 + grp..), D / 16 mma each
+        # 2. the scores: s[nt, 2 r + c] = S[head grp + 8 r, key t0 + 8 nt + 2 quad + c]
         key_fragments(kw, ksc, kb)
-        for nt in range(2):
-            for e in range(4):
-                s[nt, e] = 0.0
-        for ks in range(K_STEPS):
+        if TRANSPOSED:
+            # Sᵀ = K Qᵀ, D / 16 mma: the trip's 16 keys fill the A rows (the lane's keys grp, grp + 8, the K
+            # registers it loaded), the group's heads the 8 columns (B: Q's row grp, the registers of A fragments).
+            c0 = c1 = c2 = c3 = f32(0.0)
+            for ks in range(K_STEPS):
+                c0, c1, c2, c3 = mma_m16n8k16(kb[0, ks, 0], kb[1, ks, 0], kb[0, ks, 1], kb[1, ks, 1], qa[ks, 0],
+                                              qa[ks, 2], c0, c1, c2, c3, mma_scratch, warp, lane)
+            # Lane (g, q) holds Sᵀ of keys g, g + 8 (c0, c1; c2, c3) at heads 2q, 2q + 1; head h's keys 2q + j,
+            # 2q + j + 8 are at lane 4 (2q + j) + h / 2, column h % 2. Two rounds of two shuffles: in round i, lane
+            # (g, q) reads lane 4 (2q + j) + g / 2 with j = i ^ (g % 2), which sends its column i ^ (its g % 2),
+            # the very column g % 2 the reader needs (each sender has readers of both columns, one a round).
+            odd = grp % 2
+            for i in range(2):
+                j = i ^ odd
+                src = 4 * (2 * quad + j) + grp // 2
+                lane_values(moved, 1, c1 if j == 1 else c0, quad_scratch, warp, lane, src, 0)
+                key_lo = moved[0]
+                lane_values(moved, 1, c3 if j == 1 else c2, quad_scratch, warp, lane, src, 0)
+                key_hi = moved[0]
+                if j == 0:
+                    s[0, 0], s[1, 0] = key_lo, key_hi
+                else:
+                    s[0, 1], s[1, 1] = key_lo, key_hi
+        else:
+            # S = Q Kᵀ: two n8 tiles (keys t0 + grp.., t0 + 8 + grp..), D / 16 mma each; rows 8.. hold heads 8..
             for nt in range(2):
-                s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3] = mma_m16n8k16(
-                    qa[ks, 0], qa[ks, 1], qa[ks, 2], qa[ks, 3], kb[nt, ks, 0], kb[nt, ks, 1],
-                    s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3], mma_scratch, warp, lane)
+                for e in range(4):
+                    s[nt, e] = 0.0
+            for ks in range(K_STEPS):
+                for nt in range(2):
+                    s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3] = mma_m16n8k16(
+                        qa[ks, 0], qa[ks, 1], qa[ks, 2], qa[ks, 3], kb[nt, ks, 0], kb[nt, ks, 1],
+                        s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3], mma_scratch, warp, lane)
         # 3. scores and the online softmax; element e of a C tile: row grp + 8 * (e // 2), key 2q + e % 2. Without
         #    a mask or ALiBi a decode score is q.k / sqrt(D) (causality hides no key of the one query), and a row
         #    past the group's heads needs no mask: its scores never meet a real row's (a row's max is its quad's).
@@ -523,11 +558,13 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                     tile_max[r] = max(tile_max[r], x)
         top0, top1 = quad_max2(tile_max[0], tile_max[1], quad_scratch, warp, lane)
         tile_max[0], tile_max[1] = top0, top1
+        rescale = False
         for r in range(R):
             new_max = max(row_max[r], tile_max[r])
             alpha = f32(1.0)
             if new_max != NEG_INF:                   # all hidden so far: nothing to rescale, p = 0
                 alpha = exp2(row_max[r] - new_max)
+            rescale = rescale or new_max != row_max[r]
             part = f32(0.0)
             for nt in range(2):
                 for c in range(2):
@@ -538,9 +575,15 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                     part += p
             row_sum[r] = row_sum[r] * alpha + part
             row_max[r] = new_max
-            for vt in range(V_TILES):
-                o[vt, 2 * r] *= alpha
-                o[vt, 2 * r + 1] *= alpha
+            tile_max[r] = alpha
+        # O's rescale only when some row's max moved: after the first trips of a long sequence it rarely does, and
+        # a branch on the warp's vote skips the 2 D / 8 multiplies of every lane together (where it is taken, the
+        # lanes whose max stayed multiply by 1, exactly)
+        if warp_any(rescale, quad_scratch, warp, lane):
+            for r in range(R):
+                for vt in range(V_TILES):
+                    o[vt, 2 * r] *= tile_max[r]
+                    o[vt, 2 * r + 1] *= tile_max[r]
         # 4. P as the A fragment of P·V (rows grp + 8 zero unless the block has them)
         p0, p2 = pack_half2(s[0, 0], s[0, 1]), pack_half2(s[1, 0], s[1, 1])
         p1, p3 = ZERO, ZERO
@@ -675,7 +718,7 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
         regs = (cuda.local.array((2, 4), f32), cuda.local.array(2, f32), cuda.local.array(KW_SIZE, np.uint32),
                 cuda.local.array(KSC_SIZE, np.uint32), cuda.local.array(VW_SIZE, np.uint32),
                 cuda.local.array(VSC_SIZE, np.uint32), cuda.local.array((2, K_STEPS, 2), np.uint32),
-                cuda.local.array((2, V_TILES), np.uint32), cuda.local.array(1, np.int32))
+                cuda.local.array((2, V_TILES), np.uint32), cuda.local.array(1, np.int32), cuda.local.array(1, f32))
         acc = (row_max, row_sum, o, qa)
 
         lo, hi = key_range(score_args, b, 0, 0, seqlen, kvlen)

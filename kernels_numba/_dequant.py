@@ -42,6 +42,11 @@ handles a pair:
         4 values (ptxas folds the split of the word into the cvt's operands).
     e4m3x4_to_half2_for(cc) -> e4m3x4_to_half2_cvt for a compute capability of (8, 9) or later, else
         e4m3x4_to_half2: what a kernel builder picks for its target (PTX ISA, cvt: .e4m3x2 sources need sm_89).
+    e4m3x4_to_half2_target(word) -> the conversion `e4m3x4_to_half2_for` picks for the compute capability the
+        calling kernel is being compiled for, chosen while it compiles: one kernel object serves every target
+        (a launcher builds its kernels before it knows where they run, and one build is compiled for sm_80 and
+        sm_90 alike). Call it from the kernel or an inline="always" device function, whose body is compiled
+        with the kernel. In the simulator, the cvt's twin.
     scale_half2(word_a, word_b, selector) -> the pair of float16 scales a value pair is multiplied by:
         one prmt.b32 of two words of scales (selector: which 16-bit half of each).
     permute_bytes(word_a, word_b, selector) -> prmt.b32 itself: result byte i is byte (selector >> 4i) & 7 of
@@ -176,6 +181,8 @@ if SIMULATED:
         words = bits.view(np.uint32)
         return np.uint32(words[0]), np.uint32(words[1])
 
+    e4m3x4_to_half2_target = e4m3x4_to_half2_cvt     # the simulator models an sm_90
+
     @cuda.jit(device=True)
     def scale_half2(word_a, word_b, selector):
         """The float16 pair (half of word_a, half of word_b) that `selector` (pair_selector) picks."""
@@ -212,15 +219,17 @@ if SIMULATED:
 else:
     from llvmlite import ir
     from numba import types
+    from numba.core import targetconfig
     from numba.cuda.extending import intrinsic
 
     from ._vector import element_pointer
 
     _WORD = ir.IntType(32)
 
-    def _words_asm(name: str, inputs: int, outputs: int, text: str):
+    def _words_asm(name: str, inputs: int, outputs: int, text):
         """An intrinsic of `inputs` uint32 arguments returning `outputs` uint32 (a tuple when several), whose body is
-        the inline PTX `text` ($0.. the outputs, then the inputs; every operand a 32-bit register)."""
+        the inline PTX `text` ($0.. the outputs, then the inputs; every operand a 32-bit register), or `text(cc)`
+        for the compute capability of the compile it is lowered in."""
         constraints = ",".join(["=r"] * outputs + ["r"] * inputs)
 
         def typer(typingctx, *args):
@@ -231,7 +240,8 @@ else:
             def codegen(context, builder, sig, llargs):
                 words = [context.cast(builder, v, t, types.uint32) for v, t in zip(llargs, sig.args)]
                 out_type = _WORD if outputs == 1 else ir.LiteralStructType([_WORD] * outputs)
-                value = builder.call(ir.InlineAsm(ir.FunctionType(out_type, [_WORD] * inputs), text, constraints),
+                body = text(targetconfig.ConfigStack().top().compute_capability) if callable(text) else text
+                value = builder.call(ir.InlineAsm(ir.FunctionType(out_type, [_WORD] * inputs), body, constraints),
                                      words)
                 if outputs == 1:
                     return value
@@ -270,19 +280,23 @@ else:
         "sub.rn.f16x2 $0, $0, c; fma.rn.f16x2 $1, $1, k, a; "
         "sub.rn.f16x2 $2, $2, c; fma.rn.f16x2 $3, $3, k, a; }"))
 
-    _e4m3x4 = _words_asm("_e4m3x4", 1, 2, (
+    _E4M3X4 = (
         "{ .reg .b32 m, c; "
         f"and.b32 m, $2, {E4M3_MAGNITUDE:#x}; add.u32 c, m, {E4M3_NAN_CARRY:#x}; "
         f"lop3.b32 m, m, c, {E4M3_NAN_FLAG:#x}, {LOP3_OR_AND:#x}; "
         f"prmt.b32 $0, m, $2, {E4M3_PAIRS[0]:#x}; prmt.b32 $1, m, $2, {E4M3_PAIRS[1]:#x}; "
         f"shl.b32 $0, $0, {E4M3_SHIFT}; shl.b32 $1, $1, {E4M3_SHIFT}; "
-        f"and.b32 $0, $0, {E4M3_KEEP:#x}; and.b32 $1, $1, {E4M3_KEEP:#x}; }}"))
-
-    _e4m3x4_cvt = _words_asm("_e4m3x4_cvt", 1, 2, (
+        f"and.b32 $0, $0, {E4M3_KEEP:#x}; and.b32 $1, $1, {E4M3_KEEP:#x}; }}")
+    _E4M3X4_CVT = (
         "{ .reg .b16 l, h; .reg .b32 s; "
         f"mov.b32 {{l, h}}, $2; mov.b32 s, {E4M3_CVT_SCALE:#x}; "
         "cvt.rn.f16x2.e4m3x2 $0, l; cvt.rn.f16x2.e4m3x2 $1, h; "
-        "mul.rn.f16x2 $0, $0, s; mul.rn.f16x2 $1, $1, s; }"))
+        "mul.rn.f16x2 $0, $0, s; mul.rn.f16x2 $1, $1, s; }")
+    _e4m3x4 = _words_asm("_e4m3x4", 1, 2, _E4M3X4)
+    _e4m3x4_cvt = _words_asm("_e4m3x4_cvt", 1, 2, _E4M3X4_CVT)
+    # the body of e4m3x4_to_half2_for(cc), for the cc being compiled (None outside a compile: the integer one)
+    _e4m3x4_target = _words_asm("_e4m3x4_target", 1, 2, lambda cc: _E4M3X4_CVT if cc and
+                                e4m3x4_to_half2_for(tuple(cc)) is e4m3x4_to_half2_cvt else _E4M3X4)
 
     _prmt = _words_asm("_prmt", 3, 1, "prmt.b32 $0, $1, $2, $3;")
     _mul = _words_asm("_mul", 2, 1, "mul.rn.f16x2 $0, $1, $2;")
@@ -350,6 +364,12 @@ else:
     def e4m3x4_to_half2_cvt(word):
         """e4m3x4_to_half2 by cvt.rn.f16x2.e4m3x2 (sm_89+): the same pairs; the NaN codes give 0x7fff."""
         return _e4m3x4_cvt(word)
+
+    @cuda.jit(device=True, inline="always")
+    def e4m3x4_to_half2_target(word):
+        """e4m3x4_to_half2_for(the compiled target)'s pairs: cvt.rn.f16x2.e4m3x2 from sm_89 on, the integer path
+        before (inlined into the kernel, so it is chosen in the kernel's compile)."""
+        return _e4m3x4_target(word)
 
     @cuda.jit(device=True)
     def scale_half2(word_a, word_b, selector):

@@ -6,7 +6,8 @@ and every lane of a group ends with the same bits (each step combines the same t
 (1, 32) is the whole warp (`warp_sum`), (1, w) a group of w consecutive lanes (rung 3: the lanes that share one
 key row), (w, 32) the lanes at the same place of every group (rung 3: merging the keys a warp walked at once).
 `transpose_sum` sums many values over a group so that each lane ends with a different one (rung 3's logits of
-a tile of keys) and `lane_values` reads other lanes' values (`shfl_sync`).
+a tile of keys), `lane_values` reads other lanes' values (`shfl_sync`) and `warp_any` tells every lane whether
+any lane's condition holds (`vote.any`: a branch on it is taken by the whole warp or by none).
 numba's CUDA simulator has no shuffles, so there the same device functions go through a per-warp row of
 shared memory between two block barriers (`xor_reduce_many`: one pair for several values, as the simulator's
 cost is its barriers); their callers therefore call them the same number of times in
@@ -103,6 +104,17 @@ if SIMULATED:
         cuda.syncthreads()
         for k in range(count):
             out[k] = scratch[warp, first + k * stride, 0]
+
+    @cuda.jit(device=True)
+    def warp_any(pred, scratch, warp, lane):
+        """Whether `pred` holds in any lane of this warp, in every lane (scratch: shared (warps, 32, >= 1))."""
+        cuda.syncthreads()
+        scratch[warp, lane, 0] = 1 if pred else 0
+        cuda.syncthreads()
+        for k in range(WARP_SIZE):
+            if scratch[warp, k, 0] != 0:
+                return True
+        return False
 else:
     @cuda.jit(device=True, inline="always")
     def transpose_sum(values, per, scratch, warp, lane, lanes):
@@ -125,6 +137,11 @@ else:
         """out[k] = x of lane first + k * stride of this warp, k < count (scratch unused on a GPU)."""
         for k in range(count):
             out[k] = cuda.shfl_sync(FULL_MASK, x, first + k * stride)
+
+    @cuda.jit(device=True, inline="always")
+    def warp_any(pred, scratch, warp, lane):
+        """Whether `pred` holds in any lane of this warp, in every lane: vote.any (scratch unused on a GPU)."""
+        return cuda.any_sync(FULL_MASK, pred)
 
 
 @cuda.jit(device=True, inline="always")

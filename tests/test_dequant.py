@@ -28,7 +28,7 @@ from kernels_numba._cache import scale_loads
 from kernels_numba.trtllm_common import e4m3_decode
 from reference.quant import dequantize, pack_int4
 
-from strategies import PPLCase
+from strategies import DEEP, PPLCase
 
 pytestmark = pytest.mark.skipif(not dq.SIMULATED, reason="the twins exist in the simulator only")
 
@@ -275,10 +275,22 @@ def build(cc):
 """
 
 
-def test_e4m3_conversion_for_sm_89_and_later_is_two_f2fp():
-    """The conversion a kernel builder picks: on sm_80 the integer path (two PRMT, no F2FP); on sm_89 and sm_90 two
-    cvt.rn.f16x2.e4m3x2 (F2FP.F16.E4M3.UNPACK_B in the machine code) and two f16x2 multiplies (the 2^-8)."""
-    compiled = compile_kernels(E4M3_FOR_COMPILE, ccs=((8, 0), (8, 9), (9, 0)))
+# One kernel object for every target: the conversion is chosen while each compile lowers it.
+E4M3_TARGET_COMPILE = E4M3_FOR_COMPILE.replace("dq.e4m3x4_to_half2_for(cc)", "dq.e4m3x4_to_half2_target")
+assert E4M3_TARGET_COMPILE != E4M3_FOR_COMPILE
+
+
+# The compile-time choice is another compile for three targets: the deep tier's.
+TARGET_DEEP = pytest.mark.skipif(not DEEP, reason="the deep tier: CACHEATTN_EXAMPLES=2 or more (.ci/run)")
+
+
+@pytest.mark.parametrize("script", [E4M3_FOR_COMPILE, pytest.param(E4M3_TARGET_COMPILE, marks=TARGET_DEEP)],
+                         ids=["for(cc)", "target"])
+def test_e4m3_conversion_for_sm_89_and_later_is_two_f2fp(script):
+    """The conversion a kernel builder picks (or the compile picks, `e4m3x4_to_half2_target`): on sm_80 the integer
+    path (two PRMT, no F2FP); on sm_89 and sm_90 two cvt.rn.f16x2.e4m3x2 (F2FP.F16.E4M3.UNPACK_B in the machine
+    code) and two f16x2 multiplies (the 2^-8)."""
+    compiled = compile_kernels(script, ccs=((8, 0), (8, 9), (9, 0)))
     ops = compiled["sm_80"]["opcodes"]
     assert count(ops, "PRMT") == 2 and count(ops, "F2FP") == 0, ops
     for cc in ("sm_89", "sm_90"):

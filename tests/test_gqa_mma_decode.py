@@ -244,12 +244,15 @@ def test_decode_loads_whole_sectors(quant_bit):
     """Recorded as Nsight Compute counts it: every K/V load request (and a quantized cache's scale loads) of the
     decode kernel uses every byte of the 32-byte sectors it touches, at head_dim 128 where a lane's slice is
     several 16-byte chunks (float16 K: 4, V: 2; int8 K: 2, its group scales traded within the quad), and so do
-    a float16 cache's query loads. The output still conforms."""
+    a float16 cache's query loads. The output still conforms, and the recorder finds no race, uninitialized shared
+    read or out-of-bounds index (the shuffles and the warp vote of the transposed scores included)."""
     from cacheattn import lab
 
     case = _case(quant_bit=quant_bit, head_dim=128, past=(40, 33), seed=11 + quant_bit)
     with lab.record() as rec:
         kit.check_case("multi_head_cache_attention", _kernel("multi_head_cache_attention", 64), case)
+    assert any(launch.kernel == "gqa_decode_attention_kernel" for launch in rec.launches)
+    assert not rec.hazards, rec.report()
     arrays = {}
     for launch in rec.launches:
         if launch.kernel == "gqa_decode_attention_kernel":
