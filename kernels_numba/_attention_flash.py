@@ -1,0 +1,346 @@
+"""Rung 6 of the kernel ladder: prefill in the FlashAttention-2 manner (Dao 2023, "FlashAttention-2").
+
+Rung 5 (`_attention_mma`) gives each warp 16 query rows and stages K and V through float32 registers, 16 keys a
+warp a step, four barriers a step. Here a block of `warps` warps owns 16 * warps consecutive query positions of
+one query head (64 at 4 warps), each warp its own 16 rows, and all warps share K and V tiles of KEY_TILE keys
+(`key_tile`: 64, 32 at head_dim above 128), which go global -> shared memory untouched by registers:
+
+    1. Q as mma A fragments, once: head_dim / 16 k-steps x 4 registers of two 16-bit values a lane, read from
+       global memory as the bits they are (float16 or bfloat16 alike), kept in registers for the whole loop;
+    2. K and V tiles by `cp.async` 16-byte copies (`_async_copy`), each thread the same 16-byte column of rows
+       tid // chunks + n * threads / chunks; keys from `hi` on are zeros (plain stores), so P·V never multiplies
+       a zero by an unwritten value. The copies of one tile overlap the other's math, FlashAttention-2's order:
+
+           wait K(j); barrier; issue V(j)    | S = Q K(j)ᵀ
+           wait V(j); barrier; issue K(j+1)  | softmax, O += P V(j)
+
+       two barriers a tile: the first also says every warp is done with V(j - 1), the second with K(j);
+    3. S = Q K(j)ᵀ on the tensor cores, K's B fragments by `ldmatrix.x4` (two n-tiles of 8 keys a load);
+    4. scores through the operator's `score` (bias, softcap, causal mask: its specialisation decides which are
+       compiled in); the block's key range (`key_range`, the last row's causal limit) drops the tiles above the
+       diagonal, and only the tiles that cross `lo` or `hi` test each key against them;
+    5. the online softmax on the C fragments (a row's maximum: 16 values a lane, then the quad, `quad_max2`),
+       P rounded to the input dtype and packed as the A fragments of P·V, the row sums kept in float32;
+    6. O += P V(j), V's B fragments by `ldmatrix.x4.trans` (two n-tiles of head_dim a load), then O / l.
+
+Shared memory holds one K and one V tile as 16-bit values, rows of head_dim / 8 chunks of 16 bytes. An 8x8
+`ldmatrix` reads the same chunk of 8 consecutive rows: unswizzled at head_dim 128 those 8 rows start 256 bytes
+apart, all in the same 4 banks. Chunk c of row r is stored at chunk c ^ f(r), f(r) = r % 8 when a row has at least
+8 chunks (the 8 rows' chunks land in 8 different 16-byte bank groups: all 32 banks), and for 2 or 4 chunks a row
+f(r) = (r // (8 / chunks)) % chunks, which spreads the 8 rows the same way. The copies' stores are spread alike.
+
+Paged caches: a thread walks its keys' (page, offset) pairs with `_cache.page_walk` and reads the page table
+once a key row it copies (`page_slot`), with the source's 32-bit offsets where the host narrowed them; the one
+division (the first key's page) happens once a thread. K and V must share the page table and the page size
+(the operators' sources do). Caches are unquantized float16 or bfloat16; a quantized cache stays on rung 5.
+
+The simulator runs every piece through its twins (`_async_copy`, `_mma`), which check that no shared byte is read
+before the copy into it was waited for.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda
+
+from ._async_copy import SHARED_ALIGNMENT, async_target, cp_async16, cp_async_commit, cp_async_wait
+from ._async_copy import ldmatrix_x4, ldmatrix_x4_trans, scratch_shape
+from ._attention_core import SHARED_BYTES
+from ._cache import as_index, as_offset, page_slot, page_walk, slot_rows
+from ._mma import MMA_K, MMA_M, MMA_N, mma_m16n8k16, mma_m16n8k16_bf16, pack_bf162, pack_half2, quad_max2, quad_sum2
+from ._mma import scratch_shapes
+from ._warp import WARP_SIZE
+
+CHUNK = 8                       # 16-bit elements in a 16-byte copy
+DTYPES = ("float16", "bfloat16")
+WARPS = (1, 2, 4, 8)
+
+
+def key_tile(head_dim: int) -> int:
+    """Keys a tile: 64 (FlashAttention-2's tile at head_dim 128), 32 above head_dim 128, where one K and one V tile
+    of 64 keys (64 KiB at head_dim 256) would not fit the shared memory."""
+    return 64 if head_dim <= 128 else 32
+
+
+def shared_bytes(head_dim: int, warps: int) -> int:
+    """Shared memory of one block: a K and a V tile of 16-bit values, and the simulator's scratch."""
+    mma, quad = scratch_shapes(warps)
+    scratch = 4 * (math.prod(mma) + math.prod(quad) + math.prod(scratch_shape(warps)))
+    return 2 * key_tile(head_dim) * head_dim * 2 + scratch
+
+
+def why_not(head_dim: int, threads: int) -> str:
+    """Why the kernel cannot take this head_dim at this block size ('' when it can), naming the parameter."""
+    chunks = head_dim // CHUNK
+    if threads % WARP_SIZE or threads // WARP_SIZE not in WARPS:
+        return f"threads: rung 6 takes blocks of {', '.join(str(32 * w) for w in WARPS)} threads, got {threads}"
+    if head_dim % MMA_K or not (chunks in (2, 4) or chunks % 8 == 0):
+        return (f"head_dim: rung 6 takes a head_dim of 16, 32 or a multiple of 64 (whole 16-byte chunks its "
+                f"swizzle can spread), got {head_dim}")
+    if threads % chunks or key_tile(head_dim) % (threads // chunks):
+        return f"threads: {threads} threads do not copy whole rows of head_dim {head_dim} (rung 6)"
+    if shared_bytes(head_dim, threads // WARP_SIZE) > SHARED_BYTES:
+        return f"head_dim: {head_dim} needs more than {SHARED_BYTES} bytes of shared memory per block (rung 6)"
+    return ""
+
+
+def rows_per_block(threads: int) -> int:
+    """Query positions a block holds: 16 a warp."""
+    return MMA_M * (threads // WARP_SIZE)
+
+
+def make_flash_attention_kernel(score, key_range, *, head_dim: int, group: int, warps: int, dtype: str):
+    """Build the kernel. Launch grid (ceil(max_seqlen / (16 * warps)), num_heads, B), 32 * warps threads.
+
+    Arguments as `_attention_core.make_attention_kernel`'s kernel, (q_geom, out_geom, seqlens, kvlens, k_src,
+    v_src, score_args, sm_scale), except that the query and output arrays of the geometries are the 16-bit
+    patterns (uint16 views) of float16 or bfloat16 values (`dtype`), and k_src / v_src are `_cache.CacheSource`s
+    of unquantized 16-bit caches of that dtype whose rows are 16-byte aligned (`_cache.vector_loads_ok`) and
+    which share one page table. score / key_range: the operator's device functions (`_attention_core`)."""
+    reason = why_not(head_dim, warps * WARP_SIZE)
+    if reason:
+        raise ValueError(reason)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: rung 6 multiplies {' or '.join(DTYPES)}, got {dtype}")
+    D, KT, THREADS = head_dim, key_tile(head_dim), warps * WARP_SIZE
+    K_STEPS, S_TILES, O_TILES = D // MMA_K, KT // MMA_N, D // MMA_N
+    CHUNKS = D // CHUNK                      # 16-byte chunks a row
+    ROW_WORDS = D // 2                       # a row in 32-bit words
+    SW = min(CHUNKS, 8)                      # chunks the swizzle permutes
+    SHIFT = (8 // SW).bit_length() - 1       # rows sharing one permutation: 8 / SW
+    STRIDE = THREADS // CHUNKS               # rows apart of a thread's copies
+    PASSES = KT // STRIDE                    # rows a thread copies a tile
+    BF16 = dtype == "bfloat16"
+    mma = mma_m16n8k16_bf16 if BF16 else mma_m16n8k16
+    pack = pack_bf162 if BF16 else pack_half2
+    MMA_SCRATCH, QUAD_SCRATCH = scratch_shapes(warps)
+    LDM_SCRATCH = scratch_shape(warps)
+    ALIGN = SHARED_ALIGNMENT
+    TILE_WORDS = KT * ROW_WORDS
+    f32 = np.float32
+    NEG_INF = f32(-math.inf)
+
+    @cuda.jit(device=True, inline="always")
+    def place(row, chunk):
+        """Word index of chunk `chunk` of tile row `row` (the XOR swizzle of the module docstring)."""
+        return row * ROW_WORDS + (chunk ^ ((row >> SHIFT) & (SW - 1))) * 4
+
+    @cuda.jit(device=True, inline="always")
+    def issue(src, tile_s, pages, offsets, b, g, t_tile, hi, key0, c):
+        """This thread's copies of one tile (rows key0 + n * STRIDE, chunk c) from the (page, offset) pairs the
+        caller walked for them; zeros for keys from hi on."""
+        for n in range(PASSES):
+            key = key0 + n * STRIDE
+            at = place(key, c)
+            if t_tile + key < hi:
+                slot = page_slot(src, b, pages[n], offsets[n])
+                row, _ = slot_rows(src, b, slot, g)
+                cp_async16(tile_s, at, src.data, as_index(as_offset(row + c * CHUNK, row)))
+            else:
+                for w in range(4):
+                    tile_s[at + w] = np.uint32(0)
+
+    @cuda.jit
+    def flash_attention_kernel(q_geom, out_geom, seqlens, kvlens, k_src, v_src, score_args, sm_scale):
+        b = cuda.blockIdx.z
+        seqlen, kvlen = seqlens[b], kvlens[b]
+        i0 = cuda.blockIdx.x * (MMA_M * warps)
+        if i0 >= seqlen:
+            return                                   # block-uniform exit: no thread waits at a barrier
+        h = cuda.blockIdx.y
+        g = h // group
+        tid = cuda.threadIdx.x
+        warp, lane = tid // WARP_SIZE, tid % WARP_SIZE
+        grp, quad = lane // 4, lane % 4              # PTX's groupID and threadID_in_group
+
+        mma_scratch = cuda.shared.array(MMA_SCRATCH, np.uint32)    # simulator paths only
+        quad_scratch = cuda.shared.array(QUAD_SCRATCH, f32)
+        ldm_scratch = cuda.shared.array(LDM_SCRATCH, np.int32)
+        k_s = async_target(cuda.shared.array(TILE_WORDS, np.uint32, alignment=ALIGN))
+        v_s = async_target(cuda.shared.array(TILE_WORDS, np.uint32, alignment=ALIGN))
+
+        # This lane's rows grp and grp + 8 of the warp's 16.
+        row_i = cuda.local.array(2, np.int64)
+        row_ok = cuda.local.array(2, np.bool_)
+        for r in range(2):
+            row_i[r] = i0 + warp * MMA_M + grp + 8 * r
+            row_ok[r] = row_i[r] < seqlen
+
+        # 1. Q as A fragments: register k holds row grp + 8 * (k % 2), columns 2 * quad + 8 * (k // 2) + {0, 1}
+        q, q_starts, q_sb, q_si, q_sh = q_geom
+        q_r = cuda.local.array((K_STEPS, 4), np.uint32)
+        for ks in range(K_STEPS):
+            for k in range(4):
+                r, d = k % 2, ks * MMA_K + 2 * quad + 8 * (k // 2)
+                word = np.uint32(0)
+                if row_ok[r]:
+                    at = b * q_sb + (q_starts[b] + row_i[r]) * q_si + h * q_sh + d
+                    word = np.uint32(q[at]) | np.uint32(q[at + 1]) << np.uint32(16)
+                q_r[ks, k] = word
+
+        row_max = cuda.local.array(2, f32)
+        row_sum = cuda.local.array(2, f32)           # this lane's columns only, until the end
+        o = cuda.local.array((O_TILES, 4), f32)      # C fragments of O
+        s = cuda.local.array((S_TILES, 4), f32)      # C fragments of S, then P
+        for r in range(2):
+            row_max[r] = NEG_INF
+            row_sum[r] = 0.0
+        for vt in range(O_TILES):
+            for e in range(4):
+                o[vt, e] = 0.0
+
+        i_last = min(i0 + MMA_M * warps, seqlen) - 1
+        lo, hi = key_range(score_args, b, i0, i_last, seqlen, kvlen)
+        first = lo - lo % KT
+        tiles = (hi - first + KT - 1) // KT if hi > lo else 0
+
+        # 2. this thread's copy column and first row; the (page, offset) of that row's key in the first tile,
+        #    walked a tile at a time (tile_page, tile_off) and a pass at a time within a tile (pages, offsets)
+        c, key0 = tid % CHUNKS, tid // CHUNKS
+        t = first + key0
+        tile_page = as_offset(t // k_src.page, k_src.s_t)
+        tile_off = as_offset(t - tile_page * k_src.page, k_src.s_t)
+        pages = cuda.local.array(PASSES, np.int64)
+        offsets = cuda.local.array(PASSES, np.int64)
+
+        if tiles > 0:
+            p, f = tile_page, tile_off
+            for n in range(PASSES):
+                pages[n], offsets[n] = p, f
+                p, f = page_walk(p, f, STRIDE, k_src.page)
+            issue(k_src, k_s, pages, offsets, b, g, first, hi, key0, c)
+        cp_async_commit()
+
+        for j in range(tiles):
+            t_tile = first + j * KT
+            # the tile's copies of V read the pairs that K(j) read
+            cp_async_wait(0)                         # K(j) has landed (this thread's copies) ...
+            cuda.syncthreads()                       # ... every thread's, and every warp is done with V(j - 1)
+            issue(v_src, v_s, pages, offsets, b, g, t_tile, hi, key0, c)
+            cp_async_commit()
+
+            # 3. S = Q K(j)ᵀ: ldmatrix.x4 at tile rows n0 + lane % 8 + 8 * (lane // 16), chunk 2 ks + lane // 8 % 2
+            #    gives b0, b1 of keys n0 .. n0 + 7 and of keys n0 + 8 .. n0 + 15 (`_async_copy` docstring)
+            for nt in range(S_TILES):
+                for e in range(4):
+                    s[nt, e] = 0.0
+            k_row, k_chunk = (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1
+            for ks in range(K_STEPS):
+                for pair in range(S_TILES // 2):
+                    b0, b1, b2, b3 = ldmatrix_x4(k_s, place(pair * 16 + k_row, 2 * ks + k_chunk), ldm_scratch, warp,
+                                                 lane)
+                    n = 2 * pair
+                    s[n, 0], s[n, 1], s[n, 2], s[n, 3] = mma(
+                        q_r[ks, 0], q_r[ks, 1], q_r[ks, 2], q_r[ks, 3], b0, b1, s[n, 0], s[n, 1], s[n, 2], s[n, 3],
+                        mma_scratch, warp, lane)
+                    s[n + 1, 0], s[n + 1, 1], s[n + 1, 2], s[n + 1, 3] = mma(
+                        q_r[ks, 0], q_r[ks, 1], q_r[ks, 2], q_r[ks, 3], b2, b3, s[n + 1, 0], s[n + 1, 1],
+                        s[n + 1, 2], s[n + 1, 3], mma_scratch, warp, lane)
+
+            cp_async_wait(0)                         # V(j) has landed ...
+            cuda.syncthreads()                       # ... for every thread, and every warp is done with K(j)
+            if j + 1 < tiles:                        # K(j + 1) loads during the softmax and P·V
+                tile_page, tile_off = page_walk(tile_page, tile_off, KT, k_src.page)
+                p, f = tile_page, tile_off
+                for n in range(PASSES):
+                    pages[n], offsets[n] = p, f
+                    p, f = page_walk(p, f, STRIDE, k_src.page)
+                issue(k_src, k_s, pages, offsets, b, g, t_tile + KT, hi, key0, c)
+            cp_async_commit()
+
+            # 4. scores; element e of C tile nt is row grp + 8 * (e // 2), key t_tile + 8 nt + 2 quad + e % 2
+            edge = t_tile < lo or t_tile + KT > hi
+            tile_max0, tile_max1 = NEG_INF, NEG_INF
+            for nt in range(S_TILES):
+                for e in range(4):
+                    r = e // 2
+                    t = t_tile + 8 * nt + 2 * quad + e % 2
+                    x = NEG_INF
+                    if row_ok[r] and (not edge or lo <= t < hi):
+                        x = score(score_args, s[nt, e] * sm_scale, b, h, row_i[r], t, seqlen, kvlen)
+                    s[nt, e] = x
+                    if r == 0:
+                        tile_max0 = max(tile_max0, x)
+                    else:
+                        tile_max1 = max(tile_max1, x)
+            tile_max0, tile_max1 = quad_max2(tile_max0, tile_max1, quad_scratch, warp, lane)
+
+            # 5. online softmax: rescale what the row holds, exponentiate this tile
+            for r in range(2):
+                new_max = max(row_max[r], tile_max0 if r == 0 else tile_max1)
+                alpha = f32(1.0)
+                if new_max != NEG_INF:               # all hidden so far: nothing to rescale, p = 0
+                    alpha = math.exp(row_max[r] - new_max)
+                part = f32(0.0)
+                for nt in range(S_TILES):
+                    for cc in range(2):
+                        p_ = f32(0.0)
+                        if new_max != NEG_INF:
+                            p_ = math.exp(s[nt, 2 * r + cc] - new_max)
+                        s[nt, 2 * r + cc] = p_
+                        part += p_
+                row_sum[r] = row_sum[r] * alpha + part
+                row_max[r] = new_max
+                for vt in range(O_TILES):
+                    o[vt, 2 * r] *= alpha
+                    o[vt, 2 * r + 1] *= alpha
+
+            # 6. O += P V(j): the C tiles 2kk and 2kk + 1 of P are the A fragment of keys 16kk .. 16kk + 15;
+            #    ldmatrix.x4.trans at tile rows 16kk + lane % 16, chunk 2 dp + lane // 16 gives b0, b1 of head_dim
+            #    columns 16dp .. 16dp + 7 and of 16dp + 8 .. 16dp + 15
+            v_row, v_chunk = lane & 15, lane >> 4
+            for kk in range(KT // MMA_K):
+                a0, a1 = pack(s[2 * kk, 0], s[2 * kk, 1]), pack(s[2 * kk, 2], s[2 * kk, 3])
+                a2, a3 = pack(s[2 * kk + 1, 0], s[2 * kk + 1, 1]), pack(s[2 * kk + 1, 2], s[2 * kk + 1, 3])
+                for dp in range(O_TILES // 2):
+                    b0, b1, b2, b3 = ldmatrix_x4_trans(v_s, place(kk * 16 + v_row, 2 * dp + v_chunk), ldm_scratch,
+                                                       warp, lane)
+                    n = 2 * dp
+                    o[n, 0], o[n, 1], o[n, 2], o[n, 3] = mma(a0, a1, a2, a3, b0, b1, o[n, 0], o[n, 1], o[n, 2],
+                                                             o[n, 3], mma_scratch, warp, lane)
+                    o[n + 1, 0], o[n + 1, 1], o[n + 1, 2], o[n + 1, 3] = mma(
+                        a0, a1, a2, a3, b2, b3, o[n + 1, 0], o[n + 1, 1], o[n + 1, 2], o[n + 1, 3], mma_scratch,
+                        warp, lane)
+        cp_async_wait(0)                             # the last (empty) group: nothing left in flight at exit
+
+        total0, total1 = quad_sum2(row_sum[0], row_sum[1], quad_scratch, warp, lane)
+        out, o_starts, o_sb, o_si, o_sh = out_geom
+        for r in range(2):
+            total = total0 if r == 0 else total1
+            if row_ok[r]:
+                at = b * o_sb + (o_starts[b] + row_i[r]) * o_si + h * o_sh
+                for vt in range(O_TILES):
+                    x0, x1 = f32(0.0), f32(0.0)
+                    if total > 0.0:
+                        x0, x1 = o[vt, 2 * r] / total, o[vt, 2 * r + 1] / total
+                    word = pack(x0, x1)
+                    d = vt * MMA_N + 2 * quad
+                    out[at + d] = np.uint16(word & np.uint32(0xFFFF))
+                    out[at + d + 1] = np.uint16(word >> np.uint32(16))
+
+    return flash_attention_kernel
+
+
+def fit(shape, threads: int):
+    """Rung 6's answer for a call (`_fit.RungFit`, variant "flash"): a float16 query (the operators' bfloat16 runs
+    as float32 today) on an unquantized cache of the same dtype, a head_dim and block size `why_not` accepts; the
+    grid is ceil(longest query / 16 a warp) x query heads x sequences, KEY_TILE keys a block a step."""
+    from ._fit import RungFit
+
+    dtype = np.dtype(shape.query_dtype)
+    reason = why_not(shape.head_dim, threads)
+    if not reason and dtype != np.float16:
+        reason = f"rung: 6 (tensor cores, float16 mma) needs a float16 query, got {dtype.name}"
+    if not reason and (shape.quant_bit or np.dtype(shape.cache_dtype) != dtype):
+        reason = (f"rung: 6 copies float16 caches as they are; this cache is "
+                  f"{f'int{shape.quant_bit}' if shape.quant_bit else np.dtype(shape.cache_dtype).name} (rung 5 "
+                  f"dequantizes)")
+    if reason:
+        return RungFit(6, "flash", threads, False, reason)
+    rows = rows_per_block(threads)
+    blocks = math.ceil(max(shape.max_query_len, 1) / rows) * shape.num_heads * shape.batch
+    return RungFit(6, "flash", threads, True, blocks=max(blocks, 1), heads_per_block=1, positions=rows,
+                   row_tiles=threads // WARP_SIZE, keys_per_step=key_tile(shape.head_dim),
+                   shared_bytes=shared_bytes(shape.head_dim, threads // WARP_SIZE))
