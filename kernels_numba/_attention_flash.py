@@ -3,7 +3,7 @@
 Rung 5 (`_attention_mma`) gives each warp 16 query rows and stages K and V through float32 registers, 16 keys a
 warp a step, four barriers a step. Here a block of `warps` warps owns 16 * warps consecutive query positions of
 one query head (64 at 4 warps), each warp its own 16 rows, and all warps share K and V tiles of KEY_TILE keys
-(`key_tile`: 64, 32 at head_dim above 128), which go global -> shared memory untouched by registers:
+(64, FlashAttention-2's tile at head_dim 128), which go global -> shared memory untouched by registers:
 
     1. Q as mma A fragments, once: head_dim / 16 k-steps x 4 registers of two 16-bit values a lane, read from
        global memory as the bits they are (float16 or bfloat16 alike), kept in registers for the whole loop;
@@ -46,7 +46,7 @@ import numpy as np
 from numba import cuda
 
 from ._async_copy import SHARED_ALIGNMENT, async_target, cp_async16, cp_async_commit, cp_async_wait
-from ._async_copy import ldmatrix_x4, ldmatrix_x4_trans, scratch_shape
+from ._async_copy import ldmatrix_x4_at, ldmatrix_x4_trans_at, scratch_shape
 from ._attention_core import SHARED_BYTES
 from ._cache import as_index, as_offset, page_slot, page_walk, slot_rows
 from ._mma import MMA_K, MMA_M, MMA_N, mma_m16n8k16, mma_m16n8k16_bf16, pack_bf162, pack_half2, quad_max2, quad_sum2
@@ -58,10 +58,15 @@ DTYPES = ("float16", "bfloat16")
 WARPS = (1, 2, 4, 8)
 
 
+# head_dims the kernel takes: rows of 2, 4, 8 or 16 chunks, which the swizzle spreads. Past 128 a lane's O and Q
+# fragments alone (96 + 48 registers at 192, 128 + 64 at 256) leave too few of its 255: head_dim 256 spilled 224
+# bytes at sm_90, so those stay on rung 5.
+HEAD_DIMS = (16, 32, 64, 128)
+
+
 def key_tile(head_dim: int) -> int:
-    """Keys a tile: 64 (FlashAttention-2's tile at head_dim 128), 32 above head_dim 128, where one K and one V tile
-    of 64 keys (64 KiB at head_dim 256) would not fit the shared memory."""
-    return 64 if head_dim <= 128 else 32
+    """Keys a tile: 64, FlashAttention-2's tile at head_dim 128 (one K and one V tile: 32 KiB of shared memory)."""
+    return 64
 
 
 def shared_bytes(head_dim: int, warps: int) -> int:
@@ -76,9 +81,9 @@ def why_not(head_dim: int, threads: int) -> str:
     chunks = head_dim // CHUNK
     if threads % WARP_SIZE or threads // WARP_SIZE not in WARPS:
         return f"threads: rung 6 takes blocks of {', '.join(str(32 * w) for w in WARPS)} threads, got {threads}"
-    if head_dim % MMA_K or not (chunks in (2, 4) or chunks % 8 == 0):
-        return (f"head_dim: rung 6 takes a head_dim of 16, 32 or a multiple of 64 (whole 16-byte chunks its "
-                f"swizzle can spread), got {head_dim}")
+    if head_dim not in HEAD_DIMS:
+        return (f"head_dim: rung 6 takes a head_dim of {', '.join(map(str, HEAD_DIMS))} (a lane's registers hold "
+                f"the fragments of at most 128; rung 5 takes the others), got {head_dim}")
     if threads % chunks or key_tile(head_dim) % (threads // chunks):
         return f"threads: {threads} threads do not copy whole rows of head_dim {head_dim} (rung 6)"
     if shared_bytes(head_dim, threads // WARP_SIZE) > SHARED_BYTES:
@@ -128,19 +133,52 @@ def make_flash_attention_kernel(score, key_range, *, head_dim: int, group: int, 
         return row * ROW_WORDS + (chunk ^ ((row >> SHIFT) & (SW - 1))) * 4
 
     @cuda.jit(device=True, inline="always")
-    def issue(src, tile_s, pages, offsets, b, g, t_tile, hi, key0, c):
-        """This thread's copies of one tile (rows key0 + n * STRIDE, chunk c) from the (page, offset) pairs the
-        caller walked for them; zeros for keys from hi on."""
+    def issue(src, tile_s, page, offset, b, g, t_tile, hi, key0, c):
+        """This thread's copies of one tile: rows key0 + n * STRIDE, chunk c, the first at (page, offset) of the
+        page table, the others walked from it; zeros for keys from hi on."""
         for n in range(PASSES):
             key = key0 + n * STRIDE
             at = place(key, c)
             if t_tile + key < hi:
-                slot = page_slot(src, b, pages[n], offsets[n])
+                slot = page_slot(src, b, page, offset)
                 row, _ = slot_rows(src, b, slot, g)
                 cp_async16(tile_s, at, src.data, as_index(as_offset(row + c * CHUNK, row)))
             else:
                 for w in range(4):
                     tile_s[at + w] = np.uint32(0)
+            page, offset = page_walk(page, offset, STRIDE, src.page)
+
+    def scores_from(nt):
+        """A device function that scores C tiles nt .. S_TILES - 1 of S in place and returns the rows' maxima
+        over them and the maxima passed in (`tile_max0`, `tile_max1`). One function a tile, each calling the
+        next, so that every index of `s` is a constant: a loop over the tiles, which the compiler leaves rolled
+        (32 inlined `score`s are past its unrolling budget), would put `s` in local memory."""
+        if nt == S_TILES:
+            @cuda.jit(device=True, inline="always")
+            def done(s, tile_max0, tile_max1, args, sm_scale, b, h, row_i0, row_ok0, row_ok1, t_key, lo, hi, edge,
+                     seqlen, kvlen):
+                return tile_max0, tile_max1
+            return done
+        rest = scores_from(nt + 1)
+
+        @cuda.jit(device=True, inline="always")
+        def tile(s, tile_max0, tile_max1, args, sm_scale, b, h, row_i0, row_ok0, row_ok1, t_key, lo, hi, edge,
+                 seqlen, kvlen):
+            for e in range(4):                   # row grp + 8 * (e // 2), key t_key + 8 * nt + e % 2
+                t = t_key + 8 * nt + e % 2
+                x = NEG_INF
+                if (row_ok0 if e < 2 else row_ok1) and (not edge or lo <= t < hi):
+                    x = score(args, s[nt, e] * sm_scale, b, h, row_i0 + 8 * (e // 2), t, seqlen, kvlen)
+                s[nt, e] = x
+                if e < 2:
+                    tile_max0 = max(tile_max0, x)
+                else:
+                    tile_max1 = max(tile_max1, x)
+            return rest(s, tile_max0, tile_max1, args, sm_scale, b, h, row_i0, row_ok0, row_ok1, t_key, lo, hi, edge,
+                        seqlen, kvlen)
+        return tile
+
+    score_tiles = scores_from(0)
 
     @cuda.jit
     def flash_attention_kernel(q_geom, out_geom, seqlens, kvlens, k_src, v_src, score_args, sm_scale):
@@ -161,12 +199,11 @@ def make_flash_attention_kernel(score, key_range, *, head_dim: int, group: int, 
         k_s = async_target(cuda.shared.array(TILE_WORDS, np.uint32, alignment=ALIGN))
         v_s = async_target(cuda.shared.array(TILE_WORDS, np.uint32, alignment=ALIGN))
 
-        # This lane's rows grp and grp + 8 of the warp's 16.
-        row_i = cuda.local.array(2, np.int64)
-        row_ok = cuda.local.array(2, np.bool_)
-        for r in range(2):
-            row_i[r] = i0 + warp * MMA_M + grp + 8 * r
-            row_ok[r] = row_i[r] < seqlen
+        # This lane's rows grp and grp + 8 of the warp's 16 (scalars, as every per-row value below: an array
+        # indexed by a row the compiler cannot unroll would live in local memory).
+        row_i0 = i0 + warp * MMA_M + grp
+        row_i1 = row_i0 + 8
+        row_ok0, row_ok1 = row_i0 < seqlen, row_i1 < seqlen
 
         # 1. Q as A fragments: register k holds row grp + 8 * (k % 2), columns 2 * quad + 8 * (k // 2) + {0, 1}
         q, q_starts, q_sb, q_si, q_sh = q_geom
@@ -175,18 +212,15 @@ def make_flash_attention_kernel(score, key_range, *, head_dim: int, group: int, 
             for k in range(4):
                 r, d = k % 2, ks * MMA_K + 2 * quad + 8 * (k // 2)
                 word = np.uint32(0)
-                if row_ok[r]:
-                    at = b * q_sb + (q_starts[b] + row_i[r]) * q_si + h * q_sh + d
+                if row_ok0 if r == 0 else row_ok1:
+                    at = b * q_sb + (q_starts[b] + (row_i0 if r == 0 else row_i1)) * q_si + h * q_sh + d
                     word = np.uint32(q[at]) | np.uint32(q[at + 1]) << np.uint32(16)
                 q_r[ks, k] = word
 
-        row_max = cuda.local.array(2, f32)
-        row_sum = cuda.local.array(2, f32)           # this lane's columns only, until the end
+        max0, max1 = NEG_INF, NEG_INF                # the rows' running maxima
+        sum0, sum1 = f32(0.0), f32(0.0)              # and sums, of this lane's columns only until the end
         o = cuda.local.array((O_TILES, 4), f32)      # C fragments of O
         s = cuda.local.array((S_TILES, 4), f32)      # C fragments of S, then P
-        for r in range(2):
-            row_max[r] = NEG_INF
-            row_sum[r] = 0.0
         for vt in range(O_TILES):
             for e in range(4):
                 o[vt, e] = 0.0
@@ -202,35 +236,29 @@ def make_flash_attention_kernel(score, key_range, *, head_dim: int, group: int, 
         t = first + key0
         tile_page = as_offset(t // k_src.page, k_src.s_t)
         tile_off = as_offset(t - tile_page * k_src.page, k_src.s_t)
-        pages = cuda.local.array(PASSES, np.int64)
-        offsets = cuda.local.array(PASSES, np.int64)
-
         if tiles > 0:
-            p, f = tile_page, tile_off
-            for n in range(PASSES):
-                pages[n], offsets[n] = p, f
-                p, f = page_walk(p, f, STRIDE, k_src.page)
-            issue(k_src, k_s, pages, offsets, b, g, first, hi, key0, c)
+            issue(k_src, k_s, tile_page, tile_off, b, g, first, hi, key0, c)
         cp_async_commit()
 
         for j in range(tiles):
             t_tile = first + j * KT
-            # the tile's copies of V read the pairs that K(j) read
             cp_async_wait(0)                         # K(j) has landed (this thread's copies) ...
             cuda.syncthreads()                       # ... every thread's, and every warp is done with V(j - 1)
-            issue(v_src, v_s, pages, offsets, b, g, t_tile, hi, key0, c)
+            issue(v_src, v_s, tile_page, tile_off, b, g, t_tile, hi, key0, c)
             cp_async_commit()
 
             # 3. S = Q K(j)ᵀ: ldmatrix.x4 at tile rows n0 + lane % 8 + 8 * (lane // 16), chunk 2 ks + lane // 8 % 2
-            #    gives b0, b1 of keys n0 .. n0 + 7 and of keys n0 + 8 .. n0 + 15 (`_async_copy` docstring)
+            #    gives b0, b1 of keys n0 .. n0 + 7 and of keys n0 + 8 .. n0 + 15 (`_async_copy` docstring). The
+            #    swizzle of rows n0 + r is that of rows r (n0 is a multiple of 16) and moves a chunk within its 8:
+            #    4 lane-dependent addresses (ks % 4), the rest constant offsets (`at_row`).
             for nt in range(S_TILES):
                 for e in range(4):
                     s[nt, e] = 0.0
             k_row, k_chunk = (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1
             for ks in range(K_STEPS):
                 for pair in range(S_TILES // 2):
-                    b0, b1, b2, b3 = ldmatrix_x4(k_s, place(pair * 16 + k_row, 2 * ks + k_chunk), ldm_scratch, warp,
-                                                 lane)
+                    b0, b1, b2, b3 = ldmatrix_x4_at(k_s, place(k_row, 2 * (ks % 4) + k_chunk),
+                                                    pair * 16 * ROW_WORDS + ks // 4 * 32, ldm_scratch, warp, lane)
                     n = 2 * pair
                     s[n, 0], s[n, 1], s[n, 2], s[n, 3] = mma(
                         q_r[ks, 0], q_r[ks, 1], q_r[ks, 2], q_r[ks, 3], b0, b1, s[n, 0], s[n, 1], s[n, 2], s[n, 3],
@@ -243,49 +271,37 @@ def make_flash_attention_kernel(score, key_range, *, head_dim: int, group: int, 
             cuda.syncthreads()                       # ... for every thread, and every warp is done with K(j)
             if j + 1 < tiles:                        # K(j + 1) loads during the softmax and P·V
                 tile_page, tile_off = page_walk(tile_page, tile_off, KT, k_src.page)
-                p, f = tile_page, tile_off
-                for n in range(PASSES):
-                    pages[n], offsets[n] = p, f
-                    p, f = page_walk(p, f, STRIDE, k_src.page)
-                issue(k_src, k_s, pages, offsets, b, g, t_tile + KT, hi, key0, c)
+                issue(k_src, k_s, tile_page, tile_off, b, g, t_tile + KT, hi, key0, c)
             cp_async_commit()
 
             # 4. scores; element e of C tile nt is row grp + 8 * (e // 2), key t_tile + 8 nt + 2 quad + e % 2
             edge = t_tile < lo or t_tile + KT > hi
-            tile_max0, tile_max1 = NEG_INF, NEG_INF
-            for nt in range(S_TILES):
-                for e in range(4):
-                    r = e // 2
-                    t = t_tile + 8 * nt + 2 * quad + e % 2
-                    x = NEG_INF
-                    if row_ok[r] and (not edge or lo <= t < hi):
-                        x = score(score_args, s[nt, e] * sm_scale, b, h, row_i[r], t, seqlen, kvlen)
-                    s[nt, e] = x
-                    if r == 0:
-                        tile_max0 = max(tile_max0, x)
-                    else:
-                        tile_max1 = max(tile_max1, x)
+            tile_max0, tile_max1 = score_tiles(s, NEG_INF, NEG_INF, score_args, sm_scale, b, h, row_i0, row_ok0,
+                                               row_ok1, t_tile + 2 * quad, lo, hi, edge, seqlen, kvlen)
             tile_max0, tile_max1 = quad_max2(tile_max0, tile_max1, quad_scratch, warp, lane)
 
-            # 5. online softmax: rescale what the row holds, exponentiate this tile
-            for r in range(2):
-                new_max = max(row_max[r], tile_max0 if r == 0 else tile_max1)
-                alpha = f32(1.0)
-                if new_max != NEG_INF:               # all hidden so far: nothing to rescale, p = 0
-                    alpha = math.exp(row_max[r] - new_max)
-                part = f32(0.0)
-                for nt in range(S_TILES):
-                    for cc in range(2):
-                        p_ = f32(0.0)
-                        if new_max != NEG_INF:
-                            p_ = math.exp(s[nt, 2 * r + cc] - new_max)
-                        s[nt, 2 * r + cc] = p_
-                        part += p_
-                row_sum[r] = row_sum[r] * alpha + part
-                row_max[r] = new_max
-                for vt in range(O_TILES):
-                    o[vt, 2 * r] *= alpha
-                    o[vt, 2 * r + 1] *= alpha
+            # 5. online softmax: rescale what the rows hold, exponentiate this tile (a row all hidden so far has
+            #    maximum -inf: nothing to rescale, p = 0)
+            new0, new1 = max(max0, tile_max0), max(max1, tile_max1)
+            alpha0 = math.exp(max0 - new0) if new0 != NEG_INF else f32(1.0)
+            alpha1 = math.exp(max1 - new1) if new1 != NEG_INF else f32(1.0)
+            part0, part1 = f32(0.0), f32(0.0)
+            for nt in range(S_TILES):
+                for e in range(4):
+                    top = new0 if e < 2 else new1
+                    p_ = math.exp(s[nt, e] - top) if top != NEG_INF else f32(0.0)
+                    s[nt, e] = p_
+                    if e < 2:
+                        part0 += p_
+                    else:
+                        part1 += p_
+            sum0, sum1 = sum0 * alpha0 + part0, sum1 * alpha1 + part1
+            max0, max1 = new0, new1
+            for vt in range(O_TILES):
+                o[vt, 0] *= alpha0
+                o[vt, 1] *= alpha0
+                o[vt, 2] *= alpha1
+                o[vt, 3] *= alpha1
 
             # 6. O += P V(j): the C tiles 2kk and 2kk + 1 of P are the A fragment of keys 16kk .. 16kk + 15;
             #    ldmatrix.x4.trans at tile rows 16kk + lane % 16, chunk 2 dp + lane // 16 gives b0, b1 of head_dim
@@ -295,8 +311,8 @@ def make_flash_attention_kernel(score, key_range, *, head_dim: int, group: int, 
                 a0, a1 = pack(s[2 * kk, 0], s[2 * kk, 1]), pack(s[2 * kk, 2], s[2 * kk, 3])
                 a2, a3 = pack(s[2 * kk + 1, 0], s[2 * kk + 1, 1]), pack(s[2 * kk + 1, 2], s[2 * kk + 1, 3])
                 for dp in range(O_TILES // 2):
-                    b0, b1, b2, b3 = ldmatrix_x4_trans(v_s, place(kk * 16 + v_row, 2 * dp + v_chunk), ldm_scratch,
-                                                       warp, lane)
+                    b0, b1, b2, b3 = ldmatrix_x4_trans_at(v_s, place(v_row, 2 * (dp % 4) + v_chunk),
+                                                          kk * 16 * ROW_WORDS + dp // 4 * 32, ldm_scratch, warp, lane)
                     n = 2 * dp
                     o[n, 0], o[n, 1], o[n, 2], o[n, 3] = mma(a0, a1, a2, a3, b0, b1, o[n, 0], o[n, 1], o[n, 2],
                                                              o[n, 3], mma_scratch, warp, lane)
@@ -305,20 +321,21 @@ def make_flash_attention_kernel(score, key_range, *, head_dim: int, group: int, 
                         warp, lane)
         cp_async_wait(0)                             # the last (empty) group: nothing left in flight at exit
 
-        total0, total1 = quad_sum2(row_sum[0], row_sum[1], quad_scratch, warp, lane)
+        total0, total1 = quad_sum2(sum0, sum1, quad_scratch, warp, lane)
+        # a row that saw no key writes zeros
+        inv0 = f32(1.0) / total0 if total0 > 0.0 else f32(0.0)
+        inv1 = f32(1.0) / total1 if total1 > 0.0 else f32(0.0)
         out, o_starts, o_sb, o_si, o_sh = out_geom
-        for r in range(2):
-            total = total0 if r == 0 else total1
-            if row_ok[r]:
-                at = b * o_sb + (o_starts[b] + row_i[r]) * o_si + h * o_sh
-                for vt in range(O_TILES):
-                    x0, x1 = f32(0.0), f32(0.0)
-                    if total > 0.0:
-                        x0, x1 = o[vt, 2 * r] / total, o[vt, 2 * r + 1] / total
-                    word = pack(x0, x1)
-                    d = vt * MMA_N + 2 * quad
-                    out[at + d] = np.uint16(word & np.uint32(0xFFFF))
-                    out[at + d + 1] = np.uint16(word >> np.uint32(16))
+        at0 = b * o_sb + (o_starts[b] + row_i0) * o_si + h * o_sh + 2 * quad
+        at1 = at0 + 8 * o_si
+        for vt in range(O_TILES):
+            for r in range(2):
+                if row_ok0 if r == 0 else row_ok1:
+                    inv = inv0 if r == 0 else inv1
+                    word = pack(o[vt, 2 * r] * inv, o[vt, 2 * r + 1] * inv)
+                    at = (at0 if r == 0 else at1) + vt * MMA_N
+                    out[at] = np.uint16(word & np.uint32(0xFFFF))
+                    out[at + 1] = np.uint16(word >> np.uint32(16))
 
     return flash_attention_kernel
 
