@@ -91,6 +91,18 @@ def why_not(head_dim: int, threads: int) -> str:
     return ""
 
 
+def shared_wavefronts(head_dim: int, warps: int) -> float:
+    """Shared-memory wavefronts (128 bytes each) per mma of a key tile: a warp's ldmatrix.x4 (4 wavefronts each:
+    head_dim / 16 x KEY_TILE / 16 for K, as many for V) and its share of the block's cp.async stores of the K and
+    V tiles, over the warp's mma (head_dim / 16 x KEY_TILE / 8 for S, KEY_TILE / 16 x head_dim / 8 for P·V). 2.5 at
+    head_dim 128 and 4 warps, as rung 5's: what rung 6 saves is instructions, not shared-memory traffic."""
+    kt = key_tile(head_dim)
+    loads = 4 * 2 * (head_dim // MMA_K) * (kt // MMA_K)
+    stores = 2 * kt * head_dim * 2 / 128 / warps
+    mma = 2 * (head_dim // MMA_K) * (kt // MMA_N)
+    return (loads + stores) / mma
+
+
 def rows_per_block(threads: int) -> int:
     """Query positions a block holds: 16 a warp."""
     return MMA_M * (threads // WARP_SIZE)

@@ -105,3 +105,46 @@ def test_why_not_names_the_parameter():
     assert why_not(128, 96).startswith("threads:")
     with pytest.raises(ValueError, match="dtype"):
         make_flash_attention_kernel(None, None, head_dim=16, group=1, warps=1, dtype="float32")
+
+
+def ppl_case(**kw):
+    from strategies import PPLCase
+    fields = dict(decoding_batches=0, num_heads=2, num_kv_heads=1, head_dim=16, dtype="float16", quant_bit=0,
+                  quant_group=8, scale_dtype="float16", cache_layout=0, cache_mode=1, page_size=16, num_layer=1,
+                  layer_idx=0, is_causal=True, is_alibi=False, mask="none", mask_pad=0, seed=5)
+    return PPLCase(**{**fields, **kw})
+
+
+def test_rung_6_serves_openppl_cache_attention(monkeypatch):
+    """OpenPPL's multi_head_cache_attention with rung=6 on a paged float16 cache (the current tokens stored, then
+    attended): 5 queries after 35 cached tokens, pages of 16, against the conformance kit's float64 evaluation; and
+    rung 6's launch, not rung 5's, ran it."""
+    import functools
+
+    import cacheattn
+    import cacheattn.testing as kit
+    from kernels_numba import ppl_dynamic_multi_head_attention as launcher
+
+    ran = []
+    flash = launcher._attend_flash
+    monkeypatch.setattr(launcher, "_attend_flash", lambda *a, **k: ran.append(1) or flash(*a, **k))
+    kit.check_case("multi_head_cache_attention",
+                   functools.partial(cacheattn.multi_head_cache_attention, backend="numba", threads=32, rung=6),
+                   ppl_case(seqlens=(5,), past=(35,)))
+    assert ran
+
+
+@deep_only
+@pytest.mark.parametrize("kw", [dict(seqlens=(18, 3), past=(52, 37), is_alibi=True, page_size=32),
+                                dict(seqlens=(20, 2), past=(50, 0), mask="2d", is_causal=False, head_dim=32,
+                                     cache_mode=0)])
+def test_rung_6_serves_openppl_with_bias(kw):
+    """ALiBi, a user mask, the offset cache: every feature of OpenPPL's score compiled into rung 6 by its `score`."""
+    import functools
+
+    import cacheattn
+    import cacheattn.testing as kit
+
+    kit.check_case("multi_head_cache_attention",
+                   functools.partial(cacheattn.multi_head_cache_attention, backend="numba", threads=64, rung=6),
+                   ppl_case(**kw))
