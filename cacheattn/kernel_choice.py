@@ -433,7 +433,8 @@ def _splits(shape, blocks, step, sms):
 # threads (docs/kernel-ladder-sass.json, which tests/test_kernel_choice.py holds these to): (rung, phase, quant_bit)
 # -> (instructions of a key-loop trip on its shortest path, instructions a warp runs once, MUFU.EX2 a trip,
 # LDS/STS/SHFL a trip, HBM round trips a trip waits on in series, short ones, blocks an SM holds). Rung 4 is rung 3
-# writing partials; rung 5's decode is its register-fed kernel.
+# writing partials; rung 5's decode is its register-fed kernel; rung 6 is the FlashAttention-2 prefill, whose trip
+# is a 64-key tile of its 4 warps (its cp.async copies sit in inner loops, off the trip's path).
 SASS_WORK = {
     (3, "decode", 0): (496, 1246, 2, 29, 1, 4, 4), (3, "decode", 8): (836, 1969, 2, 21, 2, 2, 2),
     (3, "decode", 4): (831, 1968, 2, 21, 0, 5, 2), (4, "decode", 0): (490, 1318, 2, 29, 1, 4, 3),
@@ -441,7 +442,7 @@ SASS_WORK = {
     (5, "decode", 0): (311, 1491, 5, 2, 2, 1, 3), (5, "decode", 8): (545, 1817, 5, 4, 2, 1, 3),
     (5, "decode", 4): (514, 1746, 5, 2, 1, 2, 3), (3, "prefill", 0): (691, 1793, 2, 41, 1, 4, 2),
     (5, "prefill", 0): (1361, 3623, 10, 80, 3, 19, 2), (5, "prefill", 8): (1764, 3598, 10, 92, 3, 19, 2),
-    (5, "prefill", 4): (2417, 2182, 10, 148, 3, 19, 2),
+    (5, "prefill", 4): (2417, 2182, 10, 148, 3, 19, 2), (6, "prefill", 0): (1268, 2600, 34, 12, 0, 0, 2),
 }
 SASS_SHAPE = (128, 128)        # (head_dim, threads) the table was read at
 

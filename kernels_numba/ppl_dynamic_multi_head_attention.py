@@ -42,11 +42,13 @@ PPLScoreArgs = namedtuple("PPLScoreArgs", "is_causal decoding_batches is_alibi s
                                           "kvstarts has_mask")
 
 
-def make_ppl_score(round_query):
+def make_ppl_score(round_query, biased=True):
+    """(score, key_range) of OpenPPL's rules. biased=False: a kernel for calls without a mask and without ALiBi,
+    which compiles neither bias in (the flags are then never read: only causal masking is left)."""
     @cuda.jit(device=True, inline="always")
     # spec: ppl-mhca/causal, ppl-mhca/decoding-batches, ppl-mhca/alibi
     def causal_applies(args, b, seqlen):
-        return (args.is_causal != 0 and seqlen > 1 and b >= args.decoding_batches) or args.is_alibi != 0
+        return (args.is_causal != 0 and seqlen > 1 and b >= args.decoding_batches) or (biased and args.is_alibi != 0)
 
     @cuda.jit(device=True, inline="always")
     def score(args, qk, b, h, i, j, seqlen, kvlen):
@@ -54,6 +56,8 @@ def make_ppl_score(round_query):
         last_visible = kvlen - seqlen + i
         if j > last_visible and causal_applies(args, b, seqlen):
             return NEG_INF
+        if not biased:
+            return qk
         m = np.float32(0.0)
         if args.has_mask != 0:
             m = np.float32(args.mask[h * args.mask_sh + (args.seqstarts[b] + i) * args.mask_si + args.kvstarts[b] + j])
@@ -141,9 +145,10 @@ def attention_kernel(quant_bit, quant_group, scale_dtype, value_dtype, query_dty
 
 
 @cache
-def flash_kernel(dtype, head_dim, num_heads, num_kv_heads, threads):
-    """Rung 6 (`_attention_flash`) specialised with OpenPPL's score, for a float16 or bfloat16 query and cache."""
-    score, key_range = make_ppl_score(rounder(dtype))
+def flash_kernel(dtype, head_dim, num_heads, num_kv_heads, threads, biased):
+    """Rung 6 (`_attention_flash`) specialised with OpenPPL's score, for a float16 or bfloat16 query and cache; the
+    mask and ALiBi compiled in only for a call that has one (`biased`)."""
+    score, key_range = make_ppl_score(rounder(dtype), biased)
     return make_flash_attention_kernel(score, key_range, head_dim=head_dim, group=num_heads // num_kv_heads,
                                        warps=threads // 32, dtype=dtype)
 
@@ -248,7 +253,8 @@ def _attend_flash(query, key_src, value_src, seqstarts, kvstarts, decoding_batch
     """Rung 6: one launch of (ceil(max_seqlen / rows a block), heads, sequences) blocks, the query and output passed
     as their 16-bit patterns."""
     head_dim, batch = query.shape[2], seqstarts.shape[0] - 1
-    kernel = flash_kernel(query.dtype.name, head_dim, num_heads, num_kv_heads, threads)
+    kernel = flash_kernel(query.dtype.name, head_dim, num_heads, num_kv_heads, threads,
+                          attn_mask is not None or alibi_slopes is not None)
     score_args = _score_args(query, seqstarts, kvstarts, decoding_batches, attn_mask, is_causal, alibi_slopes)
     attn_output = empty_like_kind(query, query.shape, query.dtype)
     geometry = (np.int64(0), np.int64(num_heads * head_dim), np.int64(head_dim))   # (s_b, s_i, s_h) of (T, H, Dh)
