@@ -148,3 +148,17 @@ def test_rung_6_serves_openppl_with_bias(kw):
     kit.check_case("multi_head_cache_attention",
                    functools.partial(cacheattn.multi_head_cache_attention, backend="numba", threads=64, rung=6),
                    ppl_case(**kw))
+
+
+def test_committed_machine_code_keeps_its_registers():
+    """The committed sm_90 SASS of rung 6 at head_dim 128 (docs/kernel-ladder-sass.json): no spills, two blocks an
+    SM, and its key loop's trip issues about 10 instructions an mma (rung 5's: about 42)."""
+    from cacheattn.lab import sass
+
+    variants = sass.committed()["variants"]
+    flash, staged = variants["rung6-float16-prefill"], variants["rung5-float16-prefill"]
+    assert flash["kernel"] == "flash_attention_kernel" and flash["spill_bytes"] == 0
+    assert flash["occupancy"]["blocks_per_sm"] >= 2
+    per_mma = {k: v["key_loop"]["trip"]["total"] / v["key_loop"]["trip"]["HMMA"] for k, v in
+               (("flash", flash), ("staged", staged))}
+    assert per_mma["flash"] < 12 and per_mma["flash"] * 3 < per_mma["staged"], per_mma
