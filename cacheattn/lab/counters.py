@@ -385,10 +385,13 @@ def bound_figures(b: bounds.Bounds, case: BenchCase, key: str | None, why: str |
             out[f"{name} ({b.figures[name].unit or 'count'})"] = round(b.figures[name].value, 3)
     out["SASS"] = key if key is not None else f"none: {why}; issue, MUFU, latency and wave terms from counts only"
     # The names pages written against the earlier model read (now the model's terms, bounds like the others).
+    # (A trip whose machine code waits on no load in series, rung 6's cp.async loop, has no latency term.)
     if key is not None:
         out["issue µs (SASS estimate)"] = out["issue µs (derived)"]
-        out["latency µs (Little's law estimate)"] = out["latency µs (derived)"]
-        out["loads in flight / needed (SASS estimate)"] = round(b.figures["in flight / needed"].value, 3)
+        if "latency µs (derived)" in out:
+            out["latency µs (Little's law estimate)"] = out["latency µs (derived)"]
+        if "in flight / needed" in b.figures:
+            out["loads in flight / needed (SASS estimate)"] = round(b.figures["in flight / needed"].value, 3)
     if case.new_tokens > 1:
         out["TFLOP/s at the bound (derived)"] = out["TFLOP/s at most (derived)"]
     return out
