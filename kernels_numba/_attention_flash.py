@@ -245,8 +245,8 @@ def make_flash_attention_kernel(score, key_range, *, head_dim: int, group: int, 
         # 2. this thread's copy column and first row; the (page, offset) of that row's key in the first tile,
         #    walked a tile at a time (tile_page, tile_off) and a pass at a time within a tile (pages, offsets)
         c, key0 = tid % CHUNKS, tid // CHUNKS
-        t = first + key0
-        tile_page = as_offset(t // k_src.page, k_src.s_t)
+        t = as_offset(first + key0, k_src.s_t)       # the source's offset type: a 32-bit division, once
+        tile_page = t // k_src.page
         tile_off = as_offset(t - tile_page * k_src.page, k_src.s_t)
         if tiles > 0:
             issue(k_src, k_s, tile_page, tile_off, b, g, first, hi, key0, c)
