@@ -29,9 +29,9 @@ apart, all in the same 4 banks. Chunk c of row r is stored at chunk c ^ f(r), f(
 8 chunks (the 8 rows' chunks land in 8 different 16-byte bank groups: all 32 banks), and for 2 or 4 chunks a row
 f(r) = (r // (8 / chunks)) % chunks, which spreads the 8 rows the same way. The copies' stores are spread alike.
 
-Paged caches: a thread walks its keys' (page, offset) pairs with `_cache.page_walk` and reads the page table
-once a key row it copies (`page_slot`), with the source's 32-bit offsets where the host narrowed them; the one
-division (the first key's page) happens once a thread. K and V must share the page table and the page size
+Paged caches: a thread walks its keys' (page, offset) pairs and reads the page table once a page its copies
+enter (`page_slot`), each copy a multiply-add from its page's first row, with the source's 32-bit offsets where
+the host narrowed them; the one division (the first key's page) happens once a thread. K and V must share the page table and the page size
 (the operators' sources do). Caches are unquantized float16 or bfloat16; a quantized cache stays on rung 5.
 
 The simulator runs every piece through its twins (`_async_copy`, `_mma`), which check that no shared byte is read
@@ -144,21 +144,50 @@ def make_flash_attention_kernel(score, key_range, *, head_dim: int, group: int, 
         """Word index of chunk `chunk` of tile row `row` (the XOR swizzle of the module docstring)."""
         return row * ROW_WORDS + (chunk ^ ((row >> SHIFT) & (SW - 1))) * 4
 
-    @cuda.jit(device=True, inline="always")
-    def issue(src, tile_s, page, offset, b, g, t_tile, hi, key0, c):
-        """This thread's copies of one tile: rows key0 + n * STRIDE, chunk c, the first at (page, offset) of the
-        page table, the others walked from it; zeros for keys from hi on."""
-        for n in range(PASSES):
-            key = key0 + n * STRIDE
-            at = place(key, c)
-            if t_tile + key < hi:
-                slot = page_slot(src, b, page, offset)
-                row, _ = slot_rows(src, b, slot, g)
-                cp_async16(tile_s, at, src.data, as_index(as_offset(row + c * CHUNK, row)))
+    def copies_from(n):
+        """A device function that issues this thread's copies n .. PASSES - 1 of a tile: row key0 + n * STRIDE,
+        chunk c, at (page, offset) of the page table, page_row its page's first row; zeros for keys from hi on
+        (room: the thread's rows before key hi). One function a copy, each calling the next (as `scores_from`), so
+        that n is a constant in each: its row's place in the tile and its test against room fold into immediates,
+        where a loop over n kept 64-bit counters and addresses (about 47 instructions a copy, 20 here)."""
+        if n == PASSES:
+            @cuda.jit(device=True, inline="always")
+            def done(src, tile_s, page, offset, page_row, b, g, first, room, key0, c):
+                return
+            return done
+        rest = copies_from(n + 1)
+
+        @cuda.jit(device=True, inline="always")
+        def copy(src, tile_s, page, offset, page_row, b, g, first, room, key0, c):
+            # rows STRIDE apart share the swizzle when STRIDE is a multiple of 8: a constant step in the tile
+            at = first + np.uint32(n * STRIDE * ROW_WORDS) if STRIDE % 8 == 0 else np.uint32(
+                place(key0 + n * STRIDE, c))
+            if n * STRIDE < room:
+                row = as_offset(page_row + offset * src.s_t + c * CHUNK, src.s_t)
+                cp_async16(tile_s, at, src.data, as_index(row))
             else:
                 for w in range(4):
-                    tile_s[at + w] = np.uint32(0)
-            page, offset = page_walk(page, offset, STRIDE, src.page)
+                    tile_s[at + np.uint32(w)] = np.uint32(0)
+            if n + 1 < PASSES:
+                offset = as_offset(offset + STRIDE, offset)
+                if offset >= src.page:           # the next page (pages shorter than STRIDE: the loop walks them)
+                    while offset >= src.page:
+                        offset = as_offset(offset - src.page, offset)
+                        page = as_offset(page + 1, page)
+                    page_row, _ = slot_rows(src, b, page_slot(src, b, page, 0), g)
+            rest(src, tile_s, page, offset, page_row, b, g, first, room, key0, c)
+        return copy
+
+    copies = copies_from(0)
+
+    @cuda.jit(device=True, inline="always")
+    def issue(src, tile_s, page, offset, b, g, t_tile, hi, key0, c):
+        """This thread's copies of one tile (`copies_from`), the first at (page, offset) of the page table. The
+        page's first row is looked up once a page (`slot_rows` of its slot 0) and each copy adds its offset in the
+        page: a multiply-add a copy, the table read only where the walk enters the next page."""
+        page_row, _ = slot_rows(src, b, page_slot(src, b, page, 0), g)
+        room = as_offset(hi - t_tile - key0, offset)
+        copies(src, tile_s, page, offset, page_row, b, g, np.uint32(place(key0, c)), room, key0, c)
 
     def scores_from(nt):
         """A device function that scores C tiles nt .. S_TILES - 1 of S in place and returns the rows' maxima
