@@ -80,9 +80,13 @@ BFLOAT16_ARCH = (8, 0)      # cvt.rn.bf16x2.f32, which rounds the kernels' bfloa
 
 
 def check_bfloat16_arch(name: str, x, compute_capability) -> None:
-    """A bfloat16 `x` headed for the kernels needs a GPU of compute capability 8.0 or newer; compute_capability is
-    the current GPU's (major, minor), or None in the simulator (no architecture to check)."""
-    if dtype_of(x).name != "bfloat16" or compute_capability is None:
+    """A bfloat16 `x` headed for the kernels needs a GPU of compute capability 8.0 or newer; compute_capability
+    returns the current GPU's (major, minor), or None in the simulator (no architecture to check). It is asked only
+    for a bfloat16 `x`: other dtypes need no device."""
+    if dtype_of(x).name != "bfloat16":
+        return
+    compute_capability = compute_capability()
+    if compute_capability is None:
         return
     if tuple(compute_capability) < BFLOAT16_ARCH:
         major, minor = compute_capability

@@ -23,6 +23,9 @@ on a tie with rung 3); a split, on a lower bound or lower terms after it:
   chain of waits;
 - **rung 5 when the tensor cores are faster**: a prefill with a float16 query. A candidate whose SASS terms are
   not known (a kernel not compiled at this shape) wins only on a strictly lower bound of the terms known for both;
+- **rung 6 over rung 5 for a prefill**, where the operator offers it (OpenPPL: `rungs` with 6): the
+  FlashAttention-2 kernel (`kernels_numba._attention_flash`: 64 query rows a block, K/V tiles by cp.async and
+  ldmatrix) on a float16 query and cache at head_dim 16 to 128, when its bound is no worse than rung 5's;
 - **rung 1 as the fallback** where neither can run: block sizes that are not whole warps, or a head_dim whose rows
   do not fit those kernels' shared memory at the block size asked for. Rung 2 is never chosen: rung 3 serves every
   call rung 2 can, with fewer instructions a key.
@@ -51,6 +54,10 @@ import numpy as np
 from ._validate import check_int
 
 LADDER = (1, 2, 3, 4, 5)       # every rung of the kernel ladder (docs/kernel-ladder.md)
+# Rung 6, the FlashAttention-2 prefill (kernels_numba/_attention_flash.py): offered by the operators that launch it
+# (OpenPPL's), in their `rungs`.
+FLASH_RUNG = 6
+ALL_RUNGS = LADDER + (FLASH_RUNG,)
 DEFAULT_THREADS = 128          # the block size every rung was counted at (docs/kernel-ladder.md)
 MMA_FLOPS = 16 * 8 * 16 * 2    # one mma.m16n8k16
 MMA_ROWS = 16                  # query rows of one mma tile; rung 5 pads a block's rows to it
@@ -291,8 +298,8 @@ def choose_kernel(shape: AttentionShape, *, rung: int | None = None, num_splits:
         from kernels_numba._split_k import sm_count
         sms = sm_count()
     rungs = tuple(sorted(set(rungs)))
-    if not rungs or not set(rungs) <= set(LADDER) or 1 not in rungs:
-        raise ValueError(f"rungs: expected rungs of the ladder {LADDER} including rung 1 (every call's fallback), "
+    if not rungs or not set(rungs) <= set(ALL_RUNGS) or 1 not in rungs:
+        raise ValueError(f"rungs: expected rungs of the ladder {ALL_RUNGS} including rung 1 (every call's fallback), "
                          f"got {rungs}")
     if rung is not None and rung not in rungs:
         raise ValueError(f"rung: this operator's kernels offer rungs {rungs}, got {rung!r}")
@@ -321,6 +328,10 @@ def _plan(shape, rung, num_splits, threads, sms, rungs=LADDER, register_decode=T
         return replace(chosen, reason=f"{chosen.reason}; rung 5's decode kernel: {_bound_text(b5)}")
     tensor, why_not_tensor = (_tensor_core_rung(shape, answers[STAGED], threads, sms) if 5 in rungs
                               else (None, "rung 5 not offered"))
+    flash = _flash_rung(shape, answers[FLASH][0], sms) if answers.get(FLASH, (None, ""))[0] is not None else None
+    if flash is not None and (tensor is None or _no_worse(flash[1], tensor[1])):
+        against = f"; rung 5: {_bound_text(tensor[1])}" if tensor is not None else ""
+        tensor = (replace(flash[0], reason=flash[0].reason + against), flash[1])
     # Rung 5's staged kernel takes a prefill tie; a decode (its machine code read from the prefill's) only on a
     # strictly lower bound.
     if tensor is not None and (cores is None or (_no_worse(tensor[1], cores[1]) if shape.max_query_len > 1
@@ -347,7 +358,7 @@ def _forced(shape, rung, num_splits, threads, sms, why, register_decode=True):
     rung 4 does)."""
     from kernels_numba._split_k import MAX_SPLITS
 
-    check_int("rung", rung, low=1, high=5)
+    check_int("rung", rung, low=1, high=FLASH_RUNG)
     if num_splits is not None:
         check_int("num_splits", num_splits, low=1, high=MAX_SPLITS)
     fit = _ask(shape, FORCED[rung], threads)
@@ -370,20 +381,29 @@ def _forced(shape, rung, num_splits, threads, sms, why, register_decode=True):
 # The kernels the plan asks about, (rung, variant) as their `kernels_numba._fit.RungFit` names them. Rung 4 is rung
 # 3's kernel writing split-K partials: the plan splits rung 3's answer, and asks (4, "vector") only for a rung 4
 # asked for (its refusals name rung 4). Rung 2 is never chosen (rung 3 serves its calls), only asked for.
-TILES, WARP, VECTOR, SPLIT, STAGED, DECODE = (1, "tiles"), (2, "warp"), (3, "vector"), (4, "vector"), \
-    (5, "staged"), (5, "decode")
-FORCED = {1: TILES, 2: WARP, 3: VECTOR, 4: SPLIT, 5: STAGED}
-CANDIDATES = (VECTOR, DECODE, STAGED)     # what the plan compares, in the order it asks; rung 1 only when none serves
+TILES, WARP, VECTOR, SPLIT, STAGED, DECODE, FLASH = (1, "tiles"), (2, "warp"), (3, "vector"), (4, "vector"), \
+    (5, "staged"), (5, "decode"), (6, "flash")
+FORCED = {1: TILES, 2: WARP, 3: VECTOR, 4: SPLIT, 5: STAGED, 6: FLASH}
+# what the plan compares, in the order it asks; rung 1 only when none serves
+CANDIDATES = (VECTOR, DECODE, STAGED, FLASH)
 
 
 @cache
 def rung_fits() -> dict:
     """{(rung, variant): fit(shape, threads) -> RungFit}: each kernel's own answer, next to its launcher
     (`kernels_numba._fit`)."""
-    from kernels_numba import _attention_core, _attention_gqa_mma, _attention_mma, _attention_vector, _attention_warp
+    from kernels_numba import (
+        _attention_core,
+        _attention_flash,
+        _attention_gqa_mma,
+        _attention_mma,
+        _attention_vector,
+        _attention_warp,
+    )
 
     return {TILES: _attention_core.fit, WARP: _attention_warp.fit, VECTOR: _attention_vector.fit,
-            SPLIT: partial(_attention_vector.fit, rung=4), STAGED: _attention_mma.fit, DECODE: _attention_gqa_mma.fit}
+            SPLIT: partial(_attention_vector.fit, rung=4), STAGED: _attention_mma.fit, DECODE: _attention_gqa_mma.fit,
+            FLASH: _attention_flash.fit}
 
 
 @cache
@@ -415,8 +435,10 @@ def _answers(shape, threads, rungs, register_decode) -> dict:
         if kernel[0] not in rungs or kernel == DECODE and not (register_decode and
                                                                shape.decode_sequences == shape.batch):
             continue
-        if kernel == STAGED and answers.get(DECODE, (None, ""))[0] is not None:
+        if kernel in (STAGED, FLASH) and answers.get(DECODE, (None, ""))[0] is not None:
             continue
+        if kernel == FLASH and shape.max_query_len <= 1:
+            continue                               # a prefill kernel: 16 rows a warp for one query position
         if kernel == DECODE:
             cores = answers.get(VECTOR, (None, ""))[0]
             if cores is None:
@@ -444,7 +466,8 @@ def _splits(shape, blocks, step, sms):
 # threads (docs/kernel-ladder-sass.json, which tests/test_kernel_choice.py holds these to): (rung, phase, quant_bit)
 # -> (instructions of a key-loop trip on its shortest path, instructions a warp runs once, MUFU.EX2 a trip,
 # LDS/STS/SHFL a trip, HBM round trips a trip waits on in series, short ones, blocks an SM holds). Rung 4 is rung 3
-# writing partials; rung 5's decode is its register-fed kernel.
+# writing partials; rung 5's decode is its register-fed kernel; rung 6 is the FlashAttention-2 prefill, whose trip
+# is a 64-key tile of its 4 warps (its cp.async copies sit in inner loops, off the trip's path).
 SASS_WORK = {
     (3, "decode", 0): (517, 1246, 2, 29, 1, 5, 4), (3, "decode", 8): (868, 1969, 2, 21, 2, 2, 2),
     (3, "decode", 4): (863, 1968, 2, 21, 0, 6, 2), (4, "decode", 0): (526, 1318, 2, 29, 1, 5, 3),
@@ -452,7 +475,7 @@ SASS_WORK = {
     (5, "decode", 0): (311, 1491, 5, 2, 2, 1, 3), (5, "decode", 8): (545, 1817, 5, 4, 2, 1, 3),
     (5, "decode", 4): (514, 1746, 5, 2, 1, 2, 3), (3, "prefill", 0): (725, 1793, 2, 41, 1, 5, 2),
     (5, "prefill", 0): (1730, 3623, 10, 84, 4, 28, 2), (5, "prefill", 8): (1961, 3598, 10, 92, 3, 27, 2),
-    (5, "prefill", 4): (2607, 2182, 10, 148, 3, 27, 2),
+    (5, "prefill", 4): (2607, 2182, 10, 148, 3, 27, 2), (6, "prefill", 0): (1951, 3000, 34, 68, 15, 10, 2),
 }
 SASS_SHAPE = (128, 128)        # (head_dim, threads) the table was read at
 
@@ -621,3 +644,17 @@ def _tensor_core_rung(shape, answer, threads, sms):
                      mma=mma, shared_wavefronts=mma * MMA_WAVEFRONTS.get(shape.quant_bit, MMA_WAVEFRONTS_DEFAULT))
     return (KernelPlan(5, 1, t, f"tensor cores{_fewer(shape, t, threads)} on {blocks} blocks: {_kind(b)}-bound, "
                                 f"{_bound_text(b)}"), b), None
+
+
+def _flash_rung(shape, fit, sms):
+    """(plan, bounds) of rung 6, the FlashAttention-2 prefill, from its answer `fit`: 16 query positions of one head
+    a warp, so an mma tile is full from 16 positions on; its shared-memory wavefronts a mma from its tile plan
+    (`_attention_flash.shared_wavefronts`)."""
+    from kernels_numba._attention_flash import shared_wavefronts
+
+    rows, t, blocks = max(shape.max_query_len, 1), fit.threads, fit.blocks
+    mma = shape.flops / MMA_FLOPS * MMA_ROWS / min(MMA_ROWS, rows)
+    b = _call_bounds(shape, sms, FLASH_RUNG, t, blocks, step=fit.keys_per_step, mma=mma,
+                     shared_wavefronts=mma * shared_wavefronts(shape.head_dim, t // 32))
+    return KernelPlan(FLASH_RUNG, 1, t, f"FlashAttention-2 prefill on {blocks} blocks: {_kind(b)}-bound, "
+                                        f"{_bound_text(b)}"), b

@@ -309,7 +309,7 @@ def onnx_attention(Q: Tensor, K: Tensor, V: Tensor, attn_mask: Tensor | None = N
     if rung == 5 and _dtype_name(Q) != "float16":
         raise ValueError(f"rung: 5 (tensor cores, mma.sync on float16) needs a float16 Q, got {_dtype_name(Q)}")
     if engine != "reference":
-        check_bfloat16_arch("Q", Q, arrays.compute_capability())
+        check_bfloat16_arch("Q", Q, arrays.compute_capability)
         launch = kernel_plan(Q, K, V, past_key, q_num_heads=q_num_heads, kv_num_heads=kv_num_heads,
                              is_causal=attrs["is_causal"], rung=rung, num_splits=num_splits, threads=threads)
     if engine == "reference":

@@ -36,6 +36,9 @@ from .kernel_choice import choose_kernel as plan_kernels
 
 QUANT_BITS = (0, 4, 8)
 
+# The kernels' rungs: the ladder's five and rung 6, the FlashAttention-2 prefill (`kernels_numba._attention_flash`).
+RUNGS = (1, 2, 3, 4, 5, 6)
+
 
 class KeyValue(NamedTuple):
     """The two outputs of KeyValueCache (static and dynamic_batching), in the document's order.
@@ -681,7 +684,7 @@ def dynamic_multi_head_attention(query: Tensor, key: Tensor, value: Tensor, seqs
     """
     data = dict(query=query, key=key, value=value, attn_mask=attn_mask)
     engine = arrays.resolve_backend(backend, data)
-    check_launch(rung, threads, num_splits, rungs=(1, 2, 3, 4, 5), split_rungs=(4, 5))
+    check_launch(rung, threads, num_splits, rungs=RUNGS, split_rungs=(4, 5))
     kv_heads = _check_attention_attrs(num_heads, head_dim, num_kv_heads, is_causal, is_alibi)
     _check_query(query, num_heads, head_dim)
     _check_rung(rung, query)
@@ -719,8 +722,8 @@ def dynamic_multi_head_attention(query: Tensor, key: Tensor, value: Tensor, seqs
 
 
 def _check_rung(rung, query):
-    if rung == 5 and query.dtype != np.float16:
-        raise ValueError(f"rung: 5 (tensor cores, mma.sync on float16) needs a float16 query, got {query.dtype}")
+    if rung in (5, 6) and query.dtype != np.float16:
+        raise ValueError(f"rung: {rung} (tensor cores, mma.sync on float16) needs a float16 query, got {query.dtype}")
 
 
 def _kernel_plan(engine, rung, threads, num_splits, query_dtype, seqlens, max_seqlen, max_kvlen, num_heads, kv_heads,
@@ -742,7 +745,7 @@ def _kernel_plan(engine, rung, threads, num_splits, query_dtype, seqlens, max_se
                            cache_dtype=cache_dtype, quant_bit=quant_bit, quant_group=quant_group if quant_bit else 0,
                            page_size=page_size, decode_sequences=int(np.count_nonzero(seqlens == 1)),
                            causal=bool(is_causal or is_alibi), keys_apart=keys_apart)
-    return plan_kernels(shape, rung=rung, num_splits=num_splits, threads=threads)
+    return plan_kernels(shape, rung=rung, num_splits=num_splits, threads=threads, rungs=RUNGS)
 
 
 def _launch_args(launch):
@@ -936,8 +939,7 @@ class MultiHeadCacheAttentionPlan:
 
     def __init__(self, step: dict, tokens: int | None = None, query=None):
         launch = {name: step.pop(name) for name in ("threads", "rung", "num_splits")}
-        check_launch(launch["rung"], launch["threads"], launch["num_splits"], rungs=(1, 2, 3, 4, 5),
-                     split_rungs=(4, 5))
+        check_launch(launch["rung"], launch["threads"], launch["num_splits"], rungs=RUNGS, split_rungs=(4, 5))
         kv_heads = _check_attention_attrs(step["num_heads"], step["head_dim"], step["num_kv_heads"],
                                           step["is_causal"], step["is_alibi"])
         if query is not None:      # the one call: a head_dim its query contradicts is named before what follows it

@@ -1405,7 +1405,7 @@ class GptAttentionPlan:
             raise ValueError(f"rung: 5 (tensor cores, mma.sync on float16) needs a float16 qkv, got "
                              f"{dtype_of(qkv).name}")
         if engine != "reference":
-            check_bfloat16_arch("qkv", qkv, arrays.compute_capability())
+            check_bfloat16_arch("qkv", qkv, arrays.compute_capability)
             return self._run_kernels({**checked, **{k: arrays.as_kernel_array(x) for k, x in data.items()}})
 
         def call(host):

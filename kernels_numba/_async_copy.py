@@ -21,6 +21,12 @@ numba-cuda has neither, so on a GPU these are `@intrinsic`s emitting inline PTX 
         the element index of one 16-byte row (lanes 8j .. 8j + 7: rows 0..7 of matrix j) and receives register
         j of each matrix. PTX ISA, "Warp-level matrix load instruction: ldmatrix".
     ldmatrix_x4_trans(...)   the same with .trans: each matrix transposed on the way.
+    ldmatrix_x4_at(shared, row, offset, scratch, warp, lane), ldmatrix_x4_trans_at(...)
+                             the same from row + offset (elements), the offset added to the 32-bit shared address
+                             inside the instruction's PTX: loads at distances that are constants once the compiler
+                             unrolls the loop around them (ptxas folds each into the instruction's immediate) keep
+                             the few lane-dependent rows' addresses only, not one 64-bit address per load (the
+                             compiler hoists every distinct address out of the loop, into a register pair each).
 
 ldmatrix's fragment, from the ISA's table: with groupID = lane >> 2 and threadID_in_group = lane % 4, register j
 holds elements (groupID, 2 * threadID_in_group) and (groupID, 2 * threadID_in_group + 1) of matrix j, low half
@@ -316,7 +322,11 @@ if SIMULATED:
         out = []
         for j in range(4):
             if transpose:                           # column `group` of matrix j, rows 2 * thread and the next
-                pair = [_row(shared, scratch[warp, 8 * j + 2 * thread + k], function)[group] for k in range(2)]
+                # a loop, not a list comprehension: the lab's recorder knows this function's frames as a twin's
+                # (register rows, not memory), and a comprehension runs in a frame of its own
+                pair = [0, 0]
+                for k in range(2):
+                    pair[k] = _row(shared, scratch[warp, 8 * j + 2 * thread + k], function)[group]
             else:                                   # row `group` of matrix j, columns 2 * thread and the next
                 pair = _row(shared, scratch[warp, 8 * j + group], function)[2 * thread:2 * thread + 2]
             out.append(np.uint32(int(pair[0]) | int(pair[1]) << 16))
@@ -333,6 +343,16 @@ if SIMULATED:
     def ldmatrix_x4_trans(shared, row, scratch, warp, lane):
         """ldmatrix_x4 with each matrix transposed (.trans)."""
         return _ldmatrix(shared, row, scratch, warp, lane, True, "ldmatrix_x4_trans")
+
+    @cuda.jit(device=True)
+    def ldmatrix_x4_at(shared, row, offset, scratch, warp, lane):
+        """ldmatrix_x4 from row + offset."""
+        return _ldmatrix(shared, row + offset, scratch, warp, lane, False, "ldmatrix_x4_at")
+
+    @cuda.jit(device=True)
+    def ldmatrix_x4_trans_at(shared, row, offset, scratch, warp, lane):
+        """ldmatrix_x4_trans from row + offset."""
+        return _ldmatrix(shared, row + offset, scratch, warp, lane, True, "ldmatrix_x4_trans_at")
 else:
     from types import SimpleNamespace
 
@@ -435,6 +455,42 @@ else:
         return intrinsic(load)
 
     _ldmatrix_x4, _ldmatrix_x4_trans = _ldmatrix(False), _ldmatrix(True)
+
+    def _ldmatrix_at(transpose: bool):
+        """ldmatrix from the shared address of shared[row] plus offset elements (`ldmatrix_x4_at`)."""
+        def load(typingctx, shared, row, offset):
+            if not (_is_vector(shared, row) and isinstance(offset, types.Integer)):
+                return None
+            shift = (shared.dtype.bitwidth // 8).bit_length() - 1           # elements -> bytes
+            text = ("{ .reg .u64 a; .reg .u32 s, o; " + _SHARED.format("$4") + f" shl.b32 o, $5, {shift}; "
+                    "add.u32 s, s, o; ldmatrix.sync.aligned.m8n8.x4" + (".trans" if transpose else "")
+                    + ".shared.b16 {$0, $1, $2, $3}, [s]; }")
+
+            def codegen(context, builder, sig, args):
+                pointer = element_pointer(context, builder, sig, args)
+                distance = context.cast(builder, args[2], sig.args[2], types.int32)
+                fnty = ir.FunctionType(ir.LiteralStructType([_WORD] * 4), [pointer.type, _WORD])
+                out = builder.call(ir.InlineAsm(fnty, text, "=r,=r,=r,=r,l,r,~{memory}", side_effect=True),
+                                   [pointer, distance])
+                return context.make_tuple(builder, sig.return_type, [builder.extract_value(out, k) for k in range(4)])
+
+            return types.UniTuple(types.uint32, 4)(shared, row, offset), codegen
+
+        load.__name__ = load.__qualname__ = "_ldmatrix_trans_at" if transpose else "_ldmatrix_at"
+        return intrinsic(load)
+
+    _ldmatrix_x4_at, _ldmatrix_x4_trans_at = _ldmatrix_at(False), _ldmatrix_at(True)
+
+    @cuda.jit(device=True)
+    def ldmatrix_x4_at(shared, row, offset, scratch, warp, lane):
+        """ldmatrix_x4 from row + offset, offset a compile-time constant in the instruction (scratch, warp and lane
+        unused here)."""
+        return _ldmatrix_x4_at(shared, row, offset)
+
+    @cuda.jit(device=True)
+    def ldmatrix_x4_trans_at(shared, row, offset, scratch, warp, lane):
+        """ldmatrix_x4_at with each matrix transposed (.trans)."""
+        return _ldmatrix_x4_trans_at(shared, row, offset)
 
     @cuda.jit(device=True)
     def ldmatrix_x4(shared, row, scratch, warp, lane):

@@ -7,7 +7,8 @@ calls, so the plan on the host and the launch cannot disagree:
 - rung 1: `_attention_core.fit`; rung 2: `_attention_warp.fit`; rungs 3 and 4: `_attention_vector.fit` (the same
   grid: rung 4 splits each block's keys, a choice the plan makes from this answer);
 - rung 5: `_attention_mma.fit` (keys staged through shared memory) and `_attention_gqa_mma.fit` (a decode batch's
-  GQA group fed to the tensor cores from registers).
+  GQA group fed to the tensor cores from registers);
+- rung 6: `_attention_flash.fit` (the FlashAttention-2 prefill, offered by OpenPPL's operators).
 
 Registers are not part of the answer: what a kernel holds and issues is read from its committed machine code by
 the bound model (`cacheattn.kernel_choice.SASS_WORK`).
@@ -48,8 +49,8 @@ class RungFit:
     rung : int
         The rung of the ladder (3 for rungs 3 and 4).
     variant : str
-        Which kernel of the rung: "tiles", "warp", "vector", "staged" (rung 5 through shared memory) or "decode"
-        (rung 5's register-fed decode kernel).
+        Which kernel of the rung: "tiles", "warp", "vector", "staged" (rung 5 through shared memory), "decode"
+        (rung 5's register-fed decode kernel) or "flash" (rung 6).
     threads : int
         The block size asked about.
     fits : bool

@@ -20,6 +20,8 @@ import numpy as np
 from numba import cuda
 
 from ._attention_core import make_attention_kernel, plan_tiles
+from ._attention_flash import make_flash_attention_kernel, rows_per_block
+from ._attention_flash import why_not as flash_why_not
 from ._attention_gqa_mma import KEY_TILE as DECODE_TRIP
 from ._attention_gqa_mma import decode_grid, decode_kernel_choice, make_gqa_decode_attention_kernel
 from ._attention_gqa_mma import heads_per_block as decode_heads
@@ -40,11 +42,13 @@ PPLScoreArgs = namedtuple("PPLScoreArgs", "is_causal decoding_batches is_alibi s
                                           "kvstarts has_mask")
 
 
-def make_ppl_score(round_query):
+def make_ppl_score(round_query, biased=True):
+    """(score, key_range) of OpenPPL's rules. biased=False: a kernel for calls without a mask and without ALiBi,
+    which compiles neither bias in (the flags are then never read: only causal masking is left)."""
     @cuda.jit(device=True, inline="always")
     # spec: ppl-mhca/causal, ppl-mhca/decoding-batches, ppl-mhca/alibi
     def causal_applies(args, b, seqlen):
-        return (args.is_causal != 0 and seqlen > 1 and b >= args.decoding_batches) or args.is_alibi != 0
+        return (args.is_causal != 0 and seqlen > 1 and b >= args.decoding_batches) or (biased and args.is_alibi != 0)
 
     @cuda.jit(device=True, inline="always")
     def score(args, qk, b, h, i, j, seqlen, kvlen):
@@ -52,6 +56,8 @@ def make_ppl_score(round_query):
         last_visible = kvlen - seqlen + i
         if j > last_visible and causal_applies(args, b, seqlen):
             return NEG_INF
+        if not biased:
+            return qk
         m = np.float32(0.0)
         if args.has_mask != 0:
             m = np.float32(args.mask[h * args.mask_sh + (args.seqstarts[b] + i) * args.mask_si + args.kvstarts[b] + j])
@@ -138,6 +144,31 @@ def attention_kernel(quant_bit, quant_group, scale_dtype, value_dtype, query_dty
     return kernel, heads_per_block, q_tile
 
 
+@cache
+def flash_kernel(dtype, head_dim, num_heads, num_kv_heads, threads, biased):
+    """Rung 6 (`_attention_flash`) specialised with OpenPPL's score, for a float16 or bfloat16 query and cache; the
+    mask and ALiBi compiled in only for a call that has one (`biased`)."""
+    score, key_range = make_ppl_score(rounder(dtype), biased)
+    return make_flash_attention_kernel(score, key_range, head_dim=head_dim, group=num_heads // num_kv_heads,
+                                       warps=threads // 32, dtype=dtype)
+
+
+def flash_refusal(query, key_src, value_src, quant_bit, threads) -> str:
+    """Why rung 6 cannot take this launch ('' when it can): it copies 16-byte chunks of unquantized float16 rows
+    as they are, so the cache must hold the query's dtype, with every row aligned (`vector_loads_ok`), and K and V
+    must share the page table."""
+    head_dim = query.shape[2]
+    if query.dtype != np.float16:
+        return f"a {query.dtype} query"
+    if quant_bit or key_src.data.dtype != query.dtype or value_src.data.dtype != query.dtype:
+        return "a quantized cache, or one of another dtype than the query"
+    if not all(vector_loads_ok(src, 0, head_dim) for src in (key_src, value_src)):
+        return "cache rows not 16-byte aligned"
+    if key_src.starts is not value_src.starts or int(key_src.page) != int(value_src.page):
+        return "K and V on different page tables"
+    return flash_why_not(head_dim, threads)
+
+
 def attend(query, key_src, value_src, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen, attn_mask, *,
            num_heads, num_kv_heads, is_causal, alibi_slopes, quant_bit, quant_group, scale_dtype, value_dtype, threads,
            stream, rung=1, num_splits=None):
@@ -147,6 +178,13 @@ def attend(query, key_src, value_src, seqstarts, kvstarts, decoding_batches, max
     (None: `choose_splits`, which splits only where the blocks leave SMs idle)."""
     head_dim = query.shape[2]
     batch = seqstarts.shape[0] - 1
+    # Rung 6 where its copies can serve the launch (the plan checked the dtypes and head_dim; alignment is known
+    # here only), else rung 5's staged kernel, which takes any float16-query launch.
+    if rung == 6 and not flash_refusal(query, key_src, value_src, quant_bit, threads):
+        return _attend_flash(query, key_src, value_src, seqstarts, kvstarts, decoding_batches, max_seqlen, attn_mask,
+                             num_heads=num_heads, num_kv_heads=num_kv_heads, is_causal=is_causal,
+                             alibi_slopes=alibi_slopes, threads=threads, stream=stream)
+    rung = 5 if rung == 6 else rung
     # Rungs 3-5 read whole 16-byte chunks when every row of both sources is aligned (decided here, per launch).
     vector = rung in (3, 4, 5) and all(vector_loads_ok(src, quant_bit, head_dim) for src in (key_src, value_src))
     # Query tiles stop growing at 16 rows, so lengths past 16 share one compiled kernel; rung 4 is rung 3's.
@@ -172,18 +210,7 @@ def attend(query, key_src, value_src, seqstarts, kvstarts, decoding_batches, max
     elif decode:                                  # the decode kernel splits as rung 4 does, a warp's trip a step
         blocks, step = decode_grid(num_heads, num_kv_heads, batch, threads)
         splits = num_splits or choose_splits(blocks, max_kvlen, step)
-    is_alibi = alibi_slopes is not None
-    # Upstream forms the ALiBi bias in the query dtype, so the slopes are rounded to it first.
-    slopes = np.asarray(alibi_slopes if is_alibi else [0.0]).astype(query.dtype).astype(np.float32)
-    if attn_mask is None:
-        mask, mask_sh, mask_si, has_mask = query[:1, 0, 0], 0, 0, 0     # placeholder, never read
-    else:
-        mask_si = attn_mask.shape[-1]
-        mask_sh = attn_mask.shape[-2] * mask_si if attn_mask.ndim == 3 else 0
-        mask, has_mask = flat(attn_mask), 1
-    score_args = PPLScoreArgs(np.int64(is_causal), np.int64(decoding_batches), np.int64(is_alibi),
-                              to_kind(query, slopes), mask, np.int64(mask_sh), np.int64(mask_si), seqstarts, kvstarts,
-                              np.int64(has_mask))
+    score_args = _score_args(query, seqstarts, kvstarts, decoding_batches, attn_mask, is_causal, alibi_slopes)
     seqlens = seqstarts[1:] - seqstarts[:-1]
     kvlens = kvstarts[1:] - kvstarts[:-1]
     attn_output = empty_like_kind(query, query.shape, query.dtype)
@@ -204,6 +231,37 @@ def attend(query, key_src, value_src, seqstarts, kvstarts, decoding_batches, max
     launch(combine_kernel(query.dtype.str, num_heads, head_dim),
            (max(1, ceil_div(max_seqlen * num_heads * head_dim, threads)), batch), threads, stream, o_part, m_part,
            l_part, np.int64(splits), seqstarts, seqstarts, flat(attn_output))
+    return attn_output
+
+
+def _score_args(query, seqstarts, kvstarts, decoding_batches, attn_mask, is_causal, alibi_slopes):
+    is_alibi = alibi_slopes is not None
+    # Upstream forms the ALiBi bias in the query dtype, so the slopes are rounded to it first.
+    slopes = np.asarray(alibi_slopes if is_alibi else [0.0]).astype(query.dtype).astype(np.float32)
+    if attn_mask is None:
+        mask, mask_sh, mask_si, has_mask = query[:1, 0, 0], 0, 0, 0     # placeholder, never read
+    else:
+        mask_si = attn_mask.shape[-1]
+        mask_sh = attn_mask.shape[-2] * mask_si if attn_mask.ndim == 3 else 0
+        mask, has_mask = flat(attn_mask), 1
+    return PPLScoreArgs(np.int64(is_causal), np.int64(decoding_batches), np.int64(is_alibi), to_kind(query, slopes),
+                        mask, np.int64(mask_sh), np.int64(mask_si), seqstarts, kvstarts, np.int64(has_mask))
+
+
+def _attend_flash(query, key_src, value_src, seqstarts, kvstarts, decoding_batches, max_seqlen, attn_mask, *,
+                  num_heads, num_kv_heads, is_causal, alibi_slopes, threads, stream):
+    """Rung 6: one launch of (ceil(max_seqlen / rows a block), heads, sequences) blocks, the query and output passed
+    as their 16-bit patterns."""
+    head_dim, batch = query.shape[2], seqstarts.shape[0] - 1
+    kernel = flash_kernel(query.dtype.name, head_dim, num_heads, num_kv_heads, threads,
+                          attn_mask is not None or alibi_slopes is not None)
+    score_args = _score_args(query, seqstarts, kvstarts, decoding_batches, attn_mask, is_causal, alibi_slopes)
+    attn_output = empty_like_kind(query, query.shape, query.dtype)
+    geometry = (np.int64(0), np.int64(num_heads * head_dim), np.int64(head_dim))   # (s_b, s_i, s_h) of (T, H, Dh)
+    grid = (max(1, ceil_div(max_seqlen, rows_per_block(threads))), num_heads, batch)
+    launch(kernel, grid, threads, stream, (flat(query).view(np.uint16), seqstarts, *geometry),
+           (flat(attn_output).view(np.uint16), seqstarts, *geometry), seqstarts[1:] - seqstarts[:-1],
+           kvstarts[1:] - kvstarts[:-1], key_src, value_src, score_args, np.float32(1 / math.sqrt(head_dim)))
     return attn_output
 
 

@@ -387,13 +387,44 @@ def _rung5_launches(full: bool):
             if kernel.py_func.__name__ in REQUIRED_PTX]
 
 
+def _rung6_launches(full: bool):
+    """Rung 6 (the FlashAttention-2 prefill: cp.async, ldmatrix, mma.sync): OpenPPL's launches with a mask, ALiBi
+    or both at head_dim 32 (its `score` compiled with the bias), then the kernel alone without bias: bfloat16 at
+    head_dim 128 (the lab's shape, whose float16 twin the SASS variant compiles); full: float16 too, and head_dims
+    16 and 64."""
+    from ._attention_flash import make_flash_attention_kernel
+    from ._cache import cache_source
+    from ._numerics import rounder
+    from .ppl_dynamic_multi_head_attention import PPLScoreArgs, make_ppl_score
+
+    out = [(f"rung 6 {label}", kernel, args) for label, kernel, args in
+           _ppl_launches(full, rung=6, representatives=((0, np.float16, 3, True), (0, np.float16, 3, False)),
+                         dtypes=(np.float16,)) if kernel.py_func.__name__ == "flash_attention_kernel"]
+    starts = np.zeros(3, np.int64)
+    for dtype in ("float16", "bfloat16") if full else ("bfloat16",):
+        for head_dim in (16, 64, 128) if full else (128,):
+            score, key_range = make_ppl_score(rounder(dtype), biased=False)
+            kernel = make_flash_attention_kernel(score, key_range, head_dim=head_dim, group=4, warps=4, dtype=dtype)
+            src = cache_source(np.zeros((64, 2, head_dim), np.uint16), None, np.zeros((2, 4), np.int64), 16, "T H D")
+            score_args = PPLScoreArgs(np.int64(1), np.int64(0), np.int64(0), np.zeros(1, np.float32),
+                                      np.zeros(1, np.uint16), np.int64(0), np.int64(0), starts, starts, np.int64(0))
+            rows = (np.zeros(8, np.uint16), starts, np.int64(0), np.int64(0), np.int64(0))
+            out.append((f"rung 6 {dtype} head_dim={head_dim} unbiased", kernel,
+                        (rows, rows, starts, starts, src, src, score_args, np.float32(1))))
+    return out
+
+
 # Kernels with inline PTX: the instruction their PTX must contain, by kernel name (rung 5's mma, in every compile)
 # or by a marker in the launch's label (rung 3's vector loads, on the aligned launches only). NVVM copies inline asm
 # into the PTX without reading it, so these are also assembled with ptxas when it is installed (the CUDA toolkit
 # wheels of numba-cuda's cu12 extra bring it): a bad operand or constraint fails here, not when a GPU loads the module.
 MMA_PTX = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
 # The decode kernel also pairs two keys' V values with one prmt a register before unpacking them.
-REQUIRED_PTX = {"mma_attention_kernel": (MMA_PTX,), "gqa_decode_attention_kernel": (MMA_PTX, "prmt.b32")}
+# Rung 6 copies K/V tiles by cp.async and reads its fragments by ldmatrix (.trans for V); its mma is f16 or bf16.
+REQUIRED_PTX = {"mma_attention_kernel": (MMA_PTX,), "gqa_decode_attention_kernel": (MMA_PTX, "prmt.b32"),
+                "flash_attention_kernel": ("mma.sync.aligned.m16n8k16.row.col.f32", "cp.async.cg.shared.global",
+                                           "cp.async.wait_group", "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
+                                           "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16")}
 # Every kernel of a bfloat16 call stores bfloat16 bits rounded by cvt.rn.bf16x2.f32 (`_numerics.narrow_bfloat16`).
 BFLOAT16_BITS = "[bfloat16 bits]"
 PTX_MARKERS = {VECTOR_LOAD: "ld.global.nc.v4.u32", VECTOR_LOAD_INT4: "ld.global.nc.v2.u32",
@@ -487,7 +518,7 @@ def _convert_launches(full: bool):
 # one test per family and compute capability.
 FAMILIES = {"ppl": _ppl_launches, "onnx": _onnx_launches, "ft": _ft_launches, "trtllm": _trtllm_launches,
             "ladder": _ladder_launches, "rung3": _rung3_launches, "rung4": _rung4_launches, "rung5": _rung5_launches,
-            "convert": _convert_launches}
+            "rung6": _rung6_launches, "convert": _convert_launches}
 
 
 def spread(launches, stride: int) -> list:

@@ -26,7 +26,7 @@ def test_sanitize_every_kernel_family_finds_nothing(capsys, monkeypatch):
                  "onnx attention", "trtllm gpt_attention generation multi-block", "trtllm gpt_attention fp8 streaming",
                  "trtllm gpt_attention generation rung 4",
                  "trtllm gpt_attention context unfused", "trtllm gpt_attention cross attention", "ft cross_attention",
-                 *(f"ppl multi_head_cache_attention rung {rung}" for rung in range(1, 6))):
+                 *(f"ppl multi_head_cache_attention rung {rung}" for rung in range(1, 7))):
         assert name in families
     monkeypatch.delenv("COLUMNS", raising=False)
     with _console.recording() as tables:

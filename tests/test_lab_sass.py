@@ -120,11 +120,11 @@ def test_missing_tools_are_named(monkeypatch, tmp_path):
 
 
 def test_variant_keys_round_trip():
-    # OpenPPL's 5 rungs x 3 caches in decode, rung 5's prefill x 3 caches and rungs 1-4's float16 prefill;
-    # TensorRT-LLM's rungs 1, 3 and 5 with its 3 caches; its context step's rungs 1 and 5; ONNX's and
+    # OpenPPL's 5 rungs x 3 caches in decode, rung 5's prefill x 3 caches, rungs 1-4's and rung 6's float16
+    # prefill; TensorRT-LLM's rungs 1, 3 and 5 with its 3 caches; its context step's rungs 1 and 5; ONNX's and
     # FasterTransformer's rungs 1, 3 and 4; the quick run's 5 rungs at head_dim 64. The calls' other launches: 5
     # cache stores, a combine, 4 preprocesses, ONNX's copy, FasterTransformer's query bias.
-    assert len(sass.VARIANTS) == 31 + 2 + 3 + 3 + 5 and len(sass.OTHER_VARIANTS) == 5 + 1 + 4 + 1 + 1
+    assert len(sass.VARIANTS) == 32 + 2 + 3 + 3 + 5 and len(sass.OTHER_VARIANTS) == 5 + 1 + 4 + 1 + 1
     assert all(sass.parse_key(v.key) == v for v in sass.VARIANTS + sass.OTHER_VARIANTS)
     assert sass.parse_key("trtllm-rung3-fp8-decode") == sass.Variant(3, "fp8", operator="trtllm")
     assert sass.parse_key("ft-rung3-float16-decode-d64") == sass.Variant(3, "float16", operator="ft", head_dim=64)
@@ -161,15 +161,15 @@ def test_committed_figures_are_current(tmp_path, monkeypatch):
 
 
 def test_no_rung_the_plan_chooses_spills():
-    """Rungs 3 to 5 (the plan's and TensorRT-LLM's choices, decode and prefill, every cache) keep every value in
+    """Rungs 3 to 6 (the plan's and TensorRT-LLM's choices, decode and prefill, every cache) keep every value in
     registers: no spill stores or loads in the committed sm_90 machine code. A kernel change that spills shows
     here once the file is regenerated (`python -m cacheattn.lab.sass --write docs/kernel-ladder-sass.json`)."""
     variants = json.loads(COMMITTED.read_text())["variants"]
-    # the attention kernels of rungs 3-5, and every other launch of a call
+    # the attention kernels of rungs 3-6, and every other launch of a call
     chosen = {key: v for key, v in variants.items() if v["rung"] >= 3 or "+" in key}
-    # OpenPPL 9 decode + 5 prefill + 3 at head_dim 64, TensorRT-LLM 6 + 1 context, ONNX 2, FasterTransformer 2;
-    # 12 other launches
-    assert len(chosen) == 28 + 12
+    # OpenPPL 9 decode + 6 prefill (rung 6's too) + 3 at head_dim 64, TensorRT-LLM 6 + 1 context, ONNX 2,
+    # FasterTransformer 2; 12 other launches
+    assert len(chosen) == 29 + 12
     spilled = {key: (v["spill_stores"], v["spill_loads"]) for key, v in chosen.items()
                if v["spill_stores"] or v["spill_loads"]}
     assert spilled == {}, spilled

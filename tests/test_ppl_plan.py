@@ -26,6 +26,7 @@ RUN_INPUTS = (*LAYER_INPUTS, "backend")
 # the step's host copies and run checks them against the cache it gets), a rung that the query's dtype or the
 # kernels' shared memory at that dtype rule out (planned at the first layer of each dtype).
 AT_RUN = {"page outside MaxT", "last page runs past the end", "offset past MaxT", "rung 5 with a float32 query",
+          "rung 6 with a float32 query",
           "rung 5 warps' merge past shared memory", "rung 2 warps' merge past shared memory",
           "rung 4 warps' merge past shared memory"}
 # Without a layer the plan cannot count current_key's rows: seqstarts' lengths there disagree with kvstarts first.

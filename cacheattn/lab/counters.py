@@ -66,6 +66,9 @@ HMMA = recorder.HMMA
 # share of its last step at each; tests/test_lab_counters.py checks a fourth point). They reproduce the counts of
 # 64, 128 and 192 tokens at a sixteenth of the simulator's time.
 PREFILL_POINTS = (16, 32, 48)
+# Rung 6 (the FlashAttention-2 prefill, OpenPPL's float16 caches) holds 64 query rows a block and walks 64-key tiles:
+# its counts lie on a parabola through multiples of 64 only.
+FLASH_RUNG, FLASH_POINTS = 6, (64, 128, 192)
 # The decode's context lengths: where the page table's DRAM sectors grow as the keys do, so the fit through them
 # leaves the DRAM bytes within 0.01% of the full launch's; rung 1, the slowest to count and bound by shared memory
 # (whose counts are linear from the shortest), at half of them.
@@ -150,7 +153,9 @@ def plans(quick: bool = False) -> list[Plan]:
     for case in ALL_LAB_CASES:
         counted = cut_down(case)
         if case.new_tokens > 1:
-            out.append(Plan(case, counted, PREFILL_POINTS, rungs=case.rungs))
+            flash = type(case) is BenchCase and case.quant_bit == 0
+            out.append(Plan(case, counted, PREFILL_POINTS, rungs=case.rungs + ((FLASH_RUNG,) if flash else ()),
+                            split_points=((FLASH_RUNG, FLASH_POINTS),) if flash else ()))
             continue
         if 1 in case.rungs and case.splits(1) > 1:
             raise ValueError(f"{case.label}: rung 1 splits the full launch; its points would need its key tile")
@@ -393,6 +398,9 @@ def warp_trips(full: dict, plan: Plan, rung: int, threads: int) -> float:
         step, per_step = keys_per_step(case.head_dim, case_chunk(case, rung), warps), warps
     elif not plan.prefill:                                              # the register-fed decode kernel
         step, per_step = DECODE_TRIP * warps, warps
+    elif rung == FLASH_RUNG:                                            # the block's warps on one key tile
+        from kernels_numba._attention_flash import key_tile
+        step, per_step = key_tile(case.head_dim), warps
     else:
         from kernels_numba._attention_mma import KEY_TILE, plan_mma_rows
         row_tiles = plan_mma_rows(case.num_heads, case.num_kv_heads, case.new_tokens, warps, case.head_dim)[2]
@@ -474,10 +482,13 @@ def bound_figures(b: bounds.Bounds, case: BenchCase, key: str | None, why: str |
             out[f"{name} ({b.figures[name].unit or 'count'})"] = round(b.figures[name].value, 3)
     out["SASS"] = key if key is not None else f"none: {why}; issue, MUFU, latency and wave terms from counts only"
     # The names pages written against the earlier model read (now the model's terms, bounds like the others).
+    # (A trip whose machine code waits on no load in series, rung 6's cp.async loop, has no latency term.)
     if key is not None:
         out["issue µs (SASS estimate)"] = out["issue µs (derived)"]
-        out["latency µs (Little's law estimate)"] = out["latency µs (derived)"]
-        out["loads in flight / needed (SASS estimate)"] = round(b.figures["in flight / needed"].value, 3)
+        if "latency µs (derived)" in out:
+            out["latency µs (Little's law estimate)"] = out["latency µs (derived)"]
+        if "in flight / needed" in b.figures:
+            out["loads in flight / needed (SASS estimate)"] = round(b.figures["in flight / needed"].value, 3)
     if case.new_tokens > 1:
         out["TFLOP/s at the bound (derived)"] = out["TFLOP/s at most (derived)"]
     return out

@@ -72,6 +72,11 @@ def _ppl_calls(full: bool) -> list[Call]:
             extra = {"num_splits": 3} if rung == 4 else {}
             calls.append(Call(f"ppl multi_head_cache_attention rung {rung}", f"paged {cache} decode, fp16",
                               lambda case=case, rung=rung, extra=extra: _mhca(case, rung, **extra)))
+    # Rung 6, the FlashAttention-2 prefill (cp.async copies, ldmatrix), on the tour's paged prefill with a float16
+    # cache and query: its 3-D mask compiled in.
+    flash = with_(prefill, quant_bit=0, dtype="float16")
+    calls.append(Call("ppl multi_head_cache_attention rung 6", "paged fp16 prefill, 3-D mask",
+                      lambda: _mhca(flash, 6)))
     if full:                                      # the prefill cases on every later rung too
         for rung in rungs:
             for label, case in cases[1:]:

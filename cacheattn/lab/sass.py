@@ -50,7 +50,7 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, QUANT_GROUP, THREADS = 32, 8, 128, 8, 128
 CACHES = {"float16": 0, "int8": 8, "int4": 4}            # cache format -> OpenPPL quant_bit
 # The kernel each rung launches for attention (rung 4: the split-K partials kernel; its combine is a small pass).
 RUNG_KERNELS = {1: "attention_kernel", 2: "warp_attention_kernel", 3: "vector_attention_kernel",
-                4: "vector_attention_kernel", 5: "mma_attention_kernel"}
+                4: "vector_attention_kernel", 5: "mma_attention_kernel", 6: "flash_attention_kernel"}
 # Where a phase runs another kernel than its rung's: rung 5 decodes on its register-fed GQA kernel.
 PHASE_KERNELS = {(5, "decode"): "gqa_decode_attention_kernel"}
 PREFILL_ROWS = 16          # query positions of the prefill variant: query tiles stop growing at 16 rows
@@ -109,6 +109,7 @@ QUICK_HEAD_DIM = 64           # the lab's quick run (`counters.plans(quick=True)
 VARIANTS = tuple([Variant(rung, cache) for rung in range(1, 6) for cache in CACHES]
                  + [Variant(5, cache, "prefill") for cache in CACHES]
                  + [Variant(rung, "float16", "prefill") for rung in range(1, 5)]
+                 + [Variant(6, "float16", "prefill")]          # rung 6: the FlashAttention-2 prefill
                  + [Variant(rung, cache, operator="trtllm") for rung in (1, 3, 5) for cache in TRT_CACHES]
                  + [Variant(rung, "float16", "prefill", "trtllm") for rung in (1, 5)]
                  + [Variant(rung, "float16", operator="onnx") for rung in (1, 3, 4)]
@@ -1021,7 +1022,7 @@ def show_loop(result: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rung", nargs="+", type=int, choices=range(1, 6), help="only these rungs")
+    parser.add_argument("--rung", nargs="+", type=int, choices=range(1, 7), help="only these rungs")
     parser.add_argument("--cache", nargs="+", choices=tuple(dict.fromkeys(c for cs in OPERATOR_CACHES.values()
                                                                            for c in cs)),
                         help="only these cache formats")

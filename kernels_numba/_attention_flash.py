@@ -1,0 +1,422 @@
+"""Rung 6 of the kernel ladder: prefill in the FlashAttention-2 manner (Dao 2023, "FlashAttention-2").
+
+Rung 5 (`_attention_mma`) gives each warp 16 query rows and stages K and V through float32 registers, 16 keys a
+warp a step, four barriers a step. Here a block of `warps` warps owns 16 * warps consecutive query positions of
+one query head (64 at 4 warps), each warp its own 16 rows, and all warps share K and V tiles of KEY_TILE keys
+(64, FlashAttention-2's tile at head_dim 128), which go global -> shared memory untouched by registers:
+
+    1. Q as mma A fragments, once: head_dim / 16 k-steps x 4 registers of two 16-bit values a lane, read from
+       global memory as the bits they are (float16 or bfloat16 alike), kept in registers for the whole loop;
+    2. K and V tiles by `cp.async` 16-byte copies (`_async_copy`), each thread the same 16-byte column of rows
+       tid // chunks + n * threads / chunks; keys from `hi` on are zeros (plain stores), so P·V never multiplies
+       a zero by an unwritten value. The copies of one tile overlap the other's math, FlashAttention-2's order:
+
+           wait K(j); barrier; issue V(j)    | S = Q K(j)ᵀ
+           wait V(j); barrier; issue K(j+1)  | softmax, O += P V(j)
+
+       two barriers a tile: the first also says every warp is done with V(j - 1), the second with K(j);
+    3. S = Q K(j)ᵀ on the tensor cores, K's B fragments by `ldmatrix.x4` (two n-tiles of 8 keys a load);
+    4. scores through the operator's `score` (bias, softcap, causal mask: its specialisation decides which are
+       compiled in); the block's key range (`key_range`, the last row's causal limit) drops the tiles above the
+       diagonal, and only the tiles that cross `lo` or `hi` test each key against them;
+    5. the online softmax on the C fragments (a row's maximum: 16 values a lane, then the quad, `quad_max2`),
+       P rounded to the input dtype and packed as the A fragments of P·V, the row sums kept in float32;
+    6. O += P V(j), V's B fragments by `ldmatrix.x4.trans` (two n-tiles of head_dim a load), then O / l.
+
+Shared memory holds one K and one V tile as 16-bit values, rows of head_dim / 8 chunks of 16 bytes. An 8x8
+`ldmatrix` reads the same chunk of 8 consecutive rows: unswizzled at head_dim 128 those 8 rows start 256 bytes
+apart, all in the same 4 banks. Chunk c of row r is stored at chunk c ^ f(r), f(r) = r % 8 when a row has at least
+8 chunks (the 8 rows' chunks land in 8 different 16-byte bank groups: all 32 banks), and for 2 or 4 chunks a row
+f(r) = (r // (8 / chunks)) % chunks, which spreads the 8 rows the same way. The copies' stores are spread alike.
+
+Paged caches: a thread walks its keys' (page, offset) pairs and reads the page table once a page its copies
+enter (`page_slot`), each copy a multiply-add from its page's first row, with the source's 32-bit offsets where
+the host narrowed them; the one division (the first key's page) happens once a thread. K and V must share the
+page table and the page size (the operators' sources do). Caches are unquantized float16 or bfloat16; a quantized cache stays on rung 5.
+
+The simulator runs every piece through its twins (`_async_copy`, `_mma`), which check that no shared byte is read
+before the copy into it was waited for.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda
+
+from ._async_copy import (
+    SHARED_ALIGNMENT,
+    async_target,
+    cp_async16,
+    cp_async_commit,
+    cp_async_wait,
+    ldmatrix_x4_at,
+    ldmatrix_x4_trans_at,
+    scratch_shape,
+)
+from ._attention_core import SHARED_BYTES
+from ._cache import as_index, as_offset, page_slot, page_walk, slot_rows
+from ._mma import (
+    MMA_K,
+    MMA_M,
+    MMA_N,
+    mma_m16n8k16,
+    mma_m16n8k16_bf16,
+    pack_bf162,
+    pack_half2,
+    quad_max2,
+    quad_sum2,
+    scratch_shapes,
+)
+from ._warp import WARP_SIZE
+
+CHUNK = 8                       # 16-bit elements in a 16-byte copy
+DTYPES = ("float16", "bfloat16")
+WARPS = (1, 2, 4, 8)
+
+
+# head_dims the kernel takes: rows of 2, 4, 8 or 16 chunks, which the swizzle spreads. Past 128 a lane's O and Q
+# fragments alone (96 + 48 registers at 192, 128 + 64 at 256) leave too few of its 255: head_dim 256 spilled 224
+# bytes at sm_90, so those stay on rung 5.
+HEAD_DIMS = (16, 32, 64, 128)
+
+
+def key_tile(head_dim: int) -> int:
+    """Keys a tile: 64, FlashAttention-2's tile at head_dim 128 (one K and one V tile: 32 KiB of shared memory)."""
+    return 64
+
+
+def shared_bytes(head_dim: int, warps: int) -> int:
+    """Shared memory of one block: a K and a V tile of 16-bit values, and the simulator's scratch."""
+    mma, quad = scratch_shapes(warps)
+    scratch = 4 * (math.prod(mma) + math.prod(quad) + math.prod(scratch_shape(warps)))
+    return 2 * key_tile(head_dim) * head_dim * 2 + scratch
+
+
+def why_not(head_dim: int, threads: int) -> str:
+    """Why the kernel cannot take this head_dim at this block size ('' when it can), naming the parameter."""
+    chunks = head_dim // CHUNK
+    if threads % WARP_SIZE or threads // WARP_SIZE not in WARPS:
+        return f"threads: rung 6 takes blocks of {', '.join(str(32 * w) for w in WARPS)} threads, got {threads}"
+    if head_dim not in HEAD_DIMS:
+        return (f"head_dim: rung 6 takes a head_dim of {', '.join(map(str, HEAD_DIMS))} (a lane's registers hold "
+                f"the fragments of at most 128; rung 5 takes the others), got {head_dim}")
+    if threads % chunks or key_tile(head_dim) % (threads // chunks):
+        return f"threads: {threads} threads do not copy whole rows of head_dim {head_dim} (rung 6)"
+    if shared_bytes(head_dim, threads // WARP_SIZE) > SHARED_BYTES:
+        return f"head_dim: {head_dim} needs more than {SHARED_BYTES} bytes of shared memory per block (rung 6)"
+    return ""
+
+
+def shared_wavefronts(head_dim: int, warps: int) -> float:
+    """Shared-memory wavefronts (128 bytes each) per mma of a key tile: a warp's ldmatrix.x4 (4 wavefronts each:
+    head_dim / 16 x KEY_TILE / 16 for K, as many for V) and its share of the block's cp.async stores of the K and
+    V tiles, over the warp's mma (head_dim / 16 x KEY_TILE / 8 for S, KEY_TILE / 16 x head_dim / 8 for P·V). 2.5 at
+    head_dim 128 and 4 warps, as rung 5's: what rung 6 saves is instructions, not shared-memory traffic."""
+    kt = key_tile(head_dim)
+    loads = 4 * 2 * (head_dim // MMA_K) * (kt // MMA_K)
+    stores = 2 * kt * head_dim * 2 / 128 / warps
+    mma = 2 * (head_dim // MMA_K) * (kt // MMA_N)
+    return (loads + stores) / mma
+
+
+def rows_per_block(threads: int) -> int:
+    """Query positions a block holds: 16 a warp."""
+    return MMA_M * (threads // WARP_SIZE)
+
+
+def make_flash_attention_kernel(score, key_range, *, head_dim: int, group: int, warps: int, dtype: str):
+    """Build the kernel. Launch grid (ceil(max_seqlen / (16 * warps)), num_heads, B), 32 * warps threads.
+
+    Arguments as `_attention_core.make_attention_kernel`'s kernel, (q_geom, out_geom, seqlens, kvlens, k_src,
+    v_src, score_args, sm_scale), except that the query and output arrays of the geometries are the 16-bit
+    patterns (uint16 views) of float16 or bfloat16 values (`dtype`), and k_src / v_src are `_cache.CacheSource`s
+    of unquantized 16-bit caches of that dtype whose rows are 16-byte aligned (`_cache.vector_loads_ok`) and
+    which share one page table. score / key_range: the operator's device functions (`_attention_core`)."""
+    reason = why_not(head_dim, warps * WARP_SIZE)
+    if reason:
+        raise ValueError(reason)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: rung 6 multiplies {' or '.join(DTYPES)}, got {dtype}")
+    D, KT, THREADS = head_dim, key_tile(head_dim), warps * WARP_SIZE
+    K_STEPS, S_TILES, O_TILES = D // MMA_K, KT // MMA_N, D // MMA_N
+    CHUNKS = D // CHUNK                      # 16-byte chunks a row
+    ROW_WORDS = D // 2                       # a row in 32-bit words
+    SW = min(CHUNKS, 8)                      # chunks the swizzle permutes
+    SHIFT = (8 // SW).bit_length() - 1       # rows sharing one permutation: 8 / SW
+    STRIDE = THREADS // CHUNKS               # rows apart of a thread's copies
+    PASSES = KT // STRIDE                    # rows a thread copies a tile
+    BF16 = dtype == "bfloat16"
+    mma = mma_m16n8k16_bf16 if BF16 else mma_m16n8k16
+    pack = pack_bf162 if BF16 else pack_half2
+    MMA_SCRATCH, QUAD_SCRATCH = scratch_shapes(warps)
+    LDM_SCRATCH = scratch_shape(warps)
+    ALIGN = SHARED_ALIGNMENT
+    TILE_WORDS = KT * ROW_WORDS
+    f32 = np.float32
+    NEG_INF = f32(-math.inf)
+
+    @cuda.jit(device=True, inline="always")
+    def place(row, chunk):
+        """Word index of chunk `chunk` of tile row `row` (the XOR swizzle of the module docstring)."""
+        return row * ROW_WORDS + (chunk ^ ((row >> SHIFT) & (SW - 1))) * 4
+
+    def copies_from(n):
+        """A device function that issues this thread's copies n .. PASSES - 1 of a tile: row key0 + n * STRIDE,
+        chunk c, at (page, offset) of the page table, page_row its page's first row; zeros for keys from hi on
+        (room: the thread's rows before key hi). One function a copy, each calling the next (as `scores_from`), so
+        that n is a constant in each: its row's place in the tile and its test against room fold into immediates,
+        where a loop over n kept 64-bit counters and addresses (about 47 instructions a copy, 20 here)."""
+        if n == PASSES:
+            @cuda.jit(device=True, inline="always")
+            def done(src, tile_s, page, offset, page_row, b, g, first, room, key0, c):
+                return
+            return done
+        rest = copies_from(n + 1)
+
+        @cuda.jit(device=True, inline="always")
+        def copy(src, tile_s, page, offset, page_row, b, g, first, room, key0, c):
+            # rows STRIDE apart share the swizzle when STRIDE is a multiple of 8: a constant step in the tile
+            at = first + np.uint32(n * STRIDE * ROW_WORDS) if STRIDE % 8 == 0 else np.uint32(
+                place(key0 + n * STRIDE, c))
+            if n * STRIDE < room:
+                row = as_offset(page_row + offset * src.s_t + c * CHUNK, src.s_t)
+                cp_async16(tile_s, at, src.data, as_index(row))
+            else:
+                for w in range(4):
+                    tile_s[at + np.uint32(w)] = np.uint32(0)
+            if n + 1 < PASSES:
+                offset = as_offset(offset + STRIDE, offset)
+                if offset >= src.page:           # the next page (pages shorter than STRIDE: the loop walks them)
+                    while offset >= src.page:
+                        offset = as_offset(offset - src.page, offset)
+                        page = as_offset(page + 1, page)
+                    page_row, _ = slot_rows(src, b, page_slot(src, b, page, 0), g)
+            rest(src, tile_s, page, offset, page_row, b, g, first, room, key0, c)
+        return copy
+
+    copies = copies_from(0)
+
+    @cuda.jit(device=True, inline="always")
+    def issue(src, tile_s, page, offset, b, g, t_tile, hi, key0, c):
+        """This thread's copies of one tile (`copies_from`), the first at (page, offset) of the page table. The
+        page's first row is looked up once a page (`slot_rows` of its slot 0) and each copy adds its offset in the
+        page: a multiply-add a copy, the table read only where the walk enters the next page."""
+        page_row, _ = slot_rows(src, b, page_slot(src, b, page, 0), g)
+        room = as_offset(hi - t_tile - key0, offset)
+        copies(src, tile_s, page, offset, page_row, b, g, np.uint32(place(key0, c)), room, key0, c)
+
+    def scores_from(nt):
+        """A device function that scores C tiles nt .. S_TILES - 1 of S in place and returns the rows' maxima
+        over them and the maxima passed in (`tile_max0`, `tile_max1`). One function a tile, each calling the
+        next, so that every index of `s` is a constant: a loop over the tiles, which the compiler leaves rolled
+        (32 inlined `score`s are past its unrolling budget), would put `s` in local memory."""
+        if nt == S_TILES:
+            @cuda.jit(device=True, inline="always")
+            def done(s, tile_max0, tile_max1, args, sm_scale, b, h, row_i0, row_ok0, row_ok1, t_key, lo, hi, edge,
+                     seqlen, kvlen):
+                return tile_max0, tile_max1
+            return done
+        rest = scores_from(nt + 1)
+
+        @cuda.jit(device=True, inline="always")
+        def tile(s, tile_max0, tile_max1, args, sm_scale, b, h, row_i0, row_ok0, row_ok1, t_key, lo, hi, edge,
+                 seqlen, kvlen):
+            for e in range(4):                   # row grp + 8 * (e // 2), key t_key + 8 * nt + e % 2
+                t = t_key + 8 * nt + e % 2
+                x = NEG_INF
+                if (row_ok0 if e < 2 else row_ok1) and (not edge or lo <= t < hi):
+                    x = score(args, s[nt, e] * sm_scale, b, h, row_i0 + 8 * (e // 2), t, seqlen, kvlen)
+                s[nt, e] = x
+                if e < 2:
+                    tile_max0 = max(tile_max0, x)
+                else:
+                    tile_max1 = max(tile_max1, x)
+            return rest(s, tile_max0, tile_max1, args, sm_scale, b, h, row_i0, row_ok0, row_ok1, t_key, lo, hi, edge,
+                        seqlen, kvlen)
+        return tile
+
+    score_tiles = scores_from(0)
+
+    @cuda.jit
+    def flash_attention_kernel(q_geom, out_geom, seqlens, kvlens, k_src, v_src, score_args, sm_scale):
+        b = cuda.blockIdx.z
+        seqlen, kvlen = seqlens[b], kvlens[b]
+        i0 = cuda.blockIdx.x * (MMA_M * warps)
+        if i0 >= seqlen:
+            return                                   # block-uniform exit: no thread waits at a barrier
+        h = cuda.blockIdx.y
+        g = h // group
+        tid = cuda.threadIdx.x
+        warp, lane = tid // WARP_SIZE, tid % WARP_SIZE
+        grp, quad = lane // 4, lane % 4              # PTX's groupID and threadID_in_group
+
+        mma_scratch = cuda.shared.array(MMA_SCRATCH, np.uint32)    # simulator paths only
+        quad_scratch = cuda.shared.array(QUAD_SCRATCH, f32)
+        ldm_scratch = cuda.shared.array(LDM_SCRATCH, np.int32)
+        k_s = async_target(cuda.shared.array(TILE_WORDS, np.uint32, alignment=ALIGN))
+        v_s = async_target(cuda.shared.array(TILE_WORDS, np.uint32, alignment=ALIGN))
+
+        # This lane's rows grp and grp + 8 of the warp's 16 (scalars, as every per-row value below: an array
+        # indexed by a row the compiler cannot unroll would live in local memory).
+        row_i0 = i0 + warp * MMA_M + grp
+        row_i1 = row_i0 + 8
+        row_ok0, row_ok1 = row_i0 < seqlen, row_i1 < seqlen
+
+        # 1. Q as A fragments: register k holds row grp + 8 * (k % 2), columns 2 * quad + 8 * (k // 2) + {0, 1}
+        q, q_starts, q_sb, q_si, q_sh = q_geom
+        q_r = cuda.local.array((K_STEPS, 4), np.uint32)
+        for ks in range(K_STEPS):
+            for k in range(4):
+                r, d = k % 2, ks * MMA_K + 2 * quad + 8 * (k // 2)
+                word = np.uint32(0)
+                if row_ok0 if r == 0 else row_ok1:
+                    at = b * q_sb + (q_starts[b] + (row_i0 if r == 0 else row_i1)) * q_si + h * q_sh + d
+                    word = np.uint32(q[at]) | np.uint32(q[at + 1]) << np.uint32(16)
+                q_r[ks, k] = word
+
+        max0, max1 = NEG_INF, NEG_INF                # the rows' running maxima
+        sum0, sum1 = f32(0.0), f32(0.0)              # and sums, of this lane's columns only until the end
+        o = cuda.local.array((O_TILES, 4), f32)      # C fragments of O
+        s = cuda.local.array((S_TILES, 4), f32)      # C fragments of S, then P
+        for vt in range(O_TILES):
+            for e in range(4):
+                o[vt, e] = 0.0
+
+        i_last = min(i0 + MMA_M * warps, seqlen) - 1
+        lo, hi = key_range(score_args, b, i0, i_last, seqlen, kvlen)
+        first = lo - lo % KT
+        tiles = (hi - first + KT - 1) // KT if hi > lo else 0
+
+        # 2. this thread's copy column and first row; the (page, offset) of that row's key in the first tile,
+        #    walked a tile at a time (tile_page, tile_off) and a pass at a time within a tile (pages, offsets)
+        c, key0 = tid % CHUNKS, tid // CHUNKS
+        t = as_offset(first + key0, k_src.s_t)       # the source's offset type: a 32-bit division, once
+        tile_page = t // k_src.page
+        tile_off = as_offset(t - tile_page * k_src.page, k_src.s_t)
+        if tiles > 0:
+            issue(k_src, k_s, tile_page, tile_off, b, g, first, hi, key0, c)
+        cp_async_commit()
+
+        for j in range(tiles):
+            t_tile = first + j * KT
+            cp_async_wait(0)                         # K(j) has landed (this thread's copies) ...
+            cuda.syncthreads()                       # ... every thread's, and every warp is done with V(j - 1)
+            issue(v_src, v_s, tile_page, tile_off, b, g, t_tile, hi, key0, c)
+            cp_async_commit()
+
+            # 3. S = Q K(j)ᵀ: ldmatrix.x4 at tile rows n0 + lane % 8 + 8 * (lane // 16), chunk 2 ks + lane // 8 % 2
+            #    gives b0, b1 of keys n0 .. n0 + 7 and of keys n0 + 8 .. n0 + 15 (`_async_copy` docstring). The
+            #    swizzle of rows n0 + r is that of rows r (n0 is a multiple of 16) and moves a chunk within its 8:
+            #    4 lane-dependent addresses (ks % 4), the rest constant offsets (`at_row`).
+            for nt in range(S_TILES):
+                for e in range(4):
+                    s[nt, e] = 0.0
+            k_row, k_chunk = (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1
+            for ks in range(K_STEPS):
+                for pair in range(S_TILES // 2):
+                    b0, b1, b2, b3 = ldmatrix_x4_at(k_s, place(k_row, 2 * (ks % 4) + k_chunk),
+                                                    pair * 16 * ROW_WORDS + ks // 4 * 32, ldm_scratch, warp, lane)
+                    n = 2 * pair
+                    s[n, 0], s[n, 1], s[n, 2], s[n, 3] = mma(
+                        q_r[ks, 0], q_r[ks, 1], q_r[ks, 2], q_r[ks, 3], b0, b1, s[n, 0], s[n, 1], s[n, 2], s[n, 3],
+                        mma_scratch, warp, lane)
+                    s[n + 1, 0], s[n + 1, 1], s[n + 1, 2], s[n + 1, 3] = mma(
+                        q_r[ks, 0], q_r[ks, 1], q_r[ks, 2], q_r[ks, 3], b2, b3, s[n + 1, 0], s[n + 1, 1],
+                        s[n + 1, 2], s[n + 1, 3], mma_scratch, warp, lane)
+
+            cp_async_wait(0)                         # V(j) has landed ...
+            cuda.syncthreads()                       # ... for every thread, and every warp is done with K(j)
+            if j + 1 < tiles:                        # K(j + 1) loads during the softmax and P·V
+                tile_page, tile_off = page_walk(tile_page, tile_off, KT, k_src.page)
+                issue(k_src, k_s, tile_page, tile_off, b, g, t_tile + KT, hi, key0, c)
+            cp_async_commit()
+
+            # 4. scores; element e of C tile nt is row grp + 8 * (e // 2), key t_tile + 8 nt + 2 quad + e % 2
+            edge = t_tile < lo or t_tile + KT > hi
+            tile_max0, tile_max1 = score_tiles(s, NEG_INF, NEG_INF, score_args, sm_scale, b, h, row_i0, row_ok0,
+                                               row_ok1, t_tile + 2 * quad, lo, hi, edge, seqlen, kvlen)
+            tile_max0, tile_max1 = quad_max2(tile_max0, tile_max1, quad_scratch, warp, lane)
+
+            # 5. online softmax: rescale what the rows hold, exponentiate this tile (a row all hidden so far has
+            #    maximum -inf: nothing to rescale, p = 0)
+            new0, new1 = max(max0, tile_max0), max(max1, tile_max1)
+            alpha0 = math.exp(max0 - new0) if new0 != NEG_INF else f32(1.0)
+            alpha1 = math.exp(max1 - new1) if new1 != NEG_INF else f32(1.0)
+            part0, part1 = f32(0.0), f32(0.0)
+            for nt in range(S_TILES):
+                for e in range(4):
+                    top = new0 if e < 2 else new1
+                    p_ = math.exp(s[nt, e] - top) if top != NEG_INF else f32(0.0)
+                    s[nt, e] = p_
+                    if e < 2:
+                        part0 += p_
+                    else:
+                        part1 += p_
+            sum0, sum1 = sum0 * alpha0 + part0, sum1 * alpha1 + part1
+            max0, max1 = new0, new1
+            for vt in range(O_TILES):
+                o[vt, 0] *= alpha0
+                o[vt, 1] *= alpha0
+                o[vt, 2] *= alpha1
+                o[vt, 3] *= alpha1
+
+            # 6. O += P V(j): the C tiles 2kk and 2kk + 1 of P are the A fragment of keys 16kk .. 16kk + 15;
+            #    ldmatrix.x4.trans at tile rows 16kk + lane % 16, chunk 2 dp + lane // 16 gives b0, b1 of head_dim
+            #    columns 16dp .. 16dp + 7 and of 16dp + 8 .. 16dp + 15
+            v_row, v_chunk = lane & 15, lane >> 4
+            for kk in range(KT // MMA_K):
+                a0, a1 = pack(s[2 * kk, 0], s[2 * kk, 1]), pack(s[2 * kk, 2], s[2 * kk, 3])
+                a2, a3 = pack(s[2 * kk + 1, 0], s[2 * kk + 1, 1]), pack(s[2 * kk + 1, 2], s[2 * kk + 1, 3])
+                for dp in range(O_TILES // 2):
+                    b0, b1, b2, b3 = ldmatrix_x4_trans_at(v_s, place(v_row, 2 * (dp % 4) + v_chunk),
+                                                          kk * 16 * ROW_WORDS + dp // 4 * 32, ldm_scratch, warp, lane)
+                    n = 2 * dp
+                    o[n, 0], o[n, 1], o[n, 2], o[n, 3] = mma(a0, a1, a2, a3, b0, b1, o[n, 0], o[n, 1], o[n, 2],
+                                                             o[n, 3], mma_scratch, warp, lane)
+                    o[n + 1, 0], o[n + 1, 1], o[n + 1, 2], o[n + 1, 3] = mma(
+                        a0, a1, a2, a3, b2, b3, o[n + 1, 0], o[n + 1, 1], o[n + 1, 2], o[n + 1, 3], mma_scratch,
+                        warp, lane)
+        cp_async_wait(0)                             # the last (empty) group: nothing left in flight at exit
+
+        total0, total1 = quad_sum2(sum0, sum1, quad_scratch, warp, lane)
+        # a row that saw no key writes zeros
+        inv0 = f32(1.0) / total0 if total0 > 0.0 else f32(0.0)
+        inv1 = f32(1.0) / total1 if total1 > 0.0 else f32(0.0)
+        out, o_starts, o_sb, o_si, o_sh = out_geom
+        at0 = b * o_sb + (o_starts[b] + row_i0) * o_si + h * o_sh + 2 * quad
+        at1 = at0 + 8 * o_si
+        for vt in range(O_TILES):
+            for r in range(2):
+                if row_ok0 if r == 0 else row_ok1:
+                    inv = inv0 if r == 0 else inv1
+                    word = pack(o[vt, 2 * r] * inv, o[vt, 2 * r + 1] * inv)
+                    at = (at0 if r == 0 else at1) + vt * MMA_N
+                    out[at] = np.uint16(word & np.uint32(0xFFFF))
+                    out[at + 1] = np.uint16(word >> np.uint32(16))
+
+    return flash_attention_kernel
+
+
+def fit(shape, threads: int):
+    """Rung 6's answer for a call (`_fit.RungFit`, variant "flash"): a float16 query (the operators' bfloat16 runs
+    as float32 today) on an unquantized cache of the same dtype, a head_dim and block size `why_not` accepts; the
+    grid is ceil(longest query / 16 a warp) x query heads x sequences, KEY_TILE keys a block a step."""
+    from ._fit import RungFit
+
+    dtype = np.dtype(shape.query_dtype)
+    reason = why_not(shape.head_dim, threads)
+    if not reason and dtype != np.float16:
+        reason = f"rung: 6 (tensor cores, float16 mma) needs a float16 query, got {dtype.name}"
+    if not reason and (shape.quant_bit or np.dtype(shape.cache_dtype) != dtype):
+        reason = (f"rung: 6 copies float16 caches as they are; this cache is "
+                  f"{f'int{shape.quant_bit}' if shape.quant_bit else np.dtype(shape.cache_dtype).name} (rung 5 "
+                  f"dequantizes)")
+    if reason:
+        return RungFit(6, "flash", threads, False, reason)
+    rows = rows_per_block(threads)
+    blocks = math.ceil(max(shape.max_query_len, 1) / rows) * shape.num_heads * shape.batch
+    return RungFit(6, "flash", threads, True, blocks=max(blocks, 1), heads_per_block=1, positions=rows,
+                   row_tiles=threads // WARP_SIZE, keys_per_step=key_tile(shape.head_dim),
+                   shared_bytes=shared_bytes(shape.head_dim, threads // WARP_SIZE))
