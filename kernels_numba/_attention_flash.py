@@ -32,7 +32,8 @@ f(r) = (r // (8 / chunks)) % chunks, which spreads the 8 rows the same way. The 
 Paged caches: a thread walks its keys' (page, offset) pairs and reads the page table once a page its copies
 enter (`page_slot`), each copy a multiply-add from its page's first row, with the source's 32-bit offsets where
 the host narrowed them; the one division (the first key's page) happens once a thread. K and V must share the
-page table and the page size (the operators' sources do). Caches are unquantized float16 or bfloat16; a quantized cache stays on rung 5.
+page table and the page size (the operators' sources do). Caches are unquantized float16 or bfloat16; a
+quantized cache stays on rung 5.
 
 The simulator runs every piece through its twins (`_async_copy`, `_mma`), which check that no shared byte is read
 before the copy into it was waited for.
