@@ -24,21 +24,29 @@ from .._warp import WARP_SIZE
 E, KT = 8, 64                                  # float16 values in a 16-byte chunk; keys a tile
 
 
+def swizzled(row, chunk, chunks):
+    """The 16-byte slot where tile row `row` keeps its chunk `chunk` (of `chunks` a row): chunk ^ (row % 8) at 8
+    chunks a row or more, so the 8 rows an 8x8 ldmatrix reads land in 8 different 16-byte bank groups (all 32
+    banks); at 2 or 4 chunks a row, 8 / chunks consecutive rows share a permutation, which spreads them alike."""
+    sw = min(chunks, 8)
+    return chunk ^ (row // (8 // sw) % sw)
+
+
 @cache
 def build(head_dim, group, warps):
     D, THREADS, ROWS = head_dim, warps * WARP_SIZE, 16 * warps
     K_STEPS, S_TILES, O_TILES = D // 16, KT // 8, D // 8     # k16 steps of Q Kᵀ, n8 tiles of S and of O
     CHUNKS, ROW_WORDS = D // E, D // 2                       # a tile row: 16-byte chunks, 32-bit words
-    SW = min(CHUNKS, 8)                                      # chunks the swizzle permutes
-    SHIFT = (8 // SW).bit_length() - 1                       # rows sharing one permutation: 8 / SW
     STRIDE = THREADS // CHUNKS                               # rows apart of a thread's copies
     MMA_SCRATCH, QUAD_SCRATCH = scratch_shapes(warps)
     LDM_SCRATCH, ALIGN = scratch_shape(warps), SHARED_ALIGNMENT
 
+    swizzle = cuda.jit(device=True, inline="always")(swizzled)
+
     @cuda.jit(device=True, inline="always")
     def place(row, chunk):
-        """Word index of chunk `chunk` of tile row `row`: the XOR swizzle spreads 8 rows' chunk over 32 banks."""
-        return row * ROW_WORDS + (chunk ^ ((row >> SHIFT) & (SW - 1))) * 4
+        """Word index of chunk `chunk` of tile row `row` in a stage."""
+        return row * ROW_WORDS + swizzle(row, chunk, CHUNKS) * 4
 
     @cuda.jit(device=True, inline="always")
     def issue(tile_s, cache, row0, s_t, t_tile, hi, key0, c):
