@@ -17,7 +17,7 @@ import numpy as np
 from numba import cuda
 
 from .._async_copy import SHARED_ALIGNMENT, async_target, scratch_shape  # cp.async, ldmatrix: inline PTX on a GPU
-from .._async_copy import cp_async16, cp_async_commit, cp_async_wait, ldmatrix_x4, ldmatrix_x4_trans
+from .._async_copy import cp_async16, cp_async_commit, cp_async_wait, ldmatrix_x4_at, ldmatrix_x4_trans_at
 from .._mma import mma_m16n8k16, pack_half2, quad_max2, quad_sum2, scratch_shapes
 from .._warp import WARP_SIZE
 
@@ -37,6 +37,7 @@ def build(head_dim, group, warps):
     D, THREADS, ROWS = head_dim, warps * WARP_SIZE, 16 * warps
     K_STEPS, S_TILES, O_TILES = D // 16, KT // 8, D // 8     # k16 steps of Q Kᵀ, n8 tiles of S and of O
     CHUNKS, ROW_WORDS = D // E, D // 2                       # a tile row: 16-byte chunks, 32-bit words
+    TILE_WORDS = KT * ROW_WORDS                              # a constant here: numba computes expressions at run time
     STRIDE = THREADS // CHUNKS                               # rows apart of a thread's copies
     MMA_SCRATCH, QUAD_SCRATCH = scratch_shapes(warps)
     LDM_SCRATCH, ALIGN = scratch_shape(warps), SHARED_ALIGNMENT
@@ -77,8 +78,8 @@ def build(head_dim, group, warps):
         mma_scratch = cuda.shared.array(MMA_SCRATCH, np.uint32)    # the simulator's mma, shuffles, ldmatrix only
         quad_scratch = cuda.shared.array(QUAD_SCRATCH, np.float32)
         ldm_scratch = cuda.shared.array(LDM_SCRATCH, np.int32)
-        k_s = async_target(cuda.shared.array(KT * ROW_WORDS, np.uint32, alignment=ALIGN))   # one K tile
-        v_s = async_target(cuda.shared.array(KT * ROW_WORDS, np.uint32, alignment=ALIGN))   # one V tile
+        k_s = async_target(cuda.shared.array(TILE_WORDS, np.uint32, alignment=ALIGN))   # one K tile
+        v_s = async_target(cuda.shared.array(TILE_WORDS, np.uint32, alignment=ALIGN))   # one V tile
         row_i0 = i0 + warp * 16 + grp
         row_i1 = row_i0 + 8
         row_ok0, row_ok1 = row_i0 < seqlen, row_i1 < seqlen
@@ -119,15 +120,17 @@ def build(head_dim, group, warps):
             cp_async_commit()
 
             # 3. S = Q K(j)ᵀ: one ldmatrix.x4 gives the B fragments of two n-tiles of 8 keys (lanes 0-7, 8-15: a
-            #    k-step's two halves of keys n0..n0+7; lanes 16-31 the same of keys n0+8..n0+15)
+            #    k-step's two halves of keys n0..n0+7; lanes 16-31 the same of keys n0+8..n0+15). Rows 16p + r
+            #    share row r's swizzle, which moves a chunk only within its 8: so the address is one of 4 per
+            #    lane plus a constant (`_at`), not one per load (each a register pair the compiler would hoist)
             for nt in range(S_TILES):
                 for e in range(4):
                     s[nt, e] = 0.0
             k_row, k_chunk = lane % 8 + 8 * (lane // 16), lane // 8 % 2
             for ks in range(K_STEPS):
                 for pair in range(S_TILES // 2):
-                    b0, b1, b2, b3 = ldmatrix_x4(k_s, place(16 * pair + k_row, 2 * ks + k_chunk), ldm_scratch, warp,
-                                                 lane)
+                    b0, b1, b2, b3 = ldmatrix_x4_at(k_s, place(k_row, 2 * (ks % 4) + k_chunk),
+                                                    16 * pair * ROW_WORDS + ks // 4 * 32, ldm_scratch, warp, lane)
                     for u in range(2):
                         n, b_lo, b_hi = 2 * pair + u, (b0, b2)[u], (b1, b3)[u]
                         s[n, 0], s[n, 1], s[n, 2], s[n, 3] = mma_m16n8k16(
@@ -177,14 +180,14 @@ def build(head_dim, group, warps):
                 o[vt, 3] *= alpha1
 
             # 6. O += P V(j): S's tiles 2kk, 2kk + 1 packed are P's A fragment of keys 16kk..16kk+15; one
-            #    ldmatrix.x4.trans gives V's B fragments of two n-tiles of 8 head_dim columns
+            #    ldmatrix.x4.trans gives V's B fragments of two n-tiles of 8 head_dim columns (addresses as in 3.)
             v_row, v_chunk = lane % 16, lane // 16
             for kk in range(KT // 16):
                 a0, a1 = pack_half2(s[2 * kk, 0], s[2 * kk, 1]), pack_half2(s[2 * kk, 2], s[2 * kk, 3])
                 a2, a3 = pack_half2(s[2 * kk + 1, 0], s[2 * kk + 1, 1]), pack_half2(s[2 * kk + 1, 2], s[2 * kk + 1, 3])
                 for dp in range(O_TILES // 2):
-                    b0, b1, b2, b3 = ldmatrix_x4_trans(v_s, place(16 * kk + v_row, 2 * dp + v_chunk), ldm_scratch,
-                                                       warp, lane)
+                    b0, b1, b2, b3 = ldmatrix_x4_trans_at(v_s, place(v_row, 2 * (dp % 4) + v_chunk),
+                                                          16 * kk * ROW_WORDS + dp // 4 * 32, ldm_scratch, warp, lane)
                     for u in range(2):
                         n, b_lo, b_hi = 2 * dp + u, (b0, b2)[u], (b1, b3)[u]
                         o[n, 0], o[n, 1], o[n, 2], o[n, 3] = mma_m16n8k16(
