@@ -1,8 +1,8 @@
-"""Pictures of the kernel ladder's rungs (docs/rung-1.md .. rung-5.md), drawn from the kernels' own geometry.
+"""Pictures of the kernel ladder's rungs (docs/rung-1.md .. rung-6.md), drawn from the kernels' own geometry.
 
 Each picture reads the constants and layout functions of the kernel it shows: rung 1's tile plan, the warp
 size and butterfly of `_warp`, the chunk sizes and lane groups of rungs 3 and 4, the mma fragment layouts of
-`_mma` and the stage's store permutation of `_attention_mma`, so a change in a kernel changes its picture.
+`_mma`, the stage's store permutation of `_attention_mma` and rung 6's swizzle, so a change in a kernel changes its picture.
 The shapes are the first bench case's (`cacheattn.lab.cases.LAB_CASES`: 32 query heads over 8 kv heads,
 head_dim 128). Cells carry `data-*` attributes (lane, bank, element), so the tests read a picture back.
 The kernels are imported inside the functions: numba reads the simulator flag on its first import.
@@ -419,6 +419,45 @@ def rung5_fragments() -> str:
     return svg.render()
 
 
+def rung6_stage(head_dim: int = 128) -> str:
+    """Rows 0-7 of a rung 6 K tile in shared memory, unswizzled and swizzled (`standalone.rung6.swizzled`): each
+    16-byte slot labelled with the chunk of the row it holds; the slots of chunk 0, which one 8x8 matrix of an
+    ldmatrix reads (one 16-byte row address a lane), outlined in colour, with the banks they fall in."""
+    from kernels_numba.standalone.rung6 import E, swizzled
+
+    chunks, row_words, slot = head_dim // E, head_dim // 2, 26
+    svg = Svg()
+    svg.text(4, 14, f"rung 6: a K tile in shared memory, head_dim {head_dim} ({chunks} chunks of 16 bytes a row): "
+                    "where ldmatrix's 8 rows of chunk 0 fall", bold=True)
+    svg.text(4, 30, "a cell: the chunk of the row stored in that slot; coloured: chunk 0, the bank group (4 banks) "
+                    "it falls in")
+    y = 50
+    for swizzle in (False, True):
+        title = "swizzled: chunk c of row r in slot c ^ (r % 8)" if swizzle else "unswizzled: chunk c in slot c"
+        svg.text(4, y, title, bold=True)
+        y += 8
+        for s_ in range(chunks):
+            svg.text(60 + s_ * slot + slot / 2, y + 10, s_, anchor="middle")
+        svg.text(4, y + 10, "slot")
+        groups = set()
+        for row in range(8):
+            yy = y + 16 + row * (slot - 6)
+            svg.text(4, yy + 14, f"row {row}")
+            for s_ in range(chunks):
+                chunk = next(c for c in range(chunks) if (swizzled(row, c, chunks) if swizzle else c) == s_)
+                bank = (row * row_words + 4 * s_) % BANKS
+                if chunk == 0:
+                    groups.add(bank // 4)
+                svg.cell(60 + s_ * slot, yy, slot, slot - 6, _hue(bank // 4, 8) if chunk == 0 else "#f4f4f4", chunk,
+                         figure="rung6-stage", swizzled=int(swizzle), row=row, slot=s_, chunk=chunk, bank=bank)
+        y += 16 + 8 * (slot - 6) + 16
+        svg.text(4, y, f"chunk 0 of rows 0-7: banks {', '.join(f'{4 * g}-{4 * g + 3}' for g in sorted(groups))}: "
+                       f"{'one wavefront' if len(groups) == 8 else f'{8 // len(groups)} wavefronts'} "
+                       f"({'conflict-free' if len(groups) == 8 else f'{8 // len(groups)}-way conflict'})")
+        y += 30
+    return svg.render()
+
+
 def _by_bank(banks) -> dict:
     """{bank: the lanes whose store hits it} from [lane] -> bank."""
     out: dict = {}
@@ -430,7 +469,7 @@ def _by_bank(banks) -> dict:
 # ------------------------------------------------------------------------------------------- the whole ladder
 LADDER_CASES = ("decode B64 ctx4096 paged fp16", "prefill B1 4096 tokens fp16")   # the headline decode, 4k prefill
 IDEAS = {"1": "a shared K/V tile", "2": "a warp per key", "3": "16-byte chunks", "4": "split-K",
-         "5": "tensor cores"}
+         "5": "tensor cores", "6": "cp.async, ldmatrix"}
 # One colour per resource, the same in both panels, so a rung that changes what binds it changes colour.
 TERM_COLOURS = {"DRAM": "#4e79a7", "issue": "#f28e2b", "shared": "#e15759", "latency": "#b07aa1",
                 "waves": "#76b7b2", "LSU": "#59a14f", "FMA": "#edc948"}
@@ -506,4 +545,4 @@ def figures() -> dict[str, str]:
     """{file name: SVG text} of the rung pages' pictures."""
     return {"rung-1-banks.svg": rung1_banks(), "rung-2-butterfly.svg": rung2_butterfly(),
             "rung-3-chunks.svg": rung3_vector(), "rung-4-combine.svg": rung4_combine(),
-            "rung-5-fragments.svg": rung5_fragments()}
+            "rung-5-fragments.svg": rung5_fragments(), "rung-6-stage.svg": rung6_stage()}

@@ -105,7 +105,7 @@ def test_the_rung_pictures_are_drawn_and_embedded():
 
     drawn = ladder_figures.figures()
     assert set(drawn) <= set(figures.figures())
-    for rung in range(1, 6):
+    for rung in range(1, 7):
         names = [name for name in drawn if name.startswith(f"rung-{rung}-")]
         assert len(names) == 1, rung
         assert ET.fromstring(drawn[names[0]]).tag.endswith("svg")
@@ -239,6 +239,48 @@ def test_rung5_fragments_are_the_ptx_layout_and_s_is_p_lane_for_lane():
     # and the lab, counting the kernel itself on this shape, saw no shared-store bank conflicts
     rung5 = counters.committed()["cases"]["decode B64 ctx4096 paged fp16"]["rungs"]["5"]
     assert all(run["l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum"] == 0 for run in rung5["counted"])
+
+
+def test_rung6_stage_is_the_kernels_swizzle_and_ldmatrix_rows_hit_32_banks():
+    from cacheattn import ladder_figures
+    from cacheattn.lab.recorder import _wavefronts
+    from kernels_numba.standalone.rung6 import swizzled
+
+    svg = ladder_figures.rung6_stage()
+    cells = _cells(svg, "rung6-stage")
+    assert len(cells) == 2 * 8 * 16
+    for swz in ("0", "1"):
+        mine = [c for c in cells if c["swizzled"] == swz]
+        for row in range(8):
+            held = {int(c["slot"]): int(c["chunk"]) for c in mine if int(c["row"]) == row}
+            assert sorted(held.values()) == list(range(16))         # every chunk of the row stored once
+            for slot, chunk in held.items():                     # where the kernel's `place` puts it
+                assert slot == (swizzled(row, chunk, 16) if swz == "1" else chunk)
+        # an 8x8 matrix of ldmatrix: 8 lanes' 16-byte rows, chunk 0 of rows 0-7, in the lab's wavefront model
+        rows = [(row, int(c["bank"])) for c in mine for row in range(8) if int(c["row"]) == row and c["chunk"] == "0"]
+        accesses = [(row, 4 * bank + 4 * 32 * row, 16) for row, bank in rows]
+        assert _wavefronts(accesses)[0] == (1 if swz == "1" else 8)
+    assert "one wavefront (conflict-free)" in svg and "8 wavefronts (8-way conflict)" in svg
+    # every chunk, at every head_dim rung 6 takes: 8 consecutive rows' copies of it in 8 bank groups
+    for chunks in (2, 4, 8, 16):
+        for chunk in range(chunks):
+            for r0 in range(0, 64, 8):
+                groups = {((r * chunks + swizzled(r, chunk, chunks)) * 4 % 32) // 4 for r in range(r0, r0 + 8)}
+                assert len(groups) == 8, (chunks, chunk, r0)
+
+
+def test_ladder_terms_draw_rung6_when_the_counts_have_it():
+    import copy
+
+    from cacheattn import ladder_figures
+    from cacheattn.lab import counters
+
+    run = copy.deepcopy(counters.committed())
+    prefill = run["cases"][ladder_figures.LADDER_CASES[1]]["rungs"]
+    prefill.setdefault("6", copy.deepcopy(prefill["5"]))
+    svg = ladder_figures.ladder_terms(run)
+    assert "rung 6: cp.async, ldmatrix" in svg
+    assert any(el.attrib.get("data-rung") == "6" for el in ET.fromstring(svg).iter())
 
 
 def test_ladder_terms_are_each_rungs_committed_bound_and_its_next_terms():

@@ -1,9 +1,10 @@
-"""The kernel ladder's rungs written out whole, one module each (`rung1` ... `rung5`), for the rung pages.
+"""The kernel ladder's rungs written out whole, one module each (`rung1` ... `rung6`), for the rung pages.
 
 Each is OpenPPL's MultiHeadCacheAttention on one cache format (a float16 offset cache, cache_layout 0, a float16
 query, float32 accumulation, GQA, causal prefill) with no device functions passed in: the whole key loop is on
 the page. Each makes the same memory accesses per key on the same grid as its production rung (tested equal to
-it, output and counts, in tests/test_standalone_rungs.py). `attention(query, cache, cachestarts, seqstarts,
+it, output and counts, in tests/test_standalone_rungs.py; rung 6's cp.async copies are not counted as loads, so
+its HMMA and barriers are). `attention(query, cache, cachestarts, seqstarts,
 kvstarts, max_seqlen, num_kv_heads, threads)` launches a rung's kernel on the cache as
 `cacheattn.multi_head_cache_attention` leaves it, and returns attn_output.
 """
@@ -14,11 +15,11 @@ import difflib
 import importlib
 import inspect
 
-RUNGS = (1, 2, 3, 4, 5)
+RUNGS = (1, 2, 3, 4, 5, 6)
 
 
 def module(rung: int):
-    """The standalone module of `rung` (1 to 5)."""
+    """The standalone module of `rung` (1 to 6)."""
     if rung not in RUNGS:
         raise ValueError(f"rung: expected one of {RUNGS}, got {rung!r}")
     return importlib.import_module(f"{__name__}.rung{rung}")
