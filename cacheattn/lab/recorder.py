@@ -819,7 +819,8 @@ def record():
 
     Yields a `Recording`: `metrics` (Nsight Compute metric name -> int, summed over the launches), `extra`
     (bytes requested, shared requests, barriers, launches, blocks), `hazards` (race / uninitialized /
-    out_of_bounds findings), `launches` (each launch's own metrics) and `report()`.
+    out_of_bounds findings), `launches` (each launch's own metrics), `async_copies` (warp-level cp.async and
+    ldmatrix instructions) and `report()`.
 
     Raises
     ------
