@@ -28,10 +28,13 @@ from cacheattn.lab.recorder import (
     WAVEFRONTS_LD,
     WAVEFRONTS_ST,
 )
+from kernels_numba import _async_copy as ac
 from kernels_numba._vector import load16
 
 pytestmark = pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") != "1",
                                 reason="the lab counts in numba's CUDA simulator")
+RNG = np.random.default_rng(20261128)
+LDM_SCRATCH = ac.scratch_shape(1)
 
 
 def line_of(kernel, text):
@@ -451,3 +454,89 @@ def test_hmma_counts_one_per_warp_per_mma():
     rec = counted(three_mmas, 1, 64, out)
     assert rec.extra[lab.recorder.HMMA] == 6
     assert not np.isnan(out).any()
+
+
+# ---- cp.async and ldmatrix (kernels_numba._async_copy's twins) ---------------------------------------------------
+# Rows of 8 chunks of 16 bytes (64 halves, 128 bytes): unswizzled, chunk c of every row lies in the same 4 banks.
+
+@cuda.jit
+def staged_ldmatrix(values, out, swizzle, transpose):
+    """One warp: 8 rows x 8 chunks of `values` into shared memory by cp.async (chunk c of row r stored at chunk
+    c ^ r when `swizzle`), then one ldmatrix_x4 of chunks 0..3 of the 8 rows (matrix j: chunk j)."""
+    lane = cuda.threadIdx.x
+    tile = ac.async_target(cuda.shared.array(512, np.uint16, alignment=ac.SHARED_ALIGNMENT))
+    scratch = cuda.shared.array(LDM_SCRATCH, np.int32)
+    for n in range(2):
+        row, chunk = (lane + 32 * n) // 8, (lane + 32 * n) % 8
+        ac.cp_async16(tile, 64 * row + 8 * (chunk ^ row if swizzle else chunk), values, 64 * row + 8 * chunk)
+    ac.cp_async_commit()
+    ac.cp_async_wait(0)
+    cuda.syncthreads()
+    r, j = lane % 8, lane // 8
+    at = 64 * r + 8 * (j ^ r if swizzle else j)
+    if transpose:
+        out[lane, 0], out[lane, 1], out[lane, 2], out[lane, 3] = ac.ldmatrix_x4_trans(tile, at, scratch, 0, lane)
+    else:
+        out[lane, 0], out[lane, 1], out[lane, 2], out[lane, 3] = ac.ldmatrix_x4(tile, at, scratch, 0, lane)
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("swizzle,wavefronts", [
+    (True, 4),      # chunk j ^ r of row r: the 8 rows of each matrix in 8 different bank groups, 1 wavefront each
+    (False, 32),    # chunk j of rows 128 bytes apart: 8 rows in one bank group, 8 wavefronts a matrix, 7 conflicts
+])
+def test_ldmatrix_counts_a_wavefront_a_matrix_when_its_rows_miss_each_other(swizzle, wavefronts, transpose):
+    values = RNG.integers(0, 2**16, 512).astype(np.uint16)
+    out = np.zeros((32, 4), np.uint32)
+    rec = counted(staged_ldmatrix, 1, 32, values, out, swizzle, transpose)
+    # lane 4i + q, register j: elements (i, 2q), (i, 2q + 1) of matrix j (.trans: of its transpose)
+    matrices = values.reshape(8, 8, 8).transpose(1, 0, 2).astype(np.uint32)      # [chunk j, row, element]
+    if transpose:
+        matrices = matrices.transpose(0, 2, 1)
+    lane = np.arange(32)
+    want = np.stack([matrices[j, lane // 4, 2 * (lane % 4)] | matrices[j, lane // 4, 2 * (lane % 4) + 1] << 16
+                     for j in range(4)], axis=1)
+    assert np.array_equal(out, want)
+    m = rec.metrics
+    assert (m[WAVEFRONTS_LD], m[CONFLICTS_LD], rec.extra["shared_ld_requests"]) == (wavefronts, wavefronts - 4, 1)
+    # the copies' stores: 2 requests, each quarter-warp one whole row (a permutation of its chunks): 4 + 4
+    assert (m[WAVEFRONTS_ST], m[CONFLICTS_ST], rec.extra["shared_st_requests"]) == (8, 0, 2)
+    assert rec.async_copies == {"cp_async_requests": 2, "ldmatrix_requests": 1}
+    assert rec.hazards == []
+
+
+def make_copy_or_load(stride, copy):
+    """One warp reads 16 bytes a lane from chunk stride x lane of `src`, by cp.async into a 128-byte-stride shared
+    layout (copy) or by a 16-byte load (the load16 twin, LDG.128)."""
+    @cuda.jit
+    def kernel(src, out):
+        lane = cuda.threadIdx.x
+        tile = ac.async_target(cuda.shared.array(32 * 64, np.uint16, alignment=ac.SHARED_ALIGNMENT))
+        if copy:
+            ac.cp_async16(tile, 64 * lane, src, 8 * stride * lane)
+            ac.cp_async_wait_all()
+            out[lane] = np.uint32(tile[64 * lane]) | np.uint32(tile[64 * lane + 1]) << np.uint32(16)
+        else:
+            w0, w1, w2, w3 = load16(src, 8 * stride * lane)
+            out[lane] = w0
+    return kernel
+
+
+@pytest.mark.parametrize("stride,sectors", [(1, 16), (2, 32)])   # 512 contiguous bytes; every other 16 bytes
+def test_cp_async_reads_the_sectors_of_a_16_byte_load_and_stores_as_sts128(stride, sectors):
+    src = RNG.integers(0, 2**16, 8 * stride * 32).astype(np.uint16)
+    outs, figures = [], []
+    for copy in (True, False):
+        out = np.zeros(32, np.uint32)
+        rec = counted(make_copy_or_load(stride, copy), 1, 32, src, out)
+        outs.append(out)
+        figures.append((rec.metrics[GLOBAL_LD], rec.metrics[SECTORS_LD], rec.metrics[DRAM_READ],
+                        rec.extra["global_ld_bytes_requested"]))
+        assert rec.hazards == []
+        if copy:
+            # lanes 128 bytes apart: a quarter-warp's 8 chunks in one bank group, 8 wavefronts each (as STS.128)
+            assert (rec.metrics[WAVEFRONTS_ST], rec.metrics[CONFLICTS_ST]) == (32, 28)
+            assert rec.async_copies["cp_async_requests"] == 1
+    assert np.array_equal(outs[0], outs[1])
+    assert np.array_equal(outs[0], src.view(np.uint32)[::4 * stride])
+    assert figures[0] == figures[1] == (1, sectors, 32 * sectors, 512)

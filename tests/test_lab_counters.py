@@ -171,3 +171,22 @@ def test_the_other_launches_grids_and_their_issue():
     blocks, copies = shown["full"]["attention blocks"], 2 * 64 * 4097 * 8
     alone = trips * attention["key_loop"]["trip"]["total"] + 4 * blocks * attention["once_per_warp"]["total"]
     assert work.warp_instructions == pytest.approx(alone + copies * 4 * copy * share(copies) / share(blocks))
+
+
+def test_the_flash_prefills_committed_shared_traffic_is_its_tile_plans():
+    """Rung 6's counted shared memory (its cp.async stores and ldmatrix loads, docs/kernel-ladder-counts.json) is
+    what its tile plan says by hand (`_attention_flash.shared_wavefronts`: 2.5 wavefronts a mma at head_dim 128,
+    4 warps), without a bank conflict; its K and V reach L2 through the copies, every byte of their sectors used;
+    and the prefill's default call is rung 6."""
+    from cacheattn.lab.recorder import CONFLICTS_LD, CONFLICTS_ST
+    from kernels_numba._attention_flash import shared_wavefronts
+
+    plan = next(p for p in counters.plans() if p.prefill and counters.FLASH_RUNG in p.rungs)
+    case = counters.committed()["cases"][plan.case.label]
+    full = case["rungs"][str(counters.FLASH_RUNG)]["full"]
+    per_mma = (full[WAVEFRONTS_LD] + full[WAVEFRONTS_ST]) / full[HMMA]
+    assert per_mma == pytest.approx(shared_wavefronts(plan.case.head_dim, case["threads"] // 32), rel=1e-3)
+    assert full[CONFLICTS_LD] == full[CONFLICTS_ST] == 0
+    assert full["ldmatrix_requests"] == full["shared_ld_requests"] > 0
+    assert full["kv_ld_bytes_requested"] == 32 * full["kv_ld_sectors"] == full["kv_must_see"]
+    assert case["default"]["rung"] == counters.FLASH_RUNG and case["default"]["counted as"] == "6"

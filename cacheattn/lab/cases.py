@@ -124,9 +124,10 @@ class BenchCase:
 
     def default_plan(self, threads: int = 128) -> dict:
         """What the operator's default call (rung None) runs for this launch on an H100: `cacheattn.choose_kernel`'s
-        choice."""
+        choice among the rungs the call offers (rung 6, the FlashAttention-2 prefill, included)."""
         from ..kernel_choice import choose_kernel
-        chosen = choose_kernel(self.shape(), sms=SMS)
+        from ..ppl import RUNGS
+        chosen = choose_kernel(self.shape(), sms=SMS, rungs=RUNGS)
         return dict(rung=chosen.rung, num_splits=chosen.num_splits, threads=chosen.threads, reason=chosen.reason)
 
     def call(self, rung: int, threads: int = 128, num_splits: int = 1):

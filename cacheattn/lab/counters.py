@@ -180,6 +180,8 @@ def figures(rec: recorder.Recording, case: BenchCase) -> dict:
     K and V, once)."""
     out = dict(rec.metrics)
     out.update(rec.extra)
+    # cp.async / ldmatrix instructions, where the call has them (the other rungs' figures stay as they were)
+    out.update({name: n for name, n in rec.async_copies.items() if n})
     names = (case.kv_arrays,) if isinstance(case.kv_arrays, str) else case.kv_arrays
     attention = [launch for launch in rec.launches if "attention" in launch.kernel]
     # the attention kernel's K/V loads (ONNX's rung-1 copy kernel reads the same past before it)
@@ -422,8 +424,9 @@ def call_work(shown: dict, plan: Plan, rung: int, threads: int) -> tuple:
     # every query tile).
     l2 = max(0.0, full["global_ld_bytes_requested"] - full[recorder.DRAM_READ])
     shared_requests = full["shared_ld_requests"] + full["shared_st_requests"]
+    # (a cp.async is one instruction behind a global load request and a shared store request)
     counted_instructions = (full[bounds.GLOBAL_LOAD_REQUESTS] + full["l1tex__t_requests_pipe_lsu_mem_global_op_st.sum"]
-                            + shared_requests + full[HMMA] + full["barriers"])
+                            + shared_requests + full[HMMA] + full["barriers"] - full.get("cp_async_requests", 0))
     work = dict(dram_bytes=dram, l2_bytes=l2,
                 shared_wavefronts=full[recorder.WAVEFRONTS_LD] + full[recorder.WAVEFRONTS_ST],
                 l1_sectors=full[recorder.SECTORS_LD] + full["l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum"],

@@ -26,9 +26,27 @@ same instruction issue, which holds for the masked-off tail of such a loop but n
 through different branches. Addresses count from each array's own start, as if every allocation were sector-aligned
 (cudaMalloc aligns to 256 bytes). Local arrays and scalars are registers: not counted.
 
-Shared arrays that only stand in for registers in the simulator (the twins of warp shuffles and `mma.sync` in
-`kernels_numba._warp` / `_mma`) are neither counted nor checked, and the barriers those twins hold are not
-barriers for the race check, because on a GPU neither exists.
+Shared arrays that only stand in for registers in the simulator (the twins of warp shuffles, `mma.sync` and
+ldmatrix's row exchange in `kernels_numba._warp` / `_mma` / `_async_copy`) are neither counted nor checked, and the
+barriers those twins hold are not barriers for the race check, because on a GPU neither exists.
+
+The twins of `kernels_numba._async_copy` count as the instructions they stand for, at the line that calls them:
+    cp_async16       (LDGSTS.128) a 16-byte global load a lane (requests, sectors, DRAM bytes as LDG.128's) and a
+                     16-byte shared store a lane (wavefronts and bank conflicts as STS.128's: a quarter-warp at a
+                     time), both one instruction: `Recording.async_copies["cp_async_requests"]` says how many;
+    ldmatrix_x4*     (LDSM.x4, .trans alike) a 16-byte shared load a lane at the row address the lane supplies:
+                     lanes 8j .. 8j + 7 give the 8 rows of matrix j, which one wavefront serves when their 16-byte
+                     chunks fall in 8 distinct groups of 4 banks (address / 16 mod 8); rows that share a group
+                     but not an address take a wavefront each. That is the quarter-warp rule of 16-byte loads,
+                     each quarter-warp one matrix: 4 wavefronts at least, `ldmatrix_requests` of them. NVIDIA's
+                     manuals give no ldmatrix rule; this is the one its GTC 2020 talk on A100 tensor-core kernels
+                     (A. Kerr, "Developing CUDA Kernels to Push Tensor Cores to the Absolute Limit", S21745)
+                     designs its XOR-swizzled layouts by (each 8-lane phase reads 128 bytes, conflict-free when
+                     the 8 rows' 16-byte chunks hit distinct bank groups), and an unswizzled 128-byte row stride
+                     profiles as an 8-way conflict, 8 wavefronts a matrix
+                     (https://kernelengineering.vizuara.ai/a/tc-kernel-2-fragments-swizzling.html).
+The copy's shared store counts where it is issued: its bytes take part in the race check then (the twin's own
+pending-copy check covers reads before the wait).
 
 Findings (`Recording.hazards`), once per (kind, array, pair of sites), with a count:
     race            two threads of one block touch one shared word between two barriers, at least one writes;
@@ -82,6 +100,7 @@ METRICS = (GLOBAL_LD, GLOBAL_ST, SECTORS_LD, SECTORS_ST, WAVEFRONTS_LD, WAVEFRON
 HMMA = "smsp__inst_executed_pipe_tensor_op_hmma.sum"
 EXTRA = ("global_ld_bytes_requested", "global_st_bytes_requested", "shared_ld_requests", "shared_st_requests",
          "barriers", HMMA, "launches", "blocks")
+ASYNC_COPY_FIGURES = ("cp_async_requests", "ldmatrix_requests")
 # Per source line (Nsight Compute's source view): requests, sectors and bytes asked for of global loads / stores,
 # requests, wavefronts and bank conflicts of shared loads / stores.
 LINE_FIGURES = ("global_ld_requests", "global_ld_sectors", "global_ld_bytes_requested", "global_st_requests",
@@ -206,6 +225,9 @@ class Recording:
         self.extra = dict.fromkeys(EXTRA, 0)
         self.launches: list[Launch] = []
         self.lines: dict = {}
+        # Warp-level instructions of the `_async_copy` twins: a cp.async is one instruction behind one global load
+        # request and one shared store request (so `extra` counts it twice); an ldmatrix is one shared load request.
+        self.async_copies = dict.fromkeys(ASYNC_COPY_FIGURES, 0)
         self._findings: dict = {}
         self._active = False
         self._lock = threading.Lock()
@@ -325,6 +347,7 @@ class Recording:
             launch["shared_requests"] = {}
             launch["barrier_requests"] = set()
             launch["mma_requests"] = set()
+            launch["async_requests"] = set()            # (kind, warp, site, k): one a warp-level cp.async / ldmatrix
             launch["shared_state"] = {}                 # per block: a GPU gives every block its own shared memory
 
     def _end_block(self):
@@ -335,6 +358,8 @@ class Recording:
         counts["blocks"] += 1
         counts["barriers"] += len(launch.pop("barrier_requests"))
         counts[HMMA] += len(launch.pop("mma_requests"))
+        for kind, _, _, _ in launch.pop("async_requests"):
+            self.async_copies[kind] += 1
         read, written = launch["read"], launch["written"]
         per_array = launch["global_arrays"]
         for (_, site, _, write), accesses in launch.pop("global_requests").items():
@@ -449,6 +474,38 @@ class Recording:
         if where is not None:
             ary = tracked._ary
             self._record(tracked, where, tracked._base, ary.nbytes, False, "vector", False, frame)
+
+    def _async_call(self, kind, twin, args, frame, call):
+        """A call of one of `_async_copy`'s twins (`_async_twins`), counted as the instruction it stands for, at
+        the line that calls it (see the module docstring), then run on the arrays the twin expects."""
+        if kind == "target":                              # keep the kernel's view of the shared array tracked
+            shared = args[0]
+            if not isinstance(shared, Tracked):
+                return call(twin, *args)
+            return Tracked(call(twin, shared._ary), shared._mem, shared._base, self)
+        raw = [a._ary if isinstance(a, Tracked) else a for a in args]
+        if kind == "copy":
+            out = call(twin, *raw)                        # the twin checks alignment and bounds first
+            dst, dst_index, src, src_index = args
+            reads, writes = [(src, src_index)], [(dst, dst_index)]
+        else:                                             # ldmatrix: one 16-byte row a lane; _at adds an offset
+            out = call(twin, *raw)
+            row = args[1] + args[2] if kind == "ldmatrix_at" else args[1]
+            reads, writes = [(args[0], row)], []
+        where = self._site(frame)
+        thread = threading.current_thread()
+        if where is None or not hasattr(thread, "thread_id") or self._launch is None:
+            return out
+        for write, items in ((False, reads), (True, writes)):
+            for tracked, index in items:
+                if isinstance(tracked, Tracked):
+                    offset = tracked._base + int(index) * tracked._ary.strides[0]
+                    self._record(tracked, where, offset, 16, write, index, False, frame)
+        counts = _thread_counts(thread)
+        name = "cp_async_requests" if kind == "copy" else "ldmatrix_requests"
+        k = counts[(name, where[0])] = counts.get((name, where[0]), 0) + 1
+        self._launch["async_requests"].add((name, thread.thread_id >> 5, where[0], k))
+        return out
 
     def _record(self, tracked, where, offset, width, write, index, out, frame):
         site, atomic = where
@@ -719,7 +776,7 @@ def _wavefronts(accesses):
 
 
 _RECORDING: Recording | None = None
-_SHARED_NAME = re.compile(r"(\w+)\s*=\s*cuda\.shared\.array")
+_SHARED_NAME = re.compile(r"(\w+)\s*=\s*(?:[\w.]+\()?cuda\.shared\.array")
 _DOCS_BLOCK = re.compile(r"(.*\.md):(\d+)$")
 
 
@@ -731,6 +788,17 @@ def _emulating_codes():
              getattr(_mma, "_warp_mma", None), _mma._quad_values, getattr(_async_copy, "_ldmatrix", None)]
     # A twin missing from this build (no simulator: the intrinsics stand in) is None; a jitted one has its py_func.
     return [getattr(twin, "py_func", twin).__code__ for twin in twins if twin is not None]
+
+
+def _async_twins():
+    """{id(device function): kind} of `_async_copy`'s simulator twins the recorder counts as instructions
+    (`Recording._async_call`): async_target (its view stays tracked), cp_async16, the ldmatrix_x4 family."""
+    from kernels_numba import _async_copy as ac
+    if not ac.SIMULATED:
+        return {}
+    kinds = {"async_target": "target", "cp_async16": "copy", "ldmatrix_x4": "ldmatrix",
+             "ldmatrix_x4_trans": "ldmatrix", "ldmatrix_x4_at": "ldmatrix_at", "ldmatrix_x4_trans_at": "ldmatrix_at"}
+    return {id(getattr(ac, name)): kind for name, kind in kinds.items()}
 
 
 def _atomic_codes(kernelapi):
@@ -751,7 +819,8 @@ def record():
 
     Yields a `Recording`: `metrics` (Nsight Compute metric name -> int, summed over the launches), `extra`
     (bytes requested, shared requests, barriers, launches, blocks), `hazards` (race / uninitialized /
-    out_of_bounds findings), `launches` (each launch's own metrics) and `report()`.
+    out_of_bounds findings), `launches` (each launch's own metrics), `async_copies` (warp-level cp.async and
+    ldmatrix instructions) and `report()`.
 
     Raises
     ------
@@ -787,8 +856,13 @@ def record():
     syncthreads = kernel_module.BlockThread.syncthreads
     shared_array = kernelapi.FakeCUDAShared.array
 
+    twins = _async_twins()
+
     def launch(self, *args):
         if self._device or kernel_module._kernel_context is not None:
+            kind = twins.get(id(self)) if self._device else None
+            if kind is not None and rec._launch is not None:
+                return rec._async_call(kind, self, args, sys._getframe(1), kernel_call)
             return kernel_call(self, *args)
         names = list(inspect.signature(self.fn).parameters)
         names += [f"arg{i}" for i in range(len(names), len(args))]
