@@ -241,3 +241,20 @@ def test_cp_async_is_in_flight_until_the_depbar_that_retires_its_group():
 """)
     assert sass.loads_in_flight(code) == dict(first_use=32 * 32, peak=32 * 32, loads=2)
     assert [sass._groups_kept(text) for _, text, _ in code] == [None, None, None, None, 1, None, 0]
+
+
+def test_a_filtered_write_replaces_only_its_variants(tmp_path, monkeypatch):
+    """`--rung 6 --write FILE` keeps every other variant of FILE and puts the new one where a full run would."""
+    keys = [v.key for v in sass.VARIANTS + sass.OTHER_VARIANTS]
+    old = {key: {"old": key} for key in keys if key != "rung6-float16-prefill"}
+    target = tmp_path / "sass.json"
+    target.write_text(json.dumps({"variants": old}))
+    monkeypatch.setattr(sass, "machine_code",
+                        lambda variants, use_cache=True: {v.key: {"new": v.key} for v in variants})
+    monkeypatch.setattr(sass, "table", lambda results: "")
+    monkeypatch.setattr(sass, "tool_versions", lambda: {})
+    assert sass.main(["--rung", "6", "--write", str(target)]) == 0
+    written = json.loads(target.read_text())["variants"]
+    assert list(written) == keys
+    assert written["rung6-float16-prefill"] == {"new": "rung6-float16-prefill"}
+    assert all(written[key] == {"old": key} for key in old)

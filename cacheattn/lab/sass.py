@@ -1030,7 +1030,8 @@ def main(argv=None) -> int:
                         help="only these operators' launches (OpenPPL's, TensorRT-LLM's generation and context "
                              "steps, ONNX's, FasterTransformer's)")
     parser.add_argument("--write", metavar="JSON", help="write the figures (and tool versions) to this file, e.g. "
-                                                        "docs/kernel-ladder-sass.json")
+                                                        "docs/kernel-ladder-sass.json; with --rung, --cache or "
+                                                        "--operator, only those variants are replaced in it")
     parser.add_argument("--no-cache", action="store_true", help="compile again even when cached")
     parser.add_argument("--compile-to", help=argparse.SUPPRESS)   # the worker: compile --variants into this folder
     parser.add_argument("--variants", nargs="+", help=argparse.SUPPRESS)
@@ -1051,7 +1052,14 @@ def main(argv=None) -> int:
         return 2
     print(table(results))
     if args.write:
-        Path(args.write).write_text(json.dumps(dict(tools=tool_versions(), target="sm_90", shapes=dict(
+        target = Path(args.write)
+        if (args.rung or args.cache or args.operator) and target.exists():
+            # A filtered run replaces its own variants and keeps the rest, in the order the full run writes them.
+            kept = json.loads(target.read_text())["variants"]
+            order = [v.key for v in VARIANTS + OTHER_VARIANTS]
+            merged = {**kept, **results}
+            results = {key: merged[key] for key in order if key in merged}
+        target.write_text(json.dumps(dict(tools=tool_versions(), target="sm_90", shapes=dict(
             num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, quant_group=QUANT_GROUP,
             threads=THREADS, prefill_rows=PREFILL_ROWS), variants=results), indent=1) + "\n")
     return 0
