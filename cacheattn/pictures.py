@@ -23,10 +23,11 @@ def bias_grid(bias: np.ndarray, *, row_label: str = "i", col_label: str = "j", w
 
 
 def visibility_grid(visible: np.ndarray, *, row_label: str = "i") -> str:
-    """A boolean (rows, cols) mask: '■' where query row i sees key j, '·' where it does not."""
+    """A boolean (rows, cols) mask: '#' where query row i sees key j, '.' where it does not (ASCII, so the columns
+    stay under the key digits in any monospace font)."""
     lines = ["     key j: " + "".join(str(j % 10) for j in range(visible.shape[1]))]
     for i, row in enumerate(visible):
-        lines.append(f"{row_label}={i}".rjust(11) + " " + "".join("■" if v else "·" for v in row))
+        lines.append(f"{row_label}={i}".rjust(11) + " " + "".join("#" if v else "." for v in row))
     return "\n".join(lines)
 
 
