@@ -136,7 +136,7 @@ def test_float64_and_partial_warps_run_on_rung_1():
 
 
 @pytest.mark.parametrize("launch,match", [
-    (dict(rung=2), "rung"), (dict(rung=6), "rung"), (dict(rung=3, num_splits=2), "num_splits"),
+    (dict(rung=2), "rung"), (dict(rung=7), "rung"), (dict(rung=3, num_splits=2), "num_splits"),
     (dict(num_splits=0), "num_splits"), (dict(rung=4, threads=48), "threads"), (dict(threads=16), "threads")])
 def test_bad_launch_raises(launch, match):
     """Checked on either backend, before anything runs."""
@@ -144,6 +144,70 @@ def test_bad_launch_raises(launch, match):
     for backend in ("reference", "numba"):
         with pytest.raises(ValueError, match=match):
             cacheattn.onnx_attention(**inputs, **BASE.attrs(), backend=backend, **launch)
+
+
+# ---- rung 6, the FlashAttention-2 prefill: float16 and bfloat16 over present, 64 query rows a block ------------
+
+# 20 queries after a past of 50: 70 keys, a full 64-key tile and a partial one; one warp (16 rows), so blocks 0
+# and 1 hold 16 and 4 rows. GQA 2/1, head_size 16.
+FLASH = replace(BASE, batch=1, q_heads=2, kv_heads=1, q_len=20, kv_len=20, past_len=50, is_causal=1, seed=21)
+FLASH_CASES = {
+    "float16, 4-D, causal": FLASH,
+    "bfloat16, 4-D, causal": replace(FLASH, dtype="bfloat16", seed=22),
+    "float16, 3-D, not causal, bool mask, head_size 32": replace(
+        FLASH, three_d=True, is_causal=0, head_size=32, v_head_size=32, mask="bool", mask_shape=(20, 70), seed=23),
+    "bfloat16, 3-D, float mask, softcap, left window": replace(
+        FLASH, dtype="bfloat16", three_d=True, q_heads=4, kv_heads=2, mask="float", mask_shape=(1, 4, 20, 70),
+        softcap=2.0, left_window_size=30, seed=24),
+    "float16, no past, 4-D: K / V read where they are": replace(FLASH, past_len=0, kv_len=70, q_len=70, seed=25),
+}
+
+
+def _check_flash(case):
+    """Y within the dtype's tolerance of the float64 evaluation (Y starts as NaN: conftest), present bit for bit,
+    and rung 6's kernel launched."""
+    inputs, got = _run(case, rung=6)
+    want = float64_onnx(inputs, case)
+    assert_close("Y", got.Y, want[0], case.dtype)
+    for label, got_present, want_present in (("present_key", got.present_key, want[1]),
+                                             ("present_value", got.present_value, want[2])):
+        assert_bits_equal(label, got_present, want_present.astype(got.Y.dtype))
+    assert _launched(case, rung=6)[-1] == "flash_attention_kernel"
+
+
+@pytest.mark.spec("onnx/cache-inside", "onnx/is-causal-top-left", "onnx/gqa")
+def test_prefill_on_rung_6():
+    """The quick tier's one: 8 bfloat16 queries after a past of 12, one partial tile of 20 keys."""
+    _check_flash(replace(FLASH_CASES["bfloat16, 4-D, causal"], q_len=8, kv_len=8, past_len=12))
+
+
+@deep_only
+@pytest.mark.spec("onnx/mask-kinds", "onnx/softcap")
+@pytest.mark.parametrize("name", list(FLASH_CASES))
+def test_prefill_on_rung_6_deep(name):
+    _check_flash(FLASH_CASES[name])
+
+
+def test_rung_6_plan():
+    """A long prefill (2048 queries, 32 heads of 128) on rung 6 by default, float16 and bfloat16 alike, the
+    reason its bound; with V's head size differing, rung 6 is refused when asked for and left out by the plan,
+    which says why; a float32 Q cannot ask for it."""
+    import ml_dtypes
+
+    for dtype in (np.float16, ml_dtypes.bfloat16):
+        Q = np.zeros((1, 32, 2048, 128), dtype)
+        K = V = np.zeros((1, 8, 2048, 128), dtype)
+        plan = kernel_plan(Q, K, V, is_causal=1, sms=132)
+        assert plan.rung == 6 and "FlashAttention-2" in plan.reason, plan
+    V64 = np.zeros((1, 8, 2048, 64), np.float16)
+    Q16, K16 = Q.astype(np.float16), K.astype(np.float16)
+    plan = kernel_plan(Q16, K16, V64, is_causal=1, sms=132)
+    assert plan.rung != 6 and "not rung 6" in plan.reason, plan
+    with pytest.raises(ValueError, match="rung: 6"):
+        kernel_plan(Q16, K16, V64, rung=6)
+    case = replace(FLASH, dtype="float32")
+    with pytest.raises(ValueError, match="rung: 6"):
+        cacheattn.onnx_attention(**build_onnx(case), **case.attrs(), rung=6)
 
 
 def test_float64_refuses_rungs_3_and_4():
