@@ -85,9 +85,14 @@ def context_rung(*, rung, rounds_as, head_size, threads, fused_generation, num_s
             raise ValueError(f"rung: 6 cannot run this call's context phase: {flash_why}")
         return 6, "FlashAttention-2 tiles on tensor cores (rung=6 asked for)"
     if rung != 5 and not flash_why:
-        wins, reason = (True, "") if why is not None or flash_wins is None else flash_wins()
+        if why is not None:
+            wins, reason = True, f"rung 5 cannot: {why}"
+        elif flash_wins is None:
+            wins, reason = True, "both serve, no bound weighed"
+        else:
+            wins, reason = flash_wins()
         if wins:
-            return 6, f"FlashAttention-2 tiles on tensor cores: {reason or 'rung 5 cannot: ' + why}"
+            return 6, f"FlashAttention-2 tiles on tensor cores: {reason}"
         flash_why = f"its bound is above rung 5's ({reason})"
     if why is None:
         return 5, "tensor cores: a float16 context on mma.sync" + (" (rung=5 asked for)" if rung == 5 else

@@ -84,14 +84,14 @@ PREFILL = replace(BASE, q_len=3, kv_len=3, past_len=5, three_d=True, is_causal=1
 
 def test_prefill_on_rung_3():
     """A GQA prefill (3 queries, 3-D, causal, past 5, bool mask) on rung 3 asked for; by default a float16 prefill
-    runs on the tensor cores (rung 5), a float32 one on rung 1. A 4-D prefill asked to split runs unsplit on
-    rung 3."""
+    runs on the tensor cores (rung 6: its bound is no worse than rung 5's), a float32 one on rung 1. A 4-D prefill
+    asked to split runs unsplit on rung 3."""
     case = PREFILL
     inputs, got = _run(case, rung=3)
     want = float64_onnx(inputs, case)
     assert_close("Y", got.Y, want[0], case.dtype)
     assert_bits_equal("present_key", got.present_key, want[1].astype(got.Y.dtype))
-    assert _launched(case) == ["copy_kernel"] * 2 + ["mma_attention_kernel"]
+    assert _launched(case) == ["copy_kernel"] * 2 + ["flash_attention_kernel"]
     assert _launched(replace(case, dtype="float32")) == ["copy_kernel"] * 2 + ["attention_kernel"]
     inputs32 = build_onnx(replace(case, dtype="float32"))
     plan = kernel_plan(inputs32["Q"], inputs32["K"], inputs32["V"], inputs32["past_key"], q_num_heads=4,
@@ -106,9 +106,9 @@ def test_prefill_on_rung_3():
     replace(PREFILL, three_d=False, mask="float", mask_shape=(2, 1, 3, 8), softcap=2.0, left_window_size=2, seed=7),
 ], ids=["3-D, causal, bool mask", "4-D, float mask, softcap, left window"])
 def test_prefill_on_rung_5(case):
-    """A float16 prefill on the tensor cores, by default and asked for: Y close to the float64 evaluation, the
-    present tensors (written by the copy kernels) bit for bit."""
-    inputs, got = _run(case)
+    """A float16 prefill on rung 5's tensor cores, asked for: Y close to the float64 evaluation, the present
+    tensors (written by the copy kernels) bit for bit."""
+    inputs, got = _run(case, rung=5)
     want = float64_onnx(inputs, case)
     assert_close("Y", got.Y, want[0], case.dtype)
     for label, got_present, want_present in (("present_key", got.present_key, want[1]),
@@ -270,10 +270,14 @@ def test_bfloat16_decode_on_rungs_1_and_4(launch):
 
 @pytest.mark.spec("onnx/qk-output-modes")
 def test_bfloat16_prefill_on_rung_1():
-    """A 4-D GQA prefill (3 queries, past 5, causal) with a float mask; qk_matmul_output after softmax (mode 3): the
-    plan's choice for a bfloat16 prefill is rung 1 (rung 5 takes float16)."""
+    """A 4-D GQA prefill (3 queries, past 5, causal) with a float mask; qk_matmul_output after softmax (mode 3) on
+    rung 1 asked for. The plan's choice for a bfloat16 prefill is rung 6 (rung 5 takes float16); at head size 12
+    (not rung 6's) rung 1."""
     _check_bfloat16(BF16_PREFILL, rung=1)
     inputs = build_onnx(BF16_PREFILL)
+    plan = kernel_plan(inputs["Q"], inputs["K"], inputs["V"], inputs["past_key"])
+    assert plan.rung == 6, plan
+    inputs = build_onnx(replace(BF16_PREFILL, head_size=12, v_head_size=12))
     plan = kernel_plan(inputs["Q"], inputs["K"], inputs["V"], inputs["past_key"])
     assert plan.rung == 1 and "prefill" in plan.reason, plan
     decode = build_onnx(BF16_DECODE)
