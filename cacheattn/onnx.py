@@ -336,8 +336,9 @@ def kernel_plan(Q, K, V, past_key=None, *, q_num_heads=None, kv_num_heads=None, 
                 num_splits=None, threads=None, sms=None) -> KernelPlan:
     """The `KernelPlan` (rung, splits, block size, reason) the kernels run `onnx_attention` with for these
     inputs (validated ones: `onnx_attention` checks them first): `cacheattn.choose_kernel` of the call's shape. Decode
-    (one query a batch) on rung 3 or 4, or rung 5 where the tensor cores are faster; prefill on rung 5 when the
-    plan picks it (a float16 Q), else on rung 1 unless `rung` asks for 3 or 4; rung 1 where the others cannot:
+    (one query a batch) on rung 3 or 4, or rung 5 where the tensor cores are faster; prefill on rung 6 or 5 when
+    the plan picks it (rung 6: a float16 or bfloat16 Q, K's and V's head sizes equal; rung 5: a float16 Q), else on
+    rung 1 unless `rung` asks for 3 or 4; rung 1 where the others cannot:
     float64, a block size of partial warps, or head sizes whose rows do not fit their registers and shared
     memory. A 4-D prefill is not split (rung 4's combine writes (token, head) rows) and runs on rung 3.
 

@@ -1282,8 +1282,8 @@ def gpt_attention(
         tiles, a float16 or bfloat16 qkv, head size 16 to 128, every key a new token: no chunked context or cross
         attention) or rung 5 (a float16 qkv whose head size fits its tiles), by their bounds where both serve,
         else on rung 1 (rung 1 forces it; 5 and 6 ask for theirs and raise where it cannot run, the generation
-        requests then as with None; 3 and 4 leave it to the default). The unfused path (context_fmha_type 0, FP8 context FMHA) is its own. The
-        reference ignores it. Default None.
+        requests then as with None; 3 and 4 leave it to the default). The unfused path (context_fmha_type 0, FP8
+        context FMHA) is its own. The reference ignores it. Default None.
     num_splits : int, optional
         Split-K's count of key ranges for the generation requests, 1 to 64 (rung 4, rung 5's decode kernel, rung
         1's multi-block mode, or None's choice); None: chosen from the SMs the grid leaves idle (with
