@@ -5,14 +5,16 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
 
 import cacheattn
+import cacheattn.testing as kit
 from cacheattn.examples import OnnxCase, build_onnx, float64_onnx
 from cacheattn.onnx import kernel_plan
 from kernels_numba import _launch
 
 from helpers import assert_bits_equal, assert_close
-from strategies import deep_only
+from strategies import deep_only, onnx_cases
 
 BASE = OnnxCase(batch=2, q_heads=4, kv_heads=2, q_len=1, kv_len=1, past_len=1, head_size=16, v_head_size=16,
                 three_d=False, dtype="float16", mask="none", mask_shape=(), is_causal=0, nonpad=None, softcap=0.0,
@@ -186,6 +188,22 @@ def test_prefill_on_rung_6():
 @pytest.mark.parametrize("name", list(FLASH_CASES))
 def test_prefill_on_rung_6_deep(name):
     _check_flash(FLASH_CASES[name])
+
+
+def _on_rung_6(*args, **attrs):
+    """onnx_attention on the kernels, rung 6 asked for where the call is a prefill (one query: as by default)."""
+    Q = args[0] if args else attrs["Q"]
+    prefill = (Q.shape[2] if Q.ndim == 4 else Q.shape[1]) > 1
+    return cacheattn.onnx_attention(*args, **attrs, backend="numba", threads=32, **({"rung": 6} if prefill else {}))
+
+
+@deep_only
+@settings(max_examples=4, deadline=None)
+@given(onnx_cases(dtypes=("float16", "bfloat16")).map(lambda case: replace(case, head_size=16, v_head_size=16)))
+def test_drawn_calls_conform_on_rung_6(case):
+    """The conformance kit's drawn calls (every feature) in float16 and bfloat16 at head size 16, rung 6's
+    smallest: prefills on rung 6 asked for, checked as the kit checks a call."""
+    kit.check_case("onnx_attention", _on_rung_6, kit.OnnxRequest(case, return_qk_matmul_output=False))
 
 
 def test_rung_6_plan():

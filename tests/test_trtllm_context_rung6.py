@@ -7,6 +7,7 @@ its reason. One warp a block: the simulator's cost is blocks x threads."""
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
 from test_trtllm_kernels import BASE, kernels, launched
 
 import cacheattn
@@ -14,7 +15,7 @@ import cacheattn.testing as kit
 from kernels_numba import _launch
 from kernels_numba.trtllm_context import context_rung
 
-from strategies import KERNEL, build_trt, deep_only
+from strategies import build_trt, deep_only, trt_cases
 
 # Context requests without past (every key a new token, in the scratch), GQA 4/2, one layer.
 FLASH = replace(BASE, dtype="bfloat16", contexts=((0, 12),), generations=(), beam_width=1, head_size=16,
@@ -59,12 +60,13 @@ def test_context_on_rung_6_deep(name):
 
 
 @deep_only
-def test_drawn_calls_conform():
-    """The kit's drawn calls (every feature) in float16 and bfloat16, by default: their context entries on rung 6
-    where every key is a new token, else where the call's features put them."""
-    report = kit.check_gpt_attention(kernels(32), max_examples=max(KERNEL // 6, 2), dtypes=("float16", "bfloat16"),
-                                     seed=7)
-    assert report.examples >= 1
+@settings(max_examples=4, deadline=None)
+@given(trt_cases(dtypes=("float16", "bfloat16")).map(
+    lambda case: replace(case, head_size=16, rotary_dim=min(case.rotary_dim, 16))))
+def test_drawn_calls_conform(case):
+    """The kit's drawn calls (every feature) in float16 and bfloat16 at head size 16, rung 6's smallest, by default:
+    their context entries on rung 6 where every key is a new token, else where the call's features put them."""
+    kit.check_case("gpt_attention", kernels(32), case)
 
 
 FALLBACKS = {
