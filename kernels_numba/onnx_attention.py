@@ -18,6 +18,8 @@ qk_matmul_output needs the whole score matrix, so it has its own kernel, run onl
 Rungs 3 and 4 (`_attention_vector`): lane groups per key with 16-byte vector loads where every row of both
 sources is aligned (else one load per element), the same score and key range as rung 1; rung 4 splits each
 block's keys and `_split_k.combine_kernel` finishes. They accumulate in float32, so float64 runs on rung 1.
+Rung 5 (`_attention_mma`, float16) walks the keys as rung 3 does; rung 6 (`_attention_flash`, float16 or bfloat16
+bits) copies K/V tiles from present (or a 4-D K / V without past), whose contiguous rows it reads as one page.
 bfloat16: numba has no bfloat16 arithmetic (nor does the simulator), so the kernels take a bfloat16 tensor as its
 bits (uint16: an ml_dtypes array's view, or the `bits` of a `cacheattn.bfloat16` GPU tensor), widen each element
 with a shift (exact) and compute in float32, and store each result rounded to nearest even

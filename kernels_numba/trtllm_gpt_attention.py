@@ -21,7 +21,8 @@ generation entries together (in-flight batching); the variants below add a launc
    Generation entries run on the kernel ladder instead (`trtllm_generation`, with the same score and key range):
    rung 5's decode kernel where it serves them (one beam, float16: the GQA group on tensor cores), else rung 3's
    vector kernel (rung 4 when multi-block splits them; `rung` picks; Q formed from qkv, the new K/V read from their
-   cache slot when unquantized); float16 context entries on rung 5 (`trtllm_context`, mma.sync).
+   cache slot when unquantized); context entries on rung 6 (float16 or bfloat16, keys all in the scratch) or
+   rung 5 (float16) (`trtllm_context`, mma.sync).
 Unfused context (context_fmha_type 0, and FP8 context FMHA): scores in global memory, softmax rows, P V.
 Cross attention: a third kernel copies the context entries' encoder K/V (`cross_kv`) to the scratch and to
 cache slots 0..L-1 in one pass; keys are then the encoder's (scratch in the context phase, the cache in
