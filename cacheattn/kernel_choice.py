@@ -23,9 +23,10 @@ on a tie with rung 3); a split, on a lower bound or lower terms after it:
   chain of waits;
 - **rung 5 when the tensor cores are faster**: a prefill with a float16 query. A candidate whose SASS terms are
   not known (a kernel not compiled at this shape) wins only on a strictly lower bound of the terms known for both;
-- **rung 6 over rung 5 for a prefill**, where the operator offers it (OpenPPL: `rungs` with 6): the
+- **rung 6 over rung 5 for a prefill**, where the operator offers it (OpenPPL, ONNX: `rungs` with 6): the
   FlashAttention-2 kernel (`kernels_numba._attention_flash`: 64 query rows a block, K/V tiles by cp.async and
-  ldmatrix) on a float16 query and cache at head_dim 16 to 128, when its bound is no worse than rung 5's;
+  ldmatrix) on a float16 or bfloat16 query and cache at head_dim 16 to 128, when its bound is no worse than rung
+  5's (a bfloat16 prefill has no rung 5: rung 6 against the CUDA cores);
 - **rung 1 as the fallback** where neither can run: block sizes that are not whole warps, or a head_dim whose rows
   do not fit those kernels' shared memory at the block size asked for. Rung 2 is never chosen: rung 3 serves every
   call rung 2 can, with fewer instructions a key.

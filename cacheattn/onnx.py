@@ -7,6 +7,7 @@ backend="numba") to the kernels.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
@@ -30,8 +31,9 @@ from .kernel_choice import choose_kernel as plan_kernels
 
 T1 = ("float16", "float32", "float64", "bfloat16")
 OPSETS = (23, 24, 25)
-RUNGS = (1, 3, 4, 5)       # the kernel ladder's rungs ONNX Attention runs on (docs/kernel-ladder.md)
-# What `cacheattn.choose_kernel` chooses among: those rungs, rung 5 staging its keys in decode as in prefill.
+RUNGS = (1, 3, 4, 5, 6)    # the kernel ladder's rungs ONNX Attention runs on (docs/kernel-ladder.md)
+# What `cacheattn.choose_kernel` chooses among: those rungs, rung 5 staging its keys in decode as in prefill, rung 6
+# (the FlashAttention-2 prefill) for a float16 or bfloat16 prefill.
 PLAN_OPTIONS = dict(rungs=RUNGS, register_decode=False)
 
 
@@ -249,11 +251,14 @@ def onnx_attention(Q: Tensor, K: Tensor, V: Tensor, attn_mask: Tensor | None = N
         The kernels' block size, 32 to 1024 (a multiple of 32 on rungs 3 and 4); None: the plan's (128).
     rung : int or None, default None
         The kernel of the ladder (docs/kernel-ladder.md) that computes `Y`: 1 shared-memory tiles, 3 lane groups
-        with 16-byte vector loads, 4 rung 3 with split-K, 5 tensor cores (`mma.sync`, a float16 `Q` only). None:
-        the plan's choice (`cacheattn.onnx.kernel_plan` shows it and why): decode (one query a batch) on rung 3,
-        or 4 when the grid leaves SMs idle; a float16 prefill on rung 5; other prefill, float64 (rungs 3 to 5
-        accumulate in float32) and head sizes their registers and shared memory cannot hold on rung 1. Rungs 3 to
-        5 read `past_key` / `past_value` and `K` / `V` where they are. The reference ignores it.
+        with 16-byte vector loads, 4 rung 3 with split-K, 5 tensor cores (`mma.sync`, a float16 `Q` only), 6
+        FlashAttention-2 tiles on tensor cores (a float16 or bfloat16 `Q`, head sizes 16 to 128, K's and V's
+        equal; where the present tensors' rows are not 16-byte aligned it runs rung 5 for float16, rung 1 for
+        bfloat16). None: the plan's choice (`cacheattn.onnx.kernel_plan` shows it and why): decode (one query a
+        batch) on rung 3, or 4 when the grid leaves SMs idle; a float16 or bfloat16 prefill on rung 6 or 5 by
+        their bounds; other prefill, float64 (rungs 3 to 6 accumulate in float32) and head sizes their registers
+        and shared memory cannot hold on rung 1. Rungs 3 to 5 read `past_key` / `past_value` and `K` / `V` where
+        they are, rung 6 reads the present tensors. The reference ignores it.
     num_splits : int or None, default None
         Rung 4's count of key ranges, 1 to 64 (None: chosen from the SMs the grid leaves idle); only with rung 4
         or None (then it asks for rung 4).
@@ -308,6 +313,9 @@ def onnx_attention(Q: Tensor, K: Tensor, V: Tensor, attn_mask: Tensor | None = N
     check_launch(rung, threads, num_splits, rungs=RUNGS, float64="Q" if _dtype_name(Q) == "float64" else None)
     if rung == 5 and _dtype_name(Q) != "float16":
         raise ValueError(f"rung: 5 (tensor cores, mma.sync on float16) needs a float16 Q, got {_dtype_name(Q)}")
+    if rung == 6 and _dtype_name(Q) not in ("float16", "bfloat16"):
+        raise ValueError(f"rung: 6 (tensor cores, mma.sync on float16 or bfloat16) needs a float16 or bfloat16 Q, "
+                         f"got {_dtype_name(Q)}")
     if engine != "reference":
         check_bfloat16_arch("Q", Q, arrays.compute_capability)
         launch = kernel_plan(Q, K, V, past_key, q_num_heads=q_num_heads, kv_num_heads=kv_num_heads,
@@ -328,8 +336,9 @@ def kernel_plan(Q, K, V, past_key=None, *, q_num_heads=None, kv_num_heads=None, 
                 num_splits=None, threads=None, sms=None) -> KernelPlan:
     """The `KernelPlan` (rung, splits, block size, reason) the kernels run `onnx_attention` with for these
     inputs (validated ones: `onnx_attention` checks them first): `cacheattn.choose_kernel` of the call's shape. Decode
-    (one query a batch) on rung 3 or 4, or rung 5 where the tensor cores are faster; prefill on rung 5 when the
-    plan picks it (a float16 Q), else on rung 1 unless `rung` asks for 3 or 4; rung 1 where the others cannot:
+    (one query a batch) on rung 3 or 4, or rung 5 where the tensor cores are faster; prefill on rung 6 or 5 when
+    the plan picks it (rung 6: a float16 or bfloat16 Q, K's and V's head sizes equal; rung 5: a float16 Q), else on
+    rung 1 unless `rung` asks for 3 or 4; rung 1 where the others cannot:
     float64, a block size of partial warps, or head sizes whose rows do not fit their registers and shared
     memory. A 4-D prefill is not split (rung 4's combine writes (token, head) rows) and runs on rung 3.
 
@@ -364,8 +373,17 @@ def kernel_plan(Q, K, V, past_key=None, *, q_num_heads=None, kv_num_heads=None, 
                            keys_apart=True)       # K and V are inputs of their own: fewer keys than queries is fine
     if rung == 1:
         return plan_kernels(shape, rung=1, threads=threads, sms=sms, **PLAN_OPTIONS)
-    chosen = plan_kernels(shape, rung=rung, num_splits=num_splits, threads=threads, sms=sms, **PLAN_OPTIONS)
-    if rung is None and num_splits is None and q_len > 1 and chosen.rung != 5:
+    # Rung 6 holds one head size for K and V (its tiles are rows of head_dim): another V runs on the others.
+    one_size = head_size == v_size
+    if rung == 6 and not one_size:
+        raise ValueError(f"rung: 6 needs K's and V's head sizes equal (its K and V tiles are rows of one head size), "
+                         f"got {head_size} and {v_size}; rung=5 or None runs it")
+    options = PLAN_OPTIONS if one_size else dict(PLAN_OPTIONS, rungs=tuple(r for r in RUNGS if r != 6))
+    chosen = plan_kernels(shape, rung=rung, num_splits=num_splits, threads=threads, sms=sms, **options)
+    if not one_size and q_len > 1 and rung is None:
+        chosen = replace(chosen, reason=f"{chosen.reason}; not rung 6: head_size {head_size} and v_head_size "
+                                        f"{v_size} differ")
+    if rung is None and num_splits is None and q_len > 1 and chosen.rung not in (5, 6):
         return KernelPlan(1, 1, threads or 128, f"prefill runs on shared-memory tiles unless the tensor cores serve "
                                                 f"it or rung=3 or 4 asks for the vector kernel ({chosen.reason})")
     if chosen.rung == 4 and four_d and q_len > 1:

@@ -1278,10 +1278,12 @@ def gpt_attention(
         64 or 128, a float16, INT8 or FP8 cache, one beam, no sink tokens or StreamingLLM, no cross attention, and
         sequences no longer than the attention window; a layer whose cache is not aligned for 16-byte loads runs
         rung 3. Rungs 3 to 5 accumulate in float32: a float64 qkv runs on rung 1, and asking for 3 or 4 with one
-        raises. Context requests (the fused context FMHA) run on rung 5, tensor cores, with a float16 qkv whose
-        head size fits its tiles, else on rung 1 (rung 1 forces it; 5 asks for it and raises where it cannot run;
-        3 and 4 leave it to the default). The unfused path (context_fmha_type 0, FP8 context FMHA) is its own. The
-        reference ignores it. Default None.
+        raises. Context requests (the fused context FMHA) run on the tensor cores: rung 6 (FlashAttention-2
+        tiles, a float16 or bfloat16 qkv, head size 16 to 128, every key a new token: no chunked context or cross
+        attention) or rung 5 (a float16 qkv whose head size fits its tiles), by their bounds where both serve,
+        else on rung 1 (rung 1 forces it; 5 and 6 ask for theirs and raise where it cannot run, the generation
+        requests then as with None; 3 and 4 leave it to the default). The unfused path (context_fmha_type 0, FP8
+        context FMHA) is its own. The reference ignores it. Default None.
     num_splits : int, optional
         Split-K's count of key ranges for the generation requests, 1 to 64 (rung 4, rung 5's decode kernel, rung
         1's multi-block mode, or None's choice); None: chosen from the SMs the grid leaves idle (with
@@ -1336,7 +1338,7 @@ def gpt_attention(
                                       relative_attention_bias=relative_attention_bias, backend=backend)
 
 
-RUNGS = (1, 3, 4, 5)     # gpt_attention's `rung`: 3 and 4 the generation's kernel, 5 the context phase's
+RUNGS = (1, 3, 4, 5, 6)  # gpt_attention's `rung`: 3 and 4 the generation's kernel, 5 and 6 the context phase's
 
 
 class GptAttentionPlan:
@@ -1404,6 +1406,9 @@ class GptAttentionPlan:
         if self._launch["rung"] == 5 and dtype_of(qkv) != np.float16:
             raise ValueError(f"rung: 5 (tensor cores, mma.sync on float16) needs a float16 qkv, got "
                              f"{dtype_of(qkv).name}")
+        if self._launch["rung"] == 6 and dtype_of(qkv).name not in ("float16", "bfloat16"):
+            raise ValueError(f"rung: 6 (FlashAttention-2 tiles, mma.sync on float16 or bfloat16) needs a float16 or "
+                             f"bfloat16 qkv, got {dtype_of(qkv).name}")
         if engine != "reference":
             check_bfloat16_arch("qkv", qkv, arrays.compute_capability)
             return self._run_kernels({**checked, **{k: arrays.as_kernel_array(x) for k, x in data.items()}})
@@ -1435,8 +1440,8 @@ def _phase_choice(s, phase: str) -> tuple:
         if s.unfused:
             return 1, 1, ("the unfused path (scores in global memory, softmax, P V): context_fmha_type 0 or FP8 "
                           "context FMHA")
-        if s.fused_rung == 5:
-            return 5, 1, s.fused_reason
+        if s.fused_rung in (5, 6):
+            return s.fused_rung, 1, s.fused_reason
         return 1, s.num_splits, s.fused_reason + (" (multi-block)" if s.num_splits > 1 else "")
     if not s.vector_generation:
         why = ("rung=1 asked for" if s.rung == 1 else "rungs 3 to 5 accumulate in float32, qkv is float64"
@@ -1447,7 +1452,7 @@ def _phase_choice(s, phase: str) -> tuple:
                                                            "16-byte loads)"
     from kernels_numba.trtllm_generation import step_splits
 
-    rung = None if s.rung == 5 else s.rung
+    rung = None if s.rung in (5, 6) else s.rung
     itemsize = 1 if s.quant else 2 if s.rounds_as == "bfloat16" else np.dtype(s.rounds_as).itemsize
     splits = step_splits(rung, s.generation_splits, s.multi_block_mode, s.num_sms, s.generation_new, s.kvlens,
                          s.window, s.H, s.Hkv, s.Dh, itemsize, s.threads)

@@ -401,17 +401,17 @@ def make_flash_attention_kernel(score, key_range, *, head_dim: int, group: int, 
 
 
 def fit(shape, threads: int):
-    """Rung 6's answer for a call (`_fit.RungFit`, variant "flash"): a float16 query (the operators' bfloat16 runs
-    as float32 today) on an unquantized cache of the same dtype, a head_dim and block size `why_not` accepts; the
-    grid is ceil(longest query / 16 a warp) x query heads x sequences, KEY_TILE keys a block a step."""
+    """Rung 6's answer for a call (`_fit.RungFit`, variant "flash"): a float16 or bfloat16 query on an unquantized
+    cache of the same dtype, a head_dim and block size `why_not` accepts; the grid is ceil(longest query / 16 a
+    warp) x query heads x sequences, KEY_TILE keys a block a step."""
     from ._fit import RungFit
 
     dtype = np.dtype(shape.query_dtype)
     reason = why_not(shape.head_dim, threads)
-    if not reason and dtype != np.float16:
-        reason = f"rung: 6 (tensor cores, float16 mma) needs a float16 query, got {dtype.name}"
+    if not reason and dtype.name not in DTYPES:
+        reason = f"rung: 6 (tensor cores, float16 or bfloat16 mma) needs a float16 or bfloat16 query, got {dtype.name}"
     if not reason and (shape.quant_bit or np.dtype(shape.cache_dtype) != dtype):
-        reason = (f"rung: 6 copies float16 caches as they are; this cache is "
+        reason = (f"rung: 6 copies 16-bit caches as they are; this cache is "
                   f"{f'int{shape.quant_bit}' if shape.quant_bit else np.dtype(shape.cache_dtype).name} (rung 5 "
                   f"dequantizes)")
     if reason:

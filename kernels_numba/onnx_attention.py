@@ -18,6 +18,8 @@ qk_matmul_output needs the whole score matrix, so it has its own kernel, run onl
 Rungs 3 and 4 (`_attention_vector`): lane groups per key with 16-byte vector loads where every row of both
 sources is aligned (else one load per element), the same score and key range as rung 1; rung 4 splits each
 block's keys and `_split_k.combine_kernel` finishes. They accumulate in float32, so float64 runs on rung 1.
+Rung 5 (`_attention_mma`, float16) walks the keys as rung 3 does; rung 6 (`_attention_flash`, float16 or bfloat16
+bits) copies K/V tiles from present (or a 4-D K / V without past), whose contiguous rows it reads as one page.
 bfloat16: numba has no bfloat16 arithmetic (nor does the simulator), so the kernels take a bfloat16 tensor as its
 bits (uint16: an ml_dtypes array's view, or the `bits` of a `cacheattn.bfloat16` GPU tensor), widen each element
 with a shift (exact) and compute in float32, and store each result rounded to nearest even
@@ -34,9 +36,11 @@ import numpy as np
 from numba import cuda
 
 from ._attention_core import make_attention_kernel, plan_tiles
+from ._attention_flash import make_flash_attention_kernel, rows_per_block
+from ._attention_flash import why_not as flash_why_not
 from ._attention_mma import make_mma_attention_kernel, plan_mma_rows
 from ._attention_vector import keys_per_step, make_vector_attention_kernel, plan_vector_rows
-from ._cache import _address, cache_source, make_cache_access, token_head_item
+from ._cache import _address, cache_source, make_cache_access, token_head_item, vector_loads_ok
 from ._launch import (
     OFFSET_PAGE,
     bfloat16_bits,
@@ -307,6 +311,31 @@ def _mma_kernel(head_dim, v_dim, q_heads, kv_heads, q_len, threads, vector):
     return kernel, heads_per_block, positions * row_tiles
 
 
+@cache
+def _flash_kernel(kind, head_dim, q_heads, kv_heads, threads):
+    """Rung 6's kernel (`_attention_flash`: 64 query rows a block, K/V tiles copied by cp.async) over present (or
+    a 4-D K / V without past), contiguous rows read as one page that never ends; ONNX's score and key range as
+    rung 5's; kind "float16" or bfloat16 bits (a float mask then holds bfloat16 bits too)."""
+    bfloat16 = kind == BFLOAT16_BITS
+    score, key_range, _, _ = make_onnx_score(np.float32, bfloat16)
+    return make_flash_attention_kernel(score, key_range, head_dim=head_dim, group=q_heads // kv_heads,
+                                       warps=threads // 32, dtype="bfloat16" if bfloat16 else "float16")
+
+
+def flash_refusal(kind, head_dim, v_dim, k_src, v_src, threads) -> str:
+    """Why rung 6 cannot take this launch ('' when it can): it multiplies float16 or bfloat16 (the plan checked
+    that), one head size for K and V, and copies whole 16-byte chunks of rows as they are, so every row of present
+    must be 16-byte aligned (known here only)."""
+    if kind not in (np.dtype(np.float16).str, BFLOAT16_BITS):
+        return f"a {np.dtype(kind).name} query (rung 6 multiplies float16 or bfloat16)"
+    if head_dim != v_dim:
+        return f"head_size {head_dim} and v_head_size {v_dim} differ (rung 6 holds one head size)"
+    # the alignment test of the 16-byte loads, on the rows' bytes (bfloat16 bits as float16 of the same size)
+    if not all(vector_loads_ok(src._replace(data=src.data.view(np.float16)), 0, head_dim) for src in (k_src, v_src)):
+        return "rows of K / V (present) not 16-byte aligned"
+    return flash_why_not(head_dim, threads)
+
+
 def _kv_source(new, past, heads, present=None):
     """OnnxKV over past (or None) and the call's own K or V, 3-D or 4-D, read where they are; with `present`
     (B, heads, past + S, size), every row loaded is stored there too."""
@@ -467,9 +496,11 @@ def onnx_attention(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonp
     """(Y, present_key, present_value, qk_matmul_output or None). Inputs are validated by `cacheattn`.
 
     softmax_precision is accepted and the softmax runs in float32 (float64 for float64 inputs). rung: 1 shared-memory
-    tiles, 3 lane groups with vector loads, 4 rung 3 with split-K (num_splits; None: `choose_splits`); a float64
-    call runs on rung 1 whatever is asked (rungs 3 and 4 accumulate in float32), and so does rung 4 with a 4-D
-    query longer than 1 (the combine writes (token, head) rows), split once: rung 3.
+    tiles, 3 lane groups with vector loads, 4 rung 3 with split-K (num_splits; None: `choose_splits`), 5 tensor
+    cores (float16), 6 FlashAttention-2 tiles (float16 or bfloat16; rung 5 for float16, rung 1 for bfloat16 where
+    present's rows are not 16-byte aligned or K and V differ in head size: `flash_refusal`); a float64 call runs on
+    rung 1 whatever is asked (rungs 3 to 6 accumulate in float32), and so does rung 4 with a 4-D query longer than
+    1 (the combine writes (token, head) rows), split once: rung 3.
     """
     attrs = dict(is_causal=is_causal, kv_num_heads=kv_num_heads, q_num_heads=q_num_heads,
                  qk_matmul_output_mode=qk_matmul_output_mode, scale=scale, softcap=softcap,
@@ -529,7 +560,18 @@ def _attention(Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, *, is
     zero_starts = to_kind(Q, np.zeros(batch, np.int64))
     lens = to_kind(Q, np.full(batch, q_len, np.int64)), to_kind(Q, np.full(batch, total, np.int64))
     q_geom, y_geom = (flat(Q), zero_starts, *_q_geometry(Q, q_heads)), (flat(Y), zero_starts, *_q_geometry(Y, q_heads))
-    if rung == 5:
+    if rung == 6:
+        # Rung 6 where its copies can serve (alignment is known here only), else rung 5 for float16, rung 1 for
+        # bfloat16: the plan's reason names rung 6, the call runs its fallback.
+        if flash_refusal(kind, head_dim, v_dim, k_src, v_src, threads):
+            rung = 1 if kind == BFLOAT16_BITS else 5
+    if rung == 6:
+        kernel = _flash_kernel(kind, head_dim, q_heads, kv_heads, threads)
+        grid = (max(1, ceil_div(q_len, rows_per_block(threads))), q_heads, batch)
+        bits = (flat(Q).view(np.uint16), zero_starts, *_q_geometry(Q, q_heads))
+        out_bits = (flat(Y).view(np.uint16), zero_starts, *_q_geometry(Y, q_heads))
+        launch(kernel, grid, threads, stream, bits, out_bits, *lens, k_src, v_src, args, np.float32(sm_scale))
+    elif rung == 5:
         k_kv, v_kv, vector = _walked_sources(K, V, past_key, past_value, kv_heads, head_dim, v_dim, (None, None))
         kernel, heads_per_block, q_tile = _mma_kernel(head_dim, v_dim, q_heads, kv_heads, min(q_len, 16), threads,
                                                       vector)

@@ -146,6 +146,17 @@ def _onnx_launches(full: bool):
         out += [(f"onnx rung {rung} {what} {np.dtype(dtype).name}" + (marker if kernel.py_func.__name__ in fast
                  else "") + _bits_marker(dtype), kernel, args) for kernel, args in launches
                 if kernel.py_func.__name__ in fast + ("combine_kernel",)]
+    # Rung 6 (the FlashAttention-2 prefill over present): a 4-D causal GQA prefill at head size 16 with a float
+    # mask and softcap, bfloat16 (the mask and the mma on its bits); full: float16 too.
+    for dtype in (np.float16, "bfloat16") if full else ("bfloat16",):
+        q = rng.standard_normal((2, 4, 3, 16)).astype(dtype)
+        k = rng.standard_normal((2, 2, 3, 16)).astype(dtype)
+        past = rng.standard_normal((2, 2, 5, 16)).astype(dtype)
+        with _launch.recorded_launches() as launches:
+            onnx_attention(q, k, k, np.zeros((2, 1, 3, 8), dtype), past, past, None, is_causal=1, softcap=1.0,
+                           rung=6)
+        out += [(f"onnx rung 6 prefill {np.dtype(dtype).name}" + _bits_marker(dtype), kernel, args)
+                for kernel, args in launches if kernel.py_func.__name__ == "flash_attention_kernel"]
     return out
 
 
@@ -229,9 +240,11 @@ TRTLLM_REPRESENTATIVES = ((np.float16, 0, 2, True, True, {"unfused", "rung1"}),
                           (np.float16, 128, 6, True, False, {"t5-mask", "fp8-fmha", "rung1"}),
                           (np.float16, 128, 1, True, False, {"streaming"}),
                           (np.float64, 0, 0, False, True, {"cross"}),
-                          ("bfloat16", 64, 2, False, True, {"rung1"}))   # round_to_bfloat16 in bias, RoPE, INT8 store
+                          ("bfloat16", 64, 2, False, True, {"rung1"}),   # round_to_bfloat16 in bias, RoPE, INT8 store
+                          ("bfloat16", 0, 4, False, False, {"flash"}))   # the context on rung 6, ALiBi
 TRTLLM_FULL_ONLY = ((np.float16, 0, 2, True, False, {"decode"}),
-                    (np.float32, 64, 4, False, False, {"multi-block"}))
+                    (np.float32, 64, 4, False, False, {"multi-block"}),
+                    (np.float16, 64, 6, True, False, {"flash", "t5-mask"}))
 
 
 def _trtllm_launches(full: bool):
@@ -273,6 +286,8 @@ def _trtllm_launches(full: bool):
                     tokens_per_block=tpb)
         if "unfused" in extras:
             call.update(context_fmha_type=0)
+        if "flash" in extras:           # rung 6 takes a context whose keys are all new tokens: no past
+            call.update(host_past_key_value_lengths=np.array([0, 3, 3]), sequence_length=np.array([5, 4, 4]))
         if "streaming" in extras:
             call.update(streamingllm=True, host_sink_token_length=np.array([1]),
                         host_past_key_value_lengths=np.array([0, 3, 3]), sequence_length=np.array([5, 4, 4]))
@@ -286,7 +301,7 @@ def _trtllm_launches(full: bool):
                         cross_kv=rng.standard_normal((3, 2 * Hkv * Dh)).astype(dtype))
         with _launch.recorded_launches() as launches:
             gpt_attention(**call, num_splits=3 if "multi-block" in extras else None,
-                          rung=1 if "rung1" in extras else None)
+                          rung=1 if "rung1" in extras else 6 if "flash" in extras else None)
         label = (f"trtllm {'+'.join(sorted(extras)) or 'self'} {np.dtype(dtype).name} quant {quant} pos {position}"
                  f"{' paged' if paged else ''}{_bits_marker(dtype)}")
         # The generation entries' vector kernel (rungs 3 and 4): rows of 16-byte multiples at Dh 16 in every format.

@@ -21,7 +21,8 @@ generation entries together (in-flight batching); the variants below add a launc
    Generation entries run on the kernel ladder instead (`trtllm_generation`, with the same score and key range):
    rung 5's decode kernel where it serves them (one beam, float16: the GQA group on tensor cores), else rung 3's
    vector kernel (rung 4 when multi-block splits them; `rung` picks; Q formed from qkv, the new K/V read from their
-   cache slot when unquantized); float16 context entries on rung 5 (`trtllm_context`, mma.sync).
+   cache slot when unquantized); context entries on rung 6 (float16 or bfloat16, keys all in the scratch) or
+   rung 5 (float16) (`trtllm_context`, mma.sync).
 Unfused context (context_fmha_type 0, and FP8 context FMHA): scores in global memory, softmax rows, P V.
 Cross attention: a third kernel copies the context entries' encoder K/V (`cross_kv`) to the scratch and to
 cache slots 0..L-1 in one pass; keys are then the encoder's (scratch in the context phase, the cache in
@@ -103,7 +104,15 @@ from .trtllm_common import (
     make_trt_access,
     make_trt_score,
 )
-from .trtllm_context import context_grid, context_kernel_for, context_rung
+from .trtllm_context import (
+    context_grid,
+    context_kernel_for,
+    context_rung,
+    flash_context_kernel,
+    flash_grid,
+    scratch_aligned,
+    scratch_sources,
+)
 from .trtllm_generation import attend_generation, attend_generation_register, register_problem, register_splits
 
 
@@ -523,7 +532,8 @@ def gpt_attention(*, qkv, past_key_value, attention_mask, sequence_length, host_
     (`trtllm_generation.register_problem`), split as rung 4, else as None; None: rung 5's decode kernel where it
     serves (split where multi_block_mode splits), else rung 3, or 4 when multi_block_mode splits. Rungs 3 to 5
     accumulate in float32: a float64 call runs on rung 1 (validation refuses it when forced). Context entries run on
-    rung 5 (float16) or 1 (`trtllm_context.context_rung`); num_splits is then the generation kernel's count.
+    rung 6 or 5, or 1 (`trtllm_context.context_rung`); 6 asks for rung 6 there (the generation entries as with
+    None); num_splits is then the generation kernel's count.
 
     It is exactly `run_layer(prepare_step(...), ...)`: a plan (cacheattn.GptAttentionPlan) keeps the step and
     calls run_layer once per layer."""
@@ -606,7 +616,8 @@ def prepare_step(*, like, window, sequence_length, host_past_key_value_lengths, 
     kvlens = np.asarray(encoder_input_lengths, np.int64) if do_cross_attention else lengths
 
     generation = _plan_generation(
-        like, rung=rung, acc_t=acc_t, rotate_cached=rotate_cached, write_after=write_after, num_context=num_context,
+        like, rung=None if rung == 6 else rung, acc_t=acc_t, rotate_cached=rotate_cached, write_after=write_after,
+        num_context=num_context,
         new=new, kvlens=kvlens, num_splits=num_splits, multi_block_mode=multi_block_mode, num_sms=num_sms,
         rounds_as=rounds_as, head_size=Dh, num_heads=H, num_kv_heads=Hkv, quant=quant, threads=threads,
         use_cache=bool(use_cache), cross=bool(do_cross_attention), beam_width=beam_width, sinks=sinks,
@@ -624,7 +635,11 @@ def prepare_step(*, like, window, sequence_length, host_past_key_value_lengths, 
         like, rung=rung, rounds_as=rounds_as, acc_t=acc_t, num_heads=H, num_kv_heads=Hkv, head_size=Dh,
         num_context=num_context, new=new, kvlens=kvlens, threads=threads, num_splits=num_splits,
         multi_block_mode=multi_block_mode, num_sms=num_sms, context_fmha_type=context_fmha_type,
-        use_fp8_context_fmha=use_fp8_context_fmha, vector_generation=generation["vector_generation"])
+        use_fp8_context_fmha=use_fp8_context_fmha, vector_generation=generation["vector_generation"],
+        keys_elsewhere=("cross attention reads the encoder's keys" if do_cross_attention else
+                        "a chunked context (past > 0) reads earlier keys from the cache"
+                        if (past[:num_context] > 0).any() else
+                        "" if scratch_aligned(k_scratch, v_scratch) else "the scratch is not 16-byte aligned"))
     # spec: trtllm/norm-factor
     sm_scale = acc_t(1.0 / (q_scaling * math.sqrt(Dh)))
     return StepLaunch(
@@ -708,7 +723,7 @@ def _score_args(like, *, table, acc_t, window, sinks, streamingllm, alibi_slopes
 
 def _plan_context(like, *, rung, rounds_as, acc_t, num_heads, num_kv_heads, head_size, num_context, new, kvlens,
                   threads, num_splits, multi_block_mode, num_sms, context_fmha_type, use_fp8_context_fmha,
-                  vector_generation) -> dict:
+                  vector_generation, keys_elsewhere="") -> dict:
     """The context phase's part of the step (StepLaunch fields): the unfused path or not, and the fused launch's
     entries, rung (`trtllm_context.context_rung`), tiles, split count and grid. The fused launch also takes the
     generation entries that do not run on the kernel ladder (`vector_generation` False)."""
@@ -730,11 +745,25 @@ def _plan_context(like, *, rung, rounds_as, acc_t, num_heads, num_kv_heads, head
     fused_new = np.where(np.arange(E) < num_context, 0, new) if unfused else new
     if vector_generation:
         fused_new = np.where(np.arange(E) >= num_context, 0, fused_new)
-    # The context entries of the fused launch on rung 5 (tensor cores) where it can serve them (trtllm_context).
+    # The context entries of the fused launch on rung 6 or 5 (tensor cores) where they can serve them
+    # (trtllm_context); between the two, the bound model's choice for the context entries' shape.
+    def flash_wins():
+        from cacheattn.kernel_choice import AttentionShape, choose_kernel
+
+        shape = AttentionShape(batch=max(num_context, 1), max_query_len=max(int(fused_new.max()), 2),
+                               max_kv_len=int(np.max(kvlens[:max(num_context, 1)])), num_heads=H, num_kv_heads=Hkv,
+                               head_dim=Dh, query_dtype=rounds_as, causal=True)
+        plan = choose_kernel(shape, threads=threads, sms=num_sms, rungs=(1, 5, 6), register_decode=False)
+        return plan.rung == 6, plan.reason
+
     fused_rung, fused_reason = context_rung(rung=rung, rounds_as=rounds_as, head_size=Dh, threads=threads,
                                             fused_generation=bool((fused_new[num_context:] > 0).any()),
-                                            num_splits=generation_splits if not vector_generation else None)
+                                            num_splits=generation_splits if not vector_generation else None,
+                                            keys_elsewhere=keys_elsewhere, flash_wins=flash_wins)
     mma_plan, grid = None, (max(1, ceil_div(max_new, q_tile)), H // heads_per_block, E * num_splits)
+    if fused_rung == 6:
+        num_splits = 1
+        grid = flash_grid(H, int(fused_new.max()), threads, E)
     if fused_rung == 5:
         num_splits = 1
         mma_plan, grid = context_grid(H, Hkv, Dh, int(fused_new.max()), threads, E)
@@ -841,7 +870,7 @@ def masked_multihead_attention(s: StepLaunch, pre, out_geom, k_src, v_src, args,
             s.new_in_cache, s.threads, stream, s.contiguous_starts, s.register_splits, s.num_tokens,
             s.generation_starts):
         return
-    attend_generation(None if s.rung == 5 else s.rung, s.generation_splits, s.multi_block_mode, s.num_sms, pre,
+    attend_generation(None if s.rung in (5, 6) else s.rung, s.generation_splits, s.multi_block_mode, s.num_sms, pre,
                       out_geom, s.generation_new, s.kvlens, k_src, v_src, args, s.sm_scale, s.rounds_as, s.H, s.Hkv,
                       s.Dh, s.quant, s.rope_on_load, s.new_in_cache, s.num_tokens, s.threads, stream,
                       (s.rotary_dim, s.rope_style, has_bias))
@@ -872,9 +901,17 @@ def unfused_context(s: StepLaunch, output, k_src, v_src, args, stream, fp8_scale
 
 
 def context_fmha(s: StepLaunch, qkv, out_geom, k_src, v_src, args, stream):
-    """The fused context FMHA: the context entries on rung 5 (tensor cores), or on rung 1's tiles with any
-    generation entries the ladder does not take. Returns rung 1's multi-block partials (o, m, l) for
-    `multi_block_combine`, or None when the launch wrote the output itself."""
+    """The fused context FMHA: the context entries on rung 6 or 5 (tensor cores; rung 6 reads K and V from the
+    scratch), or on rung 1's tiles with any generation entries the ladder does not take. Returns rung 1's
+    multi-block partials (o, m, l) for `multi_block_combine`, or None when the launch wrote the output itself."""
+    if s.fused_rung == 6:
+        kernel = flash_context_kernel(s.rounds_as, s.H, s.Hkv, s.Dh, s.threads)
+        k_rows, v_rows = scratch_sources(s.k_scratch, s.v_scratch, s.q_geom[1], s.Hkv, s.Dh)
+        q_bits = (s.q_geom[0].view(np.uint16), *s.q_geom[1:])
+        out_bits = (out_geom[0].view(np.uint16), *out_geom[1:])
+        launch(kernel, s.grid, s.threads, stream, q_bits, out_bits, *s.lens, k_rows, v_rows, args,
+               np.float32(s.sm_scale))
+        return None
     if s.fused_rung == 5:
         kernel = context_kernel_for(k_src, v_src, s.H, s.Hkv, s.Dh, s.quant, s.threads, s.mma_plan, s.rope_on_load)
         launch(kernel, s.grid, s.threads, stream, s.q_geom, out_geom, *s.lens, k_src, v_src, args,

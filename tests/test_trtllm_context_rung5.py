@@ -89,7 +89,8 @@ def test_rung_5_asked_for():
 
 
 def test_context_rung_reasons():
-    common = dict(rounds_as="float16", head_size=64, threads=128, num_splits=None)
+    # a chunked context: rung 6 (keys from the scratch only) does not serve it
+    common = dict(rounds_as="float16", head_size=64, threads=128, num_splits=None, keys_elsewhere="a chunked context")
     assert context_rung(rung=None, fused_generation=False, **common)[0] == 5
     rung, reason = context_rung(rung=None, fused_generation=True, **common)
     assert rung == 1 and "generation entries" in reason
