@@ -31,6 +31,7 @@ from ._validate import (
     dtype_mismatch,
     dtype_of,
 )
+from .kernel_choice import AttentionShape, choose_kernel
 
 FLOATS = ("float16", "bfloat16", "float32", "float64")
 
@@ -1428,10 +1429,19 @@ class GptAttentionPlan:
         step = self._prepared.get(key)
         if step is None:
             step = self._prepared[key] = launches.prepare_step(
-                like=qkv, window=window, num_sms=None, rounds_as=call.get("rounds_as"), **self._launch,
+                like=qkv, window=window, num_sms=None, rounds_as=call.get("rounds_as"),
+                choose_context=_context_on_rung_6, **self._launch,
                 **{k: v for k, v in call.items() if k not in LAYER_INPUTS and k != "rounds_as"})
         result = launches.run_layer(step, **{name: call[name] for name in LAYER_INPUTS})
         return launches.bfloat16_results(given, *result) if call is not given else result
+
+
+def _context_on_rung_6(*, threads, sms, **shape) -> tuple:
+    """(rung 6 wins, why) for a step's context entries where rungs 5 and 6 both serve them: the bound model's
+    choice (`cacheattn.choose_kernel`) for their shape, causal, among rungs 1, 5 and 6."""
+    plan = choose_kernel(AttentionShape(**shape, causal=True), threads=threads, sms=sms, rungs=(1, 5, 6),
+                         register_decode=False)
+    return plan.rung == 6, plan.reason
 
 
 def _phase_choice(s, phase: str) -> tuple:

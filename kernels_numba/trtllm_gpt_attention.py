@@ -565,12 +565,14 @@ def prepare_step(*, like, window, sequence_length, host_past_key_value_lengths, 
                  alibi_slopes, kv_cache_block_offsets, do_cross_attention, encoder_input_lengths, max_distance,
                  use_cache, remove_input_padding, paged_kv_cache, tokens_per_block, streamingllm,
                  use_fp8_context_fmha, context_fmha_type, multi_block_mode, host_sink_token_length, num_splits,
-                 num_sms, threads, rung, rounds_as, **unused) -> StepLaunch:
+                 num_sms, threads, rung, rounds_as, choose_context=None, **unused) -> StepLaunch:
     """The launches' step-wide part for layers whose qkv is shaped, typed and placed like `like` and whose window is
     `window`: everything but the per-layer inputs (LAYER_INPUTS), computed and uploaded once. The rows, lengths,
     RoPE plan and entry table first, then each step's plan in run_layer's order: the generation phase's kernel
     (`_plan_generation`), the preprocess (`_plan_preprocess`), the scores (`_score_args`), the context phase's
-    launch (`_plan_context`)."""
+    launch (`_plan_context`). choose_context(**shape) -> (rung 6 wins, why): the caller's choice between rungs 5 and
+    6 for the context entries' shape (the bound model, a layer above the kernels); None takes rung 6 where both
+    serve."""
     H, Hkv, Dh = num_heads, num_kv_heads, hidden_size_per_head
     dtype = np.dtype(like.dtype)
     rounds_as = rounds_as or dtype.name                 # the kernels' keys: the dtype whose roundings they emulate
@@ -636,6 +638,7 @@ def prepare_step(*, like, window, sequence_length, host_past_key_value_lengths, 
         num_context=num_context, new=new, kvlens=kvlens, threads=threads, num_splits=num_splits,
         multi_block_mode=multi_block_mode, num_sms=num_sms, context_fmha_type=context_fmha_type,
         use_fp8_context_fmha=use_fp8_context_fmha, vector_generation=generation["vector_generation"],
+        choose_context=choose_context,
         keys_elsewhere=("cross attention reads the encoder's keys" if do_cross_attention else
                         "a chunked context (past > 0) reads earlier keys from the cache"
                         if (past[:num_context] > 0).any() else
@@ -723,7 +726,7 @@ def _score_args(like, *, table, acc_t, window, sinks, streamingllm, alibi_slopes
 
 def _plan_context(like, *, rung, rounds_as, acc_t, num_heads, num_kv_heads, head_size, num_context, new, kvlens,
                   threads, num_splits, multi_block_mode, num_sms, context_fmha_type, use_fp8_context_fmha,
-                  vector_generation, keys_elsewhere="") -> dict:
+                  vector_generation, choose_context=None, keys_elsewhere="") -> dict:
     """The context phase's part of the step (StepLaunch fields): the unfused path or not, and the fused launch's
     entries, rung (`trtllm_context.context_rung`), tiles, split count and grid. The fused launch also takes the
     generation entries that do not run on the kernel ladder (`vector_generation` False)."""
@@ -746,20 +749,17 @@ def _plan_context(like, *, rung, rounds_as, acc_t, num_heads, num_kv_heads, head
     if vector_generation:
         fused_new = np.where(np.arange(E) >= num_context, 0, fused_new)
     # The context entries of the fused launch on rung 6 or 5 (tensor cores) where they can serve them
-    # (trtllm_context); between the two, the bound model's choice for the context entries' shape.
+    # (trtllm_context); between the two, the caller's choice (the bound model) for the context entries' shape.
     def flash_wins():
-        from cacheattn.kernel_choice import AttentionShape, choose_kernel
-
-        shape = AttentionShape(batch=max(num_context, 1), max_query_len=max(int(fused_new.max()), 2),
-                               max_kv_len=int(np.max(kvlens[:max(num_context, 1)])), num_heads=H, num_kv_heads=Hkv,
-                               head_dim=Dh, query_dtype=rounds_as, causal=True)
-        plan = choose_kernel(shape, threads=threads, sms=num_sms, rungs=(1, 5, 6), register_decode=False)
-        return plan.rung == 6, plan.reason
+        return choose_context(batch=max(num_context, 1), max_query_len=max(int(fused_new.max()), 2),
+                              max_kv_len=int(np.max(kvlens[:max(num_context, 1)])), num_heads=H, num_kv_heads=Hkv,
+                              head_dim=Dh, query_dtype=rounds_as, threads=threads, sms=num_sms)
 
     fused_rung, fused_reason = context_rung(rung=rung, rounds_as=rounds_as, head_size=Dh, threads=threads,
                                             fused_generation=bool((fused_new[num_context:] > 0).any()),
                                             num_splits=generation_splits if not vector_generation else None,
-                                            keys_elsewhere=keys_elsewhere, flash_wins=flash_wins)
+                                            keys_elsewhere=keys_elsewhere,
+                                            flash_wins=flash_wins if choose_context is not None else None)
     mma_plan, grid = None, (max(1, ceil_div(max_new, q_tile)), H // heads_per_block, E * num_splits)
     if fused_rung == 6:
         num_splits = 1

@@ -87,12 +87,12 @@ def test_every_case_gets_a_plan_and_its_default_call():
             assert counters.default_call(plan)["rung"] == 1
     assert plans[ONNX_DECODE.label].counted.num_heads == 4 and plans[FT_CROSS.label].counted.num_heads == 1
     # TensorRT-LLM's context step is counted as a prefill (the parabola through PREFILL_POINTS new tokens); its
-    # default call runs rung 5, the operator's own decision.
+    # default call runs rung 6 (the FlashAttention-2 prefill), the operator's own decision.
     context = plans[TRT_CONTEXT.label]
     assert context.prefill and context.points == counters.PREFILL_POINTS and context.grid_scale == 8
     default = counters.default_call(context)
-    assert (default["rung"], default["num_splits"], default["counted as"]) == (5, 1, "5")
-    assert "mma.sync" in default["reason"]
+    assert (default["rung"], default["num_splits"], default["counted as"]) == (6, 1, "6")
+    assert "FlashAttention-2" in default["reason"]
     assert plans[FT_CROSS.label].grid_scale == 64 * 16 / 2
     # OpenPPL's default is cacheattn.choose_kernel's choice, recorded beside the rungs.
     from cacheattn import choose_kernel as kernel_plan
@@ -168,10 +168,9 @@ def test_the_committed_run_keeps_the_other_operators_beside_openppls():
     assert list(result["cases"]) == [case.label for case in LAB_CASES]
     assert list(result["operators"]) == [case.label for case in OPERATOR_CASES]
     for label, shown in counters.every_case(result):
-        case = counters.case_of(label, shown["case"])
-        assert list(shown["rungs"]) == [str(r) for r in case.rungs]
-        assert shown["default"] == counters.default_call(
-            next(p for p in counters.plans() if p.case.label == label), shown["threads"])
+        plan = next(p for p in counters.plans() if p.case.label == label)
+        assert list(shown["rungs"]) == [str(r) for r in plan.rungs]
+        assert shown["default"] == counters.default_call(plan, shown["threads"])
         assert shown["default"]["counted as"] in shown["rungs"]
         assert all(r["full"]["hazards"] == 0 for r in shown["rungs"].values())
 

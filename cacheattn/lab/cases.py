@@ -283,7 +283,7 @@ class TrtContextBenchCase:
     tokens_per_block: int = 64
 
     operator = "TensorRT-LLM gpt_attention"
-    rungs = (1, 5)
+    rungs = (1, 5, 6)
     kv_arrays = ("_src.scratch", "_src.cache")   # the prompt's K/V in the scratch, a chunked context's in the pool
     cache = "float16"
     quant_bit = 0

@@ -111,7 +111,7 @@ VARIANTS = tuple([Variant(rung, cache) for rung in range(1, 6) for cache in CACH
                  + [Variant(rung, "float16", "prefill") for rung in range(1, 5)]
                  + [Variant(6, "float16", "prefill")]          # rung 6: the FlashAttention-2 prefill
                  + [Variant(rung, cache, operator="trtllm") for rung in (1, 3, 5) for cache in TRT_CACHES]
-                 + [Variant(rung, "float16", "prefill", "trtllm") for rung in (1, 5)]
+                 + [Variant(rung, "float16", "prefill", "trtllm") for rung in (1, 5, 6)]
                  + [Variant(rung, "float16", operator="onnx") for rung in (1, 3, 4)]
                  + [Variant(rung, "float16", operator="ft", head_dim=64) for rung in (1, 3, 4)]
                  + [Variant(rung, "float16", head_dim=QUICK_HEAD_DIM) for rung in range(1, 6)])
