@@ -49,15 +49,16 @@ from numba import cuda
 from ._async_copy import (
     SHARED_ALIGNMENT,
     async_target,
-    cp_async16,
+    cp_async16_at,
     cp_async_commit,
     cp_async_wait,
     ldmatrix_x4_at,
     ldmatrix_x4_trans_at,
     scratch_shape,
+    shared_base,
 )
 from ._attention_core import SHARED_BYTES
-from ._cache import as_index, as_offset, page_slot, page_walk, slot_rows
+from ._cache import as_offset, page_slot, page_walk, slot_rows
 from ._mma import (
     MMA_K,
     MMA_M,
@@ -171,19 +172,19 @@ def make_flash_attention_kernel(score, key_range, *, head_dim: int, group: int, 
         where a loop over n kept 64-bit counters and addresses (about 47 instructions a copy, 20 here)."""
         if n == PASSES:
             @cuda.jit(device=True, inline="always")
-            def done(src, tile_s, page, offset, page_row, b, g, first, room, key0, c):
+            def done(src, tile_s, tile_at, page, offset, page_row, b, g, first, room, key0, c):
                 return
             return done
         rest = copies_from(n + 1)
 
         @cuda.jit(device=True, inline="always")
-        def copy(src, tile_s, page, offset, page_row, b, g, first, room, key0, c):
+        def copy(src, tile_s, tile_at, page, offset, page_row, b, g, first, room, key0, c):
             # rows STRIDE apart share the swizzle when STRIDE is a multiple of 8: a constant step in the tile
             at = first + np.uint32(n * STRIDE * ROW_WORDS) if STRIDE % 8 == 0 else np.uint32(
                 place(key0 + n * STRIDE, c))
             if n * STRIDE < room:
                 row = as_offset(page_row + offset * src.s_t + c * CHUNK, src.s_t)
-                cp_async16(tile_s, at, src.data, as_index(row))
+                cp_async16_at(tile_s, tile_at, at, src.data, row)
             else:
                 for w in range(4):
                     tile_s[at + np.uint32(w)] = np.uint32(0)
@@ -194,19 +195,19 @@ def make_flash_attention_kernel(score, key_range, *, head_dim: int, group: int, 
                         offset = as_offset(offset - src.page, offset)
                         page = as_offset(page + 1, page)
                     page_row, _ = slot_rows(src, b, page_slot(src, b, page, 0), g)
-            rest(src, tile_s, page, offset, page_row, b, g, first, room, key0, c)
+            rest(src, tile_s, tile_at, page, offset, page_row, b, g, first, room, key0, c)
         return copy
 
     copies = copies_from(0)
 
     @cuda.jit(device=True, inline="always")
-    def issue(src, tile_s, page, offset, b, g, t_tile, hi, key0, c):
+    def issue(src, tile_s, tile_at, page, offset, b, g, t_tile, hi, key0, c):
         """This thread's copies of one tile (`copies_from`), the first at (page, offset) of the page table. The
         page's first row is looked up once a page (`slot_rows` of its slot 0) and each copy adds its offset in the
         page: a multiply-add a copy, the table read only where the walk enters the next page."""
         page_row, _ = slot_rows(src, b, page_slot(src, b, page, 0), g)
         room = as_offset(hi - t_tile - key0, offset)
-        copies(src, tile_s, page, offset, page_row, b, g, np.uint32(place(key0, c)), room, key0, c)
+        copies(src, tile_s, tile_at, page, offset, page_row, b, g, np.uint32(place(key0, c)), room, key0, c)
 
     def scores_from(nt):
         """A device function that scores C tiles nt .. S_TILES - 1 of S in place and returns the rows' maxima
@@ -258,6 +259,7 @@ def make_flash_attention_kernel(score, key_range, *, head_dim: int, group: int, 
         ldm_scratch = cuda.shared.array(LDM_SCRATCH, np.int32)
         k_s = async_target(cuda.shared.array(TILE_WORDS, np.uint32, alignment=ALIGN))
         v_s = async_target(cuda.shared.array(TILE_WORDS, np.uint32, alignment=ALIGN))
+        k_at, v_at = shared_base(k_s), shared_base(v_s)   # 32-bit shared addresses: each copy adds a constant
 
         # This lane's rows grp and grp + 8 of the warp's 16 (scalars, as every per-row value below: an array
         # indexed by a row the compiler cannot unroll would live in local memory).
@@ -297,14 +299,14 @@ def make_flash_attention_kernel(score, key_range, *, head_dim: int, group: int, 
         tile_page = t // k_src.page
         tile_off = as_offset(t - tile_page * k_src.page, k_src.s_t)
         if tiles > 0:
-            issue(k_src, k_s, tile_page, tile_off, b, g, first, hi, key0, c)
+            issue(k_src, k_s, k_at, tile_page, tile_off, b, g, first, hi, key0, c)
         cp_async_commit()
 
         for j in range(tiles):
             t_tile = first + j * KT
             cp_async_wait(0)                         # K(j) has landed (this thread's copies) ...
             cuda.syncthreads()                       # ... every thread's, and every warp is done with V(j - 1)
-            issue(v_src, v_s, tile_page, tile_off, b, g, t_tile, hi, key0, c)
+            issue(v_src, v_s, v_at, tile_page, tile_off, b, g, t_tile, hi, key0, c)
             cp_async_commit()
 
             # 3. S = Q K(j)ᵀ: ldmatrix.x4 at tile rows n0 + lane % 8 + 8 * (lane // 16), chunk 2 ks + lane // 8 % 2
@@ -331,7 +333,7 @@ def make_flash_attention_kernel(score, key_range, *, head_dim: int, group: int, 
             cuda.syncthreads()                       # ... for every thread, and every warp is done with K(j)
             if j + 1 < tiles:                        # K(j + 1) loads during the softmax and P·V
                 tile_page, tile_off = page_walk(tile_page, tile_off, KT, k_src.page)
-                issue(k_src, k_s, tile_page, tile_off, b, g, t_tile + KT, hi, key0, c)
+                issue(k_src, k_s, k_at, tile_page, tile_off, b, g, t_tile + KT, hi, key0, c)
             cp_async_commit()
 
             # 4. scores; element e of C tile nt is row grp + 8 * (e // 2), key t_tile + 8 nt + 2 quad + e % 2
