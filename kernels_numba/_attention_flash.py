@@ -8,8 +8,8 @@ one query head (64 at 4 warps), each warp its own 16 rows, and all warps share K
     1. Q as mma A fragments, once: head_dim / 16 k-steps x 4 registers of two 16-bit values a lane, read from
        global memory as the bits they are (float16 or bfloat16 alike), kept in registers for the whole loop;
     2. K and V tiles by `cp.async` 16-byte copies (`_async_copy`), each thread the same 16-byte column of rows
-       tid // chunks + n * threads / chunks; keys from `hi` on are zeros (plain stores), so P·V never multiplies
-       a zero by an unwritten value. The copies of one tile overlap the other's math, FlashAttention-2's order:
+       tid // chunks + n * threads / chunks; keys from `hi` on are zeros (the copy zero-fills them), so P·V never
+       multiplies a zero by an unwritten value. The copies of one tile overlap the other's math, FlashAttention-2's order:
 
            wait K(j); barrier; issue V(j)    | S = Q K(j)ᵀ
            wait V(j); barrier; issue K(j+1)  | softmax, O += P V(j)
@@ -58,7 +58,7 @@ from ._async_copy import (
     shared_base,
 )
 from ._attention_core import SHARED_BYTES
-from ._cache import as_offset, page_slot, page_walk, slot_rows
+from ._cache import as_offset, page_walk, slot_rows
 from ._mma import (
     MMA_K,
     MMA_M,
@@ -164,6 +164,14 @@ def make_flash_attention_kernel(score, key_range, *, head_dim: int, group: int, 
         """Word index of chunk `chunk` of tile row `row` (the XOR swizzle of the module docstring)."""
         return row * ROW_WORDS + (chunk ^ ((row >> SHIFT) & (SW - 1))) * 4
 
+    @cuda.jit(device=True, inline="always")
+    def first_row(src, b, g, page):
+        """The row of head g of the first key of page `page` of sequence b (`_cache.page_slot`'s clamp to the last
+        page, `slot_rows`), the page index unsigned 32-bit: one compare and one wide multiply-add for the entry."""
+        last = np.uint32(src.starts.shape[1] - 1)
+        slot = as_offset(src.starts[np.uint32(b), min(np.uint32(page), last)], src.s_t)
+        return slot_rows(src, b, slot, g)[0]
+
     def copies_from(n):
         """A device function that issues this thread's copies n .. PASSES - 1 of a tile: row key0 + n * STRIDE,
         chunk c, at (page, offset) of the page table, page_row its page's first row; zeros for keys from hi on
@@ -182,19 +190,16 @@ def make_flash_attention_kernel(score, key_range, *, head_dim: int, group: int, 
             # rows STRIDE apart share the swizzle when STRIDE is a multiple of 8: a constant step in the tile
             at = first + np.uint32(n * STRIDE * ROW_WORDS) if STRIDE % 8 == 0 else np.uint32(
                 place(key0 + n * STRIDE, c))
-            if n * STRIDE < room:
-                row = as_offset(page_row + offset * src.s_t + c * CHUNK, src.s_t)
-                cp_async16_at(tile_s, tile_at, at, src.data, row)
-            else:
-                for w in range(4):
-                    tile_s[at + np.uint32(w)] = np.uint32(0)
+            # rows from key hi on: zeros, by the copy itself (it reads nothing), not a branch and stores
+            row = as_offset(page_row + offset * src.s_t + c * CHUNK, src.s_t)
+            cp_async16_at(tile_s, tile_at, at, src.data, row, n * STRIDE < room)
             if n + 1 < PASSES:
                 offset = as_offset(offset + STRIDE, offset)
                 if offset >= src.page:           # the next page (pages shorter than STRIDE: the loop walks them)
                     while offset >= src.page:
                         offset = as_offset(offset - src.page, offset)
                         page = as_offset(page + 1, page)
-                    page_row, _ = slot_rows(src, b, page_slot(src, b, page, 0), g)
+                    page_row = first_row(src, b, g, page)
             rest(src, tile_s, tile_at, page, offset, page_row, b, g, first, room, key0, c)
         return copy
 
@@ -205,7 +210,7 @@ def make_flash_attention_kernel(score, key_range, *, head_dim: int, group: int, 
         """This thread's copies of one tile (`copies_from`), the first at (page, offset) of the page table. The
         page's first row is looked up once a page (`slot_rows` of its slot 0) and each copy adds its offset in the
         page: a multiply-add a copy, the table read only where the walk enters the next page."""
-        page_row, _ = slot_rows(src, b, page_slot(src, b, page, 0), g)
+        page_row = first_row(src, b, g, page)
         room = as_offset(hi - t_tile - key0, offset)
         copies(src, tile_s, tile_at, page, offset, page_row, b, g, np.uint32(place(key0, c)), room, key0, c)
 
@@ -296,7 +301,7 @@ def make_flash_attention_kernel(score, key_range, *, head_dim: int, group: int, 
         #    walked a tile at a time (tile_page, tile_off) and a pass at a time within a tile (pages, offsets)
         c, key0 = tid % CHUNKS, tid // CHUNKS
         t = as_offset(first + key0, k_src.s_t)       # the source's offset type: a 32-bit division, once
-        tile_page = t // k_src.page
+        tile_page = as_offset(t // k_src.page, k_src.s_t)
         tile_off = as_offset(t - tile_page * k_src.page, k_src.s_t)
         if tiles > 0:
             issue(k_src, k_s, k_at, tile_page, tile_off, b, g, first, hi, key0, c)
