@@ -445,7 +445,7 @@ else:
 
     @intrinsic
     def cp_async16_at(typingctx, dst, base, dst_index, src, src_index, full):
-        """cp.async.cg.shared.global [base + dst_index * itemsize], [src + src_index * itemsize], 16, full ? 16 : 0."""
+        """cp.async.cg.shared.global [base + dst_index * size], [src + src_index * size], 16, full ? 16 : 0."""
         if not (_is_vector(dst, dst_index) and _is_vector(src, src_index) and isinstance(base, types.Integer)
                 and isinstance(full, types.Boolean)):
             return None

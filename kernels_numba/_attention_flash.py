@@ -9,7 +9,8 @@ one query head (64 at 4 warps), each warp its own 16 rows, and all warps share K
        global memory as the bits they are (float16 or bfloat16 alike), kept in registers for the whole loop;
     2. K and V tiles by `cp.async` 16-byte copies (`_async_copy`), each thread the same 16-byte column of rows
        tid // chunks + n * threads / chunks; keys from `hi` on are zeros (the copy zero-fills them), so P·V never
-       multiplies a zero by an unwritten value. The copies of one tile overlap the other's math, FlashAttention-2's order:
+       multiplies a zero by an unwritten value. The copies of one tile overlap the other's math, FlashAttention-2's
+       order:
 
            wait K(j); barrier; issue V(j)    | S = Q K(j)ᵀ
            wait V(j); barrier; issue K(j+1)  | softmax, O += P V(j)
