@@ -30,11 +30,13 @@ apart, all in the same 4 banks. Chunk c of row r is stored at chunk c ^ f(r), f(
 8 chunks (the 8 rows' chunks land in 8 different 16-byte bank groups: all 32 banks), and for 2 or 4 chunks a row
 f(r) = (r // (8 / chunks)) % chunks, which spreads the 8 rows the same way. The copies' stores are spread alike.
 
-Paged caches: a thread walks its keys' (page, offset) pairs and reads the page table once a page its copies
-enter (`page_slot`), each copy a multiply-add from its page's first row, with the source's 32-bit offsets where
-the host narrowed them; the one division (the first key's page) happens once a thread. K and V must share the
-page table and the page size (the operators' sources do). Caches are unquantized float16 or bfloat16; a
-quantized cache stays on rung 5.
+Paged caches: the keys a warp copies in a tile (64 / warps) are spread over its lanes, one key a lane (two with
+one warp); each lane walks its key's (page, offset) a tile at a time and reads the page table once a tile, and
+each copy takes its row's slot from that lane by a shuffle (`_warp.from_lane`). A copy is then a shuffle, a
+multiply-add (the source's 32-bit offsets where the host narrowed them) and `cp_async16_at`, whose shared address
+is a 32-bit base plus an immediate; the divisions (the first keys' pages) happen once a thread. K and V must share
+the page table and the page size (the operators' sources do): one lookup serves both tiles. Caches are
+unquantized float16 or bfloat16; a quantized cache stays on rung 5.
 
 The simulator runs every piece through its twins (`_async_copy`, `_mma`), which check that no shared byte is read
 before the copy into it was waited for.
