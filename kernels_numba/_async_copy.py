@@ -9,6 +9,15 @@ numba-cuda has neither, so on a GPU these are `@intrinsic`s emitting inline PTX 
         cp.async.cg.shared.global [dst], [src], 16 (sm_80+): the 16 bytes from element src_index of the global
         1-D array src to element dst_index of the shared 1-D array dst, bypassing L1. Indices count elements; both
         addresses must be 16-byte aligned. PTX ISA, "Data Movement and Conversion Instructions: cp.async".
+    shared_base(array) -> uint32
+        the 32-bit shared-window address of a shared array's first element (cvta.to.shared), once a kernel.
+    cp_async16_at(dst, base, dst_index, src, src_index, full)
+        cp_async16 with the shared address formed in 32 bits, base + dst_index * itemsize (base from
+        shared_base(dst)), and the global one as one wide multiply-add of src_index (32 or 64 bits) onto src's
+        data pointer: a constant dst_index folds into the instruction's immediate, so a copy costs its source
+        offset's multiply-add and itself, where cp_async16's 64-bit generic pointers cost about 10 more. When
+        `full` is false the copy reads nothing and writes 16 zero bytes (the instruction's src-size operand 0,
+        which zero-fills the rest): a tile's rows past the last key without a branch around the copy.
     cp_async_commit()        cp.async.commit_group: this thread's copies since its last commit become one group.
     cp_async_wait(n)         cp.async.wait_group n: wait until at most the n most recent of this thread's
                              committed groups are still pending; n must be a compile-time constant.
@@ -247,12 +256,17 @@ if SIMULATED:
     def cp_async16(dst, dst_index, src, src_index):
         """Copy the 16 bytes at src[src_index] (global) to dst[dst_index] (shared, from async_target); here at
         once, recorded as pending until a cp_async_wait covers it."""
+        _copy16(dst, dst_index, src, src_index, True, "cp_async16")
+
+    def _copy16(dst, dst_index, src, src_index, full, function):
+        """cp_async16's twin; `full` false: 16 zero bytes, src neither read nor checked (the GPU reads none)."""
         if not isinstance(dst, _Target):
             raise TypeError("cp_async16: dst must be a shared array passed through async_target(...), so that the "
                             "simulator can check that no one reads it before the copy is waited for")
-        source = _ndarray(src, "cp_async16", "src")
-        _chunk_bytes(source, src_index, "cp_async16", "src", "src_index")
-        offset = _chunk_bytes(dst, dst_index, "cp_async16", "dst", "dst_index")
+        source = _ndarray(src, function, "src")
+        if full:
+            _chunk_bytes(source, src_index, function, "src", "src_index")
+        offset = _chunk_bytes(dst, dst_index, function, "dst", "dst_index")
         root = _root(dst)
         thread = threading.current_thread()
         with _LOCK:
@@ -266,9 +280,21 @@ if SIMULATED:
                 raise PendingCopyError(f"{_name(root)}: cp_async16 into bytes {offset}..{offset + 15} while an "
                                        f"earlier copy into them is still pending ({table[chunk].describe()})")
             copy = table[chunk] = _Copy(thread, root, chunk)
-        data = np.asarray(source[src_index:src_index + COPY_BYTES // source.itemsize]).view(np.uint8)
+        data = (np.asarray(source[src_index:src_index + COPY_BYTES // source.itemsize]).view(np.uint8) if full
+                else np.uint8(0))
         np.asarray(dst)[dst_index:dst_index + COPY_BYTES // dst.itemsize].view(np.uint8)[:] = data
         _thread_state(thread)["open"].append(copy)
+
+    @cuda.jit(device=True)
+    def shared_base(array):
+        """The shared address of array[0]: here 0 (cp_async16_at's twin addresses its array by index)."""
+        return np.uint32(0)
+
+    @cuda.jit(device=True)
+    def cp_async16_at(dst, base, dst_index, src, src_index, full):
+        """cp_async16 at dst[dst_index], or 16 zero bytes when not `full` (base, the GPU's shared address of dst, is
+        unused here)."""
+        _copy16(dst, dst_index, src, src_index, bool(full), "cp_async16_at")
 
     @cuda.jit(device=True)
     def cp_async_commit():
@@ -402,6 +428,45 @@ else:
             return _void(context, builder, text, "l,l,~{memory}", [shared, glob])
 
         return types.void(dst, dst_index, src, src_index), codegen
+
+    @intrinsic
+    def shared_base(typingctx, array):
+        """cvta.to.shared of array[0]'s generic address, as 32 bits. Pure (no side effect): the compiler keeps one."""
+        if not isinstance(array, types.Array):
+            return None
+
+        def codegen(context, builder, sig, args):
+            data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
+            fnty = ir.FunctionType(_WORD, [data.type])
+            text = "{ .reg .u64 a; cvta.to.shared.u64 a, $1; cvt.u32.u64 $0, a; }"
+            return builder.call(ir.InlineAsm(fnty, text, "=r,l"), [data])
+
+        return types.uint32(array), codegen
+
+    @intrinsic
+    def cp_async16_at(typingctx, dst, base, dst_index, src, src_index, full):
+        """cp.async.cg.shared.global [base + dst_index * size], [src + src_index * size], 16, full ? 16 : 0."""
+        if not (_is_vector(dst, dst_index) and _is_vector(src, src_index) and isinstance(base, types.Integer)
+                and isinstance(full, types.Boolean)):
+            return None
+        wide = src_index.bitwidth > 32
+        # a 32-bit index (a non-negative int32 or a uint32) widens inside the multiply-add: one IMAD.WIDE.U32
+        mad = "mad.lo.u64 g, $2, {size}, $1;" if wide else "mad.wide.u32 g, $2, {size}, $1;"
+        text = ("{ .reg .u64 g; " + mad.format(size=src.dtype.bitwidth // 8)
+                + " cvta.to.global.u64 g, g; cp.async.cg.shared.global [$0], [g], 16, $3; }")
+
+        def codegen(context, builder, sig, args):
+            word = lambda k: context.cast(builder, args[k], sig.args[k], types.uint32)   # noqa: E731
+            size = ir.Constant(_WORD, dst.dtype.bitwidth // 8)
+            shared = builder.add(word(1), builder.mul(word(2), size))              # 32 bits: no carry to form
+            data = context.make_array(sig.args[3])(context, builder, value=args[3]).data
+            index = args[4] if wide else word(4)
+            flag = context.cast(builder, args[5], sig.args[5], types.boolean)
+            source_bytes = builder.select(flag, ir.Constant(_WORD, 16), ir.Constant(_WORD, 0))
+            return _void(context, builder, text, "r,l," + ("l" if wide else "r") + ",r,~{memory}",
+                         [shared, data, index, source_bytes])
+
+        return types.void(dst, base, dst_index, src, src_index, full), codegen
 
     @intrinsic
     def cp_async_commit(typingctx):

@@ -8,8 +8,9 @@ one query head (64 at 4 warps), each warp its own 16 rows, and all warps share K
     1. Q as mma A fragments, once: head_dim / 16 k-steps x 4 registers of two 16-bit values a lane, read from
        global memory as the bits they are (float16 or bfloat16 alike), kept in registers for the whole loop;
     2. K and V tiles by `cp.async` 16-byte copies (`_async_copy`), each thread the same 16-byte column of rows
-       tid // chunks + n * threads / chunks; keys from `hi` on are zeros (plain stores), so P·V never multiplies
-       a zero by an unwritten value. The copies of one tile overlap the other's math, FlashAttention-2's order:
+       tid // chunks + n * threads / chunks; keys from `hi` on are zeros (the copy zero-fills them), so P·V never
+       multiplies a zero by an unwritten value. The copies of one tile overlap the other's math, FlashAttention-2's
+       order:
 
            wait K(j); barrier; issue V(j)    | S = Q K(j)ᵀ
            wait V(j); barrier; issue K(j+1)  | softmax, O += P V(j)
@@ -29,11 +30,13 @@ apart, all in the same 4 banks. Chunk c of row r is stored at chunk c ^ f(r), f(
 8 chunks (the 8 rows' chunks land in 8 different 16-byte bank groups: all 32 banks), and for 2 or 4 chunks a row
 f(r) = (r // (8 / chunks)) % chunks, which spreads the 8 rows the same way. The copies' stores are spread alike.
 
-Paged caches: a thread walks its keys' (page, offset) pairs and reads the page table once a page its copies
-enter (`page_slot`), each copy a multiply-add from its page's first row, with the source's 32-bit offsets where
-the host narrowed them; the one division (the first key's page) happens once a thread. K and V must share the
-page table and the page size (the operators' sources do). Caches are unquantized float16 or bfloat16; a
-quantized cache stays on rung 5.
+Paged caches: the keys a warp copies in a tile (64 / warps) are spread over its lanes, one key a lane (two with
+one warp); each lane walks its key's (page, offset) a tile at a time and reads the page table once a tile, and
+each copy takes its row's slot from that lane by a shuffle (`_warp.from_lane`). A copy is then a shuffle, a
+multiply-add (the source's 32-bit offsets where the host narrowed them) and `cp_async16_at`, whose shared address
+is a 32-bit base plus an immediate; the divisions (the first keys' pages) happen once a thread. K and V must share
+the page table and the page size (the operators' sources do): one lookup serves both tiles. Caches are
+unquantized float16 or bfloat16; a quantized cache stays on rung 5.
 
 The simulator runs every piece through its twins (`_async_copy`, `_mma`), which check that no shared byte is read
 before the copy into it was waited for.
@@ -49,15 +52,16 @@ from numba import cuda
 from ._async_copy import (
     SHARED_ALIGNMENT,
     async_target,
-    cp_async16,
+    cp_async16_at,
     cp_async_commit,
     cp_async_wait,
     ldmatrix_x4_at,
     ldmatrix_x4_trans_at,
     scratch_shape,
+    shared_base,
 )
 from ._attention_core import SHARED_BYTES
-from ._cache import as_index, as_offset, page_slot, page_walk, slot_rows
+from ._cache import as_offset, page_walk, slot_rows
 from ._mma import (
     MMA_K,
     MMA_M,
@@ -70,7 +74,7 @@ from ._mma import (
     quad_sum2,
     scratch_shapes,
 )
-from ._warp import WARP_SIZE
+from ._warp import SIMULATED, WARP_SIZE, from_lane, publish
 
 CHUNK = 8                       # 16-bit elements in a 16-byte copy
 DTYPES = ("float16", "bfloat16")
@@ -91,7 +95,8 @@ def key_tile(head_dim: int) -> int:
 def shared_bytes(head_dim: int, warps: int) -> int:
     """Shared memory of one block: a K and a V tile of 16-bit values, and the simulator's scratch."""
     mma, quad = scratch_shapes(warps)
-    scratch = 4 * (math.prod(mma) + math.prod(quad) + math.prod(scratch_shape(warps)))
+    slots = (warps, WARP_SIZE, 2) if SIMULATED else (1, 1, 1)          # the kernel's SLOT_SCRATCH, int64
+    scratch = 4 * (math.prod(mma) + math.prod(quad) + math.prod(scratch_shape(warps))) + 8 * math.prod(slots)
     return 2 * key_tile(head_dim) * head_dim * 2 + scratch
 
 
@@ -148,6 +153,11 @@ def make_flash_attention_kernel(score, key_range, *, head_dim: int, group: int, 
     SHIFT = (8 // SW).bit_length() - 1       # rows sharing one permutation: 8 / SW
     STRIDE = THREADS // CHUNKS               # rows apart of a thread's copies
     PASSES = KT // STRIDE                    # rows a thread copies a tile
+    KW = WARP_SIZE // CHUNKS                 # keys a warp copies a pass (its key0s)
+    WARP_KEYS = PASSES * KW                  # keys of a tile a warp copies: 64 / warps
+    LOOKUPS = -(-WARP_KEYS // WARP_SIZE)     # page-table lookups a lane makes a tile: 1, 2 with one warp
+    PER_LOOKUP = min(WARP_KEYS, WARP_SIZE) // KW   # passes whose slots one lookup of the warp's lanes holds
+    SLOT_SCRATCH = (warps, WARP_SIZE, 2) if SIMULATED else (1, 1, 1)   # from_lane's twin
     BF16 = dtype == "bfloat16"
     mma = mma_m16n8k16_bf16 if BF16 else mma_m16n8k16
     pack = pack_bf162 if BF16 else pack_half2
@@ -163,50 +173,61 @@ def make_flash_attention_kernel(score, key_range, *, head_dim: int, group: int, 
         """Word index of chunk `chunk` of tile row `row` (the XOR swizzle of the module docstring)."""
         return row * ROW_WORDS + (chunk ^ ((row >> SHIFT) & (SW - 1))) * 4
 
+    @cuda.jit(device=True, inline="always")
+    def lane_key(lane, warp, h):
+        """The key (from a tile's first) of this lane's lookup h: lookup i = lane + 32 h of the warp's keys holds the
+        row of pass i // KW of the threads whose key0 is warp * KW + i % KW (copies_from reads it there)."""
+        i = (lane + WARP_SIZE * h) % WARP_KEYS
+        return warp * KW + i % KW + (i // KW) * STRIDE
+
+    @cuda.jit(device=True, inline="always")
+    def lane_slot(src, b, page, offset):
+        """The cache slot at (page, offset) of sequence b (`_cache.page_slot`: clamped to the last page), the page
+        index unsigned 32-bit: one compare and one wide multiply-add for the table's entry."""
+        last = np.uint32(src.starts.shape[1] - 1)
+        return as_offset(src.starts[np.uint32(b), min(np.uint32(page), last)] + offset, src.s_t)
+
     def copies_from(n):
         """A device function that issues this thread's copies n .. PASSES - 1 of a tile: row key0 + n * STRIDE,
-        chunk c, at (page, offset) of the page table, page_row its page's first row; zeros for keys from hi on
-        (room: the thread's rows before key hi). One function a copy, each calling the next (as `scores_from`), so
-        that n is a constant in each: its row's place in the tile and its test against room fold into immediates,
-        where a loop over n kept 64-bit counters and addresses (about 47 instructions a copy, 20 here)."""
+        chunk c, its cache slot read from the lane that looked it up (`lane_key`, `from_lane`: a shuffle), so a
+        copy is a shuffle, a multiply-add and the copy, and the page table is read once a lane a tile, not once
+        a copy; zeros for keys from hi on (room: the thread's rows before key hi). One function a copy, each
+        calling the next (as `scores_from`), so that n is a constant in each: its row's place in the tile, its
+        lane and its test against room fold into immediates."""
         if n == PASSES:
             @cuda.jit(device=True, inline="always")
-            def done(src, tile_s, page, offset, page_row, b, g, first, room, key0, c):
+            def done(src, tile_s, tile_at, slot0, slot1, row_c, first, room, key0, c, kofs, slot_s, warp):
                 return
             return done
         rest = copies_from(n + 1)
+        h = n // PER_LOOKUP                       # the lookup, and the lane's place in it, holding this row
+        lane0 = (n - h * PER_LOOKUP) * KW
 
         @cuda.jit(device=True, inline="always")
-        def copy(src, tile_s, page, offset, page_row, b, g, first, room, key0, c):
+        def copy(src, tile_s, tile_at, slot0, slot1, row_c, first, room, key0, c, kofs, slot_s, warp):
             # rows STRIDE apart share the swizzle when STRIDE is a multiple of 8: a constant step in the tile
             at = first + np.uint32(n * STRIDE * ROW_WORDS) if STRIDE % 8 == 0 else np.uint32(
                 place(key0 + n * STRIDE, c))
-            if n * STRIDE < room:
-                row = as_offset(page_row + offset * src.s_t + c * CHUNK, src.s_t)
-                cp_async16(tile_s, at, src.data, as_index(row))
-            else:
-                for w in range(4):
-                    tile_s[at + np.uint32(w)] = np.uint32(0)
-            if n + 1 < PASSES:
-                offset = as_offset(offset + STRIDE, offset)
-                if offset >= src.page:           # the next page (pages shorter than STRIDE: the loop walks them)
-                    while offset >= src.page:
-                        offset = as_offset(offset - src.page, offset)
-                        page = as_offset(page + 1, page)
-                    page_row, _ = slot_rows(src, b, page_slot(src, b, page, 0), g)
-            rest(src, tile_s, page, offset, page_row, b, g, first, room, key0, c)
+            slot = from_lane(slot0 if h == 0 else slot1, slot_s, warp, lane0 + kofs, h)
+            # rows from key hi on: zeros, by the copy itself (it reads nothing), not a branch and stores
+            row = as_offset(slot * src.s_t + row_c, src.s_t)
+            cp_async16_at(tile_s, tile_at, at, src.data, row, n * STRIDE < room)
+            rest(src, tile_s, tile_at, slot0, slot1, row_c, first, room, key0, c, kofs, slot_s, warp)
         return copy
 
     copies = copies_from(0)
 
     @cuda.jit(device=True, inline="always")
-    def issue(src, tile_s, page, offset, b, g, t_tile, hi, key0, c):
-        """This thread's copies of one tile (`copies_from`), the first at (page, offset) of the page table. The
-        page's first row is looked up once a page (`slot_rows` of its slot 0) and each copy adds its offset in the
-        page: a multiply-add a copy, the table read only where the walk enters the next page."""
-        page_row, _ = slot_rows(src, b, page_slot(src, b, page, 0), g)
-        room = as_offset(hi - t_tile - key0, offset)
-        copies(src, tile_s, page, offset, page_row, b, g, np.uint32(place(key0, c)), room, key0, c)
+    def issue(src, tile_s, tile_at, slot0, slot1, b, g, t_tile, hi, key0, c, slot_s, warp, lane):
+        """This thread's copies of one tile (`copies_from`), the rows' slots those of the lanes' lookups slot0 and
+        slot1 (`lane_key`) of this tile. K and V share the page table: one lookup serves both tiles."""
+        publish(slot0, slot_s, warp, lane, 0)
+        if LOOKUPS > 1:
+            publish(slot1, slot_s, warp, lane, 1)
+        row_c = as_offset(slot_rows(src, b, 0, g)[0] + c * CHUNK, src.s_t)     # slot 0's row: loop-invariant
+        room = as_offset(hi - t_tile - key0, row_c)
+        copies(src, tile_s, tile_at, slot0, slot1, row_c, np.uint32(place(key0, c)), room, key0, c,
+               (lane // CHUNKS) % KW, slot_s, warp)
 
     def scores_from(nt):
         """A device function that scores C tiles nt .. S_TILES - 1 of S in place and returns the rows' maxima
@@ -258,6 +279,8 @@ def make_flash_attention_kernel(score, key_range, *, head_dim: int, group: int, 
         ldm_scratch = cuda.shared.array(LDM_SCRATCH, np.int32)
         k_s = async_target(cuda.shared.array(TILE_WORDS, np.uint32, alignment=ALIGN))
         v_s = async_target(cuda.shared.array(TILE_WORDS, np.uint32, alignment=ALIGN))
+        k_at, v_at = shared_base(k_s), shared_base(v_s)   # 32-bit shared addresses: each copy adds a constant
+        slot_s = cuda.shared.array(SLOT_SCRATCH, np.int64)  # simulator paths only
 
         # This lane's rows grp and grp + 8 of the warp's 16 (scalars, as every per-row value below: an array
         # indexed by a row the compiler cannot unroll would live in local memory).
@@ -290,21 +313,31 @@ def make_flash_attention_kernel(score, key_range, *, head_dim: int, group: int, 
         first = lo - lo % KT
         tiles = (hi - first + KT - 1) // KT if hi > lo else 0
 
-        # 2. this thread's copy column and first row; the (page, offset) of that row's key in the first tile,
-        #    walked a tile at a time (tile_page, tile_off) and a pass at a time within a tile (pages, offsets)
+        # 2. this thread's copy column and first row; this lane's lookups (`lane_key`): the (page, offset) of
+        #    their keys in the first tile, walked a tile at a time, and their slots (a key from hi on takes the
+        #    first key's slot: its copy reads nothing, but its address stays in the cache)
         c, key0 = tid % CHUNKS, tid // CHUNKS
-        t = as_offset(first + key0, k_src.s_t)       # the source's offset type: a 32-bit division, once
-        tile_page = t // k_src.page
-        tile_off = as_offset(t - tile_page * k_src.page, k_src.s_t)
+        key_a, key_b = lane_key(lane, warp, 0), lane_key(lane, warp, LOOKUPS - 1)
+        t = as_offset(first, k_src.s_t)              # the source's offset type: 32-bit divisions, once
+        page_a = as_offset(t // k_src.page, k_src.s_t)
+        safe = lane_slot(k_src, b, page_a, as_offset(t - page_a * k_src.page, k_src.s_t))
+        t = as_offset(first + key_a, k_src.s_t)
+        page_a = as_offset(t // k_src.page, k_src.s_t)
+        off_a = as_offset(t - page_a * k_src.page, k_src.s_t)
+        t = as_offset(first + key_b, k_src.s_t)
+        page_b = as_offset(t // k_src.page, k_src.s_t)
+        off_b = as_offset(t - page_b * k_src.page, k_src.s_t)
+        slot_a = lane_slot(k_src, b, page_a, off_a) if first + key_a < hi else safe
+        slot_b = lane_slot(k_src, b, page_b, off_b) if first + key_b < hi else safe
         if tiles > 0:
-            issue(k_src, k_s, tile_page, tile_off, b, g, first, hi, key0, c)
+            issue(k_src, k_s, k_at, slot_a, slot_b, b, g, first, hi, key0, c, slot_s, warp, lane)
         cp_async_commit()
 
         for j in range(tiles):
             t_tile = first + j * KT
             cp_async_wait(0)                         # K(j) has landed (this thread's copies) ...
             cuda.syncthreads()                       # ... every thread's, and every warp is done with V(j - 1)
-            issue(v_src, v_s, tile_page, tile_off, b, g, t_tile, hi, key0, c)
+            issue(v_src, v_s, v_at, slot_a, slot_b, b, g, t_tile, hi, key0, c, slot_s, warp, lane)
             cp_async_commit()
 
             # 3. S = Q K(j)ᵀ: ldmatrix.x4 at tile rows n0 + lane % 8 + 8 * (lane // 16), chunk 2 ks + lane // 8 % 2
@@ -330,8 +363,12 @@ def make_flash_attention_kernel(score, key_range, *, head_dim: int, group: int, 
             cp_async_wait(0)                         # V(j) has landed ...
             cuda.syncthreads()                       # ... for every thread, and every warp is done with K(j)
             if j + 1 < tiles:                        # K(j + 1) loads during the softmax and P·V
-                tile_page, tile_off = page_walk(tile_page, tile_off, KT, k_src.page)
-                issue(k_src, k_s, tile_page, tile_off, b, g, t_tile + KT, hi, key0, c)
+                page_a, off_a = page_walk(page_a, off_a, KT, k_src.page)
+                slot_a = lane_slot(k_src, b, page_a, off_a) if t_tile + KT + key_a < hi else safe
+                if LOOKUPS > 1:
+                    page_b, off_b = page_walk(page_b, off_b, KT, k_src.page)
+                    slot_b = lane_slot(k_src, b, page_b, off_b) if t_tile + KT + key_b < hi else safe
+                issue(k_src, k_s, k_at, slot_a, slot_b, b, g, t_tile + KT, hi, key0, c, slot_s, warp, lane)
             cp_async_commit()
 
             # 4. scores; element e of C tile nt is row grp + 8 * (e // 2), key t_tile + 8 nt + 2 quad + e % 2

@@ -6,8 +6,9 @@ and every lane of a group ends with the same bits (each step combines the same t
 (1, 32) is the whole warp (`warp_sum`), (1, w) a group of w consecutive lanes (rung 3: the lanes that share one
 key row), (w, 32) the lanes at the same place of every group (rung 3: merging the keys a warp walked at once).
 `transpose_sum` sums many values over a group so that each lane ends with a different one (rung 3's logits of
-a tile of keys), `lane_values` reads other lanes' values (`shfl_sync`) and `warp_any` tells every lane whether
-any lane's condition holds (`vote.any`: a branch on it is taken by the whole warp or by none).
+a tile of keys), `lane_values` and `from_lane` (after `publish`) read other lanes' values (`shfl_sync`) and
+`warp_any` tells every lane whether any lane's condition holds (`vote.any`: a branch on it is taken by the whole
+warp or by none).
 numba's CUDA simulator has no shuffles, so there the same device functions go through a per-warp row of
 shared memory between two block barriers (`xor_reduce_many`: one pair for several values, as the simulator's
 cost is its barriers); their callers therefore call them the same number of times in
@@ -106,6 +107,19 @@ if SIMULATED:
             out[k] = scratch[warp, first + k * stride, 0]
 
     @cuda.jit(device=True)
+    def publish(x, scratch, warp, lane, k):
+        """Offer x to `from_lane` as this lane's value k (scratch: shared (warps, 32, > k)); every later
+        from_lane(..., k) of this warp until the next publish reads it."""
+        cuda.syncthreads()                       # the previous publish's readers are done
+        scratch[warp, lane, k] = x
+        cuda.syncthreads()
+
+    @cuda.jit(device=True)
+    def from_lane(x, scratch, warp, source, k):
+        """Value k that lane `source` of this warp published."""
+        return scratch[warp, source, k]
+
+    @cuda.jit(device=True)
     def warp_any(pred, scratch, warp, lane):
         """Whether `pred` holds in any lane of this warp, in every lane (scratch: shared (warps, 32, >= 1))."""
         cuda.syncthreads()
@@ -137,6 +151,16 @@ else:
         """out[k] = x of lane first + k * stride of this warp, k < count (scratch unused on a GPU)."""
         for k in range(count):
             out[k] = cuda.shfl_sync(FULL_MASK, x, first + k * stride)
+
+    @cuda.jit(device=True, inline="always")
+    def publish(x, scratch, warp, lane, k):
+        """Nothing on a GPU: from_lane shuffles x itself."""
+        return
+
+    @cuda.jit(device=True, inline="always")
+    def from_lane(x, scratch, warp, source, k):
+        """x of lane `source` of this warp: one shfl.sync (scratch unused on a GPU)."""
+        return cuda.shfl_sync(FULL_MASK, x, source)
 
     @cuda.jit(device=True, inline="always")
     def warp_any(pred, scratch, warp, lane):

@@ -312,3 +312,70 @@ def test_cp_async_and_ldmatrix_compile_to_ldgsts_depbar_and_ldsm():
         assert count(ops, "LDGDEPBAR") == 3, (cc, ops)
         assert count(ops, "DEPBAR") == 2, (cc, ops)
         assert count(ops, "LDSM.16.M88") == 1 and count(ops, "LDSM.16.MT88") == 1, (cc, ops)
+
+
+@cuda.jit
+def copy_at_kernel(src, out, case):
+    t = cuda.threadIdx.x
+    tile = ac.async_target(cuda.shared.array(64, np.float16, alignment=ALIGN))
+    base = ac.shared_base(tile)
+    for k in range(8):
+        tile[8 * t + k] = np.float16(-1.0)      # poison: the zero-filled chunk must overwrite it
+    cuda.syncthreads()
+    # thread t: chunk t from src (full), chunk t + 2 zero-filled from an index past src's end (never read)
+    ac.cp_async16_at(tile, base, 8 * t, src, 8 * t, True)
+    ac.cp_async16_at(tile, base, 16 + 8 * t, src, src.shape[0] + 8, False)
+    if case == 0:                                  # the zero fill is a pending copy like any other
+        ac.cp_async_commit()
+        out[t] = tile[16 + 8 * t]
+    ac.cp_async_wait_all()
+    cuda.syncthreads()
+    for k in range(32):
+        out[k] = tile[k]
+
+
+@simulator_only
+def test_cp_async16_at_copies_or_zero_fills_and_is_waited_for():
+    """cp_async16_at(..., full) copies 16 bytes, or with full false writes 16 zero bytes without reading its source
+    (an index past the end is never checked, as the GPU reads nothing); both are pending until waited for."""
+    src = RNG.standard_normal(16).astype(np.float16)
+    out = np.full(32, np.nan, np.float16)
+    copy_at_kernel[1, 2](src, out, 1)
+    assert np.array_equal(out[:16].view(np.uint16), src.view(np.uint16))
+    assert np.array_equal(out[16:], np.zeros(16, np.float16))
+    with pytest.raises(ac.PendingCopyError, match=r"'tile'.*element 1[68] .*read.*still pending"):
+        copy_at_kernel[1, 2](src, np.zeros(32, np.float16), 0)
+
+
+COMPILE_AT = """
+import numpy as np
+from kernels_numba import _async_copy as ac
+
+ALIGN = ac.SHARED_ALIGNMENT
+
+
+def kernel(src, out, n):
+    lane = cuda.threadIdx.x
+    tile = ac.async_target(cuda.shared.array(1024, np.float16, alignment=ALIGN))
+    base = ac.shared_base(tile)
+    for k in range(4):                  # constant distances from one 32-bit base: immediates of one register
+        ac.cp_async16_at(tile, base, 256 * k + 8 * lane, src, np.uint32(n * lane + 8 * k), 8 * k < n)
+    ac.cp_async_wait_all()
+    cuda.syncthreads()
+    out[lane] = tile[8 * lane]
+
+
+def build(cc):
+    return kernel, (types.float16[::1], types.float16[::1], types.int32)
+"""
+
+
+def test_cp_async16_at_compiles_to_ldgsts_from_one_shared_base():
+    """For sm_80 and sm_90: four cp.async with a src-size operand (the zero fill), one shared address converted
+    once (cvta.to.shared), four LDGSTS .128."""
+    for cc, result in compile_kernels(COMPILE_AT).items():
+        ptx, ops = result["ptx"], result["opcodes"]
+        assert ptx.count("cp.async.cg.shared.global") == 4 and ptx.count("], 16, %r") == 4, cc
+        assert ptx.count("cvta.to.shared") == 1, cc
+        ldgsts = {op: n for op, n in ops.items() if op.startswith("LDGSTS")}
+        assert sum(ldgsts.values()) == 4 and all(op.endswith(".128") for op in ldgsts), (cc, ldgsts)

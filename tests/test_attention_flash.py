@@ -90,6 +90,15 @@ def test_flash_prefill_conforms(dtype, is_causal, head_dim):
 
 
 @deep_only
+def test_flash_prefill_four_warps_share_their_page_lookups():
+    """The lab's block of four warps: each warp copies 16 keys a tile, looked up by 16 of its lanes (the other 16
+    repeat them) and shuffled to the copying lanes; pages of 8 keys, so every lane's key changes page each tile."""
+    out, ref = run_flash("float16", seqlens=(7,), kvlens=(70,), num_heads=2, num_kv_heads=1, head_dim=64, page=8,
+                         is_causal=True, warps=4, seed=11)
+    assert_close("attn_output", out.astype(np.float64), ref, np.float16)
+
+
+@deep_only
 def test_flash_prefill_rows_across_warps_and_blocks():
     """More rows than a block holds (three blocks of one warp's 16 rows), pages smaller than a thread's copy stride
     (16 rows apart), so a walk crosses several pages."""
