@@ -45,7 +45,7 @@ def build(head_dim, heads_per_block, q_tile, group, warps):
         key_of_warp, c = lane // LANES, lane % LANES     # this lane's group in the warp, its chunk in the row
         first_lane = key_of_warp * LANES
 
-        scratch = cuda.shared.array((WARPS, WARP_SIZE, E + 1), np.float32)    # the simulator's shuffles only
+        scratch = cuda.shared.array((WARPS, WARP_SIZE, max(E + 1, LANES)), np.float32)  # simulator shuffles only
         warp_max = cuda.shared.array((WARPS, ROWS), np.float32)
         warp_l = cuda.shared.array((WARPS, ROWS), np.float32)
         warp_out = cuda.shared.array((WARPS, ROWS, D), np.float32)
