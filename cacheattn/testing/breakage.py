@@ -454,7 +454,7 @@ PPL_ATTENTION = [   # MultiHeadAttention's arguments, shared with MultiHeadCache
 ]
 
 PPL_LAUNCH = [      # the kernels' own keywords (not the document's), checked on both backends
-    broken("rung", "6", sets(rung=6)),
+    broken("rung", "7", sets(rung=7)),
     broken("threads", "0", sets(threads=0)),
     broken("num_splits", "with rung 3", sets(num_splits=2, rung=3)),        # alone, num_splits asks for rung 4
     broken("num_splits", "0", sets(num_splits=0)),
