@@ -34,6 +34,7 @@ The twins of `kernels_numba._async_copy` count as the instructions they stand fo
     cp_async16       (LDGSTS.128) a 16-byte global load a lane (requests, sectors, DRAM bytes as LDG.128's) and a
                      16-byte shared store a lane (wavefronts and bank conflicts as STS.128's: a quarter-warp at a
                      time), both one instruction: `Recording.async_copies["cp_async_requests"]` says how many;
+                     cp_async16_at alike, but a zero-fill copy (src-size 0) reads no global byte;
     ldmatrix_x4*     (LDSM.x4, .trans alike) a 16-byte shared load a lane at the row address the lane supplies:
                      lanes 8j .. 8j + 7 give the 8 rows of matrix j, which one wavefront serves when their 16-byte
                      chunks fall in 8 distinct groups of 4 banks (address / 16 mod 8); rows that share a group
@@ -488,6 +489,10 @@ class Recording:
             out = call(twin, *raw)                        # the twin checks alignment and bounds first
             dst, dst_index, src, src_index = args
             reads, writes = [(src, src_index)], [(dst, dst_index)]
+        elif kind == "copy_at":                           # a zero-fill copy (full false) reads no global byte
+            out = call(twin, *raw)
+            dst, _, dst_index, src, src_index, full = args
+            reads, writes = [(src, src_index)] if full else [], [(dst, dst_index)]
         else:                                             # ldmatrix: one 16-byte row a lane; _at adds an offset
             out = call(twin, *raw)
             row = args[1] + args[2] if kind == "ldmatrix_at" else args[1]
@@ -792,11 +797,12 @@ def _emulating_codes():
 
 def _async_twins():
     """{id(device function): kind} of `_async_copy`'s simulator twins the recorder counts as instructions
-    (`Recording._async_call`): async_target (its view stays tracked), cp_async16, the ldmatrix_x4 family."""
+    (`Recording._async_call`): async_target (its view stays tracked), cp_async16 (and its _at form), the
+    ldmatrix_x4 family."""
     from kernels_numba import _async_copy as ac
     if not ac.SIMULATED:
         return {}
-    kinds = {"async_target": "target", "cp_async16": "copy", "ldmatrix_x4": "ldmatrix",
+    kinds = {"async_target": "target", "cp_async16": "copy", "cp_async16_at": "copy_at", "ldmatrix_x4": "ldmatrix",
              "ldmatrix_x4_trans": "ldmatrix", "ldmatrix_x4_at": "ldmatrix_at", "ldmatrix_x4_trans_at": "ldmatrix_at"}
     return {id(getattr(ac, name)): kind for name, kind in kinds.items()}
 

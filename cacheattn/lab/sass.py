@@ -839,14 +839,7 @@ def analyse(variant: Variant, ptxas_text: str, sass_text: str, threads: int) -> 
         once = outside_path(instructions, span)
     except (ValueError, StopIteration) as exc:
         raise ValueError(f"{variant.key}: the SASS paths could not be read ({exc})") from exc
-    case = bench_case(variant)
-    heads = (NUM_HEADS, NUM_KV_HEADS) if case is None else (case.num_heads, case.num_kv_heads)
-    return dict(rung=variant.rung, cache=variant.cache, phase=variant.phase, kernel=variant.kernel,
-                operator=variant.operator, head_dim=variant.head_dim, num_heads=heads[0], num_kv_heads=heads[1],
-                threads=threads, **resources, shared_dynamic=0,         # numba's kernels declare static arrays only
-                spill_bytes=resources["spill_stores"],                 # bytes a thread spills (and reloads)
-                occupancy=occupancy(resources["registers"], resources["shared"], 0, threads),
-                instructions=len(instructions), loops=len(loops(instructions)),
+    return dict(_described(variant, resources, instructions, threads),
                 key_loop=dict(first=body[0][0], last=body[-1][0], inner_loops=len(inner), walk_loops=len(walks),
                               inner_trips=[dict(t, first=instructions[t["first"]][0], last=instructions[t["last"]][0])
                                            for t in trips],
@@ -872,14 +865,20 @@ def analyse_other(variant: Variant, resources: dict, instructions, threads: int)
         path = whole_path(instructions)
     except (ValueError, StopIteration) as exc:
         raise ValueError(f"{variant.key}: the SASS path could not be read ({exc})") from exc
+    return dict(_described(variant, resources, instructions, threads), once_per_warp=path_mix(instructions, path))
+
+
+def _described(variant: Variant, resources: dict, instructions, threads: int) -> dict:
+    """What every variant's figures begin with: what it is (rung, cache, phase, kernel, operator, heads), its
+    resources as ptxas reports them, its occupancy and the size of its SASS."""
     case = bench_case(variant)
     heads = (NUM_HEADS, NUM_KV_HEADS) if case is None else (case.num_heads, case.num_kv_heads)
     return dict(rung=variant.rung, cache=variant.cache, phase=variant.phase, kernel=variant.kernel,
                 operator=variant.operator, head_dim=variant.head_dim, num_heads=heads[0], num_kv_heads=heads[1],
-                threads=threads, **resources, shared_dynamic=0, spill_bytes=resources["spill_stores"],
+                threads=threads, **resources, shared_dynamic=0,         # numba's kernels declare static arrays only
+                spill_bytes=resources["spill_stores"],                 # bytes a thread spills (and reloads)
                 occupancy=occupancy(resources["registers"], resources["shared"], 0, threads),
-                instructions=len(instructions), loops=len(loops(instructions)),
-                once_per_warp=path_mix(instructions, path))
+                instructions=len(instructions), loops=len(loops(instructions)))
 
 
 # ------------------------------------------------------------------------------------------------------------ cache
