@@ -153,8 +153,10 @@ def plans(quick: bool = False) -> list[Plan]:
     for case in ALL_LAB_CASES:
         counted = cut_down(case)
         if case.new_tokens > 1:
-            flash = type(case) is BenchCase and case.quant_bit == 0
-            out.append(Plan(case, counted, PREFILL_POINTS, rungs=case.rungs + ((FLASH_RUNG,) if flash else ()),
+            # Rung 6 is counted at whole 64-row query tiles (FLASH_POINTS): below one, every point is one tile.
+            flash = FLASH_RUNG in case.rungs or (type(case) is BenchCase and case.quant_bit == 0)
+            rungs = case.rungs + ((FLASH_RUNG,) if flash and FLASH_RUNG not in case.rungs else ())
+            out.append(Plan(case, counted, PREFILL_POINTS, rungs=rungs,
                             split_points=((FLASH_RUNG, FLASH_POINTS),) if flash else ()))
             continue
         if 1 in case.rungs and case.splits(1) > 1:
