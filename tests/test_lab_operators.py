@@ -64,7 +64,7 @@ def test_the_trtllm_context_floor_is_qkv_once_the_cache_store_and_o():
     assert TRT_CONTEXT.must_move == dict(qkv=tokens * 48 * 128 * 2, store=2 * tokens * 8 * 256, kv=0,
                                          o=tokens * 32 * 128 * 2)
     assert TRT_CONTEXT.flops == 4 * 128 * 32 * tokens * (tokens + 1) // 2
-    assert (TRT_CONTEXT.kvlen, TRT_CONTEXT.rungs) == (4096, (1, 5))
+    assert (TRT_CONTEXT.kvlen, TRT_CONTEXT.rungs) == (4096, (1, 5, 6))
 
 
 def test_every_case_gets_a_plan_and_its_default_call():
@@ -94,10 +94,11 @@ def test_every_case_gets_a_plan_and_its_default_call():
     assert (default["rung"], default["num_splits"], default["counted as"]) == (6, 1, "6")
     assert "FlashAttention-2" in default["reason"]
     assert plans[FT_CROSS.label].grid_scale == 64 * 16 / 2
-    # OpenPPL's default is cacheattn.choose_kernel's choice, recorded beside the rungs.
+    # OpenPPL's default is cacheattn.choose_kernel's choice among the rungs OpenPPL offers, recorded beside them.
     from cacheattn import choose_kernel as kernel_plan
+    from cacheattn.ppl import RUNGS
     for case in LAB_CASES:
-        chosen = kernel_plan(case.shape(), sms=132)
+        chosen = kernel_plan(case.shape(), sms=132, rungs=RUNGS)
         default = counters.default_call(plans[case.label])
         assert (default["rung"], default["num_splits"], default["reason"]) == \
                (chosen.rung, chosen.num_splits, chosen.reason)

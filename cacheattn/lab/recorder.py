@@ -507,7 +507,7 @@ class Recording:
                     offset = tracked._base + int(index) * tracked._ary.strides[0]
                     self._record(tracked, where, offset, 16, write, index, False, frame)
         counts = _thread_counts(thread)
-        name = "cp_async_requests" if kind == "copy" else "ldmatrix_requests"
+        name = "cp_async_requests" if kind in ("copy", "copy_at") else "ldmatrix_requests"
         k = counts[(name, where[0])] = counts.get((name, where[0]), 0) + 1
         self._launch["async_requests"].add((name, thread.thread_id >> 5, where[0], k))
         return out
