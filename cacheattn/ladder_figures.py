@@ -2,7 +2,8 @@
 
 Each picture reads the constants and layout functions of the kernel it shows: rung 1's tile plan, the warp
 size and butterfly of `_warp`, the chunk sizes and lane groups of rungs 3 and 4, the mma fragment layouts of
-`_mma`, the stage's store permutation of `_attention_mma` and rung 6's swizzle, so a change in a kernel changes its picture.
+`_mma`, the stage's store permutation of `_attention_mma` and rung 6's swizzle, so a change in a kernel changes
+its picture.
 The shapes are the first bench case's (`cacheattn.lab.cases.LAB_CASES`: 32 query heads over 8 kv heads,
 head_dim 128). Cells carry `data-*` attributes (lane, bank, element), so the tests read a picture back.
 The kernels are imported inside the functions: numba reads the simulator flag on its first import.

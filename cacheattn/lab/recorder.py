@@ -790,7 +790,8 @@ def _emulating_codes():
     scratch is not memory on a GPU, and their barriers are not barriers there."""
     from kernels_numba import _async_copy, _mma, _warp
     twins = [_warp.xor_reduce, _warp.xor_reduce_many, _warp.transpose_sum, _warp.lane_values, _warp.warp_any,
-             _warp.publish, _warp.from_lane, getattr(_mma, "_warp_mma", None), _mma._quad_values, getattr(_async_copy, "_ldmatrix", None)]
+             _warp.publish, _warp.from_lane, getattr(_mma, "_warp_mma", None), _mma._quad_values,
+             getattr(_async_copy, "_ldmatrix", None)]
     # A twin missing from this build (no simulator: the intrinsics stand in) is None; a jitted one has its py_func.
     return [getattr(twin, "py_func", twin).__code__ for twin in twins if twin is not None]
 
