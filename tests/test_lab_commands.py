@@ -5,6 +5,7 @@ import json
 import os
 
 import pytest
+from strategies import deep_only
 from test_tables import check_table
 
 from cacheattn.__main__ import main
@@ -16,6 +17,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") != "1",
 LONG = int(os.environ.get("CACHEATTN_EXAMPLES", "1")) >= 2
 
 
+@deep_only   # the deep tier runs `python -m cacheattn lab --sanitize --full` instead, a superset
 def test_sanitize_every_kernel_family_finds_nothing(capsys, monkeypatch):
     from cacheattn import _console
     from cacheattn.lab.sanitize import calls, sanitize
