@@ -5,11 +5,12 @@ import json
 import os
 
 import pytest
-from strategies import deep_only
 from test_tables import check_table
 
 from cacheattn.__main__ import main
 from cacheattn.lab.recorder import CONFLICTS_LD, DRAM_READ
+
+from strategies import deep_only
 
 pytestmark = pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") != "1",
                                 reason="the lab counts in numba's CUDA simulator")
