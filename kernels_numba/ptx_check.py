@@ -143,8 +143,12 @@ def _onnx_launches(full: bool):
                                num_splits=splits)
         marker = f" {VECTOR_LOAD}" if "4-D" not in what else ""
         fast = ("vector_attention_kernel", "mma_attention_kernel")
+
+        # Rung 4's attention writes float32 partials (and copies present's bits): its combine rounds to bfloat16.
+        rounding = {name: _bits_marker(dtype) if rung != 4 or name == "combine_kernel" else ""
+                    for name in fast + ("combine_kernel",)}
         out += [(f"onnx rung {rung} {what} {np.dtype(dtype).name}" + (marker if kernel.py_func.__name__ in fast
-                 else "") + _bits_marker(dtype), kernel, args) for kernel, args in launches
+                 else "") + rounding[kernel.py_func.__name__], kernel, args) for kernel, args in launches
                 if kernel.py_func.__name__ in fast + ("combine_kernel",)]
     # Rung 6 (the FlashAttention-2 prefill over present): a 4-D causal GQA prefill at head size 16 with a float
     # mask and softcap, float16 and bfloat16 (the mask and the mma on its bits). A rung-6 compile takes half a
