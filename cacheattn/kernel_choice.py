@@ -52,6 +52,7 @@ from functools import cache, lru_cache, partial
 
 import numpy as np
 
+from ._sass_work import SASS_WORK
 from ._validate import check_int
 
 LADDER = (1, 2, 3, 4, 5)       # every rung of the kernel ladder (docs/kernel-ladder.md)
@@ -464,21 +465,11 @@ def _splits(shape, blocks, step, sms):
 
 
 # What one warp of a rung's kernel issues and waits on, read from the committed sm_90 SASS at head_dim 128 and 128
-# threads (docs/kernel-ladder-sass.json, which tests/test_kernel_choice.py holds these to): (rung, phase, quant_bit)
-# -> (instructions of a key-loop trip on its shortest path, instructions a warp runs once, MUFU.EX2 a trip,
-# LDS/STS/SHFL a trip, HBM round trips a trip waits on in series, short ones, blocks an SM holds). Rung 4 is rung 3
-# writing partials; rung 5's decode is its register-fed kernel; rung 6 is the FlashAttention-2 prefill, whose trip
-# is a 64-key tile of its 4 warps, its 16 cp.async copies and a lane's one page-table read included.
-SASS_WORK = {
-    (3, "decode", 0): (517, 1246, 2, 29, 1, 5, 4), (3, "decode", 8): (868, 1969, 2, 21, 2, 2, 2),
-    (3, "decode", 4): (863, 1968, 2, 21, 0, 6, 2), (4, "decode", 0): (526, 1318, 2, 29, 1, 5, 3),
-    (4, "decode", 8): (868, 2080, 2, 21, 1, 5, 2), (4, "decode", 4): (863, 2081, 2, 21, 0, 6, 2),
-    (5, "decode", 0): (290, 1502, 5, 6, 2, 1, 3), (5, "decode", 8): (510, 1813, 5, 8, 3, 1, 3),
-    (5, "decode", 4): (470, 1754, 5, 6, 1, 2, 3), (3, "prefill", 0): (725, 1793, 2, 41, 1, 5, 2),
-    (4, "prefill", 0): (729, 1928, 2, 41, 1, 5, 2),
-    (5, "prefill", 0): (1730, 3623, 10, 84, 4, 28, 2), (5, "prefill", 8): (1961, 3598, 10, 92, 3, 27, 2),
-    (5, "prefill", 4): (2607, 2182, 10, 148, 3, 27, 2), (6, "prefill", 0): (1271, 2661, 34, 23, 2, 1, 2),
-}
+# threads (`cacheattn.lab.sass.plan_work` writes the table from docs/kernel-ladder-sass.json): (rung, phase,
+# quant_bit) -> (instructions of a key-loop trip on its shortest path, instructions a warp runs once, MUFU.EX2 a
+# trip, LDS/STS/SHFL a trip, HBM round trips a trip waits on in series, short ones, blocks an SM holds). Rung 4 is
+# rung 3 writing partials; rung 5's decode is its register-fed kernel; rung 6 is the FlashAttention-2 prefill, whose
+# trip is a 64-key tile of its 4 warps, its 16 cp.async copies and a lane's one page-table read included.
 SASS_SHAPE = (128, 128)        # (head_dim, threads) the table was read at
 
 
@@ -547,21 +538,28 @@ _SASS_TERMS = {"issue", "MUFU", "LSU", "latency", "waves"}
 
 
 def _better(a, b) -> bool:
-    """Whether bounds `a` beat `b`: a lower bound, or the same bound and lower terms after it. A term read from
-    machine code that one candidate lacks (no SASS of its kernel at this shape) is left out of both, so a kernel
-    is never preferred for what the model does not know of it."""
-    unknown = (_SASS_TERMS & (set(a.resources) | set(b.resources))) - (set(a.resources) & set(b.resources))
+    """Whether bounds `a` beat `b`: a lower bound, or the same bound and lower terms after it. Each bound is the
+    largest of all its own terms, the binding one included. Where terms read from machine code are known for one
+    candidate only (no SASS of the other's kernel at this shape), the one that lacks them may be bound higher than
+    its figure says: it wins only on a strictly lower bound, the other on a bound no higher, and the terms after
+    the bound do not decide. So a kernel is never preferred for what the model does not know of it."""
+    a_lacks = bool(_SASS_TERMS & (set(b.resources) - set(a.resources)))
+    b_lacks = bool(_SASS_TERMS & (set(a.resources) - set(b.resources)))
+    if a_lacks:
+        return a.bound_us < b.bound_us
+    if b_lacks:
+        return a.bound_us <= b.bound_us
 
     def terms(x):
-        return sorted((fig.value for name, fig in x.resources.items() if name not in unknown), reverse=True)
-    # Where a term is unknown for one, only a strictly lower bound on the known terms decides.
-    return terms(a)[0] < terms(b)[0] if unknown else terms(a) < terms(b)
+        return sorted((fig.value for fig in x.resources.values()), reverse=True)
+    return terms(a) < terms(b)
 
 
 def _no_worse(a, b) -> bool:
     """Whether the faster rung's bounds `a` are at most `b`'s: rung 5 takes a tie with rung 3 (two calls held by the
-    same term, as tiny calls are by their launch), unless a term is unknown for one of them (`_better` then)."""
-    if (_SASS_TERMS & (set(a.resources) | set(b.resources))) - (set(a.resources) & set(b.resources)):
+    same term, as tiny calls are by their launch), unless a machine-code term is known for one of them only
+    (`_better` then)."""
+    if _SASS_TERMS & (set(a.resources) ^ set(b.resources)):
         return _better(a, b)
     return a.bound_us <= b.bound_us
 

@@ -1005,6 +1005,38 @@ def committed(path=COMMITTED) -> dict:
     return data
 
 
+PLAN_TABLE = ROOT / "cacheattn" / "_sass_work.py"
+PLAN_RUNGS = (3, 4, 5, 6)      # the rungs the plan weighs by their machine code (rung 1 is its fallback)
+_PLAN_KEY = re.compile(r"rung(\d)-(float16|int8|int4)-(decode|prefill)")
+_PLAN_BITS = {"float16": 0, "int8": 8, "int4": 4}
+
+
+def plan_work(variants: dict) -> dict:
+    """What the plan (`cacheattn.kernel_choice`) reads of the committed SASS: for OpenPPL's launch of each rung it
+    weighs, at head_dim 128 and 128 threads, (rung, phase, quant_bit) -> (instructions of a key-loop trip, a
+    warp's once, MUFU.EX2 a trip, LDS + STS + SHFL a trip, HBM round trips in series, short ones, blocks an SM)."""
+    table = {}
+    for key, v in variants.items():
+        match = _PLAN_KEY.fullmatch(key)
+        if match is None or int(match[1]) not in PLAN_RUNGS:
+            continue
+        trip, chain = v["key_loop"]["trip"], v["key_loop"]["chain"]
+        table[(int(match[1]), match[3], _PLAN_BITS[match[2]])] = (
+            trip["total"], v["once_per_warp"]["total"], trip["EX2"], trip["SHFL"] + trip["LDS"] + trip["STS"],
+            chain["hbm"], chain["near"], v["occupancy"]["blocks_per_sm"])
+    return table
+
+
+def write_plan_table(variants: dict, path=PLAN_TABLE) -> None:
+    """Write `plan_work`'s table as the Python module the plan imports (no JSON read at plan time, and none
+    needed where the package is installed without the docs)."""
+    rows = "".join(f"    {key!r}: {value!r},\n" for key, value in sorted(plan_work(variants).items()))
+    Path(path).write_text(
+        '"""The committed sm_90 SASS figures the kernel plan weighs (`cacheattn.lab.sass.plan_work`), written by\n'
+        '`python -m cacheattn.lab.sass --write docs/kernel-ladder-sass.json`: do not edit by hand."""\n\n'
+        f"SASS_WORK = {{\n{rows}}}\n")
+
+
 def show_loop(result: dict) -> str:
     """One variant's key loop for a reader: where it is, its static mix, then its excerpt."""
     mix = result["key_loop"]["mix"]
@@ -1061,6 +1093,8 @@ def main(argv=None) -> int:
         target.write_text(json.dumps(dict(tools=tool_versions(), target="sm_90", shapes=dict(
             num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, quant_group=QUANT_GROUP,
             threads=THREADS, prefill_rows=PREFILL_ROWS), variants=results), indent=1) + "\n")
+        if target.resolve() == COMMITTED.resolve():
+            write_plan_table(results)
     return 0
 
 

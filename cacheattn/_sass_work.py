@@ -1,0 +1,20 @@
+"""The committed sm_90 SASS figures the kernel plan weighs (`cacheattn.lab.sass.plan_work`), written by
+`python -m cacheattn.lab.sass --write docs/kernel-ladder-sass.json`: do not edit by hand."""
+
+SASS_WORK = {
+    (3, 'decode', 0): (517, 1246, 2, 29, 1, 5, 4),
+    (3, 'decode', 4): (863, 1968, 2, 21, 0, 6, 2),
+    (3, 'decode', 8): (868, 1969, 2, 21, 2, 2, 2),
+    (3, 'prefill', 0): (725, 1793, 2, 41, 1, 5, 2),
+    (4, 'decode', 0): (526, 1318, 2, 29, 1, 5, 3),
+    (4, 'decode', 4): (863, 2081, 2, 21, 0, 6, 2),
+    (4, 'decode', 8): (868, 2080, 2, 21, 1, 5, 2),
+    (4, 'prefill', 0): (729, 1928, 2, 41, 1, 5, 2),
+    (5, 'decode', 0): (290, 1502, 5, 6, 2, 1, 3),
+    (5, 'decode', 4): (470, 1754, 5, 6, 1, 2, 3),
+    (5, 'decode', 8): (510, 1813, 5, 8, 3, 1, 3),
+    (5, 'prefill', 0): (1730, 3623, 10, 84, 4, 28, 2),
+    (5, 'prefill', 4): (2607, 2182, 10, 148, 3, 27, 2),
+    (5, 'prefill', 8): (1961, 3598, 10, 92, 3, 27, 2),
+    (6, 'prefill', 0): (1271, 2661, 34, 23, 2, 1, 2),
+}
