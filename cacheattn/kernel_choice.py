@@ -55,11 +55,10 @@ import numpy as np
 from ._sass_work import SASS_WORK
 from ._validate import check_int
 
-LADDER = (1, 2, 3, 4, 5)       # every rung of the kernel ladder (docs/kernel-ladder.md)
 # Rung 6, the FlashAttention-2 prefill (kernels_numba/_attention_flash.py): offered by the operators that launch it
-# (OpenPPL's), in their `rungs`.
+# (OpenPPL's, ONNX's, TensorRT-LLM's context step), in their `rungs`.
 FLASH_RUNG = 6
-ALL_RUNGS = LADDER + (FLASH_RUNG,)
+LADDER = (1, 2, 3, 4, 5, FLASH_RUNG)   # every rung of the kernel ladder (docs/kernel-ladder.md)
 DEFAULT_THREADS = 128          # the block size every rung was counted at (docs/kernel-ladder.md)
 MMA_FLOPS = 16 * 8 * 16 * 2    # one mma.m16n8k16
 MMA_ROWS = 16                  # query rows of one mma tile; rung 5 pads a block's rows to it
@@ -247,7 +246,7 @@ def choose_kernel(shape: AttentionShape, *, rung: int | None = None, num_splits:
     shape : AttentionShape
         What the call is.
     rung : int or None, default None
-        None: the plan's choice. 1 to 5: that rung (the ladder's teaching override); ValueError naming
+        None: the plan's choice. 1 to 6: that rung (the ladder's teaching override); ValueError naming
         `head_dim` or `threads` when it cannot serve the call, as the kernels would raise.
     num_splits : int or None, default None
         Rung 4's split count, or that of rung 5's decode kernel with `rung` 5; given without `rung`, it asks for
@@ -257,7 +256,7 @@ def choose_kernel(shape: AttentionShape, *, rung: int | None = None, num_splits:
         them).
     sms : int or None, default None
         The GPU's multiprocessors; None reads the current device (132, an H100 SXM, without one).
-    rungs : tuple of int, default (1, 2, 3, 4, 5)
+    rungs : tuple of int, default (1, 2, 3, 4, 5, 6)
         The rungs the operator's kernels offer: the plan chooses among them (FasterTransformer's cross attention
         offers (1, 3, 4), so rung 5 is never its choice), and a `rung` outside them is refused.
     register_decode : bool, default True
@@ -300,8 +299,8 @@ def choose_kernel(shape: AttentionShape, *, rung: int | None = None, num_splits:
         from kernels_numba._split_k import sm_count
         sms = sm_count()
     rungs = tuple(sorted(set(rungs)))
-    if not rungs or not set(rungs) <= set(ALL_RUNGS) or 1 not in rungs:
-        raise ValueError(f"rungs: expected rungs of the ladder {ALL_RUNGS} including rung 1 (every call's fallback), "
+    if not rungs or not set(rungs) <= set(LADDER) or 1 not in rungs:
+        raise ValueError(f"rungs: expected rungs of the ladder {LADDER} including rung 1 (every call's fallback), "
                          f"got {rungs}")
     if rung is not None and rung not in rungs:
         raise ValueError(f"rung: this operator's kernels offer rungs {rungs}, got {rung!r}")

@@ -46,10 +46,11 @@ def test_the_bench_cases_get_the_rungs_the_lab_counts_at_their_bound(case):
     """Decode at B = 64 fills the 132 SMs with 512 blocks (every cache format): the grid of rung 3, which then
     gives way to rung 5's register-fed decode kernel (the same bytes, a fraction of the instructions); B = 1 at
     32k splits the decode kernel's keys as rung 4's would be (33 splits, the lab's count); the float16 prefill
-    goes to the tensor cores."""
+    goes to rung 6's FlashAttention-2 tiles, or rung 5's tensor cores where the operator does not offer rung 6."""
     chosen = choose_kernel(bench_shape(case), sms=132)
     if case.new_tokens > 1:
-        assert chosen.rung == 5 and "tensor cores" in chosen.reason
+        assert chosen.rung == 6 and "FlashAttention-2" in chosen.reason
+        assert choose_kernel(bench_shape(case), sms=132, rungs=(1, 2, 3, 4, 5)).rung == 5
     elif case.batch == 64:
         assert (chosen.rung, chosen.num_splits) == (5, 1) and "512 blocks fill 132 SMs; memory-bound" in chosen.reason
         assert "rung 5's decode kernel" in chosen.reason
@@ -61,6 +62,9 @@ def test_the_bench_cases_get_the_rungs_the_lab_counts_at_their_bound(case):
         staged = choose_kernel(bench_shape(case), sms=132, register_decode=False)
         assert (staged.rung, staged.num_splits) == (4, 33)
     assert chosen.threads == 128
+
+
+WITHOUT_FLASH = (1, 2, 3, 4, 5)     # an operator that does not offer rung 6
 
 
 def shape(**changes):
@@ -79,8 +83,10 @@ def test_fallbacks_say_why():
     chosen = choose_kernel(shape(query_dtype="float32"), sms=132)
     assert chosen.rung == 3 and chosen.reason.endswith("no tensor cores: rung 5 takes a float16 query, got float32")
     assert "compute-bound" in chosen.reason
-    # Float16, it goes to rung 5; at a head_dim whose tiles need fewer warps, with fewer warps.
-    assert choose_kernel(shape(), sms=132).rung == 5
+    # Float16, it goes to rung 6's FlashAttention-2 tiles (rung 5's tensor cores without it); at a head_dim rung 6
+    # does not take and whose rung-5 tiles need fewer warps, to rung 5 with fewer warps.
+    assert choose_kernel(shape(), sms=132).rung == 6
+    assert choose_kernel(shape(), sms=132, rungs=WITHOUT_FLASH).rung == 5
     wide = choose_kernel(shape(head_dim=320), sms=132)
     assert (wide.rung, wide.threads) == (5, 64) and "head_dim 320 does not fit 128" in wide.reason
 
@@ -160,8 +166,11 @@ def test_the_prefill_reason_is_its_honest_bound():
     """The 4k prefill on rung 5 is held by issue (its key loop's shortest path on every trip), not by shared
     memory: over a millisecond, not 332 µs."""
     prefill = LAB_CASES[4]
-    chosen = choose_kernel(bench_shape(prefill), sms=132)
+    chosen = choose_kernel(bench_shape(prefill), sms=132, rungs=WITHOUT_FLASH)
     assert chosen.rung == 5 and "compute-bound, ≥ 1,9" in chosen.reason and "(bound: issue;" in chosen.reason
+    # rung 6, the default, is held by issue too, at a fifth of it
+    flash = choose_kernel(bench_shape(prefill), sms=132)
+    assert flash.rung == 6 and "compute-bound, ≥ 379.0 µs (bound: issue;" in flash.reason
 
 
 def test_the_plan_is_cached_per_shape():
@@ -177,7 +186,7 @@ def test_an_operator_offering_fewer_rungs_gets_its_best_of_them():
     tensor cores takes its CUDA-core rung instead, and a long decode on one request still splits, on rung 4 (where
     all rungs are offered, rung 5's decode kernel splits it)."""
     offered = (1, 3, 4)
-    assert choose_kernel(shape(), sms=132).rung == 5
+    assert choose_kernel(shape(), sms=132).rung == 6
     chosen = choose_kernel(shape(), sms=132, rungs=offered)
     assert chosen.rung == 3 and "compute-bound" in chosen.reason
     long = shape(max_query_len=1, max_kv_len=32769, decode_sequences=1)
@@ -221,10 +230,13 @@ def test_every_call_rung_1_serves_is_served_by_a_rung_that_fits(batch, query_len
     except ValueError:
         return                                        # rung 1 cannot run it: nothing to keep
     chosen = choose_kernel(facts, threads=threads, sms=sms)
-    assert chosen.rung in (1, 3, 4, 5) and chosen.reason
+    assert chosen.rung in (1, 3, 4, 5, 6) and chosen.reason
     assert threads is None or chosen.threads == threads
     assert (chosen.num_splits > 1) == (chosen.rung == 4) and chosen.num_splits <= 64
-    assert chosen.rung != 5 or dtype == "float16"
+    assert chosen.rung < 5 or dtype == "float16"
+    if chosen.rung == 6:
+        assert query_len > 1 and quant_bit == 0 and head_dim <= 128
+        return
     chunk = chunk_elements(quant_bit, facts.cache_dtype, chosen.rung) if chosen.rung in (3, 4) else None
     block_plan(chosen.rung, facts.num_heads, kv_heads, query_len, head_dim, chosen.threads, chunk)
 
@@ -389,7 +401,7 @@ def test_what_the_operators_plan_is_a_valid_shape():
     assert AttentionShape(**{**FACTS, "max_query_len": 1, "max_kv_len": 0, "decode_sequences": 2,
                              "keys_apart": True}).decode_sequences == 2
     cross = AttentionShape(**{**FACTS, "max_query_len": 50, "keys_apart": True})
-    assert cross.keys_apart is True and choose_kernel(cross, sms=132).rung in (1, 3, 4, 5)
+    assert cross.keys_apart is True and choose_kernel(cross, sms=132).rung in (1, 3, 4, 5, 6)
     quantized = AttentionShape(**{**FACTS, "quant_bit": 4, "quant_group": 8, "query_dtype": np.float32,
                                   "cache_dtype": "float16"})
     assert quantized.cache_dtype == np.int8 and quantized.query_dtype == np.float32
@@ -517,7 +529,8 @@ def test_the_plan_asks_each_offered_rung_once_a_new_shape(monkeypatch):
     choose_kernel(decode, sms=132)
     choose_kernel(replace(decode, max_kv_len=decode.max_kv_len + 1), sms=132)
     assert sum(asked.values()) == 2
-    assert asks(shape(), 5) == {(3, "vector"): 1, (5, "staged"): 1}
+    assert asks(shape(), 6) == {(3, "vector"): 1, (5, "staged"): 1, (6, "flash"): 1}
+    assert asks(shape(), 5, rungs=WITHOUT_FLASH) == {(3, "vector"): 1, (5, "staged"): 1}
     assert asks(decode, 3, register_decode=False) == {(3, "vector"): 1, (5, "staged"): 1}
     assert asks(shape(), 3, rungs=(1, 3, 4)) == {(3, "vector"): 1}
     # The fallback: no rung of whole warps serves 48 threads, so rung 1 is asked too.
