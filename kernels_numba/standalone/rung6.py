@@ -16,8 +16,16 @@ from functools import cache
 import numpy as np
 from numba import cuda
 
-from .._async_copy import SHARED_ALIGNMENT, async_target, scratch_shape  # cp.async, ldmatrix: inline PTX on a GPU
-from .._async_copy import cp_async16, cp_async_commit, cp_async_wait, ldmatrix_x4_at, ldmatrix_x4_trans_at
+from .._async_copy import (  # cp.async, ldmatrix: inline PTX on a GPU
+    SHARED_ALIGNMENT,
+    async_target,
+    cp_async16,
+    cp_async_commit,
+    cp_async_wait,
+    ldmatrix_x4_at,
+    ldmatrix_x4_trans_at,
+    scratch_shape,
+)
 from .._mma import mma_m16n8k16, pack_half2, quad_max2, quad_sum2, scratch_shapes
 from .._warp import WARP_SIZE
 
