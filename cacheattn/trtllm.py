@@ -1430,13 +1430,13 @@ class GptAttentionPlan:
         if step is None:
             step = self._prepared[key] = launches.prepare_step(
                 like=qkv, window=window, num_sms=None, rounds_as=call.get("rounds_as"),
-                choose_context=_context_on_rung_6, **self._launch,
+                choose_context=context_on_rung_6, **self._launch,
                 **{k: v for k, v in call.items() if k not in LAYER_INPUTS and k != "rounds_as"})
         result = launches.run_layer(step, **{name: call[name] for name in LAYER_INPUTS})
         return launches.bfloat16_results(given, *result) if call is not given else result
 
 
-def _context_on_rung_6(*, threads, sms, **shape) -> tuple:
+def context_on_rung_6(*, threads, sms, **shape) -> tuple:
     """(rung 6 wins, why) for a step's context entries where rungs 5 and 6 both serve them: the bound model's
     choice (`cacheattn.choose_kernel`) for their shape, causal, among rungs 1, 5 and 6."""
     plan = choose_kernel(AttentionShape(**shape, causal=True), threads=threads, sms=sms, rungs=(1, 5, 6),

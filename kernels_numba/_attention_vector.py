@@ -331,7 +331,7 @@ def make_vector_attention_kernel(row_offsets, load_chunk, score, key_range, *, h
         last = max(hi - 1, 0)
         k_last, k_last_sc = row_offsets(k_src, b, last, g)
         v_last, v_last_sc = row_offsets(v_src, b, last, g)
-        for _step in range(steps):
+        for step in range(steps):
             # 2. where keys t0 .. t0 + TILE - 1 live
             for j in range(TILE):
                 k_rows[j, 0], k_rows[j, 1], v_rows[j, 0], v_rows[j, 1] = k_last, k_last_sc, v_last, v_last_sc

@@ -43,7 +43,7 @@ def _on_rung_6(case, **launch):
     assert "flash_attention_kernel" in names and "mma_attention_kernel" not in names, names
 
 
-def test_context_on_rung_6():
+def testcontext_on_rung_6():
     """The quick tier's one: 8 bfloat16 tokens of 2 heads sharing one kv head, causal, by default and asked for."""
     case = replace(FLASH, contexts=((0, 8),), num_heads=2, num_kv_heads=1)
     _on_rung_6(case)
@@ -53,7 +53,7 @@ def test_context_on_rung_6():
 
 @deep_only
 @pytest.mark.parametrize("name", list(CONTEXT))
-def test_context_on_rung_6_deep(name):
+def testcontext_on_rung_6_deep(name):
     case = CONTEXT[name]
     _on_rung_6(case, rung=6)
     kit.check_case("gpt_attention", kernels(32, rung=6), case)

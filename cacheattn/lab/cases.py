@@ -332,10 +332,18 @@ class TrtContextBenchCase:
 
     def default_plan(self, threads: int = 128) -> dict:
         """What `gpt_attention`'s default call runs for this context step: the operator's own decision
-        (`trtllm_context.context_rung`)."""
+        (`trtllm_context.context_rung`), rung 6 against rung 5 weighed by the bound model as the call weighs them
+        (`cacheattn.trtllm.context_on_rung_6`)."""
         from kernels_numba.trtllm_context import context_rung
+
+        from ..trtllm import context_on_rung_6
+
+        def flash_wins():
+            return context_on_rung_6(batch=self.batch, max_query_len=max(self.new_tokens, 2), max_kv_len=self.kvlen,
+                                     num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                                     head_dim=self.head_dim, query_dtype="float16", threads=threads, sms=SMS)
         rung, reason = context_rung(rung=None, rounds_as="float16", head_size=self.head_dim, threads=threads,
-                                    fused_generation=False, num_splits=None)
+                                    fused_generation=False, num_splits=None, flash_wins=flash_wins)
         return dict(rung=rung, num_splits=1, threads=threads, reason=reason)
 
     def call(self, rung: int, threads: int = 128, num_splits: int = 1):
