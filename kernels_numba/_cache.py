@@ -41,7 +41,7 @@ from ._dequant import (
 )
 from ._launch import OFFSET_PAGE, axis_strides, flat
 from ._numerics import keep_float32, round_to_float16, rounder
-from ._vector import SIMULATED, VECTOR_BYTES, float_from_bits, half_from_bits, load8, load16
+from ._vector import SIMULATED, VECTOR_BYTES, float_from_bits, half_from_bits, load8, load16, store16
 
 QMAX = {8: 127, 4: 7}
 OFFSET_LIMIT = 2 ** 31          # element offsets below this fit an int32
@@ -416,17 +416,35 @@ def _scale_loader(scales_read: int):
     return load_scale_words
 
 
-def make_store_kernel(quant_bit: int, quant_group: int, head_dim: int, input_dtype, round_scale, round_value):
+COPY_SPAN = 8      # cache elements a store thread copies where the cache is not quantized and not vector-aligned
+
+
+def store_items(quant_bit: int, quant_group: int, head_dim: int, itemsize: int, vector: bool) -> int:
+    """Threads of the store kernel per (token, head): one per quantization group, or for a plain copy one per
+    16-byte chunk (`vector`) or per COPY_SPAN elements, the last one partial where head_dim is not a multiple."""
+    if quant_bit:
+        return head_dim // quant_group
+    span = VECTOR_BYTES // itemsize if vector else COPY_SPAN
+    return -(-head_dim // span)
+
+
+def make_store_kernel(quant_bit: int, quant_group: int, head_dim: int, input_dtype, round_scale, round_value,
+                      vector: bool = False):
     """Kernel: quantize (or copy) current key/value and write them into their cache slots.
 
-    Grid (x: ceil(max_seqlen * H * groups / threads), y: batch); one thread per (token, head, group), so a
-    thread owns whole int4 bytes and writes its group's scale alone: no two threads touch one element.
+    Grid (x: ceil(max_seqlen * H * store_items / threads), y: batch). Quantized: one thread per (token, head,
+    group), so a thread owns whole int4 bytes and writes its group's scale alone: no two threads touch one element.
+    A plain copy (quant_bit 0, the cache in the input's dtype): one thread per 16-byte chunk of a row in one vector
+    load and one vector store (`vector`: the launcher found the rows of both sides 16-byte aligned), else per
+    COPY_SPAN elements.
     """
     round_in = rounder(input_dtype)
     row_offsets, _ = make_cache_access(quant_bit, quant_group, round_scale, round_value)
     qmax = QMAX.get(quant_bit, 1)
     min_scale = np.float32(np.dtype(input_dtype).type(MIN_SCALE))   # 1e-5 as the input dtype holds it
-    groups = head_dim // quant_group
+    items = store_items(quant_bit, quant_group, head_dim, np.dtype(input_dtype).itemsize, vector)
+    span = (VECTOR_BYTES // np.dtype(input_dtype).itemsize if vector else COPY_SPAN) if quant_bit == 0 \
+        else quant_group
 
     @cuda.jit(device=True, inline="always")
     def quantize_one(v, s):
@@ -435,19 +453,23 @@ def make_store_kernel(quant_bit: int, quant_group: int, head_dim: int, input_dty
         return np.int32(min(max(q, -qmax), qmax))
 
     @cuda.jit(device=True, inline="always")
-    def store_group(x, x_off, dst, b, t, h, grp):
+    def store_item(x, x_off, dst, b, t, h, item):
         data, scales = dst.data, dst.scales
         row, sc_row = row_offsets(dst, b, t, h)
-        d0 = grp * quant_group
+        d0 = item * span
         if quant_bit == 0:
-            for e in range(quant_group):
-                data[row + d0 + e] = x[x_off + e]
+            if vector:
+                w0, w1, w2, w3 = load16(x, x_off)
+                store16(data, row + d0, w0, w1, w2, w3)
+            else:
+                for e in range(min(span, head_dim - d0)):
+                    data[row + d0 + e] = x[x_off + e]
             return
         absmax = np.float32(0.0)
         for e in range(quant_group):
             absmax = max(absmax, abs(np.float32(x[x_off + e])))
         s = max(round_in(absmax / np.float32(qmax)), min_scale)            # computed in the input dtype
-        scales[sc_row + grp] = s
+        scales[sc_row + item] = s
         if quant_bit == 8:
             for e in range(quant_group):
                 data[row + d0 + e] = quantize_one(x[x_off + e], s)
@@ -459,13 +481,13 @@ def make_store_kernel(quant_bit: int, quant_group: int, head_dim: int, input_dty
     @cuda.jit
     # spec: ppl-kvc/store, ppl-mhca/quant-bit, ppl-mhca/quant-group
     def store_kernel(cur_key, cur_value, seqstarts, num_heads, start_pos, key_dst, value_dst):
-        b, i, h, grp = token_head_item(seqstarts, num_heads, groups)
+        b, i, h, item = token_head_item(seqstarts, num_heads, items)
         if i < 0:
             return
-        x_off = ((seqstarts[b] + i) * num_heads + h) * head_dim + grp * quant_group   # current_key (T, H, Dh)
+        x_off = ((seqstarts[b] + i) * num_heads + h) * head_dim + item * span   # current_key (T, H, Dh)
         t = start_pos[b] + i
-        store_group(cur_key, x_off, key_dst, b, t, h, grp)
-        store_group(cur_value, x_off, value_dst, b, t, h, grp)
+        store_item(cur_key, x_off, key_dst, b, t, h, item)
+        store_item(cur_value, x_off, value_dst, b, t, h, item)
 
     return store_kernel
 

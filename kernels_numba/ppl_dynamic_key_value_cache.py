@@ -13,15 +13,26 @@ from functools import cache
 
 import numpy as np
 
-from ._cache import cache_source, make_gather_kernel, make_store_kernel
+from ._cache import _address, cache_source, make_gather_kernel, make_store_kernel, store_items, vector_loads_ok
 from ._launch import OFFSET_PAGE, caller_stream, ceil_div, empty_like_kind, flat, launch
 from ._numerics import rounder
+from ._vector import VECTOR_BYTES
 
 
 @cache
-def _store_kernel(quant_bit, quant_group, head_dim, input_dtype, scale_dtype, value_dtype):
+def _store_kernel(quant_bit, quant_group, head_dim, input_dtype, scale_dtype, value_dtype, vector):
     return make_store_kernel(quant_bit, quant_group, head_dim, np.dtype(input_dtype),
-                             rounder(scale_dtype), rounder(value_dtype))
+                             rounder(scale_dtype), rounder(value_dtype), vector)
+
+
+def _vector_copy(current_key, current_value, key_dst, value_dst, quant_bit, head_dim) -> bool:
+    """Whether the store copies 16-byte chunks: a cache in the input's dtype (no quantization) whose rows, and
+    the current rows, all start 16-byte aligned (decided on the host, once per launch)."""
+    if quant_bit or key_dst.data.dtype != current_key.dtype:
+        return False
+    rows = (head_dim * current_key.dtype.itemsize) % VECTOR_BYTES == 0 and all(
+        _address(x) % VECTOR_BYTES == 0 for x in (current_key, current_value))
+    return rows and vector_loads_ok(key_dst, 0, head_dim) and vector_loads_ok(value_dst, 0, head_dim)
 
 
 @cache
@@ -46,9 +57,11 @@ def store_current(current_key, current_value, seqstarts, start_pos, max_seqlen, 
     """Launch the store kernel: current (T, H, Dh) tokens into their cache slots."""
     _, num_heads, head_dim = current_key.shape
     batch = seqstarts.shape[0] - 1
+    vector = _vector_copy(current_key, current_value, key_dst, value_dst, quant_bit, head_dim)
     kernel = _store_kernel(quant_bit, quant_group, head_dim, current_key.dtype.str, scale_dtype.str,
-                           current_key.dtype.str)
-    grid = (max(1, ceil_div(max_seqlen * num_heads * (head_dim // quant_group), threads)), batch)
+                           current_key.dtype.str, vector)
+    items = store_items(quant_bit, quant_group, head_dim, current_key.dtype.itemsize, vector)
+    grid = (max(1, ceil_div(max_seqlen * num_heads * items, threads)), batch)
     launch(kernel, grid, threads, stream, flat(current_key), flat(current_value), seqstarts, num_heads, start_pos,
                                   key_dst, value_dst)
 

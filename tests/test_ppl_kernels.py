@@ -81,6 +81,30 @@ def test_rung_3_vector_loads_unpack_every_format(device, quant_bit, case):
     kit.check_case("multi_head_cache_attention", impl, with_(case, head_dim=32, quant_bit=quant_bit))
 
 
+@pytest.mark.parametrize("head_dim", [12, 32])
+@settings(max_examples=max(1, KERNEL // 6))
+@given(case=ppl_cases(max_batch=2, quant_bits=(0,)))
+def test_the_store_copies_whole_rows(device, head_dim, case):
+    """An unquantized cache's store copies every row whole: in 16-byte chunks (one vector load and store a thread)
+    where both sides' rows are 16-byte aligned, else 8 elements a thread with the last span partial (float16 at
+    head_dim 12, no multiple of 8). The cache, untouched slots included, must be the reference's."""
+    from unittest import mock
+
+    from kernels_numba import ppl_dynamic_key_value_cache as store
+
+    built = []
+    original = store._store_kernel
+
+    def spy(*key):
+        built.append(key[-1])                    # its last argument: whether it copies 16-byte chunks
+        return original(*key)
+    with mock.patch.object(store, "_store_kernel", spy):
+        kit.check_case("multi_head_cache_attention", kernels(device, cacheattn.multi_head_cache_attention, 32),
+                       with_(case, head_dim=head_dim))
+    row_bytes = head_dim * np.dtype(case.dtype).itemsize
+    assert built and all(vector == (row_bytes % 16 == 0) for vector in built), (built, row_bytes)
+
+
 @pytest.mark.parametrize("num_splits,past_from", [(3, 4), (8, 0)])
 @settings(max_examples=max(1, KERNEL // 6))
 @given(case=ppl_cases(max_batch=2, max_seqlen=3, max_past=3))

@@ -62,7 +62,7 @@ def ppl_cases(draw, *, max_batch=3, max_seqlen=5, max_past=9, quant_bits=(0, 8, 
     seqlens = tuple(1 if b < decoding_batches else draw(st.integers(1, max_seqlen)) for b in range(batch))
     past = tuple(draw(st.integers(0, max_past)) for _ in range(batch))
     num_kv_heads = draw(st.sampled_from([1, 2]))
-    head_dim = draw(st.sampled_from([8, 16, 24]))
+    head_dim = draw(st.sampled_from([8, 12, 16, 24]))
     quant_bit = draw(st.sampled_from(quant_bits))
     groups_ok = [g for g in (2, 4, 8) if head_dim % g == 0] if quant_bit else [8]
     num_layer = draw(st.integers(1, 2))
@@ -97,7 +97,7 @@ def static_cases(draw, *, quant_bits=(0, 8, 4), dtypes=("float16", "float32"), l
     batch = draw(st.integers(1, 3))
     seqlen = draw(st.integers(1, 4))
     start_pos = draw(st.integers(0, 5))
-    head_dim = draw(st.sampled_from([8, 16, 24]))
+    head_dim = draw(st.sampled_from([8, 12, 16, 24]))
     quant_bit = draw(st.sampled_from(quant_bits))
     num_layer = draw(st.integers(1, 2))
     return StaticCase(batch=batch, max_batch=batch + draw(st.integers(0, 1)), seqlen=seqlen, start_pos=start_pos,
