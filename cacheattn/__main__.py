@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("--write", type=Path, help="also write the whole result as JSON to this file (the ladder page "
                      "reads docs/kernel-ladder-counts.json)")
     lab.add_argument("--rung", action="append", type=int, choices=range(1, 7),
-                     help="a rung to count (repeatable; default: all five)")
+                     help="a rung to count (repeatable; default: every rung the case offers)")
     lab.add_argument("--update", type=Path, metavar="JSON", help="put what this run counts in place of the same "
                      "cases and rungs in that written file, make its derivations again and write it back (after a "
                      "kernel change: recount the rungs it touched, keep the rest)")
