@@ -274,11 +274,28 @@ def packed_mask_bit(packed, first_tile, row, col, words_per_row):
     return (packed[word] >> (4 * (c // 8) + 2 * (within // 8) + c % 2)) & 1
 
 
-def make_trt_score(acc_t, bits: bool = False):
+# What a score can compile in beyond the causal limit (a run-time check): the attention window (and sinks), a custom
+# mask (dense or packed), softcap, ALiBi and a relative attention bias. A kernel built for a call compiles in only
+# those its arguments use (`score_features`), so no branch of an absent feature costs its instructions or loads.
+SCORE_FEATURES = frozenset({"window", "mask", "softcap", "alibi", "relative"})
+
+
+def score_features(args, longest_keys: int) -> frozenset:
+    """The features (SCORE_FEATURES) of a call's ScoreArgs `args` (host values): the window where some query can
+    see past it (a key range longer than the window), a mask, softcap, ALiBi, a relative bias where set."""
+    used = {"window": int(longest_keys) > int(args.window), "mask": int(args.mask_cols) > 0 or
+            int(args.packed_words) > 0, "softcap": float(args.softcap) > 0, "alibi": int(args.alibi_on) != 0,
+            "relative": int(args.relative) != 0}
+    return frozenset(name for name, on in used.items() if on)
+
+
+def make_trt_score(acc_t, bits: bool = False, features=SCORE_FEATURES):
     """(score, key_range) of the core: custom mask, causal / window / sinks visibility, softcap, then ALiBi or
     the relative attention bias (a regular (H, L, L) table or implicit T5 buckets) (ScoreArgs); bits: the bias
-    holds bfloat16 bits (qkv's dtype)."""
+    holds bfloat16 bits (qkv's dtype); features: those compiled in (the rest the call does not use)."""
     NEG_INF = acc_t(-math.inf)
+    WINDOW, MASK, SOFTCAP, ALIBI, RELATIVE = (name in features for name in
+                                              ("window", "mask", "softcap", "alibi", "relative"))
 
     @cuda.jit(device=True, inline="always")
     def bias_value(x):
@@ -289,24 +306,27 @@ def make_trt_score(acc_t, bits: bool = False):
         p = args.table[b, PAST] + i                     # query i sits at position past + i (bottom-right causal)
         if args.causal != 0 and j > p:
             return NEG_INF
-        dense = args.streaming != 0 and args.table[b, IS_CONTEXT] != 0   # StreamingLLM prefill: no window
-        if not dense and j <= p - (args.window - args.sinks) and j >= args.sinks:
-            return NEG_INF                              # out of the window and not a sink
-        if args.packed_words > 0 and args.table[b, IS_CONTEXT] != 0:
-            if packed_mask_bit(args.packed, args.table[b, MASK_TILE], i, j, args.packed_words) == 0:
-                return NEG_INF                          # the context entries' custom mask, packed
-        elif args.mask_cols > 0 and not args.mask[(args.table[b, TOKEN_START] + i) * args.mask_cols + j]:
-            return NEG_INF                              # custom mask: row = query token, True = attend
+        if WINDOW:
+            dense = args.streaming != 0 and args.table[b, IS_CONTEXT] != 0   # StreamingLLM prefill: no window
+            if not dense and j <= p - (args.window - args.sinks) and j >= args.sinks:
+                return NEG_INF                          # out of the window and not a sink
+        if MASK:
+            if args.packed_words > 0 and args.table[b, IS_CONTEXT] != 0:
+                if packed_mask_bit(args.packed, args.table[b, MASK_TILE], i, j, args.packed_words) == 0:
+                    return NEG_INF                      # the context entries' custom mask, packed
+            elif args.mask_cols > 0 and not args.mask[(args.table[b, TOKEN_START] + i) * args.mask_cols + j]:
+                return NEG_INF                          # custom mask: row = query token, True = attend
         s = qk
-        if args.softcap > 0:                            # after the scaling, before the bias
+        if SOFTCAP and args.softcap > 0:                # after the scaling, before the bias
             s = args.softcap * math.tanh(s / args.softcap)
-        if args.alibi_on != 0:
+        if ALIBI and args.alibi_on != 0:
             s = s + acc_t(args.alibi[h]) * acc_t(j - p)
-        if args.relative == 1:                          # regular: relative_attention_bias[h, p, j]
-            s = s + bias_value(args.bias[(h * args.bias_len + p) * args.bias_len + j])
-        elif args.relative == 2:                        # implicit: relative_attention_bias[h, bucket(j - p)]
-            bucket = t5_bucket(j - p, args.bias_len, args.max_distance, args.bidirectional)
-            s = s + bias_value(args.bias[h * args.bias_len + bucket])
+        if RELATIVE:
+            if args.relative == 1:                      # regular: relative_attention_bias[h, p, j]
+                s = s + bias_value(args.bias[(h * args.bias_len + p) * args.bias_len + j])
+            elif args.relative == 2:                    # implicit: relative_attention_bias[h, bucket(j - p)]
+                bucket = t5_bucket(j - p, args.bias_len, args.max_distance, args.bidirectional)
+                s = s + bias_value(args.bias[h * args.bias_len + bucket])
         return s
 
     @cuda.jit(device=True, inline="always")

@@ -38,7 +38,14 @@ from ._cache import _address, cache_source
 from ._launch import OFFSET_PAGE, ceil_div
 from ._numerics import rounder
 from ._vector import VECTOR_BYTES, half_from_bits, load16
-from .trtllm_common import chunk_elements, make_generation_chunk_load, make_trt_access, make_trt_score, vector_loads_ok
+from .trtllm_common import (
+    SCORE_FEATURES,
+    chunk_elements,
+    make_generation_chunk_load,
+    make_trt_access,
+    make_trt_score,
+    vector_loads_ok,
+)
 
 HALVES = VECTOR_BYTES // 2             # float16 values in one 16-byte load of the scratch
 
@@ -103,11 +110,11 @@ def context_rung(*, rung, rounds_as, head_size, threads, fused_generation, num_s
 
 
 @cache
-def flash_context_kernel(rounds_as, num_heads, num_kv_heads, head_size, threads):
+def flash_context_kernel(rounds_as, num_heads, num_kv_heads, head_size, threads, features=SCORE_FEATURES):
     """Rung 6's kernel for TensorRT-LLM's context entries: the scratch's rows as one page that never ends
     (`scratch_sources`), TensorRT-LLM's score and visible keys as rung 5's (the bias as bfloat16 bits for a
-    bfloat16 qkv)."""
-    score, key_range = make_trt_score(np.float32, rounds_as == "bfloat16")
+    bfloat16 qkv), with the score features the call uses (`score_features`) compiled in."""
+    score, key_range = make_trt_score(np.float32, rounds_as == "bfloat16", features)
     return make_flash_attention_kernel(score, key_range, head_dim=head_size, group=num_heads // num_kv_heads,
                                        warps=threads // 32, dtype=rounds_as)
 

@@ -103,6 +103,7 @@ from .trtllm_common import (
     make_new_token,
     make_trt_access,
     make_trt_score,
+    score_features,
 )
 from .trtllm_context import (
     context_grid,
@@ -768,7 +769,8 @@ def _plan_context(like, *, rung, rounds_as, acc_t, num_heads, num_kv_heads, head
         num_splits = 1
         mma_plan, grid = context_grid(H, Hkv, Dh, int(fused_new.max()), threads, E)
     return dict(tiles=tiles, num_splits=num_splits, grid=grid, fused_rung=fused_rung, fused_reason=fused_reason,
-                mma_plan=mma_plan, fp8_fmha=fp8_fmha, unfused=unfused, fused=bool(fused_new.any()),
+                context_keys=int(np.max(kvlens[:num_context], initial=0)), mma_plan=mma_plan, fp8_fmha=fp8_fmha,
+                unfused=unfused, fused=bool(fused_new.any()),
                 lens=(to_kind(like, fused_new), to_kind(like, kvlens)),
                 fused_starts=to_kind(like, np.concatenate([[0], np.cumsum(fused_new)]).astype(np.int64)))
 
@@ -905,7 +907,8 @@ def context_fmha(s: StepLaunch, qkv, out_geom, k_src, v_src, args, stream):
     scratch), or on rung 1's tiles with any generation entries the ladder does not take. Returns rung 1's
     multi-block partials (o, m, l) for `multi_block_combine`, or None when the launch wrote the output itself."""
     if s.fused_rung == 6:
-        kernel = flash_context_kernel(s.rounds_as, s.H, s.Hkv, s.Dh, s.threads)
+        kernel = flash_context_kernel(s.rounds_as, s.H, s.Hkv, s.Dh, s.threads,
+                                      score_features(args, s.context_keys))
         k_rows, v_rows = scratch_sources(s.k_scratch, s.v_scratch, s.q_geom[1], s.Hkv, s.Dh)
         q_bits = (s.q_geom[0].view(np.uint16), *s.q_geom[1:])
         out_bits = (out_geom[0].view(np.uint16), *out_geom[1:])

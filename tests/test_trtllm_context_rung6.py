@@ -43,7 +43,7 @@ def _on_rung_6(case, **launch):
     assert "flash_attention_kernel" in names and "mma_attention_kernel" not in names, names
 
 
-def testcontext_on_rung_6():
+def test_context_on_rung_6():
     """The quick tier's one: 8 bfloat16 tokens of 2 heads sharing one kv head, causal, by default and asked for."""
     case = replace(FLASH, contexts=((0, 8),), num_heads=2, num_kv_heads=1)
     _on_rung_6(case)
@@ -53,7 +53,7 @@ def testcontext_on_rung_6():
 
 @deep_only
 @pytest.mark.parametrize("name", list(CONTEXT))
-def testcontext_on_rung_6_deep(name):
+def test_context_on_rung_6_deep(name):
     case = CONTEXT[name]
     _on_rung_6(case, rung=6)
     kit.check_case("gpt_attention", kernels(32, rung=6), case)
@@ -112,3 +112,22 @@ def test_context_rung_reasons():
     assert context_rung(rung=6, rounds_as="float16", **common)[0] == 6
     with pytest.raises(ValueError, match="^rung: 6"):
         context_rung(rung=6, rounds_as="float32", **common)
+
+
+def test_the_score_compiles_in_only_the_features_a_call_uses():
+    """A context call's score is specialised (`score_features`): the window only where a key range is longer than
+    it, a custom mask (dense or packed), softcap, ALiBi and a relative bias only where set; the deep tier runs the
+    calls of each feature on rung 6 against the float64 evaluation."""
+    from types import SimpleNamespace
+
+    from kernels_numba.trtllm_common import SCORE_FEATURES, score_features
+
+    plain = SimpleNamespace(window=4096, mask_cols=0, packed_words=0, softcap=0.0, alibi_on=0, relative=0)
+    assert score_features(plain, 4096) == frozenset()
+    assert score_features(plain, 4097) == {"window"}
+    changes = [(dict(mask_cols=70), "mask"), (dict(packed_words=3), "mask"), (dict(softcap=30.0), "softcap"),
+               (dict(alibi_on=1), "alibi"), (dict(relative=2), "relative")]
+    for change, feature in changes:
+        assert score_features(SimpleNamespace(**{**vars(plain), **change}), 10) == {feature}
+    assert score_features(SimpleNamespace(window=1, mask_cols=1, packed_words=0, softcap=1.0, alibi_on=1, relative=1),
+                          2) == SCORE_FEATURES
