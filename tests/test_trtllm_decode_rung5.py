@@ -167,3 +167,15 @@ def test_drawn_calls_conform_with_rung_5(case, head_size):
     head size the decode kernel takes, rung 5 asked for: the generation requests it serves run on it."""
     case = replace(case, head_size=head_size, rotary_dim=min(case.rotary_dim, head_size))
     kit.check_case("gpt_attention", kernels(32, rung=5), case)
+
+
+def test_rung_5_asked_for_bfloat16():
+    """rung=5 with a bfloat16 qkv: a step of generation entries alone runs the decode kernel; a step with context
+    entries raises naming rung before any launch (rung 5's context kernel multiplies float16 only); a float32 qkv
+    is refused at once."""
+    assert "gqa_decode_attention_kernel" in launched(replace(DECODE, dtype="bfloat16"), threads=32, rung=5)
+    for case, why in ((replace(DECODE, dtype="bfloat16", contexts=((0, 5),)), "context phase"),
+                      (replace(DECODE, dtype="float32"), "float16 or bfloat16 qkv")):
+        with _launch.recorded_launches() as launches, pytest.raises(ValueError, match=f"^rung: 5 .*{why}"):
+            cacheattn.gpt_attention(**build_trt(case), backend="numba", threads=32, rung=5)
+        assert launches == []
