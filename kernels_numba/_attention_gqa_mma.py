@@ -237,8 +237,8 @@ def decode_shape_problem(*, query_dtype, max_seqlen: int, head_dim: int, num_hea
     if head_dim not in HEAD_DIMS:
         return f"head_dim {head_dim} is not one of {HEAD_DIMS}"
     if quant_bit and query == "bfloat16":
-        # the codes dequantize to float16 pairs, which the float16 mma takes and a bfloat16 query's cannot
-        return f"a quantized cache (quant_bit {quant_bit}) with a bfloat16 query"
+        return (f"a quantized cache (quant_bit {quant_bit}) with a bfloat16 query (the codes dequantize to float16 "
+                f"pairs, for the float16 mma)")
     if cache != ("int8" if quant_bit else query):
         return f"a {cache} cache of quant_bit {quant_bit} for a {query} query"
     if shared_bytes(head_dim, threads // WARP_SIZE, heads_per_block(num_heads, num_kv_heads)) > SHARED_BYTES:
