@@ -1426,7 +1426,7 @@ class GptAttentionPlan:
             call = launches.bfloat16_call(call)
         qkv = call["qkv"]
         window = int(call["host_max_attention_window_sizes"][0])
-        key = (type(qkv), dtype_of(qkv), tuple(qkv.shape), window)
+        key = (type(qkv), dtype_of(given["qkv"]), tuple(qkv.shape), window)     # bfloat16, not its bits' uint16
         step = self._prepared.get(key)
         if step is None:
             step = self._prepared[key] = launches.prepare_step(

@@ -179,3 +179,20 @@ def test_rung_5_asked_for_bfloat16():
         with _launch.recorded_launches() as launches, pytest.raises(ValueError, match=f"^rung: 5 .*{why}"):
             cacheattn.gpt_attention(**build_trt(case), backend="numba", threads=32, rung=5)
         assert launches == []
+
+
+def test_the_plan_says_rung_5_for_bfloat16_generation():
+    """A bfloat16 step's generation: the plan prints rung 5's decode kernel after a layer on the kernels (launches
+    recorded), and with an INT8 cache rung 3 and why."""
+    for case, expected in ((replace(DECODE, dtype="bfloat16"), "rung 5, 1 split: rung 5's decode kernel: the GQA "
+                                                               "group on tensor cores"),
+                           (replace(DECODE, dtype="bfloat16", quant=64), "rung 3, 1 split: vector loads: rung 5's "
+                                                                         "decode kernel does not serve it: a quantized "
+                                                                         "cache (quant_bit 8) with a bfloat16 query")):
+        args = build_trt(case)
+        plan = cacheattn.plan_gpt_attention(**{k: v for k, v in args.items() if k not in trtllm.LAYER_INPUTS},
+                                            multi_block_mode=False)
+        with _launch.recorded_launches():
+            plan.run(**{k: v for k, v in args.items() if k in trtllm.LAYER_INPUTS}, backend="numba")
+        (generation,) = repr(plan).splitlines()[1:]
+        assert generation.startswith("  generation (bfloat16 qkv") and expected in generation, generation
