@@ -398,8 +398,9 @@ def _rung4_launches(full: bool):
 
 
 
-# Rung 5 takes a float16 query only: decode on a float16 and on an int4 cache, prefill (row tiles, ALiBi) on an int8
-# one; --full adds the other pairs. Each compile takes several seconds (a large unrolled body), so three.
+# OpenPPL's rung 5 takes a float16 query only (the decode kernel's bfloat16 compile is the trtllm family's): decode
+# on a float16 and on an int4 cache, prefill (row tiles, ALiBi) on an int8 one; --full adds the other pairs. Each
+# compile takes several seconds (a large unrolled body), so three.
 RUNG5_REPRESENTATIVES = ((0, np.float16, 1, False), (8, np.float16, 3, True), (4, np.float16, 1, True))
 
 
