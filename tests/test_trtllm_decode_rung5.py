@@ -161,12 +161,14 @@ def test_misaligned_cache_takes_rung_3_per_layer():
 
 @pytest.mark.skipif(KERNEL < 12, reason="a longer hunt: CACHEATTN_EXAMPLES=2 or more")
 @settings(max_examples=KERNEL // 3)
-@given(case=trt_cases(dtypes=("float16",), beams=(1,)), head_size=st.sampled_from([32, 64]))
+@given(case=trt_cases(dtypes=("float16", "bfloat16"), beams=(1,)), head_size=st.sampled_from([32, 64]))
 def test_drawn_calls_conform_with_rung_5(case, head_size):
-    """The kit's drawn gpt_attention calls (in-flight batches, windows, masks, RoPE, ALiBi, biases, every cache) at a
-    head size the decode kernel takes, rung 5 asked for: the generation requests it serves run on it."""
+    """The kit's drawn gpt_attention calls (in-flight batches, windows, masks, RoPE, ALiBi, biases, every cache;
+    float16 and bfloat16) at a head size the decode kernel takes, rung 5 asked for (bfloat16: the plan's choice,
+    rung 5's context kernel being float16's): the generation requests it serves run on it."""
     case = replace(case, head_size=head_size, rotary_dim=min(case.rotary_dim, head_size))
-    kit.check_case("gpt_attention", kernels(32, rung=5), case)
+    launch = dict(rung=5) if case.dtype == "float16" else dict(multi_block_mode=False)
+    kit.check_case("gpt_attention", kernels(32, **launch), case)
 
 
 def test_rung_5_asked_for_bfloat16():
