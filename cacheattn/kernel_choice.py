@@ -18,9 +18,9 @@ on a tie with rung 3); a split, on a lower bound or lower terms after it:
   the GPU has SMs, rung 4 splits every block's keys so each SM gets about two (`kernels_numba._split_k.
   choose_splits`, TensorRT-LLM's multi-block mode), but only where the split's bound, partials and combine launch
   included, is lower than the unsplit one's;
-- **rung 5's decode kernel for a decode batch** (the GQA group on tensor cores fed from registers), split the same
-  way, where its bound is lower than rung 3/4's: the same bytes with a fraction of the instructions and a shorter
-  chain of waits;
+- **rung 5's decode kernel for a decode batch** (the GQA group on tensor cores fed from registers; a float16 query,
+  or a bfloat16 one on a bfloat16 cache), split the same way, where its bound is lower than rung 3/4's: the same
+  bytes with a fraction of the instructions and a shorter chain of waits;
 - **rung 5 when the tensor cores are faster**: a prefill with a float16 query. A candidate whose SASS terms are
   not known (a kernel not compiled at this shape) wins only on a strictly lower bound of the terms known for both;
 - **rung 6 over rung 5 for a prefill**, where the operator offers it (OpenPPL, ONNX: `rungs` with 6): the
@@ -87,7 +87,8 @@ class AttentionShape:
     head_dim : int
         Elements of one head's query, key and value.
     query_dtype : dtype-like
-        float16, bfloat16 (the kernels read its bits and compute in float32; rung 5 takes float16) or float32.
+        float16, bfloat16 (the kernels read its bits and compute in float32; rung 5 takes float16, its decode
+        kernel bfloat16 too, with a bfloat16 cache) or float32.
     cache_dtype : dtype-like or None
         How keys and values are stored: float16, bfloat16, float32, or int8 for quantized caches (int4 packs two
         values in a byte); None means `query_dtype`.
@@ -355,24 +356,26 @@ def _plan(shape, rung, num_splits, threads, sms, rungs=LADDER, register_decode=T
 
 def _forced(shape, rung, num_splits, threads, sms, why, register_decode=True):
     """The rung asked for, checked as its launcher will check it (its kernel's answer: whole warps, rung 5's float16
-    query, a head_dim that fits), with rung 4's split count (and that of rung 5's decode kernel, which splits as
-    rung 4 does)."""
+    query or its decode kernel's bfloat16 one, a head_dim that fits), with rung 4's split count (and that of rung
+    5's decode kernel, which splits as rung 4 does)."""
     from kernels_numba._split_k import MAX_SPLITS
 
     check_int("rung", rung, low=1, high=FLASH_RUNG)
     if num_splits is not None:
         check_int("num_splits", num_splits, low=1, high=MAX_SPLITS)
     fit = _ask(shape, FORCED[rung], threads)
-    if not fit.fits:
-        raise ValueError(fit.why_not)
+    # A decode batch asked onto rung 5 runs its decode kernel where it serves, which takes what the staged one
+    # refuses (a bfloat16 query)
     if rung == 5 and register_decode and shape.decode_sequences == shape.batch:
         decode = _ask(shape, DECODE, threads)
         if decode.fits:
             splits = num_splits or _splits(shape, decode.blocks, decode.keys_per_step, sms)
             return KernelPlan(5, splits, threads, why if splits == 1 else f"{why}: the decode kernel, {splits} splits")
+    if not fit.fits:
+        raise ValueError(fit.why_not)
     if num_splits is not None and num_splits > 1 and rung != 4:
         raise ValueError(f"num_splits: rung {rung} does not split this call's keys (rung 4 does, and rung 5's decode "
-                         f"kernel on a float16 decode batch), got num_splits={num_splits}")
+                         f"kernel on a decode batch), got num_splits={num_splits}")
     if rung != 4:
         return KernelPlan(rung, 1, threads, why)
     splits = num_splits or _splits(shape, fit.blocks, fit.keys_per_step, sms)

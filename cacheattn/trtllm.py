@@ -1275,8 +1275,9 @@ def gpt_attention(
         rung 5's decode kernel (each GQA group's query heads on tensor cores, K/V loaded straight into the mma's
         registers, its keys split across blocks as rung 4's) where it serves the step, else 3 or 4 as with None;
         None: rung 5's decode kernel where it serves (split where multi_block_mode splits), else 3, or 4 when
-        multi_block_mode splits. The decode kernel takes a float16 qkv, head size 32,
-        64 or 128, a float16, INT8 or FP8 cache, one beam, no sink tokens or StreamingLLM, no cross attention, and
+        multi_block_mode splits. The decode kernel takes a float16 qkv with a float16, INT8 or FP8 cache, or a
+        bfloat16 qkv with a bfloat16 cache (its mma multiplies bfloat16; a quantized cache keeps a bfloat16 qkv on
+        rung 3 or 4), head size 32, 64 or 128, one beam, no sink tokens or StreamingLLM, no cross attention, and
         sequences no longer than the attention window; a layer whose cache is not aligned for 16-byte loads runs
         rung 3. Rungs 3 to 5 accumulate in float32: a float64 qkv runs on rung 1, and asking for 3 or 4 with one
         raises. Context requests (the fused context FMHA) run on the tensor cores: rung 6 (FlashAttention-2
@@ -1404,9 +1405,9 @@ class GptAttentionPlan:
         if dtype_of(qkv) == np.float64:
             check_launch(self._launch["rung"], None, self._launch["num_splits"], rungs=RUNGS, split_rungs=(1, 4, 5),
                          float64="qkv")
-        if self._launch["rung"] == 5 and dtype_of(qkv) != np.float16:
-            raise ValueError(f"rung: 5 (tensor cores, mma.sync on float16) needs a float16 qkv, got "
-                             f"{dtype_of(qkv).name}")
+        if self._launch["rung"] == 5 and dtype_of(qkv).name not in ("float16", "bfloat16"):
+            raise ValueError(f"rung: 5 (tensor cores, mma.sync on float16, or bfloat16 in generation) needs a "
+                             f"float16 or bfloat16 qkv, got {dtype_of(qkv).name}")
         if self._launch["rung"] == 6 and dtype_of(qkv).name not in ("float16", "bfloat16"):
             raise ValueError(f"rung: 6 (FlashAttention-2 tiles, mma.sync on float16 or bfloat16) needs a float16 or "
                              f"bfloat16 qkv, got {dtype_of(qkv).name}")
@@ -1425,7 +1426,7 @@ class GptAttentionPlan:
             call = launches.bfloat16_call(call)
         qkv = call["qkv"]
         window = int(call["host_max_attention_window_sizes"][0])
-        key = (type(qkv), dtype_of(qkv), tuple(qkv.shape), window)
+        key = (type(qkv), dtype_of(given["qkv"]), tuple(qkv.shape), window)     # bfloat16, not its bits' uint16
         step = self._prepared.get(key)
         if step is None:
             step = self._prepared[key] = launches.prepare_step(

@@ -66,9 +66,15 @@ last key, so all loads stay inside the sequence's pages and no value that is not
 of trips (the simulator's mma needs all threads of the block). Pages shorter than a trip, or not a multiple of
 16, look every key up.
 
-What the host must have decided (`decode_kernel_choice`): one query token a sequence, a float16 query, head_dim
-32, 64 or 128, a float16 cache or an int8 / int4 one with float16 scales, rows whose data and scales allow the
-vector loads, K and V on one page table.
+bfloat16 (a compile-time choice): a bfloat16 query and cache are moved as their bits, through the same loads,
+permutations and fragments, into `mma.sync ... .bf16` (`_mma.mma_m16n8k16_bf16`); P is packed to bfloat16 for P·V
+and the output rounded to bfloat16, both to nearest even (cvt.rn.bf16x2.f32); the new token's scratch is read as
+bfloat16 bits (a shift widens one exactly). Softmax, O and split-K partials stay float32. A quantized cache keeps
+a bfloat16 query off this kernel: its codes dequantize to float16 pairs, for the float16 mma.
+
+What the host must have decided (`decode_kernel_choice`): one query token a sequence, a float16 or bfloat16 query,
+head_dim 32, 64 or 128, a cache of the query's dtype or (float16 query) an int8 / int4 one with float16 scales,
+rows whose data and scales allow the vector loads, K and V on one page table.
 """
 
 from __future__ import annotations
@@ -94,13 +100,27 @@ from ._dequant import (
     permute_bytes,
     scale_half2,
 )
-from ._mma import MMA_K, MMA_M, MMA_N, mma_m16n8k16, pack_half2, quad_max2, quad_sum2, scratch_shapes
+from ._mma import (
+    MMA_K,
+    MMA_M,
+    MMA_N,
+    bf162_floats,
+    mma_m16n8k16,
+    mma_m16n8k16_bf16,
+    pack_bf162,
+    pack_half2,
+    quad_max2,
+    quad_sum2,
+    scratch_shapes,
+)
+from ._numerics import narrow_bfloat16, widen_bfloat16
 from ._vector import load8, load16
 from ._warp import WARP_SIZE, lane_values, warp_any
 
 LOG2_E = 1.4426950408889634   # scores are kept in base 2: exp(x) = 2 ** (x log2 e), one ex2 each
 KEY_TILE = 16                 # keys a warp takes a trip: two n8 tiles of S, one k16 step of P·V
 HEAD_DIMS = (32, 64, 128)     # a lane's K slice is whole 16-byte loads (or one smaller load) at these
+QUERY_DTYPES = ("float16", "bfloat16")   # the mma's inputs (bfloat16: an unquantized bfloat16 cache)
 
 
 if config.ENABLE_CUDASIM:
@@ -200,18 +220,27 @@ def shared_bytes(head_dim: int, warps: int, heads: int) -> int:
     return 4 * sum(math.prod(s) for s in (merge_shape(head_dim, warps, heads), *scratch_shapes(warps)))
 
 
+def _dtype_name(dtype) -> str:
+    """A dtype's name; "bfloat16" as given (the kernels' key for bfloat16 bits, which NumPy may not know)."""
+    return dtype if isinstance(dtype, str) and dtype == "bfloat16" else np.dtype(dtype).name
+
+
 def decode_shape_problem(*, query_dtype, max_seqlen: int, head_dim: int, num_heads: int, num_kv_heads: int,
                          quant_bit: int, cache_dtype, threads: int) -> str | None:
     """Why a call of these shapes cannot run on this kernel, or None: what `cacheattn.choose_kernel` can know before any
     array exists (`decode_kernel_choice` adds the arrays' own conditions)."""
+    query, cache = _dtype_name(query_dtype), _dtype_name(cache_dtype)
     if max_seqlen != 1:
         return f"not a decode batch (max_seqlen {max_seqlen})"
-    if np.dtype(query_dtype) != np.float16:
-        return f"query {np.dtype(query_dtype).name}, not float16"
+    if query not in QUERY_DTYPES:
+        return f"query {query}, not float16 or bfloat16"
     if head_dim not in HEAD_DIMS:
         return f"head_dim {head_dim} is not one of {HEAD_DIMS}"
-    if np.dtype(cache_dtype) != (np.int8 if quant_bit else np.float16):
-        return f"a {np.dtype(cache_dtype)} cache of quant_bit {quant_bit}"
+    if quant_bit and query == "bfloat16":
+        return (f"a quantized cache (quant_bit {quant_bit}) with a bfloat16 query (the codes dequantize to float16 "
+                f"pairs, for the float16 mma)")
+    if cache != ("int8" if quant_bit else query):
+        return f"a {cache} cache of quant_bit {quant_bit} for a {query} query"
     if shared_bytes(head_dim, threads // WARP_SIZE, heads_per_block(num_heads, num_kv_heads)) > SHARED_BYTES:
         return f"the merge of {threads // WARP_SIZE} warps needs more than {SHARED_BYTES} bytes of shared memory"
     return None
@@ -307,10 +336,10 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                                      heads_per_block: int, group: int, warps: int, whole_trips: bool,
                                      biased: bool = True, per_tensor: bool = False, e4m3: bool = False,
                                      shared_pages: bool = True, page_unit: int = 1, new_token: bool = False,
-                                     num_kv_heads: int = 0, partials: bool = False):
+                                     num_kv_heads: int = 0, partials: bool = False, bf16: bool = False):
     """Build the kernel. Launch grid (1, num_heads / heads_per_block, B), 32 * warps threads; arguments as
-    `_attention_mma.make_mma_attention_kernel`'s kernel (float16 query, one position a sequence), the sources
-    `_cache.CacheSource`s (data, scales, starts, page and the strides).
+    `_attention_mma.make_mma_attention_kernel`'s kernel (float16 query, or bfloat16 bits with `bf16`; one
+    position a sequence), the sources `_cache.CacheSource`s (data, scales, starts, page and the strides).
     score / key_range: the operator's (`make_ppl_score`); whole_trips: the page length is a multiple of 16 (every
     trip in one page); biased: the call has a mask or ALiBi (else a score is q.k / sqrt(D) and `score` is not
     called).
@@ -320,13 +349,18 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
     are, the launcher folds the scale into sm_scale, and the output is multiplied by the sources' `fold`;
     shared_pages False, V's pages from v_src.starts (K and V blocks have offsets of their own); page_unit, the
     slots a step of starts counts (a block index times the slots of a block); new_token, the sequence's last key
-    read from the sources' `scratch` (row (q_starts[b] * num_kv_heads + kv head) * D, float16) rather than
+    read from the sources' `scratch` (row (q_starts[b] * num_kv_heads + kv head) * D, the query's dtype) rather than
     the cache: the warps walk the cached keys before it, and warp 0 adds it after the merge in float32.
 
     partials (split-K, `_split_k`): out_geom is `_attention_core.make_attention_kernel`'s partial geometry and
     grid z = B * num_splits; block z walks split z % num_splits of sequence z // num_splits's trips (whole 16-key
     trips from the first visible key's, so no two splits load one) and writes each row's unnormalised O, its max
-    (natural log units) and sum; the last split adds the new token. `_split_k.combine_kernel` finishes."""
+    (natural log units) and sum; the last split adds the new token. `_split_k.combine_kernel` finishes.
+
+    bf16: a bfloat16 query and cache, both passed as their bits (uint16), the output too: the same fragments
+    (the kernel moves bits) into `mma ... .bf16`, P packed to bfloat16 (round to nearest even) for P·V, the output
+    rounded to bfloat16 the same way, the new token's K/V scratch read as bfloat16 bits; float32 accumulation and
+    split-K partials as with float16. Unquantized caches only: the dequantization makes float16 pairs."""
     D, HPB, WARPS = head_dim, heads_per_block, warps
     if D not in HEAD_DIMS:
         raise ValueError(f"head_dim: {D} is not one the tensor-core decode kernel takes ({HEAD_DIMS})")
@@ -337,6 +371,13 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
     SCALED = bool(quant_bit) and not per_tensor      # group scales loaded beside the codes and multiplied in
     if (per_tensor or e4m3) and quant_bit != 8:
         raise ValueError(f"quant_bit: a per-tensor or e4m3 cache holds 8-bit codes, got {quant_bit}")
+    if bf16 and quant_bit:
+        raise ValueError(f"quant_bit: a bfloat16 query takes an unquantized (bfloat16) cache, got {quant_bit}")
+    # bfloat16: the same bits in the same registers, its own mma and roundings (a bfloat16 widens by a shift)
+    mma = mma_m16n8k16_bf16 if bf16 else mma_m16n8k16
+    pack = pack_bf162 if bf16 else pack_half2
+    pair_floats = bf162_floats if bf16 else half2_floats
+    BF16 = bf16
     to_half2 = e4m3x4_to_half2_target if e4m3 else int8x4_to_half2   # cvt where the target has it
     ITEM = 2 if quant_bit == 0 else 1                # bytes of a data element (int4: a byte holds two codes)
     K_DIMS, V_DIMS = D // 4, D // 8                  # dims of a row a lane loads: K (per quad), V (per grp)
@@ -507,8 +548,8 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
             # registers it loaded), the group's heads the 8 columns (B: Q's row grp, the registers of A fragments).
             c0 = c1 = c2 = c3 = f32(0.0)
             for ks in range(K_STEPS):
-                c0, c1, c2, c3 = mma_m16n8k16(kb[0, ks, 0], kb[1, ks, 0], kb[0, ks, 1], kb[1, ks, 1], qa[ks, 0],
-                                              qa[ks, 2], c0, c1, c2, c3, mma_scratch, warp, lane)
+                c0, c1, c2, c3 = mma(kb[0, ks, 0], kb[1, ks, 0], kb[0, ks, 1], kb[1, ks, 1], qa[ks, 0], qa[ks, 2],
+                                     c0, c1, c2, c3, mma_scratch, warp, lane)
             # Lane (g, q) holds Sᵀ of keys g, g + 8 (c0, c1; c2, c3) at heads 2q, 2q + 1; head h's keys 2q + j,
             # 2q + j + 8 are at lane 4 (2q + j) + h / 2, column h % 2. Two rounds of two shuffles: in round i, lane
             # (g, q) reads lane 4 (2q + j) + g / 2 with j = i ^ (g % 2), which sends its column i ^ (its g % 2),
@@ -532,7 +573,7 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                     s[nt, e] = 0.0
             for ks in range(K_STEPS):
                 for nt in range(2):
-                    s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3] = mma_m16n8k16(
+                    s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3] = mma(
                         qa[ks, 0], qa[ks, 1], qa[ks, 2], qa[ks, 3], kb[nt, ks, 0], kb[nt, ks, 1],
                         s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3], mma_scratch, warp, lane)
         # 3. scores and the online softmax; element e of a C tile: row grp + 8 * (e // 2), key 2q + e % 2. Without
@@ -585,16 +626,16 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                     o[vt, 2 * r] *= tile_max[r]
                     o[vt, 2 * r + 1] *= tile_max[r]
         # 4. P as the A fragment of P·V (rows grp + 8 zero unless the block has them)
-        p0, p2 = pack_half2(s[0, 0], s[0, 1]), pack_half2(s[1, 0], s[1, 1])
+        p0, p2 = pack(s[0, 0], s[0, 1]), pack(s[1, 0], s[1, 1])
         p1, p3 = ZERO, ZERO
         if R == 2:
-            p1, p3 = pack_half2(s[0, 2], s[0, 3]), pack_half2(s[1, 2], s[1, 3])
+            p1, p3 = pack(s[0, 2], s[0, 3]), pack(s[1, 2], s[1, 3])
         # 5. O += P V: D / 8 n8 tiles, V's B registers from the interleaved key pairs
         value_fragments(vw, vsc, vb)
         for vt in range(V_TILES):
             c2, c3 = (o[vt, 2], o[vt, 3]) if R == 2 else (f32(0.0), f32(0.0))
-            d0, d1, d2, d3 = mma_m16n8k16(p0, p1, p2, p3, vb[0, vt], vb[1, vt], o[vt, 0], o[vt, 1], c2, c3,
-                                          mma_scratch, warp, lane)
+            d0, d1, d2, d3 = mma(p0, p1, p2, p3, vb[0, vt], vb[1, vt], o[vt, 0], o[vt, 1], c2, c3, mma_scratch,
+                                 warp, lane)
             o[vt, 0], o[vt, 1] = d0, d1
             if R == 2:
                 o[vt, 2], o[vt, 3] = d2, d3
@@ -625,6 +666,22 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                     l_out[row] = total0 if r == 0 else total1
 
     @cuda.jit(device=True, inline="always")
+    def scratch_value(scratch, at):
+        """Element `at` of a K/V scratch as float32 (bfloat16: its bits widened, exactly)."""
+        if BF16:
+            return widen_bfloat16(scratch[at])
+        return f32(scratch[at])
+
+    @cuda.jit(device=True, inline="always")
+    def store(out, at, x):
+        """out[at] = x rounded to the output's dtype: float16 by the store's conversion, bfloat16 to its bits
+        (round to nearest even)."""
+        if BF16:
+            out[at] = narrow_bfloat16(x)
+        else:
+            out[at] = x
+
+    @cuda.jit(device=True, inline="always")
     def new_token(b, h0, g_kv, t, seqlen, kvlen, q_starts, k_src, v_src, acc, quad_scratch, score_args, sm_scale,
                   warp, lane):
         """Key t, the sequence's new token, from the scratch into warp 0's merged state, in float32: each lane's
@@ -640,9 +697,9 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
         for r in range(R):
             for ks in range(K_STEPS):
                 for j in range(2):
-                    q_low, q_high = half2_floats(qa[ks, r + 2 * j])
-                    dots[r] += q_low * f32(k_src.scratch[at + K_DIM_TABLE[quad, ks, 2 * j]]) + \
-                        q_high * f32(k_src.scratch[at + K_DIM_TABLE[quad, ks, 2 * j + 1]])
+                    q_low, q_high = pair_floats(qa[ks, r + 2 * j])
+                    dots[r] += q_low * scratch_value(k_src.scratch, at + K_DIM_TABLE[quad, ks, 2 * j]) + \
+                        q_high * scratch_value(k_src.scratch, at + K_DIM_TABLE[quad, ks, 2 * j + 1])
         dot0, dot1 = quad_sum2(dots[0], dots[1], quad_scratch, warp, lane)
         if warp != 0:
             return
@@ -665,7 +722,7 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
             for vt in range(V_TILES):
                 for c in range(2):
                     o[vt, 2 * r + c] = o[vt, 2 * r + c] * alpha + \
-                        p * f32(v_src.scratch[at + o_dim(quad, c, vt)]) * value_scale
+                        p * scratch_value(v_src.scratch, at + o_dim(quad, c, vt)) * value_scale
 
     @cuda.jit
     def gqa_decode_attention_kernel(q_geom, out_geom, seqlens, kvlens, k_src, v_src, score_args, sm_scale):
@@ -796,7 +853,7 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                     for vt in range(V_TILES):
                         for c in range(2):
                             x = o[vt, 2 * r + c] / total if total > 0.0 else f32(0.0)
-                            out[at + o_dim(quad, c, vt)] = x * v_src.fold if PER_TENSOR else x
+                            store(out, at + o_dim(quad, c, vt), x * v_src.fold if PER_TENSOR else x)
 
     return gqa_decode_attention_kernel
 

@@ -319,23 +319,26 @@ def _trtllm_launches(full: bool):
 
 
 # The generation entries on rung 5's decode kernel (one beam, head size 32), split two ways: FP8 (e4m3 codes, the
-# folded per-tensor scale, K and V pages apart, the new token from the scratch, the split partials); --full adds
-# float16 and INT8.
-TRTLLM_DECODE_QUANTS = (128,)
-TRTLLM_DECODE_FULL_ONLY = (0, 64)
+# folded per-tensor scale, K and V pages apart, the new token from the scratch, the split partials) and bfloat16
+# (its mma, P packed by cvt.rn.bf16x2.f32, the combine's bfloat16 store); --full adds float16 and INT8.
+TRTLLM_DECODE_VARIANTS = ((np.float16, 128), ("bfloat16", 0))
+TRTLLM_DECODE_FULL_ONLY = ((np.float16, 0), (np.float16, 64))
 
 
 def _trtllm_decode_launches(full: bool):
+    import ml_dtypes
+
     from . import _launch
     from .trtllm_gpt_attention import gpt_attention
 
     rng = np.random.default_rng(1)
     H, Hkv, Dh, tpb, past = 4, 2, 32, 16, np.array([20, 20])
     out = []
-    for quant in TRTLLM_DECODE_QUANTS + (TRTLLM_DECODE_FULL_ONLY if full else ()):
-        cache_dtype = {0: np.float16, 64: np.int8, 128: np.uint8}[quant]
+    for dtype, quant in TRTLLM_DECODE_VARIANTS + (TRTLLM_DECODE_FULL_ONLY if full else ()):
+        dtype = ml_dtypes.bfloat16 if isinstance(dtype, str) else dtype        # the kernels take its bits
+        cache_dtype = {0: dtype, 64: np.int8, 128: np.uint8}[quant]
         blocks = 2 * -(-int(past[0] + 1) // tpb)
-        call = dict(qkv=rng.standard_normal((2, (H + 2 * Hkv) * Dh)).astype(np.float16), past_key_value=None,
+        call = dict(qkv=rng.standard_normal((2, (H + 2 * Hkv) * Dh)).astype(dtype), past_key_value=None,
                     kv_cache_pool=np.zeros((2 * blocks, 1, 2, Hkv, tpb, Dh), cache_dtype),
                     kv_cache_block_offsets=np.arange(2 * blocks).reshape(1, 2, 2, -1), attention_mask=None,
                     sequence_length=past + 1, host_past_key_value_lengths=past,
@@ -346,8 +349,9 @@ def _trtllm_decode_launches(full: bool):
                     kv_cache_quant_mode=quant, paged_kv_cache=True, tokens_per_block=tpb)
         with _launch.recorded_launches() as launches:
             gpt_attention(**call, rung=5, num_splits=2)
-        out += [(f"trtllm rung5 decode quant {quant} paged split", kernel, args) for kernel, args in launches
-                if kernel.py_func.__name__ == "gqa_decode_attention_kernel"]
+        name = np.dtype(dtype).name
+        out += [(f"trtllm rung5 decode {name} quant {quant} paged split{_bits_marker(name)}", kernel, args)
+                for kernel, args in launches if kernel.py_func.__name__ == "gqa_decode_attention_kernel"]
     return out
 
 
@@ -394,8 +398,9 @@ def _rung4_launches(full: bool):
 
 
 
-# Rung 5 takes a float16 query only: decode on a float16 and on an int4 cache, prefill (row tiles, ALiBi) on an int8
-# one; --full adds the other pairs. Each compile takes several seconds (a large unrolled body), so three.
+# OpenPPL's rung 5 takes a float16 query only (the decode kernel's bfloat16 compile is the trtllm family's): decode
+# on a float16 and on an int4 cache, prefill (row tiles, ALiBi) on an int8 one; --full adds the other pairs. Each
+# compile takes several seconds (a large unrolled body), so three.
 RUNG5_REPRESENTATIVES = ((0, np.float16, 1, False), (8, np.float16, 3, True), (4, np.float16, 1, True))
 
 
@@ -440,9 +445,11 @@ def _rung6_launches(full: bool):
 # into the PTX without reading it, so these are also assembled with ptxas when it is installed (the CUDA toolkit
 # wheels of numba-cuda's cu12 extra bring it): a bad operand or constraint fails here, not when a GPU loads the module.
 MMA_PTX = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
-# The decode kernel also pairs two keys' V values with one prmt a register before unpacking them.
+BF16_MMA_PTX = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+# The decode kernel also pairs two keys' V values with one prmt a register before unpacking them; its mma is f16,
+# or bf16 for a bfloat16 call (`_required_ptx`).
 # Rung 6 copies K/V tiles by cp.async and reads its fragments by ldmatrix (.trans for V); its mma is f16 or bf16.
-REQUIRED_PTX = {"mma_attention_kernel": (MMA_PTX,), "gqa_decode_attention_kernel": (MMA_PTX, "prmt.b32"),
+REQUIRED_PTX = {"mma_attention_kernel": (MMA_PTX,), "gqa_decode_attention_kernel": ("prmt.b32",),
                 "flash_attention_kernel": ("mma.sync.aligned.m16n8k16.row.col.f32", "cp.async.cg.shared.global",
                                            "cp.async.wait_group", "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
                                            "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16")}
@@ -466,6 +473,8 @@ def _required_ptx(label: str, kernel) -> list:
     if texts and ("quant_bit=8 " in label or "quant_bit=4 " in label):
         texts.append(QUANT_VECTOR_PTX)
     texts += REQUIRED_PTX.get(kernel.py_func.__name__, ())
+    if kernel.py_func.__name__ == "gqa_decode_attention_kernel":
+        texts.append(BF16_MMA_PTX if BFLOAT16_BITS in label else MMA_PTX)
     return texts
 
 

@@ -36,7 +36,9 @@ StreamingLLM rotation, no cross attention, and a window no shorter than any of t
 TensorRT-LLM sources become `DecodeSource`s: a paged pool's block offsets are the pages (a step of them
 `page_unit` slots), a contiguous cache one page a row. INT8 and e4m3 codes go into the mma as they are: the
 per-tensor scale (and e4m3's 256) folds into the logit scale for K and into one multiply of the output for V, as
-on rung 3. The preprocess writes the query to the scratch for it; a quantized cache's new token comes from the K/V
+on rung 3. A bfloat16 qkv with its bfloat16 cache runs it too, every array as its bits (the bfloat16 mma, P and the
+output rounded to bfloat16); with an INT8 / FP8 cache it stays on rung 3/4 (the codes convert to float16 pairs).
+The preprocess writes the query to the scratch for it; a quantized cache's new token comes from the K/V
 scratch (`new_token`), in float32 after the warps' merge. Its choice is made on the host for the step (a batch
 that multi-block mode would not split) and checked per layer (16-byte loads); otherwise rung 3 or 4 run as above.
 """
@@ -379,8 +381,6 @@ def register_problem(*, rounds_as, head_size, num_heads, num_kv_heads, quant, th
                      sinks, streaming, generation_new, generation_kvlens, window) -> str | None:
     """Why the step's generation entries cannot run on rung 5's decode kernel, or None (host facts only; the
     layer's arrays are checked at launch, `register_sources`)."""
-    if rounds_as != "float16":
-        return f"query {rounds_as}, not float16"
     if not use_cache:
         return "no cache"
     if cross:
@@ -393,9 +393,10 @@ def register_problem(*, rounds_as, head_size, num_heads, num_kv_heads, quant, th
         return "StreamingLLM rotates the cached keys as they load"
     if len(generation_kvlens) and int(np.max(generation_kvlens)) > window:
         return f"a sequence past the cyclic window ({window}) wraps its slots"
-    return decode_shape_problem(query_dtype=np.dtype(rounds_as), max_seqlen=int(np.max(generation_new, initial=1)),
+    # the cache holds qkv's dtype, or INT8 / FP8 codes (kept as int8 here: the kernel reads them as bytes)
+    return decode_shape_problem(query_dtype=rounds_as, max_seqlen=int(np.max(generation_new, initial=1)),
                                 head_dim=head_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                quant_bit=8 if quant else 0, cache_dtype=np.int8 if quant else np.float16,
+                                quant_bit=8 if quant else 0, cache_dtype=np.int8 if quant else rounds_as,
                                 threads=threads)
 
 
@@ -426,16 +427,18 @@ def register_sources(k_src, v_src, quant: int, head_size: int, contiguous_starts
 
 @cache
 def register_kernel(num_heads, num_kv_heads, head_size, quant, paged, page_unit, whole, biased, new_token, threads,
-                    partials=False):
+                    partials=False, rounds_as="float16"):
     """Rung 5's decode kernel for TensorRT-LLM's generation entries (`_attention_gqa_mma`), with its score and keys
-    (partials: split-K's, as rung 4's)."""
-    score, key_range = make_trt_score(np.float32)
+    (partials: split-K's, as rung 4's); rounds_as "bfloat16": qkv, the cache, the scratch and the output (and a
+    relative attention bias) as bfloat16 bits."""
+    bf16 = rounds_as == BFLOAT16_BITS
+    score, key_range = make_trt_score(np.float32, bf16)
     return make_gqa_decode_attention_kernel(
         score, key_range, quant_bit=8 if quant else 0, quant_group=head_size, head_dim=head_size,
         heads_per_block=decode_heads(num_heads, num_kv_heads), group=num_heads // num_kv_heads,
         warps=threads // 32, whole_trips=whole, biased=biased, per_tensor=bool(quant), e4m3=quant == FP8_KV_CACHE,
         shared_pages=not paged, page_unit=page_unit, new_token=new_token, num_kv_heads=num_kv_heads,
-        partials=partials)
+        partials=partials, bf16=bf16)
 
 
 def scores_biased(args) -> bool:
@@ -456,11 +459,11 @@ def register_splits(rung, num_splits, multi_block_mode, num_sms, new, kvlens, wi
 
 def attend_generation_register(q_geom, out_geom, lens, k_src, v_src, args, sm_scale, num_heads, num_kv_heads,
                                head_size, quant, new_in_cache, threads, stream, contiguous_starts, splits=1,
-                               num_tokens=0, new_starts=None) -> bool:
+                               num_tokens=0, new_starts=None, rounds_as="float16") -> bool:
     """Launch rung 5's decode kernel over the generation entries (lens: the step's (new, kvlens) with 0 new for the
     others, whose blocks return at once), split `splits` ways with the combine after it (num_tokens, new_starts:
-    the output's rows and the entries' first rows among the new tokens); False, launching nothing, where the
-    layer's arrays do not allow it."""
+    the output's rows and the entries' first rows among the new tokens); rounds_as: float16, or "bfloat16" for
+    arrays of bfloat16 bits. False, launching nothing, where the layer's arrays do not allow it."""
     sources = register_sources(k_src, v_src, quant, head_size, contiguous_starts)
     if sources is None or _address(q_geom[0]) % VECTOR_BYTES:    # the query rows come in 16-byte loads too
         return False
@@ -474,7 +477,7 @@ def attend_generation_register(q_geom, out_geom, lens, k_src, v_src, args, sm_sc
     grid = (1, num_heads // decode_heads(num_heads, num_kv_heads), entries)
     inputs = (*lens, k_dec, v_dec, args, np.float32(sm_scale))
     if splits == 1:
-        launch(register_kernel(*key), grid, threads, stream, q_geom, out_geom, *inputs)
+        launch(register_kernel(*key, rounds_as=rounds_as), grid, threads, stream, q_geom, out_geom, *inputs)
         return True
     like = q_geom[0]
     rows = num_tokens * num_heads
@@ -482,8 +485,9 @@ def attend_generation_register(q_geom, out_geom, lens, k_src, v_src, args, sm_sc
     m_part, l_part = (empty_like_kind(like, (splits * rows,), np.float32) for _ in range(2))
     split_geom = (o_part, *out_geom[1:], np.int64(splits), np.int64(rows * head_size), np.int64(rows),
                   np.int64(num_heads), m_part, l_part)
-    launch(register_kernel(*key, partials=True), grid[:2] + (entries * splits,), threads, stream, q_geom, split_geom,
-           *inputs)
-    launch(combine_kernel("float16", num_heads, head_size), (max(1, ceil_div(num_heads * head_size, threads)), entries),
-           threads, stream, o_part, m_part, l_part, np.int64(splits), out_geom[1], new_starts, out_geom[0])
+    launch(register_kernel(*key, partials=True, rounds_as=rounds_as), grid[:2] + (entries * splits,), threads,
+           stream, q_geom, split_geom, *inputs)
+    launch(combine_kernel(rounds_as, num_heads, head_size),
+           (max(1, ceil_div(num_heads * head_size, threads)), entries), threads, stream, o_part, m_part, l_part,
+           np.int64(splits), out_geom[1], new_starts, out_geom[0])
     return True

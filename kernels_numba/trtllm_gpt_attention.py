@@ -756,7 +756,10 @@ def _plan_context(like, *, rung, rounds_as, acc_t, num_heads, num_kv_heads, head
                               max_kv_len=int(np.max(kvlens[:max(num_context, 1)])), num_heads=H, num_kv_heads=Hkv,
                               head_dim=Dh, query_dtype=rounds_as, threads=threads, sms=num_sms)
 
-    fused_rung, fused_reason = context_rung(rung=rung, rounds_as=rounds_as, head_size=Dh, threads=threads,
+    # A fused launch with nothing to run asks nothing of its rung: rung 5 asked for a bfloat16 step of generation
+    # entries alone is the decode kernel's (rung 5's context kernel multiplies float16 only).
+    asked = None if rung == 5 and not fused_new.any() else rung
+    fused_rung, fused_reason = context_rung(rung=asked, rounds_as=rounds_as, head_size=Dh, threads=threads,
                                             fused_generation=bool((fused_new[num_context:] > 0).any()),
                                             num_splits=generation_splits if not vector_generation else None,
                                             keys_elsewhere=keys_elsewhere,
@@ -870,7 +873,7 @@ def masked_multihead_attention(s: StepLaunch, pre, out_geom, k_src, v_src, args,
     if s.register_generation and attend_generation_register(
             s.q_geom, out_geom, s.generation_lens, k_src, v_src, args, s.sm_scale, s.H, s.Hkv, s.Dh, s.quant,
             s.new_in_cache, s.threads, stream, s.contiguous_starts, s.register_splits, s.num_tokens,
-            s.generation_starts):
+            s.generation_starts, s.rounds_as):
         return
     attend_generation(None if s.rung in (5, 6) else s.rung, s.generation_splits, s.multi_block_mode, s.num_sms, pre,
                       out_geom, s.generation_new, s.kvlens, k_src, v_src, args, s.sm_scale, s.rounds_as, s.H, s.Hkv,

@@ -8,6 +8,7 @@ cache, one and two warps (two merge their states)."""
 
 import functools
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -167,6 +168,16 @@ def test_the_choice_says_why_not():
                         (dict(value_src=src._replace(starts=np.zeros((1, 1), np.int64))), "page tables")]:
         serves, reason = decode_kernel_choice(**{**facts, **change})
         assert not serves and reason.startswith("staged rung 5: ") and why in reason, (change, reason)
+    # bfloat16: a query and cache of its bits; a cache of another dtype, or quantized, is refused
+    bf16 = ppl_kernels.packed_source(np.zeros((4, 1, 32), np.uint16), np.zeros((1, 1), np.int64))
+    bf16 = bf16._replace(data=bf16.data.view(ml_dtypes.bfloat16))
+    assert decode_kernel_choice(**{**facts, "query_dtype": "bfloat16", "key_src": bf16, "value_src": bf16})[0]
+    int8 = src._replace(data=np.zeros(src.data.shape, np.int8))
+    for change, why in [(dict(), "a float16 cache of quant_bit 0 for a bfloat16 query"),
+                        (dict(quant_bit=8, key_src=int8, value_src=int8), "quantized cache (quant_bit 8) with a "
+                                                                          "bfloat16 query")]:
+        serves, reason = decode_kernel_choice(**{**facts, "query_dtype": ml_dtypes.bfloat16, **change})
+        assert not serves and why in reason, (change, reason)
 
 
 # -------------------------------------------------------------------------------------- the kernel, run

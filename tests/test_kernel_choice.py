@@ -20,7 +20,7 @@ import kernels_numba.ppl_dynamic_multi_head_attention as ppl_kernels
 from cacheattn.kernel_choice import AttentionShape, KernelPlan, choose_kernel
 from cacheattn.lab import counters
 from cacheattn.lab.cases import LAB_CASES
-from kernels_numba import _fit, _launch
+from kernels_numba import _attention_gqa_mma, _fit, _launch
 from kernels_numba._attention_core import plan_tiles
 from kernels_numba._cache import chunk_elements
 from kernels_numba.ppl_dynamic_multi_head_attention import block_plan
@@ -481,8 +481,6 @@ def test_rung_5_staged_answers_its_row_tiles_and_refuses_as_its_launcher():
 
 
 def test_rung_5_decode_answers_its_grid_or_why_it_stages():
-    from kernels_numba import _attention_gqa_mma
-
     fit = _attention_gqa_mma.fit(AttentionShape(**HEADLINE), 128)
     # A block a GQA group of a request, each of 4 warps a trip of 16 keys a step.
     assert (fit.rung, fit.variant, fit.fits, fit.blocks, fit.heads_per_block, fit.keys_per_step) == (
@@ -542,12 +540,17 @@ def test_the_plan_asks_each_offered_rung_once_a_new_shape(monkeypatch):
 
 def test_bfloat16_plans_as_two_byte_elements():
     """The kernels read bfloat16 as its bits: a bfloat16 query moves the bytes of a float16 one and plans as it does
-    on rungs 1 to 4, and rung 5 says it takes float16."""
+    on rungs 1 to 4 and on rung 5's decode kernel (bfloat16 mma); rung 5's staged kernel says it takes float16."""
     heads = dict(batch=2, max_query_len=1, max_kv_len=4096, num_heads=32, num_kv_heads=8, head_dim=128,
                  decode_sequences=2)
     bf16, f16 = AttentionShape(**heads, query_dtype="bfloat16"), AttentionShape(**heads, query_dtype="float16")
     assert bf16.query_dtype.name == "bfloat16" and bf16.bytes_to_move == f16.bytes_to_move
     assert choose_kernel(bf16, rungs=(1, 3, 4)) == choose_kernel(f16, rungs=(1, 3, 4))
-    assert choose_kernel(bf16).rung != 5
+    assert choose_kernel(bf16) == choose_kernel(f16) and choose_kernel(bf16).rung == 5
+    assert choose_kernel(bf16, rung=5) == choose_kernel(f16, rung=5)
     with pytest.raises(ValueError, match=r"^rung: 5 .* needs a float16 query, got bfloat16"):
-        choose_kernel(bf16, rung=5)
+        choose_kernel(bf16, rung=5, register_decode=False)
+    # a quantized cache keeps a bfloat16 query off the decode kernel (its codes dequantize to float16 pairs)
+    quantized = replace(bf16, cache_dtype="int8", quant_bit=8, quant_group=8)
+    assert choose_kernel(quantized).rung != 5
+    assert "with a bfloat16 query" in _attention_gqa_mma.fit(quantized, 128).why_not

@@ -20,7 +20,7 @@ from cacheattn import trtllm
 from kernels_numba import _launch
 from kernels_numba.trtllm_gpt_attention import LAYER_INPUTS, prepare_step
 
-from strategies import KERNEL, TrtCase, build_trt, trt_cases
+from strategies import DEEP, KERNEL, TrtCase, build_trt, deep_only, trt_cases
 
 # Two generation sequences of one token over a paged cache of whole 16-key trips (head_size 32: a lane's K slice is
 # one 16-byte load of float16), a GQA group of 2.
@@ -39,9 +39,13 @@ ON_RUNG_5 = {
     # entry's new token then comes from the scratch too
     "inflight-wrapping-chunk-fp16": replace(DECODE, contexts=((3, 6),), generations=((2, 4),), window=5, capacity=5,
                                             tokens_per_block=4),
+    # bfloat16: the bits through the same fragments into the bfloat16 mma, P and the output rounded to bfloat16
+    "paged-bf16-relative-bias": replace(DECODE, dtype="bfloat16", position=6, relative="regular"),
+    "contiguous-bf16-group4-split": replace(DECODE, dtype="bfloat16", paged=False, num_heads=8, head_size=64),
 }
+DEEP_CASES = ("contiguous-bf16-group4-split",)         # over 2 s in the simulator: paged-bf16 stands for them
 
-TWO_WARPS = SPLIT = ("contiguous-int8-group4-split",)
+TWO_WARPS = SPLIT = ("contiguous-int8-group4-split", "contiguous-bf16-group4-split")
 
 
 def launched(case: TrtCase, **launch) -> list:
@@ -57,6 +61,8 @@ def test_rung_5_decode_conforms(name):
     """The kit's checks (float64 evaluation, caches bit for bit, unread slots NaN) with the generation entries on the
     decode kernel: asked for (rung 5), and chosen by rung None where multi-block mode does not split the keys. One
     warp a block (the simulator's cost is blocks x threads), two where the warps' merge meets the new token."""
+    if name in DEEP_CASES and not DEEP:
+        pytest.skip("the deep tier: CACHEATTN_EXAMPLES=2 or more (.ci/run)")
     case = ON_RUNG_5[name]
     threads = 64 if name in TWO_WARPS else 32
     launch = dict(rung=5, num_splits=2 if name in SPLIT else 1)
@@ -80,12 +86,25 @@ def test_quantized_new_token_is_the_unquantized_one(quant, monkeypatch):
     kit.check_case("gpt_attention", kernels(32, rung=5), case)
 
 
+@deep_only
+@pytest.mark.spec("trtllm/generation-mmha")
+def test_bfloat16_new_token_from_the_scratch():
+    """A context chunk that wraps its cyclic cache writes the new tokens after attention: a bfloat16 generation
+    entry's new token comes from the scratch, as bfloat16 bits, added by warp 0 after the warps' merge (two warps).
+    The context entry takes its own rung (rung 5's staged kernel is float16's), so the plan's choice runs it."""
+    case = replace(ON_RUNG_5["inflight-wrapping-chunk-fp16"], dtype="bfloat16")
+    launch = dict(multi_block_mode=False)
+    assert "gqa_decode_attention_kernel" in launched(case, threads=64, **launch)
+    kit.check_case("gpt_attention", kernels(64, **launch), case)
+
+
 FALLBACKS = {
     "beams": (replace(DECODE, generations=((3, 20),), beam_width=2), "2 beams"),
     "sinks": (replace(DECODE, sinks=2, window=30, streamingllm=True), "sink tokens"),
     "streamingllm-rope": (replace(DECODE, streamingllm=True, position=1, rotary_dim=8), "StreamingLLM"),
     "cyclic-wrap": (replace(DECODE, window=24, capacity=24), "cyclic window (24)"),
-    "bfloat16": (replace(DECODE, dtype="bfloat16"), "query bfloat16"),
+    "float32": (replace(DECODE, dtype="float32"), "query float32"),
+    "bfloat16-int8": (replace(DECODE, dtype="bfloat16", quant=64), "quantized cache (quant_bit 8) with a bfloat16"),
     "head-size-16": (replace(DECODE, head_size=16), "head_dim 16"),
     "cross-attention": (replace(DECODE, mask_type=0, encoder_lengths=(6, 6)), "encoder's keys"),
 }
@@ -106,10 +125,10 @@ def _step_choice(case: TrtCase, **launch) -> tuple:
 
 @pytest.mark.parametrize("name", FALLBACKS)
 def test_calls_the_decode_kernel_leaves_to_rung_3(name):
-    """What it cannot serve runs the vector kernel (rung 5 asked for; bfloat16, which rung 5 refuses, by default
+    """What it cannot serve runs the vector kernel (rung 5 asked for; float32, which rung 5 refuses, by default
     with multi-block mode off) and the step says why."""
     case, why = FALLBACKS[name]
-    launch = dict(multi_block_mode=False) if case.dtype == "bfloat16" else dict(rung=5)   # rung 5 takes float16
+    launch = dict(multi_block_mode=False) if case.dtype == "float32" else dict(rung=5)   # rung 5: 16-bit qkv
     names = launched(case, threads=64, **launch)
     assert "gqa_decode_attention_kernel" not in names and "vector_attention_kernel" in names, names
     register, reason = _step_choice(case, **launch)
@@ -142,9 +161,40 @@ def test_misaligned_cache_takes_rung_3_per_layer():
 
 @pytest.mark.skipif(KERNEL < 12, reason="a longer hunt: CACHEATTN_EXAMPLES=2 or more")
 @settings(max_examples=KERNEL // 3)
-@given(case=trt_cases(dtypes=("float16",), beams=(1,)), head_size=st.sampled_from([32, 64]))
+@given(case=trt_cases(dtypes=("float16", "bfloat16"), beams=(1,)), head_size=st.sampled_from([32, 64]))
 def test_drawn_calls_conform_with_rung_5(case, head_size):
-    """The kit's drawn gpt_attention calls (in-flight batches, windows, masks, RoPE, ALiBi, biases, every cache) at a
-    head size the decode kernel takes, rung 5 asked for: the generation requests it serves run on it."""
+    """The kit's drawn gpt_attention calls (in-flight batches, windows, masks, RoPE, ALiBi, biases, every cache;
+    float16 and bfloat16) at a head size the decode kernel takes, rung 5 asked for (bfloat16: the plan's choice,
+    rung 5's context kernel being float16's): the generation requests it serves run on it."""
     case = replace(case, head_size=head_size, rotary_dim=min(case.rotary_dim, head_size))
-    kit.check_case("gpt_attention", kernels(32, rung=5), case)
+    launch = dict(rung=5) if case.dtype == "float16" else dict(multi_block_mode=False)
+    kit.check_case("gpt_attention", kernels(32, **launch), case)
+
+
+def test_rung_5_asked_for_bfloat16():
+    """rung=5 with a bfloat16 qkv: a step of generation entries alone runs the decode kernel; a step with context
+    entries raises naming rung before any launch (rung 5's context kernel multiplies float16 only); a float32 qkv
+    is refused at once."""
+    assert "gqa_decode_attention_kernel" in launched(replace(DECODE, dtype="bfloat16"), threads=32, rung=5)
+    for case, why in ((replace(DECODE, dtype="bfloat16", contexts=((0, 5),)), "context phase"),
+                      (replace(DECODE, dtype="float32"), "float16 or bfloat16 qkv")):
+        with _launch.recorded_launches() as launches, pytest.raises(ValueError, match=f"^rung: 5 .*{why}"):
+            cacheattn.gpt_attention(**build_trt(case), backend="numba", threads=32, rung=5)
+        assert launches == []
+
+
+def test_the_plan_says_rung_5_for_bfloat16_generation():
+    """A bfloat16 step's generation: the plan prints rung 5's decode kernel after a layer on the kernels (launches
+    recorded), and with an INT8 cache rung 3 and why."""
+    for case, expected in ((replace(DECODE, dtype="bfloat16"), "rung 5, 1 split: rung 5's decode kernel: the GQA "
+                                                               "group on tensor cores"),
+                           (replace(DECODE, dtype="bfloat16", quant=64), "rung 3, 1 split: vector loads: rung 5's "
+                                                                         "decode kernel does not serve it: a quantized "
+                                                                         "cache (quant_bit 8) with a bfloat16 query")):
+        args = build_trt(case)
+        plan = cacheattn.plan_gpt_attention(**{k: v for k, v in args.items() if k not in trtllm.LAYER_INPUTS},
+                                            multi_block_mode=False)
+        with _launch.recorded_launches():
+            plan.run(**{k: v for k, v in args.items() if k in trtllm.LAYER_INPUTS}, backend="numba")
+        (generation,) = repr(plan).splitlines()[1:]
+        assert generation.startswith("  generation (bfloat16 qkv") and expected in generation, generation
