@@ -29,6 +29,8 @@ from cacheattn.hf.models import (  # noqa: E402
     tiny_model,
 )
 
+from strategies import deep_only  # noqa: E402
+
 # The suite's own calls use transformers' current API (a model's cache keyword is `cache`, no longer
 # `past_key_values`): its deprecation warning fails the test that triggers it.
 pytestmark = pytest.mark.filterwarnings("error:.*past_key_values.*:FutureWarning")
@@ -318,6 +320,27 @@ def test_kernels_give_the_reference_tokens(family, operator):
     assert got.tokens == want.tokens
     for a, b in zip(got.logits, want.logits):
         assert np.abs(a - b).max() <= 1e-4 * max(1.0, np.abs(b).max())
+
+
+@deep_only
+@pytest.mark.simulator
+def test_a_bfloat16_model_is_served_on_the_fast_kernels():
+    """A bfloat16 cache at head_dim 32 on the kernels: the prompts' context steps run rung 6 (FlashAttention-2
+    tiles, bfloat16 mma), the generated tokens rung 5's decode kernel (bfloat16 mma), and the tokens are the
+    reference's, the logits within the bfloat16 bound of it."""
+    from cacheattn.lab import recorder
+
+    model = tiny_model("llama", layers=1, hidden_size=64, num_attention_heads=2, num_key_value_heads=1)
+    prompts, arrivals = [[3, 14, 15, 9, 2], [6, 5]], [0, 1]
+    options = dict(operator="gpt_attention", kv_cache_dtype="bfloat16", page_size=4)
+    want = Engine(model, **options).generate(prompts, 3, arrivals=arrivals)
+    with recorder.record() as recording:
+        got = Engine(model, **options, backend="numba").generate(prompts, 3, arrivals=arrivals)
+    kernels = {launch.kernel for launch in recording.launches}
+    assert {"flash_attention_kernel", "gqa_decode_attention_kernel"} <= kernels, kernels
+    assert got.tokens == want.tokens
+    bound = logit_bound("bfloat16", 1)          # one layer
+    assert all(np.abs(a - b).max() <= bound for a, b in zip(got.logits, want.logits))
 
 
 @settings(max_examples=40 if WIDE else 10, deadline=None)
