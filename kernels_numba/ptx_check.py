@@ -318,11 +318,13 @@ def _trtllm_launches(full: bool):
     return out + _trtllm_decode_launches(full)
 
 
-# The generation entries on rung 5's decode kernel (one beam, head size 32), split two ways: FP8 (e4m3 codes, the
-# folded per-tensor scale, K and V pages apart, the new token from the scratch, the split partials); --full adds
-# float16 and INT8.
+# The generation entries on rung 5's decode kernel (head size 32), split two ways: FP8 (e4m3 codes, the folded
+# per-tensor scale, K and V pages apart, the new token from the scratch, the split partials), with the slot map of
+# 4 sinks (a paged bubble) and of two beams (cache_indirection's rows); --full adds float16 and INT8, each with
+# the slot maps too.
 TRTLLM_DECODE_QUANTS = (128,)
 TRTLLM_DECODE_FULL_ONLY = (0, 64)
+TRTLLM_DECODE_SLOTS = ("sinks", "beams")
 
 
 def _trtllm_decode_launches(full: bool):
@@ -333,21 +335,26 @@ def _trtllm_decode_launches(full: bool):
     H, Hkv, Dh, tpb, past = 4, 2, 32, 16, np.array([20, 20])
     out = []
     for quant in TRTLLM_DECODE_QUANTS + (TRTLLM_DECODE_FULL_ONLY if full else ()):
-        cache_dtype = {0: np.float16, 64: np.int8, 128: np.uint8}[quant]
-        blocks = 2 * -(-int(past[0] + 1) // tpb)
-        call = dict(qkv=rng.standard_normal((2, (H + 2 * Hkv) * Dh)).astype(np.float16), past_key_value=None,
-                    kv_cache_pool=np.zeros((2 * blocks, 1, 2, Hkv, tpb, Dh), cache_dtype),
-                    kv_cache_block_offsets=np.arange(2 * blocks).reshape(1, 2, 2, -1), attention_mask=None,
-                    sequence_length=past + 1, host_past_key_value_lengths=past,
-                    host_max_attention_window_sizes=np.array([64]), host_sink_token_length=np.array([0]),
-                    context_lengths=np.array([2, 2]), cache_indirection=np.zeros((2, 1, 64), np.int32),
-                    host_request_types=np.array([1, 1]), layer_idx=0, num_heads=H, num_kv_heads=Hkv,
-                    hidden_size_per_head=Dh, q_scaling=1.0, kv_orig_quant_scale=10.0, kv_quant_orig_scale=0.1,
-                    kv_cache_quant_mode=quant, paged_kv_cache=True, tokens_per_block=tpb)
-        with _launch.recorded_launches() as launches:
-            gpt_attention(**call, rung=5, num_splits=2)
-        out += [(f"trtllm rung5 decode quant {quant} paged split", kernel, args) for kernel, args in launches
-                if kernel.py_func.__name__ == "gqa_decode_attention_kernel"]
+        for slots in ("",) + TRTLLM_DECODE_SLOTS:
+            cache_dtype = {0: np.float16, 64: np.int8, 128: np.uint8}[quant]
+            sinks, beams = (4, 1) if slots == "sinks" else (0, 2) if slots == "beams" else (0, 1)
+            blocks = 2 * -(-int(past[0] + 1 + 12) // tpb)       # room for the sinks' bubble of 12
+            call = dict(qkv=rng.standard_normal((2, (H + 2 * Hkv) * Dh)).astype(np.float16), past_key_value=None,
+                        kv_cache_pool=np.zeros((2 * blocks, 1, 2, Hkv, tpb, Dh), cache_dtype),
+                        kv_cache_block_offsets=np.arange(2 * blocks).reshape(1, 2, 2, -1), attention_mask=None,
+                        sequence_length=past + 1, host_past_key_value_lengths=past,
+                        host_max_attention_window_sizes=np.array([36 if sinks else 64]),
+                        host_sink_token_length=np.array([sinks]), streamingllm=bool(sinks),
+                        context_lengths=np.array([2, 2]),
+                        cache_indirection=np.zeros((2 // beams, beams, 64), np.int32),
+                        host_request_types=np.array([1, 1]), layer_idx=0, num_heads=H, num_kv_heads=Hkv,
+                        hidden_size_per_head=Dh, q_scaling=1.0, kv_orig_quant_scale=10.0, kv_quant_orig_scale=0.1,
+                        kv_cache_quant_mode=quant, paged_kv_cache=True, tokens_per_block=tpb)
+            with _launch.recorded_launches() as launches:
+                gpt_attention(**call, rung=5, num_splits=2)
+            label = f"trtllm rung5 decode quant {quant} paged split{' ' + slots if slots else ''}"
+            out += [(label, kernel, args) for kernel, args in launches
+                    if kernel.py_func.__name__ == "gqa_decode_attention_kernel"]
     return out
 
 

@@ -41,7 +41,28 @@ ON_RUNG_5 = {
                                             tokens_per_block=4),
 }
 
-TWO_WARPS = SPLIT = ("contiguous-int8-group4-split",)
+# The slot map (sinks, a wrapped cyclic window, beams): the keys' slots are not their positions. Each case has a trip
+# whose 16 keys follow each other in one page (the whole-trip loads, from a slot the map gives) and trips that do
+# not (looked up key by key).
+SLOT_MAPPED = {
+    # 4 sinks with a paged bubble of 12: walk trip 16.. (keys 20..35) at slots 32..47, one whole block; trip 0
+    # holds the sinks' end, the last the window's wrap
+    "sinks-paged-bubble": replace(DECODE, generations=((3, 39), (2, 20)), sinks=4, window=36, capacity=40,
+                                  streamingllm=True),
+    # past the window of 32: keys 16..47 at slots 16..31, 0..15 (two whole trips); the other sequence wraps inside
+    # a trip; the new token of an int8 cache from the scratch
+    "wrapped-window-int8": replace(DECODE, generations=((3, 47), (2, 40)), window=32, capacity=32, quant=64),
+    # two beams of a prompt of 18: keys 0..15 from the sequence's first row (a whole trip on the other beam's
+    # row), later ones from the row cache_indirection names, key by key; a contiguous cache
+    "beams-contiguous": replace(DECODE, generations=((18, 37),), beam_width=2, paged=False),
+    # sinks on pages of 8 keys (every key looked up), e4m3 codes, split two ways
+    "sinks-paged8-fp8-split": replace(DECODE, generations=((3, 30),), sinks=2, window=20, capacity=24,
+                                      streamingllm=True, tokens_per_block=8, quant=128),
+}
+ON_RUNG_5.update(SLOT_MAPPED)
+
+TWO_WARPS = ("contiguous-int8-group4-split",)
+SPLIT = ("contiguous-int8-group4-split", "sinks-paged8-fp8-split")
 
 
 def launched(case: TrtCase, **launch) -> list:
@@ -60,6 +81,9 @@ def test_rung_5_decode_conforms(name):
     case = ON_RUNG_5[name]
     threads = 64 if name in TWO_WARPS else 32
     launch = dict(rung=5, num_splits=2 if name in SPLIT else 1)
+    if name in SLOT_MAPPED:
+        register, reason = _step_choice(case, **launch)
+        assert register and "rung 5's decode kernel" in reason, reason
     expected = ["gqa_decode_attention_kernel"] + ["combine_kernel"] * (name in SPLIT)
     names = launched(case, threads=threads, **launch)
     assert names[names.index("gqa_decode_attention_kernel"):][:len(expected)] == expected, names
@@ -81,10 +105,8 @@ def test_quantized_new_token_is_the_unquantized_one(quant, monkeypatch):
 
 
 FALLBACKS = {
-    "beams": (replace(DECODE, generations=((3, 20),), beam_width=2), "2 beams"),
-    "sinks": (replace(DECODE, sinks=2, window=30, streamingllm=True), "sink tokens"),
-    "streamingllm-rope": (replace(DECODE, streamingllm=True, position=1, rotary_dim=8), "StreamingLLM"),
-    "cyclic-wrap": (replace(DECODE, window=24, capacity=24), "cyclic window (24)"),
+    "streamingllm-rope": (replace(DECODE, streamingllm=True, sinks=2, window=30, position=1, rotary_dim=8),
+                          "StreamingLLM with RoPE rotates each cached key"),
     "bfloat16": (replace(DECODE, dtype="bfloat16"), "query bfloat16"),
     "head-size-16": (replace(DECODE, head_size=16), "head_dim 16"),
     "cross-attention": (replace(DECODE, mask_type=0, encoder_lengths=(6, 6)), "encoder's keys"),
