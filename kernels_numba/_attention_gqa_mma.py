@@ -64,7 +64,9 @@ division), plus the lane's fixed key offsets. The last round (compiled apart) cl
 last key, so all loads stay inside the sequence's pages and no value that is not the cache's own reaches P·V
 (0 x NaN), and masks them; a trip past the end reloads the last tile, all masked. Every warp runs the same number
 of trips (the simulator's mma needs all threads of the block). Pages shorter than a trip, or not a multiple of
-16, look every key up.
+16, look every key up. A cache whose keys are not at their positions' slots (a cyclic window past its wrap, sink
+tokens, beams: `slot_map`, compile-time) looks up each trip's first key instead of walking the pages: a trip whose
+16 keys follow it in one page loads as above, any other looks each key up.
 
 What the host must have decided (`decode_kernel_choice`): one query token a sequence, a float16 query, head_dim
 32, 64 or 128, a float16 cache or an int8 / int4 one with float16 scales, rows whose data and scales allow the

@@ -30,10 +30,13 @@ A quantized cache holds its codes, StreamingLLM's holds K before RoPE, and a cal
 cyclic cache writes it after attention: then the new token's K/V come from the scratch the preprocess wrote, in
 the input dtype.
 
-Rung 5: `_attention_gqa_mma`'s kernel walks a sequence's cached keys in slot order from one page table per K and V,
-so it takes the generation entries whose key t sits at slot t of their own row: one beam, no sink tokens, no
-StreamingLLM rotation, no cross attention, and a window no shorter than any of them (`register_problem`). The
-TensorRT-LLM sources become `DecodeSource`s: a paged pool's block offsets are the pages (a step of them
+Rung 5: `_attention_gqa_mma`'s kernel takes the generation entries except StreamingLLM's with RoPE (cached keys
+rotated as they load, `register_problem`). Where a key t sits at slot t of the entry's own row (one beam, no sinks,
+no sequence past the window; cross attention's encoder keys) it walks the slots in order. Otherwise it walks the visible keys as
+rung 3 does and asks the slot map (`make_slot_map`) for the first key of each trip of 16: its row (the beam's, past
+the prompt) and cyclic slot, and how many keys follow it in the slots after; a trip whose keys all do, inside one
+page, loads as a whole, the others (the sinks' end, the window's wrap, a beam's keys past the prompt) key by key.
+The TensorRT-LLM sources become `DecodeSource`s: a paged pool's block offsets are the pages (a step of them
 `page_unit` slots), a contiguous cache one page a row. INT8 and e4m3 codes go into the mma as they are: the
 per-tensor scale (and e4m3's 256) folds into the logit scale for K and into one multiply of the output for V, as
 on rung 3. The preprocess writes the query to the scratch for it; a quantized cache's new token comes from the K/V
@@ -380,13 +383,13 @@ def register_problem(*, rounds_as, head_size, num_heads, num_kv_heads, quant, th
                      sinks, streaming, generation_new, generation_kvlens, window) -> str | None:
     """Why the step's generation entries cannot run on rung 5's decode kernel, or None (host facts only; the
     layer's arrays are checked at launch, `register_sources`). streaming: StreamingLLM with RoPE, whose cached keys
-    are rotated as they load; sinks, a wrapped window and beams take the slot map (`register_slot_map`)."""
+    are rotated as they load; sinks, a wrapped window and beams take the slot map (`register_slot_map`); cross
+    attention's generation entries read the encoder's keys from their own row's slots 0 .. L - 1, as a decode
+    reads its cache."""
     if rounds_as != "float16":
         return f"query {rounds_as}, not float16"
     if not use_cache:
         return "no cache"
-    if cross:
-        return "cross attention reads the encoder's keys"
     if streaming:
         return ("StreamingLLM with RoPE rotates each cached key at its slot as it loads (a cosine and sine a key and "
                 "pair of dims; GPT-NeoX pairs dims of other lanes' slices), which the register-fed loads do not")
@@ -396,9 +399,12 @@ def register_problem(*, rounds_as, head_size, num_heads, num_kv_heads, quant, th
                                 threads=threads)
 
 
-def register_slot_map(*, sinks, beam_width, generation_kvlens, window) -> tuple:
+def register_slot_map(*, sinks, beam_width, generation_kvlens, window, cross=False) -> tuple:
     """(slot map, beams) of the decode kernel for the step: whether its keys need `make_slot_map` (sink tokens, a
-    sequence past the cyclic window, or beams), and whether through cache_indirection."""
+    sequence past the cyclic window, or beams), and whether through cache_indirection. Cross attention's keys are
+    the encoder's at slots 0 .. L - 1 of the entry's own row: no map."""
+    if cross:
+        return False, False
     wrapped = len(generation_kvlens) > 0 and int(np.max(generation_kvlens)) > window
     return bool(sinks or wrapped or beam_width > 1), beam_width > 1
 
@@ -491,18 +497,19 @@ def register_splits(rung, num_splits, multi_block_mode, num_sms, new, kvlens, wi
 
 def attend_generation_register(q_geom, out_geom, lens, k_src, v_src, args, sm_scale, num_heads, num_kv_heads,
                                head_size, quant, new_in_cache, threads, stream, contiguous_starts, splits=1,
-                               num_tokens=0, new_starts=None, slots=(False, False)) -> bool:
+                               num_tokens=0, new_starts=None, slots=(False, False), cross=False) -> bool:
     """Launch rung 5's decode kernel over the generation entries (lens: the step's (new, kvlens) with 0 new for the
     others, whose blocks return at once), split `splits` ways with the combine after it (num_tokens, new_starts:
-    the output's rows and the entries' first rows among the new tokens; slots: `register_slot_map`'s); False,
-    launching nothing, where the layer's arrays do not allow it."""
+    the output's rows and the entries' first rows among the new tokens; slots: `register_slot_map`'s; cross: every
+    key is an encoder key in the cache, none from the scratch); False, launching nothing, where the layer's arrays
+    do not allow it."""
     sources = register_sources(k_src, v_src, quant, head_size, contiguous_starts)
     if sources is None or _address(q_geom[0]) % VECTOR_BYTES:    # the query rows come in 16-byte loads too
         return False
     k_dec, v_dec, unit = sources
     whole = int(k_dec.page) % 16 == 0
     key = (num_heads, num_kv_heads, head_size, quant, bool(k_src.paged), unit, whole, scores_biased(args),
-           not new_in_cache, threads)
+           not new_in_cache and not cross, threads)
     if quant:
         sm_scale = float(sm_scale) * float(k_dec.fold)
     entries = len(lens[0])

@@ -694,7 +694,8 @@ def _plan_generation(like, *, rung, acc_t, rotate_cached, write_after, num_conte
                 generation_lens=(to_kind(like, generation_new), to_kind(like, kvlens)),
                 contiguous_starts=to_kind(like, np.zeros((E, 1), np.int64)), generation_splits=num_splits,
                 register_slots=register_slot_map(sinks=facts["sinks"], beam_width=facts["beam_width"],
-                                                 generation_kvlens=kvlens[num_context:], window=facts["window"]))
+                                                 generation_kvlens=kvlens[num_context:], window=facts["window"],
+                                                 cross=facts["cross"]))
 
 
 def _plan_preprocess(like, *, table, rope, logn_scaling, scratch, write_cache, streamingllm, generation, new,
@@ -876,7 +877,7 @@ def masked_multihead_attention(s: StepLaunch, pre, out_geom, k_src, v_src, args,
     if s.register_generation and attend_generation_register(
             s.q_geom, out_geom, s.generation_lens, k_src, v_src, args, s.sm_scale, s.H, s.Hkv, s.Dh, s.quant,
             s.new_in_cache, s.threads, stream, s.contiguous_starts, s.register_splits, s.num_tokens,
-            s.generation_starts, s.register_slots):
+            s.generation_starts, s.register_slots, s.do_cross_attention):
         return
     attend_generation(None if s.rung in (5, 6) else s.rung, s.generation_splits, s.multi_block_mode, s.num_sms, pre,
                       out_geom, s.generation_new, s.kvlens, k_src, v_src, args, s.sm_scale, s.rounds_as, s.H, s.Hkv,
