@@ -20,7 +20,7 @@ from cacheattn import trtllm
 from kernels_numba import _launch
 from kernels_numba.trtllm_gpt_attention import LAYER_INPUTS, prepare_step
 
-from strategies import KERNEL, TrtCase, build_trt, trt_cases
+from strategies import DEEP, KERNEL, TrtCase, build_trt, trt_cases
 
 # Two generation sequences of one token over a paged cache of whole 16-key trips (head_size 32: a lane's K slice is
 # one 16-byte load of float16), a GQA group of 2.
@@ -51,18 +51,22 @@ SLOT_MAPPED = {
     # 4 sinks with a paged bubble of 12: walk trip 16.. (keys 20..35) at slots 32..47, one whole block; trip 0
     # holds the sinks' end, the last the window's wrap
     "sinks-paged-bubble": replace(DECODE, generations=((3, 39), (2, 20)), sinks=4, window=36, capacity=40,
-                                  streamingllm=True),
+                                  streamingllm=True, num_heads=2, num_kv_heads=1),
     # past the window of 32: keys 16..47 at slots 16..31, 0..15 (two whole trips); the other sequence wraps inside
     # a trip; the new token of an int8 cache from the scratch
-    "wrapped-window-int8": replace(DECODE, generations=((3, 47), (2, 40)), window=32, capacity=32, quant=64),
+    "wrapped-window-int8": replace(DECODE, generations=((3, 47), (2, 40)), window=32, capacity=32, quant=64,
+                                   num_heads=2, num_kv_heads=1),
     # two beams of a prompt of 18: keys 0..15 from the sequence's first row (a whole trip on the other beam's
     # row), later ones from the row cache_indirection names, key by key; a contiguous cache
-    "beams-contiguous": replace(DECODE, generations=((18, 37),), beam_width=2, paged=False),
+    "beams-contiguous": replace(DECODE, generations=((18, 37),), beam_width=2, paged=False, num_heads=2,
+                                num_kv_heads=1),
     # sinks on pages of 8 keys (every key looked up), e4m3 codes, split two ways
     "sinks-paged8-fp8-split": replace(DECODE, generations=((3, 30),), sinks=2, window=20, capacity=24,
                                       streamingllm=True, tokens_per_block=8, quant=128),
 }
 ON_RUNG_5.update(SLOT_MAPPED)
+DEEP_CASES = ("sinks-paged8-fp8-split",)        # the quick tier keeps one case of each slot map
+DEEP_TIER = pytest.mark.skipif(not DEEP, reason="the deep tier: CACHEATTN_EXAMPLES=2 or more (.ci/run)")
 
 TWO_WARPS = ("contiguous-int8-group4-split",)
 SPLIT = ("contiguous-int8-group4-split", "sinks-paged8-fp8-split")
@@ -76,7 +80,8 @@ def launched(case: TrtCase, **launch) -> list:
 
 
 @pytest.mark.spec("trtllm/generation-mmha")
-@pytest.mark.parametrize("name", ON_RUNG_5)
+@pytest.mark.parametrize("name", [pytest.param(name, marks=DEEP_TIER) if name in DEEP_CASES else name
+                                  for name in ON_RUNG_5])
 def test_rung_5_decode_conforms(name):
     """The kit's checks (float64 evaluation, caches bit for bit, unread slots NaN) with the generation entries on the
     decode kernel: asked for (rung 5), and chosen by rung None where multi-block mode does not split the keys. One
@@ -166,7 +171,8 @@ def test_misaligned_cache_takes_rung_3_per_layer():
 
 @pytest.mark.skipif(KERNEL < 12, reason="a longer hunt: CACHEATTN_EXAMPLES=2 or more")
 @settings(max_examples=KERNEL // 3)
-@given(case=trt_cases(dtypes=("float16",)), head_size=st.sampled_from([32, 64]))
+@given(case=trt_cases(dtypes=("float16",), streaming=(False, True), cross=(False, True)),
+       head_size=st.sampled_from([32, 64]))
 def test_drawn_calls_conform_with_rung_5(case, head_size):
     """The kit's drawn gpt_attention calls (in-flight batches, beams, windows and sinks, masks, RoPE, ALiBi, biases,
     cross attention, every cache) at a head size the decode kernel takes, rung 5 asked for: the generation requests
