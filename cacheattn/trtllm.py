@@ -1276,9 +1276,10 @@ def gpt_attention(
         registers, its keys split across blocks as rung 4's) where it serves the step, else 3 or 4 as with None;
         None: rung 5's decode kernel where it serves (split where multi_block_mode splits), else 3, or 4 when
         multi_block_mode splits. The decode kernel takes a float16 qkv, head size 32,
-        64 or 128, a float16, INT8 or FP8 cache, beams, sink tokens, sequences past the (cyclic) attention window
-        and cross attention, not StreamingLLM with RoPE (its cached keys are rotated as they load); a layer whose
-        cache is not aligned for 16-byte loads runs rung 3. Rungs 3 to 5 accumulate in float32: a float64 qkv runs on rung 1, and asking for 3 or 4 with one
+        64 or 128, a float16, INT8 or FP8 cache, beams, sink tokens, cross attention and sequences past the cyclic
+        attention window, not StreamingLLM with RoPE (its cached keys are rotated as they load); a layer whose
+        cache is not aligned for 16-byte loads runs
+        rung 3. Rungs 3 to 5 accumulate in float32: a float64 qkv runs on rung 1, and asking for 3 or 4 with one
         raises. Context requests (the fused context FMHA) run on the tensor cores: rung 6 (FlashAttention-2
         tiles, a float16 or bfloat16 qkv, head size 16 to 128, every key a new token: no chunked context or cross
         attention) or rung 5 (a float16 qkv whose head size fits its tiles), by their bounds where both serve,

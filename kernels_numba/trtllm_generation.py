@@ -32,10 +32,11 @@ the input dtype.
 
 Rung 5: `_attention_gqa_mma`'s kernel takes the generation entries except StreamingLLM's with RoPE (cached keys
 rotated as they load, `register_problem`). Where a key t sits at slot t of the entry's own row (one beam, no sinks,
-no sequence past the window; cross attention's encoder keys) it walks the slots in order. Otherwise it walks the visible keys as
-rung 3 does and asks the slot map (`make_slot_map`) for the first key of each trip of 16: its row (the beam's, past
-the prompt) and cyclic slot, and how many keys follow it in the slots after; a trip whose keys all do, inside one
-page, loads as a whole, the others (the sinks' end, the window's wrap, a beam's keys past the prompt) key by key.
+no sequence past the window; cross attention's encoder keys) it walks the slots in order. Otherwise it walks the
+visible keys as rung 3 does and asks the slot map (`make_slot_map`) for the first key of each trip of 16: its row
+(the beam's, past the prompt) and cyclic slot, and how many keys follow it in the slots after; a trip whose keys
+all do, inside one page, loads as a whole, the others (the sinks' end, the window's wrap, a beam's keys past the
+prompt) key by key.
 The TensorRT-LLM sources become `DecodeSource`s: a paged pool's block offsets are the pages (a step of them
 `page_unit` slots), a contiguous cache one page a row. INT8 and e4m3 codes go into the mma as they are: the
 per-tensor scale (and e4m3's 256) folds into the logit scale for K and into one multiply of the output for V, as
@@ -426,7 +427,7 @@ def make_slot_map(beams: bool):
             c = (t - sinks) % cycle
             slot, run, bubble = sinks + c, cycle - c, src.bubble
         row = np.int64(b)
-        if beams and t < args.table[b, PAST]:           # the new token: its own row's slot
+        if beams and t < args.table[b, PAST]:           # the new token (t = past) is in its own row
             row = args.table[b, FIRST_ROW]
             if t < args.table[b, PROMPT]:
                 run = min(run, args.table[b, PROMPT] - t)
@@ -524,8 +525,8 @@ def attend_generation_register(q_geom, out_geom, lens, k_src, v_src, args, sm_sc
     m_part, l_part = (empty_like_kind(like, (splits * rows,), np.float32) for _ in range(2))
     split_geom = (o_part, *out_geom[1:], np.int64(splits), np.int64(rows * head_size), np.int64(rows),
                   np.int64(num_heads), m_part, l_part)
-    launch(register_kernel(*key, partials=True, slots=slots), grid[:2] + (entries * splits,), threads, stream, q_geom, split_geom,
-           *inputs)
+    launch(register_kernel(*key, partials=True, slots=slots), grid[:2] + (entries * splits,), threads, stream, q_geom,
+           split_geom, *inputs)
     launch(combine_kernel("float16", num_heads, head_size), (max(1, ceil_div(num_heads * head_size, threads)), entries),
            threads, stream, o_part, m_part, l_part, np.int64(splits), out_geom[1], new_starts, out_geom[0])
     return True
