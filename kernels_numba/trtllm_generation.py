@@ -410,6 +410,16 @@ def register_slot_map(*, sinks, beam_width, generation_kvlens, window, cross=Fal
     return bool(sinks or wrapped or beam_width > 1), beam_width > 1
 
 
+def slot_map_reason(*, sinks, beam_width, generation_kvlens, window, cross=False) -> str:
+    """What sends the step's keys through the slot map (`register_slot_map`), for the plan's reason, or ""."""
+    if not register_slot_map(sinks=sinks, beam_width=beam_width, generation_kvlens=generation_kvlens, window=window,
+                             cross=cross)[0]:
+        return ""
+    causes = [f"{beam_width} beams' cache_indirection"] * (beam_width > 1) + [f"{sinks} sink tokens"] * bool(sinks) \
+        + [f"a sequence past the cyclic window of {window}"] * bool(int(np.max(generation_kvlens)) > window)
+    return f", each trip's keys through the slot map ({', '.join(causes)})"
+
+
 def make_slot_map(beams: bool):
     """slot_map(args, src, b, u) of the decode kernel (`make_gqa_decode_attention_kernel`) over the visible keys
     (walk index u: `hidden_keys`): (cache row, slot, run) of key t = u (below the sinks) or u + hidden, its slot

@@ -119,6 +119,7 @@ from .trtllm_generation import (
     register_problem,
     register_slot_map,
     register_splits,
+    slot_map_reason,
 )
 
 
@@ -797,8 +798,10 @@ def _generation_choice(vector_generation, rung, *, num_splits, multi_block_mode,
     splits = register_splits(rung, num_splits, multi_block_mode, num_sms, new, kvlens, facts["window"],
                              facts["num_heads"], facts["num_kv_heads"], facts["threads"])
     split = f", its keys split {splits} ways (multi-block)" if splits > 1 else ""
+    mapped = slot_map_reason(sinks=facts["sinks"], beam_width=facts["beam_width"],
+                             generation_kvlens=facts["generation_kvlens"], window=facts["window"], cross=facts["cross"])
     return True, splits, ("rung 5's decode kernel: the GQA group on tensor cores, K/V loaded into the mma's "
-                          f"registers{split}")
+                          f"registers{mapped}{split}")
 
 
 def run_layer(s: StepLaunch, *, qkv, past_key_value, kv_cache_pool, layer_idx, qkv_bias, kv_orig_quant_scale,
