@@ -319,12 +319,13 @@ def _trtllm_launches(full: bool):
 
 
 # The generation entries on rung 5's decode kernel (head size 32), split two ways: FP8 (e4m3 codes, the folded
-# per-tensor scale, K and V pages apart, the new token from the scratch, the split partials), with the slot map of
-# 4 sinks (a paged bubble) and of two beams (cache_indirection's rows); --full adds float16 and INT8, each with
-# the slot maps too.
+# per-tensor scale, K and V pages apart, the new token from the scratch, the split partials), and with the slot map
+# of two beams (the cyclic formula, cache_indirection's rows); --full adds the slot map of 4 sinks (a paged bubble)
+# and float16 and INT8, each with both slot maps too.
 TRTLLM_DECODE_QUANTS = (128,)
 TRTLLM_DECODE_FULL_ONLY = (0, 64)
-TRTLLM_DECODE_SLOTS = ("sinks", "beams")
+TRTLLM_DECODE_SLOTS = ("beams",)
+TRTLLM_DECODE_SLOTS_FULL_ONLY = ("sinks",)
 
 
 def _trtllm_decode_launches(full: bool):
@@ -335,7 +336,7 @@ def _trtllm_decode_launches(full: bool):
     H, Hkv, Dh, tpb, past = 4, 2, 32, 16, np.array([20, 20])
     out = []
     for quant in TRTLLM_DECODE_QUANTS + (TRTLLM_DECODE_FULL_ONLY if full else ()):
-        for slots in ("",) + TRTLLM_DECODE_SLOTS:
+        for slots in ("",) + TRTLLM_DECODE_SLOTS + (TRTLLM_DECODE_SLOTS_FULL_ONLY if full else ()):
             cache_dtype = {0: np.float16, 64: np.int8, 128: np.uint8}[quant]
             sinks, beams = (4, 1) if slots == "sinks" else (0, 2) if slots == "beams" else (0, 1)
             blocks = 2 * -(-int(past[0] + 1 + 12) // tpb)       # room for the sinks' bubble of 12
