@@ -1277,8 +1277,9 @@ def gpt_attention(
         None: rung 5's decode kernel where it serves (split where multi_block_mode splits), else 3, or 4 when
         multi_block_mode splits. The decode kernel takes a float16 qkv with a float16, INT8 or FP8 cache, or a
         bfloat16 qkv with a bfloat16 cache (its mma multiplies bfloat16; a quantized cache keeps a bfloat16 qkv on
-        rung 3 or 4), head size 32, 64 or 128, one beam, no sink tokens or StreamingLLM, no cross attention, and
-        sequences no longer than the attention window; a layer whose cache is not aligned for 16-byte loads runs
+        rung 3 or 4), head size 32, 64 or 128, beams, sink tokens, cross attention and sequences past the cyclic
+        attention window, not StreamingLLM with RoPE (its cached keys are rotated as they load); a layer whose
+        cache is not aligned for 16-byte loads runs
         rung 3. Rungs 3 to 5 accumulate in float32: a float64 qkv runs on rung 1, and asking for 3 or 4 with one
         raises. Context requests (the fused context FMHA) run on the tensor cores: rung 6 (FlashAttention-2
         tiles, a float16 or bfloat16 qkv, head size 16 to 128, every key a new token: no chunked context or cross

@@ -64,7 +64,9 @@ division), plus the lane's fixed key offsets. The last round (compiled apart) cl
 last key, so all loads stay inside the sequence's pages and no value that is not the cache's own reaches P·V
 (0 x NaN), and masks them; a trip past the end reloads the last tile, all masked. Every warp runs the same number
 of trips (the simulator's mma needs all threads of the block). Pages shorter than a trip, or not a multiple of
-16, look every key up.
+16, look every key up. A cache whose keys are not at their positions' slots (a cyclic window past its wrap, sink
+tokens, beams: `slot_map`, compile-time) looks up each trip's first key instead of walking the pages: a trip whose
+16 keys follow it in one page loads as above, any other looks each key up.
 
 bfloat16 (a compile-time choice): a bfloat16 query and cache are moved as their bits, through the same loads,
 permutations and fragments, into `mma.sync ... .bf16` (`_mma.mma_m16n8k16_bf16`); P is packed to bfloat16 for P·V
@@ -336,7 +338,8 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                                      heads_per_block: int, group: int, warps: int, whole_trips: bool,
                                      biased: bool = True, per_tensor: bool = False, e4m3: bool = False,
                                      shared_pages: bool = True, page_unit: int = 1, new_token: bool = False,
-                                     num_kv_heads: int = 0, partials: bool = False, bf16: bool = False):
+                                     num_kv_heads: int = 0, partials: bool = False, bf16: bool = False,
+                                     slot_map=None):
     """Build the kernel. Launch grid (1, num_heads / heads_per_block, B), 32 * warps threads; arguments as
     `_attention_mma.make_mma_attention_kernel`'s kernel (float16 query, or bfloat16 bits with `bf16`; one
     position a sequence), the sources `_cache.CacheSource`s (data, scales, starts, page and the strides).
@@ -351,6 +354,12 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
     slots a step of starts counts (a block index times the slots of a block); new_token, the sequence's last key
     read from the sources' `scratch` (row (q_starts[b] * num_kv_heads + kv head) * D, the query's dtype) rather than
     the cache: the warps walk the cached keys before it, and warp 0 adds it after the merge in float32.
+    slot_map (compile-time: None for key t at slot t of row b): a device function (score_args, k_src, b, t) ->
+    (row, slot, run) for caches whose keys are not in key order (sinks and a wrapped cyclic window, beams): the
+    kernel walks key indices t of `key_range` (and `score` takes them) and reads key t from slot `slot` of cache
+    row `row` (pages starts[row, slot // page]), keys t + 1 .. t + run - 1 from the slots after it in that row.
+    A trip whose 16 keys follow each other in one page takes the whole-trip loads; any other (a wrap, the sinks'
+    end, a page boundary, the last round) looks each key up.
 
     partials (split-K, `_split_k`): out_geom is `_attention_core.make_attention_kernel`'s partial geometry and
     grid z = B * num_splits; block z walks split z % num_splits of sequence z // num_splits's trips (whole 16-key
@@ -415,6 +424,13 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
     MERGE = merge_shape(D, WARPS, HPB)
     O_VALUES = 2 * V_TILES                          # a row's O fragments a lane holds
     WHOLE, BIASED, SHARED, UNIT, NEW = whole_trips, biased, shared_pages, page_unit, new_token
+    SLOT_MAP = slot_map is not None
+    place = slot_map
+    if not SLOT_MAP:
+        @cuda.jit(device=True, inline="always")
+        def place(args, src, b, t):
+            """Key t at slot t of row b (never called: the walk's own addressing serves)."""
+            return np.int64(b), np.int64(t), np.int64(KEY_TILE)
     KV_HEADS, PER_TENSOR, PARTIALS = num_kv_heads, per_tensor, partials
     LN_2 = np.float32(math.log(2.0))                 # base-2 row maxima to the combine's natural-log units
     # The new token's K dims of each lane: the quad's lanes hold a quarter of Q's row each (k_dims).
@@ -495,7 +511,22 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
         kmax = hi - 1 - tc                                              # keys past it load key hi - 1
         starts, page = k_src.starts, k_src.page
         slot0 = v_slot0 = np.int64(0)
-        if WHOLE:
+        row_shift = (np.int64(0), np.int64(0), np.int64(0), np.int64(0))     # a mapped trip's row, past b's
+        whole = WHOLE and not tail
+        if SLOT_MAP:
+            # One lookup of the trip's first key: its 16 keys in consecutive slots of one page take the whole-trip
+            # loads (one division a trip), the others a lookup a key below.
+            whole = False
+            if WHOLE and not tail:
+                row0, s0, run = place(score_args, k_src, b, tc)
+                at_page = s0 % page
+                if run >= KEY_TILE and at_page + KEY_TILE <= page:
+                    whole = True
+                    slot0 = starts[row0, s0 // page] * UNIT + at_page
+                    v_slot0 = slot0 if SHARED else v_src.starts[row0, s0 // page] * UNIT + at_page
+                    row_shift = ((row0 - b) * k_src.s_b, (row0 - b) * k_src.sc_s_b, (row0 - b) * v_src.s_b,
+                                 (row0 - b) * v_src.sc_s_b)
+        elif WHOLE:
             walk[1] += tc - walk[2]
             walk[2] = tc
             while walk[1] >= page:
@@ -505,12 +536,11 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
             v_slot0 = slot0 if SHARED else v_src.starts[b, walk[0]] * UNIT + walk[1]
         # 1. the trip's loads: K of keys grp, grp + 8; V of keys 2q, 2q + 1, 2q + 8, 2q + 9 (with scales). A whole
         #    trip in one page adds 0 or 8 rows (K), 0, 1, 8 or 9 rows (V) to the lane's first key's row.
-        if WHOLE and not tail:
-            lane_rows = (k_lane + slot0 * k_src.s_t, k_sc_lane + slot0 * k_src.sc_s_t,
-                         v_lane + v_slot0 * v_src.s_t, v_sc_lane + v_slot0 * v_src.sc_s_t)
+        lane_rows = (k_lane + slot0 * k_src.s_t + row_shift[0], k_sc_lane + slot0 * k_src.sc_s_t + row_shift[1],
+                     v_lane + v_slot0 * v_src.s_t + row_shift[2], v_sc_lane + v_slot0 * v_src.sc_s_t + row_shift[3])
         for n in range(6):
             src = k_src if n < 2 else v_src
-            if WHOLE and not tail:
+            if whole:
                 extra = 8 * n if n < 2 else (n - 2) % 2 + 8 * ((n - 2) // 2)
                 at = lane_rows[0 if n < 2 else 2] + extra * src.s_t
                 sc_at = lane_rows[1 if n < 2 else 3] + extra * src.sc_s_t
@@ -518,13 +548,18 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                 k = np.int64(grp + 8 * n if n < 2 else 2 * quad + (n - 2) % 2 + 8 * ((n - 2) // 2))
                 if tail:
                     k = min(k, kmax)
-                if WHOLE:
+                shift, sc_shift = np.int64(0), np.int64(0)
+                if SLOT_MAP:                    # key tc + k at its slot of its row
+                    row, t, _ = place(score_args, k_src, b, tc + k)
+                    slot = (starts if n < 2 or SHARED else v_src.starts)[row, t // page] * UNIT + t % page
+                    shift, sc_shift = (row - b) * src.s_b, (row - b) * src.sc_s_b
+                elif WHOLE:
                     slot = (slot0 if n < 2 else v_slot0) + k
                 else:
                     t = tc + k
                     slot = (starts if n < 2 or SHARED else v_src.starts)[b, t // page] * UNIT + t % page
-                at = (k_row if n < 2 else v_row) + slot * src.s_t
-                sc_at = (k_sc if n < 2 else v_sc) + slot * src.sc_s_t
+                at = (k_row if n < 2 else v_row) + slot * src.s_t + shift
+                sc_at = (k_sc if n < 2 else v_sc) + slot * src.sc_s_t + sc_shift
             if n < 2:
                 load_k(k_src.data, at, kw, n * K_WORDS)
                 if SCALED:

@@ -318,11 +318,15 @@ def _trtllm_launches(full: bool):
     return out + _trtllm_decode_launches(full)
 
 
-# The generation entries on rung 5's decode kernel (one beam, head size 32), split two ways: FP8 (e4m3 codes, the
-# folded per-tensor scale, K and V pages apart, the new token from the scratch, the split partials) and bfloat16
-# (its mma, P packed by cvt.rn.bf16x2.f32, the combine's bfloat16 store); --full adds float16 and INT8.
+# The generation entries on rung 5's decode kernel (head size 32), split two ways: FP8 (e4m3 codes, the folded
+# per-tensor scale, K and V pages apart, the new token from the scratch, the split partials), FP8 with the slot map
+# of two beams (the cyclic formula, cache_indirection's rows), and bfloat16 (its mma, P packed by cvt.rn.bf16x2.f32,
+# the combine's bfloat16 store); --full adds the slot map of 4 sinks (a paged bubble) and float16 and INT8, each
+# with both slot maps too.
 TRTLLM_DECODE_VARIANTS = ((np.float16, 128), ("bfloat16", 0))
 TRTLLM_DECODE_FULL_ONLY = ((np.float16, 0), (np.float16, 64))
+TRTLLM_DECODE_SLOTS = ("beams",)
+TRTLLM_DECODE_SLOTS_FULL_ONLY = ("sinks",)
 
 
 def _trtllm_decode_launches(full: bool):
@@ -336,22 +340,28 @@ def _trtllm_decode_launches(full: bool):
     out = []
     for dtype, quant in TRTLLM_DECODE_VARIANTS + (TRTLLM_DECODE_FULL_ONLY if full else ()):
         dtype = ml_dtypes.bfloat16 if isinstance(dtype, str) else dtype        # the kernels take its bits
-        cache_dtype = {0: dtype, 64: np.int8, 128: np.uint8}[quant]
-        blocks = 2 * -(-int(past[0] + 1) // tpb)
-        call = dict(qkv=rng.standard_normal((2, (H + 2 * Hkv) * Dh)).astype(dtype), past_key_value=None,
-                    kv_cache_pool=np.zeros((2 * blocks, 1, 2, Hkv, tpb, Dh), cache_dtype),
-                    kv_cache_block_offsets=np.arange(2 * blocks).reshape(1, 2, 2, -1), attention_mask=None,
-                    sequence_length=past + 1, host_past_key_value_lengths=past,
-                    host_max_attention_window_sizes=np.array([64]), host_sink_token_length=np.array([0]),
-                    context_lengths=np.array([2, 2]), cache_indirection=np.zeros((2, 1, 64), np.int32),
-                    host_request_types=np.array([1, 1]), layer_idx=0, num_heads=H, num_kv_heads=Hkv,
-                    hidden_size_per_head=Dh, q_scaling=1.0, kv_orig_quant_scale=10.0, kv_quant_orig_scale=0.1,
-                    kv_cache_quant_mode=quant, paged_kv_cache=True, tokens_per_block=tpb)
-        with _launch.recorded_launches() as launches:
-            gpt_attention(**call, rung=5, num_splits=2)
         name = np.dtype(dtype).name
-        out += [(f"trtllm rung5 decode {name} quant {quant} paged split{_bits_marker(name)}", kernel, args)
-                for kernel, args in launches if kernel.py_func.__name__ == "gqa_decode_attention_kernel"]
+        maps = TRTLLM_DECODE_SLOTS + (TRTLLM_DECODE_SLOTS_FULL_ONLY if full else ()) if name == "float16" else ()
+        for slots in ("",) + maps:
+            cache_dtype = {0: dtype, 64: np.int8, 128: np.uint8}[quant]
+            sinks, beams = (4, 1) if slots == "sinks" else (0, 2) if slots == "beams" else (0, 1)
+            blocks = 2 * -(-int(past[0] + 1 + 12) // tpb)       # room for the sinks' bubble of 12
+            call = dict(qkv=rng.standard_normal((2, (H + 2 * Hkv) * Dh)).astype(dtype), past_key_value=None,
+                        kv_cache_pool=np.zeros((2 * blocks, 1, 2, Hkv, tpb, Dh), cache_dtype),
+                        kv_cache_block_offsets=np.arange(2 * blocks).reshape(1, 2, 2, -1), attention_mask=None,
+                        sequence_length=past + 1, host_past_key_value_lengths=past,
+                        host_max_attention_window_sizes=np.array([36 if sinks else 64]),
+                        host_sink_token_length=np.array([sinks]), streamingllm=bool(sinks),
+                        context_lengths=np.array([2, 2]),
+                        cache_indirection=np.zeros((2 // beams, beams, 64), np.int32),
+                        host_request_types=np.array([1, 1]), layer_idx=0, num_heads=H, num_kv_heads=Hkv,
+                        hidden_size_per_head=Dh, q_scaling=1.0, kv_orig_quant_scale=10.0, kv_quant_orig_scale=0.1,
+                        kv_cache_quant_mode=quant, paged_kv_cache=True, tokens_per_block=tpb)
+            with _launch.recorded_launches() as launches:
+                gpt_attention(**call, rung=5, num_splits=2)
+            label = f"trtllm rung5 decode {name} quant {quant} paged split{' ' + slots if slots else ''}"
+            out += [(label + _bits_marker(name), kernel, args) for kernel, args in launches
+                    if kernel.py_func.__name__ == "gqa_decode_attention_kernel"]
     return out
 
 

@@ -30,10 +30,14 @@ A quantized cache holds its codes, StreamingLLM's holds K before RoPE, and a cal
 cyclic cache writes it after attention: then the new token's K/V come from the scratch the preprocess wrote, in
 the input dtype.
 
-Rung 5: `_attention_gqa_mma`'s kernel walks a sequence's cached keys in slot order from one page table per K and V,
-so it takes the generation entries whose key t sits at slot t of their own row: one beam, no sink tokens, no
-StreamingLLM rotation, no cross attention, and a window no shorter than any of them (`register_problem`). The
-TensorRT-LLM sources become `DecodeSource`s: a paged pool's block offsets are the pages (a step of them
+Rung 5: `_attention_gqa_mma`'s kernel takes the generation entries except StreamingLLM's with RoPE (cached keys
+rotated as they load, `register_problem`). Where a key t sits at slot t of the entry's own row (one beam, no sinks,
+no sequence past the window; cross attention's encoder keys) it walks the slots in order. Otherwise it walks the
+visible keys as rung 3 does and asks the slot map (`make_slot_map`) for the first key of each trip of 16: its row
+(the beam's, past the prompt) and cyclic slot, and how many keys follow it in the slots after; a trip whose keys
+all do, inside one page, loads as a whole, the others (the sinks' end, the window's wrap, a beam's keys past the
+prompt) key by key.
+The TensorRT-LLM sources become `DecodeSource`s: a paged pool's block offsets are the pages (a step of them
 `page_unit` slots), a contiguous cache one page a row. INT8 and e4m3 codes go into the mma as they are: the
 per-tensor scale (and e4m3's 256) folds into the logit scale for K and into one multiply of the output for V, as
 on rung 3. A bfloat16 qkv with its bfloat16 cache runs it too, every array as its bits (the bfloat16 mma, P and the
@@ -85,9 +89,10 @@ QuerySource = namedtuple("QuerySource", "qkv bias table inv_freq position_diviso
 
 NO_PROMPT = 1 << 62                    # a context entry's keys never go through the beam indirection
 
-# Rung 5's decode kernel reads `_cache.CacheSource`'s fields; TensorRT-LLM's sources add the new token's scratch and
-# the per-tensor scale the codes are folded by (times 256 for e4m3; 1 for a float cache).
-DecodeSource = namedtuple("DecodeSource", CacheSource._fields + ("scratch", "fold"))
+# Rung 5's decode kernel reads `_cache.CacheSource`'s fields; TensorRT-LLM's sources add the new token's scratch,
+# the per-tensor scale the codes are folded by (times 256 for e4m3; 1 for a float cache), and for the slot map
+# (`make_slot_map`) the paged bubble after the sinks and cache_indirection.
+DecodeSource = namedtuple("DecodeSource", CacheSource._fields + ("scratch", "fold", "bubble", "indirection"))
 CONTIGUOUS_PAGE = 1 << 40              # a contiguous row as one page longer than any sequence (whole 16-key trips)
 
 
@@ -380,24 +385,69 @@ def attend_generation(rung, num_splits, multi_block_mode, num_sms, pre, out_geom
 def register_problem(*, rounds_as, head_size, num_heads, num_kv_heads, quant, threads, use_cache, cross, beam_width,
                      sinks, streaming, generation_new, generation_kvlens, window) -> str | None:
     """Why the step's generation entries cannot run on rung 5's decode kernel, or None (host facts only; the
-    layer's arrays are checked at launch, `register_sources`)."""
+    layer's arrays are checked at launch, `register_sources`). streaming: StreamingLLM with RoPE, whose cached keys
+    are rotated as they load; sinks, a wrapped window and beams take the slot map (`register_slot_map`); cross
+    attention's generation entries read the encoder's keys from their own row's slots 0 .. L - 1, as a decode
+    reads its cache."""
     if not use_cache:
         return "no cache"
-    if cross:
-        return "cross attention reads the encoder's keys"
-    if beam_width > 1:
-        return f"{beam_width} beams read their keys from other rows (cache_indirection)"
-    if sinks:
-        return "sink tokens move the window's slots"
     if streaming:
-        return "StreamingLLM rotates the cached keys as they load"
-    if len(generation_kvlens) and int(np.max(generation_kvlens)) > window:
-        return f"a sequence past the cyclic window ({window}) wraps its slots"
+        return ("StreamingLLM with RoPE rotates each cached key at its slot as it loads (a cosine and sine a key and "
+                "pair of dims; GPT-NeoX pairs dims of other lanes' slices), which the register-fed loads do not")
     # the cache holds qkv's dtype, or INT8 / FP8 codes (kept as int8 here: the kernel reads them as bytes)
     return decode_shape_problem(query_dtype=rounds_as, max_seqlen=int(np.max(generation_new, initial=1)),
                                 head_dim=head_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
                                 quant_bit=8 if quant else 0, cache_dtype=np.int8 if quant else rounds_as,
                                 threads=threads)
+
+
+def register_slot_map(*, sinks, beam_width, generation_kvlens, window, cross=False) -> tuple:
+    """(slot map, beams) of the decode kernel for the step: whether its keys need `make_slot_map` (sink tokens, a
+    sequence past the cyclic window, or beams), and whether through cache_indirection. Cross attention's keys are
+    the encoder's at slots 0 .. L - 1 of the entry's own row: no map."""
+    if cross:
+        return False, False
+    wrapped = len(generation_kvlens) > 0 and int(np.max(generation_kvlens)) > window
+    return bool(sinks or wrapped or beam_width > 1), beam_width > 1
+
+
+def slot_map_reason(*, sinks, beam_width, generation_kvlens, window, cross=False) -> str:
+    """What sends the step's keys through the slot map (`register_slot_map`), for the plan's reason, or ""."""
+    if not register_slot_map(sinks=sinks, beam_width=beam_width, generation_kvlens=generation_kvlens, window=window,
+                             cross=cross)[0]:
+        return ""
+    causes = [f"{beam_width} beams' cache_indirection"] * (beam_width > 1) + [f"{sinks} sink tokens"] * bool(sinks) \
+        + [f"a sequence past the cyclic window of {window}"] * bool(int(np.max(generation_kvlens)) > window)
+    return f", each trip's keys through the slot map ({', '.join(causes)})"
+
+
+def make_slot_map(beams: bool):
+    """slot_map(args, src, b, u) of the decode kernel (`make_gqa_decode_attention_kernel`) over the visible keys
+    (walk index u: `hidden_keys`): (cache row, slot, run) of key t = u (below the sinks) or u + hidden, its slot
+    by the cyclic formula plus the paged bubble past the sinks, and how many walk indices from u sit in the slots
+    after it in that row: up to the sinks' end or the window's wrap. beams (compile-time): past the prompt, the row
+    cache_indirection names at the key's cyclic slot (the prompt from the entry's first row, the new token its
+    own), a run of one key."""
+    # spec: trtllm/cyclic-cache, trtllm/sink-tokens, trtllm/cache-indirection
+    @cuda.jit(device=True, inline="always")
+    def slot_map(args, src, b, u):
+        sinks, cycle = args.sinks, args.window - args.sinks
+        t = u + hidden_keys(args, b) if u >= sinks else u
+        slot, run, bubble = t, sinks - t, np.int64(0)
+        if t >= sinks:
+            c = (t - sinks) % cycle
+            slot, run, bubble = sinks + c, cycle - c, src.bubble
+        row = np.int64(b)
+        if beams and t < args.table[b, PAST]:           # the new token (t = past) is in its own row
+            row = args.table[b, FIRST_ROW]
+            if t < args.table[b, PROMPT]:
+                run = min(run, args.table[b, PROMPT] - t)
+            else:
+                row += src.indirection[args.table[b, SEQUENCE], args.table[b, BEAM], slot]
+                run = np.int64(1)
+        return row, slot + bubble, run
+
+    return slot_map
 
 
 def register_sources(k_src, v_src, quant: int, head_size: int, contiguous_starts):
@@ -419,7 +469,7 @@ def register_sources(k_src, v_src, quant: int, head_size: int, contiguous_starts
                           s_b=i64(src.s_row))
         return DecodeSource(data=src.cache, scales=src.scratch, s_t=i64(head_size), s_h=i64(src.s_head),
                             sc_base=i64(0), sc_s_b=i64(0), sc_s_t=i64(0), sc_s_h=i64(0), scratch=src.scratch,
-                            fold=fold, **layout)
+                            fold=fold, bubble=i64(src.bubble), indirection=src.indirection, **layout)
 
     unit = int(k_src.s_block) // head_size if k_src.paged else 1
     return source(k_src), source(v_src), unit
@@ -427,18 +477,20 @@ def register_sources(k_src, v_src, quant: int, head_size: int, contiguous_starts
 
 @cache
 def register_kernel(num_heads, num_kv_heads, head_size, quant, paged, page_unit, whole, biased, new_token, threads,
-                    partials=False, rounds_as="float16"):
+                    partials=False, rounds_as="float16", slots=(False, False)):
     """Rung 5's decode kernel for TensorRT-LLM's generation entries (`_attention_gqa_mma`), with its score and keys
     (partials: split-K's, as rung 4's); rounds_as "bfloat16": qkv, the cache, the scratch and the output (and a
-    relative attention bias) as bfloat16 bits."""
+    relative attention bias) as bfloat16 bits; slots: `register_slot_map`'s (slot map, beams), the kernel then
+    walking the visible keys as rung 3 does, `make_generation_score`."""
     bf16 = rounds_as == BFLOAT16_BITS
-    score, key_range = make_trt_score(np.float32, bf16)
+    mapped, beams = slots
+    score, key_range = make_generation_score(bf16) if mapped else make_trt_score(np.float32, bf16)
     return make_gqa_decode_attention_kernel(
         score, key_range, quant_bit=8 if quant else 0, quant_group=head_size, head_dim=head_size,
         heads_per_block=decode_heads(num_heads, num_kv_heads), group=num_heads // num_kv_heads,
         warps=threads // 32, whole_trips=whole, biased=biased, per_tensor=bool(quant), e4m3=quant == FP8_KV_CACHE,
         shared_pages=not paged, page_unit=page_unit, new_token=new_token, num_kv_heads=num_kv_heads,
-        partials=partials, bf16=bf16)
+        partials=partials, bf16=bf16, slot_map=make_slot_map(beams) if mapped else None)
 
 
 def scores_biased(args) -> bool:
@@ -459,25 +511,28 @@ def register_splits(rung, num_splits, multi_block_mode, num_sms, new, kvlens, wi
 
 def attend_generation_register(q_geom, out_geom, lens, k_src, v_src, args, sm_scale, num_heads, num_kv_heads,
                                head_size, quant, new_in_cache, threads, stream, contiguous_starts, splits=1,
-                               num_tokens=0, new_starts=None, rounds_as="float16") -> bool:
+                               num_tokens=0, new_starts=None, rounds_as="float16", slots=(False, False),
+                               cross=False) -> bool:
     """Launch rung 5's decode kernel over the generation entries (lens: the step's (new, kvlens) with 0 new for the
     others, whose blocks return at once), split `splits` ways with the combine after it (num_tokens, new_starts:
-    the output's rows and the entries' first rows among the new tokens); rounds_as: float16, or "bfloat16" for
-    arrays of bfloat16 bits. False, launching nothing, where the layer's arrays do not allow it."""
+    the output's rows and the entries' first rows among the new tokens; rounds_as: float16, or "bfloat16" for
+    arrays of bfloat16 bits; slots: `register_slot_map`'s; cross: every key is an encoder key in the cache, none
+    from the scratch); False, launching nothing, where the layer's arrays do not allow it."""
     sources = register_sources(k_src, v_src, quant, head_size, contiguous_starts)
     if sources is None or _address(q_geom[0]) % VECTOR_BYTES:    # the query rows come in 16-byte loads too
         return False
     k_dec, v_dec, unit = sources
     whole = int(k_dec.page) % 16 == 0
     key = (num_heads, num_kv_heads, head_size, quant, bool(k_src.paged), unit, whole, scores_biased(args),
-           not new_in_cache, threads)
+           not new_in_cache and not cross, threads)
     if quant:
         sm_scale = float(sm_scale) * float(k_dec.fold)
     entries = len(lens[0])
     grid = (1, num_heads // decode_heads(num_heads, num_kv_heads), entries)
     inputs = (*lens, k_dec, v_dec, args, np.float32(sm_scale))
     if splits == 1:
-        launch(register_kernel(*key, rounds_as=rounds_as), grid, threads, stream, q_geom, out_geom, *inputs)
+        launch(register_kernel(*key, rounds_as=rounds_as, slots=slots), grid, threads, stream, q_geom, out_geom,
+               *inputs)
         return True
     like = q_geom[0]
     rows = num_tokens * num_heads
@@ -485,8 +540,8 @@ def attend_generation_register(q_geom, out_geom, lens, k_src, v_src, args, sm_sc
     m_part, l_part = (empty_like_kind(like, (splits * rows,), np.float32) for _ in range(2))
     split_geom = (o_part, *out_geom[1:], np.int64(splits), np.int64(rows * head_size), np.int64(rows),
                   np.int64(num_heads), m_part, l_part)
-    launch(register_kernel(*key, partials=True, rounds_as=rounds_as), grid[:2] + (entries * splits,), threads,
-           stream, q_geom, split_geom, *inputs)
+    launch(register_kernel(*key, partials=True, rounds_as=rounds_as, slots=slots), grid[:2] + (entries * splits,),
+           threads, stream, q_geom, split_geom, *inputs)
     launch(combine_kernel(rounds_as, num_heads, head_size),
            (max(1, ceil_div(num_heads * head_size, threads)), entries), threads, stream, o_part, m_part, l_part,
            np.int64(splits), out_geom[1], new_starts, out_geom[0])

@@ -114,7 +114,14 @@ from .trtllm_context import (
     scratch_aligned,
     scratch_sources,
 )
-from .trtllm_generation import attend_generation, attend_generation_register, register_problem, register_splits
+from .trtllm_generation import (
+    attend_generation,
+    attend_generation_register,
+    register_problem,
+    register_slot_map,
+    register_splits,
+    slot_map_reason,
+)
 
 
 @cache
@@ -624,7 +631,7 @@ def prepare_step(*, like, window, sequence_length, host_past_key_value_lengths, 
         new=new, kvlens=kvlens, num_splits=num_splits, multi_block_mode=multi_block_mode, num_sms=num_sms,
         rounds_as=rounds_as, head_size=Dh, num_heads=H, num_kv_heads=Hkv, quant=quant, threads=threads,
         use_cache=bool(use_cache), cross=bool(do_cross_attention), beam_width=beam_width, sinks=sinks,
-        streaming=bool(streamingllm), window=window)
+        streaming=rotate_cached, window=window)
     pre, pre_grid = _plan_preprocess(
         like, table=table, rope=rope, logn_scaling=logn_scaling, scratch=(q_scratch, k_scratch, v_scratch),
         write_cache=bool(use_cache) and not write_after and not do_cross_attention, streamingllm=streamingllm,
@@ -687,7 +694,10 @@ def _plan_generation(like, *, rung, acc_t, rotate_cached, write_after, num_conte
                 register_splits=register_splits, generation_reason=generation_reason, generation_new=generation_new,
                 generation_starts=to_kind(like, np.concatenate([[0], np.cumsum(generation_new)]).astype(np.int64)),
                 generation_lens=(to_kind(like, generation_new), to_kind(like, kvlens)),
-                contiguous_starts=to_kind(like, np.zeros((E, 1), np.int64)), generation_splits=num_splits)
+                contiguous_starts=to_kind(like, np.zeros((E, 1), np.int64)), generation_splits=num_splits,
+                register_slots=register_slot_map(sinks=facts["sinks"], beam_width=facts["beam_width"],
+                                                 generation_kvlens=kvlens[num_context:], window=facts["window"],
+                                                 cross=facts["cross"]))
 
 
 def _plan_preprocess(like, *, table, rope, logn_scaling, scratch, write_cache, streamingllm, generation, new,
@@ -793,8 +803,10 @@ def _generation_choice(vector_generation, rung, *, num_splits, multi_block_mode,
     splits = register_splits(rung, num_splits, multi_block_mode, num_sms, new, kvlens, facts["window"],
                              facts["num_heads"], facts["num_kv_heads"], facts["threads"])
     split = f", its keys split {splits} ways (multi-block)" if splits > 1 else ""
+    mapped = slot_map_reason(sinks=facts["sinks"], beam_width=facts["beam_width"],
+                             generation_kvlens=facts["generation_kvlens"], window=facts["window"], cross=facts["cross"])
     return True, splits, ("rung 5's decode kernel: the GQA group on tensor cores, K/V loaded into the mma's "
-                          f"registers{split}")
+                          f"registers{mapped}{split}")
 
 
 def run_layer(s: StepLaunch, *, qkv, past_key_value, kv_cache_pool, layer_idx, qkv_bias, kv_orig_quant_scale,
@@ -873,7 +885,7 @@ def masked_multihead_attention(s: StepLaunch, pre, out_geom, k_src, v_src, args,
     if s.register_generation and attend_generation_register(
             s.q_geom, out_geom, s.generation_lens, k_src, v_src, args, s.sm_scale, s.H, s.Hkv, s.Dh, s.quant,
             s.new_in_cache, s.threads, stream, s.contiguous_starts, s.register_splits, s.num_tokens,
-            s.generation_starts, s.rounds_as):
+            s.generation_starts, s.rounds_as, s.register_slots, s.do_cross_attention):
         return
     attend_generation(None if s.rung in (5, 6) else s.rung, s.generation_splits, s.multi_block_mode, s.num_sms, pre,
                       out_geom, s.generation_new, s.kvlens, k_src, v_src, args, s.sm_scale, s.rounds_as, s.H, s.Hkv,

@@ -42,10 +42,41 @@ ON_RUNG_5 = {
     # bfloat16: the bits through the same fragments into the bfloat16 mma, P and the output rounded to bfloat16
     "paged-bf16-relative-bias": replace(DECODE, dtype="bfloat16", position=6, relative="regular"),
     "contiguous-bf16-group4-split": replace(DECODE, dtype="bfloat16", paged=False, num_heads=8, head_size=64),
+    # cross attention: the encoder's 6 and 20 keys from the cache's slots, none from the scratch (an int8 cache
+    # would otherwise take its last key from there)
+    "cross-attention-int8": replace(DECODE, mask_type=0, encoder_lengths=(6, 20), quant=64),
 }
-DEEP_CASES = ("contiguous-bf16-group4-split",)         # over 2 s in the simulator: paged-bf16 stands for them
 
-TWO_WARPS = SPLIT = ("contiguous-int8-group4-split", "contiguous-bf16-group4-split")
+# The slot map (sinks, a wrapped cyclic window, beams): the keys' slots are not their positions. Each case has a trip
+# whose 16 keys follow each other in one page (the whole-trip loads, from a slot the map gives) and trips that do
+# not (looked up key by key).
+SLOT_MAPPED = {
+    # 4 sinks with a paged bubble of 12: walk trip 16.. (keys 20..35) at slots 32..47, one whole block; trip 0
+    # holds the sinks' end, the last the window's wrap
+    "sinks-paged-bubble": replace(DECODE, generations=((3, 39), (2, 20)), sinks=4, window=36, capacity=40,
+                                  streamingllm=True, num_heads=2, num_kv_heads=1),
+    # past the window of 32: keys 16..47 at slots 16..31, 0..15 (two whole trips); the other sequence wraps inside
+    # a trip; the new token of an int8 cache from the scratch
+    "wrapped-window-int8": replace(DECODE, generations=((3, 47), (2, 40)), window=32, capacity=32, quant=64,
+                                   num_heads=2, num_kv_heads=1),
+    # two beams of a prompt of 18: keys 0..15 from the sequence's first row (a whole trip on the other beam's
+    # row), later ones from the row cache_indirection names, key by key; a contiguous cache
+    "beams-contiguous": replace(DECODE, generations=((18, 37),), beam_width=2, paged=False, num_heads=2,
+                                num_kv_heads=1),
+    # sinks on pages of 8 keys (every key looked up), e4m3 codes, split two ways
+    "sinks-paged8-fp8-split": replace(DECODE, generations=((3, 30),), sinks=2, window=20, capacity=24,
+                                      streamingllm=True, tokens_per_block=8, quant=128),
+}
+# bfloat16 through the slot map: two beams on a contiguous cache
+SLOT_MAPPED["beams-contiguous-bf16"] = replace(SLOT_MAPPED["beams-contiguous"], dtype="bfloat16")
+ON_RUNG_5.update(SLOT_MAPPED)
+DEEP_CASES = ("contiguous-bf16-group4-split",   # over 2 s in the simulator: paged-bf16 stands for it
+              "sinks-paged8-fp8-split",         # the quick tier keeps one case of each slot map
+              "beams-contiguous-bf16")
+DEEP_TIER = pytest.mark.skipif(not DEEP, reason="the deep tier: CACHEATTN_EXAMPLES=2 or more (.ci/run)")
+
+TWO_WARPS = ("contiguous-int8-group4-split", "contiguous-bf16-group4-split")
+SPLIT = TWO_WARPS + ("sinks-paged8-fp8-split",)
 
 
 def launched(case: TrtCase, **launch) -> list:
@@ -56,16 +87,18 @@ def launched(case: TrtCase, **launch) -> list:
 
 
 @pytest.mark.spec("trtllm/generation-mmha")
-@pytest.mark.parametrize("name", ON_RUNG_5)
+@pytest.mark.parametrize("name", [pytest.param(name, marks=DEEP_TIER) if name in DEEP_CASES else name
+                                  for name in ON_RUNG_5])
 def test_rung_5_decode_conforms(name):
     """The kit's checks (float64 evaluation, caches bit for bit, unread slots NaN) with the generation entries on the
     decode kernel: asked for (rung 5), and chosen by rung None where multi-block mode does not split the keys. One
     warp a block (the simulator's cost is blocks x threads), two where the warps' merge meets the new token."""
-    if name in DEEP_CASES and not DEEP:
-        pytest.skip("the deep tier: CACHEATTN_EXAMPLES=2 or more (.ci/run)")
     case = ON_RUNG_5[name]
     threads = 64 if name in TWO_WARPS else 32
     launch = dict(rung=5, num_splits=2 if name in SPLIT else 1)
+    if name in SLOT_MAPPED:
+        register, reason = _step_choice(case, **launch)
+        assert register and "rung 5's decode kernel" in reason, reason
     expected = ["gqa_decode_attention_kernel"] + ["combine_kernel"] * (name in SPLIT)
     names = launched(case, threads=threads, **launch)
     assert names[names.index("gqa_decode_attention_kernel"):][:len(expected)] == expected, names
@@ -99,14 +132,11 @@ def test_bfloat16_new_token_from_the_scratch():
 
 
 FALLBACKS = {
-    "beams": (replace(DECODE, generations=((3, 20),), beam_width=2), "2 beams"),
-    "sinks": (replace(DECODE, sinks=2, window=30, streamingllm=True), "sink tokens"),
-    "streamingllm-rope": (replace(DECODE, streamingllm=True, position=1, rotary_dim=8), "StreamingLLM"),
-    "cyclic-wrap": (replace(DECODE, window=24, capacity=24), "cyclic window (24)"),
+    "streamingllm-rope": (replace(DECODE, streamingllm=True, sinks=2, window=30, position=1, rotary_dim=8),
+                          "StreamingLLM with RoPE rotates each cached key"),
     "float32": (replace(DECODE, dtype="float32"), "query float32"),
     "bfloat16-int8": (replace(DECODE, dtype="bfloat16", quant=64), "quantized cache (quant_bit 8) with a bfloat16"),
     "head-size-16": (replace(DECODE, head_size=16), "head_dim 16"),
-    "cross-attention": (replace(DECODE, mask_type=0, encoder_lengths=(6, 6)), "encoder's keys"),
 }
 
 
@@ -161,11 +191,13 @@ def test_misaligned_cache_takes_rung_3_per_layer():
 
 @pytest.mark.skipif(KERNEL < 12, reason="a longer hunt: CACHEATTN_EXAMPLES=2 or more")
 @settings(max_examples=KERNEL // 3)
-@given(case=trt_cases(dtypes=("float16", "bfloat16"), beams=(1,)), head_size=st.sampled_from([32, 64]))
+@given(case=trt_cases(dtypes=("float16", "bfloat16"), streaming=(False, True), cross=(False, True)),
+       head_size=st.sampled_from([32, 64]))
 def test_drawn_calls_conform_with_rung_5(case, head_size):
-    """The kit's drawn gpt_attention calls (in-flight batches, windows, masks, RoPE, ALiBi, biases, every cache;
-    float16 and bfloat16) at a head size the decode kernel takes, rung 5 asked for (bfloat16: the plan's choice,
-    rung 5's context kernel being float16's): the generation requests it serves run on it."""
+    """The kit's drawn gpt_attention calls (in-flight batches, beams, windows and sinks, masks, RoPE, ALiBi, biases,
+    cross attention, every cache; float16 and bfloat16) at a head size the decode kernel takes, rung 5 asked for
+    (bfloat16: the plan's choice, rung 5's context kernel being float16's): the generation requests it serves run
+    on it."""
     case = replace(case, head_size=head_size, rotary_dim=min(case.rotary_dim, head_size))
     launch = dict(rung=5) if case.dtype == "float16" else dict(multi_block_mode=False)
     kit.check_case("gpt_attention", kernels(32, **launch), case)

@@ -128,3 +128,28 @@ def test_plan_takes_gpt_attentions_step_arguments():
     assert sorted(k for k in run if k != "self") == sorted((*LAYER_INPUTS, "backend"))
     with pytest.raises(TypeError):
         cacheattn.plan_gpt_attention(**split(build_trt(BASE))[0], qkv=None)
+
+
+@pytest.mark.parametrize("change,rung,why", [
+    (dict(beam_width=2), 5, "slot map (2 beams' cache_indirection)"),
+    (dict(sinks=4, streamingllm=True), 5, "slot map (4 sink tokens)"),
+    (dict(window=24, capacity=24), 5, "slot map (a sequence past the cyclic window of 24)"),
+    (dict(mask_type=0, encoder_lengths=(30,)), 5, "mma's registers"),
+    (dict(sinks=4, streamingllm=True, position=1, rotary_dim=8), 3, "does not serve it: StreamingLLM with RoPE")])
+def test_plan_says_which_generation_cases_take_rung_5(change, rung, why):
+    """Beams, sink tokens and a wrapped cyclic window take rung 5's decode kernel through its slot map, cross
+    attention without one; StreamingLLM with RoPE stays on rung 3 (or 4), and the plan says why. The launches are
+    recorded, not run."""
+    base = dict(contexts=(), generations=((3, 40),), beam_width=1, num_heads=4, num_kv_heads=2, head_size=32,
+                dtype="float16", capacity=48, window=48, tokens_per_block=16, num_layers=1, layer_idx=0)
+    case = replace(PAGED, **{**base, **change})
+    step, layer = split(build_trt(case))
+    plan = cacheattn.plan_gpt_attention(**step)
+    with _launch.recorded_launches():
+        plan.run(**layer, backend="numba")
+    line = [x for x in repr(plan).splitlines() if x.lstrip().startswith("generation")][0]
+    assert why in line and ("slot map" in line) == ("slot map" in why), line
+    if rung == 5:
+        assert ": rung 5," in line and "rung 5's decode kernel:" in line, line
+    else:                                # rung 4 where multi-block mode splits the one sequence's keys
+        assert ": rung 3," in line or ": rung 4," in line, line
