@@ -46,7 +46,10 @@ A group of at most 8 heads computes its scores transposed, Sᵀ = K Qᵀ: the tr
 (A: the K registers a lane loaded, keys grp and grp + 8 at the same reduction indices), the heads its 8 columns
 (B: Q's row grp, two registers a k-step), so the scores take D / 16 mma instead of D / 8 and Q needs no zero rows.
 Lane (g, q) then holds keys g, g + 8 of heads 2q, 2q + 1; four shuffles hand each head's keys to the lanes of its
-row (`trip`), where the layout below continues unchanged. FP8 (e4m3) codes convert by cvt.rn.f16x2.e4m3x2 where
+row (`trip`), where the softmax continues unchanged. P·V is transposed too, Oᵀ += Vᵀ Pᵀ: the A fragment of
+16 of V's dims is the B registers of two n8 tiles, Pᵀ's B fragment is P's A registers p0, p2, so it takes D / 16
+mma with no zero rows (no zeroed accumulators a trip); lane (g, q) holds heads 2q, 2q + 1, whose rescale factors
+two shuffles a trip bring, and two shuffles a tile turn Oᵀ back into the layout below after the last trip. FP8 (e4m3) codes convert by cvt.rn.f16x2.e4m3x2 where
 the compile's target has it, by integer instructions on sm_80 (`_dequant.e4m3x4_to_half2_target`).
 
 Softmax runs on the C fragments as in the prefill kernel (a row's maximum over a trip by `quad_max2`), once a
@@ -331,6 +334,7 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
     if D not in HEAD_DIMS:
         raise ValueError(f"head_dim: {D} is not one the tensor-core decode kernel takes ({HEAD_DIMS})")
     K_STEPS, V_TILES = D // MMA_K, D // MMA_N
+    OT_TILES = V_TILES // 2                          # m16 tiles of Oᵀ (transposed trips): two n8 tiles each
     R = _rows(HPB)                                   # C rows a lane keeps: grp (and grp + 8)
     TRANSPOSED = R == 1                              # scores as Sᵀ = K Qᵀ: the heads fit the mma's 8 columns
     BITS = quant_bit or 16
@@ -579,11 +583,25 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
         # O's rescale only when some row's max moved: after the first trips of a long sequence it rarely does, and
         # a branch on the warp's vote skips the 2 D / 8 multiplies of every lane together (where it is taken, the
         # lanes whose max stayed multiply by 1, exactly)
+        alpha_even = alpha_odd = f32(1.0)
+        if TRANSPOSED:
+            # Oᵀ's columns are heads 2q, 2q + 1: their factors from quad 0 of those rows' lanes (outside the
+            # branch: two shuffles a trip rather than a branch that a shuffle keeps on every trip's path)
+            lane_values(moved, 1, tile_max[0], quad_scratch, warp, lane, 8 * quad, 0)
+            alpha_even = moved[0]
+            lane_values(moved, 1, tile_max[0], quad_scratch, warp, lane, 8 * quad + 4, 0)
+            alpha_odd = moved[0]
         if warp_any(rescale, quad_scratch, warp, lane):
-            for r in range(R):
-                for vt in range(V_TILES):
-                    o[vt, 2 * r] *= tile_max[r]
-                    o[vt, 2 * r + 1] *= tile_max[r]
+            if TRANSPOSED:
+                for m in range(OT_TILES):
+                    for e in range(2):
+                        o[m, 2 * e] *= alpha_even
+                        o[m, 2 * e + 1] *= alpha_odd
+            else:
+                for r in range(R):
+                    for vt in range(V_TILES):
+                        o[vt, 2 * r] *= tile_max[r]
+                        o[vt, 2 * r + 1] *= tile_max[r]
         # 4. P as the A fragment of P·V (rows grp + 8 zero unless the block has them)
         p0, p2 = pack_half2(s[0, 0], s[0, 1]), pack_half2(s[1, 0], s[1, 1])
         p1, p3 = ZERO, ZERO
@@ -591,6 +609,15 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
             p1, p3 = pack_half2(s[0, 2], s[0, 3]), pack_half2(s[1, 2], s[1, 3])
         # 5. O += P V: D / 8 n8 tiles, V's B registers from the interleaved key pairs
         value_fragments(vw, vsc, vb)
+        if TRANSPOSED:
+            # Oᵀ += Vᵀ Pᵀ, D / 16 mma and no zero rows: A tile m's rows g, g + 8 are elements 2m, 2m + 1 of lane
+            # g's V slice, whose key pairs are the B registers of n8 tiles 2m, 2m + 1; Pᵀ's B registers are P's A
+            # registers p0, p2 (head g's keys 2q.., 2q + 8..). Lane (g, q) holds heads 2q, 2q + 1 (`o_from_ot`).
+            for m in range(OT_TILES):
+                o[m, 0], o[m, 1], o[m, 2], o[m, 3] = mma_m16n8k16(
+                    vb[0, 2 * m], vb[0, 2 * m + 1], vb[1, 2 * m], vb[1, 2 * m + 1], p0, p2,
+                    o[m, 0], o[m, 1], o[m, 2], o[m, 3], mma_scratch, warp, lane)
+            return
         for vt in range(V_TILES):
             c2, c3 = (o[vt, 2], o[vt, 3]) if R == 2 else (f32(0.0), f32(0.0))
             d0, d1, d2, d3 = mma_m16n8k16(p0, p1, p2, p3, vb[0, vt], vb[1, vt], o[vt, 0], o[vt, 1], c2, c3,
@@ -598,6 +625,23 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
             o[vt, 0], o[vt, 1] = d0, d1
             if R == 2:
                 o[vt, 2], o[vt, 3] = d2, d3
+
+    @cuda.jit(device=True, inline="always")
+    def o_from_ot(o, ot, moved, quad_scratch, warp, lane):
+        """The transposed trips' Oᵀ (ot[m, e]: head 2q + e % 2 at element 2m + e // 2 of lane g's V slice) as the C
+        fragments of O = P V (o[vt, c]: head g at element vt of lane 2q + c's slice), two shuffles a tile: in round
+        i, lane (g, q) reads c = i ^ (g % 2) from lane 4 (2q + c) + g / 2, which sends its head i ^ (its g % 2),
+        the very parity the reader's row needs (each sender has readers of both parities, one a round)."""
+        grp, quad = lane // 4, lane % 4
+        for vt in range(V_TILES):
+            for i in range(2):
+                c = i ^ (grp % 2)
+                send = ot[vt // 2, 2 * (vt % 2) + 1] if (i ^ grp % 2) == 1 else ot[vt // 2, 2 * (vt % 2)]
+                lane_values(moved, 1, send, quad_scratch, warp, lane, 4 * (2 * quad + c) + grp // 2, 0)
+                if c == 0:
+                    o[vt, 0] = moved[0]
+                else:
+                    o[vt, 1] = moved[0]
 
     @cuda.jit(device=True, inline="always")
     def o_dim(quad, c, vt):
@@ -751,6 +795,13 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
         if rounds > 0:
             trip(first + ((rounds - 1) * WARPS + warp) * KEY_TILE, True, rows, srcs, kvs, walk, acc, regs, scratch,
                  score_args, sm_scale, warp, lane)
+
+        if TRANSPOSED:                               # Oᵀ back to the layout the merge and the stores read
+            ot = cuda.local.array((OT_TILES, 4), f32)
+            for m in range(OT_TILES):
+                for e in range(4):
+                    ot[m, e] = o[m, e]
+            o_from_ot(o, ot, regs[9], quad_scratch, warp, lane)
 
         # 6. the warps' merge: warps 1.. hand their state to warp 0, which folds them in (multi-block rule)
         if WARPS > 1:
