@@ -83,6 +83,7 @@ import numpy as np
 from numba import config, cuda
 
 from ._attention_core import SHARED_BYTES
+from ._cache import as_offset
 from ._dequant import (
     INTERLEAVE_BYTES,
     INTERLEAVE_HALVES,
@@ -457,15 +458,17 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
         tc = min(t0, hi - 1 - (hi - 1) % KEY_TILE) if tail else t0      # the trip whose keys are loaded
         kmax = hi - 1 - tc                                              # keys past it load key hi - 1
         starts, page = k_src.starts, k_src.page
-        slot0 = v_slot0 = np.int64(0)
+        slot0, v_slot0 = as_offset(0, k_src.s_t), as_offset(0, v_src.s_t)
         if WHOLE:
             walk[1] += tc - walk[2]
             walk[2] = tc
             while walk[1] >= page:
                 walk[1] -= page
                 walk[0] += 1
-            slot0 = starts[b, walk[0]] * UNIT + walk[1]
-            v_slot0 = slot0 if SHARED else v_src.starts[b, walk[0]] * UNIT + walk[1]
+            # in the sources' offset type: where the host found every offset fits 32 bits, a row is one wide
+            # multiply-add of the slot (rather than a 64-bit multiply)
+            slot0 = as_offset(starts[b, walk[0]] * UNIT + walk[1], k_src.s_t)
+            v_slot0 = slot0 if SHARED else as_offset(v_src.starts[b, walk[0]] * UNIT + walk[1], v_src.s_t)
         # 1. the trip's loads: K of keys grp, grp + 8; V of keys 2q, 2q + 1, 2q + 8, 2q + 9 (with scales). A whole
         #    trip in one page adds 0 or 8 rows (K), 0, 1, 8 or 9 rows (V) to the lane's first key's row.
         if WHOLE and not tail:
@@ -542,7 +545,8 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
         # 3. scores and the online softmax; element e of a C tile: row grp + 8 * (e // 2), key 2q + e % 2. Without
         #    a mask or ALiBi a decode score is q.k / sqrt(D) (causality hides no key of the one query), and a row
         #    past the group's heads needs no mask: its scores never meet a real row's (a row's max is its quad's).
-        low = np.int32(max(min(lo - t0, KEY_TILE), 0))                  # keys of the trip below lo, and from hi
+        # keys of the trip below lo, and from hi, in 32 bits (t0 >= lo - lo % 16: lo - t0 < 16 in every trip)
+        low = max(np.int32(lo - t0), np.int32(0))
         high = np.int32(max(min(hi - t0, KEY_TILE), 0))
         for r in range(2):
             tile_max[r] = NEG_INF
@@ -784,7 +788,7 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                v_src.sc_base + b * v_src.sc_s_b + g_kv * v_src.sc_s_h + V_CHUNK * grp // quant_group)
         kvs = kvs + (kvs[0] + grp * k_src.s_t, kvs[1] + grp * k_src.sc_s_t, kvs[2] + 2 * quad * v_src.s_t,
                      kvs[3] + 2 * quad * v_src.sc_s_t)
-        walk = cuda.local.array(3, np.int64)         # the page walk: page index, offset, the key they locate
+        walk = cuda.local.array(3, np.int32)         # the page walk: page index, offset, the key they locate (32 bits)
         walk[0], walk[1], walk[2] = first // k_src.page, first % k_src.page, first
         rows = (b, h0, lo, hi, seqlen, kvlen)
         srcs, scratch = (k_src, v_src), (mma_scratch, quad_scratch)
