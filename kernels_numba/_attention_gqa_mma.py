@@ -49,8 +49,9 @@ Lane (g, q) then holds keys g, g + 8 of heads 2q, 2q + 1; four shuffles hand eac
 row (`trip`), where the softmax continues unchanged. P·V is transposed too, Oᵀ += Vᵀ Pᵀ: the A fragment of
 16 of V's dims is the B registers of two n8 tiles, Pᵀ's B fragment is P's A registers p0, p2, so it takes D / 16
 mma with no zero rows (no zeroed accumulators a trip); lane (g, q) holds heads 2q, 2q + 1, whose rescale factors
-two shuffles a trip bring, and two shuffles a tile turn Oᵀ back into the layout below after the last trip. FP8 (e4m3) codes convert by cvt.rn.f16x2.e4m3x2 where
-the compile's target has it, by integer instructions on sm_80 (`_dequant.e4m3x4_to_half2_target`).
+two shuffles a trip bring, and two shuffles a tile turn Oᵀ back into the layout below after the last trip. FP8
+(e4m3) codes convert by cvt.rn.f16x2.e4m3x2 where the compile's target has it, by integer instructions on sm_80
+(`_dequant.e4m3x4_to_half2_target`).
 
 Softmax runs on the C fragments as in the prefill kernel (a row's maximum over a trip by `quad_max2`), once a
 trip, in base 2 (scores times log2(e) / sqrt(D), one ex2.approx an exponential): P, packed to float16, is the A
