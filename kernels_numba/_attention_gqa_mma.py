@@ -468,19 +468,23 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                 walk[0] += 1
             # in the sources' offset type: where the host found every offset fits 32 bits, a row is one wide
             # multiply-add of the slot (rather than a 64-bit multiply)
-            slot0 = as_offset(starts[b, walk[0]] * UNIT + walk[1], k_src.s_t)
-            v_slot0 = slot0 if SHARED else as_offset(v_src.starts[b, walk[0]] * UNIT + walk[1], v_src.s_t)
+            # (unsigned indices: no wraparound for a negative one)
+            page_b, page_i = np.uint32(b), np.uint32(walk[0])
+            slot0 = as_offset(starts[page_b, page_i] * UNIT + walk[1], k_src.s_t)
+            v_slot0 = slot0 if SHARED else as_offset(v_src.starts[page_b, page_i] * UNIT + walk[1], v_src.s_t)
         # 1. the trip's loads: K of keys grp, grp + 8; V of keys 2q, 2q + 1, 2q + 8, 2q + 9 (with scales). A whole
         #    trip in one page adds 0 or 8 rows (K), 0, 1, 8 or 9 rows (V) to the lane's first key's row.
         if WHOLE and not tail:
-            lane_rows = (k_lane + slot0 * k_src.s_t, k_sc_lane + slot0 * k_src.sc_s_t,
-                         v_lane + v_slot0 * v_src.s_t, v_sc_lane + v_slot0 * v_src.sc_s_t)
+            lane_rows = (as_offset(k_lane + slot0 * k_src.s_t, k_src.s_t),
+                         as_offset(k_sc_lane + slot0 * k_src.sc_s_t, k_src.s_t),
+                         as_offset(v_lane + v_slot0 * v_src.s_t, v_src.s_t),
+                         as_offset(v_sc_lane + v_slot0 * v_src.sc_s_t, v_src.s_t))
         for n in range(6):
             src = k_src if n < 2 else v_src
             if WHOLE and not tail:
                 extra = 8 * n if n < 2 else (n - 2) % 2 + 8 * ((n - 2) // 2)
-                at = lane_rows[0 if n < 2 else 2] + extra * src.s_t
-                sc_at = lane_rows[1 if n < 2 else 3] + extra * src.sc_s_t
+                at = as_offset(lane_rows[0 if n < 2 else 2] + extra * src.s_t, src.s_t)
+                sc_at = as_offset(lane_rows[1 if n < 2 else 3] + extra * src.sc_s_t, src.s_t)
             else:
                 k = np.int64(grp + 8 * n if n < 2 else 2 * quad + (n - 2) % 2 + 8 * ((n - 2) // 2))
                 if tail:
