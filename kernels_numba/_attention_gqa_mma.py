@@ -525,9 +525,9 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
             # 2q + j + 8 are at lane 4 (2q + j) + h / 2, column h % 2. Two rounds of two shuffles: in round i, lane
             # (g, q) reads lane 4 (2q + j) + g / 2 with j = i ^ (g % 2), which sends its column i ^ (its g % 2),
             # the very column g % 2 the reader needs (each sender has readers of both columns, one a round).
-            odd = grp % 2
+            odd = np.int32(lane >> 2) & np.int32(1)     # 32 bits: one compare a select, not two
             for i in range(2):
-                j = i ^ odd
+                j = np.int32(i) ^ odd
                 src = 4 * (2 * quad + j) + grp // 2
                 lane_values(moved, 1, c1 if j == 1 else c0, quad_scratch, warp, lane, src, 0)
                 key_lo = moved[0]
@@ -574,16 +574,15 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
         rescale = False
         for r in range(R):
             new_max = max(row_max[r], tile_max[r])
-            alpha = f32(1.0)
-            if new_max != NEG_INF:                   # all hidden so far: nothing to rescale, p = 0
-                alpha = exp2(row_max[r] - new_max)
+            # all hidden so far: subtract 0, so p = 2 ** -inf = 0 and alpha = 0 (the row's sum and O are 0 still)
+            # with no branch and no NaN of -inf - -inf
+            top = new_max if new_max != NEG_INF else f32(0.0)
+            alpha = exp2(row_max[r] - top)
             rescale = rescale or new_max != row_max[r]
             part = f32(0.0)
             for nt in range(2):
                 for c in range(2):
-                    p = f32(0.0)
-                    if new_max != NEG_INF:
-                        p = exp2(s[nt, 2 * r + c] - new_max)
+                    p = exp2(s[nt, 2 * r + c] - top)
                     s[nt, 2 * r + c] = p
                     part += p
             row_sum[r] = row_sum[r] * alpha + part
@@ -591,7 +590,7 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
             tile_max[r] = alpha
         # O's rescale only when some row's max moved: after the first trips of a long sequence it rarely does, and
         # a branch on the warp's vote skips the 2 D / 8 multiplies of every lane together (where it is taken, the
-        # lanes whose max stayed multiply by 1, exactly)
+        # lanes whose max stayed multiply by 1, exactly, or a row with no key yet its zeros by 0)
         alpha_even = alpha_odd = f32(1.0)
         if TRANSPOSED:
             # Oᵀ's columns are heads 2q, 2q + 1: their factors from quad 0 of those rows' lanes (outside the
