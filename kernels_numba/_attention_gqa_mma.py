@@ -641,15 +641,20 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
         i, lane (g, q) reads c = i ^ (g % 2) from lane 4 (2q + c) + g / 2, which sends its head i ^ (its g % 2),
         the very parity the reader's row needs (each sender has readers of both parities, one a round)."""
         grp, quad = lane // 4, lane % 4
-        for vt in range(V_TILES):
-            for i in range(2):
-                c = i ^ (grp % 2)
-                send = ot[vt // 2, 2 * (vt % 2) + 1] if (i ^ grp % 2) == 1 else ot[vt // 2, 2 * (vt % 2)]
-                lane_values(moved, 1, send, quad_scratch, warp, lane, 4 * (2 * quad + c) + grp // 2, 0)
-                if c == 0:
-                    o[vt, 0] = moved[0]
-                else:
-                    o[vt, 1] = moved[0]
+        odd = grp % 2 == 1
+        # every index a constant (values selected, not elements): the arrays stay in registers
+        for m in range(OT_TILES):
+            for h in range(2):
+                even_head, odd_head = ot[m, 2 * h], ot[m, 2 * h + 1]
+                # round 0 sends head parity (its g % 2) and fills the reader's column g % 2; round 1 the others
+                lane_values(moved, 1, odd_head if odd else even_head, quad_scratch, warp, lane,
+                            4 * (2 * quad + (1 if odd else 0)) + grp // 2, 0)
+                first = moved[0]
+                lane_values(moved, 1, even_head if odd else odd_head, quad_scratch, warp, lane,
+                            4 * (2 * quad + (0 if odd else 1)) + grp // 2, 0)
+                second = moved[0]
+                o[2 * m + h, 0] = second if odd else first
+                o[2 * m + h, 1] = first if odd else second
 
     @cuda.jit(device=True, inline="always")
     def o_dim(quad, c, vt):
