@@ -566,10 +566,14 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                             x = score(score_args, s[nt, 2 * r + c] * sm_scale, b, h, 0, t0 + kt, seqlen,
                                       kvlen) * f32(LOG2_E)
                     elif low <= kt and (kt < high or not tail):
-                        x = s[nt, 2 * r + c] * sm_log2
+                        x = s[nt, 2 * r + c]            # q.k: scaled in the exponent's fma below
                     s[nt, 2 * r + c] = x
                     tile_max[r] = max(tile_max[r], x)
         top0, top1 = quad_max2(tile_max[0], tile_max[1], quad_scratch, warp, lane)
+        if not BIASED:
+            # the scale is positive and rounding monotonic: the rounded scaled max is the max of the rounded scaled
+            # scores, one multiply a row rather than one a score
+            top0, top1 = top0 * sm_log2, top1 * sm_log2
         tile_max[0], tile_max[1] = top0, top1
         rescale = False
         for r in range(R):
@@ -579,12 +583,13 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
             top = new_max if new_max != NEG_INF else f32(0.0)
             alpha = exp2(row_max[r] - top)
             rescale = rescale or new_max != row_max[r]
-            part = f32(0.0)
             for nt in range(2):
                 for c in range(2):
-                    p = exp2(s[nt, 2 * r + c] - top)
-                    s[nt, 2 * r + c] = p
-                    part += p
+                    if BIASED:
+                        s[nt, 2 * r + c] = exp2(s[nt, 2 * r + c] - top)
+                    else:                               # q.k log2(e) / sqrt(D) - max, rounded once
+                        s[nt, 2 * r + c] = exp2(cuda.fma(s[nt, 2 * r + c], sm_log2, -top))
+            part = (s[0, 2 * r] + s[0, 2 * r + 1]) + (s[1, 2 * r] + s[1, 2 * r + 1])
             row_sum[r] = row_sum[r] * alpha + part
             row_max[r] = new_max
             tile_max[r] = alpha
