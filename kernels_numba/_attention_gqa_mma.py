@@ -95,6 +95,7 @@ from ._dequant import (
     load_bits2,
     load_bits4,
     mul_half2,
+    mul_half2_by,
     pair_selector,
     permute_bytes,
     scale_half2,
@@ -369,6 +370,10 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
     K_REL = np.array([k_slice_dims(quant_bit, ks) for ks in range(K_STEPS)], np.int64)
     K_SC = _scale_table(K_REL.reshape(-1, 2), quant_group, K_CHUNK, KS_WORDS // (K_DIMS // K_CHUNK)).reshape(
         K_STEPS, 2, 3)
+    # where a register's two values take one scale (the same half of the same word), that half (else -1)
+    K_SC_ONE = np.array([[(K_SC[ks, j, 2] & 0xF) // 2 if K_SC[ks, j, 0] == K_SC[ks, j, 1] and
+                          K_SC[ks, j, 2] in (pair_selector(0, 0), pair_selector(1, 1)) else -1 for j in range(2)]
+                         for ks in range(K_STEPS)], np.int64)
     V_SC = _scale_table([(vt, vt) for vt in range(V_TILES)], quant_group, V_CHUNK, VS_WORDS // (V_DIMS // V_CHUNK))
     V_SELECT = INTERLEAVE_BYTES if quant_bit == 8 else INTERLEAVE_HALVES
     # Q's A fragments take K's dims: the lane's float16 chunks of the query row at K's chunks, each chunk's bytes
@@ -408,6 +413,9 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                     ks, j = (w, k) if quant_bit == 8 else (2 * w + k // 2, k % 2)
                     if not SCALED:
                         kb[n, ks, j] = halves[k]
+                        continue
+                    if K_SC_ONE[ks, j] >= 0:         # both values in one group (int4): its scale read in place
+                        kb[n, ks, j] = mul_half2_by(halves[k], ksc[n * KS_WORDS + K_SC[ks, j, 0]], K_SC_ONE[ks, j])
                         continue
                     scale = scale_half2(ksc[n * KS_WORDS + K_SC[ks, j, 0]], ksc[n * KS_WORDS + K_SC[ks, j, 1]],
                                         K_SC[ks, j, 2])
