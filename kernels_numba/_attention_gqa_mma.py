@@ -46,8 +46,12 @@ A group of at most 8 heads computes its scores transposed, Sᵀ = K Qᵀ: the tr
 (A: the K registers a lane loaded, keys grp and grp + 8 at the same reduction indices), the heads its 8 columns
 (B: Q's row grp, two registers a k-step), so the scores take D / 16 mma instead of D / 8 and Q needs no zero rows.
 Lane (g, q) then holds keys g, g + 8 of heads 2q, 2q + 1; four shuffles hand each head's keys to the lanes of its
-row (`trip`), where the layout below continues unchanged. FP8 (e4m3) codes convert by cvt.rn.f16x2.e4m3x2 where
-the compile's target has it, by integer instructions on sm_80 (`_dequant.e4m3x4_to_half2_target`).
+row (`trip`), where the softmax continues unchanged. P·V is transposed too, Oᵀ += Vᵀ Pᵀ: the A fragment of
+16 of V's dims is the B registers of two n8 tiles, Pᵀ's B fragment is P's A registers p0, p2, so it takes D / 16
+mma with no zero rows (no zeroed accumulators a trip); lane (g, q) holds heads 2q, 2q + 1, whose rescale factors
+two shuffles a trip bring, and two shuffles a tile turn Oᵀ back into the layout below after the last trip. FP8
+(e4m3) codes convert by cvt.rn.f16x2.e4m3x2 where the compile's target has it, by integer instructions on sm_80
+(`_dequant.e4m3x4_to_half2_target`).
 
 Softmax runs on the C fragments as in the prefill kernel (a row's maximum over a trip by `quad_max2`), once a
 trip, in base 2 (scores times log2(e) / sqrt(D), one ex2.approx an exponential): P, packed to float16, is the A
@@ -88,6 +92,7 @@ import numpy as np
 from numba import config, cuda
 
 from ._attention_core import SHARED_BYTES
+from ._cache import as_offset
 from ._dequant import (
     INTERLEAVE_BYTES,
     INTERLEAVE_HALVES,
@@ -98,6 +103,7 @@ from ._dequant import (
     load_bits2,
     load_bits4,
     mul_half2,
+    mul_half2_by,
     pair_selector,
     permute_bytes,
     scale_half2,
@@ -374,6 +380,7 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
     if D not in HEAD_DIMS:
         raise ValueError(f"head_dim: {D} is not one the tensor-core decode kernel takes ({HEAD_DIMS})")
     K_STEPS, V_TILES = D // MMA_K, D // MMA_N
+    OT_TILES = V_TILES // 2                          # m16 tiles of Oᵀ (transposed trips): two n8 tiles each
     R = _rows(HPB)                                   # C rows a lane keeps: grp (and grp + 8)
     TRANSPOSED = R == 1                              # scores as Sᵀ = K Qᵀ: the heads fit the mma's 8 columns
     BITS = quant_bit or 16
@@ -413,6 +420,10 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
     K_REL = np.array([k_slice_dims(quant_bit, ks) for ks in range(K_STEPS)], np.int64)
     K_SC = _scale_table(K_REL.reshape(-1, 2), quant_group, K_CHUNK, KS_WORDS // (K_DIMS // K_CHUNK)).reshape(
         K_STEPS, 2, 3)
+    # where a register's two values take one scale (the same half of the same word), that half (else -1)
+    K_SC_ONE = np.array([[(K_SC[ks, j, 2] & 0xF) // 2 if K_SC[ks, j, 0] == K_SC[ks, j, 1] and
+                          K_SC[ks, j, 2] in (pair_selector(0, 0), pair_selector(1, 1)) else -1 for j in range(2)]
+                         for ks in range(K_STEPS)], np.int64)
     V_SC = _scale_table([(vt, vt) for vt in range(V_TILES)], quant_group, V_CHUNK, VS_WORDS // (V_DIMS // V_CHUNK))
     V_SELECT = INTERLEAVE_BYTES if quant_bit == 8 else INTERLEAVE_HALVES
     # Q's A fragments take K's dims: the lane's float16 chunks of the query row at K's chunks, each chunk's bytes
@@ -459,6 +470,9 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                     ks, j = (w, k) if quant_bit == 8 else (2 * w + k // 2, k % 2)
                     if not SCALED:
                         kb[n, ks, j] = halves[k]
+                        continue
+                    if K_SC_ONE[ks, j] >= 0:         # both values in one group (int4): its scale read in place
+                        kb[n, ks, j] = mul_half2_by(halves[k], ksc[n * KS_WORDS + K_SC[ks, j, 0]], K_SC_ONE[ks, j])
                         continue
                     scale = scale_half2(ksc[n * KS_WORDS + K_SC[ks, j, 0]], ksc[n * KS_WORDS + K_SC[ks, j, 1]],
                                         K_SC[ks, j, 2])
@@ -510,7 +524,7 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
         tc = min(t0, hi - 1 - (hi - 1) % KEY_TILE) if tail else t0      # the trip whose keys are loaded
         kmax = hi - 1 - tc                                              # keys past it load key hi - 1
         starts, page = k_src.starts, k_src.page
-        slot0 = v_slot0 = np.int64(0)
+        slot0, v_slot0 = as_offset(0, k_src.s_t), as_offset(0, v_src.s_t)
         row_shift = (np.int64(0), np.int64(0), np.int64(0), np.int64(0))     # a mapped trip's row, past b's
         whole = WHOLE and not tail
         if SLOT_MAP:
@@ -522,8 +536,9 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                 at_page = s0 % page
                 if run >= KEY_TILE and at_page + KEY_TILE <= page:
                     whole = True
-                    slot0 = starts[row0, s0 // page] * UNIT + at_page
-                    v_slot0 = slot0 if SHARED else v_src.starts[row0, s0 // page] * UNIT + at_page
+                    slot0 = as_offset(starts[row0, s0 // page] * UNIT + at_page, k_src.s_t)
+                    v_slot0 = slot0 if SHARED else as_offset(v_src.starts[row0, s0 // page] * UNIT + at_page,
+                                                             v_src.s_t)
                     row_shift = ((row0 - b) * k_src.s_b, (row0 - b) * k_src.sc_s_b, (row0 - b) * v_src.s_b,
                                  (row0 - b) * v_src.sc_s_b)
         elif WHOLE:
@@ -532,18 +547,24 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
             while walk[1] >= page:
                 walk[1] -= page
                 walk[0] += 1
-            slot0 = starts[b, walk[0]] * UNIT + walk[1]
-            v_slot0 = slot0 if SHARED else v_src.starts[b, walk[0]] * UNIT + walk[1]
+            # in the sources' offset type: where the host found every offset fits 32 bits, a row is one wide
+            # multiply-add of the slot (rather than a 64-bit multiply)
+            # (unsigned indices: no wraparound for a negative one)
+            page_b, page_i = np.uint32(b), np.uint32(walk[0])
+            slot0 = as_offset(starts[page_b, page_i] * UNIT + walk[1], k_src.s_t)
+            v_slot0 = slot0 if SHARED else as_offset(v_src.starts[page_b, page_i] * UNIT + walk[1], v_src.s_t)
         # 1. the trip's loads: K of keys grp, grp + 8; V of keys 2q, 2q + 1, 2q + 8, 2q + 9 (with scales). A whole
         #    trip in one page adds 0 or 8 rows (K), 0, 1, 8 or 9 rows (V) to the lane's first key's row.
-        lane_rows = (k_lane + slot0 * k_src.s_t + row_shift[0], k_sc_lane + slot0 * k_src.sc_s_t + row_shift[1],
-                     v_lane + v_slot0 * v_src.s_t + row_shift[2], v_sc_lane + v_slot0 * v_src.sc_s_t + row_shift[3])
+        lane_rows = (as_offset(k_lane + slot0 * k_src.s_t + row_shift[0], k_src.s_t),
+                     as_offset(k_sc_lane + slot0 * k_src.sc_s_t + row_shift[1], k_src.s_t),
+                     as_offset(v_lane + v_slot0 * v_src.s_t + row_shift[2], v_src.s_t),
+                     as_offset(v_sc_lane + v_slot0 * v_src.sc_s_t + row_shift[3], v_src.s_t))
         for n in range(6):
             src = k_src if n < 2 else v_src
             if whole:
                 extra = 8 * n if n < 2 else (n - 2) % 2 + 8 * ((n - 2) // 2)
-                at = lane_rows[0 if n < 2 else 2] + extra * src.s_t
-                sc_at = lane_rows[1 if n < 2 else 3] + extra * src.sc_s_t
+                at = as_offset(lane_rows[0 if n < 2 else 2] + extra * src.s_t, src.s_t)
+                sc_at = as_offset(lane_rows[1 if n < 2 else 3] + extra * src.sc_s_t, src.s_t)
             else:
                 k = np.int64(grp + 8 * n if n < 2 else 2 * quad + (n - 2) % 2 + 8 * ((n - 2) // 2))
                 if tail:
@@ -589,9 +610,9 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
             # 2q + j + 8 are at lane 4 (2q + j) + h / 2, column h % 2. Two rounds of two shuffles: in round i, lane
             # (g, q) reads lane 4 (2q + j) + g / 2 with j = i ^ (g % 2), which sends its column i ^ (its g % 2),
             # the very column g % 2 the reader needs (each sender has readers of both columns, one a round).
-            odd = grp % 2
+            odd = np.int32(lane >> 2) & np.int32(1)     # 32 bits: one compare a select, not two
             for i in range(2):
-                j = i ^ odd
+                j = np.int32(i) ^ odd
                 src = 4 * (2 * quad + j) + grp // 2
                 lane_values(moved, 1, c1 if j == 1 else c0, quad_scratch, warp, lane, src, 0)
                 key_lo = moved[0]
@@ -614,7 +635,8 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
         # 3. scores and the online softmax; element e of a C tile: row grp + 8 * (e // 2), key 2q + e % 2. Without
         #    a mask or ALiBi a decode score is q.k / sqrt(D) (causality hides no key of the one query), and a row
         #    past the group's heads needs no mask: its scores never meet a real row's (a row's max is its quad's).
-        low = np.int32(max(min(lo - t0, KEY_TILE), 0))                  # keys of the trip below lo, and from hi
+        # keys of the trip below lo, and from hi, in 32 bits (t0 >= lo - lo % 16: lo - t0 < 16 in every trip)
+        low = max(np.int32(lo - t0), np.int32(0))
         high = np.int32(max(min(hi - t0, KEY_TILE), 0))
         for r in range(2):
             tile_max[r] = NEG_INF
@@ -629,37 +651,55 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                             x = score(score_args, s[nt, 2 * r + c] * sm_scale, b, h, 0, t0 + kt, seqlen,
                                       kvlen) * f32(LOG2_E)
                     elif low <= kt and (kt < high or not tail):
-                        x = s[nt, 2 * r + c] * sm_log2
+                        x = s[nt, 2 * r + c]            # q.k: scaled in the exponent's fma below
                     s[nt, 2 * r + c] = x
                     tile_max[r] = max(tile_max[r], x)
         top0, top1 = quad_max2(tile_max[0], tile_max[1], quad_scratch, warp, lane)
+        if not BIASED:
+            # the scale is positive and rounding monotonic: the rounded scaled max is the max of the rounded scaled
+            # scores, one multiply a row rather than one a score
+            top0, top1 = top0 * sm_log2, top1 * sm_log2
         tile_max[0], tile_max[1] = top0, top1
         rescale = False
         for r in range(R):
             new_max = max(row_max[r], tile_max[r])
-            alpha = f32(1.0)
-            if new_max != NEG_INF:                   # all hidden so far: nothing to rescale, p = 0
-                alpha = exp2(row_max[r] - new_max)
+            # all hidden so far: subtract 0, so p = 2 ** -inf = 0 and alpha = 0 (the row's sum and O are 0 still)
+            # with no branch and no NaN of -inf - -inf
+            top = new_max if new_max != NEG_INF else f32(0.0)
+            alpha = exp2(row_max[r] - top)
             rescale = rescale or new_max != row_max[r]
-            part = f32(0.0)
             for nt in range(2):
                 for c in range(2):
-                    p = f32(0.0)
-                    if new_max != NEG_INF:
-                        p = exp2(s[nt, 2 * r + c] - new_max)
-                    s[nt, 2 * r + c] = p
-                    part += p
+                    if BIASED:
+                        s[nt, 2 * r + c] = exp2(s[nt, 2 * r + c] - top)
+                    else:                               # q.k log2(e) / sqrt(D) - max, rounded once
+                        s[nt, 2 * r + c] = exp2(cuda.fma(s[nt, 2 * r + c], sm_log2, -top))
+            part = (s[0, 2 * r] + s[0, 2 * r + 1]) + (s[1, 2 * r] + s[1, 2 * r + 1])
             row_sum[r] = row_sum[r] * alpha + part
             row_max[r] = new_max
             tile_max[r] = alpha
         # O's rescale only when some row's max moved: after the first trips of a long sequence it rarely does, and
         # a branch on the warp's vote skips the 2 D / 8 multiplies of every lane together (where it is taken, the
-        # lanes whose max stayed multiply by 1, exactly)
+        # lanes whose max stayed multiply by 1, exactly, or a row with no key yet its zeros by 0)
+        alpha_even = alpha_odd = f32(1.0)
+        if TRANSPOSED:
+            # Oᵀ's columns are heads 2q, 2q + 1: their factors from quad 0 of those rows' lanes (outside the
+            # branch: two shuffles a trip rather than a branch that a shuffle keeps on every trip's path)
+            lane_values(moved, 1, tile_max[0], quad_scratch, warp, lane, 8 * quad, 0)
+            alpha_even = moved[0]
+            lane_values(moved, 1, tile_max[0], quad_scratch, warp, lane, 8 * quad + 4, 0)
+            alpha_odd = moved[0]
         if warp_any(rescale, quad_scratch, warp, lane):
-            for r in range(R):
-                for vt in range(V_TILES):
-                    o[vt, 2 * r] *= tile_max[r]
-                    o[vt, 2 * r + 1] *= tile_max[r]
+            if TRANSPOSED:
+                for m in range(OT_TILES):
+                    for e in range(2):
+                        o[m, 2 * e] *= alpha_even
+                        o[m, 2 * e + 1] *= alpha_odd
+            else:
+                for r in range(R):
+                    for vt in range(V_TILES):
+                        o[vt, 2 * r] *= tile_max[r]
+                        o[vt, 2 * r + 1] *= tile_max[r]
         # 4. P as the A fragment of P·V (rows grp + 8 zero unless the block has them)
         p0, p2 = pack(s[0, 0], s[0, 1]), pack(s[1, 0], s[1, 1])
         p1, p3 = ZERO, ZERO
@@ -667,6 +707,15 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
             p1, p3 = pack(s[0, 2], s[0, 3]), pack(s[1, 2], s[1, 3])
         # 5. O += P V: D / 8 n8 tiles, V's B registers from the interleaved key pairs
         value_fragments(vw, vsc, vb)
+        if TRANSPOSED:
+            # Oᵀ += Vᵀ Pᵀ, D / 16 mma and no zero rows: A tile m's rows g, g + 8 are elements 2m, 2m + 1 of lane
+            # g's V slice, whose key pairs are the B registers of n8 tiles 2m, 2m + 1; Pᵀ's B registers are P's A
+            # registers p0, p2 (head g's keys 2q.., 2q + 8..). Lane (g, q) holds heads 2q, 2q + 1 (`o_from_ot`).
+            for m in range(OT_TILES):
+                o[m, 0], o[m, 1], o[m, 2], o[m, 3] = mma(
+                    vb[0, 2 * m], vb[0, 2 * m + 1], vb[1, 2 * m], vb[1, 2 * m + 1], p0, p2,
+                    o[m, 0], o[m, 1], o[m, 2], o[m, 3], mma_scratch, warp, lane)
+            return
         for vt in range(V_TILES):
             c2, c3 = (o[vt, 2], o[vt, 3]) if R == 2 else (f32(0.0), f32(0.0))
             d0, d1, d2, d3 = mma(p0, p1, p2, p3, vb[0, vt], vb[1, vt], o[vt, 0], o[vt, 1], c2, c3, mma_scratch,
@@ -674,6 +723,28 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
             o[vt, 0], o[vt, 1] = d0, d1
             if R == 2:
                 o[vt, 2], o[vt, 3] = d2, d3
+
+    @cuda.jit(device=True, inline="always")
+    def o_from_ot(o, ot, moved, quad_scratch, warp, lane):
+        """The transposed trips' Oᵀ (ot[m, e]: head 2q + e % 2 at element 2m + e // 2 of lane g's V slice) as the C
+        fragments of O = P V (o[vt, c]: head g at element vt of lane 2q + c's slice), two shuffles a tile: in round
+        i, lane (g, q) reads c = i ^ (g % 2) from lane 4 (2q + c) + g / 2, which sends its head i ^ (its g % 2),
+        the very parity the reader's row needs (each sender has readers of both parities, one a round)."""
+        grp, quad = lane // 4, lane % 4
+        odd = grp % 2 == 1
+        # every index a constant (values selected, not elements): the arrays stay in registers
+        for m in range(OT_TILES):
+            for h in range(2):
+                even_head, odd_head = ot[m, 2 * h], ot[m, 2 * h + 1]
+                # round 0 sends head parity (its g % 2) and fills the reader's column g % 2; round 1 the others
+                lane_values(moved, 1, odd_head if odd else even_head, quad_scratch, warp, lane,
+                            4 * (2 * quad + (1 if odd else 0)) + grp // 2, 0)
+                first = moved[0]
+                lane_values(moved, 1, even_head if odd else odd_head, quad_scratch, warp, lane,
+                            4 * (2 * quad + (0 if odd else 1)) + grp // 2, 0)
+                second = moved[0]
+                o[2 * m + h, 0] = second if odd else first
+                o[2 * m + h, 1] = first if odd else second
 
     @cuda.jit(device=True, inline="always")
     def o_dim(quad, c, vt):
@@ -832,7 +903,7 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
                v_src.sc_base + b * v_src.sc_s_b + g_kv * v_src.sc_s_h + V_CHUNK * grp // quant_group)
         kvs = kvs + (kvs[0] + grp * k_src.s_t, kvs[1] + grp * k_src.sc_s_t, kvs[2] + 2 * quad * v_src.s_t,
                      kvs[3] + 2 * quad * v_src.sc_s_t)
-        walk = cuda.local.array(3, np.int64)         # the page walk: page index, offset, the key they locate
+        walk = cuda.local.array(3, np.int32)         # the page walk: page index, offset, the key they locate (32 bits)
         walk[0], walk[1], walk[2] = first // k_src.page, first % k_src.page, first
         rows = (b, h0, lo, hi, seqlen, kvlen)
         srcs, scratch = (k_src, v_src), (mma_scratch, quad_scratch)
@@ -843,6 +914,13 @@ def make_gqa_decode_attention_kernel(score, key_range, *, quant_bit: int, quant_
         if rounds > 0:
             trip(first + ((rounds - 1) * WARPS + warp) * KEY_TILE, True, rows, srcs, kvs, walk, acc, regs, scratch,
                  score_args, sm_scale, warp, lane)
+
+        if TRANSPOSED:                               # Oᵀ back to the layout the merge and the stores read
+            ot = cuda.local.array((OT_TILES, 4), f32)
+            for m in range(OT_TILES):
+                for e in range(4):
+                    ot[m, e] = o[m, e]
+            o_from_ot(o, ot, regs[9], quad_scratch, warp, lane)
 
         # 6. the warps' merge: warps 1.. hand their state to warp 0, which folds them in (multi-block rule)
         if WARPS > 1:

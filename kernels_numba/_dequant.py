@@ -208,6 +208,11 @@ if SIMULATED:
         return halves[0], halves[1]
 
     @cuda.jit(device=True)
+    def mul_half2_by(values, scales, half):
+        """values * (half `half` of scales, both lanes), each rounded to float16 once."""
+        return mul_half2(values, np.uint32(_permute(scales, scales, pair_selector(half, half))))
+
+    @cuda.jit(device=True)
     def load_bits2(data, index):
         """The 2 bytes of element `index` of the 1-D array `data` as a uint32 (upper half 0)."""
         return np.uint32(np.asarray(data[index:index + 2 // data.itemsize]).view(np.uint16)[0])
@@ -300,6 +305,11 @@ else:
 
     _prmt = _words_asm("_prmt", 3, 1, "prmt.b32 $0, $1, $2, $3;")
     _mul = _words_asm("_mul", 2, 1, "mul.rn.f16x2 $0, $1, $2;")
+    # one half of the scale word times both values: ptxas reads the half in place (the multiply's operand swizzle)
+    _mul_low = _words_asm("_mul_low", 2, 1, "{ .reg .b16 l, h; .reg .b32 s; mov.b32 {l, h}, $2; mov.b32 s, {l, l}; "
+                                            "mul.rn.f16x2 $0, $1, s; }")
+    _mul_high = _words_asm("_mul_high", 2, 1, "{ .reg .b16 l, h; .reg .b32 s; mov.b32 {l, h}, $2; mov.b32 s, {h, h}; "
+                                              "mul.rn.f16x2 $0, $1, s; }")
 
     @intrinsic
     def _floats(typingctx, pair):
@@ -391,6 +401,14 @@ else:
     def half2_floats(pair):
         """The two float16 of `pair` widened to float32, low half first."""
         return _floats(pair)
+
+    @cuda.jit(device=True, inline="always")
+    def mul_half2_by(values, scales, half):
+        """values * (half `half` of scales, both lanes), each rounded to float16 once: mul_half2 with the pair
+        scale_half2(scales, scales, pair_selector(half, half)) gives, without the prmt (half: a constant)."""
+        if half == 0:
+            return _mul_low(values, scales)
+        return _mul_high(values, scales)
 
 
 def e4m3x4_to_half2_for(cc):

@@ -327,6 +327,41 @@ def test_scaled_pairs_are_the_documents_float16_products_bit_for_bit(quant_bit):
             assert np.array_equal(_bits(got), _bits(expected)), (codes[lo:lo + 2], scales[i:i + 2])
 
 
+def test_a_pair_times_one_half_of_a_scale_word_is_the_picked_pair_product():
+    """mul_half2_by (both values of a register in one group: its scale read in place) is mul_half2 by the pair
+    scale_half2 picks of that half, and the ISA's product, on random codes and the spread of scales."""
+    scales = _scales()
+    for i in range(0, len(scales) - 1, 2):
+        scale_word = int(scales[i:i + 2].view(np.uint32)[0])
+        pair = int(np.array(RNG.integers(-8, 8, 2), np.float16).view(np.uint32)[0])
+        for half in (0, 1):
+            picked = dq.scale_half2(scale_word, scale_word, dq.pair_selector(half, half))
+            got = int(dq.mul_half2_by(pair, scale_word, half))
+            assert got == int(dq.mul_half2(pair, picked)) == _isa_pack(_isa_f16x2(pair) * _isa_f16x2(int(picked)))
+
+
+MUL_BY_HALF_COMPILE = """
+def build(cc):
+    @cuda.jit
+    def kernel(words, out):
+        i = cuda.grid(1)
+        if i < words.size:
+            out[2 * i] = dq.mul_half2_by(words[i], words[i + 1], 0)
+            out[2 * i + 1] = dq.mul_half2_by(words[i], words[i + 1], 1)
+
+    return kernel, (types.uint32[::1], types.uint32[::1])
+"""
+
+
+def test_a_pair_times_one_half_compiles_to_one_multiply_and_no_prmt():
+    """The half is read in place by the multiply (its operand swizzle), no prmt builds the pair: what saves the
+    tensor-core decode a prmt a K register of int8 and int4."""
+    compiled = compile_kernels("from kernels_numba import _dequant as dq\n" + MUL_BY_HALF_COMPILE)
+    for cc, result in compiled.items():
+        ops = result["opcodes"]
+        assert count(ops, "HMUL2") + count(ops, "HFMA2") == 2 and count(ops, "PRMT") == 0, (cc, ops)
+
+
 def test_scale_pairs_pick_either_half_of_either_word():
     a, b = (int(x) for x in RNG.integers(0, 2**32, 2, dtype=np.uint64))
     for half_a in (0, 1):
