@@ -439,10 +439,11 @@ def make_new_chunks(dtype, num_heads, num_kv_heads, head_size, rotary_dim, rope_
     H, HKV, DH = num_heads, num_kv_heads, head_size
     HEADS = H + 2 * HKV
     PAIRED = rotary_dim // 2 // CHUNK if rope_style == ROPE_GPT_NEOX else 0     # paired items of a head
+    SPAN = 2 * CHUNK
 
     @cuda.jit(device=True, inline="always")
     def chunk_starts(item):
-        if item < PAIRED:
+        if PAIRED > 0 and item < PAIRED:               # without pairs d1 is -1 at compile time
             return item * CHUNK, (item + PAIRED) * CHUNK
         return (item + PAIRED) * CHUNK, -1
 
@@ -467,14 +468,14 @@ def make_new_chunks(dtype, num_heads, num_kv_heads, head_size, rotary_dim, rope_
     @cuda.jit(device=True, inline="always")
     def new_chunks(pre, b, token, position, hh, d0, d1, x, y):
         load_chunk(pre, token, hh, d0, x, 0)
-        if d1 >= 0:
+        if PAIRED > 0 and d1 >= 0:
             load_chunk(pre, token, hh, d1, x, CHUNK)
-        for e in range(2 * CHUNK):
+        for e in range(SPAN):
             y[e] = x[e]
         if rope_style == 0 or hh >= H + HKV:
             return                                      # V heads pass through
         if rope_style == ROPE_GPT_NEOX:
-            if d1 >= 0:                                 # pairs (d0 + e, d1 + e): pair index d0 + e
+            if PAIRED > 0 and d1 >= 0:                                # pairs (d0 + e, d1 + e): pair index d0 + e
                 for e in range(CHUNK):
                     cos, sin = coefficients(pre, b, position, d0 + e)
                     y[e] = turn(x[e], x[CHUNK + e], True, cos, sin)

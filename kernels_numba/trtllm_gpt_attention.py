@@ -317,6 +317,8 @@ def _preprocess_chunk_kernel(dtype, num_heads, num_kv_heads, head_size, rotary_d
     H, HKV, DH = num_heads, num_kv_heads, head_size
     HEADS = H + 2 * HKV
     ITEMS = preprocess_items(True, head_size, rope_style, rotary_dim)
+    SPAN = 2 * CHUNK                                    # values a thread holds: up to two chunks
+    PAIRED = rope_style == ROPE_GPT_NEOX and ITEMS < head_size // CHUNK     # some items own two chunks
 
     @cuda.jit(device=True, inline="always")
     def put(out, index, v, at):
@@ -325,16 +327,13 @@ def _preprocess_chunk_kernel(dtype, num_heads, num_kv_heads, head_size, rotary_d
                 pack(v[at + 6], v[at + 7]))
 
     @cuda.jit(device=True, inline="always")
-    def store(dst, pre, b, position, g, d0, v, at):
-        """v[at:at + CHUNK] -> cache row b at the position's cyclic slot, unless a later new token takes the slot."""
-        length = pre.table[b, PAST] + pre.table[b, NEW]
-        if position < dst.sinks or position + (dst.window - dst.sinks) >= length:
-            index = cache_address(dst, b, cyclic_slot(position, dst.window, dst.sinks), g) + d0
-            if vector_cache:
-                put(dst.cache, index, v, at)
-            else:
-                for e in range(CHUNK):
-                    dst.cache[index + e] = encode(v[at + e], pre.inv_scale)
+    def write(cache, index, v, at, inv_scale):
+        """v[at:at + CHUNK] -> the cache from `index`: one vector store, or each element's code."""
+        if vector_cache:
+            put(cache, index, v, at)
+        else:
+            for e in range(CHUNK):
+                cache[index + e] = encode(v[at + e], inv_scale)
 
     @cuda.jit
     def preprocess_kernel(pre, new_starts):
@@ -345,40 +344,46 @@ def _preprocess_chunk_kernel(dtype, num_heads, num_kv_heads, head_size, rotary_d
         if hh < H and wanted & 1 == 0:
             return                                      # the generation kernel forms this query row itself
         scratch, kv_scratch = pre.write_scratch != 0 and wanted & 1 != 0, pre.write_scratch != 0 and wanted & 2 != 0
+        past = pre.table[b, PAST]
         token = pre.table[b, TOKEN_START] + i
-        position = pre.table[b, PAST] + i
+        position = past + i
         rope_position = position
         if pre.streaming != 0 and pre.table[b, IS_CONTEXT] == 0:
             rope_position = min(position, pre.k_dst.window)   # StreamingLLM generation: the index in the cache
         d0, d1 = chunk_starts(item)
-        x = cuda.local.array(2 * CHUNK, acc_t)         # after the bias (StreamingLLM caches K so)
-        y = cuda.local.array(2 * CHUNK, acc_t)         # after RoPE
+        second = PAIRED and d1 >= 0                     # a GPT-NeoX pair of chunks (a compile-time False without)
+        x = cuda.local.array(SPAN, acc_t)              # after the bias (StreamingLLM caches K so)
+        y = cuda.local.array(SPAN, acc_t)              # after RoPE
         new_chunks(pre, b, token, rope_position, hh, d0, d1, x, y)
-        chunks = 2 if d1 >= 0 else 1
         if hh < H:
             if pre.logn_on != 0:                        # Qwen's logn attention: Q scaled at its absolute position
                 logn = acc_t(pre.logn[position])
-                for e in range(2 * CHUNK):
+                for e in range(SPAN):
                     y[e] = round_dtype(y[e] * logn)
             if scratch:
-                for c in range(chunks):
-                    put(pre.q_out, (token * H + hh) * DH + (d1 if c else d0), y, c * CHUNK)
-        elif hh < H + HKV:
-            g = hh - H
-            for c in range(chunks):
-                d = d1 if c else d0
-                if kv_scratch:
-                    put(pre.k_out, (token * HKV + g) * DH + d, y, c * CHUNK)
-                if pre.write_cache != 0:           # StreamingLLM caches K before RoPE
-                    store(pre.k_dst, pre, b, position, g, d, x if pre.streaming != 0 else y, c * CHUNK)
-        else:
-            g = hh - H - HKV
-            for c in range(chunks):
-                d = d1 if c else d0
-                if kv_scratch:
-                    put(pre.v_out, (token * HKV + g) * DH + d, y, c * CHUNK)
-                if pre.write_cache != 0:
-                    store(pre.v_dst, pre, b, position, g, d, y, c * CHUNK)
+                row = (token * H + hh) * DH
+                put(pre.q_out, row + d0, y, 0)
+                if second:
+                    put(pre.q_out, row + d1, y, CHUNK)
+            return
+        # K or V: one path for both, the same arrays' types (code written once, the slot's arithmetic once)
+        is_k = hh < H + HKV
+        g = hh - H if is_k else hh - H - HKV
+        if kv_scratch:
+            out = pre.k_out if is_k else pre.v_out
+            row = (token * HKV + g) * DH
+            put(out, row + d0, y, 0)
+            if second:
+                put(out, row + d1, y, CHUNK)
+        if pre.write_cache != 0:
+            dst = pre.k_dst if is_k else pre.v_dst
+            # Into its cyclic slot, unless a later new token of this call takes the slot.
+            if position < dst.sinks or position + (dst.window - dst.sinks) >= past + pre.table[b, NEW]:
+                index = cache_address(dst, b, cyclic_slot(position, dst.window, dst.sinks), g)
+                v = x if is_k and pre.streaming != 0 else y     # StreamingLLM caches K before RoPE
+                write(dst.cache, index + d0, v, 0, pre.inv_scale)
+                if second:
+                    write(dst.cache, index + d1, v, CHUNK, pre.inv_scale)
 
     return preprocess_kernel
 
