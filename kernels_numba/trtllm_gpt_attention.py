@@ -380,10 +380,12 @@ def _preprocess_chunk_kernel(dtype, num_heads, num_kv_heads, head_size, rotary_d
             # Into its cyclic slot, unless a later new token of this call takes the slot.
             if position < dst.sinks or position + (dst.window - dst.sinks) >= past + pre.table[b, NEW]:
                 index = cache_address(dst, b, cyclic_slot(position, dst.window, dst.sinks), g)
-                v = x if is_k and pre.streaming != 0 else y     # StreamingLLM caches K before RoPE
-                write(dst.cache, index + d0, v, 0, pre.inv_scale)
+                if is_k and pre.streaming != 0:         # StreamingLLM caches K before RoPE (y is written already;
+                    for e in range(SPAN):               # a copy, not a choice of array, keeps both in registers)
+                        y[e] = x[e]
+                write(dst.cache, index + d0, y, 0, pre.inv_scale)
                 if second:
-                    write(dst.cache, index + d1, v, CHUNK, pre.inv_scale)
+                    write(dst.cache, index + d1, y, CHUNK, pre.inv_scale)
 
     return preprocess_kernel
 

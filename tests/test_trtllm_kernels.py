@@ -489,6 +489,8 @@ CHUNKED = replace(BASE, contexts=((0, 3),), generations=((2, 3),), beam_width=1,
 # with a chunk past rotary_dim, GPT-J with a chunk rotated only in part, a quantized cache stored element by element,
 # StreamingLLM's K cached before RoPE over sinks, cos/sin from the host's table, Qwen's logn on Q, the bias.
 PREPROCESS = {
+    "float16-neox-bias-logn-generation": replace(CHUNKED, contexts=(), generations=((2, 4),), position=2,
+                                                 rotary_dim=16, qkv_bias=True, logn=True),
     "bfloat16-neox-partial-bias-logn": replace(CHUNKED, dtype="bfloat16", head_size=32, rotary_dim=16, position=2,
                                                qkv_bias=True, logn=True),
     "float16-gptj-partial-paged": replace(CHUNKED, position=1, rotary_dim=12, paged=True, tokens_per_block=2),
