@@ -505,6 +505,7 @@ PREPROCESS = {
 DEEP_TIER = pytest.mark.skipif(not DEEP, reason="the deep tier: CACHEATTN_EXAMPLES=2 or more (.ci/run)")
 
 
+@pytest.mark.spec("trtllm/generation-mmha", "trtllm/rope")
 @pytest.mark.parametrize("name", [pytest.param(name, marks=() if k == 0 else DEEP_TIER)
                                   for k, name in enumerate(PREPROCESS)])
 def test_chunked_preprocess_matches_the_element_kernel(name, monkeypatch):
