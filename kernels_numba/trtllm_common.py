@@ -160,6 +160,23 @@ def make_rope(rope_style: int, rotary_dim: int, round_dtype, acc_t, tables: bool
         first = d < HALF                                # GPT-NeoX: halves (i, i + rotary_dim / 2)
         return d % HALF, first, d + HALF if first else d - HALF
 
+    coefficients, turn = make_rope_pairs(rotary_dim, round_dtype, acc_t, tables)
+
+    @cuda.jit(device=True, inline="always")
+    def rotate(x, other, first, rope, b, position, pair):
+        """x rotated with its partner by entry b's coefficients of `pair` at `position`, formed in acc_t."""
+        cos, sin = coefficients(rope, b, position, pair)
+        return turn(x, other, first, cos, sin)
+
+    return pair_of, rotate
+
+
+def make_rope_pairs(rotary_dim: int, round_dtype, acc_t, tables: bool = True):
+    """(coefficients, turn) of `make_rope`, apart so that a thread holding both elements of a pair computes the
+    pair's cos and sin once: coefficients(rope, b, position, pair) -> (cos, sin); turn(x, other, first, cos, sin)
+    -> x rotated with its partner, rounded to the input dtype (the same arithmetic, in the same order, as rotate)."""
+    HALF = rotary_dim // 2
+
     @cuda.jit(device=True, inline="always")
     def coefficients(rope, b, position, pair):
         if tables:
@@ -173,14 +190,12 @@ def make_rope(rope_style: int, rotary_dim: int, round_dtype, acc_t, tables: bool
         return acc_t(math.cos(angle)) * m, acc_t(math.sin(angle)) * m
 
     @cuda.jit(device=True, inline="always")
-    def rotate(x, other, first, rope, b, position, pair):
-        """x rotated with its partner by entry b's coefficients of `pair` at `position`, formed in acc_t."""
-        cos, sin = coefficients(rope, b, position, pair)
+    def turn(x, other, first, cos, sin):
         if first:
             return round_dtype(x * cos - other * sin)
         return round_dtype(x * cos + other * sin)
 
-    return pair_of, rotate
+    return coefficients, turn
 
 
 # A cached key's `where`: its cyclic slot and entry in one int64 (entry + 1, so that 0 stays the scratch's mark),
@@ -386,6 +401,93 @@ def make_new_token(dtype, num_heads, num_kv_heads, head_size, rotary_dim, rope_s
 
     return element, rotated
 
+
+# The preprocess a thread per 16-byte chunk of a head row (8 float16 or bfloat16 values) instead of a thread per
+# element: one vector load of qkv (and of the bias), each RoPE pair's cos and sin computed once for both of its
+# elements, vector stores. GPT-J's pairs (2i, 2i + 1) lie in one chunk; GPT-NeoX's (d, d + rotary_dim / 2) in two,
+# which one thread owns together ("paired" items), so rotary_dim / 2 must be a whole number of chunks.
+CHUNK = 8
+
+
+def chunked_preprocess_ok(dtype, head_size: int, rope_style: int, rotary_dim: int) -> bool:
+    """Whether the chunked preprocess serves these compile-time facts (the launcher checks alignment besides):
+    16-bit values (float16, bfloat16 as bits), rows of whole chunks, GPT-NeoX halves of whole chunks."""
+    bits = isinstance(dtype, str) and dtype == "bfloat16"
+    return ((bits or np.dtype(dtype) == np.float16) and head_size % CHUNK == 0
+            and (rope_style != ROPE_GPT_NEOX or (rotary_dim // 2) % CHUNK == 0))
+
+
+def preprocess_items(chunked: bool, head_size: int, rope_style: int, rotary_dim: int) -> int:
+    """Threads of the preprocess per head of a token: an element each, or a chunk each (GPT-NeoX: the chunks of
+    the first half of the rotary dims each with its partner chunk, the chunks past rotary_dim alone)."""
+    if not chunked:
+        return head_size
+    return head_size // CHUNK - (rotary_dim // 2 // CHUNK if rope_style == ROPE_GPT_NEOX else 0)
+
+
+def make_new_chunks(dtype, num_heads, num_kv_heads, head_size, rotary_dim, rope_style, has_bias):
+    """(chunk_starts, new_chunks) device functions of the chunked preprocess (`chunked_preprocess_ok`).
+
+    chunk_starts(item) -> (d0, d1): the first elements of the item's chunks in its head row (d1 -1: one chunk).
+    new_chunks(pre, b, token, position, hh, d0, d1, x, y): elements d0.. (and d1.. at x[CHUNK:]) of head hh of the
+    new token as `make_new_token`'s element (x) and rotated (y) form them, bit for bit: qkv + bias rounded to the
+    input dtype, then RoPE at `position` for Q and K heads, each pair's coefficients computed once."""
+    acc_t = acc_type(dtype)
+    round_dtype = rounder(dtype)
+    bf16 = round_dtype is round_to_bfloat16
+    coefficients, turn = make_rope_pairs(rotary_dim, round_dtype, acc_t)
+    H, HKV, DH = num_heads, num_kv_heads, head_size
+    HEADS = H + 2 * HKV
+    PAIRED = rotary_dim // 2 // CHUNK if rope_style == ROPE_GPT_NEOX else 0     # paired items of a head
+    SPAN = 2 * CHUNK
+
+    @cuda.jit(device=True, inline="always")
+    def chunk_starts(item):
+        if PAIRED > 0 and item < PAIRED:               # without pairs d1 is -1 at compile time
+            return item * CHUNK, (item + PAIRED) * CHUNK
+        return (item + PAIRED) * CHUNK, -1
+
+    @cuda.jit(device=True, inline="always")
+    def value(word, k):
+        field = (word >> (16 * k)) & 0xFFFF             # little-endian: element 2j + k is word j's k-th half
+        return acc_t(widen_bfloat16(field)) if bf16 else acc_t(half_from_bits(field))
+
+    @cuda.jit(device=True, inline="always")
+    def load_chunk(pre, token, hh, d0, x, at):
+        """x[at:at + CHUNK] = qkv + bias of elements d0.. of head hh (make_new_token's element)."""
+        words = load16(pre.qkv, (token * HEADS + hh) * DH + d0)
+        if has_bias:
+            bias = load16(pre.bias, hh * DH + d0)
+        for j in range(CHUNK // 2):
+            for k in range(2):
+                v = value(words[j], k)
+                if has_bias:
+                    v = round_dtype(v + value(bias[j], k))
+                x[at + 2 * j + k] = v
+
+    @cuda.jit(device=True, inline="always")
+    def new_chunks(pre, b, token, position, hh, d0, d1, x, y):
+        load_chunk(pre, token, hh, d0, x, 0)
+        if PAIRED > 0 and d1 >= 0:
+            load_chunk(pre, token, hh, d1, x, CHUNK)
+        for e in range(SPAN):
+            y[e] = x[e]
+        if rope_style == 0 or hh >= H + HKV:
+            return                                      # V heads pass through
+        if rope_style == ROPE_GPT_NEOX:
+            if PAIRED > 0 and d1 >= 0:                                # pairs (d0 + e, d1 + e): pair index d0 + e
+                for e in range(CHUNK):
+                    cos, sin = coefficients(pre, b, position, d0 + e)
+                    y[e] = turn(x[e], x[CHUNK + e], True, cos, sin)
+                    y[CHUNK + e] = turn(x[CHUNK + e], x[e], False, cos, sin)
+            return
+        for e in range(0, CHUNK, 2):                    # GPT-J: pairs (2i, 2i + 1), pair index i
+            if d0 + e < rotary_dim:
+                cos, sin = coefficients(pre, b, position, (d0 + e) // 2)
+                y[e] = turn(x[e], x[e + 1], True, cos, sin)
+                y[e + 1] = turn(x[e + 1], x[e], False, cos, sin)
+
+    return chunk_starts, new_chunks
 
 
 # ---- 16-byte chunks of a cached row ---------------------------------------------------------------------------

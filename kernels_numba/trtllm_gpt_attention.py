@@ -3,7 +3,8 @@
 Two kernels per call in the common case, all on the caller's stream with no host sync between them, context and
 generation entries together (in-flight batching); the variants below add a launch each:
 
-1. preprocess (one thread per element of a token's Q, K or V head): QKV bias, rounding to the input dtype,
+1. preprocess (one thread per 16-byte chunk of a token's Q, K or V head row where float16 / bfloat16 rows and the
+   tensors are aligned, else per element): QKV bias, rounding to the input dtype,
    RoPE (GPT-J / GPT-NeoX / long_rope / yarn, partial, linear or dynamic scaling; cos/sin read from the
    `rotary_cos_sin` table at the token's position, or computed from frequencies per entry from the host, or
    `rotary_inv_freq` as given, times the m-scale), Qwen's logn factor on Q, then
@@ -60,17 +61,20 @@ import numpy as np
 from numba import cuda
 
 from ._attention_core import make_attention_kernel, plan_tiles
-from ._cache import token_head_item
+from ._cache import _address, token_head_item
 from ._launch import bfloat16_bits, bfloat16_like, caller_stream, ceil_div, empty_like_kind, flat, launch, to_kind
+from ._mma import pack_bf162, pack_half2
 from ._numerics import BFLOAT16_BITS, bits_io, element_io, rounder
 from ._split_k import choose_splits
 from ._split_k import combine_kernel as _combine_kernel
+from ._vector import VECTOR_BYTES, store16
 from .trtllm_common import (
     ALIBI,
     ALIBI_WITH_SCALE,
     BEAM,
     BIDIRECTIONAL,
     CAUSAL,
+    CHUNK,
     CONTEXT,
     FIRST_ROW,
     FP8_KV_CACHE,
@@ -96,14 +100,18 @@ from .trtllm_common import (
     KVSource,
     ScoreArgs,
     acc_type,
+    chunked_preprocess_ok,
     cyclic_slot,
     e4m3_decode,
     make_cache_address,
     make_kv_codec,
+    make_new_chunks,
     make_new_token,
     make_trt_access,
     make_trt_score,
+    preprocess_items,
     score_features,
+    vector_loads_ok,
 )
 from .trtllm_context import (
     context_grid,
@@ -292,6 +300,120 @@ def _preprocess_kernel(dtype, num_heads, num_kv_heads, head_size, rotary_dim, ro
                 store(pre.v_dst, pre, b, position, g, d, y)
 
     return preprocess_kernel
+
+
+@cache
+def _preprocess_chunk_kernel(dtype, num_heads, num_kv_heads, head_size, rotary_dim, rope_style, quant, has_bias,
+                             vector_cache):
+    """Kernel: `_preprocess_kernel`'s work a thread per 16-byte chunk of a head row (`make_new_chunks`; GPT-NeoX:
+    a chunk of the first rotary half with its partner chunk), bit for bit the same results.
+
+    Grid (x: ceil(max new tokens * (H + 2 Hkv) * preprocess_items / threads), y: entries). qkv, the bias and the
+    scratch are read and written in 16-byte vectors (the launcher found them aligned, `_preprocess_launch`), the
+    cache too where `vector_cache` (unquantized, of the scratch's dtype, aligned rows), else element by element
+    (INT8 / e4m3 codes)."""
+    acc_t = acc_type(dtype)
+    # spec: trtllm/generation-mmha
+    round_dtype = rounder(dtype)
+    bits = dtype == BFLOAT16_BITS
+    pack = pack_bf162 if bits else pack_half2
+    encode, _ = make_kv_codec(quant, acc_t, bits)
+    cache_address = make_cache_address(head_size)
+    chunk_starts, new_chunks = make_new_chunks(dtype, num_heads, num_kv_heads, head_size, rotary_dim, rope_style,
+                                               has_bias)
+    H, HKV, DH = num_heads, num_kv_heads, head_size
+    HEADS = H + 2 * HKV
+    ITEMS = preprocess_items(True, head_size, rope_style, rotary_dim)
+    SPAN = 2 * CHUNK                                    # values a thread holds: up to two chunks
+    PAIRED = rope_style == ROPE_GPT_NEOX and ITEMS < head_size // CHUNK     # some items own two chunks
+
+    @cuda.jit(device=True, inline="always")
+    def put(out, index, v, at):
+        """v[at:at + CHUNK] rounded to the dtype (exact: they are rounded already) as 16 bytes at out[index]."""
+        store16(out, index, pack(v[at], v[at + 1]), pack(v[at + 2], v[at + 3]), pack(v[at + 4], v[at + 5]),
+                pack(v[at + 6], v[at + 7]))
+
+    @cuda.jit(device=True, inline="always")
+    def write(cache, index, v, at, inv_scale):
+        """v[at:at + CHUNK] -> the cache from `index`: one vector store, or each element's code."""
+        if vector_cache:
+            put(cache, index, v, at)
+        else:
+            for e in range(CHUNK):
+                cache[index + e] = encode(v[at + e], inv_scale)
+
+    @cuda.jit
+    def preprocess_kernel(pre, new_starts):
+        b, i, hh, item = token_head_item(new_starts, HEADS, ITEMS)
+        if i < 0:
+            return
+        wanted = 3 if pre.table[b, IS_CONTEXT] != 0 else pre.generation_scratch     # bit 1: Q, bit 2: K and V
+        if hh < H and wanted & 1 == 0:
+            return                                      # the generation kernel forms this query row itself
+        scratch, kv_scratch = pre.write_scratch != 0 and wanted & 1 != 0, pre.write_scratch != 0 and wanted & 2 != 0
+        past = pre.table[b, PAST]
+        token = pre.table[b, TOKEN_START] + i
+        position = past + i
+        rope_position = position
+        if pre.streaming != 0 and pre.table[b, IS_CONTEXT] == 0:
+            rope_position = min(position, pre.k_dst.window)   # StreamingLLM generation: the index in the cache
+        d0, d1 = chunk_starts(item)
+        second = PAIRED and d1 >= 0                     # a GPT-NeoX pair of chunks (a compile-time False without)
+        x = cuda.local.array(SPAN, acc_t)              # after the bias (StreamingLLM caches K so)
+        y = cuda.local.array(SPAN, acc_t)              # after RoPE
+        new_chunks(pre, b, token, rope_position, hh, d0, d1, x, y)
+        if hh < H:
+            if pre.logn_on != 0:                        # Qwen's logn attention: Q scaled at its absolute position
+                logn = acc_t(pre.logn[position])
+                for e in range(SPAN):
+                    y[e] = round_dtype(y[e] * logn)
+            if scratch:
+                row = (token * H + hh) * DH
+                put(pre.q_out, row + d0, y, 0)
+                if second:
+                    put(pre.q_out, row + d1, y, CHUNK)
+            return
+        # K or V: one path for both, the same arrays' types (code written once, the slot's arithmetic once)
+        is_k = hh < H + HKV
+        g = hh - H if is_k else hh - H - HKV
+        if kv_scratch:
+            out = pre.k_out if is_k else pre.v_out
+            row = (token * HKV + g) * DH
+            put(out, row + d0, y, 0)
+            if second:
+                put(out, row + d1, y, CHUNK)
+        if pre.write_cache != 0:
+            dst = pre.k_dst if is_k else pre.v_dst
+            # Into its cyclic slot, unless a later new token of this call takes the slot.
+            if position < dst.sinks or position + (dst.window - dst.sinks) >= past + pre.table[b, NEW]:
+                index = cache_address(dst, b, cyclic_slot(position, dst.window, dst.sinks), g)
+                if is_k and pre.streaming != 0:         # StreamingLLM caches K before RoPE (y is written already;
+                    for e in range(SPAN):               # a copy, not a choice of array, keeps both in registers)
+                        y[e] = x[e]
+                write(dst.cache, index + d0, y, 0, pre.inv_scale)
+                if second:
+                    write(dst.cache, index + d1, y, CHUNK, pre.inv_scale)
+
+    return preprocess_kernel
+
+
+def _preprocess_launch(s: StepLaunch, pre, has_bias: bool) -> tuple:
+    """(kernel, grid) of this layer's preprocess: a thread per 16-byte chunk where the dtype and RoPE allow it
+    (`chunked_preprocess_ok`) and qkv, the bias and the scratch start on 16-byte boundaries (every row then does),
+    else a thread per element. The cache is stored in vectors too where it holds the scratch's dtype unquantized
+    with aligned rows (decided here, once per launch)."""
+    arrays = (pre.qkv, pre.bias, pre.q_out, pre.k_out, pre.v_out) if has_bias else \
+        (pre.qkv, pre.q_out, pre.k_out, pre.v_out)
+    chunked = chunked_preprocess_ok(s.rounds_as, s.Dh, s.rope_style, s.rotary_dim) and \
+        all(_address(a) % VECTOR_BYTES == 0 for a in arrays)
+    items = preprocess_items(chunked, s.Dh, s.rope_style, s.rotary_dim)
+    grid = (max(1, ceil_div(int(s.new.max()) * (s.H + 2 * s.Hkv) * items, s.threads)), s.E)
+    if not chunked:
+        return _preprocess_kernel(s.rounds_as, s.H, s.Hkv, s.Dh, s.rotary_dim, s.rope_style, s.quant, has_bias), grid
+    cache = pre.k_dst.cache
+    vector_cache = not s.quant and cache.dtype == pre.k_out.dtype and vector_loads_ok(cache, s.Dh)
+    return _preprocess_chunk_kernel(s.rounds_as, s.H, s.Hkv, s.Dh, s.rotary_dim, s.rope_style, s.quant, has_bias,
+                                    vector_cache), grid
 
 
 @cache
@@ -824,8 +946,7 @@ def run_layer(s: StepLaunch, *, qkv, past_key_value, kv_cache_pool, layer_idx, q
     k_src, v_src = _layer_kv_sources(s, past_key_value, kv_cache_pool, layer_idx, kv_quant_orig_scale)
     pre = s.pre._replace(qkv=flat(qkv), bias=flat(qkv_bias) if qkv_bias is not None else flat(qkv)[:1],
                          inv_scale=np.float32(kv_orig_quant_scale if s.quant else 1.0), k_dst=k_src, v_dst=v_src)
-    preprocess = _preprocess_kernel(s.rounds_as, s.H, s.Hkv, s.Dh, s.rotary_dim, s.rope_style, s.quant,
-                                    qkv_bias is not None)
+    preprocess = _preprocess_launch(s, pre, qkv_bias is not None)
     qkv_preprocessing(s, preprocess, pre, stream)
     output = empty_like_kind(qkv, qkv.shape[:-1] + (s.H * s.Dh,), _allocated(s.rounds_as, qkv.dtype))
     if not s.remove_input_padding:
@@ -857,9 +978,11 @@ def _layer_kv_sources(s: StepLaunch, past_key_value, kv_cache_pool, layer_idx, k
 
 
 def qkv_preprocessing(s: StepLaunch, preprocess, pre, stream) -> None:
-    """The preprocess: QKV bias, RoPE and logn, the new tokens' Q/K/V to the scratch and their K/V to the cache
-    (unless a wrapping chunk writes it after attention, `write_cache_after_attention`)."""
-    launch(preprocess, s.pre_grid, s.threads, stream, pre, s.starts_arg)
+    """The preprocess (`preprocess`: its kernel and grid, `_preprocess_launch`): QKV bias, RoPE and logn, the new
+    tokens' Q/K/V to the scratch and their K/V to the cache (unless a wrapping chunk writes it after attention,
+    `write_cache_after_attention`)."""
+    kernel, grid = preprocess
+    launch(kernel, grid, s.threads, stream, pre, s.starts_arg)
 
 
 def _layer_keys(s: StepLaunch, qkv, cross_kv, relative_attention_bias, k_src, v_src, kv_orig_quant_scale,
@@ -962,7 +1085,8 @@ def write_cache_after_attention(s: StepLaunch, preprocess, pre, stream) -> None:
     the keys the chunk overwrites (read before write, as the reference)."""
     # spec: trtllm/cyclic-overwrite
     after = pre._replace(write_scratch=np.int64(0), write_cache=np.int64(1))
-    launch(preprocess, s.pre_grid, s.threads, stream, after, s.starts_arg)
+    kernel, grid = preprocess
+    launch(kernel, grid, s.threads, stream, after, s.starts_arg)
 
 
 def _allocated(rounds_as, dtype):

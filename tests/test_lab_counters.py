@@ -146,13 +146,14 @@ def test_a_case_without_machine_code_is_named_and_a_broken_file_refused():
 
 def test_the_other_launches_grids_and_their_issue():
     # The calls' launches besides the attention, their grids at the full launch: OpenPPL's store, a block a
-    # request (64); TensorRT-LLM's preprocess, a block per head of Q, K and V a token (64 x 48); ONNX's rung-1
+    # request (64); TensorRT-LLM's preprocess, a thread per 16-byte chunk of a head row (16 at head_dim 128), 128
+    # threads a block: 8 heads of Q, K and V a block, 64 x 48 / 8; ONNX's rung-1
     # present copy, an element a thread, K and V: 2 x 64 requests x 4097 x 8 heads x 128 / 128 threads; the split
     # B = 1 decode's combine, 32 heads x 128 outputs / 128 threads for its one request.
     plans = {p.case.label: p for p in counters.plans()}
     assert counters.other_launches(plans["decode B64 ctx4096 paged fp16"], 3) == {"store_kernel": 64}
     assert counters.other_launches(plans["trtllm generation B64 ctx4096 paged fp16"], 5) == \
-        {"preprocess_kernel": 64 * 48}
+        {"preprocess_kernel": 64 * 48 // 8}
     assert counters.other_launches(plans["onnx decode B64 past4096 fp16"], 1) == {"copy_kernel": 2 * 64 * 4097 * 8}
     assert counters.other_launches(plans["onnx decode B64 past4096 fp16"], 3) == {}
     assert counters.other_launches(plans["decode B1 ctx32768 paged fp16"], 4) == {"store_kernel": 1,

@@ -132,7 +132,9 @@ def test_the_ft_linear_fit_predicts_a_step_it_did_not_count():
     counted = [counters._count((plan, 1, n, 32, 1)) for n in (64, 128, 192)]
     for name in counted[0]:
         predicted = counters.fit((64, 128), [c[name] for c in counted[:2]], 192)
-        assert predicted == pytest.approx(counted[2][name], abs=1e-6), name
+        # The preprocess's warps span several heads (a thread per 16-byte chunk), K's and V's among them: their
+        # block-offset loads may share a sector or not as the pool's table grows with the keys: one sector either way.
+        assert predicted == pytest.approx(counted[2][name], abs=1 if name == SECTORS_LD else 1e-6), name
     # The attention kernel's K/V loads: every byte of 2 rows x 192 positions x K and V, once.
     assert counted[2]["kv_must_see"] == counted[2]["kv_ld_bytes_requested"] == 2 * 192 * 2 * case.row_bytes
     assert counted[2]["hazards"] == 0
@@ -148,7 +150,9 @@ def test_the_trtllm_linear_fit_predicts_a_step_it_did_not_count(kv_cache, rung):
     for name in (SECTORS_LD, DRAM_READ, DRAM_WRITE, "kv_ld_bytes_requested", "kv_ld_sectors", "kv_must_see",
                  "barriers"):
         predicted = counters.fit((64, 128), [c[name] for c in counted[:2]], 192)
-        assert predicted == pytest.approx(counted[2][name], abs=1e-6), name
+        # The preprocess's warps span several heads (a thread per 16-byte chunk), K's and V's among them: their
+        # block-offset loads may share a sector or not as the pool's table grows with the keys: one sector either way.
+        assert predicted == pytest.approx(counted[2][name], abs=1 if name == SECTORS_LD else 1e-6), name
     last = counted[-1]
     assert last["hazards"] == 0
     # The vector rungs load every K/V byte of the cache once per block, whole sectors: 2 sequences x 192 keys, of

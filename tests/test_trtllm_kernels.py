@@ -18,13 +18,13 @@ from numba import cuda
 import cacheattn
 import cacheattn.testing as kit
 from cacheattn import trtllm
-from kernels_numba import _launch
+from kernels_numba import _launch, trtllm_gpt_attention
 from kernels_numba._numerics import round_to_bfloat16
 from kernels_numba.trtllm_common import e4m3_decode, e4m3_encode
 from reference import trtllm_gpt_attention as ref
 
 from helpers import assert_bits_equal, assert_close
-from strategies import KERNEL, REFERENCE, TrtCase, build_trt, copy_inputs, float64_trt
+from strategies import DEEP, KERNEL, REFERENCE, TrtCase, build_trt, copy_inputs, float64_trt
 
 BASE = TrtCase(contexts=((0, 5), (2, 3)), generations=((3, 4),), beam_width=2, num_heads=4, num_kv_heads=2,
                head_size=8, dtype="float32", capacity=8, window=8, seed=3)
@@ -479,3 +479,54 @@ def test_long_rope_with_one_entry_runs_on_the_kernels():
     got, _ = run(args, "numba", threads=32)
     want, _ = float64_trt(args)
     assert_close("output", got, want, case.dtype, scale=2)
+
+
+# ---- the preprocess a thread per 16-byte chunk: bit for bit the element kernel's --------------------------------
+
+CHUNKED = replace(BASE, contexts=((0, 3),), generations=((2, 3),), beam_width=1, num_heads=2, num_kv_heads=1,
+                  head_size=16, dtype="float16", capacity=6, window=6)
+# Each runs the chunked preprocess (float16 / bfloat16, rows of whole chunks): GPT-NeoX halves of one chunk each
+# with a chunk past rotary_dim, GPT-J with a chunk rotated only in part, a quantized cache stored element by element,
+# StreamingLLM's K cached before RoPE over sinks, cos/sin from the host's table, Qwen's logn on Q, the bias.
+PREPROCESS = {
+    "float16-neox-bias-logn-generation": replace(CHUNKED, contexts=(), generations=((2, 4),), position=2,
+                                                 rotary_dim=16, qkv_bias=True, logn=True),
+    "bfloat16-neox-partial-bias-logn": replace(CHUNKED, dtype="bfloat16", head_size=32, rotary_dim=16, position=2,
+                                               qkv_bias=True, logn=True),
+    "float16-gptj-partial-paged": replace(CHUNKED, position=1, rotary_dim=12, paged=True, tokens_per_block=2),
+    "float16-neox-int8-bias": replace(CHUNKED, position=2, rotary_dim=16, quant=64, qkv_bias=True),
+    "float16-streamingllm-gptj-sinks": replace(CHUNKED, contexts=(), generations=((2, 4),), streamingllm=True, sinks=1,
+                                               window=4, capacity=4, position=1, rotary_dim=16),
+    "float16-neox-table-fp8-wrapping": replace(CHUNKED, contexts=((3, 6),), generations=(), window=4, capacity=4,
+                                               position=2, rotary_dim=32, head_size=32, rope_table=True, quant=128),
+}
+
+
+DEEP_TIER = pytest.mark.skipif(not DEEP, reason="the deep tier: CACHEATTN_EXAMPLES=2 or more (.ci/run)")
+
+
+@pytest.mark.spec("trtllm/generation-mmha", "trtllm/rope")
+@pytest.mark.parametrize("name", [pytest.param(name, marks=() if k == 0 else DEEP_TIER)
+                                  for k, name in enumerate(PREPROCESS)])
+def test_chunked_preprocess_matches_the_element_kernel(name, monkeypatch):
+    """The chunked preprocess (a thread per 16-byte chunk, each pair's cos/sin once) writes the scratch and the cache
+    bit for bit as the element kernel does: the outputs, which attend over the scratch, and the caches are equal
+    bits; the cache is the reference's too. The chunked kernel must have run."""
+    args = build_trt(PREPROCESS[name])
+    chunked = []
+    original = trtllm_gpt_attention._preprocess_chunk_kernel
+
+    def noted(*key):
+        chunked.append(key)
+        return original(*key)
+    monkeypatch.setattr(trtllm_gpt_attention, "_preprocess_chunk_kernel", noted)
+    output, after = run(args, "numba", threads=32)
+    assert chunked, "the chunked preprocess did not run"
+    monkeypatch.setattr(trtllm_gpt_attention, "chunked_preprocess_ok", lambda *facts: False)
+    chunked.clear()
+    element_output, element_after = run(args, "numba", threads=32)
+    assert not chunked
+    _, ref_after = run(args, "reference")
+    assert_bits_equal("output, chunked vs element", output, element_output)
+    assert_bits_equal("cache, chunked vs element", after[cache_name(args)], element_after[cache_name(args)])
+    assert_bits_equal("cache, chunked vs reference", after[cache_name(args)], ref_after[cache_name(args)])
