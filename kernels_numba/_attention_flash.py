@@ -21,7 +21,8 @@ one query head (64 at 4 warps), each warp its own 16 rows, and all warps share K
        compiled in); the block's key range (`key_range`, the last row's causal limit) drops the tiles above the
        diagonal, and only the tiles that cross `lo` or `hi` test each key against them;
     5. the online softmax on the C fragments (a row's maximum: 16 values a lane, then the quad, `quad_max2`),
-       P rounded to the input dtype and packed as the A fragments of P·V, the row sums kept in float32;
+       in base 2 (one FFMA and one ex2.approx a score), P rounded to the input dtype and packed as the A
+       fragments of P·V, the row sums kept in float32;
     6. O += P V(j), V's B fragments by `ldmatrix.x4.trans` (two n-tiles of head_dim a load), then O / l.
 
 Shared memory holds one K and one V tile as 16-bit values, rows of head_dim / 8 chunks of 16 bytes. An 8x8
