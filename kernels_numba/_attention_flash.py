@@ -256,7 +256,7 @@ def make_flash_attention_kernel(score, key_range, *, head_dim: int, group: int, 
         @cuda.jit(device=True, inline="always")
         def tile(s, tile_max0, tile_max1, args, sm_scale, b, h, row0, row1, t_key, lo, hi, seqlen, kvlen):
             for e in range(4):                   # row grp + 8 * (e // 2), key t_key + 8 * nt + e % 2
-                t = t_key + np.int32(8 * nt + e % 2)
+                t = np.int32(t_key + (8 * nt + e % 2))
                 if edge:                         # a key outside [lo, hi) scores that of one inside, then -inf
                     x = score(args, s[nt, e] * sm_scale, b, h, row0 if e < 2 else row1, min(max(t, lo), hi - 1),
                               seqlen, kvlen)
