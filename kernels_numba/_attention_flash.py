@@ -21,7 +21,8 @@ one query head (64 at 4 warps), each warp its own 16 rows, and all warps share K
        compiled in); the block's key range (`key_range`, the last row's causal limit) drops the tiles above the
        diagonal, and only the tiles that cross `lo` or `hi` test each key against them;
     5. the online softmax on the C fragments (a row's maximum: 16 values a lane, then the quad, `quad_max2`),
-       P rounded to the input dtype and packed as the A fragments of P·V, the row sums kept in float32;
+       in base 2 (one FFMA and one ex2.approx a score), P rounded to the input dtype and packed as the A
+       fragments of P·V, the row sums kept in float32;
     6. O += P V(j), V's B fragments by `ldmatrix.x4.trans` (two n-tiles of head_dim a load), then O / l.
 
 Shared memory holds one K and one V tile as 16-bit values, rows of head_dim / 8 chunks of 16 bytes. An 8x8
@@ -61,6 +62,7 @@ from ._async_copy import (
     shared_base,
 )
 from ._attention_core import SHARED_BYTES
+from ._attention_gqa_mma import LOG2_E, exp2
 from ._cache import as_offset, page_walk, slot_rows
 from ._mma import (
     MMA_K,
@@ -167,6 +169,7 @@ def make_flash_attention_kernel(score, key_range, *, head_dim: int, group: int, 
     TILE_WORDS = KT * ROW_WORDS
     f32 = np.float32
     NEG_INF = f32(-math.inf)
+    LOG2E = f32(LOG2_E)
 
     @cuda.jit(device=True, inline="always")
     def place(row, chunk):
@@ -187,19 +190,20 @@ def make_flash_attention_kernel(score, key_range, *, head_dim: int, group: int, 
         last = np.uint32(src.starts.shape[1] - 1)
         return as_offset(src.starts[np.uint32(b), min(np.uint32(page), last)] + offset, src.s_t)
 
-    def copies_from(n):
+    def copies_from(n, whole):
         """A device function that issues this thread's copies n .. PASSES - 1 of a tile: row key0 + n * STRIDE,
         chunk c, its cache slot read from the lane that looked it up (`lane_key`, `from_lane`: a shuffle), so a
         copy is a shuffle, a multiply-add and the copy, and the page table is read once a lane a tile, not once
         a copy; zeros for keys from hi on (room: the thread's rows before key hi). One function a copy, each
         calling the next (as `scores_from`), so that n is a constant in each: its row's place in the tile, its
-        lane and its test against room fold into immediates."""
+        lane and its test against room fold into immediates. whole (a constant): the tile ends at or before hi,
+        every row is copied and none tested."""
         if n == PASSES:
             @cuda.jit(device=True, inline="always")
             def done(src, tile_s, tile_at, slot0, slot1, row_c, first, room, key0, c, kofs, slot_s, warp):
                 return
             return done
-        rest = copies_from(n + 1)
+        rest = copies_from(n + 1, whole)
         h = n // PER_LOOKUP                       # the lookup, and the lane's place in it, holding this row
         lane0 = (n - h * PER_LOOKUP) * KW
 
@@ -211,11 +215,11 @@ def make_flash_attention_kernel(score, key_range, *, head_dim: int, group: int, 
             slot = from_lane(slot0 if h == 0 else slot1, slot_s, warp, lane0 + kofs, h)
             # rows from key hi on: zeros, by the copy itself (it reads nothing), not a branch and stores
             row = as_offset(slot * src.s_t + row_c, src.s_t)
-            cp_async16_at(tile_s, tile_at, at, src.data, row, n * STRIDE < room)
+            cp_async16_at(tile_s, tile_at, at, src.data, row, True if whole else n * STRIDE < room)
             rest(src, tile_s, tile_at, slot0, slot1, row_c, first, room, key0, c, kofs, slot_s, warp)
         return copy
 
-    copies = copies_from(0)
+    copies, copies_whole = copies_from(0, False), copies_from(0, True)
 
     @cuda.jit(device=True, inline="always")
     def issue(src, tile_s, tile_at, slot0, slot1, b, g, t_tile, hi, key0, c, slot_s, warp, lane):
@@ -226,40 +230,48 @@ def make_flash_attention_kernel(score, key_range, *, head_dim: int, group: int, 
             publish(slot1, slot_s, warp, lane, 1)
         row_c = as_offset(slot_rows(src, b, 0, g)[0] + c * CHUNK, src.s_t)     # slot 0's row: loop-invariant
         room = as_offset(hi - t_tile - key0, row_c)
-        copies(src, tile_s, tile_at, slot0, slot1, row_c, np.uint32(place(key0, c)), room, key0, c,
-               (lane // CHUNKS) % KW, slot_s, warp)
+        if t_tile + KT <= hi:                    # every tile but the last: no copy tests its row
+            copies_whole(src, tile_s, tile_at, slot0, slot1, row_c, np.uint32(place(key0, c)), room, key0, c,
+                         (lane // CHUNKS) % KW, slot_s, warp)
+        else:
+            copies(src, tile_s, tile_at, slot0, slot1, row_c, np.uint32(place(key0, c)), room, key0, c,
+                   (lane // CHUNKS) % KW, slot_s, warp)
 
-    def scores_from(nt):
+    def scores_from(nt, edge):
         """A device function that scores C tiles nt .. S_TILES - 1 of S in place and returns the rows' maxima
         over them and the maxima passed in (`tile_max0`, `tile_max1`). One function a tile, each calling the
         next, so that every index of `s` is a constant: a loop over the tiles, which the compiler leaves rolled
-        (32 inlined `score`s are past its unrolling budget), would put `s` in local memory."""
+        (32 inlined `score`s are past its unrolling budget), would put `s` in local memory. edge (a constant: the
+        kernel branches once a tile of keys, not once a score): the tile crosses lo or hi, so a key outside them
+        is scored as the nearest inside (within the cache) and then hidden; else every key is in [lo, hi). Either
+        way each score is unconditional, no branch around it, so what the score reads of its arguments (as
+        TensorRT-LLM's past length) is read once a tile, not once a score."""
         if nt == S_TILES:
             @cuda.jit(device=True, inline="always")
-            def done(s, tile_max0, tile_max1, args, sm_scale, b, h, row_i0, row_ok0, row_ok1, t_key, lo, hi, edge,
-                     seqlen, kvlen):
+            def done(s, tile_max0, tile_max1, args, sm_scale, b, h, row0, row1, t_key, lo, hi, seqlen, kvlen):
                 return tile_max0, tile_max1
             return done
-        rest = scores_from(nt + 1)
+        rest = scores_from(nt + 1, edge)
 
         @cuda.jit(device=True, inline="always")
-        def tile(s, tile_max0, tile_max1, args, sm_scale, b, h, row_i0, row_ok0, row_ok1, t_key, lo, hi, edge,
-                 seqlen, kvlen):
+        def tile(s, tile_max0, tile_max1, args, sm_scale, b, h, row0, row1, t_key, lo, hi, seqlen, kvlen):
             for e in range(4):                   # row grp + 8 * (e // 2), key t_key + 8 * nt + e % 2
-                t = t_key + 8 * nt + e % 2
-                x = NEG_INF
-                if (row_ok0 if e < 2 else row_ok1) and (not edge or lo <= t < hi):
-                    x = score(args, s[nt, e] * sm_scale, b, h, row_i0 + 8 * (e // 2), t, seqlen, kvlen)
+                t = np.int32(t_key + (8 * nt + e % 2))
+                if edge:                         # a key outside [lo, hi) scores that of one inside, then -inf
+                    x = score(args, s[nt, e] * sm_scale, b, h, row0 if e < 2 else row1, min(max(t, lo), hi - 1),
+                              seqlen, kvlen)
+                    x = x if lo <= t < hi else NEG_INF
+                else:
+                    x = score(args, s[nt, e] * sm_scale, b, h, row0 if e < 2 else row1, t, seqlen, kvlen)
                 s[nt, e] = x
                 if e < 2:
                     tile_max0 = max(tile_max0, x)
                 else:
                     tile_max1 = max(tile_max1, x)
-            return rest(s, tile_max0, tile_max1, args, sm_scale, b, h, row_i0, row_ok0, row_ok1, t_key, lo, hi, edge,
-                        seqlen, kvlen)
+            return rest(s, tile_max0, tile_max1, args, sm_scale, b, h, row0, row1, t_key, lo, hi, seqlen, kvlen)
         return tile
 
-    score_tiles = scores_from(0)
+    score_inside, score_edge = scores_from(0, False), scores_from(0, True)
 
     @cuda.jit
     def flash_attention_kernel(q_geom, out_geom, seqlens, kvlens, k_src, v_src, score_args, sm_scale):
@@ -287,6 +299,11 @@ def make_flash_attention_kernel(score, key_range, *, head_dim: int, group: int, 
         row_i0 = i0 + warp * MMA_M + grp
         row_i1 = row_i0 + 8
         row_ok0, row_ok1 = row_i0 < seqlen, row_i1 < seqlen
+        # The rows the scores are asked for, 32-bit (as keys, lo, hi and the lengths there): a row past the
+        # query's end (its Q is zeros, its output never written) asks for the last row's, so every score is of a
+        # real (row, key) and none needs a row test.
+        score_row0, score_row1 = np.int32(min(row_i0, seqlen - 1)), np.int32(min(row_i1, seqlen - 1))
+        seqlen32, kvlen32 = np.int32(seqlen), np.int32(kvlen)
 
         # 1. Q as A fragments: register k holds row grp + 8 * (k % 2), columns 2 * quad + 8 * (k // 2) + {0, 1}
         q, q_starts, q_sb, q_si, q_sh = q_geom
@@ -312,6 +329,7 @@ def make_flash_attention_kernel(score, key_range, *, head_dim: int, group: int, 
         lo, hi = key_range(score_args, b, i0, i_last, seqlen, kvlen)
         first = lo - lo % KT
         tiles = (hi - first + KT - 1) // KT if hi > lo else 0
+        lo32, hi32 = np.int32(lo), np.int32(hi)
 
         # 2. this thread's copy column and first row; this lane's lookups (`lane_key`): the (page, offset) of
         #    their keys in the first tile, walked a tile at a time, and their slots (a key from hi on takes the
@@ -372,21 +390,27 @@ def make_flash_attention_kernel(score, key_range, *, head_dim: int, group: int, 
             cp_async_commit()
 
             # 4. scores; element e of C tile nt is row grp + 8 * (e // 2), key t_tile + 8 nt + 2 quad + e % 2
-            edge = t_tile < lo or t_tile + KT > hi
-            tile_max0, tile_max1 = score_tiles(s, NEG_INF, NEG_INF, score_args, sm_scale, b, h, row_i0, row_ok0,
-                                               row_ok1, t_tile + 2 * quad, lo, hi, edge, seqlen, kvlen)
+            t_key = np.int32(t_tile) + np.int32(2 * quad)
+            if t_tile < lo or t_tile + KT > hi:
+                tile_max0, tile_max1 = score_edge(s, NEG_INF, NEG_INF, score_args, sm_scale, b, h, score_row0,
+                                                  score_row1, t_key, lo32, hi32, seqlen32, kvlen32)
+            else:
+                tile_max0, tile_max1 = score_inside(s, NEG_INF, NEG_INF, score_args, sm_scale, b, h, score_row0,
+                                                    score_row1, t_key, lo32, hi32, seqlen32, kvlen32)
             tile_max0, tile_max1 = quad_max2(tile_max0, tile_max1, quad_scratch, warp, lane)
 
-            # 5. online softmax: rescale what the rows hold, exponentiate this tile (a row all hidden so far has
-            #    maximum -inf: nothing to rescale, p = 0)
+            # 5. online softmax in base 2, FlashAttention-2's: exp(x - m) = 2 ** (x log2 e - m log2 e), one FFMA
+            #    and one ex2.approx a score (math.exp adds a range reduction and a branch around each). A row all
+            #    hidden so far (maximum -inf) subtracts 0 instead: its -inf scores give p = 0, its alpha 0 scales
+            #    zeros, and nothing is inf - inf.
             new0, new1 = max(max0, tile_max0), max(max1, tile_max1)
-            alpha0 = math.exp(max0 - new0) if new0 != NEG_INF else f32(1.0)
-            alpha1 = math.exp(max1 - new1) if new1 != NEG_INF else f32(1.0)
+            top0 = new0 * LOG2E if new0 != NEG_INF else f32(0.0)
+            top1 = new1 * LOG2E if new1 != NEG_INF else f32(0.0)
+            alpha0, alpha1 = exp2(max0 * LOG2E - top0), exp2(max1 * LOG2E - top1)
             part0, part1 = f32(0.0), f32(0.0)
             for nt in range(S_TILES):
                 for e in range(4):
-                    top = new0 if e < 2 else new1
-                    p_ = math.exp(s[nt, e] - top) if top != NEG_INF else f32(0.0)
+                    p_ = exp2(s[nt, e] * LOG2E - (top0 if e < 2 else top1))
                     s[nt, e] = p_
                     if e < 2:
                         part0 += p_

@@ -53,7 +53,7 @@ def make_ppl_score(round_query, biased=True):
     @cuda.jit(device=True, inline="always")
     def score(args, qk, b, h, i, j, seqlen, kvlen):
         """qk / sqrt(head_dim) plus the bias; -inf for a hidden key."""
-        last_visible = kvlen - seqlen + i
+        last_visible = np.int32(kvlen - seqlen + i)    # 32-bit: one compare against a 32-bit key, not a pair
         if j > last_visible and causal_applies(args, b, seqlen):
             return NEG_INF
         if not biased:

@@ -318,7 +318,8 @@ def make_trt_score(acc_t, bits: bool = False, features=SCORE_FEATURES):
 
     @cuda.jit(device=True, inline="always")
     def score(args, qk, b, h, i, j, seqlen, kvlen):
-        p = args.table[b, PAST] + i                     # query i sits at position past + i (bottom-right causal)
+        # query i sits at position past + i (bottom-right causal); 32-bit, so that a 32-bit key compares once
+        p = np.int32(args.table[b, PAST] + i)
         if args.causal != 0 and j > p:
             return NEG_INF
         if WINDOW:

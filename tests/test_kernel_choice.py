@@ -168,9 +168,10 @@ def test_the_prefill_reason_is_its_honest_bound():
     prefill = LAB_CASES[4]
     chosen = choose_kernel(bench_shape(prefill), sms=132, rungs=WITHOUT_FLASH)
     assert chosen.rung == 5 and "compute-bound, ≥ 1,9" in chosen.reason and "(bound: issue;" in chosen.reason
-    # rung 6, the default, is held by issue too, at a fifth of it
+    # rung 6, the default, at a fifth of it, is held by shared memory (2.5 wavefronts a mma: each ldmatrix'd
+    # fragment feeds one), its issue and the tensor cores close behind
     flash = choose_kernel(bench_shape(prefill), sms=132)
-    assert flash.rung == 6 and "compute-bound, ≥ 379.0 µs (bound: issue;" in flash.reason
+    assert flash.rung == 6 and "compute-bound, ≥ 358.2 µs (bound: shared; then tensor" in flash.reason
 
 
 def test_the_plan_is_cached_per_shape():
