@@ -18,7 +18,7 @@ FLOORS = (
     # 1. The kernels.
     ("kernels_numba",),
     # 2. What the operators stand on: array handling, the kernel choice, cache conversion.
-    ("cacheattn._arrays", "cacheattn.kernel_choice", "cacheattn.convert"),
+    ("cacheattn._arrays", "cacheattn._sass_work", "cacheattn.kernel_choice", "cacheattn.convert"),
     # 3. The operators, and the package that exports them.
     ("cacheattn.ppl", "cacheattn.trtllm", "cacheattn.onnx", "cacheattn.ft", "cacheattn.__init__"),
     # 4. Built on the operators: example inputs, the conformance kit, serving, the engine, the tour.
