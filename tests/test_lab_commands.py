@@ -88,9 +88,9 @@ def test_lab_counts_every_rung_and_bounds_the_full_decode(capsys):
         assert rows[f"{CONFLICTS_LD} (full, counted)"][rung] == 0
         assert rows["K/V ld sector efficiency"][rung] == 1.0
         assert rows["K/V reads per block (loaded / must see)"][rung] == 1.0
-    # Rung 5's decode computes Sᵀ = K·Qᵀ (the 16 keys fill the mma rows, the group of 4 heads 4 of the 8
-    # columns: 2 x the FLOPs) and P·V on 16-row tiles that 4 heads fill (4 x): 3 x the HMMA its FLOPs need.
-    assert rows["HMMA / (FLOPs / 4096)"]["rung_5"] == 3.0
+    # Rung 5's decode computes Sᵀ = K·Qᵀ and Oᵀ = Vᵀ·Pᵀ (16 keys, or 16 of V's dims, fill the mma rows, the group
+    # of 4 heads 4 of the 8 columns): 2 x the HMMA its FLOPs need.
+    assert rows["HMMA / (FLOPs / 4096)"]["rung_5"] == 2.0
 
 
 def test_rederive_makes_a_written_files_derivations_again_without_counting(tmp_path, monkeypatch, capsys):
