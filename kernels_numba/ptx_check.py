@@ -319,14 +319,13 @@ def _trtllm_launches(full: bool):
 
 
 # The generation entries on rung 5's decode kernel (head size 32), split two ways: FP8 (e4m3 codes, the folded
-# per-tensor scale, K and V pages apart, the new token from the scratch, the split partials), FP8 with the slot map
-# of two beams (the cyclic formula, cache_indirection's rows), and bfloat16 (its mma, P packed by cvt.rn.bf16x2.f32,
-# the combine's bfloat16 store); --full adds the slot map of 4 sinks (a paged bubble) and float16 and INT8, each
-# with both slot maps too.
+# per-tensor scale, K and V pages apart, the new token from the scratch, the split partials) and bfloat16 (its mma,
+# P packed by cvt.rn.bf16x2.f32, the combine's bfloat16 store); --full adds the slot maps of two beams (the cyclic
+# formula, cache_indirection's rows) and of 4 sinks (a paged bubble), and float16 and INT8, each with both slot maps.
 TRTLLM_DECODE_VARIANTS = ((np.float16, 128), ("bfloat16", 0))
 TRTLLM_DECODE_FULL_ONLY = ((np.float16, 0), (np.float16, 64))
-TRTLLM_DECODE_SLOTS = ("beams",)
-TRTLLM_DECODE_SLOTS_FULL_ONLY = ("sinks",)
+TRTLLM_DECODE_SLOTS = ()
+TRTLLM_DECODE_SLOTS_FULL_ONLY = ("beams", "sinks")
 
 
 def _trtllm_decode_launches(full: bool):
